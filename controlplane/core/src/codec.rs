@@ -1,0 +1,456 @@
+//! Conversions between the domain types and their protobuf form
+//! (`keel_proto::entry`), and the byte encoding of log entries.
+//!
+//! Decoding is strict: an entry with a newer `format_version`, or whose
+//! command this build does not know (an unset oneof, which is what prost
+//! leaves for an unknown field), is a [`DecodeError`], never skipped.
+
+use keel_proto::entry as pb;
+use keel_proto::ENTRY_FORMAT_VERSION;
+use prost::Message;
+
+use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
+use crate::event::Event;
+use crate::model::{Gpu, GpuRef, ProgressSample};
+use crate::spec::{GpuTypes, JobSpec, Workers};
+
+/// Largest encoded log entry accepted, in bytes.
+pub const ENTRY_MAX_BYTES: usize = 4 * 1024 * 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("entry is not valid protobuf: {0}")]
+    Protobuf(String),
+    #[error("entry is {len} bytes; the limit is {limit}")]
+    TooLarge { len: usize, limit: usize },
+    #[error("entry format version {found} is newer than this build reads ({supported}); upgrade keel")]
+    UnsupportedFormatVersion { found: u32, supported: u32 },
+    #[error("entry (format version {format_version}) holds a command this build does not know; upgrade keel")]
+    UnknownCommand { format_version: u32 },
+    #[error("entry field {0} is missing")]
+    MissingField(&'static str),
+    #[error("entry field {field} has an unknown value {value}")]
+    UnknownValue { field: &'static str, value: i32 },
+}
+
+/// Encodes an entry in the current format version.
+pub fn encode_entry(entry: &LogEntry) -> Vec<u8> {
+    entry_to_proto(entry).encode_to_vec()
+}
+
+/// Decodes an entry, refusing unknown versions and commands.
+pub fn decode_entry(bytes: &[u8]) -> Result<LogEntry, DecodeError> {
+    if bytes.len() > ENTRY_MAX_BYTES {
+        return Err(DecodeError::TooLarge {
+            len: bytes.len(),
+            limit: ENTRY_MAX_BYTES,
+        });
+    }
+    let msg = pb::LogEntry::decode(bytes).map_err(|e| DecodeError::Protobuf(e.to_string()))?;
+    entry_from_proto(msg)
+}
+
+pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
+    use pb::log_entry::Command as C;
+    let command = match &entry.command {
+        Command::RegisterNode {
+            name,
+            address,
+            gpus,
+        } => C::RegisterNode(pb::RegisterNode {
+            name: name.clone(),
+            address: address.clone(),
+            gpus: gpus.iter().map(gpu_to_proto).collect(),
+        }),
+        Command::MarkNodeLost { name, reason } => C::MarkNodeLost(pb::MarkNodeLost {
+            name: name.clone(),
+            reason: reason.clone(),
+        }),
+        Command::MarkNodeRecovered { name } => {
+            C::MarkNodeRecovered(pb::MarkNodeRecovered { name: name.clone() })
+        }
+        Command::SubmitJob { spec } => C::SubmitJob(pb::SubmitJob {
+            spec: Some(spec_to_proto(spec)),
+        }),
+        Command::CancelJob { job_id, reason } => C::CancelJob(pb::CancelJob {
+            job_id: *job_id,
+            reason: reason.clone(),
+        }),
+        Command::DecideAllocation {
+            based_on,
+            policy,
+            round,
+            placements,
+        } => C::DecideAllocation(pb::DecideAllocation {
+            based_on: *based_on,
+            policy: policy.clone(),
+            round: *round,
+            placements: placements
+                .iter()
+                .map(|p| pb::JobPlacement {
+                    job_id: p.job_id,
+                    gpus: p.gpus.iter().map(gpu_ref_to_proto).collect(),
+                })
+                .collect(),
+        }),
+        Command::RecordWorkerStarted {
+            job_id,
+            epoch,
+            rank,
+            node,
+        } => C::RecordWorkerStarted(pb::RecordWorkerStarted {
+            job_id: *job_id,
+            epoch: *epoch,
+            rank: *rank,
+            node: node.clone(),
+        }),
+        Command::RecordWorkerExited {
+            job_id,
+            epoch,
+            rank,
+            exit_code,
+            reason,
+        } => C::RecordWorkerExited(pb::RecordWorkerExited {
+            job_id: *job_id,
+            epoch: *epoch,
+            rank: *rank,
+            exit_code: *exit_code,
+            reason: reason.clone(),
+        }),
+        Command::ReportProgress { job_id, samples } => C::ReportProgress(pb::ReportProgress {
+            job_id: *job_id,
+            samples: samples.iter().map(sample_to_proto).collect(),
+        }),
+        Command::FinishJob {
+            job_id,
+            outcome,
+            reason,
+        } => C::FinishJob(pb::FinishJob {
+            job_id: *job_id,
+            outcome: match outcome {
+                JobOutcome::Succeeded => pb::JobOutcome::Succeeded,
+                JobOutcome::Failed => pb::JobOutcome::Failed,
+            } as i32,
+            reason: reason.clone(),
+        }),
+        Command::RemoveJob { job_id } => C::RemoveJob(pb::RemoveJob { job_id: *job_id }),
+    };
+    pb::LogEntry {
+        format_version: ENTRY_FORMAT_VERSION,
+        at_ms: entry.at_ms,
+        command: Some(command),
+    }
+}
+
+pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
+    use pb::log_entry::Command as C;
+    if msg.format_version > ENTRY_FORMAT_VERSION || msg.format_version == 0 {
+        return Err(DecodeError::UnsupportedFormatVersion {
+            found: msg.format_version,
+            supported: ENTRY_FORMAT_VERSION,
+        });
+    }
+    let command = match msg.command {
+        None => {
+            return Err(DecodeError::UnknownCommand {
+                format_version: msg.format_version,
+            })
+        }
+        Some(C::RegisterNode(c)) => Command::RegisterNode {
+            name: c.name,
+            address: c.address,
+            gpus: c.gpus.into_iter().map(gpu_from_proto).collect(),
+        },
+        Some(C::MarkNodeLost(c)) => Command::MarkNodeLost {
+            name: c.name,
+            reason: c.reason,
+        },
+        Some(C::MarkNodeRecovered(c)) => Command::MarkNodeRecovered { name: c.name },
+        Some(C::SubmitJob(c)) => Command::SubmitJob {
+            spec: spec_from_proto(c.spec.ok_or(DecodeError::MissingField("submit_job.spec"))?),
+        },
+        Some(C::CancelJob(c)) => Command::CancelJob {
+            job_id: c.job_id,
+            reason: c.reason,
+        },
+        Some(C::DecideAllocation(c)) => Command::DecideAllocation {
+            based_on: c.based_on,
+            policy: c.policy,
+            round: c.round,
+            placements: c
+                .placements
+                .into_iter()
+                .map(|p| JobPlacement {
+                    job_id: p.job_id,
+                    gpus: p.gpus.into_iter().map(gpu_ref_from_proto).collect(),
+                })
+                .collect(),
+        },
+        Some(C::RecordWorkerStarted(c)) => Command::RecordWorkerStarted {
+            job_id: c.job_id,
+            epoch: c.epoch,
+            rank: c.rank,
+            node: c.node,
+        },
+        Some(C::RecordWorkerExited(c)) => Command::RecordWorkerExited {
+            job_id: c.job_id,
+            epoch: c.epoch,
+            rank: c.rank,
+            exit_code: c.exit_code,
+            reason: c.reason,
+        },
+        Some(C::ReportProgress(c)) => Command::ReportProgress {
+            job_id: c.job_id,
+            samples: c.samples.into_iter().map(sample_from_proto).collect(),
+        },
+        Some(C::FinishJob(c)) => Command::FinishJob {
+            job_id: c.job_id,
+            outcome: match pb::JobOutcome::try_from(c.outcome) {
+                Ok(pb::JobOutcome::Succeeded) => JobOutcome::Succeeded,
+                Ok(pb::JobOutcome::Failed) => JobOutcome::Failed,
+                _ => {
+                    return Err(DecodeError::UnknownValue {
+                        field: "finish_job.outcome",
+                        value: c.outcome,
+                    })
+                }
+            },
+            reason: c.reason,
+        },
+        Some(C::RemoveJob(c)) => Command::RemoveJob { job_id: c.job_id },
+    };
+    Ok(LogEntry {
+        at_ms: msg.at_ms,
+        command,
+    })
+}
+
+pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
+    pb::JobSpec {
+        name: s.name.clone(),
+        user: s.user.clone(),
+        command: s.command.clone(),
+        image: s.image.clone().unwrap_or_default(),
+        env: s.env.clone(),
+        gpus_per_worker: s.gpus,
+        min_workers: s.workers.min,
+        max_workers: s.workers.max,
+        gpu_types_allowed: s.gpu_types.allowed.clone(),
+        gpu_types_preferred: s.gpu_types.preferred.clone(),
+        model: s.model.clone().unwrap_or_default(),
+        total_steps: s.total_steps.unwrap_or(0),
+        epochs: s.epochs.unwrap_or(0),
+        priority: s.priority,
+    }
+}
+
+/// The proto form uses zero/empty for "absent"; validation happens in
+/// [`JobSpec::validate`], not here.
+pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
+    fn non_empty(s: String) -> Option<String> {
+        (!s.is_empty()).then_some(s)
+    }
+    JobSpec {
+        name: s.name,
+        user: s.user,
+        command: s.command,
+        image: non_empty(s.image),
+        env: s.env,
+        gpus: s.gpus_per_worker,
+        workers: Workers {
+            min: s.min_workers,
+            max: s.max_workers,
+        },
+        gpu_types: GpuTypes {
+            allowed: s.gpu_types_allowed,
+            preferred: s.gpu_types_preferred,
+        },
+        model: non_empty(s.model),
+        total_steps: (s.total_steps != 0).then_some(s.total_steps),
+        epochs: (s.epochs != 0).then_some(s.epochs),
+        priority: s.priority,
+    }
+}
+
+pub fn gpu_to_proto(g: &Gpu) -> pb::Gpu {
+    pb::Gpu {
+        index: g.index,
+        gpu_type: g.gpu_type.clone(),
+    }
+}
+
+pub fn gpu_from_proto(g: pb::Gpu) -> Gpu {
+    Gpu {
+        index: g.index,
+        gpu_type: g.gpu_type,
+    }
+}
+
+pub fn gpu_ref_to_proto(g: &GpuRef) -> pb::GpuRef {
+    pb::GpuRef {
+        node: g.node.clone(),
+        index: g.index,
+    }
+}
+
+pub fn gpu_ref_from_proto(g: pb::GpuRef) -> GpuRef {
+    GpuRef {
+        node: g.node,
+        index: g.index,
+    }
+}
+
+pub fn sample_to_proto(s: &ProgressSample) -> pb::ProgressSample {
+    pb::ProgressSample {
+        step: s.step,
+        total_steps: s.total_steps,
+        loss: s.loss,
+        samples_per_s: s.samples_per_s,
+        at_ms: s.at_ms,
+    }
+}
+
+pub fn sample_from_proto(s: pb::ProgressSample) -> ProgressSample {
+    ProgressSample {
+        step: s.step,
+        total_steps: s.total_steps,
+        loss: s.loss,
+        samples_per_s: s.samples_per_s,
+        at_ms: s.at_ms,
+    }
+}
+
+pub fn event_to_proto(e: &Event) -> pb::Event {
+    use pb::event::Kind as K;
+    let kind = match e {
+        Event::NodeRegistered { name, gpus } => K::NodeRegistered(pb::NodeRegistered {
+            name: name.clone(),
+            gpus: gpus.iter().map(gpu_to_proto).collect(),
+        }),
+        Event::NodeLost { name, reason } => K::NodeLost(pb::NodeLost {
+            name: name.clone(),
+            reason: reason.clone(),
+        }),
+        Event::NodeRecovered { name } => K::NodeRecovered(pb::NodeRecovered { name: name.clone() }),
+        Event::JobSubmitted { job_id, name, user } => K::JobSubmitted(pb::JobSubmitted {
+            job_id: *job_id,
+            name: name.clone(),
+            user: user.clone(),
+        }),
+        Event::JobCancelled { job_id, reason } => K::JobCancelled(pb::JobCancelled {
+            job_id: *job_id,
+            reason: reason.clone(),
+        }),
+        Event::JobAllocated {
+            job_id,
+            epoch,
+            gpus,
+            based_on,
+            policy,
+            round,
+        } => K::JobAllocated(pb::JobAllocated {
+            job_id: *job_id,
+            epoch: *epoch,
+            gpus: gpus.iter().map(gpu_ref_to_proto).collect(),
+            based_on: *based_on,
+            policy: policy.clone(),
+            round: *round,
+        }),
+        Event::JobPreempted { job_id, reason } => K::JobPreempted(pb::JobPreempted {
+            job_id: *job_id,
+            reason: reason.clone(),
+        }),
+        Event::PlacementRefused { job_id, reason } => K::PlacementRefused(pb::PlacementRefused {
+            job_id: *job_id,
+            reason: reason.clone(),
+        }),
+        Event::WorkerStarted {
+            job_id,
+            epoch,
+            rank,
+            node,
+        } => K::WorkerStarted(pb::WorkerStarted {
+            job_id: *job_id,
+            epoch: *epoch,
+            rank: *rank,
+            node: node.clone(),
+        }),
+        Event::WorkerExited {
+            job_id,
+            epoch,
+            rank,
+            exit_code,
+            reason,
+        } => K::WorkerExited(pb::WorkerExited {
+            job_id: *job_id,
+            epoch: *epoch,
+            rank: *rank,
+            exit_code: *exit_code,
+            reason: reason.clone(),
+        }),
+        Event::JobProgressReported {
+            job_id,
+            latest,
+            samples,
+        } => K::JobProgressReported(pb::JobProgressReported {
+            job_id: *job_id,
+            latest: Some(sample_to_proto(latest)),
+            samples: *samples,
+        }),
+        Event::JobFinished {
+            job_id,
+            state,
+            reason,
+        } => K::JobFinished(pb::JobFinished {
+            job_id: *job_id,
+            state: state.as_str().to_string(),
+            reason: reason.clone(),
+        }),
+        Event::JobRemoved { job_id } => K::JobRemoved(pb::JobRemoved { job_id: *job_id }),
+    };
+    pb::Event { kind: Some(kind) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_command_is_an_error_not_a_skip() {
+        // Field 99 is a command this build does not know.
+        let mut bytes = pb::LogEntry {
+            format_version: 1,
+            at_ms: 5,
+            command: None,
+        }
+        .encode_to_vec();
+        // tag = (99 << 3) | 2 (length-delimited), length 0
+        bytes.extend_from_slice(&[0x9a, 0x06, 0x00]);
+        assert_eq!(
+            decode_entry(&bytes),
+            Err(DecodeError::UnknownCommand { format_version: 1 })
+        );
+    }
+
+    #[test]
+    fn newer_format_version_is_refused() {
+        let bytes = pb::LogEntry {
+            format_version: ENTRY_FORMAT_VERSION + 1,
+            at_ms: 5,
+            command: Some(pb::log_entry::Command::RemoveJob(pb::RemoveJob { job_id: 1 })),
+        }
+        .encode_to_vec();
+        assert!(matches!(
+            decode_entry(&bytes),
+            Err(DecodeError::UnsupportedFormatVersion { .. })
+        ));
+    }
+
+    #[test]
+    fn garbage_is_a_protobuf_error() {
+        assert!(matches!(
+            decode_entry(&[0xff, 0xff, 0xff]),
+            Err(DecodeError::Protobuf(_))
+        ));
+    }
+}

@@ -1,0 +1,109 @@
+//! Commands: what a log entry asks the state machine to do.
+//!
+//! A [`LogEntry`] is a [`Command`] stamped by the leader with the time it was
+//! proposed. Applying it is the only way `ClusterState` changes.
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Gpu, GpuRef, JobId, ProgressSample};
+use crate::spec::JobSpec;
+
+/// One entry of the replicated log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LogEntry {
+    /// Unix time in milliseconds, stamped by the leader. The only clock the
+    /// state machine ever sees.
+    pub at_ms: u64,
+    pub command: Command,
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobOutcome {
+    Succeeded,
+    Failed,
+}
+
+/// A job's placement in an allocation plan: every GPU it should hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobPlacement {
+    pub job_id: JobId,
+    /// Empty: release the job's GPUs (preempt it).
+    pub gpus: Vec<GpuRef>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    RegisterNode {
+        name: String,
+        address: String,
+        gpus: Vec<Gpu>,
+    },
+    MarkNodeLost {
+        name: String,
+        reason: String,
+    },
+    MarkNodeRecovered {
+        name: String,
+    },
+    SubmitJob {
+        spec: JobSpec,
+    },
+    CancelJob {
+        job_id: JobId,
+        reason: String,
+    },
+    /// A policy's plan, computed by the leader on the state at `based_on`.
+    DecideAllocation {
+        based_on: u64,
+        policy: String,
+        round: u64,
+        placements: Vec<JobPlacement>,
+    },
+    RecordWorkerStarted {
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        node: String,
+    },
+    RecordWorkerExited {
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        exit_code: Option<i32>,
+        reason: String,
+    },
+    /// A batch of progress samples for one job.
+    ReportProgress {
+        job_id: JobId,
+        samples: Vec<ProgressSample>,
+    },
+    FinishJob {
+        job_id: JobId,
+        outcome: JobOutcome,
+        reason: String,
+    },
+    /// Forget a job that has ended. The only way a job leaves the state.
+    RemoveJob {
+        job_id: JobId,
+    },
+}
+
+impl Command {
+    /// A short name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::RegisterNode { .. } => "register_node",
+            Command::MarkNodeLost { .. } => "mark_node_lost",
+            Command::MarkNodeRecovered { .. } => "mark_node_recovered",
+            Command::SubmitJob { .. } => "submit_job",
+            Command::CancelJob { .. } => "cancel_job",
+            Command::DecideAllocation { .. } => "decide_allocation",
+            Command::RecordWorkerStarted { .. } => "record_worker_started",
+            Command::RecordWorkerExited { .. } => "record_worker_exited",
+            Command::ReportProgress { .. } => "report_progress",
+            Command::FinishJob { .. } => "finish_job",
+            Command::RemoveJob { .. } => "remove_job",
+        }
+    }
+}

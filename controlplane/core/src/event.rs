@@ -1,0 +1,93 @@
+//! Events: what applying an entry did. Past-tense names.
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Event {
+    NodeRegistered {
+        name: String,
+        gpus: Vec<Gpu>,
+    },
+    NodeLost {
+        name: String,
+        reason: String,
+    },
+    NodeRecovered {
+        name: String,
+    },
+    JobSubmitted {
+        job_id: JobId,
+        name: String,
+        user: String,
+    },
+    JobCancelled {
+        job_id: JobId,
+        reason: String,
+    },
+    JobAllocated {
+        job_id: JobId,
+        epoch: u64,
+        gpus: Vec<GpuRef>,
+        based_on: u64,
+        policy: String,
+        round: u64,
+    },
+    JobPreempted {
+        job_id: JobId,
+        reason: String,
+    },
+    /// One job's part of an allocation plan no longer held and was not applied.
+    PlacementRefused {
+        job_id: JobId,
+        reason: String,
+    },
+    WorkerStarted {
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        node: String,
+    },
+    WorkerExited {
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        exit_code: Option<i32>,
+        reason: String,
+    },
+    JobProgressReported {
+        job_id: JobId,
+        latest: ProgressSample,
+        samples: u32,
+    },
+    JobFinished {
+        job_id: JobId,
+        state: JobState,
+        reason: String,
+    },
+    JobRemoved {
+        job_id: JobId,
+    },
+}
+
+impl Event {
+    /// The job this event is about, if any.
+    pub fn job_id(&self) -> Option<JobId> {
+        match self {
+            Event::NodeRegistered { .. } | Event::NodeLost { .. } | Event::NodeRecovered { .. } => {
+                None
+            }
+            Event::JobSubmitted { job_id, .. }
+            | Event::JobCancelled { job_id, .. }
+            | Event::JobAllocated { job_id, .. }
+            | Event::JobPreempted { job_id, .. }
+            | Event::PlacementRefused { job_id, .. }
+            | Event::WorkerStarted { job_id, .. }
+            | Event::WorkerExited { job_id, .. }
+            | Event::JobProgressReported { job_id, .. }
+            | Event::JobFinished { job_id, .. }
+            | Event::JobRemoved { job_id } => Some(*job_id),
+        }
+    }
+}

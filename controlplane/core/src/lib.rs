@@ -1,0 +1,25 @@
+//! Keel's pure core: the domain model, commands and events, and the
+//! deterministic state machine [`ClusterState::apply`].
+//!
+//! Invariants of this crate, stated as absences:
+//! - no I/O, no clock, no threads, no async: time arrives in each entry;
+//! - no randomness (a future simulator takes an explicit seed);
+//! - no hash-ordered iteration: every map is a `BTreeMap`;
+//! - no dependency on tokio, tonic, openraft, sled or kube (a tidy test
+//!   checks this).
+
+pub mod codec;
+pub mod command;
+pub mod event;
+pub mod model;
+pub mod spec;
+pub mod state;
+
+pub use command::{Command, JobOutcome, JobPlacement, LogEntry};
+pub use event::Event;
+pub use model::{
+    Allocation, Gpu, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample, Worker,
+    WorkerState,
+};
+pub use spec::{JobSpec, SpecError};
+pub use state::{ApplyError, ClusterState, StateHash};

@@ -1,0 +1,178 @@
+//! The domain model: jobs, nodes, GPUs and allocations, as `ClusterState` holds them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::JobSpec;
+
+/// A job's id: assigned by the state machine, in submission order, from 1.
+pub type JobId = u64;
+
+/// One GPU in the cluster: a node's name and the GPU's index on it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GpuRef {
+    pub node: String,
+    pub index: u32,
+}
+
+impl fmt::Display for GpuRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.node, self.index)
+    }
+}
+
+/// A GPU as a node declares it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    pub index: u32,
+    pub gpu_type: String,
+}
+
+/// Where a job is in its life.
+///
+/// ```text
+/// pending ──allocated──► running ──finished──► succeeded | failed
+///    ▲                     │
+///    └──── preempted ◄─────┘          any non-terminal ──cancel──► cancelled
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    Pending,
+    Running,
+    Preempted,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 6] = [
+        JobState::Pending,
+        JobState::Running,
+        JobState::Preempted,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    /// Terminal states never change again; only removal follows.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// The lower-case word used on the wire and in the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Running => "running",
+            JobState::Preempted => "preempted",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The GPUs a job holds, and the decision that gave them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// Increases every time the job's GPU set changes. Workers are identified
+    /// by (job, epoch, rank), so a relaunch after a change is a new identity.
+    pub epoch: u64,
+    /// Sorted, distinct.
+    pub gpus: Vec<GpuRef>,
+    pub based_on: u64,
+    pub policy: String,
+    pub round: u64,
+    pub decided_at_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    Running,
+    Exited,
+}
+
+/// A worker of a job's current or an earlier allocation epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Worker {
+    pub epoch: u64,
+    pub node: String,
+    pub state: WorkerState,
+    pub exit_code: Option<i32>,
+}
+
+/// One progress report from a training job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressSample {
+    pub step: u64,
+    pub total_steps: u64,
+    pub loss: Option<f64>,
+    pub samples_per_s: f64,
+    pub at_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub id: JobId,
+    pub spec: JobSpec,
+    pub state: JobState,
+    pub submitted_at_ms: u64,
+    pub started_at_ms: Option<u64>,
+    pub finished_at_ms: Option<u64>,
+    /// `Some` exactly while the job holds GPUs.
+    pub allocation: Option<Allocation>,
+    /// The last allocation epoch given to this job (0: never allocated).
+    pub last_epoch: u64,
+    /// Workers by rank, of the current (or last) epoch.
+    pub workers: BTreeMap<u32, Worker>,
+    /// The latest progress sample, and how many were reported in all.
+    pub progress: Option<ProgressSample>,
+    pub progress_samples: u64,
+    /// Why the job is in its state, when there is something to say.
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeState {
+    Alive,
+    Lost,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Alive => "alive",
+            NodeState::Lost => "lost",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    pub name: String,
+    pub address: String,
+    /// GPU type by index.
+    pub gpus: BTreeMap<u32, String>,
+    pub state: NodeState,
+    pub registered_at_ms: u64,
+    pub message: String,
+}

@@ -1,0 +1,377 @@
+//! The job spec users submit (YAML or JSON), and its validation.
+//!
+//! Every string and list has a size limit; [`JobSpec::validate`] names the
+//! field and the limit it broke. Unknown fields are rejected at parse time
+//! (`deny_unknown_fields`), so a typo never silently becomes a default.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Size and range limits on a job spec. Public so clients can show them.
+pub mod limits {
+    pub const NAME_MAX_LEN: usize = 128;
+    pub const USER_MAX_LEN: usize = 64;
+    pub const COMMAND_MAX_ARGS: usize = 256;
+    pub const COMMAND_ARG_MAX_LEN: usize = 4096;
+    pub const IMAGE_MAX_LEN: usize = 512;
+    pub const ENV_MAX_ENTRIES: usize = 128;
+    pub const ENV_KEY_MAX_LEN: usize = 256;
+    pub const ENV_VALUE_MAX_LEN: usize = 8192;
+    pub const GPUS_PER_WORKER_MAX: u32 = 64;
+    pub const WORKERS_MAX: u32 = 1024;
+    pub const GPU_TYPES_MAX: usize = 16;
+    pub const GPU_TYPE_MAX_LEN: usize = 32;
+    pub const MODEL_MAX_LEN: usize = 128;
+    pub const TOTAL_STEPS_MAX: u64 = 1_000_000_000_000;
+    pub const EPOCHS_MAX: u32 = 1_000_000;
+    pub const PRIORITY_MIN: i32 = -1000;
+    pub const PRIORITY_MAX: i32 = 1000;
+}
+
+/// What a user asks to run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub name: String,
+    #[serde(default)]
+    pub user: String,
+    /// The program and its arguments (argv). Either this or `image` is required.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// A container image, for executors that run containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// GPUs per worker.
+    #[serde(default = "one")]
+    pub gpus: u32,
+    #[serde(default)]
+    pub workers: Workers,
+    #[serde(default)]
+    pub gpu_types: GpuTypes,
+    /// Model name, used to look up throughput tables.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_steps: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<u32>,
+    /// Higher runs first under priority-aware policies.
+    #[serde(default)]
+    pub priority: i32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Worker count: a fixed number (`workers: 2`) or a range for elastic jobs
+/// (`workers: {min: 1, max: 4}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "WorkersRepr")]
+pub struct Workers {
+    pub min: u32,
+    pub max: u32,
+}
+
+impl Default for Workers {
+    fn default() -> Self {
+        Workers { min: 1, max: 1 }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WorkersRepr {
+    Fixed(u32),
+    Range(WorkersRange),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkersRange {
+    min: u32,
+    max: u32,
+}
+
+impl From<WorkersRepr> for Workers {
+    fn from(r: WorkersRepr) -> Self {
+        match r {
+            WorkersRepr::Fixed(n) => Workers { min: n, max: n },
+            WorkersRepr::Range(r) => Workers {
+                min: r.min,
+                max: r.max,
+            },
+        }
+    }
+}
+
+/// Which GPU types a job may run on, and which it prefers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuTypes {
+    /// Empty: any type.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preferred: Vec<String>,
+}
+
+/// A spec field broke a rule. The message names the field and the limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("spec.{field} is required")]
+    Missing { field: String },
+    #[error("spec.{field} is {len} bytes long; the limit is {limit}")]
+    TooLong {
+        field: String,
+        len: usize,
+        limit: usize,
+    },
+    #[error("spec.{field} has {count} entries; the limit is {limit}")]
+    TooMany {
+        field: String,
+        count: usize,
+        limit: usize,
+    },
+    #[error("spec.{field} is {value}; it must be between {min} and {max}")]
+    OutOfRange {
+        field: String,
+        value: i64,
+        min: i64,
+        max: i64,
+    },
+    #[error("spec.{field} is invalid: {reason}")]
+    Invalid { field: String, reason: String },
+}
+
+fn check_len(field: &str, s: &str, limit: usize) -> Result<(), SpecError> {
+    if s.len() > limit {
+        return Err(SpecError::TooLong {
+            field: field.to_string(),
+            len: s.len(),
+            limit,
+        });
+    }
+    Ok(())
+}
+
+fn check_count(field: &str, count: usize, limit: usize) -> Result<(), SpecError> {
+    if count > limit {
+        return Err(SpecError::TooMany {
+            field: field.to_string(),
+            count,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+fn check_range(field: &str, value: i64, min: i64, max: i64) -> Result<(), SpecError> {
+    if value < min || value > max {
+        return Err(SpecError::OutOfRange {
+            field: field.to_string(),
+            value,
+            min,
+            max,
+        });
+    }
+    Ok(())
+}
+
+fn check_gpu_types(field: &str, types: &[String]) -> Result<(), SpecError> {
+    use limits::*;
+    check_count(field, types.len(), GPU_TYPES_MAX)?;
+    for (i, t) in types.iter().enumerate() {
+        let f = format!("{field}[{i}]");
+        check_len(&f, t, GPU_TYPE_MAX_LEN)?;
+        if t.is_empty()
+            || !t
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        {
+            return Err(SpecError::Invalid {
+                field: f,
+                reason: format!("{t:?} is not a lower-case GPU type name such as \"v100\""),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl JobSpec {
+    /// Checks every field against [`limits`]. The first broken rule is returned.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        use limits::*;
+        if self.name.is_empty() {
+            return Err(SpecError::Missing {
+                field: "name".into(),
+            });
+        }
+        check_len("name", &self.name, NAME_MAX_LEN)?;
+        if !self
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        {
+            return Err(SpecError::Invalid {
+                field: "name".into(),
+                reason: "only letters, digits, '-', '_' and '.' are allowed".into(),
+            });
+        }
+        check_len("user", &self.user, USER_MAX_LEN)?;
+        if self.command.is_empty() && self.image.as_deref().is_none_or(str::is_empty) {
+            return Err(SpecError::Missing {
+                field: "command (or image)".into(),
+            });
+        }
+        check_count("command", self.command.len(), COMMAND_MAX_ARGS)?;
+        for (i, arg) in self.command.iter().enumerate() {
+            check_len(&format!("command[{i}]"), arg, COMMAND_ARG_MAX_LEN)?;
+        }
+        if self.command.first().is_some_and(String::is_empty) {
+            return Err(SpecError::Invalid {
+                field: "command[0]".into(),
+                reason: "the program name is empty".into(),
+            });
+        }
+        if let Some(image) = &self.image {
+            check_len("image", image, IMAGE_MAX_LEN)?;
+        }
+        check_count("env", self.env.len(), ENV_MAX_ENTRIES)?;
+        for (k, v) in &self.env {
+            check_len("env key", k, ENV_KEY_MAX_LEN)?;
+            let valid_key = k
+                .bytes()
+                .next()
+                .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+                && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !valid_key {
+                return Err(SpecError::Invalid {
+                    field: format!("env.{k}"),
+                    reason: "a variable name is letters, digits and '_', not starting with a digit"
+                        .into(),
+                });
+            }
+            check_len(&format!("env.{k}"), v, ENV_VALUE_MAX_LEN)?;
+        }
+        check_range("gpus", self.gpus.into(), 1, GPUS_PER_WORKER_MAX.into())?;
+        check_range("workers.min", self.workers.min.into(), 1, WORKERS_MAX.into())?;
+        check_range(
+            "workers.max",
+            self.workers.max.into(),
+            self.workers.min.into(),
+            WORKERS_MAX.into(),
+        )?;
+        check_gpu_types("gpu_types.allowed", &self.gpu_types.allowed)?;
+        check_gpu_types("gpu_types.preferred", &self.gpu_types.preferred)?;
+        if let Some(model) = &self.model {
+            check_len("model", model, MODEL_MAX_LEN)?;
+        }
+        if let Some(steps) = self.total_steps {
+            check_range(
+                "total_steps",
+                i64::try_from(steps).unwrap_or(i64::MAX),
+                1,
+                TOTAL_STEPS_MAX as i64,
+            )?;
+        }
+        if let Some(epochs) = self.epochs {
+            check_range("epochs", epochs.into(), 1, EPOCHS_MAX.into())?;
+        }
+        check_range(
+            "priority",
+            self.priority.into(),
+            PRIORITY_MIN.into(),
+            PRIORITY_MAX.into(),
+        )?;
+        Ok(())
+    }
+
+    /// The most GPUs this job can hold at once.
+    pub fn max_gpus(&self) -> u32 {
+        self.gpus.saturating_mul(self.workers.max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn minimal() -> JobSpec {
+        JobSpec {
+            name: "resnet".into(),
+            user: "ada".into(),
+            command: vec!["python3".into(), "train.py".into()],
+            image: None,
+            env: BTreeMap::new(),
+            gpus: 1,
+            workers: Workers::default(),
+            gpu_types: GpuTypes::default(),
+            model: None,
+            total_steps: None,
+            epochs: None,
+            priority: 0,
+        }
+    }
+
+    #[test]
+    fn minimal_spec_is_valid() {
+        assert_eq!(minimal().validate(), Ok(()));
+    }
+
+    #[test]
+    fn errors_name_the_field_and_the_limit() {
+        let mut s = minimal();
+        s.name = "x".repeat(200);
+        let e = s.validate().unwrap_err().to_string();
+        assert_eq!(e, "spec.name is 200 bytes long; the limit is 128");
+
+        let mut s = minimal();
+        s.gpus = 65;
+        let e = s.validate().unwrap_err().to_string();
+        assert_eq!(e, "spec.gpus is 65; it must be between 1 and 64");
+
+        let mut s = minimal();
+        s.workers = Workers { min: 4, max: 2 };
+        let e = s.validate().unwrap_err().to_string();
+        assert_eq!(e, "spec.workers.max is 2; it must be between 4 and 1024");
+
+        let mut s = minimal();
+        s.command.clear();
+        assert!(matches!(s.validate(), Err(SpecError::Missing { .. })));
+
+        let mut s = minimal();
+        s.env.insert("1BAD".into(), "v".into());
+        assert!(s.validate().unwrap_err().to_string().contains("env.1BAD"));
+
+        let mut s = minimal();
+        s.gpu_types.allowed = vec!["V100".into()];
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("gpu_types.allowed[0]"));
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let err = serde_json::from_str::<JobSpec>(r#"{"name":"a","command":["x"],"gpu":2}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown field `gpu`"), "{err}");
+    }
+
+    #[test]
+    fn workers_accepts_a_number_or_a_range() {
+        let s: JobSpec = serde_json::from_str(r#"{"name":"a","command":["x"],"workers":3}"#)
+            .expect("fixed workers parse");
+        assert_eq!(s.workers, Workers { min: 3, max: 3 });
+        let s: JobSpec =
+            serde_json::from_str(r#"{"name":"a","command":["x"],"workers":{"min":1,"max":4}}"#)
+                .expect("ranged workers parse");
+        assert_eq!(s.workers, Workers { min: 1, max: 4 });
+    }
+}

@@ -1,0 +1,781 @@
+//! `ClusterState` and `apply`: the deterministic state machine.
+//!
+//! `apply` is a pure function of (state, entry): no clock (time comes from the
+//! entry), no randomness, no I/O, ordered maps only. An entry that would make
+//! an impossible transition is refused with an [`ApplyError`] and leaves the
+//! state exactly as it was. An allocation plan is validated per job against
+//! the state it meets: parts that no longer hold are refused
+//! ([`Event::PlacementRefused`]), the rest applied.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
+use crate::event::Event;
+use crate::model::{
+    Allocation, Gpu, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample, Worker,
+    WorkerState,
+};
+use crate::spec::SpecError;
+
+/// Limits on commands, so one entry cannot blow up the state.
+pub mod limits {
+    pub const NODE_NAME_MAX_LEN: usize = 253;
+    pub const NODE_ADDRESS_MAX_LEN: usize = 512;
+    pub const NODE_GPUS_MAX: usize = 1024;
+    pub const REASON_MAX_LEN: usize = 4096;
+    pub const POLICY_NAME_MAX_LEN: usize = 64;
+    pub const PROGRESS_SAMPLES_MAX: usize = 4096;
+}
+
+/// Why an entry was refused. The state is unchanged after a refusal.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    #[error("invalid job spec: {0}")]
+    InvalidSpec(#[from] SpecError),
+    #[error("job {0} does not exist")]
+    UnknownJob(JobId),
+    #[error("node {0:?} does not exist")]
+    UnknownNode(String),
+    #[error("job {job_id} has already ended ({state}); it cannot be {action}")]
+    JobEnded {
+        job_id: JobId,
+        state: JobState,
+        action: &'static str,
+    },
+    #[error("job {job_id} is {state}; only ended jobs can be removed")]
+    JobNotEnded { job_id: JobId, state: JobState },
+    #[error("job {job_id} holds no GPUs ({state}); it cannot {action}")]
+    JobNotRunning {
+        job_id: JobId,
+        state: JobState,
+        action: &'static str,
+    },
+    #[error("job {job_id}: epoch {epoch} is stale; the current allocation epoch is {current}")]
+    StaleEpoch {
+        job_id: JobId,
+        epoch: u64,
+        current: u64,
+    },
+    #[error("job {job_id}: rank {rank} is outside the allocation's {workers} workers")]
+    RankOutOfRange {
+        job_id: JobId,
+        rank: u32,
+        workers: u32,
+    },
+    #[error("GPU {gpu} is held by job {holder}")]
+    GpuInUse { gpu: GpuRef, holder: JobId },
+    #[error("node {node:?} lists GPU index {index} twice")]
+    DuplicateGpu { node: String, index: u32 },
+    #[error("node {0:?} is lost")]
+    NodeLost(String),
+    #[error("node {0:?} is not lost")]
+    NodeNotLost(String),
+    #[error("{field} is {len} long; the limit is {limit}")]
+    TooLarge {
+        field: &'static str,
+        len: usize,
+        limit: usize,
+    },
+    #[error("{field} is invalid: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+/// The whole scheduler state: a fold of `apply` over the log.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterState {
+    next_job_id: JobId,
+    jobs: BTreeMap<JobId, Job>,
+    nodes: BTreeMap<String, Node>,
+    /// Which job holds each GPU. Derived from the jobs' allocations, kept as
+    /// an index; [`ClusterState::check_invariants`] proves the two agree.
+    gpu_holders: BTreeMap<GpuRef, JobId>,
+    /// Index of the last log entry applied, refused or not.
+    last_index: u64,
+}
+
+fn check_len(field: &'static str, s: &str, limit: usize) -> Result<(), ApplyError> {
+    if s.len() > limit {
+        return Err(ApplyError::TooLarge {
+            field,
+            len: s.len(),
+            limit,
+        });
+    }
+    Ok(())
+}
+
+impl ClusterState {
+    pub fn new() -> Self {
+        ClusterState {
+            next_job_id: 1,
+            ..Default::default()
+        }
+    }
+
+    pub fn jobs(&self) -> &BTreeMap<JobId, Job> {
+        &self.jobs
+    }
+
+    pub fn job(&self, id: JobId) -> Option<&Job> {
+        self.jobs.get(&id)
+    }
+
+    pub fn nodes(&self) -> &BTreeMap<String, Node> {
+        &self.nodes
+    }
+
+    pub fn gpu_holders(&self) -> &BTreeMap<GpuRef, JobId> {
+        &self.gpu_holders
+    }
+
+    /// Index of the last entry applied (0 before any).
+    pub fn last_index(&self) -> u64 {
+        self.last_index
+    }
+
+    /// A digest of the whole state. Two replicas that applied the same
+    /// entries share it; any difference in content changes it.
+    pub fn state_hash(&self) -> StateHash {
+        let mut hasher = blake3::Hasher::new();
+        // postcard over ordered maps is a canonical encoding of the state.
+        let mut writer = HashWriter(&mut hasher);
+        // Encoding into a hasher cannot fail: every type here is serialisable
+        // and the writer never errors.
+        let _ = postcard::to_io(self, &mut writer);
+        StateHash(*hasher.finalize().as_bytes())
+    }
+
+    /// Applies one log entry at `index`. On `Err`, the state is unchanged
+    /// except for `last_index`.
+    pub fn apply(&mut self, index: u64, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
+        self.last_index = index;
+        let at_ms = entry.at_ms;
+        match &entry.command {
+            Command::RegisterNode {
+                name,
+                address,
+                gpus,
+            } => self.register_node(name, address, gpus, at_ms),
+            Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason),
+            Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
+            Command::SubmitJob { spec } => {
+                spec.validate()?;
+                let job_id = self.next_job_id;
+                self.next_job_id += 1;
+                self.jobs.insert(
+                    job_id,
+                    Job {
+                        id: job_id,
+                        spec: spec.clone(),
+                        state: JobState::Pending,
+                        submitted_at_ms: at_ms,
+                        started_at_ms: None,
+                        finished_at_ms: None,
+                        allocation: None,
+                        last_epoch: 0,
+                        workers: BTreeMap::new(),
+                        progress: None,
+                        progress_samples: 0,
+                        message: String::new(),
+                    },
+                );
+                Ok(vec![Event::JobSubmitted {
+                    job_id,
+                    name: spec.name.clone(),
+                    user: spec.user.clone(),
+                }])
+            }
+            Command::CancelJob { job_id, reason } => {
+                check_len("reason", reason, limits::REASON_MAX_LEN)?;
+                let job = self.live_job(*job_id, "cancelled")?;
+                let released = job.allocation.take();
+                job.state = JobState::Cancelled;
+                job.finished_at_ms = Some(at_ms);
+                job.message = reason.clone();
+                self.release(released);
+                Ok(vec![Event::JobCancelled {
+                    job_id: *job_id,
+                    reason: reason.clone(),
+                }])
+            }
+            Command::DecideAllocation {
+                based_on,
+                policy,
+                round,
+                placements,
+            } => {
+                check_len("policy", policy, limits::POLICY_NAME_MAX_LEN)?;
+                Ok(self.decide_allocation(*based_on, policy, *round, placements, at_ms))
+            }
+            Command::RecordWorkerStarted {
+                job_id,
+                epoch,
+                rank,
+                node,
+            } => {
+                let job = self.current_epoch_job(*job_id, *epoch, *rank, "start workers")?;
+                job.workers.insert(
+                    *rank,
+                    Worker {
+                        epoch: *epoch,
+                        node: node.clone(),
+                        state: WorkerState::Running,
+                        exit_code: None,
+                    },
+                );
+                Ok(vec![Event::WorkerStarted {
+                    job_id: *job_id,
+                    epoch: *epoch,
+                    rank: *rank,
+                    node: node.clone(),
+                }])
+            }
+            Command::RecordWorkerExited {
+                job_id,
+                epoch,
+                rank,
+                exit_code,
+                reason,
+            } => {
+                check_len("reason", reason, limits::REASON_MAX_LEN)?;
+                let job = self.jobs.get_mut(job_id).ok_or(ApplyError::UnknownJob(*job_id))?;
+                // An exit is a fact about a worker that ran; record it even
+                // after the job moved on, as long as the epoch was ever issued.
+                if *epoch == 0 || *epoch > job.last_epoch {
+                    return Err(ApplyError::StaleEpoch {
+                        job_id: *job_id,
+                        epoch: *epoch,
+                        current: job.last_epoch,
+                    });
+                }
+                if *epoch == job.last_epoch {
+                    let node = job
+                        .workers
+                        .get(rank)
+                        .map(|w| w.node.clone())
+                        .unwrap_or_default();
+                    job.workers.insert(
+                        *rank,
+                        Worker {
+                            epoch: *epoch,
+                            node,
+                            state: WorkerState::Exited,
+                            exit_code: *exit_code,
+                        },
+                    );
+                }
+                Ok(vec![Event::WorkerExited {
+                    job_id: *job_id,
+                    epoch: *epoch,
+                    rank: *rank,
+                    exit_code: *exit_code,
+                    reason: reason.clone(),
+                }])
+            }
+            Command::ReportProgress { job_id, samples } => {
+                self.report_progress(*job_id, samples)
+            }
+            Command::FinishJob {
+                job_id,
+                outcome,
+                reason,
+            } => {
+                check_len("reason", reason, limits::REASON_MAX_LEN)?;
+                let job = self.live_job(*job_id, "finished")?;
+                let state = match outcome {
+                    JobOutcome::Succeeded => JobState::Succeeded,
+                    JobOutcome::Failed => JobState::Failed,
+                };
+                let released = job.allocation.take();
+                job.state = state;
+                job.finished_at_ms = Some(at_ms);
+                job.message = reason.clone();
+                self.release(released);
+                Ok(vec![Event::JobFinished {
+                    job_id: *job_id,
+                    state,
+                    reason: reason.clone(),
+                }])
+            }
+            Command::RemoveJob { job_id } => {
+                let job = self.jobs.get(job_id).ok_or(ApplyError::UnknownJob(*job_id))?;
+                if !job.state.is_terminal() {
+                    return Err(ApplyError::JobNotEnded {
+                        job_id: *job_id,
+                        state: job.state,
+                    });
+                }
+                self.jobs.remove(job_id);
+                Ok(vec![Event::JobRemoved { job_id: *job_id }])
+            }
+        }
+    }
+
+    /// A job that has not ended, for a transition named `action`.
+    fn live_job(&mut self, job_id: JobId, action: &'static str) -> Result<&mut Job, ApplyError> {
+        let job = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(ApplyError::UnknownJob(job_id))?;
+        if job.state.is_terminal() {
+            return Err(ApplyError::JobEnded {
+                job_id,
+                state: job.state,
+                action,
+            });
+        }
+        Ok(job)
+    }
+
+    /// A job holding GPUs at allocation `epoch`, with `rank` inside it.
+    fn current_epoch_job(
+        &mut self,
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        action: &'static str,
+    ) -> Result<&mut Job, ApplyError> {
+        let job = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(ApplyError::UnknownJob(job_id))?;
+        let Some(alloc) = &job.allocation else {
+            return Err(ApplyError::JobNotRunning {
+                job_id,
+                state: job.state,
+                action,
+            });
+        };
+        if alloc.epoch != epoch {
+            return Err(ApplyError::StaleEpoch {
+                job_id,
+                epoch,
+                current: alloc.epoch,
+            });
+        }
+        let workers = u32::try_from(alloc.gpus.len()).unwrap_or(u32::MAX) / job.spec.gpus.max(1);
+        if rank >= workers {
+            return Err(ApplyError::RankOutOfRange {
+                job_id,
+                rank,
+                workers,
+            });
+        }
+        Ok(job)
+    }
+
+    fn release(&mut self, allocation: Option<Allocation>) {
+        if let Some(a) = allocation {
+            for gpu in &a.gpus {
+                self.gpu_holders.remove(gpu);
+            }
+        }
+    }
+
+    fn register_node(
+        &mut self,
+        name: &str,
+        address: &str,
+        gpus: &[Gpu],
+        at_ms: u64,
+    ) -> Result<Vec<Event>, ApplyError> {
+        if name.is_empty() {
+            return Err(ApplyError::Invalid {
+                field: "node name",
+                reason: "empty".into(),
+            });
+        }
+        check_len("node name", name, limits::NODE_NAME_MAX_LEN)?;
+        check_len("node address", address, limits::NODE_ADDRESS_MAX_LEN)?;
+        if gpus.len() > limits::NODE_GPUS_MAX {
+            return Err(ApplyError::TooLarge {
+                field: "node gpus",
+                len: gpus.len(),
+                limit: limits::NODE_GPUS_MAX,
+            });
+        }
+        let mut inventory = BTreeMap::new();
+        for gpu in gpus {
+            check_len("gpu type", &gpu.gpu_type, crate::spec::limits::GPU_TYPE_MAX_LEN)?;
+            if inventory.insert(gpu.index, gpu.gpu_type.clone()).is_some() {
+                return Err(ApplyError::DuplicateGpu {
+                    node: name.to_string(),
+                    index: gpu.index,
+                });
+            }
+        }
+        // Re-registration may not drop a GPU that a job holds.
+        for (gpu, holder) in self.gpus_held_on(name) {
+            if !inventory.contains_key(&gpu.index) {
+                return Err(ApplyError::GpuInUse { gpu, holder });
+            }
+        }
+        self.nodes.insert(
+            name.to_string(),
+            Node {
+                name: name.to_string(),
+                address: address.to_string(),
+                gpus: inventory,
+                state: NodeState::Alive,
+                registered_at_ms: at_ms,
+                message: String::new(),
+            },
+        );
+        Ok(vec![Event::NodeRegistered {
+            name: name.to_string(),
+            gpus: gpus.to_vec(),
+        }])
+    }
+
+    fn gpus_held_on(&self, node: &str) -> Vec<(GpuRef, JobId)> {
+        let from = GpuRef {
+            node: node.to_string(),
+            index: 0,
+        };
+        self.gpu_holders
+            .range(from..)
+            .take_while(|(g, _)| g.node == node)
+            .map(|(g, j)| (g.clone(), *j))
+            .collect()
+    }
+
+    fn mark_node_lost(&mut self, name: &str, reason: &str) -> Result<Vec<Event>, ApplyError> {
+        check_len("reason", reason, limits::REASON_MAX_LEN)?;
+        let node = self
+            .nodes
+            .get_mut(name)
+            .ok_or_else(|| ApplyError::UnknownNode(name.to_string()))?;
+        if node.state == NodeState::Lost {
+            return Err(ApplyError::NodeLost(name.to_string()));
+        }
+        node.state = NodeState::Lost;
+        node.message = reason.to_string();
+        let mut events = vec![Event::NodeLost {
+            name: name.to_string(),
+            reason: reason.to_string(),
+        }];
+        // A gang job with a worker on a lost node cannot go on: release all
+        // of its GPUs and put it back in the queue.
+        let affected: BTreeSet<JobId> = self.gpus_held_on(name).into_iter().map(|(_, j)| j).collect();
+        for job_id in affected {
+            let reason = format!("node {name} lost");
+            self.preempt(job_id, &reason);
+            events.push(Event::JobPreempted { job_id, reason });
+        }
+        Ok(events)
+    }
+
+    fn preempt(&mut self, job_id: JobId, reason: &str) {
+        let released = match self.jobs.get_mut(&job_id) {
+            Some(job) => {
+                job.state = JobState::Preempted;
+                job.message = reason.to_string();
+                job.allocation.take()
+            }
+            None => None,
+        };
+        self.release(released);
+    }
+
+    fn mark_node_recovered(&mut self, name: &str) -> Result<Vec<Event>, ApplyError> {
+        let node = self
+            .nodes
+            .get_mut(name)
+            .ok_or_else(|| ApplyError::UnknownNode(name.to_string()))?;
+        if node.state != NodeState::Lost {
+            return Err(ApplyError::NodeNotLost(name.to_string()));
+        }
+        node.state = NodeState::Alive;
+        node.message.clear();
+        Ok(vec![Event::NodeRecovered {
+            name: name.to_string(),
+        }])
+    }
+
+    fn report_progress(
+        &mut self,
+        job_id: JobId,
+        samples: &[ProgressSample],
+    ) -> Result<Vec<Event>, ApplyError> {
+        if samples.len() > limits::PROGRESS_SAMPLES_MAX {
+            return Err(ApplyError::TooLarge {
+                field: "progress samples",
+                len: samples.len(),
+                limit: limits::PROGRESS_SAMPLES_MAX,
+            });
+        }
+        let job = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(ApplyError::UnknownJob(job_id))?;
+        if job.state != JobState::Running {
+            return Err(ApplyError::JobNotRunning {
+                job_id,
+                state: job.state,
+                action: "report progress",
+            });
+        }
+        // The latest sample is the one with the highest step (ties: the last).
+        let Some(latest) = samples.iter().reduce(|a, b| if b.step >= a.step { b } else { a })
+        else {
+            return Err(ApplyError::Invalid {
+                field: "progress samples",
+                reason: "empty batch".into(),
+            });
+        };
+        if job.progress.as_ref().is_none_or(|p| latest.step >= p.step) {
+            job.progress = Some(latest.clone());
+        }
+        job.progress_samples += samples.len() as u64;
+        Ok(vec![Event::JobProgressReported {
+            job_id,
+            latest: latest.clone(),
+            samples: u32::try_from(samples.len()).unwrap_or(u32::MAX),
+        }])
+    }
+
+    /// Checks one job's placement on its own: the job can hold GPUs, the GPU
+    /// set has the right shape, and every GPU exists on a live node with an
+    /// allowed type. Conflicts with other jobs are checked afterwards.
+    fn check_placement(&self, p: &JobPlacement) -> Result<Vec<GpuRef>, String> {
+        let job = self
+            .jobs
+            .get(&p.job_id)
+            .ok_or_else(|| format!("job {} does not exist", p.job_id))?;
+        if job.state.is_terminal() {
+            return Err(format!("job {} has already ended ({})", p.job_id, job.state));
+        }
+        let mut gpus = p.gpus.clone();
+        gpus.sort();
+        if gpus.windows(2).any(|w| w[0] == w[1]) {
+            return Err("the plan lists a GPU twice".into());
+        }
+        if gpus.is_empty() {
+            return Ok(gpus);
+        }
+        let per_worker = job.spec.gpus.max(1) as usize;
+        let workers = gpus.len() / per_worker;
+        if gpus.len() % per_worker != 0
+            || workers < job.spec.workers.min as usize
+            || workers > job.spec.workers.max as usize
+        {
+            return Err(format!(
+                "{} GPUs do not make {}..={} workers of {} GPUs",
+                gpus.len(),
+                job.spec.workers.min,
+                job.spec.workers.max,
+                per_worker
+            ));
+        }
+        for gpu in &gpus {
+            let node = self
+                .nodes
+                .get(&gpu.node)
+                .ok_or_else(|| format!("node {:?} does not exist", gpu.node))?;
+            if node.state == NodeState::Lost {
+                return Err(format!("node {:?} is lost", gpu.node));
+            }
+            let gpu_type = node
+                .gpus
+                .get(&gpu.index)
+                .ok_or_else(|| format!("GPU {gpu} does not exist"))?;
+            let allowed = &job.spec.gpu_types.allowed;
+            if !allowed.is_empty() && !allowed.iter().any(|t| t == gpu_type) {
+                return Err(format!("GPU {gpu} is a {gpu_type}, not an allowed type"));
+            }
+        }
+        Ok(gpus)
+    }
+
+    fn decide_allocation(
+        &mut self,
+        based_on: u64,
+        policy: &str,
+        round: u64,
+        placements: &[JobPlacement],
+        at_ms: u64,
+    ) -> Vec<Event> {
+        let mut events = Vec::new();
+        // Pass 1: each placement on its own.
+        let mut accepted: BTreeMap<JobId, Vec<GpuRef>> = BTreeMap::new();
+        for p in placements {
+            if accepted.contains_key(&p.job_id) {
+                events.push(Event::PlacementRefused {
+                    job_id: p.job_id,
+                    reason: "the plan places this job twice".into(),
+                });
+                continue;
+            }
+            match self.check_placement(p) {
+                Ok(gpus) => {
+                    accepted.insert(p.job_id, gpus);
+                }
+                Err(reason) => events.push(Event::PlacementRefused {
+                    job_id: p.job_id,
+                    reason,
+                }),
+            }
+        }
+        // Pass 2: conflicts. GPUs held by jobs in the plan are free for the
+        // plan to hand out; a job whose placement is refused keeps what it had.
+        let mut claimed: BTreeMap<GpuRef, JobId> = self
+            .gpu_holders
+            .iter()
+            .filter(|(_, j)| !accepted.contains_key(j))
+            .map(|(g, j)| (g.clone(), *j))
+            .collect();
+        let mut granted: Vec<(JobId, Vec<GpuRef>)> = Vec::new();
+        let mut refused: Vec<JobId> = Vec::new();
+        for (job_id, gpus) in accepted {
+            if let Some((gpu, holder)) = gpus
+                .iter()
+                .find_map(|g| claimed.get(g).map(|h| (g.clone(), *h)))
+            {
+                events.push(Event::PlacementRefused {
+                    job_id,
+                    reason: format!("GPU {gpu} is held by job {holder}"),
+                });
+                refused.push(job_id);
+                continue;
+            }
+            for g in &gpus {
+                claimed.insert(g.clone(), job_id);
+            }
+            granted.push((job_id, gpus));
+        }
+        // A refused job keeps its old GPUs unless a granted job took one;
+        // then it loses all of them (gang semantics) and is preempted.
+        for job_id in refused {
+            let old = self
+                .jobs
+                .get(&job_id)
+                .and_then(|j| j.allocation.as_ref())
+                .map(|a| a.gpus.clone())
+                .unwrap_or_default();
+            let taken = old.iter().any(|g| claimed.get(g).is_some_and(|h| *h != job_id));
+            if taken {
+                self.preempt(job_id, "its GPUs went to another job");
+                events.push(Event::JobPreempted {
+                    job_id,
+                    reason: "its GPUs went to another job".into(),
+                });
+            } else {
+                for g in old {
+                    claimed.insert(g, job_id);
+                }
+            }
+        }
+        // Commit the granted placements.
+        for (job_id, gpus) in granted {
+            let Some(job) = self.jobs.get_mut(&job_id) else {
+                continue;
+            };
+            let unchanged = job.allocation.as_ref().map(|a| &a.gpus) == Some(&gpus)
+                || (job.allocation.is_none() && gpus.is_empty());
+            if unchanged {
+                continue;
+            }
+            let old = job.allocation.take();
+            if gpus.is_empty() {
+                job.state = JobState::Preempted;
+                job.message = format!("preempted by {policy} in round {round}");
+                let reason = job.message.clone();
+                self.release(old);
+                events.push(Event::JobPreempted { job_id, reason });
+                continue;
+            }
+            job.last_epoch += 1;
+            let epoch = job.last_epoch;
+            job.state = JobState::Running;
+            job.started_at_ms.get_or_insert(at_ms);
+            job.message.clear();
+            job.workers.clear();
+            job.allocation = Some(Allocation {
+                epoch,
+                gpus: gpus.clone(),
+                based_on,
+                policy: policy.to_string(),
+                round,
+                decided_at_ms: at_ms,
+            });
+            if let Some(old) = old {
+                for g in old.gpus {
+                    if self.gpu_holders.get(&g) == Some(&job_id) {
+                        self.gpu_holders.remove(&g);
+                    }
+                }
+            }
+            for g in &gpus {
+                self.gpu_holders.insert(g.clone(), job_id);
+            }
+            events.push(Event::JobAllocated {
+                job_id,
+                epoch,
+                gpus,
+                based_on,
+                policy: policy.to_string(),
+                round,
+            });
+        }
+        events
+    }
+
+    /// Checks the invariants that every reachable state holds. Used by tests
+    /// and debug assertions; returns the first broken one.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut from_jobs: BTreeMap<&GpuRef, JobId> = BTreeMap::new();
+        for (id, job) in &self.jobs {
+            if *id != job.id {
+                return Err(format!("job {id} is stored under another id"));
+            }
+            if *id >= self.next_job_id {
+                return Err(format!("job {id} is not below next_job_id"));
+            }
+            if (job.state == JobState::Running) != job.allocation.is_some() {
+                return Err(format!(
+                    "job {id} is {} but holds allocation {:?}",
+                    job.state, job.allocation
+                ));
+            }
+            if let Some(a) = &job.allocation {
+                for g in &a.gpus {
+                    if let Some(other) = from_jobs.insert(g, *id) {
+                        return Err(format!("GPU {g} is held by jobs {other} and {id}"));
+                    }
+                }
+            }
+        }
+        let index: BTreeMap<&GpuRef, JobId> = self.gpu_holders.iter().map(|(g, j)| (g, *j)).collect();
+        if index != from_jobs {
+            return Err("the GPU holder index disagrees with the jobs' allocations".into());
+        }
+        Ok(())
+    }
+}
+
+/// A state digest (BLAKE3 of the canonical encoding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StateHash(pub [u8; 32]);
+
+impl std::fmt::Display for StateHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+struct HashWriter<'a>(&'a mut blake3::Hasher);
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,436 @@
+//! Behaviour of `ClusterState::apply`: lifecycle transitions and refusals,
+//! and property tests over random entry sequences.
+
+use std::collections::BTreeSet;
+
+use keel_core::codec::{decode_entry, encode_entry};
+use keel_core::spec::{GpuTypes, Workers};
+use keel_core::*;
+use proptest::prelude::*;
+
+fn spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
+    JobSpec {
+        name: name.into(),
+        user: "ada".into(),
+        command: vec!["train".into()],
+        image: None,
+        env: Default::default(),
+        gpus,
+        workers: Workers {
+            min: workers,
+            max: workers,
+        },
+        gpu_types: GpuTypes::default(),
+        model: None,
+        total_steps: Some(100),
+        epochs: None,
+        priority: 0,
+    }
+}
+
+fn gpu(node: &str, index: u32) -> GpuRef {
+    GpuRef {
+        node: node.into(),
+        index,
+    }
+}
+
+struct Harness {
+    state: ClusterState,
+    index: u64,
+}
+
+impl Harness {
+    fn new() -> Self {
+        Harness {
+            state: ClusterState::new(),
+            index: 0,
+        }
+    }
+    fn apply(&mut self, command: Command) -> Result<Vec<Event>, ApplyError> {
+        self.index += 1;
+        let entry = LogEntry {
+            at_ms: 1000 * self.index,
+            command,
+        };
+        // Every entry survives the wire format unchanged.
+        let decoded = decode_entry(&encode_entry(&entry)).expect("round trip");
+        assert_eq!(decoded, entry);
+        let before = self.state.clone();
+        let res = self.state.apply(self.index, &entry);
+        if res.is_err() {
+            let mut expected = before;
+            // Only the index moves on a refusal.
+            let _ = expected.apply(self.index, &LogEntry {
+                at_ms: 0,
+                command: Command::RemoveJob { job_id: u64::MAX },
+            });
+            assert_eq!(self.state, expected, "a refused entry changed the state");
+        }
+        self.state.check_invariants().expect("invariants");
+        res
+    }
+    fn node(&mut self, name: &str, gpus: u32) {
+        self.apply(Command::RegisterNode {
+            name: name.into(),
+            address: "127.0.0.1".into(),
+            gpus: (0..gpus)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: "v100".into(),
+                })
+                .collect(),
+        })
+        .expect("register");
+    }
+    fn submit(&mut self, s: JobSpec) -> JobId {
+        match self.apply(Command::SubmitJob { spec: s }).expect("submit").as_slice() {
+            [Event::JobSubmitted { job_id, .. }] => *job_id,
+            other => panic!("unexpected events {other:?}"),
+        }
+    }
+    fn place(&mut self, placements: Vec<(JobId, Vec<GpuRef>)>) -> Vec<Event> {
+        self.apply(Command::DecideAllocation {
+            based_on: self.index,
+            policy: "fifo".into(),
+            round: 1,
+            placements: placements
+                .into_iter()
+                .map(|(job_id, gpus)| JobPlacement { job_id, gpus })
+                .collect(),
+        })
+        .expect("plans are applied per job")
+    }
+}
+
+#[test]
+fn job_lifecycle_pending_running_succeeded() {
+    let mut h = Harness::new();
+    h.node("n0", 4);
+    let j = h.submit(spec("a", 2, 1));
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Pending));
+    let ev = h.place(vec![(j, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    assert!(matches!(ev.as_slice(), [Event::JobAllocated { epoch: 1, .. }]));
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
+    h.apply(Command::RecordWorkerStarted {
+        job_id: j,
+        epoch: 1,
+        rank: 0,
+        node: "n0".into(),
+    })
+    .expect("worker started");
+    h.apply(Command::FinishJob {
+        job_id: j,
+        outcome: JobOutcome::Succeeded,
+        reason: String::new(),
+    })
+    .expect("finish");
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Succeeded));
+    assert!(h.state.gpu_holders().is_empty(), "GPUs released on finish");
+}
+
+#[test]
+fn cancel_of_a_finished_job_is_refused() {
+    let mut h = Harness::new();
+    let j = h.submit(spec("a", 1, 1));
+    h.apply(Command::CancelJob {
+        job_id: j,
+        reason: "user".into(),
+    })
+    .expect("cancel pending job");
+    let err = h
+        .apply(Command::CancelJob {
+            job_id: j,
+            reason: "again".into(),
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ApplyError::JobEnded {
+            job_id: j,
+            state: JobState::Cancelled,
+            action: "cancelled"
+        }
+    );
+    assert_eq!(
+        h.apply(Command::CancelJob {
+            job_id: 99,
+            reason: String::new()
+        }),
+        Err(ApplyError::UnknownJob(99))
+    );
+}
+
+#[test]
+fn allocation_of_a_gpu_in_use_is_refused_for_that_job_only() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    let c = h.submit(spec("c", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    let ev = h.place(vec![(b, vec![gpu("n0", 0)]), (c, vec![gpu("n0", 1)])]);
+    assert!(ev.contains(&Event::PlacementRefused {
+        job_id: b,
+        reason: "GPU n0/0 is held by job 1".into()
+    }));
+    assert!(matches!(ev.last(), Some(Event::JobAllocated { job_id, .. }) if *job_id == c));
+    assert_eq!(h.state.gpu_holders().get(&gpu("n0", 0)), Some(&a));
+    assert_eq!(h.state.job(b).map(|j| j.state), Some(JobState::Pending));
+}
+
+#[test]
+fn a_plan_can_move_gpus_between_jobs() {
+    let mut h = Harness::new();
+    h.node("n0", 1);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    let ev = h.place(vec![(a, vec![]), (b, vec![gpu("n0", 0)])]);
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert_eq!(h.state.job(a).map(|j| j.state), Some(JobState::Preempted));
+    assert_eq!(h.state.gpu_holders().get(&gpu("n0", 0)), Some(&b));
+}
+
+#[test]
+fn allocation_on_a_lost_node_is_refused_and_loss_preempts() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    h.node("n1", 2);
+    let a = h.submit(spec("a", 1, 2));
+    h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 0)])]);
+    let ev = h
+        .apply(Command::MarkNodeLost {
+            name: "n1".into(),
+            reason: "heartbeat timeout".into(),
+        })
+        .expect("lost");
+    assert!(ev.contains(&Event::JobPreempted {
+        job_id: a,
+        reason: "node n1 lost".into()
+    }));
+    assert!(h.state.gpu_holders().is_empty(), "the whole gang is released");
+    let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 1)])]);
+    assert_eq!(
+        ev,
+        vec![Event::PlacementRefused {
+            job_id: a,
+            reason: "node \"n1\" is lost".into()
+        }]
+    );
+    h.apply(Command::MarkNodeRecovered { name: "n1".into() })
+        .expect("recovered");
+    let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 1)])]);
+    assert!(matches!(ev.as_slice(), [Event::JobAllocated { epoch: 2, .. }]));
+}
+
+#[test]
+fn placements_must_match_the_job_shape_and_types() {
+    let mut h = Harness::new();
+    h.node("n0", 4);
+    let mut s = spec("a", 2, 1);
+    s.gpu_types.allowed = vec!["k80".into()];
+    let a = h.submit(s);
+    let ev = h.place(vec![(a, vec![gpu("n0", 0)])]);
+    assert!(matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("workers of 2 GPUs")));
+    let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    assert!(matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("not an allowed type")));
+    let b = h.submit(spec("b", 2, 1));
+    let ev = h.place(vec![(b, vec![gpu("n0", 7), gpu("n0", 1)])]);
+    assert!(matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("does not exist")));
+}
+
+#[test]
+fn stale_epochs_and_bad_ranks_are_refused() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    h.place(vec![(a, vec![gpu("n0", 1)])]);
+    assert_eq!(
+        h.apply(Command::RecordWorkerStarted {
+            job_id: a,
+            epoch: 1,
+            rank: 0,
+            node: "n0".into()
+        }),
+        Err(ApplyError::StaleEpoch {
+            job_id: a,
+            epoch: 1,
+            current: 2
+        })
+    );
+    assert!(matches!(
+        h.apply(Command::RecordWorkerStarted {
+            job_id: a,
+            epoch: 2,
+            rank: 1,
+            node: "n0".into()
+        }),
+        Err(ApplyError::RankOutOfRange { .. })
+    ));
+}
+
+#[test]
+fn removal_needs_an_ended_job_and_re_registration_keeps_held_gpus() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 1)])]);
+    assert!(matches!(
+        h.apply(Command::RemoveJob { job_id: a }),
+        Err(ApplyError::JobNotEnded { .. })
+    ));
+    let shrink = h.apply(Command::RegisterNode {
+        name: "n0".into(),
+        address: "x".into(),
+        gpus: vec![Gpu {
+            index: 0,
+            gpu_type: "v100".into(),
+        }],
+    });
+    assert!(matches!(shrink, Err(ApplyError::GpuInUse { .. })));
+}
+
+#[test]
+fn an_invalid_spec_is_refused_naming_the_field() {
+    let mut h = Harness::new();
+    let err = h
+        .apply(Command::SubmitJob {
+            spec: spec("a", 0, 1),
+        })
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid job spec: spec.gpus is 0; it must be between 1 and 64"
+    );
+}
+
+// ---- Property tests ----
+
+const NODES: [&str; 3] = ["n0", "n1", "n2"];
+
+fn arb_gpu() -> impl Strategy<Value = GpuRef> {
+    (0..NODES.len(), 0u32..5).prop_map(|(n, i)| gpu(NODES[n], i))
+}
+
+fn arb_command() -> impl Strategy<Value = Command> {
+    let job = 0u64..12;
+    prop_oneof![
+        1 => (0..NODES.len(), 1u32..5).prop_map(|(n, g)| Command::RegisterNode {
+            name: NODES[n].into(),
+            address: "a".into(),
+            gpus: (0..g)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: if index % 2 == 0 { "v100" } else { "k80" }.into()
+                })
+                .collect(),
+        }),
+        1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeLost {
+            name: NODES[n].into(),
+            reason: "r".into()
+        }),
+        1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeRecovered {
+            name: NODES[n].into()
+        }),
+        3 => (1u32..3, 1u32..3).prop_map(|(g, w)| Command::SubmitJob { spec: spec("j", g, w) }),
+        1 => job.clone().prop_map(|job_id| Command::CancelJob { job_id, reason: String::new() }),
+        4 => proptest::collection::vec((job.clone(), proptest::collection::vec(arb_gpu(), 0..5)), 1..4)
+            .prop_map(|ps| Command::DecideAllocation {
+                based_on: 0,
+                policy: "p".into(),
+                round: 0,
+                placements: ps.into_iter().map(|(job_id, gpus)| JobPlacement { job_id, gpus }).collect(),
+            }),
+        1 => (job.clone(), 0u64..4, 0u32..3).prop_map(|(job_id, epoch, rank)| Command::RecordWorkerStarted {
+            job_id, epoch, rank, node: "n0".into()
+        }),
+        1 => (job.clone(), 0u64..4, 0u32..3, proptest::option::of(-2i32..3)).prop_map(
+            |(job_id, epoch, rank, exit_code)| Command::RecordWorkerExited {
+                job_id, epoch, rank, exit_code, reason: String::new()
+            }),
+        1 => (job.clone(), 0u64..100).prop_map(|(job_id, step)| Command::ReportProgress {
+            job_id,
+            samples: vec![ProgressSample { step, total_steps: 100, loss: Some(1.0 / (step as f64 + 1.0)), samples_per_s: 10.0, at_ms: step }],
+        }),
+        1 => (job.clone(), any::<bool>()).prop_map(|(job_id, ok)| Command::FinishJob {
+            job_id,
+            outcome: if ok { JobOutcome::Succeeded } else { JobOutcome::Failed },
+            reason: String::new(),
+        }),
+        1 => job.prop_map(|job_id| Command::RemoveJob { job_id }),
+    ]
+}
+
+fn run(commands: &[Command]) -> (ClusterState, Vec<Result<Vec<Event>, ApplyError>>) {
+    let mut state = ClusterState::new();
+    let results = commands
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            state.apply(
+                i as u64 + 1,
+                &LogEntry {
+                    at_ms: i as u64 * 10,
+                    command: c.clone(),
+                },
+            )
+        })
+        .collect();
+    (state, results)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
+
+    #[test]
+    fn replaying_a_sequence_gives_the_same_hash(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let (a, ra) = run(&commands);
+        let (b, rb) = run(&commands);
+        prop_assert_eq!(a.state_hash(), b.state_hash());
+        prop_assert_eq!(ra, rb);
+        prop_assert_eq!(a, b);
+    }
+
+    #[test]
+    fn no_gpu_is_ever_held_by_two_jobs(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let mut state = ClusterState::new();
+        for (i, c) in commands.iter().enumerate() {
+            let _ = state.apply(i as u64 + 1, &LogEntry { at_ms: i as u64, command: c.clone() });
+            if let Err(broken) = state.check_invariants() {
+                return Err(TestCaseError::fail(format!("after entry {} ({c:?}): {broken}", i + 1)));
+            }
+        }
+    }
+
+    #[test]
+    fn acknowledged_jobs_stay_until_removed(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let mut state = ClusterState::new();
+        let mut acknowledged = BTreeSet::new();
+        for (i, c) in commands.iter().enumerate() {
+            let res = state.apply(i as u64 + 1, &LogEntry { at_ms: i as u64, command: c.clone() });
+            if let Ok(events) = &res {
+                for e in events {
+                    match e {
+                        Event::JobSubmitted { job_id, .. } => { acknowledged.insert(*job_id); }
+                        Event::JobRemoved { job_id } => { acknowledged.remove(job_id); }
+                        _ => {}
+                    }
+                }
+            }
+            for id in &acknowledged {
+                prop_assert!(state.job(*id).is_some(), "job {} vanished after entry {}", id, i + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn a_different_history_gives_a_different_hash(commands in proptest::collection::vec(arb_command(), 1..40)) {
+        let (a, _) = run(&commands);
+        let mut longer = commands.clone();
+        longer.push(Command::SubmitJob { spec: spec("extra", 1, 1) });
+        let (b, _) = run(&longer);
+        prop_assert_ne!(a.state_hash(), b.state_hash());
+    }
+}

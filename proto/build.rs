@@ -1,0 +1,31 @@
+//! Compiles Keel's `.proto` files with `protox` (pure Rust), so no system
+//! `protoc` is needed. The log-entry package is always generated; the gRPC
+//! client API only with the `grpc` feature, so the pure core depends on
+//! prost alone.
+
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
+    println!("cargo:rerun-if-changed=proto");
+
+    let entry_fds = protox::compile(["keel/entry/v1/entry.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(false)
+        .btree_map(".")
+        .out_dir(&out_dir)
+        .compile_fds(entry_fds)?;
+
+    if std::env::var_os("CARGO_FEATURE_GRPC").is_some() {
+        let api_dir = out_dir.join("api");
+        std::fs::create_dir_all(&api_dir)?;
+        let api_fds = protox::compile(["keel/api/v1/api.proto"], ["proto"])?;
+        tonic_prost_build::configure()
+            .btree_map(".")
+            .extern_path(".keel.entry.v1", "crate::entry")
+            .out_dir(&api_dir)
+            .compile_fds(api_fds)?;
+    }
+    Ok(())
+}
