@@ -1,1 +1,63 @@
+//! Keel's storage.
+//!
+//! - [`LogStore`]: the Raft log and vote, in a write-ahead log (`raft-log`)
+//!   that calls `fdatasync` before openraft is told an entry is flushed, with
+//!   group commit: every flush request that arrives while a sync runs shares
+//!   the next one. Records are checksummed; a torn final record is detected
+//!   and truncated on open, never replayed.
+//! - [`StateMachineStore`]: `ClusterState` in memory, with its durable parts
+//!   on sled: the append-only journal (every applied entry and what it did),
+//!   the last applied log id and membership, and snapshots. The journal is
+//!   never purged by log compaction, so history can always be replayed.
+//! - [`replay`]: rebuilds the state offline from a data directory's journal.
+//!
+//! Layout of a data directory:
+//!
+//! ```text
+//! DATA_DIR/
+//!   LOCK          held (flock) by the one process using the directory
+//!   raft-log/     WAL chunks: log entries, vote, committed id
+//!   state/        sled: journal, applied state, snapshots
+//! ```
 
+mod data_dir;
+mod log_store;
+mod replay;
+mod state_machine;
+
+use std::io::Cursor;
+
+use keel_core::{ApplyError, Event};
+use openraft::BasicNode;
+use serde::{Deserialize, Serialize};
+
+pub use data_dir::{DataDir, DataDirError};
+pub use log_store::LogStore;
+pub use replay::{replay, ReplayError, ReplaySummary};
+pub use state_machine::{Applied, SharedState, StateMachineStore};
+
+/// The result of applying one entry, returned to the client that proposed it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyResponse {
+    pub index: u64,
+    pub outcome: Result<Vec<Event>, ApplyError>,
+}
+
+openraft::declare_raft_types!(
+    /// Keel's Raft types: entries carry a `keel_core::LogEntry`.
+    pub TypeConfig:
+        D = keel_core::LogEntry,
+        R = ApplyResponse,
+        NodeId = u64,
+        Node = BasicNode,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+/// A Raft log id, as openraft names it for this type config.
+pub type LogId = openraft::LogId<u64>;
+/// A Raft entry for this type config.
+pub type Entry = openraft::Entry<TypeConfig>;
+/// A storage error, as openraft wants it.
+pub type StorageError = openraft::StorageError<u64>;

@@ -454,3 +454,23 @@ mod tests {
         ));
     }
 }
+
+/// The record of what applying `entry` at `index` did, as stored in the
+/// journal and streamed to watchers.
+pub fn applied_entry_to_proto(
+    index: u64,
+    entry: &LogEntry,
+    outcome: &Result<Vec<Event>, crate::ApplyError>,
+) -> pb::AppliedEntry {
+    let (events, refused) = match outcome {
+        Ok(events) => (events.iter().map(event_to_proto).collect(), String::new()),
+        Err(e) => (Vec::new(), e.to_string()),
+    };
+    pb::AppliedEntry {
+        index,
+        at_ms: entry.at_ms,
+        command: entry.command.kind().to_string(),
+        events,
+        refused,
+    }
+}

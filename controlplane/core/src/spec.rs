@@ -120,7 +120,7 @@ pub struct GpuTypes {
 }
 
 /// A spec field broke a rule. The message names the field and the limit.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum SpecError {
     #[error("spec.{field} is required")]
     Missing { field: String },

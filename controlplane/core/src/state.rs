@@ -30,7 +30,7 @@ pub mod limits {
 }
 
 /// Why an entry was refused. The state is unchanged after a refusal.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum ApplyError {
     #[error("invalid job spec: {0}")]
     InvalidSpec(#[from] SpecError),
@@ -42,7 +42,7 @@ pub enum ApplyError {
     JobEnded {
         job_id: JobId,
         state: JobState,
-        action: &'static str,
+        action: String,
     },
     #[error("job {job_id} is {state}; only ended jobs can be removed")]
     JobNotEnded { job_id: JobId, state: JobState },
@@ -50,7 +50,7 @@ pub enum ApplyError {
     JobNotRunning {
         job_id: JobId,
         state: JobState,
-        action: &'static str,
+        action: String,
     },
     #[error("job {job_id}: epoch {epoch} is stale; the current allocation epoch is {current}")]
     StaleEpoch {
@@ -74,12 +74,12 @@ pub enum ApplyError {
     NodeNotLost(String),
     #[error("{field} is {len} long; the limit is {limit}")]
     TooLarge {
-        field: &'static str,
+        field: String,
         len: usize,
         limit: usize,
     },
     #[error("{field} is invalid: {reason}")]
-    Invalid { field: &'static str, reason: String },
+    Invalid { field: String, reason: String },
 }
 
 /// The whole scheduler state: a fold of `apply` over the log.
@@ -98,7 +98,7 @@ pub struct ClusterState {
 fn check_len(field: &'static str, s: &str, limit: usize) -> Result<(), ApplyError> {
     if s.len() > limit {
         return Err(ApplyError::TooLarge {
-            field,
+            field: field.to_string(),
             len: s.len(),
             limit,
         });
@@ -323,7 +323,7 @@ impl ClusterState {
             return Err(ApplyError::JobEnded {
                 job_id,
                 state: job.state,
-                action,
+                action: action.to_string(),
             });
         }
         Ok(job)
@@ -345,7 +345,7 @@ impl ClusterState {
             return Err(ApplyError::JobNotRunning {
                 job_id,
                 state: job.state,
-                action,
+                action: action.to_string(),
             });
         };
         if alloc.epoch != epoch {
@@ -383,7 +383,7 @@ impl ClusterState {
     ) -> Result<Vec<Event>, ApplyError> {
         if name.is_empty() {
             return Err(ApplyError::Invalid {
-                field: "node name",
+                field: "node name".into(),
                 reason: "empty".into(),
             });
         }
@@ -391,7 +391,7 @@ impl ClusterState {
         check_len("node address", address, limits::NODE_ADDRESS_MAX_LEN)?;
         if gpus.len() > limits::NODE_GPUS_MAX {
             return Err(ApplyError::TooLarge {
-                field: "node gpus",
+                field: "node gpus".into(),
                 len: gpus.len(),
                 limit: limits::NODE_GPUS_MAX,
             });
@@ -501,7 +501,7 @@ impl ClusterState {
     ) -> Result<Vec<Event>, ApplyError> {
         if samples.len() > limits::PROGRESS_SAMPLES_MAX {
             return Err(ApplyError::TooLarge {
-                field: "progress samples",
+                field: "progress samples".into(),
                 len: samples.len(),
                 limit: limits::PROGRESS_SAMPLES_MAX,
             });
@@ -514,14 +514,14 @@ impl ClusterState {
             return Err(ApplyError::JobNotRunning {
                 job_id,
                 state: job.state,
-                action: "report progress",
+                action: "report progress".into(),
             });
         }
         // The latest sample is the one with the highest step (ties: the last).
         let Some(latest) = samples.iter().reduce(|a, b| if b.step >= a.step { b } else { a })
         else {
             return Err(ApplyError::Invalid {
-                field: "progress samples",
+                field: "progress samples".into(),
                 reason: "empty batch".into(),
             });
         };

@@ -149,7 +149,7 @@ fn cancel_of_a_finished_job_is_refused() {
         ApplyError::JobEnded {
             job_id: j,
             state: JobState::Cancelled,
-            action: "cancelled"
+            action: "cancelled".into()
         }
     );
     assert_eq!(

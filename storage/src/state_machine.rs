@@ -1,0 +1,370 @@
+//! The Raft state machine: `ClusterState` in memory, its history on sled.
+//!
+//! Keys of the `sm` tree (indexes big-endian, so keys sort by index):
+//!
+//! | key | value |
+//! |---|---|
+//! | `e` + index | the applied entry (protobuf `LogEntry`): the journal |
+//! | `v` + index | what it did (protobuf `AppliedEntry`) |
+//! | `c` + index | a state installed from a leader's snapshot at index (replay starts there) |
+//! | `m/applied`, `m/membership` | last applied log id and membership (JSON) |
+//! | `m/snapshot-meta`, `m/snapshot-data` | the current snapshot |
+//!
+//! Each `apply` call writes one atomic sled batch. On open, the state is the
+//! current snapshot plus the journal entries after it, so a crash that loses
+//! sled's unflushed tail costs only re-applying those entries from the Raft
+//! log. The journal is never purged.
+
+use std::io::Cursor;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use keel_core::codec::{applied_entry_to_proto, decode_entry, encode_entry};
+use keel_core::ClusterState;
+use keel_proto::entry as pb;
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{
+    AnyError, BasicNode, EntryPayload, OptionalSend, RaftSnapshotBuilder, SnapshotMeta,
+    StorageIOError, StoredMembership,
+};
+use prost::Message;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::{ApplyResponse, Entry, LogId, StorageError, TypeConfig};
+
+pub(crate) const PREFIX_ENTRY: u8 = b'e';
+pub(crate) const PREFIX_APPLIED: u8 = b'v';
+pub(crate) const PREFIX_CHECKPOINT: u8 = b'c';
+const KEY_APPLIED: &[u8] = b"m/applied";
+const KEY_MEMBERSHIP: &[u8] = b"m/membership";
+const KEY_SNAPSHOT_META: &[u8] = b"m/snapshot-meta";
+const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
+const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+
+pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
+    let mut k = [0u8; 9];
+    k[0] = prefix;
+    k[1..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+pub(crate) fn index_of(key: &[u8]) -> Option<u64> {
+    let bytes: [u8; 8] = key.get(1..9)?.try_into().ok()?;
+    Some(u64::from_be_bytes(bytes))
+}
+
+/// What the state machine holds in memory.
+#[derive(Debug, Default)]
+pub struct Applied {
+    pub state: ClusterState,
+    pub last_applied: Option<LogId>,
+    pub membership: StoredMembership<u64, BasicNode>,
+}
+
+/// The applied state, shared with readers (the API, the leader's loops).
+#[derive(Debug)]
+pub struct SharedState {
+    applied: RwLock<Applied>,
+    applied_index: watch::Sender<u64>,
+}
+
+impl SharedState {
+    pub fn read(&self) -> RwLockReadGuard<'_, Applied> {
+        self.applied.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Applied> {
+        self.applied.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Watch the last applied index move.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.applied_index.subscribe()
+    }
+}
+
+/// A snapshot's data: the whole `ClusterState`.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct SnapshotFile {
+    pub(crate) format_version: u32,
+    pub(crate) state: ClusterState,
+}
+
+pub(crate) fn decode_snapshot(bytes: &[u8]) -> Result<ClusterState, String> {
+    let file: SnapshotFile = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
+    if file.format_version != SNAPSHOT_FORMAT_VERSION {
+        return Err(format!(
+            "snapshot format version {} is not {SNAPSHOT_FORMAT_VERSION}",
+            file.format_version
+        ));
+    }
+    Ok(file.state)
+}
+
+fn sm_err(e: impl std::fmt::Display) -> StorageError {
+    StorageIOError::write_state_machine(AnyError::error(e)).into()
+}
+
+fn read_err(e: impl std::fmt::Display) -> StorageError {
+    StorageIOError::read_state_machine(AnyError::error(e)).into()
+}
+
+/// The state machine store. Cheap to clone: clones share everything.
+#[derive(Debug, Clone)]
+pub struct StateMachineStore {
+    shared: Arc<SharedState>,
+    db: sled::Db,
+    tree: sled::Tree,
+    snapshot_seq: Arc<AtomicU64>,
+}
+
+impl StateMachineStore {
+    /// Opens (or creates) the store in `dir` and rebuilds the state: the
+    /// current snapshot, then every journal entry after it.
+    pub fn open(dir: &Path) -> Result<StateMachineStore, StorageError> {
+        let db = sled::Config::new()
+            .path(dir)
+            .open()
+            .map_err(|e| read_err(format!("cannot open {}: {e}", dir.display())))?;
+        let tree = db.open_tree("sm").map_err(read_err)?;
+        let get_json = |k: &[u8]| -> Result<Option<sled::IVec>, StorageError> {
+            tree.get(k).map_err(read_err)
+        };
+        let last_applied: Option<LogId> = match get_json(KEY_APPLIED)? {
+            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            None => None,
+        };
+        let membership: StoredMembership<u64, BasicNode> = match get_json(KEY_MEMBERSHIP)? {
+            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            None => StoredMembership::default(),
+        };
+        let (mut state, from) = match (
+            get_json(KEY_SNAPSHOT_META)?,
+            get_json(KEY_SNAPSHOT_DATA)?,
+        ) {
+            (Some(meta), Some(data)) => {
+                let meta: SnapshotMeta<u64, BasicNode> =
+                    serde_json::from_slice(&meta).map_err(read_err)?;
+                let state = decode_snapshot(&data).map_err(read_err)?;
+                (state, meta.last_log_id.map_or(0, |l| l.index + 1))
+            }
+            _ => (ClusterState::new(), 0),
+        };
+        let until = last_applied.map_or(0, |l| l.index);
+        if until >= from {
+            for item in tree.range(key(PREFIX_ENTRY, from)..=key(PREFIX_ENTRY, until)) {
+                let (k, v) = item.map_err(read_err)?;
+                let index = index_of(&k).ok_or_else(|| read_err("malformed journal key"))?;
+                let entry = decode_entry(&v)
+                    .map_err(|e| read_err(format!("journal entry {index}: {e}")))?;
+                // Refusals were recorded when first applied; the state is the same.
+                let _ = state.apply(index, &entry);
+            }
+        }
+        let (applied_index, _) = watch::channel(until);
+        Ok(StateMachineStore {
+            shared: Arc::new(SharedState {
+                applied: RwLock::new(Applied {
+                    state,
+                    last_applied,
+                    membership,
+                }),
+                applied_index,
+            }),
+            db,
+            tree,
+            snapshot_seq: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    pub fn shared(&self) -> Arc<SharedState> {
+        self.shared.clone()
+    }
+
+    /// Up to `limit` applied-entry records from `from` on, in index order.
+    pub fn applied_entries(
+        &self,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<pb::AppliedEntry>, StorageError> {
+        let mut out = Vec::new();
+        for item in self
+            .tree
+            .range(key(PREFIX_APPLIED, from)..=key(PREFIX_APPLIED, u64::MAX))
+            .take(limit)
+        {
+            let (_, v) = item.map_err(read_err)?;
+            out.push(pb::AppliedEntry::decode(v.as_ref()).map_err(read_err)?);
+        }
+        Ok(out)
+    }
+
+    /// Makes everything written so far survive a killed process.
+    pub fn flush(&self) -> Result<(), StorageError> {
+        self.db.flush().map_err(sm_err).map(|_| ())
+    }
+
+    fn save_snapshot(
+        &self,
+        meta: &SnapshotMeta<u64, BasicNode>,
+        data: &[u8],
+        checkpoint: bool,
+    ) -> Result<(), StorageError> {
+        let mut batch = sled::Batch::default();
+        batch.insert(
+            KEY_SNAPSHOT_META,
+            serde_json::to_vec(meta).map_err(sm_err)?,
+        );
+        batch.insert(KEY_SNAPSHOT_DATA, data);
+        if checkpoint {
+            let index = meta.last_log_id.map_or(0, |l| l.index);
+            batch.insert(&key(PREFIX_CHECKPOINT, index)[..], data);
+            batch.insert(
+                KEY_APPLIED,
+                serde_json::to_vec(&meta.last_log_id).map_err(sm_err)?,
+            );
+            batch.insert(
+                KEY_MEMBERSHIP,
+                serde_json::to_vec(&meta.last_membership).map_err(sm_err)?,
+            );
+        }
+        self.tree.apply_batch(batch).map_err(sm_err)?;
+        // Log compaction purges the Raft log up to this snapshot: it must be
+        // on disk first.
+        self.flush()
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let (data, meta) = {
+            let applied = self.shared.read();
+            let data = postcard::to_stdvec(&SnapshotFile {
+                format_version: SNAPSHOT_FORMAT_VERSION,
+                state: applied.state.clone(),
+            })
+            .map_err(sm_err)?;
+            let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
+            let snapshot_id = match applied.last_applied {
+                Some(l) => format!("{}-{}-{}-{seq}", l.leader_id.term, l.leader_id.node_id, l.index),
+                None => format!("0-0-0-{seq}"),
+            };
+            let meta = SnapshotMeta {
+                last_log_id: applied.last_applied,
+                last_membership: applied.membership.clone(),
+                snapshot_id,
+            };
+            (data, meta)
+        };
+        self.save_snapshot(&meta, &data, false)?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = StateMachineStore;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId>, StoredMembership<u64, BasicNode>), StorageError> {
+        let applied = self.shared.read();
+        Ok((applied.last_applied, applied.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<ApplyResponse>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut batch = sled::Batch::default();
+        let mut responses = Vec::new();
+        let last = {
+            let mut applied = self.shared.write();
+            for entry in entries {
+                let index = entry.log_id.index;
+                applied.last_applied = Some(entry.log_id);
+                let outcome = match entry.payload {
+                    EntryPayload::Blank => Ok(Vec::new()),
+                    EntryPayload::Normal(e) => {
+                        let outcome = applied.state.apply(index, &e);
+                        batch.insert(&key(PREFIX_ENTRY, index)[..], encode_entry(&e));
+                        batch.insert(
+                            &key(PREFIX_APPLIED, index)[..],
+                            applied_entry_to_proto(index, &e, &outcome).encode_to_vec(),
+                        );
+                        if let Err(refusal) = &outcome {
+                            tracing::debug!(index, %refusal, "entry refused");
+                        }
+                        outcome
+                    }
+                    EntryPayload::Membership(m) => {
+                        applied.membership = StoredMembership::new(Some(entry.log_id), m);
+                        Ok(Vec::new())
+                    }
+                };
+                responses.push(ApplyResponse { index, outcome });
+            }
+            batch.insert(
+                KEY_APPLIED,
+                serde_json::to_vec(&applied.last_applied).map_err(sm_err)?,
+            );
+            batch.insert(
+                KEY_MEMBERSHIP,
+                serde_json::to_vec(&applied.membership).map_err(sm_err)?,
+            );
+            applied.last_applied.map_or(0, |l| l.index)
+        };
+        self.tree.apply_batch(batch).map_err(sm_err)?;
+        self.shared.applied_index.send_replace(last);
+        Ok(responses)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<u64, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let data = snapshot.into_inner();
+        let state = decode_snapshot(&data).map_err(|e| {
+            StorageError::from(StorageIOError::read_snapshot(
+                Some(meta.signature()),
+                AnyError::error(e),
+            ))
+        })?;
+        self.save_snapshot(meta, &data, true)?;
+        let index = {
+            let mut applied = self.shared.write();
+            applied.state = state;
+            applied.last_applied = meta.last_log_id;
+            applied.membership = meta.last_membership.clone();
+            meta.last_log_id.map_or(0, |l| l.index)
+        };
+        self.shared.applied_index.send_replace(index);
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        let meta = self.tree.get(KEY_SNAPSHOT_META).map_err(read_err)?;
+        let data = self.tree.get(KEY_SNAPSHOT_DATA).map_err(read_err)?;
+        match (meta, data) {
+            (Some(meta), Some(data)) => Ok(Some(Snapshot {
+                meta: serde_json::from_slice(&meta).map_err(read_err)?,
+                snapshot: Box::new(Cursor::new(data.to_vec())),
+            })),
+            _ => Ok(None),
+        }
+    }
+}
