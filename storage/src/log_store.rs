@@ -194,8 +194,7 @@ impl LogStore {
         let wal = self.lock();
         let mut out = Vec::with_capacity(end.saturating_sub(start).min(4096) as usize);
         for item in wal.read(start, end) {
-            let (id, payload) =
-                item.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+            let (id, payload) = item.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
             out.push(Entry {
                 log_id: from_wal_id(&id),
                 payload: decode_payload(&payload)?,
@@ -248,7 +247,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), StorageError> {
-        let v: WalVote = ((vote.leader_id.term, vote.leader_id.node_id), vote.committed);
+        let v: WalVote = (
+            (vote.leader_id.term, vote.leader_id.node_id),
+            vote.committed,
+        );
         self.lock()
             .save_vote(v)
             .map_err(|e| io_err(ErrorSubject::Vote, ErrorVerb::Write, e))?;

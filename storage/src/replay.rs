@@ -50,7 +50,9 @@ pub fn replay(state_dir: &Path, until: Option<u64>) -> Result<ReplaySummary, Rep
             path: state_dir.display().to_string(),
             message: e.to_string(),
         })?;
-    let tree = db.open_tree("sm").map_err(|e| ReplayError::Read(e.to_string()))?;
+    let tree = db
+        .open_tree("sm")
+        .map_err(|e| ReplayError::Read(e.to_string()))?;
     replay_tree(&tree, until.unwrap_or(u64::MAX))
 }
 

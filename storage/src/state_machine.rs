@@ -140,10 +140,7 @@ impl StateMachineStore {
             Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
             None => StoredMembership::default(),
         };
-        let (mut state, from) = match (
-            get_json(KEY_SNAPSHOT_META)?,
-            get_json(KEY_SNAPSHOT_DATA)?,
-        ) {
+        let (mut state, from) = match (get_json(KEY_SNAPSHOT_META)?, get_json(KEY_SNAPSHOT_DATA)?) {
             (Some(meta), Some(data)) => {
                 let meta: SnapshotMeta<u64, BasicNode> =
                     serde_json::from_slice(&meta).map_err(read_err)?;
@@ -213,10 +210,7 @@ impl StateMachineStore {
         checkpoint: bool,
     ) -> Result<(), StorageError> {
         let mut batch = sled::Batch::default();
-        batch.insert(
-            KEY_SNAPSHOT_META,
-            serde_json::to_vec(meta).map_err(sm_err)?,
-        );
+        batch.insert(KEY_SNAPSHOT_META, serde_json::to_vec(meta).map_err(sm_err)?);
         batch.insert(KEY_SNAPSHOT_DATA, data);
         if checkpoint {
             let index = meta.last_log_id.map_or(0, |l| l.index);
@@ -248,7 +242,10 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             .map_err(sm_err)?;
             let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match applied.last_applied {
-                Some(l) => format!("{}-{}-{}-{seq}", l.leader_id.term, l.leader_id.node_id, l.index),
+                Some(l) => format!(
+                    "{}-{}-{}-{seq}",
+                    l.leader_id.term, l.leader_id.node_id, l.index
+                ),
                 None => format!("0-0-0-{seq}"),
             };
             let meta = SnapshotMeta {

@@ -10,7 +10,11 @@ struct Builder;
 impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for Builder {
     async fn build(&self) -> Result<(TempDir, LogStore, StateMachineStore), StorageError> {
         let dir = TempDir::new().map_err(|e| {
-            StorageError::from_io_error(openraft::ErrorSubject::Store, openraft::ErrorVerb::Write, e)
+            StorageError::from_io_error(
+                openraft::ErrorSubject::Store,
+                openraft::ErrorVerb::Write,
+                e,
+            )
         })?;
         let log = LogStore::open(&dir.path().join("raft-log")).map_err(|e| {
             StorageError::from_io_error(openraft::ErrorSubject::Logs, openraft::ErrorVerb::Write, e)

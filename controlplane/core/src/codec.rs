@@ -23,7 +23,9 @@ pub enum DecodeError {
     Protobuf(String),
     #[error("entry is {len} bytes; the limit is {limit}")]
     TooLarge { len: usize, limit: usize },
-    #[error("entry format version {found} is newer than this build reads ({supported}); upgrade keel")]
+    #[error(
+        "entry format version {found} is newer than this build reads ({supported}); upgrade keel"
+    )]
     UnsupportedFormatVersion { found: u32, supported: u32 },
     #[error("entry (format version {format_version}) holds a command this build does not know; upgrade keel")]
     UnknownCommand { format_version: u32 },
@@ -437,7 +439,9 @@ mod tests {
         let bytes = pb::LogEntry {
             format_version: ENTRY_FORMAT_VERSION + 1,
             at_ms: 5,
-            command: Some(pb::log_entry::Command::RemoveJob(pb::RemoveJob { job_id: 1 })),
+            command: Some(pb::log_entry::Command::RemoveJob(pb::RemoveJob {
+                job_id: 1,
+            })),
         }
         .encode_to_vec();
         assert!(matches!(

@@ -37,12 +37,12 @@ pub struct JobSpec {
     #[serde(default)]
     pub user: String,
     /// The program and its arguments (argv). Either this or `image` is required.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub command: Vec<String>,
     /// A container image, for executors that run containers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub image: Option<String>,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default)]
     pub env: BTreeMap<String, String>,
     /// GPUs per worker.
     #[serde(default = "one")]
@@ -52,11 +52,11 @@ pub struct JobSpec {
     #[serde(default)]
     pub gpu_types: GpuTypes,
     /// Model name, used to look up throughput tables.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub model: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub total_steps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub epochs: Option<u32>,
     /// Higher runs first under priority-aware policies.
     #[serde(default)]
@@ -68,9 +68,9 @@ fn one() -> u32 {
 }
 
 /// Worker count: a fixed number (`workers: 2`) or a range for elastic jobs
-/// (`workers: {min: 1, max: 4}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(from = "WorkersRepr")]
+/// (`workers: {min: 1, max: 4}`). Binary formats (snapshots) always use the
+/// `{min, max}` form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Workers {
     pub min: u32,
     pub max: u32,
@@ -83,27 +83,47 @@ impl Default for Workers {
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum WorkersRepr {
-    Fixed(u32),
-    Range(WorkersRange),
-}
-
-#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct WorkersRange {
     min: u32,
     max: u32,
 }
 
-impl From<WorkersRepr> for Workers {
-    fn from(r: WorkersRepr) -> Self {
-        match r {
-            WorkersRepr::Fixed(n) => Workers { min: n, max: n },
-            WorkersRepr::Range(r) => Workers {
+impl<'de> Deserialize<'de> for Workers {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct CountOrRange;
+        impl<'de> serde::de::Visitor<'de> for CountOrRange {
+            type Value = Workers;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a worker count, or {min, max}")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Workers, E> {
+                let n =
+                    u32::try_from(n).map_err(|_| E::custom(format!("{n} workers is too many")))?;
+                Ok(Workers { min: n, max: n })
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Workers, E> {
+                let n =
+                    u64::try_from(n).map_err(|_| E::custom("a worker count cannot be negative"))?;
+                self.visit_u64(n)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Workers, A::Error> {
+                let r =
+                    WorkersRange::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(Workers {
+                    min: r.min,
+                    max: r.max,
+                })
+            }
+        }
+        if d.is_human_readable() {
+            d.deserialize_any(CountOrRange)
+        } else {
+            let r = WorkersRange::deserialize(d)?;
+            Ok(Workers {
                 min: r.min,
                 max: r.max,
-            },
+            })
         }
     }
 }
@@ -113,9 +133,9 @@ impl From<WorkersRepr> for Workers {
 #[serde(deny_unknown_fields)]
 pub struct GpuTypes {
     /// Empty: any type.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub allowed: Vec<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub preferred: Vec<String>,
 }
 
@@ -258,7 +278,12 @@ impl JobSpec {
             check_len(&format!("env.{k}"), v, ENV_VALUE_MAX_LEN)?;
         }
         check_range("gpus", self.gpus.into(), 1, GPUS_PER_WORKER_MAX.into())?;
-        check_range("workers.min", self.workers.min.into(), 1, WORKERS_MAX.into())?;
+        check_range(
+            "workers.min",
+            self.workers.min.into(),
+            1,
+            WORKERS_MAX.into(),
+        )?;
         check_range(
             "workers.max",
             self.workers.max.into(),

@@ -240,7 +240,10 @@ impl ClusterState {
                 reason,
             } => {
                 check_len("reason", reason, limits::REASON_MAX_LEN)?;
-                let job = self.jobs.get_mut(job_id).ok_or(ApplyError::UnknownJob(*job_id))?;
+                let job = self
+                    .jobs
+                    .get_mut(job_id)
+                    .ok_or(ApplyError::UnknownJob(*job_id))?;
                 // An exit is a fact about a worker that ran; record it even
                 // after the job moved on, as long as the epoch was ever issued.
                 if *epoch == 0 || *epoch > job.last_epoch {
@@ -274,9 +277,7 @@ impl ClusterState {
                     reason: reason.clone(),
                 }])
             }
-            Command::ReportProgress { job_id, samples } => {
-                self.report_progress(*job_id, samples)
-            }
+            Command::ReportProgress { job_id, samples } => self.report_progress(*job_id, samples),
             Command::FinishJob {
                 job_id,
                 outcome,
@@ -300,7 +301,10 @@ impl ClusterState {
                 }])
             }
             Command::RemoveJob { job_id } => {
-                let job = self.jobs.get(job_id).ok_or(ApplyError::UnknownJob(*job_id))?;
+                let job = self
+                    .jobs
+                    .get(job_id)
+                    .ok_or(ApplyError::UnknownJob(*job_id))?;
                 if !job.state.is_terminal() {
                     return Err(ApplyError::JobNotEnded {
                         job_id: *job_id,
@@ -398,7 +402,11 @@ impl ClusterState {
         }
         let mut inventory = BTreeMap::new();
         for gpu in gpus {
-            check_len("gpu type", &gpu.gpu_type, crate::spec::limits::GPU_TYPE_MAX_LEN)?;
+            check_len(
+                "gpu type",
+                &gpu.gpu_type,
+                crate::spec::limits::GPU_TYPE_MAX_LEN,
+            )?;
             if inventory.insert(gpu.index, gpu.gpu_type.clone()).is_some() {
                 return Err(ApplyError::DuplicateGpu {
                     node: name.to_string(),
@@ -458,7 +466,11 @@ impl ClusterState {
         }];
         // A gang job with a worker on a lost node cannot go on: release all
         // of its GPUs and put it back in the queue.
-        let affected: BTreeSet<JobId> = self.gpus_held_on(name).into_iter().map(|(_, j)| j).collect();
+        let affected: BTreeSet<JobId> = self
+            .gpus_held_on(name)
+            .into_iter()
+            .map(|(_, j)| j)
+            .collect();
         for job_id in affected {
             let reason = format!("node {name} lost");
             self.preempt(job_id, &reason);
@@ -518,7 +530,9 @@ impl ClusterState {
             });
         }
         // The latest sample is the one with the highest step (ties: the last).
-        let Some(latest) = samples.iter().reduce(|a, b| if b.step >= a.step { b } else { a })
+        let Some(latest) = samples
+            .iter()
+            .reduce(|a, b| if b.step >= a.step { b } else { a })
         else {
             return Err(ApplyError::Invalid {
                 field: "progress samples".into(),
@@ -545,7 +559,10 @@ impl ClusterState {
             .get(&p.job_id)
             .ok_or_else(|| format!("job {} does not exist", p.job_id))?;
         if job.state.is_terminal() {
-            return Err(format!("job {} has already ended ({})", p.job_id, job.state));
+            return Err(format!(
+                "job {} has already ended ({})",
+                p.job_id, job.state
+            ));
         }
         let mut gpus = p.gpus.clone();
         gpus.sort();
@@ -654,7 +671,9 @@ impl ClusterState {
                 .and_then(|j| j.allocation.as_ref())
                 .map(|a| a.gpus.clone())
                 .unwrap_or_default();
-            let taken = old.iter().any(|g| claimed.get(g).is_some_and(|h| *h != job_id));
+            let taken = old
+                .iter()
+                .any(|g| claimed.get(g).is_some_and(|h| *h != job_id));
             if taken {
                 self.preempt(job_id, "its GPUs went to another job");
                 events.push(Event::JobPreempted {
@@ -747,7 +766,8 @@ impl ClusterState {
                 }
             }
         }
-        let index: BTreeMap<&GpuRef, JobId> = self.gpu_holders.iter().map(|(g, j)| (g, *j)).collect();
+        let index: BTreeMap<&GpuRef, JobId> =
+            self.gpu_holders.iter().map(|(g, j)| (g, *j)).collect();
         if index != from_jobs {
             return Err("the GPU holder index disagrees with the jobs' allocations".into());
         }

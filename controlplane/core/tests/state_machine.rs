@@ -61,10 +61,13 @@ impl Harness {
         if res.is_err() {
             let mut expected = before;
             // Only the index moves on a refusal.
-            let _ = expected.apply(self.index, &LogEntry {
-                at_ms: 0,
-                command: Command::RemoveJob { job_id: u64::MAX },
-            });
+            let _ = expected.apply(
+                self.index,
+                &LogEntry {
+                    at_ms: 0,
+                    command: Command::RemoveJob { job_id: u64::MAX },
+                },
+            );
             assert_eq!(self.state, expected, "a refused entry changed the state");
         }
         self.state.check_invariants().expect("invariants");
@@ -84,7 +87,11 @@ impl Harness {
         .expect("register");
     }
     fn submit(&mut self, s: JobSpec) -> JobId {
-        match self.apply(Command::SubmitJob { spec: s }).expect("submit").as_slice() {
+        match self
+            .apply(Command::SubmitJob { spec: s })
+            .expect("submit")
+            .as_slice()
+        {
             [Event::JobSubmitted { job_id, .. }] => *job_id,
             other => panic!("unexpected events {other:?}"),
         }
@@ -110,7 +117,10 @@ fn job_lifecycle_pending_running_succeeded() {
     let j = h.submit(spec("a", 2, 1));
     assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Pending));
     let ev = h.place(vec![(j, vec![gpu("n0", 0), gpu("n0", 1)])]);
-    assert!(matches!(ev.as_slice(), [Event::JobAllocated { epoch: 1, .. }]));
+    assert!(matches!(
+        ev.as_slice(),
+        [Event::JobAllocated { epoch: 1, .. }]
+    ));
     assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
     h.apply(Command::RecordWorkerStarted {
         job_id: j,
@@ -209,7 +219,10 @@ fn allocation_on_a_lost_node_is_refused_and_loss_preempts() {
         job_id: a,
         reason: "node n1 lost".into()
     }));
-    assert!(h.state.gpu_holders().is_empty(), "the whole gang is released");
+    assert!(
+        h.state.gpu_holders().is_empty(),
+        "the whole gang is released"
+    );
     let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 1)])]);
     assert_eq!(
         ev,
@@ -221,7 +234,10 @@ fn allocation_on_a_lost_node_is_refused_and_loss_preempts() {
     h.apply(Command::MarkNodeRecovered { name: "n1".into() })
         .expect("recovered");
     let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 1)])]);
-    assert!(matches!(ev.as_slice(), [Event::JobAllocated { epoch: 2, .. }]));
+    assert!(matches!(
+        ev.as_slice(),
+        [Event::JobAllocated { epoch: 2, .. }]
+    ));
 }
 
 #[test]
@@ -232,12 +248,18 @@ fn placements_must_match_the_job_shape_and_types() {
     s.gpu_types.allowed = vec!["k80".into()];
     let a = h.submit(s);
     let ev = h.place(vec![(a, vec![gpu("n0", 0)])]);
-    assert!(matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("workers of 2 GPUs")));
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("workers of 2 GPUs"))
+    );
     let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n0", 1)])]);
-    assert!(matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("not an allowed type")));
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("not an allowed type"))
+    );
     let b = h.submit(spec("b", 2, 1));
     let ev = h.place(vec![(b, vec![gpu("n0", 7), gpu("n0", 1)])]);
-    assert!(matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("does not exist")));
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("does not exist"))
+    );
 }
 
 #[test]

@@ -1,0 +1,55 @@
+//! Helper for the crash test: appends entries to a WAL as fast as it can and
+//! prints `acked N` after each batch is durable, until it is killed.
+//!
+//! Usage: `crash-writer DIR`
+
+#![allow(clippy::print_stdout)]
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use keel_core::spec::{GpuTypes, Workers};
+use keel_core::{Command, JobSpec, LogEntry};
+use keel_storage::{Entry, LogStore};
+use openraft::{CommittedLeaderId, EntryPayload, LogId};
+
+/// The entry the writer puts at `index`; the test rebuilds it to compare.
+pub fn entry_at(index: u64) -> Entry {
+    Entry {
+        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+        payload: EntryPayload::Normal(LogEntry {
+            at_ms: index,
+            command: Command::SubmitJob {
+                spec: JobSpec {
+                    name: format!("job-{index}"),
+                    user: "crash".into(),
+                    command: vec!["sleep".into(), index.to_string()],
+                    image: None,
+                    env: Default::default(),
+                    gpus: 1,
+                    workers: Workers::default(),
+                    gpu_types: GpuTypes::default(),
+                    model: None,
+                    total_steps: None,
+                    epochs: None,
+                    priority: 0,
+                },
+            },
+        }),
+    }
+}
+
+#[allow(dead_code)]
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = PathBuf::from(std::env::args().nth(1).ok_or("usage: crash-writer DIR")?);
+    let store = LogStore::open(&dir)?;
+    let mut next = 1u64;
+    let mut out = std::io::stdout().lock();
+    loop {
+        let batch: Vec<Entry> = (next..next + 7).map(entry_at).collect();
+        store.append_durable(&batch)?;
+        next += 7;
+        writeln!(out, "acked {}", next - 1)?;
+        out.flush()?;
+    }
+}
