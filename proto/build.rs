@@ -5,6 +5,10 @@
 
 use std::path::PathBuf;
 
+/// Every message serialises to JSON (the CLI's `--output json`) with its
+/// proto field names.
+const SERDE: &str = "#[derive(serde::Serialize)] #[serde(rename_all = \"snake_case\")]";
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     println!("cargo:rerun-if-changed=proto");
@@ -14,6 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         .build_server(false)
         .btree_map(".")
+        .type_attribute(".", SERDE)
         .out_dir(&out_dir)
         .compile_fds(entry_fds)?;
 
@@ -23,6 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let api_fds = protox::compile(["keel/api/v1/api.proto"], ["proto"])?;
         tonic_prost_build::configure()
             .btree_map(".")
+            .type_attribute(".", SERDE)
             .extern_path(".keel.entry.v1", "crate::entry")
             .out_dir(&api_dir)
             .compile_fds(api_fds)?;

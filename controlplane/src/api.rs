@@ -1,0 +1,263 @@
+//! The `keel.api.v1.Keel` gRPC service.
+//!
+//! Writes become log entries stamped with the leader's clock and return once
+//! applied; reads are linearizable (read index) against the local state.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use keel_core::codec::spec_from_proto;
+use keel_core::{Command, JobState, LogEntry};
+use keel_proto::api::{self, keel_server::Keel};
+use keel_proto::entry::AppliedEntry;
+use openraft::ServerState;
+use tonic::{Request, Response, Status};
+
+use crate::grpc_status::ApiError;
+use crate::raft_node::RaftNode;
+
+/// Where the API gets the time it stamps on entries. Injected so tests can
+/// fix it.
+pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+/// The wall clock, in Unix milliseconds.
+pub fn system_clock() -> Clock {
+    Arc::new(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    })
+}
+
+/// Records sent per read of the journal while streaming events.
+const WATCH_BATCH: usize = 512;
+/// Longest user filter accepted by ListJobs.
+const USER_FILTER_MAX_LEN: usize = keel_core::spec::limits::USER_MAX_LEN;
+
+pub struct KeelApi {
+    node: Arc<RaftNode>,
+    clock: Clock,
+}
+
+impl std::fmt::Debug for KeelApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeelApi")
+            .field("node", &self.node.id)
+            .finish()
+    }
+}
+
+impl KeelApi {
+    pub fn new(node: Arc<RaftNode>, clock: Clock) -> Self {
+        KeelApi { node, clock }
+    }
+
+    /// Proposes a command and waits until it is applied. A refusal by the
+    /// state machine is an error.
+    async fn propose(&self, command: Command) -> Result<(u64, Vec<keel_core::Event>), ApiError> {
+        let entry = LogEntry {
+            at_ms: (self.clock)(),
+            command,
+        };
+        let resp = self.node.raft.client_write(entry).await?;
+        let index = resp.data.index;
+        let events = resp.data.outcome?;
+        Ok((index, events))
+    }
+
+    async fn linearizable(&self) -> Result<(), ApiError> {
+        self.node.raft.ensure_linearizable().await?;
+        Ok(())
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<AppliedEntry, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Keel for KeelApi {
+    async fn submit_job(
+        &self,
+        request: Request<api::SubmitJobRequest>,
+    ) -> Result<Response<api::SubmitJobResponse>, Status> {
+        let spec = request.into_inner().spec.ok_or(ApiError::InvalidArgument {
+            field: "spec",
+            message: "is required".into(),
+        })?;
+        let spec = spec_from_proto(spec);
+        spec.validate().map_err(ApiError::from)?;
+        let (index, events) = self.propose(Command::SubmitJob { spec }).await?;
+        let job_id = events
+            .iter()
+            .find_map(|e| match e {
+                keel_core::Event::JobSubmitted { job_id, .. } => Some(*job_id),
+                _ => None,
+            })
+            .ok_or_else(|| ApiError::Storage("submission applied without a job id".into()))?;
+        Ok(Response::new(api::SubmitJobResponse { job_id, index }))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<api::CancelJobRequest>,
+    ) -> Result<Response<api::CancelJobResponse>, Status> {
+        let req = request.into_inner();
+        let (index, _) = self
+            .propose(Command::CancelJob {
+                job_id: req.job_id,
+                reason: req.reason,
+            })
+            .await?;
+        Ok(Response::new(api::CancelJobResponse { index }))
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<api::GetJobRequest>,
+    ) -> Result<Response<api::Job>, Status> {
+        let job_id = request.into_inner().job_id;
+        self.linearizable().await?;
+        let shared = self.node.state_machine.shared();
+        let applied = shared.read();
+        let job = applied
+            .state
+            .job(job_id)
+            .ok_or(ApiError::JobNotFound(job_id))?;
+        Ok(Response::new(crate::convert::job_to_proto(job)))
+    }
+
+    async fn list_jobs(
+        &self,
+        request: Request<api::ListJobsRequest>,
+    ) -> Result<Response<api::ListJobsResponse>, Status> {
+        let req = request.into_inner();
+        let state = if req.state.is_empty() {
+            None
+        } else {
+            Some(
+                JobState::parse(&req.state).ok_or_else(|| ApiError::InvalidArgument {
+                    field: "state",
+                    message: format!(
+                    "{:?} is not one of pending, running, preempted, succeeded, failed, cancelled",
+                    req.state
+                ),
+                })?,
+            )
+        };
+        if req.user.len() > USER_FILTER_MAX_LEN {
+            return Err(ApiError::InvalidArgument {
+                field: "user",
+                message: format!(
+                    "is {} bytes long; the limit is {USER_FILTER_MAX_LEN}",
+                    req.user.len()
+                ),
+            }
+            .into());
+        }
+        self.linearizable().await?;
+        let shared = self.node.state_machine.shared();
+        let applied = shared.read();
+        let jobs = applied
+            .state
+            .jobs()
+            .values()
+            .filter(|j| state.is_none_or(|s| j.state == s))
+            .filter(|j| req.user.is_empty() || j.spec.user == req.user)
+            .map(crate::convert::job_to_proto)
+            .collect();
+        Ok(Response::new(api::ListJobsResponse { jobs }))
+    }
+
+    async fn list_nodes(
+        &self,
+        _request: Request<api::ListNodesRequest>,
+    ) -> Result<Response<api::ListNodesResponse>, Status> {
+        self.linearizable().await?;
+        let shared = self.node.state_machine.shared();
+        let applied = shared.read();
+        let holders = applied.state.gpu_holders();
+        let nodes = applied
+            .state
+            .nodes()
+            .values()
+            .map(|n| crate::convert::node_to_proto(n, holders.iter()))
+            .collect();
+        Ok(Response::new(api::ListNodesResponse { nodes }))
+    }
+
+    type WatchEventsStream = WatchStream;
+
+    async fn watch_events(
+        &self,
+        request: Request<api::WatchEventsRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
+        let req = request.into_inner();
+        let store = self.node.state_machine.clone();
+        let mut applied_index = store.shared().subscribe();
+        let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BATCH);
+        tokio::spawn(async move {
+            let mut next = req.from_index;
+            loop {
+                // Mark the current index seen before reading, so an apply
+                // that lands after the read wakes the wait below.
+                applied_index.borrow_and_update();
+                let batch = match store.applied_entries(next, WATCH_BATCH) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = tx.send(Err(Status::from(ApiError::from(e)))).await;
+                        return;
+                    }
+                };
+                let exhausted = batch.len() < WATCH_BATCH;
+                for record in batch {
+                    next = record.index + 1;
+                    if tx.send(Ok(record)).await.is_err() {
+                        return; // the client went away
+                    }
+                }
+                if !exhausted {
+                    continue;
+                }
+                if !req.follow || applied_index.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn cluster_status(
+        &self,
+        _request: Request<api::ClusterStatusRequest>,
+    ) -> Result<Response<api::ClusterStatusResponse>, Status> {
+        let metrics = self.node.raft.metrics().borrow().clone();
+        let role = match metrics.state {
+            ServerState::Leader => "leader",
+            ServerState::Follower => "follower",
+            ServerState::Candidate => "candidate",
+            ServerState::Learner => "learner",
+            ServerState::Shutdown => "shutdown",
+        };
+        let shared = self.node.state_machine.shared();
+        let (last_applied_index, state_hash) = {
+            let applied = shared.read();
+            (
+                applied.last_applied.map_or(0, |l| l.index),
+                applied.state.state_hash().to_string(),
+            )
+        };
+        Ok(Response::new(api::ClusterStatusResponse {
+            member_id: metrics.id,
+            role: role.to_string(),
+            term: metrics.current_term,
+            last_log_index: metrics.last_log_index.unwrap_or(0),
+            last_applied_index,
+            state_hash,
+            leader_id: metrics.current_leader,
+            voters: metrics.membership_config.membership().voter_ids().collect(),
+        }))
+    }
+}

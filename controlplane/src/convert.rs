@@ -1,0 +1,65 @@
+//! Domain objects to their API messages.
+
+use keel_core::codec::{gpu_ref_to_proto, gpu_to_proto, sample_to_proto, spec_to_proto};
+use keel_core::{Job, Node, WorkerState};
+use keel_proto::api;
+
+pub fn job_to_proto(job: &Job) -> api::Job {
+    api::Job {
+        id: job.id,
+        spec: Some(spec_to_proto(&job.spec)),
+        state: job.state.as_str().to_string(),
+        submitted_at_ms: job.submitted_at_ms,
+        started_at_ms: job.started_at_ms.unwrap_or(0),
+        finished_at_ms: job.finished_at_ms.unwrap_or(0),
+        allocation: job.allocation.as_ref().map(|a| api::Allocation {
+            epoch: a.epoch,
+            gpus: a.gpus.iter().map(gpu_ref_to_proto).collect(),
+            based_on: a.based_on,
+            policy: a.policy.clone(),
+            decided_at_ms: a.decided_at_ms,
+        }),
+        progress: job.progress.as_ref().map(sample_to_proto),
+        workers: job
+            .workers
+            .iter()
+            .map(|(rank, w)| api::Worker {
+                rank: *rank,
+                epoch: w.epoch,
+                node: w.node.clone(),
+                state: match w.state {
+                    WorkerState::Running => "running",
+                    WorkerState::Exited => "exited",
+                }
+                .to_string(),
+                exit_code: w.exit_code,
+            })
+            .collect(),
+        message: job.message.clone(),
+    }
+}
+
+pub fn node_to_proto<'a>(
+    node: &Node,
+    holders: impl Iterator<Item = (&'a keel_core::GpuRef, &'a u64)>,
+) -> api::Node {
+    api::Node {
+        name: node.name.clone(),
+        address: node.address.clone(),
+        state: node.state.as_str().to_string(),
+        gpus: node
+            .gpus
+            .iter()
+            .map(|(index, gpu_type)| {
+                gpu_to_proto(&keel_core::Gpu {
+                    index: *index,
+                    gpu_type: gpu_type.clone(),
+                })
+            })
+            .collect(),
+        gpu_holders: holders
+            .filter(|(g, _)| g.node == node.name)
+            .map(|(g, j)| (g.index, *j))
+            .collect(),
+    }
+}

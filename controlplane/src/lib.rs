@@ -1,0 +1,16 @@
+//! Keel's control plane: the Raft node, the gRPC API and the server process.
+//!
+//! - [`raft_node`]: openraft wired to Keel's storage; one replica for now.
+//! - [`api`]: the `keel.api.v1.Keel` gRPC service.
+//! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
+//! - [`convert`]: domain objects to their API messages.
+//! - [`server`]: the `keel server` process: data dir, Raft, API, shutdown.
+
+pub mod api;
+pub mod convert;
+pub mod grpc_status;
+pub mod raft_node;
+pub mod server;
+
+/// Largest gRPC request the server accepts, in bytes.
+pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;

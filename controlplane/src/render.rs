@@ -1,0 +1,403 @@
+//! Human tables and JSON for the CLI. JSON field names are stable.
+
+#![allow(clippy::print_stdout)]
+
+use std::io::Write;
+
+use keel_proto::api;
+use keel_proto::entry as pb;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut stdout, value)?;
+    writeln!(stdout)?;
+    Ok(())
+}
+
+/// Prints rows as columns aligned under a header.
+fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Result<()> {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut stdout = std::io::stdout().lock();
+    let line = |cells: Vec<&str>| -> String {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    writeln!(stdout, "{}", line(header.to_vec()))?;
+    for row in rows {
+        writeln!(stdout, "{}", line(row.iter().map(String::as_str).collect()))?;
+    }
+    Ok(())
+}
+
+fn time(ms: u64) -> String {
+    if ms == 0 {
+        return "-".into();
+    }
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+fn gpu_ref(g: &pb::GpuRef) -> String {
+    format!("{}/{}", g.node, g.index)
+}
+
+#[derive(Serialize)]
+struct AllocationView {
+    epoch: u64,
+    gpus: Vec<String>,
+    policy: String,
+    based_on: u64,
+    decided_at_ms: u64,
+}
+
+#[derive(Serialize)]
+struct ProgressView {
+    step: u64,
+    total_steps: u64,
+    loss: Option<f64>,
+    samples_per_s: f64,
+    at_ms: u64,
+}
+
+/// A job as `--output json` shows it.
+#[derive(Serialize)]
+struct JobView {
+    id: u64,
+    name: String,
+    user: String,
+    state: String,
+    /// GPUs per worker.
+    gpus: u32,
+    min_workers: u32,
+    max_workers: u32,
+    gpu_types: Vec<String>,
+    model: String,
+    priority: i32,
+    command: Vec<String>,
+    image: String,
+    allocation: Option<AllocationView>,
+    progress: Option<ProgressView>,
+    submitted_at_ms: u64,
+    started_at_ms: Option<u64>,
+    finished_at_ms: Option<u64>,
+    message: String,
+}
+
+fn job_view(job: &api::Job) -> JobView {
+    let spec = job.spec.clone().unwrap_or_default();
+    JobView {
+        id: job.id,
+        name: spec.name,
+        user: spec.user,
+        state: job.state.clone(),
+        gpus: spec.gpus_per_worker,
+        min_workers: spec.min_workers,
+        max_workers: spec.max_workers,
+        gpu_types: spec.gpu_types_allowed,
+        model: spec.model,
+        priority: spec.priority,
+        command: spec.command,
+        image: spec.image,
+        allocation: job.allocation.as_ref().map(|a| AllocationView {
+            epoch: a.epoch,
+            gpus: a.gpus.iter().map(gpu_ref).collect(),
+            policy: a.policy.clone(),
+            based_on: a.based_on,
+            decided_at_ms: a.decided_at_ms,
+        }),
+        progress: job.progress.as_ref().map(|p| ProgressView {
+            step: p.step,
+            total_steps: p.total_steps,
+            loss: p.loss,
+            samples_per_s: p.samples_per_s,
+            at_ms: p.at_ms,
+        }),
+        submitted_at_ms: job.submitted_at_ms,
+        started_at_ms: (job.started_at_ms != 0).then_some(job.started_at_ms),
+        finished_at_ms: (job.finished_at_ms != 0).then_some(job.finished_at_ms),
+        message: job.message.clone(),
+    }
+}
+
+fn job_row(v: &JobView) -> Vec<String> {
+    let workers = if v.min_workers == v.max_workers {
+        v.max_workers.to_string()
+    } else {
+        format!("{}-{}", v.min_workers, v.max_workers)
+    };
+    vec![
+        v.id.to_string(),
+        v.name.clone(),
+        v.user.clone(),
+        v.state.clone(),
+        format!("{}x{}", workers, v.gpus),
+        v.allocation
+            .as_ref()
+            .map(|a| a.gpus.join(","))
+            .unwrap_or_else(|| "-".into()),
+        v.progress
+            .as_ref()
+            .map(|p| format!("{}/{}", p.step, p.total_steps))
+            .unwrap_or_else(|| "-".into()),
+        time(v.submitted_at_ms),
+    ]
+}
+
+const JOB_HEADER: [&str; 8] = [
+    "ID",
+    "NAME",
+    "USER",
+    "STATE",
+    "WORKERSxGPUS",
+    "ALLOCATION",
+    "PROGRESS",
+    "SUBMITTED",
+];
+
+pub fn jobs(jobs: &[api::Job], out: Output) -> anyhow::Result<()> {
+    let views: Vec<JobView> = jobs.iter().map(job_view).collect();
+    match out {
+        Output::Json => print_json(&views),
+        Output::Table => print_table(&JOB_HEADER, &views.iter().map(job_row).collect::<Vec<_>>()),
+    }
+}
+
+pub fn job(job: &api::Job, out: Output) -> anyhow::Result<()> {
+    let view = job_view(job);
+    match out {
+        Output::Json => print_json(&view),
+        Output::Table => {
+            print_table(&JOB_HEADER, &[job_row(&view)])?;
+            if !view.message.is_empty() {
+                println!("message: {}", view.message);
+            }
+            for w in &job.workers {
+                println!(
+                    "worker rank {} epoch {} on {}: {}{}",
+                    w.rank,
+                    w.epoch,
+                    w.node,
+                    w.state,
+                    w.exit_code
+                        .map(|c| format!(" (exit {c})"))
+                        .unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+pub fn submitted(resp: &api::SubmitJobResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(&serde_json::json!({"id": resp.job_id, "index": resp.index})),
+        Output::Table => {
+            println!("job {} submitted (log index {})", resp.job_id, resp.index);
+            Ok(())
+        }
+    }
+}
+
+pub fn cancelled(id: u64, resp: &api::CancelJobResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(&serde_json::json!({"id": id, "index": resp.index})),
+        Output::Table => {
+            println!("job {id} cancelled (log index {})", resp.index);
+            Ok(())
+        }
+    }
+}
+
+pub fn nodes(nodes: &[api::Node], out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(&nodes),
+        Output::Table => {
+            let rows: Vec<Vec<String>> = nodes
+                .iter()
+                .map(|n| {
+                    let mut types: std::collections::BTreeMap<&str, usize> = Default::default();
+                    for g in &n.gpus {
+                        *types.entry(g.gpu_type.as_str()).or_default() += 1;
+                    }
+                    vec![
+                        n.name.clone(),
+                        n.state.clone(),
+                        types
+                            .iter()
+                            .map(|(t, c)| format!("{c}x{t}"))
+                            .collect::<Vec<_>>()
+                            .join(","),
+                        format!("{}/{}", n.gpu_holders.len(), n.gpus.len()),
+                        n.address.clone(),
+                    ]
+                })
+                .collect();
+            print_table(&["NAME", "STATE", "GPUS", "IN USE", "ADDRESS"], &rows)
+        }
+    }
+}
+
+fn describe_event(e: &pb::Event) -> String {
+    use pb::event::Kind as K;
+    match &e.kind {
+        None => "unknown event".into(),
+        Some(K::NodeRegistered(x)) => {
+            format!("node {} registered with {} GPUs", x.name, x.gpus.len())
+        }
+        Some(K::NodeLost(x)) => format!("node {} lost: {}", x.name, x.reason),
+        Some(K::NodeRecovered(x)) => format!("node {} recovered", x.name),
+        Some(K::JobSubmitted(x)) => format!("job {} submitted: {} by {}", x.job_id, x.name, x.user),
+        Some(K::JobCancelled(x)) => format!("job {} cancelled: {}", x.job_id, x.reason),
+        Some(K::JobAllocated(x)) => format!(
+            "job {} allocated {} (epoch {}, {} round {}, based on {})",
+            x.job_id,
+            x.gpus.iter().map(gpu_ref).collect::<Vec<_>>().join(","),
+            x.epoch,
+            x.policy,
+            x.round,
+            x.based_on
+        ),
+        Some(K::JobPreempted(x)) => format!("job {} preempted: {}", x.job_id, x.reason),
+        Some(K::PlacementRefused(x)) => {
+            format!("placement of job {} refused: {}", x.job_id, x.reason)
+        }
+        Some(K::WorkerStarted(x)) => format!(
+            "job {} worker {} (epoch {}) started on {}",
+            x.job_id, x.rank, x.epoch, x.node
+        ),
+        Some(K::WorkerExited(x)) => format!(
+            "job {} worker {} (epoch {}) exited{} {}",
+            x.job_id,
+            x.rank,
+            x.epoch,
+            x.exit_code
+                .map(|c| format!(" with {c}"))
+                .unwrap_or_default(),
+            x.reason
+        ),
+        Some(K::JobProgressReported(x)) => format!(
+            "job {} at step {} ({} samples)",
+            x.job_id,
+            x.latest.as_ref().map_or(0, |s| s.step),
+            x.samples
+        ),
+        Some(K::JobFinished(x)) => format!("job {} {} {}", x.job_id, x.state, x.reason),
+        Some(K::JobRemoved(x)) => format!("job {} removed", x.job_id),
+    }
+}
+
+pub fn applied_entry(record: &pb::AppliedEntry, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => {
+            let mut stdout = std::io::stdout().lock();
+            serde_json::to_writer(&mut stdout, record)?;
+            writeln!(stdout)?;
+            stdout.flush()?;
+            Ok(())
+        }
+        Output::Table => {
+            let what = if !record.refused.is_empty() {
+                format!("refused: {}", record.refused)
+            } else {
+                record
+                    .events
+                    .iter()
+                    .map(describe_event)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            };
+            let mut stdout = std::io::stdout().lock();
+            writeln!(
+                stdout,
+                "{:>6}  {}  {:<22} {}",
+                record.index,
+                time(record.at_ms),
+                record.command,
+                what
+            )?;
+            stdout.flush()?;
+            Ok(())
+        }
+    }
+}
+
+pub fn cluster_status(s: &api::ClusterStatusResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(s),
+        Output::Table => print_table(
+            &[
+                "ID",
+                "ROLE",
+                "TERM",
+                "LAST LOG",
+                "APPLIED",
+                "LEADER",
+                "VOTERS",
+                "STATE HASH",
+            ],
+            &[vec![
+                s.member_id.to_string(),
+                s.role.clone(),
+                s.term.to_string(),
+                s.last_log_index.to_string(),
+                s.last_applied_index.to_string(),
+                s.leader_id
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "-".into()),
+                s.voters
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+                s.state_hash.clone(),
+            ]],
+        ),
+    }
+}
+
+pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(&serde_json::json!({
+            "entries": s.entries,
+            "refused": s.refused,
+            "started_after": s.started_after,
+            "last_index": s.last_index,
+            "state_hash": s.state_hash.to_string(),
+            "jobs_by_state": s.jobs_by_state,
+            "nodes": s.nodes,
+        })),
+        Output::Table => {
+            println!(
+                "replayed {} entries ({} refused) up to index {}",
+                s.entries, s.refused, s.last_index
+            );
+            if s.started_after > 0 {
+                println!("started from the checkpoint at index {}", s.started_after);
+            }
+            println!("nodes: {}", s.nodes);
+            for (state, n) in &s.jobs_by_state {
+                println!("jobs {state}: {n}");
+            }
+            println!("state hash: {}", s.state_hash);
+            Ok(())
+        }
+    }
+}

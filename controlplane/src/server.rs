@@ -1,0 +1,129 @@
+//! The `keel server` process: lock the data directory, start Raft, serve the
+//! API, and shut down cleanly on SIGTERM or SIGINT.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use keel_proto::api::keel_server::KeelServer;
+use keel_storage::DataDir;
+use tokio::net::TcpListener;
+
+use crate::api::{Clock, KeelApi};
+use crate::raft_node::{RaftNode, RaftNodeError, RaftSettings};
+use crate::MAX_REQUEST_BYTES;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub id: u64,
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    pub raft: RaftSettings,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Node(#[from] RaftNodeError),
+    #[error(transparent)]
+    DataDir(#[from] keel_storage::DataDirError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the gRPC server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// A started server: its bound address and the Raft node behind it.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub node: Arc<RaftNode>,
+    listener: TcpListener,
+    clock: Clock,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("addr", &self.addr)
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Locks the data directory, recovers or initialises Raft, and binds the
+    /// listener. Nothing is served until [`Server::serve`].
+    pub async fn start(config: &ServerConfig, clock: Clock) -> Result<Server, ServerError> {
+        let data_dir = DataDir::open(&config.data_dir)?;
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| ServerError::Listen {
+                    addr: config.listen,
+                    source,
+                })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| ServerError::Listen {
+                addr: config.listen,
+                source,
+            })?;
+        let node = RaftNode::start(config.id, &addr.to_string(), data_dir, &config.raft).await?;
+        Ok(Server {
+            addr,
+            node: Arc::new(node),
+            listener,
+            clock,
+        })
+    }
+
+    /// Serves the API until `shutdown` resolves, then stops Raft and flushes.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+        let api = KeelApi::new(self.node.clone(), self.clock.clone());
+        let service = KeelServer::new(api)
+            .max_decoding_message_size(MAX_REQUEST_BYTES)
+            .max_encoding_message_size(64 * MAX_REQUEST_BYTES);
+        tracing::info!(addr = %self.addr, "serving the Keel API");
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(self.listener);
+        let result = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await;
+        tracing::info!("shutting down");
+        self.node.shutdown().await?;
+        result?;
+        Ok(())
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => tracing::info!("SIGINT received"),
+        _ = term => tracing::info!("SIGTERM received"),
+    }
+}
