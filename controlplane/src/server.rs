@@ -72,6 +72,12 @@ impl Server {
                 addr: config.listen,
                 source,
             })?;
+        // Tools and tests that start a server on port 0 learn its address here.
+        let addr_file = data_dir.root().join("server.addr");
+        std::fs::write(&addr_file, addr.to_string()).map_err(|source| ServerError::Listen {
+            addr: config.listen,
+            source,
+        })?;
         let node = RaftNode::start(config.id, &addr.to_string(), data_dir, &config.raft).await?;
         Ok(Server {
             addr,

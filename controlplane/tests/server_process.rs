@@ -1,0 +1,397 @@
+//! End-to-end tests against real `keel server` processes on 127.0.0.1:
+//! the CLI, restart and crash recovery, and bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use keel_proto::api::{self, keel_client::KeelClient};
+use keel_proto::entry::JobSpec;
+
+const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+
+/// A `keel server` child process, killed when dropped.
+struct ServerProcess {
+    child: Child,
+    addr: String,
+}
+
+impl ServerProcess {
+    fn start(data_dir: &Path) -> ServerProcess {
+        let _ = std::fs::remove_file(data_dir.join("server.addr"));
+        let child = Command::new(KEEL)
+            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn keel server");
+        let addr = wait_for(|| std::fs::read_to_string(data_dir.join("server.addr")).ok());
+        let server = ServerProcess { child, addr };
+        // Ready once it has a leader and answers.
+        wait_for(|| {
+            let out = server.cli(&["cluster", "status", "-o", "json"]);
+            (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
+                .then_some(())
+        });
+        server
+    }
+
+    fn cli(&self, args: &[&str]) -> Output {
+        Command::new(KEEL)
+            .args(args)
+            .env("KEEL_ADDR", &self.addr)
+            .output()
+            .expect("run keel CLI")
+    }
+
+    fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "keel {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        serde_json::from_str(&self.cli_ok(&all)).expect("JSON output")
+    }
+
+    fn terminate(mut self) {
+        let pid = self.child.id().to_string();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill -TERM");
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                assert!(status.success(), "server exited with {status} on SIGTERM");
+                return;
+            }
+            assert!(Instant::now() < deadline, "server ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill9(mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap");
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it returns `Some`, for at most 30 s.
+fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+fn write_spec(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, body).expect("write spec");
+    path
+}
+
+const SPEC: &str = "name: resnet\nuser: ada\ncommand: [python3, train.py]\ngpus: 2\nworkers: {min: 1, max: 2}\ngpu_types: {allowed: [v100]}\ntotal_steps: 500\n";
+
+#[test]
+fn cli_submit_list_cancel_and_watch() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(&dir.path().join("data"));
+    let spec = write_spec(dir.path(), "job.yaml", SPEC);
+    let spec = spec.to_str().expect("utf-8 path");
+
+    let submitted = server.json(&["submit", "-f", spec]);
+    let id = submitted["id"].as_u64().expect("id");
+    server.cli_ok(&["submit", "-f", spec]);
+
+    let jobs = server.json(&["jobs"]);
+    assert_eq!(jobs.as_array().map(Vec::len), Some(2));
+    assert_eq!(jobs[0]["id"], id);
+    assert_eq!(jobs[0]["name"], "resnet");
+    assert_eq!(jobs[0]["user"], "ada");
+    assert_eq!(jobs[0]["state"], "pending");
+    assert_eq!(jobs[0]["gpus"], 2);
+    assert_eq!(jobs[0]["allocation"], serde_json::Value::Null);
+
+    server.cli_ok(&["cancel", &id.to_string()]);
+    let job = server.json(&["job", &id.to_string()]);
+    assert_eq!(job["state"], "cancelled");
+    assert_eq!(server.json(&["jobs", "--state", "pending"]).as_array().map(Vec::len), Some(1));
+    assert_eq!(server.json(&["jobs", "--user", "bob"]).as_array().map(Vec::len), Some(0));
+
+    // Cancelling again is refused with a clear message and a non-zero exit.
+    let again = server.cli(&["cancel", &id.to_string()]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("has already ended (cancelled)"));
+
+    let events = server.cli_ok(&["events", "-o", "json"]);
+    let commands: Vec<String> = events
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("one JSON object per line"))
+        .map(|v| v["command"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(commands, ["submit_job", "submit_job", "cancel_job", "cancel_job"]);
+    assert!(events.lines().last().is_some_and(|l| l.contains("refused")));
+
+    let status = server.json(&["cluster", "status"]);
+    assert_eq!(status["role"], "leader");
+    assert_eq!(status["member_id"], 1);
+    assert_eq!(status["state_hash"].as_str().map(str::len), Some(64));
+}
+
+#[test]
+fn events_follow_streams_new_entries() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(&dir.path().join("data"));
+    let spec = write_spec(dir.path(), "job.yaml", SPEC);
+    let mut follower = Command::new(KEEL)
+        .args(["events", "--follow", "-o", "json"])
+        .env("KEEL_ADDR", &server.addr)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("events --follow");
+    let stdout = follower.stdout.take().expect("stdout");
+    server.cli_ok(&["submit", "-f", spec.to_str().expect("utf-8")]);
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    let first = lines.next().expect("a streamed event").expect("read");
+    assert!(first.contains("job_submitted"), "{first}");
+    follower.kill().expect("stop follower");
+    let _ = follower.wait();
+}
+
+#[test]
+fn restart_and_sigkill_lose_nothing_acknowledged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let spec = write_spec(dir.path(), "job.yaml", SPEC);
+    let spec = spec.to_str().expect("utf-8");
+
+    let server = ServerProcess::start(&data);
+    for _ in 0..5 {
+        server.cli_ok(&["submit", "-f", spec]);
+    }
+    server.cli_ok(&["cancel", "3"]);
+    let hash = server.json(&["cluster", "status"])["state_hash"].clone();
+    server.terminate();
+
+    let server = ServerProcess::start(&data);
+    assert_eq!(server.json(&["cluster", "status"])["state_hash"], hash);
+    assert_eq!(server.json(&["job", "3"])["state"], "cancelled");
+
+    // Submissions acknowledged right before a SIGKILL survive it.
+    let addr = server.addr.clone();
+    let acked = tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(async move {
+            let mut client = KeelClient::connect(format!("http://{addr}")).await.expect("connect");
+            let mut acked = Vec::new();
+            for i in 0..50 {
+                let resp = client
+                    .submit_job(api::SubmitJobRequest {
+                        spec: Some(JobSpec {
+                            name: format!("burst-{i}"),
+                            command: vec!["true".into()],
+                            gpus_per_worker: 1,
+                            min_workers: 1,
+                            max_workers: 1,
+                            ..Default::default()
+                        }),
+                    })
+                    .await
+                    .expect("submit");
+                acked.push(resp.into_inner().job_id);
+            }
+            acked
+        });
+    server.kill9();
+
+    let server = ServerProcess::start(&data);
+    let jobs = server.json(&["jobs"]);
+    let ids: Vec<u64> = jobs
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|j| j["id"].as_u64())
+        .collect();
+    for id in &acked {
+        assert!(ids.contains(id), "acknowledged job {id} lost after SIGKILL");
+    }
+    assert_eq!(ids.len(), 55);
+    let live = server.json(&["cluster", "status"]);
+    let hash = live["state_hash"].clone();
+    server.terminate();
+
+    // Offline replay of the journal reaches the live state.
+    let out = Command::new(KEEL)
+        .args(["replay", "-o", "json", "--data-dir"])
+        .arg(&data)
+        .output()
+        .expect("replay");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let replayed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(replayed["state_hash"], hash);
+}
+
+#[test]
+fn bad_input_gets_clear_errors_and_the_server_keeps_running() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let server = ServerProcess::start(&data);
+
+    // An invalid spec names the field and the limit.
+    let bad = write_spec(dir.path(), "bad.yaml", "name: x\ncommand: [a]\ngpus: 100\n");
+    let out = server.cli(&["submit", "-f", bad.to_str().expect("utf-8")]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("spec.gpus is 100; it must be between 1 and 64"), "{err}");
+
+    // An unknown field is rejected, not ignored.
+    let typo = write_spec(dir.path(), "typo.yaml", "name: x\ncommand: [a]\ngpu: 1\n");
+    let out = server.cli(&["submit", "-f", typo.to_str().expect("utf-8")]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `gpu`"));
+
+    // Unknown job ids.
+    let out = server.cli(&["job", "4242"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("job 4242 does not exist"));
+
+    // A second server on the same data directory is refused.
+    let out = Command::new(KEEL)
+        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .output()
+        .expect("second server");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use by another keel process"));
+
+    let addr = server.addr.clone();
+    tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(async move {
+            let url = format!("http://{addr}");
+            let mut client = KeelClient::connect(url.clone()).await.expect("connect");
+            // An oversized request is refused.
+            let huge = client
+                .submit_job(api::SubmitJobRequest {
+                    spec: Some(JobSpec {
+                        name: "x".repeat(2 * 1024 * 1024),
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .expect_err("oversized request");
+            assert_eq!(huge.code(), tonic::Code::OutOfRange, "{huge:?}");
+
+            // A spec that passes the wire but not validation (the server checks
+            // too; clients cannot be trusted).
+            let invalid = client
+                .submit_job(api::SubmitJobRequest {
+                    spec: Some(JobSpec {
+                        name: "ok".into(),
+                        command: vec!["a".into()],
+                        gpus_per_worker: 1,
+                        min_workers: 3,
+                        max_workers: 1,
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .expect_err("invalid spec");
+            assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
+            assert!(invalid.message().contains("spec.workers.max"));
+
+            // Malformed protobuf on the wire.
+            let malformed = raw_call(&url, "/keel.api.v1.Keel/SubmitJob", vec![0xff; 16]).await;
+            assert_eq!(malformed.expect_err("malformed").code(), tonic::Code::Internal);
+
+            // Still serving, nothing lost.
+            let ok = client
+                .submit_job(api::SubmitJobRequest {
+                    spec: Some(JobSpec {
+                        name: "after".into(),
+                        command: vec!["a".into()],
+                        gpus_per_worker: 1,
+                        min_workers: 1,
+                        max_workers: 1,
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .expect("the server still accepts work");
+            assert_eq!(ok.into_inner().job_id, 1);
+        });
+}
+
+/// Sends raw bytes as the body of a unary gRPC call.
+async fn raw_call(url: &str, path: &'static str, body: Vec<u8>) -> Result<Vec<u8>, tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .expect("url")
+        .connect()
+        .await
+        .expect("connect");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    grpc.unary(
+        tonic::Request::new(body),
+        tonic::codegen::http::uri::PathAndQuery::from_static(path),
+        RawCodec,
+    )
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+#[derive(Debug, Default, Clone)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        use bytes::Buf;
+        let mut v = vec![0; src.remaining()];
+        src.copy_to_slice(&mut v);
+        Ok(Some(v))
+    }
+}
