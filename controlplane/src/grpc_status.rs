@@ -83,8 +83,8 @@ impl From<RaftError<u64, openraft::error::CheckIsLeaderError<u64, BasicNode>>> f
     }
 }
 
-impl From<keel_storage::StorageError> for ApiError {
-    fn from(e: keel_storage::StorageError) -> Self {
+impl From<keel_storage::StoreError> for ApiError {
+    fn from(e: keel_storage::StoreError) -> Self {
         ApiError::Storage(e.to_string())
     }
 }

@@ -28,7 +28,7 @@ pub enum RaftNodeError {
         source: std::io::Error,
     },
     #[error("cannot open the state machine: {0}")]
-    StateMachine(#[from] keel_storage::StorageError),
+    StateMachine(#[from] keel_storage::StoreError),
     #[error("invalid Raft configuration: {0}")]
     Config(String),
     #[error("Raft failed: {0}")]

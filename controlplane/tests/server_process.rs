@@ -135,8 +135,20 @@ fn cli_submit_list_cancel_and_watch() {
     server.cli_ok(&["cancel", &id.to_string()]);
     let job = server.json(&["job", &id.to_string()]);
     assert_eq!(job["state"], "cancelled");
-    assert_eq!(server.json(&["jobs", "--state", "pending"]).as_array().map(Vec::len), Some(1));
-    assert_eq!(server.json(&["jobs", "--user", "bob"]).as_array().map(Vec::len), Some(0));
+    assert_eq!(
+        server
+            .json(&["jobs", "--state", "pending"])
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    assert_eq!(
+        server
+            .json(&["jobs", "--user", "bob"])
+            .as_array()
+            .map(Vec::len),
+        Some(0)
+    );
 
     // Cancelling again is refused with a clear message and a non-zero exit.
     let again = server.cli(&["cancel", &id.to_string()]);
@@ -149,7 +161,10 @@ fn cli_submit_list_cancel_and_watch() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("one JSON object per line"))
         .map(|v| v["command"].as_str().unwrap_or_default().to_string())
         .collect();
-    assert_eq!(commands, ["submit_job", "submit_job", "cancel_job", "cancel_job"]);
+    assert_eq!(
+        commands,
+        ["submit_job", "submit_job", "cancel_job", "cancel_job"]
+    );
     assert!(events.lines().last().is_some_and(|l| l.contains("refused")));
 
     let status = server.json(&["cluster", "status"]);
@@ -202,7 +217,9 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
     let acked = tokio::runtime::Runtime::new()
         .expect("runtime")
         .block_on(async move {
-            let mut client = KeelClient::connect(format!("http://{addr}")).await.expect("connect");
+            let mut client = KeelClient::connect(format!("http://{addr}"))
+                .await
+                .expect("connect");
             let mut acked = Vec::new();
             for i in 0..50 {
                 let resp = client
@@ -246,7 +263,11 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
         .arg(&data)
         .output()
         .expect("replay");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let replayed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(replayed["state_hash"], hash);
 }
@@ -262,7 +283,10 @@ fn bad_input_gets_clear_errors_and_the_server_keeps_running() {
     let out = server.cli(&["submit", "-f", bad.to_str().expect("utf-8")]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("spec.gpus is 100; it must be between 1 and 64"), "{err}");
+    assert!(
+        err.contains("spec.gpus is 100; it must be between 1 and 64"),
+        "{err}"
+    );
 
     // An unknown field is rejected, not ignored.
     let typo = write_spec(dir.path(), "typo.yaml", "name: x\ncommand: [a]\ngpu: 1\n");
@@ -321,7 +345,10 @@ fn bad_input_gets_clear_errors_and_the_server_keeps_running() {
 
             // Malformed protobuf on the wire.
             let malformed = raw_call(&url, "/keel.api.v1.Keel/SubmitJob", vec![0xff; 16]).await;
-            assert_eq!(malformed.expect_err("malformed").code(), tonic::Code::Internal);
+            assert_eq!(
+                malformed.expect_err("malformed").code(),
+                tonic::Code::Internal
+            );
 
             // Still serving, nothing lost.
             let ok = client
@@ -378,7 +405,11 @@ impl tonic::codec::Codec for RawCodec {
 impl tonic::codec::Encoder for RawCodec {
     type Item = Vec<u8>;
     type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
         use bytes::BufMut;
         dst.put_slice(&item);
         Ok(())
@@ -388,7 +419,10 @@ impl tonic::codec::Encoder for RawCodec {
 impl tonic::codec::Decoder for RawCodec {
     type Item = Vec<u8>;
     type Error = tonic::Status;
-    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
         use bytes::Buf;
         let mut v = vec![0; src.remaining()];
         src.copy_to_slice(&mut v);

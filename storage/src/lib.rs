@@ -21,6 +21,7 @@
 //! ```
 
 mod data_dir;
+mod error;
 mod log_store;
 mod replay;
 mod state_machine;
@@ -32,6 +33,7 @@ use openraft::BasicNode;
 use serde::{Deserialize, Serialize};
 
 pub use data_dir::{DataDir, DataDirError};
+pub use error::StoreError;
 pub use log_store::LogStore;
 pub use replay::{replay, ReplayError, ReplaySummary};
 pub use state_machine::{Applied, SharedState, StateMachineStore};

@@ -20,13 +20,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use keel_core::codec::{decode_entry, encode_entry};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{
-    AnyError, CommittedLeaderId, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend,
-    RaftLogReader, StorageIOError, Vote,
+    CommittedLeaderId, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftLogReader, Vote,
 };
 use raft_log::api::raft_log_writer::RaftLogWriter;
 use raft_log::RaftLog;
 
-use crate::{Entry, LogId, StorageError, TypeConfig};
+use crate::{Entry, LogId, StorageError, StoreError, TypeConfig};
 
 /// raft-log's view of a log id: ((term, leader node id), index).
 type WalLogId = ((u64, u64), u64);
@@ -55,8 +54,9 @@ impl raft_log::Callback for WalCallback {
         match self {
             WalCallback::Appended(flushed) => flushed.log_io_completed(res),
             WalCallback::Blocking(tx) => {
-                // The receiver may have given up; nothing else to tell.
-                let _ = tx.send(res);
+                // raft-log's own callback for a channel: a receiver that
+                // gave up is not an error.
+                raft_log::Callback::send(tx, res);
             }
         }
     }
@@ -93,7 +93,7 @@ const TAG_BLANK: u8 = 0;
 const TAG_NORMAL: u8 = 1;
 const TAG_MEMBERSHIP: u8 = 2;
 
-fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Result<Vec<u8>, StorageError> {
+fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Result<Vec<u8>, StoreError> {
     Ok(match payload {
         EntryPayload::Blank => vec![TAG_BLANK],
         EntryPayload::Normal(entry) => {
@@ -103,28 +103,26 @@ fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Result<Vec<u8>, Storage
         }
         EntryPayload::Membership(m) => {
             let mut v = vec![TAG_MEMBERSHIP];
-            serde_json::to_writer(&mut v, m)
-                .map_err(|e| StorageIOError::write_logs(AnyError::new(&e)))?;
+            serde_json::to_writer(&mut v, m).map_err(|e| StoreError::encode("membership", e))?;
             v
         }
     })
 }
 
-fn decode_payload(bytes: &[u8]) -> Result<EntryPayload<TypeConfig>, StorageError> {
-    let read_err = |e: &dyn std::error::Error| StorageIOError::read_logs(AnyError::error(e));
+fn decode_payload(index: u64, bytes: &[u8]) -> Result<EntryPayload<TypeConfig>, StoreError> {
+    let what = || format!("Raft log entry {index}");
     match bytes.split_first() {
         Some((&TAG_BLANK, _)) => Ok(EntryPayload::Blank),
         Some((&TAG_NORMAL, rest)) => Ok(EntryPayload::Normal(
-            decode_entry(rest).map_err(|e| read_err(&e))?,
+            decode_entry(rest).map_err(|e| StoreError::corrupt(what(), e))?,
         )),
         Some((&TAG_MEMBERSHIP, rest)) => Ok(EntryPayload::Membership(
-            serde_json::from_slice(rest).map_err(|e| read_err(&e))?,
+            serde_json::from_slice(rest).map_err(|e| StoreError::corrupt(what(), e))?,
         )),
-        other => Err(StorageIOError::read_logs(AnyError::error(format!(
-            "unknown WAL payload tag {:?}",
-            other.map(|(t, _)| *t)
-        )))
-        .into()),
+        other => Err(StoreError::corrupt(
+            what(),
+            format!("unknown payload tag {:?}", other.map(|(t, _)| *t)),
+        )),
     }
 }
 
@@ -173,31 +171,28 @@ impl LogStore {
     /// Appends entries and returns once they are on disk (`fdatasync`ed).
     /// openraft's `append` takes the same path with a callback instead of a
     /// wait; tools, tests and benchmarks use this one.
-    pub fn append_durable(&self, entries: &[Entry]) -> Result<(), StorageError> {
+    pub fn append_durable(&self, entries: &[Entry]) -> Result<(), StoreError> {
         let mut records = Vec::with_capacity(entries.len());
         for e in entries {
             records.push((to_wal_id(&e.log_id), encode_payload(&e.payload)?));
         }
-        self.lock()
-            .append(records)
-            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-        self.sync_and_wait()
-            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))
+        self.lock().append(records)?;
+        Ok(self.sync_and_wait()?)
     }
 
     /// Every entry in `[start, end)` that the log holds.
-    pub fn entries(&self, start: u64, end: u64) -> Result<Vec<Entry>, StorageError> {
+    pub fn entries(&self, start: u64, end: u64) -> Result<Vec<Entry>, StoreError> {
         self.read_range(start, end)
     }
 
-    fn read_range(&self, start: u64, end: u64) -> Result<Vec<Entry>, StorageError> {
+    fn read_range(&self, start: u64, end: u64) -> Result<Vec<Entry>, StoreError> {
         let wal = self.lock();
         let mut out = Vec::with_capacity(end.saturating_sub(start).min(4096) as usize);
         for item in wal.read(start, end) {
-            let (id, payload) = item.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+            let (id, payload) = item?;
             out.push(Entry {
                 log_id: from_wal_id(&id),
-                payload: decode_payload(&payload)?,
+                payload: decode_payload(id.1, &payload)?,
             });
         }
         Ok(out)
@@ -225,6 +220,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
     ) -> Result<Vec<Entry>, StorageError> {
         let (start, end) = range_to_bounds(&range);
         self.read_range(start, end)
+            .map_err(|e| e.into_raft(ErrorSubject::Logs, ErrorVerb::Read))
     }
 }
 
@@ -304,7 +300,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 tracing::debug!(log_id = %e.log_id, "append below the purge point dropped");
                 continue;
             }
-            records.push((to_wal_id(&e.log_id), encode_payload(&e.payload)?));
+            let payload = encode_payload(&e.payload)
+                .map_err(|err| err.into_raft(ErrorSubject::Log(e.log_id), ErrorVerb::Write))?;
+            records.push((to_wal_id(&e.log_id), payload));
         }
         wal.append(records)
             .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))?;

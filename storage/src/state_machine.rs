@@ -25,14 +25,14 @@ use keel_core::ClusterState;
 use keel_proto::entry as pb;
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
-    AnyError, BasicNode, EntryPayload, OptionalSend, RaftSnapshotBuilder, SnapshotMeta,
-    StorageIOError, StoredMembership,
+    AnyError, BasicNode, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftSnapshotBuilder,
+    SnapshotMeta, StorageIOError, StoredMembership,
 };
 use prost::Message;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::{ApplyResponse, Entry, LogId, StorageError, TypeConfig};
+use crate::{ApplyResponse, Entry, LogId, StorageError, StoreError, TypeConfig};
 
 pub(crate) const PREFIX_ENTRY: u8 = b'e';
 pub(crate) const PREFIX_APPLIED: u8 = b'v';
@@ -103,12 +103,14 @@ pub(crate) fn decode_snapshot(bytes: &[u8]) -> Result<ClusterState, String> {
     Ok(file.state)
 }
 
-fn sm_err(e: impl std::fmt::Display) -> StorageError {
-    StorageIOError::write_state_machine(AnyError::error(e)).into()
+fn sm_err(e: impl Into<StoreError>) -> StorageError {
+    e.into()
+        .into_raft(ErrorSubject::StateMachine, ErrorVerb::Write)
 }
 
-fn read_err(e: impl std::fmt::Display) -> StorageError {
-    StorageIOError::read_state_machine(AnyError::error(e)).into()
+fn read_err(e: impl Into<StoreError>) -> StorageError {
+    e.into()
+        .into_raft(ErrorSubject::StateMachine, ErrorVerb::Read)
 }
 
 /// The state machine store. Cheap to clone: clones share everything.
@@ -123,28 +125,25 @@ pub struct StateMachineStore {
 impl StateMachineStore {
     /// Opens (or creates) the store in `dir` and rebuilds the state: the
     /// current snapshot, then every journal entry after it.
-    pub fn open(dir: &Path) -> Result<StateMachineStore, StorageError> {
-        let db = sled::Config::new()
-            .path(dir)
-            .open()
-            .map_err(|e| read_err(format!("cannot open {}: {e}", dir.display())))?;
-        let tree = db.open_tree("sm").map_err(read_err)?;
-        let get_json = |k: &[u8]| -> Result<Option<sled::IVec>, StorageError> {
-            tree.get(k).map_err(read_err)
-        };
-        let last_applied: Option<LogId> = match get_json(KEY_APPLIED)? {
-            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+    pub fn open(dir: &Path) -> Result<StateMachineStore, StoreError> {
+        let db = sled::Config::new().path(dir).open()?;
+        let tree = db.open_tree("sm")?;
+        let last_applied: Option<LogId> = match tree.get(KEY_APPLIED)? {
+            Some(v) => serde_json::from_slice(&v)
+                .map_err(|e| StoreError::corrupt("the last applied log id", e))?,
             None => None,
         };
-        let membership: StoredMembership<u64, BasicNode> = match get_json(KEY_MEMBERSHIP)? {
-            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+        let membership: StoredMembership<u64, BasicNode> = match tree.get(KEY_MEMBERSHIP)? {
+            Some(v) => serde_json::from_slice(&v)
+                .map_err(|e| StoreError::corrupt("the stored membership", e))?,
             None => StoredMembership::default(),
         };
-        let (mut state, from) = match (get_json(KEY_SNAPSHOT_META)?, get_json(KEY_SNAPSHOT_DATA)?) {
+        let (mut state, from) = match (tree.get(KEY_SNAPSHOT_META)?, tree.get(KEY_SNAPSHOT_DATA)?) {
             (Some(meta), Some(data)) => {
-                let meta: SnapshotMeta<u64, BasicNode> =
-                    serde_json::from_slice(&meta).map_err(read_err)?;
-                let state = decode_snapshot(&data).map_err(read_err)?;
+                let meta: SnapshotMeta<u64, BasicNode> = serde_json::from_slice(&meta)
+                    .map_err(|e| StoreError::corrupt("the snapshot's meta", e))?;
+                let state =
+                    decode_snapshot(&data).map_err(|e| StoreError::corrupt("the snapshot", e))?;
                 (state, meta.last_log_id.map_or(0, |l| l.index + 1))
             }
             _ => (ClusterState::new(), 0),
@@ -152,12 +151,13 @@ impl StateMachineStore {
         let until = last_applied.map_or(0, |l| l.index);
         if until >= from {
             for item in tree.range(key(PREFIX_ENTRY, from)..=key(PREFIX_ENTRY, until)) {
-                let (k, v) = item.map_err(read_err)?;
-                let index = index_of(&k).ok_or_else(|| read_err("malformed journal key"))?;
+                let (k, v) = item?;
+                let index = index_of(&k)
+                    .ok_or_else(|| StoreError::corrupt("a journal key", "too short"))?;
                 let entry = decode_entry(&v)
-                    .map_err(|e| read_err(format!("journal entry {index}: {e}")))?;
+                    .map_err(|e| StoreError::corrupt(format!("journal entry {index}"), e))?;
                 // Refusals were recorded when first applied; the state is the same.
-                let _ = state.apply(index, &entry);
+                let _refused = state.apply(index, &entry);
             }
         }
         let (applied_index, _) = watch::channel(until);
@@ -185,22 +185,25 @@ impl StateMachineStore {
         &self,
         from: u64,
         limit: usize,
-    ) -> Result<Vec<pb::AppliedEntry>, StorageError> {
+    ) -> Result<Vec<pb::AppliedEntry>, StoreError> {
         let mut out = Vec::new();
         for item in self
             .tree
             .range(key(PREFIX_APPLIED, from)..=key(PREFIX_APPLIED, u64::MAX))
             .take(limit)
         {
-            let (_, v) = item.map_err(read_err)?;
-            out.push(pb::AppliedEntry::decode(v.as_ref()).map_err(read_err)?);
+            let (k, v) = item?;
+            out.push(pb::AppliedEntry::decode(v.as_ref()).map_err(|e| {
+                StoreError::corrupt(format!("applied record {:?}", index_of(&k)), e)
+            })?);
         }
         Ok(out)
     }
 
     /// Makes everything written so far survive a killed process.
-    pub fn flush(&self) -> Result<(), StorageError> {
-        self.db.flush().map_err(sm_err).map(|_| ())
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
     }
 
     fn save_snapshot(
@@ -208,26 +211,35 @@ impl StateMachineStore {
         meta: &SnapshotMeta<u64, BasicNode>,
         data: &[u8],
         checkpoint: bool,
-    ) -> Result<(), StorageError> {
+    ) -> Result<(), StoreError> {
+        let json = |what: &'static str, v: &dyn erased_json::Json| {
+            v.to_json().map_err(|e| StoreError::encode(what, e))
+        };
         let mut batch = sled::Batch::default();
-        batch.insert(KEY_SNAPSHOT_META, serde_json::to_vec(meta).map_err(sm_err)?);
+        batch.insert(KEY_SNAPSHOT_META, json("snapshot meta", meta)?);
         batch.insert(KEY_SNAPSHOT_DATA, data);
         if checkpoint {
             let index = meta.last_log_id.map_or(0, |l| l.index);
             batch.insert(&key(PREFIX_CHECKPOINT, index)[..], data);
-            batch.insert(
-                KEY_APPLIED,
-                serde_json::to_vec(&meta.last_log_id).map_err(sm_err)?,
-            );
-            batch.insert(
-                KEY_MEMBERSHIP,
-                serde_json::to_vec(&meta.last_membership).map_err(sm_err)?,
-            );
+            batch.insert(KEY_APPLIED, json("last applied", &meta.last_log_id)?);
+            batch.insert(KEY_MEMBERSHIP, json("membership", &meta.last_membership)?);
         }
-        self.tree.apply_batch(batch).map_err(sm_err)?;
+        self.tree.apply_batch(batch)?;
         // Log compaction purges the Raft log up to this snapshot: it must be
         // on disk first.
         self.flush()
+    }
+}
+
+mod erased_json {
+    /// Any serialisable value, as JSON bytes.
+    pub(super) trait Json {
+        fn to_json(&self) -> serde_json::Result<Vec<u8>>;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn to_json(&self) -> serde_json::Result<Vec<u8>> {
+            serde_json::to_vec(self)
+        }
     }
 }
 
@@ -239,7 +251,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
                 format_version: SNAPSHOT_FORMAT_VERSION,
                 state: applied.state.clone(),
             })
-            .map_err(sm_err)?;
+            .map_err(|e| sm_err(StoreError::encode("snapshot", e)))?;
             let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match applied.last_applied {
                 Some(l) => format!(
@@ -255,7 +267,12 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             };
             (data, meta)
         };
-        self.save_snapshot(&meta, &data, false)?;
+        self.save_snapshot(&meta, &data, false).map_err(|e| {
+            e.into_raft(
+                ErrorSubject::Snapshot(Some(meta.signature())),
+                ErrorVerb::Write,
+            )
+        })?;
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
@@ -306,14 +323,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 };
                 responses.push(ApplyResponse { index, outcome });
             }
-            batch.insert(
-                KEY_APPLIED,
-                serde_json::to_vec(&applied.last_applied).map_err(sm_err)?,
-            );
-            batch.insert(
-                KEY_MEMBERSHIP,
-                serde_json::to_vec(&applied.membership).map_err(sm_err)?,
-            );
+            let json = |v: &dyn erased_json::Json| {
+                v.to_json()
+                    .map_err(|e| StoreError::encode("applied state", e))
+            };
+            batch.insert(KEY_APPLIED, json(&applied.last_applied).map_err(sm_err)?);
+            batch.insert(KEY_MEMBERSHIP, json(&applied.membership).map_err(sm_err)?);
             applied.last_applied.map_or(0, |l| l.index)
         };
         self.tree.apply_batch(batch).map_err(sm_err)?;
@@ -341,7 +356,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 AnyError::error(e),
             ))
         })?;
-        self.save_snapshot(meta, &data, true)?;
+        self.save_snapshot(meta, &data, true).map_err(|e| {
+            e.into_raft(
+                ErrorSubject::Snapshot(Some(meta.signature())),
+                ErrorVerb::Write,
+            )
+        })?;
         let index = {
             let mut applied = self.shared.write();
             applied.state = state;
@@ -358,7 +378,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let data = self.tree.get(KEY_SNAPSHOT_DATA).map_err(read_err)?;
         match (meta, data) {
             (Some(meta), Some(data)) => Ok(Some(Snapshot {
-                meta: serde_json::from_slice(&meta).map_err(read_err)?,
+                meta: serde_json::from_slice(&meta)
+                    .map_err(|e| read_err(StoreError::corrupt("the snapshot's meta", e)))?,
                 snapshot: Box::new(Cursor::new(data.to_vec())),
             })),
             _ => Ok(None),

@@ -19,12 +19,19 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for Builder 
         let log = LogStore::open(&dir.path().join("raft-log")).map_err(|e| {
             StorageError::from_io_error(openraft::ErrorSubject::Logs, openraft::ErrorVerb::Write, e)
         })?;
-        let sm = StateMachineStore::open(&dir.path().join("state"))?;
+        let sm = StateMachineStore::open(&dir.path().join("state")).map_err(|e| {
+            e.into_raft(
+                openraft::ErrorSubject::StateMachine,
+                openraft::ErrorVerb::Read,
+            )
+        })?;
         Ok((dir, log, sm))
     }
 }
 
 #[test]
-fn passes_openraft_storage_suite() -> Result<(), StorageError> {
-    Suite::test_all(Builder)
+fn passes_openraft_storage_suite() {
+    if let Err(e) = Suite::test_all(Builder) {
+        panic!("openraft storage suite failed: {e}");
+    }
 }

@@ -413,6 +413,26 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
     pb::Event { kind: Some(kind) }
 }
 
+/// The record of what applying `entry` at `index` did, as stored in the
+/// journal and streamed to watchers.
+pub fn applied_entry_to_proto(
+    index: u64,
+    entry: &LogEntry,
+    outcome: &Result<Vec<Event>, crate::ApplyError>,
+) -> pb::AppliedEntry {
+    let (events, refused) = match outcome {
+        Ok(events) => (events.iter().map(event_to_proto).collect(), String::new()),
+        Err(e) => (Vec::new(), e.to_string()),
+    };
+    pb::AppliedEntry {
+        index,
+        at_ms: entry.at_ms,
+        command: entry.command.kind().to_string(),
+        events,
+        refused,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,25 +476,5 @@ mod tests {
             decode_entry(&[0xff, 0xff, 0xff]),
             Err(DecodeError::Protobuf(_))
         ));
-    }
-}
-
-/// The record of what applying `entry` at `index` did, as stored in the
-/// journal and streamed to watchers.
-pub fn applied_entry_to_proto(
-    index: u64,
-    entry: &LogEntry,
-    outcome: &Result<Vec<Event>, crate::ApplyError>,
-) -> pb::AppliedEntry {
-    let (events, refused) = match outcome {
-        Ok(events) => (events.iter().map(event_to_proto).collect(), String::new()),
-        Err(e) => (Vec::new(), e.to_string()),
-    };
-    pb::AppliedEntry {
-        index,
-        at_ms: entry.at_ms,
-        command: entry.command.kind().to_string(),
-        events,
-        refused,
     }
 }

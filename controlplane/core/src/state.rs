@@ -574,7 +574,7 @@ impl ClusterState {
         }
         let per_worker = job.spec.gpus.max(1) as usize;
         let workers = gpus.len() / per_worker;
-        if gpus.len() % per_worker != 0
+        if !gpus.len().is_multiple_of(per_worker)
             || workers < job.spec.workers.min as usize
             || workers > job.spec.workers.max as usize
         {
