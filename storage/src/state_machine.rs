@@ -55,6 +55,25 @@ pub(crate) fn index_of(key: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(bytes))
 }
 
+/// Opens a sled database. The data directory's lock already keeps other
+/// processes out; sled's own file lock can still be held for a moment by the
+/// background threads of a handle this process just dropped, so a lock
+/// conflict is retried for up to two seconds.
+pub(crate) fn open_sled(dir: &Path) -> Result<sled::Db, sled::Error> {
+    let mut attempts = 0;
+    loop {
+        match sled::Config::new().path(dir).open() {
+            Err(sled::Error::Io(e))
+                if attempts < 100 && e.to_string().contains("could not acquire lock") =>
+            {
+                attempts += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// What the state machine holds in memory.
 #[derive(Debug, Default)]
 pub struct Applied {
@@ -126,7 +145,7 @@ impl StateMachineStore {
     /// Opens (or creates) the store in `dir` and rebuilds the state: the
     /// current snapshot, then every journal entry after it.
     pub fn open(dir: &Path) -> Result<StateMachineStore, StoreError> {
-        let db = sled::Config::new().path(dir).open()?;
+        let db = open_sled(dir)?;
         let tree = db.open_tree("sm")?;
         let last_applied: Option<LogId> = match tree.get(KEY_APPLIED)? {
             Some(v) => serde_json::from_slice(&v)
