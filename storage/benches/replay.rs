@@ -1,1 +1,52 @@
-fn main() {}
+//! Replay: rebuild `ClusterState` from a 1M-entry journal on disk (sled),
+//! decoding every entry and applying it.
+//!
+//! Run: `cargo bench -p keel-storage --bench replay`
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use keel_core::fixtures::mixed_entries;
+use keel_storage::{Entry, StateMachineStore};
+use openraft::storage::RaftStateMachine;
+use openraft::{CommittedLeaderId, EntryPayload, LogId};
+
+const ENTRIES: usize = 1_000_000;
+
+fn replay_journal(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    {
+        let mut sm = StateMachineStore::open(dir.path()).expect("open");
+        let entries = mixed_entries(ENTRIES, 32, 42);
+        rt.block_on(async {
+            for (chunk_no, chunk) in entries.chunks(1000).enumerate() {
+                let batch: Vec<Entry> = chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(i, e)| Entry {
+                        log_id: LogId::new(
+                            CommittedLeaderId::new(1, 1),
+                            (chunk_no * 1000 + i) as u64 + 1,
+                        ),
+                        payload: EntryPayload::Normal(e.clone()),
+                    })
+                    .collect();
+                sm.apply(batch).await.expect("apply");
+            }
+        });
+        sm.flush().expect("flush");
+    }
+    let mut group = c.benchmark_group("replay");
+    group.throughput(Throughput::Elements(ENTRIES as u64));
+    group.sample_size(10);
+    group.bench_function("journal_1m_entries", |b| {
+        b.iter(|| {
+            let summary = keel_storage::replay(dir.path(), None).expect("replay");
+            assert_eq!(summary.entries, ENTRIES as u64);
+            summary
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, replay_journal);
+criterion_main!(benches);

@@ -11,6 +11,7 @@
 pub mod codec;
 pub mod command;
 pub mod event;
+pub mod fixtures;
 pub mod model;
 pub mod spec;
 pub mod state;

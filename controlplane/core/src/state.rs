@@ -637,30 +637,33 @@ impl ClusterState {
         }
         // Pass 2: conflicts. GPUs held by jobs in the plan are free for the
         // plan to hand out; a job whose placement is refused keeps what it had.
-        let mut claimed: BTreeMap<GpuRef, JobId> = self
-            .gpu_holders
-            .iter()
-            .filter(|(_, j)| !accepted.contains_key(j))
-            .map(|(g, j)| (g.clone(), *j))
-            .collect();
+        // `claimed` holds only this plan's grants, so a decision costs
+        // O(GPUs in the plan), not O(GPUs in the cluster).
+        let mut claimed: BTreeMap<GpuRef, JobId> = BTreeMap::new();
         let mut granted: Vec<(JobId, Vec<GpuRef>)> = Vec::new();
         let mut refused: Vec<JobId> = Vec::new();
-        for (job_id, gpus) in accepted {
-            if let Some((gpu, holder)) = gpus
-                .iter()
-                .find_map(|g| claimed.get(g).map(|h| (g.clone(), *h)))
-            {
+        for (job_id, gpus) in &accepted {
+            let conflict = gpus.iter().find_map(|g| {
+                if let Some(h) = claimed.get(g) {
+                    return Some((g.clone(), *h));
+                }
+                match self.gpu_holders.get(g) {
+                    Some(h) if !accepted.contains_key(h) => Some((g.clone(), *h)),
+                    _ => None,
+                }
+            });
+            if let Some((gpu, holder)) = conflict {
                 events.push(Event::PlacementRefused {
-                    job_id,
+                    job_id: *job_id,
                     reason: format!("GPU {gpu} is held by job {holder}"),
                 });
-                refused.push(job_id);
+                refused.push(*job_id);
                 continue;
             }
-            for g in &gpus {
-                claimed.insert(g.clone(), job_id);
+            for g in gpus {
+                claimed.insert(g.clone(), *job_id);
             }
-            granted.push((job_id, gpus));
+            granted.push((*job_id, gpus.clone()));
         }
         // A refused job keeps its old GPUs unless a granted job took one;
         // then it loses all of them (gang semantics) and is preempted.

@@ -1,0 +1,223 @@
+//! Deterministic, seeded entry streams for benchmarks and tests.
+//!
+//! [`mixed_entries`] plays a busy cluster: nodes register, jobs are submitted,
+//! placed, start workers, report progress (the bulk of the log, as in
+//! production), finish and are removed. Each entry is checked against a
+//! state the generator keeps, so nearly all of them are accepted.
+
+use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
+use crate::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
+use crate::spec::{GpuTypes, JobSpec, Workers};
+use crate::state::ClusterState;
+
+/// A small seeded pseudo-random generator (SplitMix64): no I/O, no global state.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+fn job_spec(i: u64, gpus: u32) -> JobSpec {
+    JobSpec {
+        name: format!("job-{i}"),
+        user: format!("user-{}", i % 7),
+        command: vec!["python3".into(), "train.py".into(), format!("--seed={i}")],
+        image: None,
+        env: Default::default(),
+        gpus,
+        workers: Workers { min: 1, max: 1 },
+        gpu_types: GpuTypes::default(),
+        model: Some("resnet50".into()),
+        total_steps: Some(10_000),
+        epochs: None,
+        priority: 0,
+    }
+}
+
+/// `count` entries of a busy cluster with `nodes` nodes of 8 GPUs, from `seed`.
+pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
+    let mut rng = SplitMix64::new(seed);
+    let mut state = ClusterState::new();
+    let mut out = Vec::with_capacity(count);
+    let mut at_ms = 1_700_000_000_000u64;
+    let mut submitted = 0u64;
+    fn push(out: &mut Vec<LogEntry>, state: &mut ClusterState, command: Command, at_ms: u64) {
+        let entry = LogEntry { at_ms, command };
+        let index = out.len() as u64 + 1;
+        let _accepted = state.apply(index, &entry);
+        out.push(entry);
+    }
+    for n in 0..nodes {
+        push(
+            &mut out,
+            &mut state,
+            Command::RegisterNode {
+                name: format!("node-{n}"),
+                address: format!("10.0.0.{n}:7070"),
+                gpus: (0..8)
+                    .map(|index| Gpu {
+                        index,
+                        gpu_type: if n % 2 == 0 { "v100" } else { "k80" }.into(),
+                    })
+                    .collect(),
+            },
+            at_ms,
+        );
+    }
+    while out.len() < count {
+        at_ms += 1 + rng.below(20);
+        let running: Vec<JobId> = state
+            .jobs()
+            .values()
+            .filter(|j| j.state == JobState::Running)
+            .map(|j| j.id)
+            .collect();
+        let roll = rng.below(100);
+        let command = if roll < 8 || (roll >= 16 && running.is_empty()) {
+            submitted += 1;
+            Command::SubmitJob {
+                spec: job_spec(submitted, 1 << rng.below(3)),
+            }
+        } else if roll < 16 {
+            // Place the oldest pending job on free GPUs of one node, if any fit.
+            let pending = state.jobs().values().find(|j| j.state == JobState::Pending);
+            let Some(job) = pending else { continue };
+            let want = job.spec.gpus as usize;
+            let placement = state.nodes().keys().find_map(|node| {
+                let free: Vec<GpuRef> = (0..8)
+                    .map(|index| GpuRef {
+                        node: node.clone(),
+                        index,
+                    })
+                    .filter(|g| !state.gpu_holders().contains_key(g))
+                    .take(want)
+                    .collect();
+                (free.len() == want).then_some(free)
+            });
+            let Some(gpus) = placement else {
+                // Full: finish a running job to make room.
+                if running.is_empty() {
+                    continue;
+                }
+                let job_id = running[rng.below(running.len() as u64) as usize];
+                push(
+                    &mut out,
+                    &mut state,
+                    Command::FinishJob {
+                        job_id,
+                        outcome: JobOutcome::Succeeded,
+                        reason: String::new(),
+                    },
+                    at_ms,
+                );
+                continue;
+            };
+            Command::DecideAllocation {
+                based_on: out.len() as u64,
+                policy: "fifo".into(),
+                round: out.len() as u64,
+                placements: vec![JobPlacement {
+                    job_id: job.id,
+                    gpus,
+                }],
+            }
+        } else if roll < 22 {
+            let job_id = running[rng.below(running.len() as u64) as usize];
+            let Some(epoch) = state
+                .job(job_id)
+                .and_then(|j| j.allocation.as_ref())
+                .map(|a| a.epoch)
+            else {
+                continue;
+            };
+            Command::RecordWorkerStarted {
+                job_id,
+                epoch,
+                rank: 0,
+                node: "node-0".into(),
+            }
+        } else if roll < 25 {
+            let job_id = running[rng.below(running.len() as u64) as usize];
+            Command::FinishJob {
+                job_id,
+                outcome: if rng.below(10) == 0 {
+                    JobOutcome::Failed
+                } else {
+                    JobOutcome::Succeeded
+                },
+                reason: String::new(),
+            }
+        } else if roll < 33 {
+            let Some(job_id) = state
+                .jobs()
+                .values()
+                .find(|j| j.state.is_terminal())
+                .map(|j| j.id)
+            else {
+                continue;
+            };
+            Command::RemoveJob { job_id }
+        } else {
+            let job_id = running[rng.below(running.len() as u64) as usize];
+            let step = state
+                .job(job_id)
+                .and_then(|j| j.progress.as_ref())
+                .map_or(0, |p| p.step);
+            Command::ReportProgress {
+                job_id,
+                samples: (1..=4)
+                    .map(|k| ProgressSample {
+                        step: step + k * 10,
+                        total_steps: 10_000,
+                        loss: Some(2.0 / (1.0 + (step + k * 10) as f64 / 1000.0)),
+                        samples_per_s: 250.0 + rng.below(50) as f64,
+                        at_ms: at_ms - (4 - k) * 500,
+                    })
+                    .collect(),
+            }
+        };
+        push(&mut out, &mut state, command, at_ms);
+    }
+    out.truncate(count);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stream_is_deterministic_and_mostly_accepted() {
+        let a = mixed_entries(5_000, 8, 7);
+        assert_eq!(a, mixed_entries(5_000, 8, 7));
+        assert_ne!(a, mixed_entries(5_000, 8, 8));
+        let mut state = ClusterState::new();
+        let refused = a
+            .iter()
+            .enumerate()
+            .filter(|(i, e)| state.apply(*i as u64 + 1, e).is_err())
+            .count();
+        assert!(refused * 100 < a.len(), "{refused} of {} refused", a.len());
+        state.check_invariants().expect("invariants");
+        let kinds: std::collections::BTreeSet<&str> = a.iter().map(|e| e.command.kind()).collect();
+        for kind in ["submit_job", "decide_allocation", "record_worker_started", "report_progress", "finish_job", "remove_job"] {
+            assert!(kinds.contains(kind), "no {kind} in the stream");
+        }
+    }
+}
