@@ -17,22 +17,26 @@ fn replay_journal(c: &mut Criterion) {
     {
         let mut sm = StateMachineStore::open(dir.path()).expect("open");
         let entries = mixed_entries(ENTRIES, 32, 42);
+        // Apply batches of 1 to 64 entries, as a live leader does, then
+        // compact the journal behind a snapshot, as the server does.
+        let mut rng = keel_core::fixtures::SplitMix64::new(7);
         rt.block_on(async {
-            for (chunk_no, chunk) in entries.chunks(1000).enumerate() {
-                let batch: Vec<Entry> = chunk
+            let mut next = 0usize;
+            while next < entries.len() {
+                let n = (1 + rng.below(64) as usize).min(entries.len() - next);
+                let batch: Vec<Entry> = entries[next..next + n]
                     .iter()
                     .enumerate()
                     .map(|(i, e)| Entry {
-                        log_id: LogId::new(
-                            CommittedLeaderId::new(1, 1),
-                            (chunk_no * 1000 + i) as u64 + 1,
-                        ),
+                        log_id: LogId::new(CommittedLeaderId::new(1, 1), (next + i) as u64 + 1),
                         payload: EntryPayload::Normal(e.clone()),
                     })
                     .collect();
                 sm.apply(batch).await.expect("apply");
+                next += n;
             }
         });
+        sm.compact_journal(ENTRIES as u64).expect("compact");
         sm.flush().expect("flush");
     }
     let mut group = c.benchmark_group("replay");

@@ -22,6 +22,7 @@
 
 mod data_dir;
 mod error;
+mod journal;
 mod log_store;
 mod replay;
 mod state_machine;

@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use keel_core::codec::decode_entry;
 use keel_core::{ClusterState, StateHash};
 
-use crate::state_machine::{decode_snapshot, index_of, key, PREFIX_CHECKPOINT, PREFIX_ENTRY};
+use crate::journal::apply_journal;
+use crate::state_machine::{decode_snapshot, index_of, key, PREFIX_CHECKPOINT};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -71,20 +71,10 @@ pub(crate) fn replay_tree(tree: &sled::Tree, until: u64) -> Result<ReplaySummary
         }
         None => (ClusterState::new(), 0),
     };
-    let mut entries = 0;
-    let mut refused = 0;
-    let mut last_index = started_after;
     let start = started_after.saturating_add(u64::from(started_after > 0));
-    for item in tree.range(key(PREFIX_ENTRY, start)..=key(PREFIX_ENTRY, until)) {
-        let (k, v) = item.map_err(read)?;
-        let index = index_of(&k).ok_or_else(|| ReplayError::Read("malformed key".into()))?;
-        let entry = decode_entry(&v).map_err(|source| ReplayError::Decode { index, source })?;
-        if state.apply(index, &entry).is_err() {
-            refused += 1;
-        }
-        entries += 1;
-        last_index = index;
-    }
+    let applied = apply_journal(tree, &mut state, start, until)?;
+    let last_index = applied.last_index.unwrap_or(started_after);
+    let (entries, refused) = (applied.entries, applied.refused);
     let mut jobs_by_state = BTreeMap::new();
     for job in state.jobs().values() {
         *jobs_by_state.entry(job.state.to_string()).or_insert(0) += 1;

@@ -4,7 +4,7 @@
 //!
 //! | key | value |
 //! |---|---|
-//! | `e` + index | the applied entry (protobuf `LogEntry`): the journal |
+//! | `e` + first index | a journal page: applied entries (protobuf `JournalPage`), see [`crate::journal`] |
 //! | `v` + index | what it did (protobuf `AppliedEntry`) |
 //! | `c` + index | a state installed from a leader's snapshot at index (replay starts there) |
 //! | `m/applied`, `m/membership` | last applied log id and membership (JSON) |
@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use keel_core::codec::{applied_entry_to_proto, decode_entry, encode_entry};
+use keel_core::codec::applied_entry_to_proto;
 use keel_core::ClusterState;
 use keel_proto::entry as pb;
 use openraft::storage::{RaftStateMachine, Snapshot};
@@ -34,7 +34,6 @@ use tokio::sync::watch;
 
 use crate::{ApplyResponse, Entry, LogId, StorageError, StoreError, TypeConfig};
 
-pub(crate) const PREFIX_ENTRY: u8 = b'e';
 pub(crate) const PREFIX_APPLIED: u8 = b'v';
 pub(crate) const PREFIX_CHECKPOINT: u8 = b'c';
 const KEY_APPLIED: &[u8] = b"m/applied";
@@ -169,15 +168,9 @@ impl StateMachineStore {
         };
         let until = last_applied.map_or(0, |l| l.index);
         if until >= from {
-            for item in tree.range(key(PREFIX_ENTRY, from)..=key(PREFIX_ENTRY, until)) {
-                let (k, v) = item?;
-                let index = index_of(&k)
-                    .ok_or_else(|| StoreError::corrupt("a journal key", "too short"))?;
-                let entry = decode_entry(&v)
-                    .map_err(|e| StoreError::corrupt(format!("journal entry {index}"), e))?;
-                // Refusals were recorded when first applied; the state is the same.
-                let _refused = state.apply(index, &entry);
-            }
+            // Refusals were recorded when first applied; the state is the same.
+            crate::journal::apply_journal(&tree, &mut state, from, until)
+                .map_err(|e| StoreError::corrupt("the journal", e))?;
         }
         let (applied_index, _) = watch::channel(until);
         Ok(StateMachineStore {
@@ -217,6 +210,13 @@ impl StateMachineStore {
             })?);
         }
         Ok(out)
+    }
+
+    /// Merges the journal's small pages at or below `upto` into larger ones
+    /// (content unchanged). Runs after each snapshot; returns the number of
+    /// pages merged away.
+    pub fn compact_journal(&self, upto: u64) -> Result<usize, StoreError> {
+        Ok(crate::journal::compact(&self.tree, upto)?)
     }
 
     /// Makes everything written so far survive a killed process.
@@ -292,6 +292,10 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
                 ErrorVerb::Write,
             )
         })?;
+        if let Some(upto) = meta.last_log_id.map(|l| l.index) {
+            let merged = self.compact_journal(upto).map_err(sm_err)?;
+            tracing::debug!(upto, merged, "journal compacted");
+        }
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
@@ -315,6 +319,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I::IntoIter: OptionalSend,
     {
         let mut batch = sled::Batch::default();
+        let mut page = crate::journal::PageBuilder::default();
         let mut responses = Vec::new();
         let last = {
             let mut applied = self.shared.write();
@@ -325,7 +330,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     EntryPayload::Blank => Ok(Vec::new()),
                     EntryPayload::Normal(e) => {
                         let outcome = applied.state.apply(index, &e);
-                        batch.insert(&key(PREFIX_ENTRY, index)[..], encode_entry(&e));
+                        page.push(index, &e);
                         batch.insert(
                             &key(PREFIX_APPLIED, index)[..],
                             applied_entry_to_proto(index, &e, &outcome).encode_to_vec(),
@@ -346,6 +351,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 v.to_json()
                     .map_err(|e| StoreError::encode("applied state", e))
             };
+            if let Some((k, v)) = page.finish() {
+                batch.insert(&k[..], v);
+            }
             batch.insert(KEY_APPLIED, json(&applied.last_applied).map_err(sm_err)?);
             batch.insert(KEY_MEMBERSHIP, json(&applied.membership).map_err(sm_err)?);
             applied.last_applied.map_or(0, |l| l.index)

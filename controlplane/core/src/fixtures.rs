@@ -216,7 +216,14 @@ mod tests {
         assert!(refused * 100 < a.len(), "{refused} of {} refused", a.len());
         state.check_invariants().expect("invariants");
         let kinds: std::collections::BTreeSet<&str> = a.iter().map(|e| e.command.kind()).collect();
-        for kind in ["submit_job", "decide_allocation", "record_worker_started", "report_progress", "finish_job", "remove_job"] {
+        for kind in [
+            "submit_job",
+            "decide_allocation",
+            "record_worker_started",
+            "report_progress",
+            "finish_job",
+            "remove_job",
+        ] {
             assert!(kinds.contains(kind), "no {kind} in the stream");
         }
     }

@@ -1,0 +1,195 @@
+//! The audit journal: every applied Keel entry, never purged.
+//!
+//! Entries are stored in pages (`e` + first index → protobuf
+//! `JournalPage`). `apply` writes one page per batch it applies, in the same
+//! atomic sled batch as the rest of its writes. Reading a million tiny sled
+//! values costs more than applying them, so [`compact`] merges runs of small
+//! pages behind a snapshot into pages of about [`PAGE_TARGET_ENTRIES`]: the
+//! content and order never change, only how many sled values hold them.
+
+use keel_core::codec::{entry_from_proto, entry_to_proto};
+use keel_core::{ClusterState, LogEntry};
+use keel_proto::entry as pb;
+use prost::Message;
+
+use crate::replay::ReplayError;
+use crate::state_machine::{index_of, key};
+
+pub(crate) const PREFIX_PAGE: u8 = b'e';
+/// Compaction merges pages until they hold about this many entries.
+pub(crate) const PAGE_TARGET_ENTRIES: usize = 1024;
+
+/// The page for one apply batch.
+#[derive(Debug, Default)]
+pub(crate) struct PageBuilder {
+    page: pb::JournalPage,
+}
+
+impl PageBuilder {
+    pub(crate) fn push(&mut self, index: u64, entry: &LogEntry) {
+        self.page.indexes.push(index);
+        self.page.entries.push(entry_to_proto(entry));
+    }
+
+    /// The key and value to store, if the batch held any Keel entry.
+    pub(crate) fn finish(self) -> Option<([u8; 9], Vec<u8>)> {
+        let first = *self.page.indexes.first()?;
+        Some((key(PREFIX_PAGE, first), self.page.encode_to_vec()))
+    }
+}
+
+fn decode_page(first: u64, bytes: &[u8]) -> Result<Vec<(u64, LogEntry)>, ReplayError> {
+    let page = pb::JournalPage::decode(bytes).map_err(|e| ReplayError::Decode {
+        index: first,
+        source: keel_core::codec::DecodeError::Protobuf(e.to_string()),
+    })?;
+    if page.indexes.len() != page.entries.len() {
+        return Err(ReplayError::Read(format!(
+            "journal page at {first} has {} indexes for {} entries",
+            page.indexes.len(),
+            page.entries.len()
+        )));
+    }
+    page.indexes
+        .into_iter()
+        .zip(page.entries)
+        .map(|(index, e)| {
+            entry_from_proto(e)
+                .map(|entry| (index, entry))
+                .map_err(|source| ReplayError::Decode { index, source })
+        })
+        .collect()
+}
+
+/// What [`apply_journal`] did.
+#[derive(Debug, Default)]
+pub(crate) struct JournalApplied {
+    pub(crate) entries: u64,
+    pub(crate) refused: u64,
+    pub(crate) last_index: Option<u64>,
+}
+
+type DecodedPage = Result<Vec<(u64, LogEntry)>, ReplayError>;
+
+/// Sends the decoded entries with index in `from..=until`, page by page.
+fn read_pages(
+    tree: &sled::Tree,
+    from: u64,
+    until: u64,
+    tx: &std::sync::mpsc::SyncSender<DecodedPage>,
+) -> Result<(), ReplayError> {
+    let read = |e: sled::Error| ReplayError::Read(e.to_string());
+    // The page holding `from` may start before it.
+    let start = tree
+        .range(key(PREFIX_PAGE, 0)..=key(PREFIX_PAGE, from))
+        .next_back()
+        .transpose()
+        .map_err(read)?
+        .and_then(|(k, _)| index_of(&k))
+        .unwrap_or(from);
+    for item in tree.range(key(PREFIX_PAGE, start)..=key(PREFIX_PAGE, until)) {
+        let (k, v) = item.map_err(read)?;
+        let first =
+            index_of(&k).ok_or_else(|| ReplayError::Read("malformed journal key".into()))?;
+        let mut entries = decode_page(first, &v)?;
+        entries.retain(|(i, _)| *i >= from && *i <= until);
+        if tx.send(Ok(entries)).is_err() {
+            break; // the applier stopped
+        }
+    }
+    Ok(())
+}
+
+/// Applies the journal entries with index in `from..=until` to `state`, in
+/// index order. One thread reads and decodes pages while this one applies
+/// them; the result is that of a plain loop.
+pub(crate) fn apply_journal(
+    tree: &sled::Tree,
+    state: &mut ClusterState,
+    from: u64,
+    until: u64,
+) -> Result<JournalApplied, ReplayError> {
+    let mut out = JournalApplied::default();
+    std::thread::scope(|scope| -> Result<(), ReplayError> {
+        // Bounded: the reader runs at most a few pages ahead.
+        let (tx, rx) = std::sync::mpsc::sync_channel(16);
+        scope.spawn(move || {
+            if let Err(e) = read_pages(tree, from, until, &tx) {
+                let _ = tx.send(Err(e));
+            }
+        });
+        for page in rx {
+            for (index, entry) in page? {
+                if state.apply(index, &entry).is_err() {
+                    out.refused += 1;
+                }
+                out.entries += 1;
+                out.last_index = Some(index);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Merges runs of pages that lie wholly at or below `upto` into pages of
+/// about [`PAGE_TARGET_ENTRIES`]. Each merge is one atomic sled batch (the
+/// merged page replaces its parts), so a crash mid-way leaves a valid journal.
+/// Returns how many pages were merged away.
+pub(crate) fn compact(tree: &sled::Tree, upto: u64) -> Result<usize, sled::Error> {
+    let mut merged_away = 0;
+    let mut run: Vec<(u64, pb::JournalPage)> = Vec::new();
+    let mut run_entries = 0;
+    let flush = |run: &mut Vec<(u64, pb::JournalPage)>| -> Result<usize, sled::Error> {
+        if run.len() < 2 {
+            run.clear();
+            return Ok(0);
+        }
+        let first = run[0].0;
+        let mut merged = pb::JournalPage::default();
+        let mut batch = sled::Batch::default();
+        for (k, page) in run.drain(..) {
+            merged.indexes.extend(page.indexes);
+            merged.entries.extend(page.entries);
+            if k != first {
+                batch.remove(&key(PREFIX_PAGE, k)[..]);
+            }
+        }
+        let parts = merged.indexes.len();
+        batch.insert(&key(PREFIX_PAGE, first)[..], merged.encode_to_vec());
+        tree.apply_batch(batch)?;
+        Ok(parts)
+    };
+    let pages: Vec<(u64, pb::JournalPage)> = tree
+        .range(key(PREFIX_PAGE, 0)..=key(PREFIX_PAGE, upto))
+        .filter_map(|item| {
+            let (k, v) = item.ok()?;
+            Some((index_of(&k)?, pb::JournalPage::decode(v.as_ref()).ok()?))
+        })
+        .collect();
+    for (first, page) in pages {
+        // Only pages wholly behind `upto`; and full pages stay as they are.
+        if page.indexes.last().is_none_or(|l| *l > upto) {
+            break;
+        }
+        if page.indexes.len() >= PAGE_TARGET_ENTRIES {
+            let n = run.len();
+            flush(&mut run)?;
+            merged_away += n.saturating_sub(1);
+            run_entries = 0;
+            continue;
+        }
+        run_entries += page.indexes.len();
+        run.push((first, page));
+        if run_entries >= PAGE_TARGET_ENTRIES {
+            let n = run.len();
+            flush(&mut run)?;
+            merged_away += n.saturating_sub(1);
+            run_entries = 0;
+        }
+    }
+    let n = run.len();
+    let _ = flush(&mut run)?;
+    merged_away += n.saturating_sub(1);
+    Ok(merged_away)
+}
