@@ -196,7 +196,12 @@ impl Keel for KeelApi {
         let store = self.node.state_machine.clone();
         let mut applied_index = store.shared().subscribe();
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BATCH);
+        // Everything applied before this request is in the journal first.
+        let applied = store.shared().read().last_applied.map_or(0, |l| l.index);
         tokio::spawn(async move {
+            if applied_index.wait_for(|i| *i >= applied).await.is_err() {
+                return;
+            }
             let mut next = req.from_index;
             loop {
                 // Mark the current index seen before reading, so an apply

@@ -94,7 +94,17 @@ impl Server {
             .max_decoding_message_size(MAX_REQUEST_BYTES)
             .max_encoding_message_size(64 * MAX_REQUEST_BYTES);
         tracing::info!(addr = %self.addr, "serving the Keel API");
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(self.listener);
+        // Replies are small and latency-bound: no Nagle delay on accepted
+        // connections (tonic sets this only on listeners it binds itself).
+        let incoming = tokio_stream::StreamExt::map(
+            tokio_stream::wrappers::TcpListenerStream::new(self.listener),
+            |conn| {
+                conn.and_then(|stream| {
+                    stream.set_nodelay(true)?;
+                    Ok(stream)
+                })
+            },
+        );
         let result = tonic::transport::Server::builder()
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, shutdown)

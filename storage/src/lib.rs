@@ -23,6 +23,7 @@
 mod data_dir;
 mod error;
 mod journal;
+mod journal_writer;
 mod log_store;
 mod replay;
 mod state_machine;

@@ -32,6 +32,7 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use crate::journal_writer::{JournalWriter, Writes};
 use crate::{ApplyResponse, Entry, LogId, StorageError, StoreError, TypeConfig};
 
 pub(crate) const PREFIX_APPLIED: u8 = b'v';
@@ -97,9 +98,14 @@ impl SharedState {
         self.applied.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Watch the last applied index move.
+    /// Watch the journal's applied index move: every entry up to it has its
+    /// records in sled ([`StateMachineStore::applied_entries`]).
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.applied_index.subscribe()
+    }
+
+    pub(crate) fn journaled(&self, index: u64) {
+        self.applied_index.send_replace(index);
     }
 }
 
@@ -137,6 +143,7 @@ pub struct StateMachineStore {
     shared: Arc<SharedState>,
     db: sled::Db,
     tree: sled::Tree,
+    writer: Arc<JournalWriter>,
     snapshot_seq: Arc<AtomicU64>,
 }
 
@@ -166,6 +173,14 @@ impl StateMachineStore {
             }
             _ => (ClusterState::new(), 0),
         };
+        // Defensive: the snapshot is written only after the journal caught
+        // up, so the applied id on disk is never behind it.
+        if from > 0 && last_applied.is_none_or(|l| l.index + 1 < from) {
+            return Err(StoreError::corrupt(
+                "the state directory",
+                format!("the snapshot reaches index {} but the applied index on disk is {last_applied:?}", from - 1),
+            ));
+        }
         let until = last_applied.map_or(0, |l| l.index);
         if until >= from {
             // Refusals were recorded when first applied; the state is the same.
@@ -173,17 +188,20 @@ impl StateMachineStore {
                 .map_err(|e| StoreError::corrupt("the journal", e))?;
         }
         let (applied_index, _) = watch::channel(until);
-        Ok(StateMachineStore {
-            shared: Arc::new(SharedState {
-                applied: RwLock::new(Applied {
-                    state,
-                    last_applied,
-                    membership,
-                }),
-                applied_index,
+        let shared = Arc::new(SharedState {
+            applied: RwLock::new(Applied {
+                state,
+                last_applied,
+                membership,
             }),
+            applied_index,
+        });
+        let writer = Arc::new(JournalWriter::spawn(tree.clone(), shared.clone())?);
+        Ok(StateMachineStore {
+            shared,
             db,
             tree,
+            writer,
             snapshot_seq: Arc::new(AtomicU64::new(0)),
         })
     }
@@ -219,8 +237,14 @@ impl StateMachineStore {
         Ok(crate::journal::compact(&self.tree, upto)?)
     }
 
-    /// Makes everything written so far survive a killed process.
+    /// Returns once the journal holds every entry applied so far.
+    pub fn wait_journaled(&self) -> Result<(), StoreError> {
+        self.writer.barrier()
+    }
+
+    /// Makes everything applied so far survive a killed process.
     pub fn flush(&self) -> Result<(), StoreError> {
+        self.writer.barrier()?;
         self.db.flush()?;
         Ok(())
     }
@@ -231,6 +255,9 @@ impl StateMachineStore {
         data: &[u8],
         checkpoint: bool,
     ) -> Result<(), StoreError> {
+        // The snapshot's index must not be ahead of the applied index on
+        // disk: drain the journal writer first.
+        self.writer.barrier()?;
         let json = |what: &'static str, v: &dyn erased_json::Json| {
             v.to_json().map_err(|e| StoreError::encode(what, e))
         };
@@ -318,10 +345,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut batch = sled::Batch::default();
+        let mut writes = Writes::default();
         let mut page = crate::journal::PageBuilder::default();
         let mut responses = Vec::new();
-        let last = {
+        {
             let mut applied = self.shared.write();
             for entry in entries {
                 let index = entry.log_id.index;
@@ -331,10 +358,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     EntryPayload::Normal(e) => {
                         let outcome = applied.state.apply(index, &e);
                         page.push(index, &e);
-                        batch.insert(
-                            &key(PREFIX_APPLIED, index)[..],
+                        writes.inserts.push((
+                            key(PREFIX_APPLIED, index).to_vec(),
                             applied_entry_to_proto(index, &e, &outcome).encode_to_vec(),
-                        );
+                        ));
                         if let Err(refusal) = &outcome {
                             tracing::debug!(index, %refusal, "entry refused");
                         }
@@ -352,14 +379,19 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     .map_err(|e| StoreError::encode("applied state", e))
             };
             if let Some((k, v)) = page.finish() {
-                batch.insert(&k[..], v);
+                writes.inserts.push((k.to_vec(), v));
             }
-            batch.insert(KEY_APPLIED, json(&applied.last_applied).map_err(sm_err)?);
-            batch.insert(KEY_MEMBERSHIP, json(&applied.membership).map_err(sm_err)?);
-            applied.last_applied.map_or(0, |l| l.index)
-        };
-        self.tree.apply_batch(batch).map_err(sm_err)?;
-        self.shared.applied_index.send_replace(last);
+            writes.inserts.push((
+                KEY_APPLIED.to_vec(),
+                json(&applied.last_applied).map_err(sm_err)?,
+            ));
+            writes.inserts.push((
+                KEY_MEMBERSHIP.to_vec(),
+                json(&applied.membership).map_err(sm_err)?,
+            ));
+            writes.applied_index = applied.last_applied.map_or(0, |l| l.index);
+        }
+        self.writer.write(writes).map_err(sm_err)?;
         Ok(responses)
     }
 
