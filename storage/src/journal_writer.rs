@@ -11,7 +11,7 @@
 //! (the log is purged behind it), installing one, flushing, and readers that
 //! want the journal to be complete up to an index.
 
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -124,10 +124,7 @@ fn run(
                 Work::Barrier(done) => barriers.push(done),
             }
             if writes < MAX_MERGED {
-                next = match rx.try_recv() {
-                    Ok(w) => Some(w),
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => None,
-                };
+                next = rx.try_recv().ok();
             }
         }
         let result = if writes > 0 {
