@@ -8,13 +8,14 @@ use std::sync::Arc;
 
 use futures::Stream;
 use keel_core::codec::spec_from_proto;
-use keel_core::{Command, JobState, LogEntry};
+use keel_core::{Command, JobState};
 use keel_proto::api::{self, keel_server::Keel};
 use keel_proto::entry::AppliedEntry;
 use openraft::ServerState;
 use tonic::{Request, Response, Status};
 
 use crate::grpc_status::ApiError;
+use crate::proposer::Proposer;
 use crate::raft_node::RaftNode;
 
 /// Where the API gets the time it stamps on entries. Injected so tests can
@@ -38,7 +39,7 @@ const USER_FILTER_MAX_LEN: usize = keel_core::spec::limits::USER_MAX_LEN;
 
 pub struct KeelApi {
     node: Arc<RaftNode>,
-    clock: Clock,
+    proposer: Proposer,
 }
 
 impl std::fmt::Debug for KeelApi {
@@ -50,21 +51,17 @@ impl std::fmt::Debug for KeelApi {
 }
 
 impl KeelApi {
+    /// Must be called on a tokio runtime: it starts the proposer task.
     pub fn new(node: Arc<RaftNode>, clock: Clock) -> Self {
-        KeelApi { node, clock }
+        let proposer = Proposer::spawn(node.raft.clone(), clock);
+        KeelApi { node, proposer }
     }
 
-    /// Proposes a command and waits until it is applied. A refusal by the
+    /// Proposes a command (stamped with the leader's clock, group-committed
+    /// with concurrent ones) and waits until it is applied. A refusal by the
     /// state machine is an error.
     async fn propose(&self, command: Command) -> Result<(u64, Vec<keel_core::Event>), ApiError> {
-        let entry = LogEntry {
-            at_ms: (self.clock)(),
-            command,
-        };
-        let resp = self.node.raft.client_write(entry).await?;
-        let index = resp.data.index;
-        let events = resp.data.outcome?;
-        Ok((index, events))
+        self.proposer.propose(command).await
     }
 
     async fn linearizable(&self) -> Result<(), ApiError> {

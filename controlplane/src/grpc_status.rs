@@ -6,7 +6,7 @@ use openraft::BasicNode;
 use tonic::{Code, Status};
 
 /// Errors the API answers with, each with one status code.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     #[error(transparent)]
     InvalidSpec(#[from] SpecError),

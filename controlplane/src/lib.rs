@@ -3,12 +3,14 @@
 //! - [`raft_node`]: openraft wired to Keel's storage; one replica for now.
 //! - [`api`]: the `keel.api.v1.Keel` gRPC service.
 //! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
+//! - [`proposer`]: group commit: concurrent commands share one Raft entry.
 //! - [`convert`]: domain objects to their API messages.
 //! - [`server`]: the `keel server` process: data dir, Raft, API, shutdown.
 
 pub mod api;
 pub mod convert;
 pub mod grpc_status;
+pub mod proposer;
 pub mod raft_node;
 pub mod server;
 

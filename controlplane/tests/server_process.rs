@@ -429,3 +429,54 @@ impl tonic::codec::Decoder for RawCodec {
         Ok(Some(v))
     }
 }
+
+#[test]
+fn concurrent_submissions_are_group_committed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(&dir.path().join("data"));
+    let addr = server.addr.clone();
+    let results = tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(async move {
+            let mut tasks = Vec::new();
+            for t in 0..50 {
+                let url = format!("http://{addr}");
+                tasks.push(tokio::spawn(async move {
+                    let mut client = KeelClient::connect(url).await.expect("connect");
+                    let mut out = Vec::new();
+                    for i in 0..4 {
+                        let resp = client
+                            .submit_job(api::SubmitJobRequest {
+                                spec: Some(JobSpec {
+                                    name: format!("c{t}-{i}"),
+                                    command: vec!["true".into()],
+                                    gpus_per_worker: 1,
+                                    min_workers: 1,
+                                    max_workers: 1,
+                                    ..Default::default()
+                                }),
+                            })
+                            .await
+                            .expect("submit")
+                            .into_inner();
+                        out.push((resp.job_id, resp.index));
+                    }
+                    out
+                }));
+            }
+            let mut all = Vec::new();
+            for t in tasks {
+                all.extend(t.await.expect("task"));
+            }
+            all
+        });
+    let ids: std::collections::BTreeSet<u64> = results.iter().map(|(id, _)| *id).collect();
+    let indexes: std::collections::BTreeSet<u64> = results.iter().map(|(_, ix)| *ix).collect();
+    assert_eq!(ids.len(), 200, "every submission got its own job id");
+    assert!(
+        indexes.len() < 200,
+        "200 concurrent submissions took {} Raft entries: no group commit",
+        indexes.len()
+    );
+    assert_eq!(server.json(&["jobs"]).as_array().map(Vec::len), Some(200));
+}

@@ -5,6 +5,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use keel_core::fixtures::mixed_entries;
+use keel_core::Proposal;
 use keel_storage::{Entry, StateMachineStore};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, EntryPayload, LogId};
@@ -29,7 +30,9 @@ fn replay_journal(c: &mut Criterion) {
                     .enumerate()
                     .map(|(i, e)| Entry {
                         log_id: LogId::new(CommittedLeaderId::new(1, 1), (next + i) as u64 + 1),
-                        payload: EntryPayload::Normal(e.clone()),
+                        payload: EntryPayload::Normal(Proposal {
+                            entries: vec![e.clone()],
+                        }),
                     })
                     .collect();
                 sm.apply(batch).await.expect("apply");

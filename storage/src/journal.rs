@@ -1,7 +1,7 @@
 //! The audit journal: every applied Keel entry, never purged.
 //!
 //! Entries are stored in pages (`e` + first index → protobuf
-//! `JournalPage`). `apply` writes one page per batch it applies, in the same
+//! `JournalPage`). Commands proposed together share their Raft index. `apply` writes one page per batch it applies, in the same
 //! atomic sled batch as the rest of its writes. Reading a million tiny sled
 //! values costs more than applying them, so [`compact`] merges runs of small
 //! pages behind a snapshot into pages of about [`PAGE_TARGET_ENTRIES`]: the

@@ -40,17 +40,18 @@ pub use log_store::LogStore;
 pub use replay::{replay, ReplayError, ReplaySummary};
 pub use state_machine::{Applied, SharedState, StateMachineStore};
 
-/// The result of applying one entry, returned to the client that proposed it.
+/// The result of applying one Raft entry: the outcome of each command in its
+/// proposal, in order (empty for Raft's own entries).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApplyResponse {
     pub index: u64,
-    pub outcome: Result<Vec<Event>, ApplyError>,
+    pub outcomes: Vec<Result<Vec<Event>, ApplyError>>,
 }
 
 openraft::declare_raft_types!(
-    /// Keel's Raft types: entries carry a `keel_core::LogEntry`.
+    /// Keel's Raft types: entries carry a `keel_core::Proposal`.
     pub TypeConfig:
-        D = keel_core::LogEntry,
+        D = keel_core::Proposal,
         R = ApplyResponse,
         NodeId = u64,
         Node = BasicNode,

@@ -7,7 +7,7 @@
 //!
 //! Encoding of a WAL record's payload: one tag byte, then
 //! - `0` blank;
-//! - `1` a normal entry, as a protobuf `keel.entry.v1.LogEntry`;
+//! - `1` a normal entry, as a protobuf `keel.entry.v1.Proposal`;
 //! - `2` a membership change, as JSON (openraft's serde form).
 
 use std::fmt::Debug;
@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use keel_core::codec::{decode_entry, encode_entry};
+use keel_core::codec::{decode_proposal, encode_proposal};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{
     CommittedLeaderId, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftLogReader, Vote,
@@ -96,9 +96,9 @@ const TAG_MEMBERSHIP: u8 = 2;
 fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Result<Vec<u8>, StoreError> {
     Ok(match payload {
         EntryPayload::Blank => vec![TAG_BLANK],
-        EntryPayload::Normal(entry) => {
+        EntryPayload::Normal(proposal) => {
             let mut v = vec![TAG_NORMAL];
-            v.extend_from_slice(&encode_entry(entry));
+            v.extend_from_slice(&encode_proposal(proposal));
             v
         }
         EntryPayload::Membership(m) => {
@@ -114,7 +114,7 @@ fn decode_payload(index: u64, bytes: &[u8]) -> Result<EntryPayload<TypeConfig>, 
     match bytes.split_first() {
         Some((&TAG_BLANK, _)) => Ok(EntryPayload::Blank),
         Some((&TAG_NORMAL, rest)) => Ok(EntryPayload::Normal(
-            decode_entry(rest).map_err(|e| StoreError::corrupt(what(), e))?,
+            decode_proposal(rest).map_err(|e| StoreError::corrupt(what(), e))?,
         )),
         Some((&TAG_MEMBERSHIP, rest)) => Ok(EntryPayload::Membership(
             serde_json::from_slice(rest).map_err(|e| StoreError::corrupt(what(), e))?,

@@ -5,7 +5,7 @@
 //! | key | value |
 //! |---|---|
 //! | `e` + first index | a journal page: applied entries (protobuf `JournalPage`), see [`crate::journal`] |
-//! | `v` + index | what it did (protobuf `AppliedEntry`) |
+//! | `v` + index + position | what one command did (protobuf `AppliedEntry`) |
 //! | `c` + index | a state installed from a leader's snapshot at index (replay starts there) |
 //! | `m/applied`, `m/membership` | last applied log id and membership (JSON) |
 //! | `m/snapshot-meta`, `m/snapshot-data` | the current snapshot |
@@ -47,6 +47,15 @@ pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
     k[0] = prefix;
     k[1..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+/// Key of an applied record: prefix, Raft index, position in the proposal.
+pub(crate) fn applied_key(index: u64, position: u32) -> [u8; 13] {
+    let mut k = [0u8; 13];
+    k[0] = PREFIX_APPLIED;
+    k[1..9].copy_from_slice(&index.to_be_bytes());
+    k[9..].copy_from_slice(&position.to_be_bytes());
     k
 }
 
@@ -219,7 +228,7 @@ impl StateMachineStore {
         let mut out = Vec::new();
         for item in self
             .tree
-            .range(key(PREFIX_APPLIED, from)..=key(PREFIX_APPLIED, u64::MAX))
+            .range(applied_key(from, 0)..=applied_key(u64::MAX, u32::MAX))
             .take(limit)
         {
             let (k, v) = item?;
@@ -353,26 +362,32 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             for entry in entries {
                 let index = entry.log_id.index;
                 applied.last_applied = Some(entry.log_id);
-                let outcome = match entry.payload {
-                    EntryPayload::Blank => Ok(Vec::new()),
-                    EntryPayload::Normal(e) => {
-                        let outcome = applied.state.apply(index, &e);
-                        page.push(index, &e);
-                        writes.inserts.push((
-                            key(PREFIX_APPLIED, index).to_vec(),
-                            applied_entry_to_proto(index, &e, &outcome).encode_to_vec(),
-                        ));
-                        if let Err(refusal) = &outcome {
-                            tracing::debug!(index, %refusal, "entry refused");
+                let outcomes = match entry.payload {
+                    EntryPayload::Blank => Vec::new(),
+                    EntryPayload::Normal(proposal) => {
+                        let mut outcomes = Vec::with_capacity(proposal.entries.len());
+                        for (position, e) in proposal.entries.iter().enumerate() {
+                            let position = u32::try_from(position).unwrap_or(u32::MAX);
+                            let outcome = applied.state.apply(index, e);
+                            page.push(index, e);
+                            writes.inserts.push((
+                                applied_key(index, position).to_vec(),
+                                applied_entry_to_proto(index, position, e, &outcome)
+                                    .encode_to_vec(),
+                            ));
+                            if let Err(refusal) = &outcome {
+                                tracing::debug!(index, position, %refusal, "entry refused");
+                            }
+                            outcomes.push(outcome);
                         }
-                        outcome
+                        outcomes
                     }
                     EntryPayload::Membership(m) => {
                         applied.membership = StoredMembership::new(Some(entry.log_id), m);
-                        Ok(Vec::new())
+                        Vec::new()
                     }
                 };
-                responses.push(ApplyResponse { index, outcome });
+                responses.push(ApplyResponse { index, outcomes });
             }
             let json = |v: &dyn erased_json::Json| {
                 v.to_json()

@@ -2,7 +2,7 @@
 //! offline replay, on real files.
 
 use keel_core::spec::{GpuTypes, Workers};
-use keel_core::{Command, Gpu, GpuRef, JobPlacement, JobSpec, LogEntry};
+use keel_core::{Command, Gpu, GpuRef, JobPlacement, JobSpec, LogEntry, Proposal};
 use keel_storage::{replay, Entry, StateMachineStore};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder};
@@ -27,9 +27,11 @@ fn spec(name: &str) -> JobSpec {
 fn normal(index: u64, command: Command) -> Entry {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(LogEntry {
-            at_ms: index * 1000,
-            command,
+        payload: EntryPayload::Normal(Proposal {
+            entries: vec![LogEntry {
+                at_ms: index * 1000,
+                command,
+            }],
         }),
     }
 }
@@ -82,7 +84,7 @@ async fn state_survives_reopen_and_matches_offline_replay() {
         let responses = sm.apply(history(1, 5)).await.expect("apply");
         assert_eq!(responses.len(), 8);
         assert!(
-            responses[7].outcome.is_err(),
+            responses[7].outcomes[0].is_err(),
             "cancel of an unknown job is refused"
         );
         let allocate = normal(
@@ -188,7 +190,9 @@ async fn journal_compaction_keeps_content_and_order() {
                 index += 1;
                 Entry {
                     log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-                    payload: EntryPayload::Normal(e.clone()),
+                    payload: EntryPayload::Normal(Proposal {
+                        entries: vec![e.clone()],
+                    }),
                 }
             })
             .collect();

@@ -9,7 +9,7 @@ use keel_proto::entry as pb;
 use keel_proto::ENTRY_FORMAT_VERSION;
 use prost::Message;
 
-use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
+use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 use crate::event::Event;
 use crate::model::{Gpu, GpuRef, ProgressSample};
 use crate::spec::{GpuTypes, JobSpec, Workers};
@@ -50,6 +50,26 @@ pub fn decode_entry(bytes: &[u8]) -> Result<LogEntry, DecodeError> {
     }
     let msg = pb::LogEntry::decode(bytes).map_err(|e| DecodeError::Protobuf(e.to_string()))?;
     entry_from_proto(msg)
+}
+
+/// Encodes a proposal (the payload of one Raft entry).
+pub fn encode_proposal(proposal: &Proposal) -> Vec<u8> {
+    pb::Proposal {
+        entries: proposal.entries.iter().map(entry_to_proto).collect(),
+    }
+    .encode_to_vec()
+}
+
+/// Decodes a proposal, refusing any entry of an unknown version or command.
+pub fn decode_proposal(bytes: &[u8]) -> Result<Proposal, DecodeError> {
+    let msg = pb::Proposal::decode(bytes).map_err(|e| DecodeError::Protobuf(e.to_string()))?;
+    Ok(Proposal {
+        entries: msg
+            .entries
+            .into_iter()
+            .map(entry_from_proto)
+            .collect::<Result<_, _>>()?,
+    })
 }
 
 pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
@@ -417,6 +437,7 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
 /// journal and streamed to watchers.
 pub fn applied_entry_to_proto(
     index: u64,
+    position: u32,
     entry: &LogEntry,
     outcome: &Result<Vec<Event>, crate::ApplyError>,
 ) -> pb::AppliedEntry {
@@ -430,6 +451,7 @@ pub fn applied_entry_to_proto(
         command: entry.command.kind().to_string(),
         events,
         refused,
+        position,
     }
 }
 

@@ -17,6 +17,13 @@ pub struct LogEntry {
     pub command: Command,
 }
 
+/// The commands one Raft log entry carries, batched by the leader so that
+/// one fdatasync covers them all. Applied in order, each with its own outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Proposal {
+    pub entries: Vec<LogEntry>,
+}
+
 /// How a job ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum JobOutcome {

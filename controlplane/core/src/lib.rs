@@ -16,7 +16,7 @@ pub mod model;
 pub mod spec;
 pub mod state;
 
-pub use command::{Command, JobOutcome, JobPlacement, LogEntry};
+pub use command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 pub use event::Event;
 pub use model::{
     Allocation, Gpu, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample, Worker,

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use keel_core::spec::{GpuTypes, Workers};
-use keel_core::{Command, JobSpec, LogEntry};
+use keel_core::{Command, JobSpec, LogEntry, Proposal};
 use keel_storage::{Entry, LogStore};
 use openraft::{CommittedLeaderId, EntryPayload, LogId};
 
@@ -17,24 +17,26 @@ use openraft::{CommittedLeaderId, EntryPayload, LogId};
 pub fn entry_at(index: u64) -> Entry {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(LogEntry {
-            at_ms: index,
-            command: Command::SubmitJob {
-                spec: JobSpec {
-                    name: format!("job-{index}"),
-                    user: "crash".into(),
-                    command: vec!["sleep".into(), index.to_string()],
-                    image: None,
-                    env: Default::default(),
-                    gpus: 1,
-                    workers: Workers::default(),
-                    gpu_types: GpuTypes::default(),
-                    model: None,
-                    total_steps: None,
-                    epochs: None,
-                    priority: 0,
+        payload: EntryPayload::Normal(Proposal {
+            entries: vec![LogEntry {
+                at_ms: index,
+                command: Command::SubmitJob {
+                    spec: JobSpec {
+                        name: format!("job-{index}"),
+                        user: "crash".into(),
+                        command: vec!["sleep".into(), index.to_string()],
+                        image: None,
+                        env: Default::default(),
+                        gpus: 1,
+                        workers: Workers::default(),
+                        gpu_types: GpuTypes::default(),
+                        model: None,
+                        total_steps: None,
+                        epochs: None,
+                        priority: 0,
+                    },
                 },
-            },
+            }],
         }),
     }
 }
