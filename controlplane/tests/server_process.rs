@@ -18,10 +18,15 @@ struct ServerProcess {
 
 impl ServerProcess {
     fn start(data_dir: &Path) -> ServerProcess {
+        Self::start_with(data_dir, &[])
+    }
+
+    fn start_with(data_dir: &Path, extra: &[&str]) -> ServerProcess {
         let _ = std::fs::remove_file(data_dir.join("server.addr"));
         let child = Command::new(KEEL)
             .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -479,4 +484,53 @@ fn concurrent_submissions_are_group_committed() {
         indexes.len()
     );
     assert_eq!(server.json(&["jobs"]).as_array().map(Vec::len), Some(200));
+}
+
+#[test]
+fn snapshots_compact_the_log_and_restarts_load_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let server = ServerProcess::start_with(&data, &["--snapshot-every", "16"]);
+    let addr = server.addr.clone();
+    tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(async move {
+            let mut client = KeelClient::connect(format!("http://{addr}"))
+                .await
+                .expect("connect");
+            for i in 0..120 {
+                client
+                    .submit_job(api::SubmitJobRequest {
+                        spec: Some(JobSpec {
+                            name: format!("s{i}"),
+                            command: vec!["true".into()],
+                            gpus_per_worker: 1,
+                            min_workers: 1,
+                            max_workers: 1,
+                            ..Default::default()
+                        }),
+                    })
+                    .await
+                    .expect("submit");
+            }
+        });
+    let hash = server.json(&["cluster", "status"])["state_hash"].clone();
+    server.terminate();
+
+    // The state comes back from the snapshot plus the journal after it.
+    let server = ServerProcess::start_with(&data, &["--snapshot-every", "16"]);
+    assert_eq!(server.json(&["cluster", "status"])["state_hash"], hash);
+    assert_eq!(server.json(&["jobs"]).as_array().map(Vec::len), Some(120));
+    // History before the snapshot is still there for audit.
+    let events = server.cli_ok(&["events", "-o", "json"]);
+    assert_eq!(events.lines().count(), 120);
+    server.terminate();
+    let out = Command::new(KEEL)
+        .args(["replay", "-o", "json", "--data-dir"])
+        .arg(&data)
+        .output()
+        .expect("replay");
+    let replayed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(replayed["state_hash"], hash);
+    assert_eq!(replayed["entries"], 120);
 }

@@ -1,1 +1,58 @@
+//! Executors: how Keel runs workers.
+//!
+//! This crate holds the contract between the leader's reconciler and the
+//! machinery that runs training workers (local processes, SSH, Kubernetes).
+//! Implementations arrive with the end-to-end scheduling work; the contract
+//! is fixed here so the state machine's notion of a worker (job, allocation
+//! epoch, rank) is shared by every executor.
 
+use keel_core::{GpuRef, JobId};
+
+/// A worker's identity. Reconciling twice launches nothing twice: an
+/// executor that already runs a worker with this identity leaves it alone,
+/// and a new allocation epoch is a new identity.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WorkerId {
+    pub job_id: JobId,
+    pub epoch: u64,
+    pub rank: u32,
+}
+
+impl std::fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "job-{}-e{}-r{}", self.job_id, self.epoch, self.rank)
+    }
+}
+
+/// Splits an allocation's GPUs into workers of `gpus_per_worker`, in order:
+/// rank r gets GPUs `r*g .. (r+1)*g`. Every executor places ranks the same way.
+pub fn ranks(gpus: &[GpuRef], gpus_per_worker: u32) -> Vec<&[GpuRef]> {
+    gpus.chunks(gpus_per_worker.max(1) as usize).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_split_gpus_in_order() {
+        let gpus: Vec<GpuRef> = (0..4)
+            .map(|index| GpuRef {
+                node: "n0".into(),
+                index,
+            })
+            .collect();
+        let r = ranks(&gpus, 2);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[1][0].index, 2);
+        assert_eq!(
+            WorkerId {
+                job_id: 3,
+                epoch: 2,
+                rank: 1
+            }
+            .to_string(),
+            "job-3-e2-r1"
+        );
+    }
+}
