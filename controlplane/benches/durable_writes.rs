@@ -108,6 +108,41 @@ async fn submissions(addr: &str, clients: usize, secs: f64) -> Row {
     }
 }
 
+async fn proposals(proposer: &keel::proposer::Proposer, tasks: usize, secs: f64) -> Row {
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for t in 0..tasks {
+        let proposer = proposer.clone();
+        handles.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let mut i = t * 1_000_000;
+            while start.elapsed().as_secs_f64() < secs {
+                let spec = keel_core::codec::spec_from_proto(spec(i));
+                let t0 = Instant::now();
+                proposer
+                    .propose(keel_core::Command::SubmitJob { spec })
+                    .await
+                    .expect("propose");
+                latencies.push(t0.elapsed());
+                i += 1;
+            }
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for h in handles {
+        latencies.extend(h.await.expect("task"));
+    }
+    let wall = start.elapsed().as_secs_f64();
+    latencies.sort();
+    Row {
+        what: format!("proposer in-process, {tasks} task(s)"),
+        per_s: latencies.len() as f64 / wall,
+        p50: percentile(&latencies, 0.5),
+        p99: percentile(&latencies, 0.99),
+    }
+}
+
 fn main() {
     let secs: f64 = std::env::var("KEEL_BENCH_SECONDS")
         .ok()
@@ -134,6 +169,7 @@ fn main() {
         };
         let server = Server::start(&config, system_clock()).await.expect("start");
         let addr = server.addr.to_string();
+        let raft = server.node.raft.clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(server.serve(async {
             let _ = stopped.await;
@@ -153,6 +189,12 @@ fn main() {
         }
         rows.push(submissions(&addr, 1, secs).await);
         rows.push(submissions(&addr, 64, secs).await);
+        // The same through the proposer in-process, without gRPC: what the
+        // replica itself sustains when the load generator and the API do not
+        // share its two cores.
+        let proposer = keel::proposer::Proposer::spawn(raft, system_clock());
+        rows.push(proposals(&proposer, 1, secs).await);
+        rows.push(proposals(&proposer, 64, secs).await);
         let _ = stop.send(());
         let _ = serving.await;
     });
@@ -168,8 +210,13 @@ fn main() {
             r.p99.as_secs_f64() * 1e3
         );
     }
-    let one = rows[2].per_s;
-    let many = rows[3].per_s;
     println!();
-    println!("64 clients / 1 client: {:.1}x", many / one.max(1e-9));
+    println!(
+        "gRPC: 64 clients / 1 client: {:.1}x",
+        rows[3].per_s / rows[2].per_s.max(1e-9)
+    );
+    println!(
+        "in-process: 64 tasks / 1 task: {:.1}x",
+        rows[5].per_s / rows[4].per_s.max(1e-9)
+    );
 }
