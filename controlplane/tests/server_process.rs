@@ -115,6 +115,18 @@ fn write_spec(dir: &Path, name: &str, body: &str) -> PathBuf {
     path
 }
 
+/// A valid one-GPU spec, as the API takes it.
+fn small_spec(name: String) -> JobSpec {
+    JobSpec {
+        name,
+        command: vec!["true".into()],
+        gpus_per_worker: 1,
+        min_workers: 1,
+        max_workers: 1,
+        ..Default::default()
+    }
+}
+
 const SPEC: &str = "name: resnet\nuser: ada\ncommand: [python3, train.py]\ngpus: 2\nworkers: {min: 1, max: 2}\ngpu_types: {allowed: [v100]}\ntotal_steps: 500\n";
 
 #[test]
@@ -229,14 +241,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
             for i in 0..50 {
                 let resp = client
                     .submit_job(api::SubmitJobRequest {
-                        spec: Some(JobSpec {
-                            name: format!("burst-{i}"),
-                            command: vec!["true".into()],
-                            gpus_per_worker: 1,
-                            min_workers: 1,
-                            max_workers: 1,
-                            ..Default::default()
-                        }),
+                        spec: Some(small_spec(format!("burst-{i}"))),
                     })
                     .await
                     .expect("submit");
@@ -358,14 +363,7 @@ fn bad_input_gets_clear_errors_and_the_server_keeps_running() {
             // Still serving, nothing lost.
             let ok = client
                 .submit_job(api::SubmitJobRequest {
-                    spec: Some(JobSpec {
-                        name: "after".into(),
-                        command: vec!["a".into()],
-                        gpus_per_worker: 1,
-                        min_workers: 1,
-                        max_workers: 1,
-                        ..Default::default()
-                    }),
+                    spec: Some(small_spec("after".to_string())),
                 })
                 .await
                 .expect("the server still accepts work");
@@ -452,14 +450,7 @@ fn concurrent_submissions_are_group_committed() {
                     for i in 0..4 {
                         let resp = client
                             .submit_job(api::SubmitJobRequest {
-                                spec: Some(JobSpec {
-                                    name: format!("c{t}-{i}"),
-                                    command: vec!["true".into()],
-                                    gpus_per_worker: 1,
-                                    min_workers: 1,
-                                    max_workers: 1,
-                                    ..Default::default()
-                                }),
+                                spec: Some(small_spec(format!("c{t}-{i}"))),
                             })
                             .await
                             .expect("submit")
@@ -501,14 +492,7 @@ fn snapshots_compact_the_log_and_restarts_load_them() {
             for i in 0..120 {
                 client
                     .submit_job(api::SubmitJobRequest {
-                        spec: Some(JobSpec {
-                            name: format!("s{i}"),
-                            command: vec!["true".into()],
-                            gpus_per_worker: 1,
-                            min_workers: 1,
-                            max_workers: 1,
-                            ..Default::default()
-                        }),
+                        spec: Some(small_spec(format!("s{i}"))),
                     })
                     .await
                     .expect("submit");

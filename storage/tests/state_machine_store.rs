@@ -1,27 +1,13 @@
 //! The sled state machine: recovery on reopen, snapshots, the journal, and
 //! offline replay, on real files.
 
-use keel_core::spec::{GpuTypes, Workers};
 use keel_core::{Command, Gpu, GpuRef, JobPlacement, JobSpec, LogEntry, Proposal};
 use keel_storage::{replay, Entry, StateMachineStore};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder};
 
 fn spec(name: &str) -> JobSpec {
-    JobSpec {
-        name: name.into(),
-        user: "ada".into(),
-        command: vec!["train".into()],
-        image: None,
-        env: Default::default(),
-        gpus: 1,
-        workers: Workers::default(),
-        gpu_types: GpuTypes::default(),
-        model: None,
-        total_steps: None,
-        epochs: None,
-        priority: 0,
-    }
+    keel_core::fixtures::job_spec(name, 1, 1)
 }
 
 fn normal(index: u64, command: Command) -> Entry {

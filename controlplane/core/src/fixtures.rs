@@ -33,15 +33,19 @@ impl SplitMix64 {
     }
 }
 
-fn job_spec(i: u64, gpus: u32) -> JobSpec {
+/// A valid spec: `gpus` per worker, a fixed number of `workers`.
+pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
     JobSpec {
-        name: format!("job-{i}"),
-        user: format!("user-{}", i % 7),
-        command: vec!["python3".into(), "train.py".into(), format!("--seed={i}")],
+        name: name.into(),
+        user: "ada".into(),
+        command: vec!["python3".into(), "train.py".into()],
         image: None,
         env: Default::default(),
         gpus,
-        workers: Workers { min: 1, max: 1 },
+        workers: Workers {
+            min: workers,
+            max: workers,
+        },
         gpu_types: GpuTypes::default(),
         model: Some("resnet50".into()),
         total_steps: Some(10_000),
@@ -92,7 +96,10 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
         let command = if roll < 8 || (roll >= 16 && running.is_empty()) {
             submitted += 1;
             Command::SubmitJob {
-                spec: job_spec(submitted, 1 << rng.below(3)),
+                spec: JobSpec {
+                    user: format!("user-{}", submitted % 7),
+                    ..job_spec(&format!("job-{submitted}"), 1 << rng.below(3), 1)
+                },
             }
         } else if roll < 16 {
             // Place the oldest pending job on free GPUs of one node, if any fit.

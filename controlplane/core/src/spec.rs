@@ -326,20 +326,7 @@ mod tests {
     use super::*;
 
     fn minimal() -> JobSpec {
-        JobSpec {
-            name: "resnet".into(),
-            user: "ada".into(),
-            command: vec!["python3".into(), "train.py".into()],
-            image: None,
-            env: BTreeMap::new(),
-            gpus: 1,
-            workers: Workers::default(),
-            gpu_types: GpuTypes::default(),
-            model: None,
-            total_steps: None,
-            epochs: None,
-            priority: 0,
-        }
+        crate::fixtures::job_spec("resnet", 1, 1)
     }
 
     #[test]

@@ -4,28 +4,11 @@
 use std::collections::BTreeSet;
 
 use keel_core::codec::{decode_entry, encode_entry};
-use keel_core::spec::{GpuTypes, Workers};
 use keel_core::*;
 use proptest::prelude::*;
 
 fn spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
-    JobSpec {
-        name: name.into(),
-        user: "ada".into(),
-        command: vec!["train".into()],
-        image: None,
-        env: Default::default(),
-        gpus,
-        workers: Workers {
-            min: workers,
-            max: workers,
-        },
-        gpu_types: GpuTypes::default(),
-        model: None,
-        total_steps: Some(100),
-        epochs: None,
-        priority: 0,
-    }
+    keel_core::fixtures::job_spec(name, gpus, workers)
 }
 
 fn gpu(node: &str, index: u32) -> GpuRef {

@@ -8,8 +8,8 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use keel_core::spec::{GpuTypes, Workers};
-use keel_core::{Command, JobSpec, LogEntry, Proposal};
+use keel_core::fixtures::job_spec;
+use keel_core::{Command, LogEntry, Proposal};
 use keel_storage::{Entry, LogStore};
 use openraft::{CommittedLeaderId, EntryPayload, LogId};
 
@@ -21,20 +21,7 @@ pub fn entry_at(index: u64) -> Entry {
             entries: vec![LogEntry {
                 at_ms: index,
                 command: Command::SubmitJob {
-                    spec: JobSpec {
-                        name: format!("job-{index}"),
-                        user: "crash".into(),
-                        command: vec!["sleep".into(), index.to_string()],
-                        image: None,
-                        env: Default::default(),
-                        gpus: 1,
-                        workers: Workers::default(),
-                        gpu_types: GpuTypes::default(),
-                        model: None,
-                        total_steps: None,
-                        epochs: None,
-                        priority: 0,
-                    },
+                    spec: job_spec(&format!("job-{index}"), 1, 1),
                 },
             }],
         }),
