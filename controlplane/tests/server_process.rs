@@ -109,6 +109,21 @@ fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// `keel replay -o json` on a data directory no server is using.
+fn replay_offline(data: &Path) -> serde_json::Value {
+    let out = Command::new(KEEL)
+        .args(["replay", "-o", "json", "--data-dir"])
+        .arg(data)
+        .output()
+        .expect("replay");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
 fn write_spec(dir: &Path, name: &str, body: &str) -> PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, body).expect("write spec");
@@ -268,18 +283,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
     server.terminate();
 
     // Offline replay of the journal reaches the live state.
-    let out = Command::new(KEEL)
-        .args(["replay", "-o", "json", "--data-dir"])
-        .arg(&data)
-        .output()
-        .expect("replay");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let replayed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    assert_eq!(replayed["state_hash"], hash);
+    assert_eq!(replay_offline(&data)["state_hash"], hash);
 }
 
 #[test]
@@ -509,12 +513,7 @@ fn snapshots_compact_the_log_and_restarts_load_them() {
     let events = server.cli_ok(&["events", "-o", "json"]);
     assert_eq!(events.lines().count(), 120);
     server.terminate();
-    let out = Command::new(KEEL)
-        .args(["replay", "-o", "json", "--data-dir"])
-        .arg(&data)
-        .output()
-        .expect("replay");
-    let replayed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let replayed = replay_offline(&data);
     assert_eq!(replayed["state_hash"], hash);
     assert_eq!(replayed["entries"], 120);
 }
