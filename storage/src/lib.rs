@@ -1,10 +1,9 @@
 //! Keel's storage.
 //!
 //! - [`LogStore`]: the Raft log and vote, in a write-ahead log (`raft-log`)
-//!   that calls `fdatasync` before openraft is told an entry is flushed, with
-//!   group commit: every flush request that arrives while a sync runs shares
-//!   the next one. Records are checksummed; a torn final record is detected
-//!   and truncated on open, never replayed.
+//!   that calls `fdatasync` before openraft is told an entry is flushed.
+//!   Records are checksummed; a torn final record is detected and truncated
+//!   on open, never replayed.
 //! - [`StateMachineStore`]: `ClusterState` in memory, with its durable parts
 //!   on sled: the append-only journal (every applied entry and what it did),
 //!   the last applied log id and membership, and snapshots. The journal is

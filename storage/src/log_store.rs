@@ -1,9 +1,11 @@
 //! The Raft log and vote in a write-ahead log that really reaches the disk.
 //!
 //! Backed by `raft-log` (chunked WAL, CRC-checked records). Its flush worker
-//! calls `fdatasync` and batches: every flush request queued while a sync is
-//! in progress is served by the next single sync (group commit). openraft is
-//! told an append is flushed only from that worker's callback, after the sync.
+//! calls `fdatasync` and serves every flush request queued while a sync was
+//! running with the next single sync. openraft is told an append is flushed
+//! only from that worker's callback, after the sync. (openraft 0.9 issues one
+//! append at a time, so group commit happens above it: see the control
+//! plane's proposer.)
 //!
 //! Encoding of a WAL record's payload: one tag byte, then
 //! - `0` blank;
@@ -148,10 +150,12 @@ impl LogStore {
         std::fs::create_dir_all(dir)?;
         let mut config = raft_log::Config::new(dir.to_string_lossy());
         config.wal.truncate_incomplete_record = Some(true);
-        // Do not hold a sync back waiting for company: requests that arrive
-        // while one fdatasync runs already share the next one (group
-        // commit), and a lone writer should not pay an extra millisecond.
-        config.wal.flush_batch_wait = Some(std::time::Duration::from_micros(100));
+        // Do not hold a sync back waiting for company (raft-log waits 1 ms by
+        // default). openraft appends one entry at a time and waits for its
+        // flush, so there is no company to wait for: commands are grouped
+        // above Raft, by the proposer. Measured: 1 ms -> 0 halves the
+        // latency of a lone writer (p50 0.94 -> 0.47 ms in-process).
+        config.wal.flush_batch_wait = Some(std::time::Duration::ZERO);
         let wal = RaftLog::<WalTypes>::open(Arc::new(config))?;
         Ok(LogStore {
             wal: Arc::new(Mutex::new(wal)),
