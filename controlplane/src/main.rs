@@ -105,8 +105,11 @@ enum ClusterCmd {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn,sled=warn,chunked_wal=warn,raft_log=warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(
+            "info,openraft=warn,sled=warn,chunked_wal=warn,raft_log=warn",
+        )
+    });
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
