@@ -25,6 +25,31 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// Waits for load tasks and summarises their latencies; each latency is one
+/// entry.
+async fn collect(
+    what: String,
+    start: Instant,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>,
+) -> Row {
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.expect("load task"));
+    }
+    let entries = latencies.len();
+    row(what, latencies, entries, start.elapsed().as_secs_f64())
+}
+
+fn row(what: String, mut latencies: Vec<Duration>, entries: usize, wall: f64) -> Row {
+    latencies.sort();
+    Row {
+        what,
+        per_s: entries as f64 / wall,
+        p50: percentile(&latencies, 0.5),
+        p99: percentile(&latencies, 0.99),
+    }
+}
+
 struct Row {
     what: String,
     per_s: f64,
@@ -47,14 +72,13 @@ fn fdatasync_limit(dir: &std::path::Path, batch: usize, record_bytes: usize, sec
         f.sync_data().expect("fdatasync");
         latencies.push(t.elapsed());
     }
-    let wall = start.elapsed().as_secs_f64();
-    latencies.sort();
-    Row {
-        what: format!("fdatasync, 1 per {batch} write(s) of {record_bytes} B"),
-        per_s: (latencies.len() * batch) as f64 / wall,
-        p50: percentile(&latencies, 0.5),
-        p99: percentile(&latencies, 0.99),
-    }
+    let entries = latencies.len() * batch;
+    row(
+        format!("fdatasync, 1 per {batch} write(s) of {record_bytes} B"),
+        latencies,
+        entries,
+        start.elapsed().as_secs_f64(),
+    )
 }
 
 fn spec(i: usize) -> JobSpec {
@@ -94,18 +118,7 @@ async fn submissions(addr: &str, clients: usize, secs: f64) -> Row {
             latencies
         }));
     }
-    let mut latencies = Vec::new();
-    for t in tasks {
-        latencies.extend(t.await.expect("client task"));
-    }
-    let wall = start.elapsed().as_secs_f64();
-    latencies.sort();
-    Row {
-        what: format!("keel submit, {clients} client(s)"),
-        per_s: latencies.len() as f64 / wall,
-        p50: percentile(&latencies, 0.5),
-        p99: percentile(&latencies, 0.99),
-    }
+    collect(format!("keel submit, {clients} client(s)"), start, tasks).await
 }
 
 async fn proposals(proposer: &keel::proposer::Proposer, tasks: usize, secs: f64) -> Row {
@@ -129,18 +142,12 @@ async fn proposals(proposer: &keel::proposer::Proposer, tasks: usize, secs: f64)
             latencies
         }));
     }
-    let mut latencies = Vec::new();
-    for h in handles {
-        latencies.extend(h.await.expect("task"));
-    }
-    let wall = start.elapsed().as_secs_f64();
-    latencies.sort();
-    Row {
-        what: format!("proposer in-process, {tasks} task(s)"),
-        per_s: latencies.len() as f64 / wall,
-        p50: percentile(&latencies, 0.5),
-        p99: percentile(&latencies, 0.99),
-    }
+    collect(
+        format!("proposer in-process, {tasks} task(s)"),
+        start,
+        handles,
+    )
+    .await
 }
 
 fn main() {

@@ -246,11 +246,6 @@ impl StateMachineStore {
         Ok(crate::journal::compact(&self.tree, upto)?)
     }
 
-    /// Returns once the journal holds every entry applied so far.
-    pub fn wait_journaled(&self) -> Result<(), StoreError> {
-        self.writer.barrier()
-    }
-
     /// Makes everything applied so far survive a killed process.
     pub fn flush(&self) -> Result<(), StoreError> {
         self.writer.barrier()?;
