@@ -300,6 +300,10 @@ fn describe_event(e: &pb::Event) -> String {
             x.samples
         ),
         Some(K::JobFinished(x)) => format!("job {} {} {}", x.job_id, x.state, x.reason),
+        Some(K::JobRequeued(x)) => format!(
+            "job {} requeued (retry {}): {}",
+            x.job_id, x.retries, x.reason
+        ),
         Some(K::JobRemoved(x)) => format!("job {} removed", x.job_id),
     }
 }

@@ -263,6 +263,7 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
         total_steps: s.total_steps.unwrap_or(0),
         epochs: s.epochs.unwrap_or(0),
         priority: s.priority,
+        max_retries: s.max_retries,
     }
 }
 
@@ -291,6 +292,7 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
         total_steps: (s.total_steps != 0).then_some(s.total_steps),
         epochs: (s.epochs != 0).then_some(s.epochs),
         priority: s.priority,
+        max_retries: s.max_retries,
     }
 }
 
@@ -429,6 +431,15 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             reason: reason.clone(),
         }),
         Event::JobRemoved { job_id } => K::JobRemoved(pb::JobRemoved { job_id: *job_id }),
+        Event::JobRequeued {
+            job_id,
+            retries,
+            reason,
+        } => K::JobRequeued(pb::JobRequeued {
+            job_id: *job_id,
+            retries: *retries,
+            reason: reason.clone(),
+        }),
     };
     pb::Event { kind: Some(kind) }
 }

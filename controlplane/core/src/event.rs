@@ -61,6 +61,12 @@ pub enum Event {
         latest: ProgressSample,
         samples: u32,
     },
+    /// An attempt failed and the job went back to the queue for another.
+    JobRequeued {
+        job_id: JobId,
+        retries: u32,
+        reason: String,
+    },
     JobFinished {
         job_id: JobId,
         state: JobState,
@@ -86,6 +92,7 @@ impl Event {
             | Event::WorkerStarted { job_id, .. }
             | Event::WorkerExited { job_id, .. }
             | Event::JobProgressReported { job_id, .. }
+            | Event::JobRequeued { job_id, .. }
             | Event::JobFinished { job_id, .. }
             | Event::JobRemoved { job_id } => Some(*job_id),
         }

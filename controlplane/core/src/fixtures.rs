@@ -51,6 +51,7 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         total_steps: Some(10_000),
         epochs: None,
         priority: 0,
+        max_retries: 0,
     }
 }
 

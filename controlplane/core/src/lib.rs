@@ -1,5 +1,6 @@
 //! Keel's pure core: the domain model, commands and events, and the
-//! deterministic state machine [`ClusterState::apply`].
+//! deterministic state machine [`ClusterState::apply`], the scheduling
+//! policies and placement, and the throughput table.
 //!
 //! Invariants of this crate, stated as absences:
 //! - no I/O, no clock, no threads, no async: time arrives in each entry;
@@ -13,8 +14,11 @@ pub mod command;
 pub mod event;
 pub mod fixtures;
 pub mod model;
+pub mod placement;
+pub mod policy;
 pub mod spec;
 pub mod state;
+pub mod throughput;
 
 pub use command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 pub use event::Event;

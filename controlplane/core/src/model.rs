@@ -146,8 +146,19 @@ pub struct Job {
     /// The latest progress sample, and how many were reported in all.
     pub progress: Option<ProgressSample>,
     pub progress_samples: u64,
+    /// Failed attempts that were retried (at most `spec.max_retries`).
+    pub retries: u32,
     /// Why the job is in its state, when there is something to say.
     pub message: String,
+}
+
+impl Job {
+    /// Workers in the current allocation (0 when it holds no GPUs).
+    pub fn worker_count(&self) -> u32 {
+        self.allocation.as_ref().map_or(0, |a| {
+            u32::try_from(a.gpus.len()).unwrap_or(u32::MAX) / self.spec.gpus.max(1)
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -27,6 +27,7 @@ pub mod limits {
     pub const EPOCHS_MAX: u32 = 1_000_000;
     pub const PRIORITY_MIN: i32 = -1000;
     pub const PRIORITY_MAX: i32 = 1000;
+    pub const MAX_RETRIES_MAX: u32 = 100;
 }
 
 /// What a user asks to run.
@@ -61,6 +62,10 @@ pub struct JobSpec {
     /// Higher runs first under priority-aware policies.
     #[serde(default)]
     pub priority: i32,
+    /// How many times a failed attempt (a worker exiting non-zero) is retried
+    /// before the job fails. 0: the first failure fails the job.
+    #[serde(default)]
+    pub max_retries: u32,
 }
 
 fn one() -> u32 {
@@ -311,6 +316,12 @@ impl JobSpec {
             self.priority.into(),
             PRIORITY_MIN.into(),
             PRIORITY_MAX.into(),
+        )?;
+        check_range(
+            "max_retries",
+            self.max_retries.into(),
+            0,
+            MAX_RETRIES_MAX.into(),
         )?;
         Ok(())
     }

@@ -93,6 +93,14 @@ pub struct ClusterState {
     gpu_holders: BTreeMap<GpuRef, JobId>,
     /// Index of the last log entry applied, refused or not.
     last_index: u64,
+    /// Bumped by every applied entry that changes what the scheduler must
+    /// place or where it can place it (jobs arriving, ending, requeued or
+    /// preempted; nodes registered, lost or recovered; allocations decided).
+    /// The scheduling loop wakes when it moves.
+    supply_demand_version: u64,
+    /// The highest scheduling round decided so far, so a new leader goes on
+    /// numbering where the last one stopped.
+    last_round: u64,
 }
 
 fn check_len(field: &'static str, s: &str, limit: usize) -> Result<(), ApplyError> {
@@ -135,6 +143,17 @@ impl ClusterState {
         self.last_index
     }
 
+    /// See the field: moves whenever a scheduling round could decide
+    /// something new.
+    pub fn supply_demand_version(&self) -> u64 {
+        self.supply_demand_version
+    }
+
+    /// The highest scheduling round decided so far (0: none).
+    pub fn last_round(&self) -> u64 {
+        self.last_round
+    }
+
     /// A digest of the whole state. Two replicas that applied the same
     /// entries share it; any difference in content changes it.
     pub fn state_hash(&self) -> StateHash {
@@ -151,6 +170,20 @@ impl ClusterState {
     /// except for `last_index`.
     pub fn apply(&mut self, index: u64, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         self.last_index = index;
+        let events = self.apply_command(entry)?;
+        let moves_supply_or_demand = events.iter().any(|e| {
+            !matches!(
+                e,
+                Event::WorkerStarted { .. } | Event::JobProgressReported { .. }
+            )
+        });
+        if moves_supply_or_demand {
+            self.supply_demand_version += 1;
+        }
+        Ok(events)
+    }
+
+    fn apply_command(&mut self, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         let at_ms = entry.at_ms;
         match &entry.command {
             Command::RegisterNode {
@@ -178,6 +211,7 @@ impl ClusterState {
                         workers: BTreeMap::new(),
                         progress: None,
                         progress_samples: 0,
+                        retries: 0,
                         message: String::new(),
                     },
                 );
@@ -207,6 +241,7 @@ impl ClusterState {
                 placements,
             } => {
                 check_len("policy", policy, limits::POLICY_NAME_MAX_LEN)?;
+                self.last_round = self.last_round.max(*round);
                 Ok(self.decide_allocation(*based_on, policy, *round, placements, at_ms))
             }
             Command::RecordWorkerStarted {
@@ -253,6 +288,13 @@ impl ClusterState {
                         current: job.last_epoch,
                     });
                 }
+                let mut events = vec![Event::WorkerExited {
+                    job_id: *job_id,
+                    epoch: *epoch,
+                    rank: *rank,
+                    exit_code: *exit_code,
+                    reason: reason.clone(),
+                }];
                 if *epoch == job.last_epoch {
                     let node = job
                         .workers
@@ -268,14 +310,12 @@ impl ClusterState {
                             exit_code: *exit_code,
                         },
                     );
+                    let current = job.allocation.as_ref().is_some_and(|a| a.epoch == *epoch);
+                    if current {
+                        events.extend(self.settle_attempt(*job_id, *rank, *exit_code, at_ms));
+                    }
                 }
-                Ok(vec![Event::WorkerExited {
-                    job_id: *job_id,
-                    epoch: *epoch,
-                    rank: *rank,
-                    exit_code: *exit_code,
-                    reason: reason.clone(),
-                }])
+                Ok(events)
             }
             Command::ReportProgress { job_id, samples } => self.report_progress(*job_id, samples),
             Command::FinishJob {
@@ -491,6 +531,78 @@ impl ClusterState {
         self.release(released);
     }
 
+    /// A worker of the job's current allocation exited on its own (the
+    /// reconciler stops only workers that are no longer wanted, and their
+    /// epoch is then stale). A non-zero exit (or death by signal) ends the
+    /// attempt: the job is requeued while retries remain, else it fails.
+    /// When every rank has exited 0, the job succeeded.
+    fn settle_attempt(
+        &mut self,
+        job_id: JobId,
+        rank: u32,
+        exit_code: Option<i32>,
+        at_ms: u64,
+    ) -> Vec<Event> {
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return Vec::new();
+        };
+        if exit_code == Some(0) {
+            let workers = job.worker_count();
+            let all_done = (0..workers).all(|r| {
+                job.workers
+                    .get(&r)
+                    .is_some_and(|w| w.state == WorkerState::Exited && w.exit_code == Some(0))
+            });
+            if !all_done {
+                return Vec::new();
+            }
+            let released = job.allocation.take();
+            job.state = JobState::Succeeded;
+            job.finished_at_ms = Some(at_ms);
+            job.message = "every worker exited 0".into();
+            let reason = job.message.clone();
+            self.release(released);
+            return vec![Event::JobFinished {
+                job_id,
+                state: JobState::Succeeded,
+                reason,
+            }];
+        }
+        let how = match exit_code {
+            Some(code) => format!("worker {rank} exited with code {code}"),
+            None => format!("worker {rank} was killed by a signal"),
+        };
+        let released = job.allocation.take();
+        let event = if job.retries < job.spec.max_retries {
+            job.retries += 1;
+            job.state = JobState::Pending;
+            job.message = format!(
+                "{how}; retry {} of {}",
+                job.retries, job.spec.max_retries
+            );
+            Event::JobRequeued {
+                job_id,
+                retries: job.retries,
+                reason: job.message.clone(),
+            }
+        } else {
+            job.state = JobState::Failed;
+            job.finished_at_ms = Some(at_ms);
+            job.message = if job.spec.max_retries == 0 {
+                how
+            } else {
+                format!("{how}; no retries left ({})", job.spec.max_retries)
+            };
+            Event::JobFinished {
+                job_id,
+                state: JobState::Failed,
+                reason: job.message.clone(),
+            }
+        };
+        self.release(released);
+        vec![event]
+    }
+
     fn mark_node_recovered(&mut self, name: &str) -> Result<Vec<Event>, ApplyError> {
         let node = self
             .nodes
@@ -584,6 +696,16 @@ impl ClusterState {
                 job.spec.workers.min,
                 job.spec.workers.max,
                 per_worker
+            ));
+        }
+        // A worker is one process on one node: every node gets whole workers.
+        let mut per_node: BTreeMap<&str, usize> = BTreeMap::new();
+        for gpu in &gpus {
+            *per_node.entry(gpu.node.as_str()).or_default() += 1;
+        }
+        if let Some((node, n)) = per_node.iter().find(|(_, n)| !n.is_multiple_of(per_worker)) {
+            return Err(format!(
+                "{n} GPUs on node {node:?} do not make whole workers of {per_worker} GPUs"
             ));
         }
         for gpu in &gpus {

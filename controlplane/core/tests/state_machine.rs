@@ -122,6 +122,140 @@ fn job_lifecycle_pending_running_succeeded() {
     assert!(h.state.gpu_holders().is_empty(), "GPUs released on finish");
 }
 
+impl Harness {
+    fn start(&mut self, job_id: JobId, epoch: u64, rank: u32, node: &str) {
+        self.apply(Command::RecordWorkerStarted {
+            job_id,
+            epoch,
+            rank,
+            node: node.into(),
+        })
+        .expect("worker started");
+    }
+    fn exit(&mut self, job_id: JobId, epoch: u64, rank: u32, code: Option<i32>) -> Vec<Event> {
+        self.apply(Command::RecordWorkerExited {
+            job_id,
+            epoch,
+            rank,
+            exit_code: code,
+            reason: String::new(),
+        })
+        .expect("exit recorded")
+    }
+}
+
+#[test]
+fn a_job_succeeds_when_every_worker_exits_zero() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let j = h.submit(spec("a", 1, 2));
+    h.place(vec![(j, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    h.start(j, 1, 0, "n0");
+    h.start(j, 1, 1, "n0");
+    let ev = h.exit(j, 1, 1, Some(0));
+    assert_eq!(ev.len(), 1, "one of two workers done: still running");
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
+    let ev = h.exit(j, 1, 0, Some(0));
+    assert!(matches!(
+        ev.last(),
+        Some(Event::JobFinished {
+            state: JobState::Succeeded,
+            ..
+        })
+    ));
+    assert!(h.state.gpu_holders().is_empty());
+}
+
+#[test]
+fn a_failed_worker_requeues_the_job_until_retries_run_out() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let mut s = spec("flaky", 1, 1);
+    s.max_retries = 1;
+    let j = h.submit(s);
+    h.place(vec![(j, vec![gpu("n0", 0)])]);
+    h.start(j, 1, 0, "n0");
+    let ev = h.exit(j, 1, 0, Some(3));
+    assert!(
+        matches!(ev.last(), Some(Event::JobRequeued { retries: 1, .. })),
+        "{ev:?}"
+    );
+    let job = h.state.job(j).expect("job");
+    assert_eq!(job.state, JobState::Pending);
+    assert!(job.message.contains("exited with code 3"), "{}", job.message);
+    // Second attempt, on another GPU; a stale exit of epoch 1 changes nothing.
+    h.place(vec![(j, vec![gpu("n0", 1)])]);
+    let ev = h.exit(j, 1, 0, None);
+    assert_eq!(ev.len(), 1);
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
+    let ev = h.exit(j, 2, 0, None);
+    assert!(matches!(
+        ev.last(),
+        Some(Event::JobFinished {
+            state: JobState::Failed,
+            ..
+        })
+    ));
+    let job = h.state.job(j).expect("job");
+    assert!(job.message.contains("killed by a signal"), "{}", job.message);
+    assert!(h.state.gpu_holders().is_empty());
+}
+
+#[test]
+fn a_worker_exit_after_cancel_changes_nothing() {
+    let mut h = Harness::new();
+    h.node("n0", 1);
+    let j = h.submit(spec("a", 1, 1));
+    h.place(vec![(j, vec![gpu("n0", 0)])]);
+    h.apply(Command::CancelJob {
+        job_id: j,
+        reason: "user".into(),
+    })
+    .expect("cancel");
+    h.exit(j, 1, 0, Some(143));
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Cancelled));
+}
+
+#[test]
+fn a_worker_never_straddles_nodes() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    h.node("n1", 2);
+    let j = h.submit(spec("a", 2, 1));
+    let ev = h.place(vec![(j, vec![gpu("n0", 0), gpu("n1", 0)])]);
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("whole workers")),
+        "{ev:?}"
+    );
+}
+
+#[test]
+fn the_supply_demand_version_moves_on_scheduling_changes_only() {
+    let mut h = Harness::new();
+    h.node("n0", 1);
+    let v0 = h.state.supply_demand_version();
+    let j = h.submit(spec("a", 1, 1));
+    let v1 = h.state.supply_demand_version();
+    assert!(v1 > v0);
+    h.place(vec![(j, vec![gpu("n0", 0)])]);
+    let v2 = h.state.supply_demand_version();
+    assert!(v2 > v1);
+    h.start(j, 1, 0, "n0");
+    h.apply(Command::ReportProgress {
+        job_id: j,
+        samples: vec![ProgressSample {
+            step: 1,
+            total_steps: 10,
+            loss: None,
+            samples_per_s: 1.0,
+            at_ms: 1,
+        }],
+    })
+    .expect("progress");
+    assert_eq!(h.state.supply_demand_version(), v2);
+    assert_eq!(h.state.last_round(), 1);
+}
+
 #[test]
 fn cancel_of_a_finished_job_is_refused() {
     let mut h = Harness::new();

@@ -1,0 +1,290 @@
+//! Where a job's workers go: the free-GPU index and gang placement.
+//!
+//! Pure and deterministic: ordered maps only, ties broken by name. Policies
+//! decide *which* jobs run and with how many workers; this module decides
+//! *which GPUs* they get.
+//!
+//! Rules, in order:
+//! - a worker is one process on one node, so its GPUs are on one node;
+//! - all of a job's GPUs are of one type (synchronous training runs at the
+//!   pace of the slowest worker);
+//! - preferred types first, then the type with the most free GPUs;
+//! - a gang that fits on one node goes to the node where it fits most
+//!   tightly (least fragmentation); a larger one fills the emptiest nodes
+//!   first (fewest nodes, least cross-node traffic).
+
+use std::collections::BTreeMap;
+
+use crate::model::{GpuRef, NodeState};
+use crate::spec::JobSpec;
+use crate::state::ClusterState;
+
+/// Free GPUs by type, then node, as sorted GPU indexes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FreeGpus {
+    by_type: BTreeMap<String, BTreeMap<String, Vec<u32>>>,
+    /// Free GPUs per type (kept with `by_type`).
+    count_by_type: BTreeMap<String, usize>,
+}
+
+impl FreeGpus {
+    /// Every GPU on a live node that no job holds.
+    pub fn of(state: &ClusterState) -> FreeGpus {
+        let holders = state.gpu_holders();
+        let mut free = FreeGpus::default();
+        for (name, node) in state.nodes() {
+            if node.state != NodeState::Alive {
+                continue;
+            }
+            for (index, gpu_type) in &node.gpus {
+                let held = holders.contains_key(&GpuRef {
+                    node: name.clone(),
+                    index: *index,
+                });
+                if !held {
+                    *free.count_by_type.entry(gpu_type.clone()).or_default() += 1;
+                    free.by_type
+                        .entry(gpu_type.clone())
+                        .or_default()
+                        .entry(name.clone())
+                        .or_default()
+                        .push(*index);
+                }
+            }
+        }
+        free
+    }
+
+    /// Every GPU on a live node, held or not: what an empty cluster offers.
+    pub fn capacity(state: &ClusterState) -> FreeGpus {
+        let mut all = FreeGpus::default();
+        for (name, node) in state.nodes() {
+            if node.state != NodeState::Alive {
+                continue;
+            }
+            for (index, gpu_type) in &node.gpus {
+                *all.count_by_type.entry(gpu_type.clone()).or_default() += 1;
+                all.by_type
+                    .entry(gpu_type.clone())
+                    .or_default()
+                    .entry(name.clone())
+                    .or_default()
+                    .push(*index);
+            }
+        }
+        all
+    }
+
+    /// Free GPUs of every type together.
+    pub fn total(&self) -> usize {
+        self.count_by_type.values().sum()
+    }
+
+    fn free_of_type(&self, gpu_type: &str) -> usize {
+        self.count_by_type.get(gpu_type).copied().unwrap_or(0)
+    }
+
+    /// The GPU types a job may use, in the order placement tries them.
+    fn candidate_types(&self, spec: &JobSpec) -> Vec<String> {
+        let allowed = |t: &str| {
+            spec.gpu_types.allowed.is_empty() || spec.gpu_types.allowed.iter().any(|a| a == t)
+        };
+        let mut order: Vec<String> = Vec::new();
+        for t in &spec.gpu_types.preferred {
+            if allowed(t) && self.by_type.contains_key(t) && !order.contains(t) {
+                order.push(t.clone());
+            }
+        }
+        let mut rest: Vec<&String> = self
+            .by_type
+            .keys()
+            .filter(|t| allowed(t) && !order.contains(t))
+            .collect();
+        // Most free first; the map's name order breaks ties (sort is stable).
+        rest.sort_by_key(|t| std::cmp::Reverse(self.free_of_type(t)));
+        order.extend(rest.into_iter().cloned());
+        order
+    }
+
+    /// Places `workers` workers of `spec.gpus` GPUs each, all of one type,
+    /// without changing `self`. `None` when they do not fit.
+    pub fn place(&self, spec: &JobSpec, workers: u32) -> Option<Vec<GpuRef>> {
+        let per_worker = spec.gpus.max(1) as usize;
+        let want = per_worker.checked_mul(workers as usize)?;
+        if want == 0 {
+            return None;
+        }
+        for gpu_type in self.candidate_types(spec) {
+            if let Some(gpus) = self.place_on_type(&gpu_type, per_worker, workers as usize) {
+                return Some(gpus);
+            }
+        }
+        None
+    }
+
+    fn place_on_type(&self, gpu_type: &str, per_worker: usize, workers: usize) -> Option<Vec<GpuRef>> {
+        let want = per_worker * workers;
+        if self.free_of_type(gpu_type) < want {
+            return None;
+        }
+        let nodes = self.by_type.get(gpu_type)?;
+        let slots = |free: &Vec<u32>| free.len() / per_worker;
+        if nodes.values().map(slots).sum::<usize>() < workers {
+            return None;
+        }
+        fn take(node: &str, free: &[u32], count: usize) -> Vec<GpuRef> {
+            free[..count]
+                .iter()
+                .map(|index| GpuRef {
+                    node: node.to_string(),
+                    index: *index,
+                })
+                .collect()
+        }
+        // The whole gang on one node, as tightly as possible.
+        let tightest = nodes
+            .iter()
+            .filter(|(_, free)| free.len() >= want)
+            .min_by_key(|(_, free)| free.len());
+        if let Some((node, free)) = tightest {
+            let mut gpus = take(node, free, want);
+            gpus.sort();
+            return Some(gpus);
+        }
+        // Across nodes, emptiest first.
+        let mut by_room: Vec<(&String, &Vec<u32>)> = nodes.iter().collect();
+        by_room.sort_by_key(|(_, free)| std::cmp::Reverse(slots(free)));
+        let mut gpus = Vec::with_capacity(want);
+        let mut left = workers;
+        for (node, free) in by_room {
+            if left == 0 {
+                break;
+            }
+            let here = slots(free).min(left);
+            gpus.extend(take(node, free, here * per_worker));
+            left -= here;
+        }
+        gpus.sort();
+        Some(gpus)
+    }
+
+    /// Marks `gpus` as taken.
+    pub fn remove(&mut self, gpus: &[GpuRef]) {
+        for g in gpus {
+            for (gpu_type, nodes) in self.by_type.iter_mut() {
+                if let Some(free) = nodes.get_mut(&g.node) {
+                    if let Ok(pos) = free.binary_search(&g.index) {
+                        free.remove(pos);
+                        if let Some(c) = self.count_by_type.get_mut(gpu_type) {
+                            *c -= 1;
+                        }
+                    }
+                }
+            }
+        }
+        for nodes in self.by_type.values_mut() {
+            nodes.retain(|_, free| !free.is_empty());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command::{Command, LogEntry};
+    use crate::fixtures::job_spec;
+    use crate::model::Gpu;
+
+    fn cluster(nodes: &[(&str, &[(u32, &str)])]) -> ClusterState {
+        let mut s = ClusterState::new();
+        for (i, (name, gpus)) in nodes.iter().enumerate() {
+            let entry = LogEntry {
+                at_ms: 1,
+                command: Command::RegisterNode {
+                    name: name.to_string(),
+                    address: "127.0.0.1".into(),
+                    gpus: gpus
+                        .iter()
+                        .map(|(index, t)| Gpu {
+                            index: *index,
+                            gpu_type: t.to_string(),
+                        })
+                        .collect(),
+                },
+            };
+            s.apply(i as u64 + 1, &entry).expect("register");
+        }
+        s
+    }
+
+    fn g(node: &str, index: u32) -> GpuRef {
+        GpuRef {
+            node: node.into(),
+            index,
+        }
+    }
+
+    #[test]
+    fn a_small_gang_goes_where_it_fits_most_tightly() {
+        let s = cluster(&[
+            ("a", &[(0, "v100"), (1, "v100"), (2, "v100"), (3, "v100")]),
+            ("b", &[(0, "v100"), (1, "v100")]),
+        ]);
+        let free = FreeGpus::of(&s);
+        assert_eq!(
+            free.place(&job_spec("j", 2, 1), 1),
+            Some(vec![g("b", 0), g("b", 1)])
+        );
+        assert_eq!(
+            free.place(&job_spec("j", 1, 3), 3),
+            Some(vec![g("a", 0), g("a", 1), g("a", 2)])
+        );
+    }
+
+    #[test]
+    fn a_large_gang_spans_nodes_in_whole_workers() {
+        let s = cluster(&[
+            ("a", &[(0, "v100"), (1, "v100"), (2, "v100")]),
+            ("b", &[(0, "v100"), (1, "v100"), (2, "v100")]),
+        ]);
+        let free = FreeGpus::of(&s);
+        // Two workers of 2 GPUs: no node has 4, each node has one slot of 2.
+        assert_eq!(
+            free.place(&job_spec("j", 2, 2), 2),
+            Some(vec![g("a", 0), g("a", 1), g("b", 0), g("b", 1)])
+        );
+        // Three workers of 2 GPUs do not fit (only two whole slots).
+        assert_eq!(free.place(&job_spec("j", 2, 3), 3), None);
+    }
+
+    #[test]
+    fn one_type_per_job_preferred_first_and_allowed_only() {
+        let s = cluster(&[
+            ("a", &[(0, "v100"), (1, "k80"), (2, "k80")]),
+            ("b", &[(0, "v100")]),
+        ]);
+        let free = FreeGpus::of(&s);
+        // No preference: the type with the most free GPUs (a tie here: name order).
+        let any = job_spec("j", 1, 2);
+        assert_eq!(free.place(&any, 2), Some(vec![g("a", 1), g("a", 2)]));
+        let mut pref = job_spec("j", 1, 2);
+        pref.gpu_types.preferred = vec!["v100".into()];
+        assert_eq!(free.place(&pref, 2), Some(vec![g("a", 0), g("b", 0)]));
+        let mut only = job_spec("j", 1, 3);
+        only.gpu_types.allowed = vec!["v100".into()];
+        assert_eq!(free.place(&only, 3), None, "never mixes types");
+    }
+
+    #[test]
+    fn removed_gpus_are_not_offered_again() {
+        let s = cluster(&[("a", &[(0, "v100"), (1, "v100")])]);
+        let mut free = FreeGpus::of(&s);
+        let first = free.place(&job_spec("j", 1, 1), 1).expect("fits");
+        free.remove(&first);
+        let second = free.place(&job_spec("j", 1, 1), 1).expect("fits");
+        assert_ne!(first, second);
+        free.remove(&second);
+        assert_eq!(free.total(), 0);
+        assert_eq!(free.place(&job_spec("j", 1, 1), 1), None);
+    }
+}

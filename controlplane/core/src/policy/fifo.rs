@@ -1,0 +1,220 @@
+//! FIFO: jobs start in arrival order, each with all of its GPUs at once.
+//!
+//! Running jobs keep their GPUs (FIFO never preempts). Waiting jobs are taken
+//! in submission order; each gets as many workers as fit, from
+//! `workers.max` down to `workers.min`, placed as a gang. When the head of
+//! the queue does not fit, the queue stops there unless backfill is on, in
+//! which case later jobs that fit start. A job that could not fit even on the
+//! whole cluster (too many GPUs, or types the cluster lacks) is passed over
+//! rather than blocking the queue forever.
+
+use std::collections::BTreeSet;
+
+use crate::model::JobState;
+use crate::placement::FreeGpus;
+
+use super::{Plan, Policy, QueueOptions, SchedulingInput};
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fifo {
+    options: QueueOptions,
+}
+
+impl Fifo {
+    pub fn new(options: QueueOptions) -> Self {
+        Fifo { options }
+    }
+}
+
+impl Policy for Fifo {
+    fn name(&self) -> &'static str {
+        "fifo"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let state = input.state;
+        let mut plan = Plan::default();
+        let mut free = FreeGpus::of(state);
+        let capacity = FreeGpus::capacity(state);
+        for (job_id, job) in state.jobs() {
+            if let Some(a) = &job.allocation {
+                plan.placements.insert(*job_id, a.gpus.clone());
+            }
+        }
+        // Shapes (GPUs per worker, minimum workers, allowed types) that did
+        // not fit this round. Free GPUs only shrink within a round, so a
+        // later job of the same shape cannot fit either: backfill over
+        // thousands of waiting jobs costs one attempt per distinct shape.
+        let mut failed: BTreeSet<(u32, u32, &[String])> = BTreeSet::new();
+        // Job ids are assigned in submission order, so map order is arrival order.
+        for (job_id, job) in state.jobs() {
+            if !matches!(job.state, JobState::Pending | JobState::Preempted) {
+                continue;
+            }
+            if free.total() == 0 {
+                break;
+            }
+            let spec = &job.spec;
+            let shape = (spec.gpus, spec.workers.min, spec.gpu_types.allowed.as_slice());
+            // Fewer workers never fit worse, so the minimum decides whether
+            // the job fits at all; then take as many as fit.
+            if failed.contains(&shape) {
+                continue;
+            }
+            let fits = free.place(spec, spec.workers.min).map(|at_min| {
+                (spec.workers.min + 1..=spec.workers.max)
+                    .rev()
+                    .find_map(|workers| free.place(spec, workers))
+                    .unwrap_or(at_min)
+            });
+            match fits {
+                Some(gpus) => {
+                    free.remove(&gpus);
+                    plan.placements.insert(*job_id, gpus);
+                }
+                None if capacity.place(spec, spec.workers.min).is_none() => {
+                    // Can never run here; do not hold the queue up for it.
+                    failed.insert(shape);
+                }
+                None if self.options.backfill => {
+                    failed.insert(shape);
+                }
+                None => break,
+            }
+        }
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command::{Command, LogEntry};
+    use crate::fixtures::job_spec;
+    use crate::model::{Gpu, GpuRef, JobId};
+    use crate::policy::Policy;
+    use crate::state::ClusterState;
+    use crate::JobSpec;
+
+    struct World {
+        state: ClusterState,
+        index: u64,
+    }
+
+    impl World {
+        fn new(gpus_per_node: &[u32]) -> World {
+            let mut w = World {
+                state: ClusterState::new(),
+                index: 0,
+            };
+            for (n, count) in gpus_per_node.iter().enumerate() {
+                w.apply(Command::RegisterNode {
+                    name: format!("n{n}"),
+                    address: "127.0.0.1".into(),
+                    gpus: (0..*count)
+                        .map(|index| Gpu {
+                            index,
+                            gpu_type: "v100".into(),
+                        })
+                        .collect(),
+                });
+            }
+            w
+        }
+
+        fn apply(&mut self, command: Command) {
+            self.index += 1;
+            self.state
+                .apply(self.index, &LogEntry { at_ms: 1, command })
+                .expect("applies");
+        }
+
+        fn submit(&mut self, spec: JobSpec) {
+            self.apply(Command::SubmitJob { spec });
+        }
+
+        /// Runs one round and applies its decision; returns the jobs placed.
+        fn round(&mut self, fifo: &Fifo) -> Vec<JobId> {
+            let plan = fifo.plan(&SchedulingInput {
+                state: &self.state,
+                now_ms: 1,
+            });
+            let changes = plan.changes(&self.state);
+            let placed = changes.iter().map(|p| p.job_id).collect();
+            if !changes.is_empty() {
+                self.apply(Command::DecideAllocation {
+                    based_on: self.index,
+                    policy: "fifo".into(),
+                    round: 1,
+                    placements: changes,
+                });
+            }
+            self.state.check_invariants().expect("invariants");
+            placed
+        }
+    }
+
+    #[test]
+    fn arrival_order_and_no_backfill_past_a_blocked_head() {
+        let mut w = World::new(&[4]);
+        w.submit(job_spec("a", 2, 1));
+        w.submit(job_spec("b", 4, 1)); // does not fit while a runs
+        w.submit(job_spec("c", 1, 1)); // would fit, but waits behind b
+        let fifo = Fifo::default();
+        assert_eq!(w.round(&fifo), vec![1]);
+        assert_eq!(w.round(&fifo), Vec::<JobId>::new(), "a stable plan proposes nothing");
+        let backfill = Fifo::new(QueueOptions { backfill: true });
+        assert_eq!(w.round(&backfill), vec![3]);
+    }
+
+    #[test]
+    fn a_job_larger_than_the_cluster_does_not_block_the_queue() {
+        let mut w = World::new(&[2]);
+        w.submit(job_spec("huge", 8, 1));
+        w.submit(job_spec("small", 1, 1));
+        assert_eq!(w.round(&Fifo::default()), vec![2]);
+    }
+
+    #[test]
+    fn running_jobs_keep_their_gpus_and_the_next_starts_when_one_ends() {
+        let mut w = World::new(&[2, 2]);
+        for name in ["a", "b", "c"] {
+            w.submit(job_spec(name, 2, 1));
+        }
+        let fifo = Fifo::default();
+        assert_eq!(w.round(&fifo), vec![1, 2]);
+        let a_gpus = w.state.job(1).and_then(|j| j.allocation.clone()).expect("a runs").gpus;
+        w.apply(Command::RecordWorkerExited {
+            job_id: 1,
+            epoch: 1,
+            rank: 0,
+            exit_code: Some(0),
+            reason: String::new(),
+        });
+        assert_eq!(w.state.job(1).map(|j| j.state), Some(JobState::Succeeded));
+        assert_eq!(w.round(&fifo), vec![3]);
+        let c_gpus = w.state.job(3).and_then(|j| j.allocation.clone()).expect("c runs").gpus;
+        assert_eq!(a_gpus, c_gpus, "c takes the GPUs a released");
+    }
+
+    #[test]
+    fn elastic_jobs_get_as_many_workers_as_fit() {
+        let mut w = World::new(&[3]);
+        let mut spec = job_spec("elastic", 1, 1);
+        spec.workers.max = 8;
+        w.submit(spec);
+        assert_eq!(w.round(&Fifo::default()), vec![1]);
+        assert_eq!(w.state.job(1).map(|j| j.worker_count()), Some(3));
+    }
+
+    #[test]
+    fn multi_worker_jobs_span_nodes_in_whole_workers() {
+        let mut w = World::new(&[2, 2, 2]);
+        w.submit(job_spec("big", 2, 3));
+        assert_eq!(w.round(&Fifo::default()), vec![1]);
+        let gpus = w.state.job(1).and_then(|j| j.allocation.clone()).expect("runs").gpus;
+        let nodes: std::collections::BTreeSet<&str> = gpus.iter().map(|g| g.node.as_str()).collect();
+        assert_eq!(nodes.len(), 3);
+        assert!(gpus.contains(&GpuRef { node: "n2".into(), index: 1 }));
+    }
+}

@@ -1,0 +1,97 @@
+//! Scheduling policies: pure functions from a read-only view of the cluster
+//! to a plan.
+//!
+//! A policy never changes state. The leader's scheduling loop runs it on the
+//! state at applied index *i*, turns the plan into the placements that differ
+//! from the current allocation ([`Plan::changes`]) and proposes them as one
+//! `DecideAllocation { based_on: i }` entry, which `apply` validates against
+//! the state it meets. One file per policy.
+
+mod fifo;
+
+use std::collections::BTreeMap;
+
+pub use fifo::Fifo;
+
+use crate::command::JobPlacement;
+use crate::model::{GpuRef, JobId};
+use crate::state::ClusterState;
+
+/// What a policy sees: the state at one applied index and the time.
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulingInput<'a> {
+    pub state: &'a ClusterState,
+    /// The leader's clock (the virtual clock in the simulator).
+    pub now_ms: u64,
+}
+
+/// The GPUs every job should hold after this round. A job that is not in the
+/// plan should hold none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub placements: BTreeMap<JobId, Vec<GpuRef>>,
+}
+
+impl Plan {
+    /// The placements that differ from the state's current allocations:
+    /// jobs that gain, change or lose GPUs. Empty when the plan is what the
+    /// cluster already runs (then nothing is proposed).
+    pub fn changes(&self, state: &ClusterState) -> Vec<JobPlacement> {
+        let mut out = Vec::new();
+        for (job_id, job) in state.jobs() {
+            let current = job.allocation.as_ref().map(|a| a.gpus.as_slice());
+            match (current, self.placements.get(job_id)) {
+                (Some(now), Some(planned)) if now == planned.as_slice() => {}
+                (None, None) => {}
+                (Some(_), None) => out.push(JobPlacement {
+                    job_id: *job_id,
+                    gpus: Vec::new(),
+                }),
+                (_, Some(planned)) => {
+                    if planned.is_empty() && current.is_none() {
+                        continue;
+                    }
+                    out.push(JobPlacement {
+                        job_id: *job_id,
+                        gpus: planned.clone(),
+                    })
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A scheduling policy. Implementations are pure: no I/O, no clock but
+/// `input.now_ms`, no randomness but a seeded one, ordered maps only.
+pub trait Policy: std::fmt::Debug + Send + Sync {
+    /// The name used in configuration and recorded in every decision.
+    fn name(&self) -> &'static str;
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan;
+}
+
+/// Options shared by the queue-based policies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueOptions {
+    /// Let jobs behind a blocked head of the queue start when they fit.
+    pub backfill: bool,
+}
+
+/// The policy named `name`, or an error listing the known ones.
+pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, UnknownPolicy> {
+    match name {
+        "fifo" => Ok(Box::new(Fifo::new(options))),
+        _ => Err(UnknownPolicy {
+            name: name.to_string(),
+        }),
+    }
+}
+
+/// The names [`by_name`] knows.
+pub const POLICY_NAMES: &[&str] = &["fifo"];
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {name:?}; known policies: {}", POLICY_NAMES.join(", "))]
+pub struct UnknownPolicy {
+    pub name: String,
+}
