@@ -1,13 +1,29 @@
 //! Executors: how Keel runs workers.
 //!
-//! This crate holds the contract between the leader's reconciler and the
-//! machinery that runs training workers (local processes, SSH, Kubernetes).
-//! Implementations arrive with the end-to-end scheduling work; the contract
-//! is fixed here so the state machine's notion of a worker (job, allocation
-//! epoch, rank) is shared by every executor.
+//! - [`contract`]: the worker contract (environment, progress lines, exit
+//!   codes), the same for every executor;
+//! - [`reconcile`]: the reconciler's decision as a pure function (desired
+//!   workers + observed workers → actions);
+//! - [`executor`]: the [`Executor`] trait the leader's reconcile loop drives;
+//! - [`local`]: workers as local child processes (the embedded default);
+//! - [`discovery`]: GPU inventory from `nvidia-smi`, or simulated;
+//! - [`trainer`]: the simulated trainer behind `keel trainer`.
+//!
+//! A worker's identity is (job, allocation epoch, rank): reconciling twice
+//! launches nothing twice, and a new allocation epoch is a new worker.
+
+pub mod contract;
+pub mod discovery;
+pub mod executor;
+pub mod local;
+pub mod reconcile;
+pub mod trainer;
 
 use keel_core::{GpuRef, JobId};
 
+pub use executor::{Executor, ExecutorError, WorkerLog};
+pub use local::{LocalConfig, LocalExecutor};
+pub use reconcile::{Action, Observed};
 /// A worker's identity. Reconciling twice launches nothing twice: an
 /// executor that already runs a worker with this identity leaves it alone,
 /// and a new allocation epoch is a new identity.

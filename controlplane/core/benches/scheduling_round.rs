@@ -24,7 +24,13 @@ fn cluster(running: usize) -> ClusterState {
     let mut apply = |state: &mut ClusterState, command: Command| {
         index += 1;
         state
-            .apply(index, &LogEntry { at_ms: index, command })
+            .apply(
+                index,
+                &LogEntry {
+                    at_ms: index,
+                    command,
+                },
+            )
             .expect("bench entries apply");
     };
     for n in 0..NODES {
@@ -105,9 +111,7 @@ fn fifo_round(c: &mut Criterion) {
     group.sample_size(30);
     group.bench_function("idle_cluster", |b| b.iter(|| round(&idle, &fifo)));
     group.bench_function("half_busy", |b| b.iter(|| round(&busy, &fifo)));
-    group.bench_function("half_busy_backfill", |b| {
-        b.iter(|| round(&busy, &backfill))
-    });
+    group.bench_function("half_busy_backfill", |b| b.iter(|| round(&busy, &backfill)));
     group.finish();
 }
 

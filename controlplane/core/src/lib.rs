@@ -16,6 +16,7 @@ pub mod fixtures;
 pub mod model;
 pub mod placement;
 pub mod policy;
+pub mod rng;
 pub mod spec;
 pub mod state;
 pub mod throughput;

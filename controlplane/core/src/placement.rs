@@ -122,7 +122,12 @@ impl FreeGpus {
         None
     }
 
-    fn place_on_type(&self, gpu_type: &str, per_worker: usize, workers: usize) -> Option<Vec<GpuRef>> {
+    fn place_on_type(
+        &self,
+        gpu_type: &str,
+        per_worker: usize,
+        workers: usize,
+    ) -> Option<Vec<GpuRef>> {
         let want = per_worker * workers;
         if self.free_of_type(gpu_type) < want {
             return None;

@@ -576,10 +576,7 @@ impl ClusterState {
         let event = if job.retries < job.spec.max_retries {
             job.retries += 1;
             job.state = JobState::Pending;
-            job.message = format!(
-                "{how}; retry {} of {}",
-                job.retries, job.spec.max_retries
-            );
+            job.message = format!("{how}; retry {} of {}", job.retries, job.spec.max_retries);
             Event::JobRequeued {
                 job_id,
                 retries: job.retries,

@@ -182,7 +182,11 @@ fn a_failed_worker_requeues_the_job_until_retries_run_out() {
     );
     let job = h.state.job(j).expect("job");
     assert_eq!(job.state, JobState::Pending);
-    assert!(job.message.contains("exited with code 3"), "{}", job.message);
+    assert!(
+        job.message.contains("exited with code 3"),
+        "{}",
+        job.message
+    );
     // Second attempt, on another GPU; a stale exit of epoch 1 changes nothing.
     h.place(vec![(j, vec![gpu("n0", 1)])]);
     let ev = h.exit(j, 1, 0, None);
@@ -197,7 +201,11 @@ fn a_failed_worker_requeues_the_job_until_retries_run_out() {
         })
     ));
     let job = h.state.job(j).expect("job");
-    assert!(job.message.contains("killed by a signal"), "{}", job.message);
+    assert!(
+        job.message.contains("killed by a signal"),
+        "{}",
+        job.message
+    );
     assert!(h.state.gpu_holders().is_empty());
 }
 

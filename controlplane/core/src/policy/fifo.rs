@@ -55,7 +55,11 @@ impl Policy for Fifo {
                 break;
             }
             let spec = &job.spec;
-            let shape = (spec.gpus, spec.workers.min, spec.gpu_types.allowed.as_slice());
+            let shape = (
+                spec.gpus,
+                spec.workers.min,
+                spec.gpu_types.allowed.as_slice(),
+            );
             // Fewer workers never fit worse, so the minimum decides whether
             // the job fits at all; then take as many as fit.
             if failed.contains(&shape) {
@@ -162,7 +166,11 @@ mod tests {
         w.submit(job_spec("c", 1, 1)); // would fit, but waits behind b
         let fifo = Fifo::default();
         assert_eq!(w.round(&fifo), vec![1]);
-        assert_eq!(w.round(&fifo), Vec::<JobId>::new(), "a stable plan proposes nothing");
+        assert_eq!(
+            w.round(&fifo),
+            Vec::<JobId>::new(),
+            "a stable plan proposes nothing"
+        );
         let backfill = Fifo::new(QueueOptions { backfill: true });
         assert_eq!(w.round(&backfill), vec![3]);
     }
@@ -183,7 +191,12 @@ mod tests {
         }
         let fifo = Fifo::default();
         assert_eq!(w.round(&fifo), vec![1, 2]);
-        let a_gpus = w.state.job(1).and_then(|j| j.allocation.clone()).expect("a runs").gpus;
+        let a_gpus = w
+            .state
+            .job(1)
+            .and_then(|j| j.allocation.clone())
+            .expect("a runs")
+            .gpus;
         w.apply(Command::RecordWorkerExited {
             job_id: 1,
             epoch: 1,
@@ -193,7 +206,12 @@ mod tests {
         });
         assert_eq!(w.state.job(1).map(|j| j.state), Some(JobState::Succeeded));
         assert_eq!(w.round(&fifo), vec![3]);
-        let c_gpus = w.state.job(3).and_then(|j| j.allocation.clone()).expect("c runs").gpus;
+        let c_gpus = w
+            .state
+            .job(3)
+            .and_then(|j| j.allocation.clone())
+            .expect("c runs")
+            .gpus;
         assert_eq!(a_gpus, c_gpus, "c takes the GPUs a released");
     }
 
@@ -212,9 +230,18 @@ mod tests {
         let mut w = World::new(&[2, 2, 2]);
         w.submit(job_spec("big", 2, 3));
         assert_eq!(w.round(&Fifo::default()), vec![1]);
-        let gpus = w.state.job(1).and_then(|j| j.allocation.clone()).expect("runs").gpus;
-        let nodes: std::collections::BTreeSet<&str> = gpus.iter().map(|g| g.node.as_str()).collect();
+        let gpus = w
+            .state
+            .job(1)
+            .and_then(|j| j.allocation.clone())
+            .expect("runs")
+            .gpus;
+        let nodes: std::collections::BTreeSet<&str> =
+            gpus.iter().map(|g| g.node.as_str()).collect();
         assert_eq!(nodes.len(), 3);
-        assert!(gpus.contains(&GpuRef { node: "n2".into(), index: 1 }));
+        assert!(gpus.contains(&GpuRef {
+            node: "n2".into(),
+            index: 1
+        }));
     }
 }

@@ -1,0 +1,186 @@
+//! The worker contract: what a training process is told, and how it talks
+//! back.
+//!
+//! Every executor gives a worker the same environment ([`environment`]) and
+//! reads the same progress lines ([`parse_progress_line`]). The README's
+//! "Worker contract" section documents both for users.
+
+use std::collections::BTreeMap;
+
+use keel_core::{JobId, ProgressSample};
+use serde::Deserialize;
+
+use crate::WorkerId;
+
+/// The prefix of a progress line on a worker's stdout, followed by one JSON
+/// object: `KEEL_PROGRESS {"step": 120, "total_steps": 1000, "loss": 0.71,
+/// "samples_per_s": 350.0}`.
+pub const PROGRESS_MARKER: &str = "KEEL_PROGRESS ";
+
+/// The longest progress line read (longer lines are ordinary log output).
+pub const PROGRESS_LINE_MAX_LEN: usize = 4096;
+
+/// Exit code a worker uses when it stopped on SIGTERM after checkpointing.
+pub const EXIT_STOPPED: i32 = 143;
+
+/// Everything an executor needs to start one worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerLaunch {
+    pub id: WorkerId,
+    pub job_name: String,
+    /// argv of the worker.
+    pub command: Vec<String>,
+    /// The user's environment from the spec (the contract's variables win).
+    pub env: BTreeMap<String, String>,
+    pub node: String,
+    /// GPU indexes on `node` (what `CUDA_VISIBLE_DEVICES` lists).
+    pub gpus: Vec<u32>,
+    pub gpu_type: String,
+    pub world_size: u32,
+    /// This worker's position among the job's workers on the same node.
+    pub local_rank: u32,
+    /// Workers of the job on this node.
+    pub local_world_size: u32,
+    /// Address of rank 0's node, where the rendezvous listens.
+    pub rendezvous_addr: String,
+    pub model: Option<String>,
+    pub total_steps: Option<u64>,
+}
+
+/// The job's checkpoint directory name under an executor's checkpoint root.
+/// Shared by every epoch and rank, so a relaunched job resumes.
+pub fn checkpoint_dir_name(job_id: JobId) -> String {
+    format!("job-{job_id}")
+}
+
+/// The environment of a worker: the user's variables, then the contract's.
+/// `rendezvous_port` and `checkpoint_dir` are chosen by the executor.
+pub fn environment(
+    launch: &WorkerLaunch,
+    rendezvous_port: u16,
+    checkpoint_dir: &str,
+) -> BTreeMap<String, String> {
+    let mut env = launch.env.clone();
+    let gpus = launch
+        .gpus
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let id = &launch.id;
+    let mut set = |k: &str, v: String| {
+        env.insert(k.to_string(), v);
+    };
+    set("CUDA_VISIBLE_DEVICES", gpus);
+    set("KEEL_JOB_ID", id.job_id.to_string());
+    set("KEEL_JOB_NAME", launch.job_name.clone());
+    set("KEEL_ALLOCATION_EPOCH", id.epoch.to_string());
+    set("KEEL_RANK", id.rank.to_string());
+    set("KEEL_LOCAL_RANK", launch.local_rank.to_string());
+    set("KEEL_WORLD_SIZE", launch.world_size.to_string());
+    set("KEEL_NODE", launch.node.clone());
+    set("KEEL_GPU_TYPE", launch.gpu_type.clone());
+    set("KEEL_GPUS_PER_WORKER", launch.gpus.len().to_string());
+    set("KEEL_CHECKPOINT_DIR", checkpoint_dir.to_string());
+    set("KEEL_RENDEZVOUS_ADDR", launch.rendezvous_addr.clone());
+    set("KEEL_RENDEZVOUS_PORT", rendezvous_port.to_string());
+    if let Some(model) = &launch.model {
+        set("KEEL_MODEL", model.clone());
+    }
+    if let Some(steps) = launch.total_steps {
+        set("KEEL_TOTAL_STEPS", steps.to_string());
+    }
+    // The names torch.distributed's env:// rendezvous and torchrun use.
+    set("RANK", id.rank.to_string());
+    set("LOCAL_RANK", launch.local_rank.to_string());
+    set("WORLD_SIZE", launch.world_size.to_string());
+    set("LOCAL_WORLD_SIZE", launch.local_world_size.to_string());
+    set("MASTER_ADDR", launch.rendezvous_addr.clone());
+    set("MASTER_PORT", rendezvous_port.to_string());
+    env
+}
+
+#[derive(Deserialize)]
+struct ProgressLine {
+    step: u64,
+    #[serde(default)]
+    total_steps: u64,
+    #[serde(default)]
+    loss: Option<f64>,
+    #[serde(default)]
+    samples_per_s: f64,
+}
+
+/// A progress sample from one stdout line, or `None` for any other line
+/// (including malformed progress lines, which stay in the log only).
+pub fn parse_progress_line(line: &str, at_ms: u64) -> Option<ProgressSample> {
+    if line.len() > PROGRESS_LINE_MAX_LEN {
+        return None;
+    }
+    let json = line.trim_end().strip_prefix(PROGRESS_MARKER)?;
+    let p: ProgressLine = serde_json::from_str(json).ok()?;
+    let finite = |x: f64| x.is_finite().then_some(x);
+    Some(ProgressSample {
+        step: p.step,
+        total_steps: p.total_steps,
+        loss: p.loss.and_then(finite),
+        samples_per_s: finite(p.samples_per_s).unwrap_or(0.0).max(0.0),
+        at_ms,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_lines_parse_and_other_lines_do_not() {
+        let s = parse_progress_line(
+            r#"KEEL_PROGRESS {"step": 5, "total_steps": 10, "loss": 0.5, "samples_per_s": 12.5}"#,
+            7,
+        )
+        .expect("a progress line");
+        assert_eq!(
+            (s.step, s.total_steps, s.loss, s.at_ms),
+            (5, 10, Some(0.5), 7)
+        );
+        assert_eq!(parse_progress_line("epoch 1 done", 7), None);
+        assert_eq!(parse_progress_line("KEEL_PROGRESS {not json", 7), None);
+        assert_eq!(parse_progress_line(r#"KEEL_PROGRESS {"loss": 1}"#, 7), None);
+    }
+
+    #[test]
+    fn the_contract_overrides_user_variables() {
+        let launch = WorkerLaunch {
+            id: WorkerId {
+                job_id: 4,
+                epoch: 2,
+                rank: 1,
+            },
+            job_name: "bert".into(),
+            command: vec!["train".into()],
+            env: [
+                ("RANK".to_string(), "99".to_string()),
+                ("MINE".into(), "x".into()),
+            ]
+            .into_iter()
+            .collect(),
+            node: "n1".into(),
+            gpus: vec![2, 3],
+            gpu_type: "v100".into(),
+            world_size: 2,
+            local_rank: 0,
+            local_world_size: 1,
+            rendezvous_addr: "10.0.0.1".into(),
+            model: None,
+            total_steps: Some(100),
+        };
+        let env = environment(&launch, 29500, "/ckpt/job-4");
+        assert_eq!(env["RANK"], "1");
+        assert_eq!(env["MINE"], "x");
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "2,3");
+        assert_eq!(env["MASTER_PORT"], "29500");
+        assert_eq!(env["KEEL_TOTAL_STEPS"], "100");
+        assert_eq!(env["KEEL_CHECKPOINT_DIR"], "/ckpt/job-4");
+    }
+}

@@ -1,0 +1,213 @@
+//! What GPUs a node has: discovered with `nvidia-smi`, or declared
+//! (`--simulated-gpus 4xv100,2xk80`).
+
+use std::collections::BTreeMap;
+
+use keel_core::Gpu;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("--simulated-gpus: {0:?} is not COUNTxTYPE (e.g. 4xv100)")]
+    BadSimulatedItem(String),
+    #[error("--simulated-gpus: {count} {gpu_type} GPUs is more than the limit of {limit}")]
+    TooMany {
+        count: u64,
+        gpu_type: String,
+        limit: u32,
+    },
+    #[error("--simulated-nodes must be between 1 and {limit}, not {nodes}")]
+    BadNodeCount { nodes: u32, limit: u32 },
+    #[error("--simulated-gpus: {gpus} GPUs cannot be split over {nodes} nodes (each needs at least one)")]
+    TooFewGpus { gpus: u32, nodes: u32 },
+    #[error("nvidia-smi: {0}")]
+    NvidiaSmi(String),
+}
+
+/// Most GPUs a simulated cluster may declare in all.
+pub const SIMULATED_GPUS_MAX: u32 = 65_536;
+/// Most simulated nodes.
+pub const SIMULATED_NODES_MAX: u32 = 4096;
+
+/// Parses `4xv100,2xk80` into (type, count) in the order given.
+pub fn parse_simulated_gpus(spec: &str) -> Result<Vec<(String, u32)>, DiscoveryError> {
+    let mut out: Vec<(String, u32)> = Vec::new();
+    let mut total: u64 = 0;
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let bad = || DiscoveryError::BadSimulatedItem(item.to_string());
+        let (count, gpu_type) = item.split_once('x').ok_or_else(bad)?;
+        let count: u64 = count.trim().parse().map_err(|_| bad())?;
+        let gpu_type = gpu_type.trim().to_ascii_lowercase();
+        let valid_type = !gpu_type.is_empty()
+            && gpu_type.len() <= keel_core::spec::limits::GPU_TYPE_MAX_LEN
+            && gpu_type
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+        if count == 0 || !valid_type {
+            return Err(bad());
+        }
+        total += count;
+        if total > u64::from(SIMULATED_GPUS_MAX) {
+            return Err(DiscoveryError::TooMany {
+                count,
+                gpu_type,
+                limit: SIMULATED_GPUS_MAX,
+            });
+        }
+        match out.iter_mut().find(|(t, _)| *t == gpu_type) {
+            Some((_, c)) => *c += count as u32,
+            None => out.push((gpu_type, count as u32)),
+        }
+    }
+    if out.is_empty() {
+        return Err(DiscoveryError::BadSimulatedItem(spec.to_string()));
+    }
+    Ok(out)
+}
+
+/// Splits a simulated GPU spec over `nodes` nodes: each type's count is
+/// divided evenly, the remainder going to the first nodes. Node `i` gets
+/// indexes from 0, types in the order of the spec.
+pub fn split_over_nodes(
+    spec: &[(String, u32)],
+    nodes: u32,
+) -> Result<Vec<Vec<Gpu>>, DiscoveryError> {
+    if nodes == 0 || nodes > SIMULATED_NODES_MAX {
+        return Err(DiscoveryError::BadNodeCount {
+            nodes,
+            limit: SIMULATED_NODES_MAX,
+        });
+    }
+    let mut out: Vec<Vec<Gpu>> = vec![Vec::new(); nodes as usize];
+    for (gpu_type, count) in spec {
+        for (n, node) in out.iter_mut().enumerate() {
+            let n = n as u32;
+            let here = count / nodes + u32::from(n < count % nodes);
+            for _ in 0..here {
+                let index = node.len() as u32;
+                node.push(Gpu {
+                    index,
+                    gpu_type: gpu_type.clone(),
+                });
+            }
+        }
+    }
+    if out.iter().any(Vec::is_empty) {
+        return Err(DiscoveryError::TooFewGpus {
+            gpus: spec.iter().map(|(_, c)| c).sum(),
+            nodes,
+        });
+    }
+    Ok(out)
+}
+
+/// The arguments Keel runs `nvidia-smi` with.
+pub const NVIDIA_SMI_ARGS: &[&str] = &["--query-gpu=index,name", "--format=csv,noheader"];
+
+/// Parses `nvidia-smi --query-gpu=index,name --format=csv,noheader` output,
+/// e.g. `0, Tesla V100-SXM2-16GB`, into GPUs with short type names.
+pub fn parse_nvidia_smi(output: &str) -> Result<Vec<Gpu>, DiscoveryError> {
+    let mut gpus = BTreeMap::new();
+    for line in output.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let (index, name) = line
+            .split_once(',')
+            .ok_or_else(|| DiscoveryError::NvidiaSmi(format!("unexpected line {line:?}")))?;
+        let index: u32 = index
+            .trim()
+            .parse()
+            .map_err(|_| DiscoveryError::NvidiaSmi(format!("bad GPU index in {line:?}")))?;
+        gpus.insert(index, gpu_type_of(name.trim()));
+    }
+    Ok(gpus
+        .into_iter()
+        .map(|(index, gpu_type)| Gpu { index, gpu_type })
+        .collect())
+}
+
+/// A short, lower-case type name from a marketing name:
+/// "Tesla V100-SXM2-16GB" → "v100", "NVIDIA H100 80GB HBM3" → "h100",
+/// "NVIDIA GeForce RTX 4090" → "rtx4090".
+pub fn gpu_type_of(name: &str) -> String {
+    let lower = name.to_ascii_lowercase();
+    let words: Vec<&str> = lower
+        .split(|c: char| c.is_whitespace() || c == '-')
+        .filter(|w| !w.is_empty() && !matches!(*w, "nvidia" | "tesla" | "geforce" | "quadro"))
+        .collect();
+    // "RTX 4090", "RTX A6000": join the family with the model.
+    let raw = match words.as_slice() {
+        ["rtx", model, ..] | ["gtx", model, ..] => format!("{}{}", words[0], model),
+        [first, ..] => first.to_string(),
+        [] => "gpu".to_string(),
+    };
+    let cleaned: String = raw
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .take(keel_core::spec::limits::GPU_TYPE_MAX_LEN)
+        .collect();
+    if cleaned.is_empty() {
+        "gpu".into()
+    } else {
+        cleaned
+    }
+}
+
+/// Runs `nvidia-smi`. `Ok(empty)` when it is not installed (no GPUs here).
+pub fn discover_nvidia_gpus() -> Result<Vec<Gpu>, DiscoveryError> {
+    match std::process::Command::new("nvidia-smi")
+        .args(NVIDIA_SMI_ARGS)
+        .output()
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(DiscoveryError::NvidiaSmi(e.to_string())),
+        Ok(out) if !out.status.success() => Err(DiscoveryError::NvidiaSmi(format!(
+            "{}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))),
+        Ok(out) => parse_nvidia_smi(&String::from_utf8_lossy(&out.stdout)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn simulated_specs_parse_and_split() {
+        let spec = parse_simulated_gpus("4xv100, 2xK80").expect("parses");
+        assert_eq!(spec, vec![("v100".to_string(), 4), ("k80".to_string(), 2)]);
+        let nodes = split_over_nodes(&spec, 2).expect("splits");
+        assert_eq!(nodes.len(), 2);
+        let types = |n: &Vec<Gpu>| n.iter().map(|g| g.gpu_type.clone()).collect::<Vec<_>>();
+        assert_eq!(types(&nodes[0]), vec!["v100", "v100", "k80"]);
+        assert_eq!(
+            nodes[1].iter().map(|g| g.index).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        let odd =
+            split_over_nodes(&parse_simulated_gpus("3xv100").expect("parses"), 2).expect("splits");
+        assert_eq!((odd[0].len(), odd[1].len()), (2, 1));
+    }
+
+    #[test]
+    fn bad_simulated_specs_name_the_problem() {
+        for bad in ["", "v100", "0xv100", "4x", "4xV 100", "-1xk80"] {
+            assert!(parse_simulated_gpus(bad).is_err(), "{bad:?} accepted");
+        }
+        let e = split_over_nodes(&parse_simulated_gpus("2xv100").expect("parses"), 3).unwrap_err();
+        assert!(
+            e.to_string().contains("cannot be split over 3 nodes"),
+            "{e}"
+        );
+        assert!(parse_simulated_gpus("70000xv100").is_err());
+    }
+
+    #[test]
+    fn nvidia_smi_output_parses_into_short_types() {
+        let out = "0, Tesla V100-SXM2-16GB\n1, Tesla V100-SXM2-16GB\n2, NVIDIA H100 80GB HBM3\n3, NVIDIA GeForce RTX 4090\n4, NVIDIA A100-SXM4-80GB\n";
+        let gpus = parse_nvidia_smi(out).expect("parses");
+        let types: Vec<&str> = gpus.iter().map(|g| g.gpu_type.as_str()).collect();
+        assert_eq!(types, vec!["v100", "v100", "h100", "rtx4090", "a100"]);
+        assert!(parse_nvidia_smi("garbage").is_err());
+        assert_eq!(parse_nvidia_smi("").expect("empty"), vec![]);
+    }
+}

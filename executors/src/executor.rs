@@ -1,0 +1,79 @@
+//! The `Executor` trait: what the leader's reconciler needs from whatever
+//! runs workers.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Duration;
+
+use keel_core::{JobId, ProgressSample};
+
+use crate::contract::WorkerLaunch;
+use crate::reconcile::Observed;
+use crate::WorkerId;
+
+/// Why an executor could not do what it was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorError {
+    #[error("worker {id}: {source}")]
+    Io {
+        id: WorkerId,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// One worker's log, as `keel logs` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerLog {
+    pub id: WorkerId,
+    /// The last bytes of the log (all of it when shorter than asked).
+    pub content: Vec<u8>,
+    /// The log's whole length, to say how much was left out.
+    pub total_bytes: u64,
+}
+
+/// Runs workers. Every method is idempotent: launching a worker that runs
+/// (or ran and is not forgotten) does nothing; stopping one that is stopping
+/// or gone does nothing.
+pub trait Executor: Send + Sync + 'static {
+    /// Starts a worker. A worker that cannot start is reported as exited
+    /// (with the reason) by [`Executor::observe`], not as an error here,
+    /// so the job's retry policy sees it.
+    fn launch(
+        &self,
+        launch: WorkerLaunch,
+    ) -> impl Future<Output = Result<(), ExecutorError>> + Send;
+
+    /// Asks a worker to stop: SIGTERM (checkpoint and exit), then SIGKILL
+    /// after `grace`. Returns at once; the exit shows up in `observe`.
+    fn stop(
+        &self,
+        id: &WorkerId,
+        grace: Duration,
+    ) -> impl Future<Output = Result<(), ExecutorError>> + Send;
+
+    /// Every worker the executor runs or ran and has not forgotten.
+    fn observe(
+        &self,
+    ) -> impl Future<Output = Result<BTreeMap<WorkerId, Observed>, ExecutorError>> + Send;
+
+    /// Drops an exited worker whose exit is now in the log.
+    fn forget(&self, id: &WorkerId) -> impl Future<Output = ()> + Send;
+
+    /// Progress samples reported since the last call, per job.
+    fn take_progress(&self) -> impl Future<Output = BTreeMap<JobId, Vec<ProgressSample>>> + Send;
+
+    /// The logs of a job's workers (every epoch and rank this executor ran),
+    /// at most `tail_bytes` of each.
+    fn logs(
+        &self,
+        job_id: JobId,
+        tail_bytes: u64,
+    ) -> impl Future<Output = Result<Vec<WorkerLog>, ExecutorError>> + Send;
+
+    /// Stops every worker and waits (at most `grace` plus a little) for them
+    /// to exit. Used when the server shuts down.
+    fn shutdown(&self, grace: Duration) -> impl Future<Output = ()> + Send;
+}

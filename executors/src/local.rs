@@ -1,0 +1,659 @@
+//! The local executor: workers are child processes of the server.
+//!
+//! Each worker runs in its own process group (so stopping it reaches the
+//! processes it starts), with the worker contract in its environment. Its
+//! stdout and stderr go to `ROOT/job-J/eE-rR.log`; rank 0's progress lines
+//! are also parsed and buffered until the reconcile loop takes them. Stop =
+//! SIGTERM to the group, then SIGKILL after the grace period.
+//!
+//! A `.pid` file beside each log (pid and kernel start time) lets a server
+//! that was killed find the workers it left behind: [`LocalExecutor::new`]
+//! kills them, and the reconciler relaunches them from their checkpoints.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use keel_core::{GpuRef, JobId, ProgressSample};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::contract::{checkpoint_dir_name, environment, parse_progress_line, WorkerLaunch};
+use crate::executor::{Executor, ExecutorError, WorkerLog};
+use crate::reconcile::Observed;
+use crate::WorkerId;
+
+/// Where the local executor keeps things.
+#[derive(Debug, Clone)]
+pub struct LocalConfig {
+    /// Per-worker logs and pid files.
+    pub workers_dir: PathBuf,
+    /// Per-job checkpoint directories.
+    pub checkpoints_dir: PathBuf,
+    /// Put first on the workers' PATH (the directory of the `keel` binary,
+    /// so job files can run `keel trainer`).
+    pub path_prepend: Option<PathBuf>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    pid: Option<u32>,
+    gpus: Vec<GpuRef>,
+    exited: Option<(Option<i32>, String)>,
+    stopping: bool,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    workers: BTreeMap<WorkerId, Entry>,
+    progress: BTreeMap<JobId, Vec<ProgressSample>>,
+    ports: BTreeMap<(JobId, u64), u16>,
+}
+
+/// Runs workers as local child processes. Cheap to clone (shared state).
+#[derive(Debug, Clone)]
+pub struct LocalExecutor {
+    config: Arc<LocalConfig>,
+    inner: Arc<Mutex<Inner>>,
+}
+
+/// Progress samples buffered per job before the reconcile loop takes them;
+/// older ones are dropped beyond this (the latest matter most).
+const PROGRESS_BUFFER_MAX: usize = 1024;
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn log_name(id: &WorkerId) -> String {
+    format!("e{}-r{}", id.epoch, id.rank)
+}
+
+/// The kernel's start time of `pid` (clock ticks since boot), if it runs.
+fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+impl LocalExecutor {
+    /// Creates the directories and kills workers that a previous server
+    /// process left running.
+    pub fn new(config: LocalConfig) -> Result<LocalExecutor, ExecutorError> {
+        for dir in [&config.workers_dir, &config.checkpoints_dir] {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| ExecutorError::Other(format!("creating {}: {e}", dir.display())))?;
+        }
+        let exec = LocalExecutor {
+            config: Arc::new(config),
+            inner: Arc::default(),
+        };
+        exec.kill_leftovers();
+        Ok(exec)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain data; go on with it.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn job_dir(&self, job_id: JobId) -> PathBuf {
+        self.config.workers_dir.join(format!("job-{job_id}"))
+    }
+
+    fn kill_leftovers(&self) {
+        let Ok(jobs) = std::fs::read_dir(&self.config.workers_dir) else {
+            return;
+        };
+        for job in jobs.flatten() {
+            let Ok(files) = std::fs::read_dir(job.path()) else {
+                continue;
+            };
+            for f in files.flatten() {
+                let path = f.path();
+                if path.extension().is_none_or(|e| e != "pid") {
+                    continue;
+                }
+                if let Ok(text) = std::fs::read_to_string(&path) {
+                    let mut parts = text.split_whitespace();
+                    let pid = parts.next().and_then(|p| p.parse::<u32>().ok());
+                    let start = parts.next().and_then(|p| p.parse::<u64>().ok());
+                    if let (Some(pid), Some(start)) = (pid, start) {
+                        if process_start_time(pid) == Some(start) {
+                            tracing::warn!(pid, file = %path.display(), "killing a worker left by an earlier server");
+                            let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                        }
+                    }
+                }
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+
+    /// One rendezvous port per (job, epoch), free on this machine when chosen.
+    fn port_for(&self, job_id: JobId, epoch: u64) -> u16 {
+        if let Some(p) = self.lock().ports.get(&(job_id, epoch)) {
+            return *p;
+        }
+        let port = std::net::TcpListener::bind("0.0.0.0:0")
+            .and_then(|l| l.local_addr())
+            .map_or(29500, |a| a.port());
+        *self.lock().ports.entry((job_id, epoch)).or_insert(port)
+    }
+
+    fn record_exit(&self, id: &WorkerId, exit_code: Option<i32>, reason: String) {
+        let mut inner = self.lock();
+        if let Some(e) = inner.workers.get_mut(id) {
+            let reason = if e.stopping && !reason.contains("stopped") {
+                format!("{reason} (stopped by keel)")
+            } else {
+                reason
+            };
+            e.exited = Some((exit_code, reason));
+        }
+    }
+
+    async fn spawn_worker(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
+        let id = launch.id.clone();
+        let io = |source| ExecutorError::Io {
+            id: id.clone(),
+            source,
+        };
+        let job_dir = self.job_dir(id.job_id);
+        tokio::fs::create_dir_all(&job_dir).await.map_err(io)?;
+        let checkpoint = self
+            .config
+            .checkpoints_dir
+            .join(checkpoint_dir_name(id.job_id));
+        tokio::fs::create_dir_all(&checkpoint).await.map_err(io)?;
+        let log_path = job_dir.join(format!("{}.log", log_name(&id)));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(io)?;
+        let port = self.port_for(id.job_id, id.epoch);
+        let env = environment(&launch, port, &checkpoint.to_string_lossy());
+        let Some(program) = launch.command.first() else {
+            self.fail_to_start(
+                &id,
+                &log_path,
+                "the local executor runs commands, not images",
+            )
+            .await;
+            return Ok(());
+        };
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(&launch.command[1..])
+            .envs(&env)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(log.try_clone().map_err(io)?)
+            .process_group(0)
+            .kill_on_drop(false);
+        if let Some(dir) = &self.config.path_prepend {
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            let mut paths = vec![dir.clone()];
+            paths.extend(std::env::split_paths(&path));
+            if let Ok(joined) = std::env::join_paths(paths) {
+                if !env.contains_key("PATH") {
+                    cmd.env("PATH", joined);
+                }
+            }
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                self.fail_to_start(&id, &log_path, &format!("could not start {program:?}: {e}"))
+                    .await;
+                return Ok(());
+            }
+        };
+        let pid = child.id();
+        if let Some(pid) = pid {
+            if let Some(start) = process_start_time(pid) {
+                let _ = std::fs::write(pid_path(&log_path), format!("{pid} {start}\n"));
+            }
+        }
+        tracing::info!(worker = %id, ?pid, node = %launch.node, gpus = ?launch.gpus, "worker started");
+        self.lock().workers.insert(
+            id.clone(),
+            Entry {
+                pid,
+                gpus: launch
+                    .gpus
+                    .iter()
+                    .map(|index| GpuRef {
+                        node: launch.node.clone(),
+                        index: *index,
+                    })
+                    .collect(),
+                exited: None,
+                stopping: false,
+            },
+        );
+        let stdout = child.stdout.take();
+        let this = self.clone();
+        tokio::spawn(async move {
+            let reader = stdout.map(|out| {
+                let this = this.clone();
+                let id = id.clone();
+                let log = tokio::fs::File::from_std(log);
+                tokio::spawn(async move { this.copy_output(id, out, log).await })
+            });
+            let status = child.wait().await;
+            if let Some(reader) = reader {
+                // A process the worker left behind may hold stdout open.
+                if tokio::time::timeout(Duration::from_secs(2), reader)
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(worker = %id, "stdout still open after exit; log capture stopped");
+                }
+            }
+            let _ = std::fs::remove_file(pid_path(&log_path));
+            let (code, reason) = match status {
+                Ok(s) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    match (s.code(), s.signal()) {
+                        (Some(c), _) => (Some(c), format!("exited with code {c}")),
+                        (None, Some(sig)) => {
+                            let name =
+                                Signal::try_from(sig).map_or(sig.to_string(), |s| s.to_string());
+                            (None, format!("killed by {name}"))
+                        }
+                        (None, None) => (None, "ended".to_string()),
+                    }
+                }
+                Err(e) => (None, format!("could not wait for the worker: {e}")),
+            };
+            tracing::info!(worker = %id, ?code, %reason, "worker exited");
+            this.record_exit(&id, code, reason);
+        });
+        Ok(())
+    }
+
+    async fn copy_output(
+        &self,
+        id: WorkerId,
+        out: tokio::process::ChildStdout,
+        mut log: tokio::fs::File,
+    ) {
+        let mut reader = BufReader::new(out);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            if log.write_all(&line).await.is_err() {
+                tracing::warn!(worker = %id, "could not write the worker's log");
+            }
+            if id.rank != 0 {
+                continue;
+            }
+            let sample = std::str::from_utf8(&line)
+                .ok()
+                .and_then(|s| parse_progress_line(s, now_ms()));
+            if let Some(sample) = sample {
+                let mut inner = self.lock();
+                let buf = inner.progress.entry(id.job_id).or_default();
+                if buf.len() >= PROGRESS_BUFFER_MAX {
+                    buf.remove(0);
+                }
+                buf.push(sample);
+            }
+        }
+        let _ = log.flush().await;
+    }
+
+    async fn fail_to_start(&self, id: &WorkerId, log_path: &Path, reason: &str) {
+        tracing::warn!(worker = %id, %reason, "worker did not start");
+        if let Ok(mut f) = tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log_path)
+            .await
+        {
+            let _ = f.write_all(format!("keel: {reason}\n").as_bytes()).await;
+        }
+        self.lock().workers.insert(
+            id.clone(),
+            Entry {
+                pid: None,
+                gpus: Vec::new(),
+                exited: Some((Some(127), reason.to_string())),
+                stopping: false,
+            },
+        );
+    }
+
+    fn signal(&self, id: &WorkerId, signal: Signal) {
+        let pid = {
+            let inner = self.lock();
+            match inner.workers.get(id) {
+                Some(Entry {
+                    pid: Some(pid),
+                    exited: None,
+                    ..
+                }) => *pid,
+                _ => return,
+            }
+        };
+        if let Err(e) = killpg(Pid::from_raw(pid as i32), signal) {
+            tracing::debug!(worker = %id, %signal, error = %e, "signal not delivered");
+        }
+    }
+
+    fn running(&self) -> Vec<WorkerId> {
+        self.lock()
+            .workers
+            .iter()
+            .filter(|(_, e)| e.exited.is_none())
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+}
+
+fn pid_path(log_path: &Path) -> PathBuf {
+    log_path.with_extension("pid")
+}
+
+/// Parses `eE-rR.log` into (epoch, rank).
+fn parse_log_name(name: &str) -> Option<(u64, u32)> {
+    let stem = name.strip_suffix(".log")?;
+    let (e, r) = stem.split_once('-')?;
+    Some((
+        e.strip_prefix('e')?.parse().ok()?,
+        r.strip_prefix('r')?.parse().ok()?,
+    ))
+}
+
+impl Executor for LocalExecutor {
+    async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
+        if self.lock().workers.contains_key(&launch.id) {
+            return Ok(());
+        }
+        self.spawn_worker(launch).await
+    }
+
+    async fn stop(&self, id: &WorkerId, grace: Duration) -> Result<(), ExecutorError> {
+        {
+            let mut inner = self.lock();
+            match inner.workers.get_mut(id) {
+                Some(e) if e.exited.is_none() && !e.stopping => e.stopping = true,
+                _ => return Ok(()),
+            }
+        }
+        tracing::info!(worker = %id, grace_s = grace.as_secs_f64(), "stopping worker");
+        self.signal(id, Signal::SIGTERM);
+        let this = self.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            this.signal(&id, Signal::SIGKILL);
+        });
+        Ok(())
+    }
+
+    async fn observe(&self) -> Result<BTreeMap<WorkerId, Observed>, ExecutorError> {
+        Ok(self
+            .lock()
+            .workers
+            .iter()
+            .map(|(id, e)| {
+                let o = match &e.exited {
+                    Some((exit_code, reason)) => Observed::Exited {
+                        exit_code: *exit_code,
+                        reason: reason.clone(),
+                    },
+                    None => Observed::Running {
+                        gpus: e.gpus.clone(),
+                    },
+                };
+                (id.clone(), o)
+            })
+            .collect())
+    }
+
+    async fn forget(&self, id: &WorkerId) {
+        let mut inner = self.lock();
+        if inner.workers.get(id).is_some_and(|e| e.exited.is_some()) {
+            inner.workers.remove(id);
+        }
+        let epoch_live = inner
+            .workers
+            .keys()
+            .any(|w| w.job_id == id.job_id && w.epoch == id.epoch);
+        if !epoch_live {
+            inner.ports.remove(&(id.job_id, id.epoch));
+        }
+    }
+
+    async fn take_progress(&self) -> BTreeMap<JobId, Vec<ProgressSample>> {
+        std::mem::take(&mut self.lock().progress)
+    }
+
+    async fn logs(&self, job_id: JobId, tail_bytes: u64) -> Result<Vec<WorkerLog>, ExecutorError> {
+        let dir = self.job_dir(job_id);
+        let mut out = Vec::new();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Ok(out);
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            let Some((epoch, rank)) = parse_log_name(&name) else {
+                continue;
+            };
+            let read = || -> std::io::Result<(Vec<u8>, u64)> {
+                let mut f = std::fs::File::open(entry.path())?;
+                let total = f.metadata()?.len();
+                f.seek(SeekFrom::Start(total.saturating_sub(tail_bytes)))?;
+                let mut content = Vec::new();
+                f.take(tail_bytes).read_to_end(&mut content)?;
+                Ok((content, total))
+            };
+            let id = WorkerId {
+                job_id,
+                epoch,
+                rank,
+            };
+            match read() {
+                Ok((content, total_bytes)) => out.push(WorkerLog {
+                    id,
+                    content,
+                    total_bytes,
+                }),
+                Err(source) => return Err(ExecutorError::Io { id, source }),
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    async fn shutdown(&self, grace: Duration) {
+        let running = self.running();
+        for id in &running {
+            let _ = self.stop(id, grace).await;
+        }
+        let deadline = tokio::time::Instant::now() + grace + Duration::from_secs(2);
+        while !self.running().is_empty() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(job_id: JobId, command: &[&str]) -> WorkerLaunch {
+        WorkerLaunch {
+            id: WorkerId {
+                job_id,
+                epoch: 1,
+                rank: 0,
+            },
+            job_name: "t".into(),
+            command: command.iter().map(|s| s.to_string()).collect(),
+            env: BTreeMap::new(),
+            node: "local".into(),
+            gpus: vec![1, 3],
+            gpu_type: "v100".into(),
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            rendezvous_addr: "127.0.0.1".into(),
+            model: None,
+            total_steps: None,
+        }
+    }
+
+    fn executor(dir: &Path) -> LocalExecutor {
+        LocalExecutor::new(LocalConfig {
+            workers_dir: dir.join("workers"),
+            checkpoints_dir: dir.join("checkpoints"),
+            path_prepend: None,
+        })
+        .expect("executor")
+    }
+
+    async fn wait_exit(exec: &LocalExecutor, id: &WorkerId) -> Observed {
+        for _ in 0..1000 {
+            let obs = exec.observe().await.expect("observe");
+            if let Some(o @ Observed::Exited { .. }) = obs.get(id) {
+                return o.clone();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("worker {id} did not exit within 10 s");
+    }
+
+    async fn wait_log(exec: &LocalExecutor, job_id: JobId, needle: &str) {
+        for _ in 0..1000 {
+            let logs = exec.logs(job_id, 1 << 16).await.expect("logs");
+            if logs
+                .iter()
+                .any(|l| String::from_utf8_lossy(&l.content).contains(needle))
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("job {job_id}'s log never said {needle:?}");
+    }
+
+    #[tokio::test]
+    async fn runs_with_the_contract_logs_output_and_reports_progress() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let exec = executor(dir.path());
+        let l = launch(
+            1,
+            &[
+                "sh",
+                "-c",
+                "echo gpus=$CUDA_VISIBLE_DEVICES rank=$RANK; echo oops >&2; \
+                 echo 'KEEL_PROGRESS {\"step\":3,\"total_steps\":9,\"samples_per_s\":2}'; exit 4",
+            ],
+        );
+        let id = l.id.clone();
+        exec.launch(l.clone()).await.expect("launch");
+        exec.launch(l).await.expect("second launch is a no-op");
+        let o = wait_exit(&exec, &id).await;
+        assert_eq!(
+            o,
+            Observed::Exited {
+                exit_code: Some(4),
+                reason: "exited with code 4".into()
+            }
+        );
+        let logs = exec.logs(1, 1 << 20).await.expect("logs");
+        assert_eq!(logs.len(), 1);
+        let text = String::from_utf8_lossy(&logs[0].content);
+        assert!(text.contains("gpus=1,3 rank=0"), "{text}");
+        assert!(text.contains("oops"), "{text}");
+        let progress = exec.take_progress().await;
+        assert_eq!(progress[&1][0].step, 3);
+        assert!(exec.take_progress().await.is_empty(), "taken once");
+        exec.forget(&id).await;
+        assert!(exec.observe().await.expect("observe").is_empty());
+    }
+
+    #[tokio::test]
+    async fn stop_sends_sigterm_then_sigkill_after_the_grace_period() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let exec = executor(dir.path());
+        // Exits 143 on SIGTERM.
+        let polite = launch(
+            1,
+            &[
+                "sh",
+                "-c",
+                "trap 'exit 143' TERM; echo ready; while true; do sleep 0.05; done",
+            ],
+        );
+        // Ignores SIGTERM.
+        let stubborn = launch(
+            2,
+            &[
+                "sh",
+                "-c",
+                "trap '' TERM; echo ready; while true; do sleep 0.05; done",
+            ],
+        );
+        exec.launch(polite.clone()).await.expect("launch");
+        exec.launch(stubborn.clone()).await.expect("launch");
+        // The traps are set once each shell has said so.
+        wait_log(&exec, 1, "ready").await;
+        wait_log(&exec, 2, "ready").await;
+        exec.stop(&polite.id, Duration::from_secs(30))
+            .await
+            .expect("stop");
+        exec.stop(&stubborn.id, Duration::from_millis(300))
+            .await
+            .expect("stop");
+        match wait_exit(&exec, &polite.id).await {
+            Observed::Exited { exit_code, reason } => {
+                assert_eq!(exit_code, Some(143));
+                assert!(reason.contains("stopped by keel"), "{reason}");
+            }
+            o => panic!("{o:?}"),
+        }
+        match wait_exit(&exec, &stubborn.id).await {
+            Observed::Exited { exit_code, reason } => {
+                assert_eq!(exit_code, None);
+                assert!(reason.contains("SIGKILL"), "{reason}");
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_that_cannot_start_is_an_exit_with_the_reason() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let exec = executor(dir.path());
+        let l = launch(1, &["/no/such/program"]);
+        exec.launch(l.clone())
+            .await
+            .expect("launch reports through observe");
+        match wait_exit(&exec, &l.id).await {
+            Observed::Exited { exit_code, reason } => {
+                assert_eq!(exit_code, Some(127));
+                assert!(reason.contains("could not start"), "{reason}");
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn log_names_round_trip() {
+        assert_eq!(parse_log_name("e3-r12.log"), Some((3, 12)));
+        assert_eq!(parse_log_name("e3-r12.pid"), None);
+    }
+}

@@ -1,0 +1,268 @@
+//! The simulated trainer: behaves like a training job without a GPU.
+//!
+//! It learns its allocation from the worker contract (GPU type, GPUs per
+//! worker, world size, rank, checkpoint directory), advances at the speed the
+//! project's throughput table gives for its model on that hardware (times
+//! `speedup`, so simulated hours pass in seconds), prints progress lines with
+//! a loss falling along Optimus's curve `1/(b0·k + b1) + b2` (with seeded
+//! noise), checkpoints its step (periodically and on SIGTERM) and resumes
+//! from the checkpoint when relaunched. It can be told to fail at a step.
+//!
+//! Exit codes: 0 when all steps are done, 143 after a SIGTERM checkpoint,
+//! `exit_code` (default 1) when told to fail, 2 on bad configuration.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use keel_core::rng::SplitMix64;
+use keel_core::throughput::{profile, LossCurve};
+use serde::{Deserialize, Serialize};
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::contract::{EXIT_STOPPED, PROGRESS_MARKER};
+
+/// How the trainer is configured (flags, falling back on the contract's
+/// environment variables).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainerOptions {
+    pub model: String,
+    pub total_steps: u64,
+    /// Simulated seconds per wall-clock second.
+    pub speedup: f64,
+    /// Exit with `exit_code` on reaching this step (counts from the start
+    /// of the job, across relaunches).
+    pub fail_at_step: Option<u64>,
+    pub exit_code: i32,
+    /// Wall-clock seconds between progress lines.
+    pub report_every_s: f64,
+    /// Checkpoint every this many steps (and always on SIGTERM and at the end).
+    pub checkpoint_every_steps: u64,
+    pub gpu_type: String,
+    /// GPUs of the whole job (GPUs per worker × world size).
+    pub gpus: u32,
+    pub rank: u32,
+    pub checkpoint_dir: Option<PathBuf>,
+    pub seed: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    #[error("checkpoint {path}: {source}")]
+    Checkpoint {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing progress: {0}")]
+    Output(#[source] std::io::Error),
+    #[error("installing the SIGTERM handler: {0}")]
+    Signal(#[source] std::io::Error),
+    #[error("{0}")]
+    Config(String),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Checkpoint {
+    step: u64,
+    model: String,
+}
+
+const CHECKPOINT_FILE: &str = "keel-trainer.json";
+
+fn read_checkpoint(dir: &Path) -> Result<u64, TrainerError> {
+    let path = dir.join(CHECKPOINT_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice::<Checkpoint>(&bytes)
+            .map(|c| c.step)
+            .map_err(|e| TrainerError::Checkpoint {
+                path,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(source) => Err(TrainerError::Checkpoint { path, source }),
+    }
+}
+
+fn write_checkpoint(dir: &Path, step: u64, model: &str) -> Result<(), TrainerError> {
+    let path = dir.join(CHECKPOINT_FILE);
+    let tmp = dir.join(format!("{CHECKPOINT_FILE}.tmp"));
+    let err = |source| TrainerError::Checkpoint {
+        path: path.clone(),
+        source,
+    };
+    let body = serde_json::to_vec(&Checkpoint {
+        step,
+        model: model.to_string(),
+    })
+    .map_err(|e| err(std::io::Error::other(e)))?;
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    f.write_all(&body).map_err(err)?;
+    f.sync_data().map_err(err)?;
+    std::fs::rename(&tmp, &path).map_err(err)
+}
+
+/// Runs the trainer to its end. Returns the process exit code.
+pub async fn run(opts: TrainerOptions, out: &mut (dyn Write + Send)) -> Result<i32, TrainerError> {
+    if !(opts.speedup.is_finite() && opts.speedup > 0.0) {
+        return Err(TrainerError::Config(format!(
+            "--speedup must be a positive number, not {}",
+            opts.speedup
+        )));
+    }
+    if opts.total_steps == 0 {
+        return Err(TrainerError::Config(
+            "--total-steps must be at least 1".into(),
+        ));
+    }
+    let mut sigterm = signal(SignalKind::terminate()).map_err(TrainerError::Signal)?;
+    let leader = opts.rank == 0;
+    let start_step = match &opts.checkpoint_dir {
+        Some(dir) => read_checkpoint(dir)?.min(opts.total_steps),
+        None => 0,
+    };
+    let profile = profile(&opts.model);
+    let gpus = opts.gpus.max(1);
+    let steps_per_wall_s = profile.steps_per_s(&opts.gpu_type, gpus) * opts.speedup;
+    let samples_per_s = profile.samples_per_s(&opts.gpu_type, gpus);
+    let curve = LossCurve::for_run(2.5, 0.1, opts.total_steps);
+    let mut rng = SplitMix64::new(opts.seed);
+    let mut noise = move |amplitude: f64| 1.0 + amplitude * (2.0 * rng.unit() - 1.0);
+    if leader {
+        writeln!(
+            out,
+            "keel trainer: {} on {gpus}x{} at {:.2} steps/s (x{} speed-up), from step {start_step} of {}",
+            profile.model,
+            opts.gpu_type,
+            steps_per_wall_s / opts.speedup,
+            opts.speedup,
+            opts.total_steps
+        )
+        .map_err(TrainerError::Output)?;
+    }
+    let began = tokio::time::Instant::now();
+    let step_now = |began: tokio::time::Instant| {
+        let done = (began.elapsed().as_secs_f64() * steps_per_wall_s) as u64;
+        (start_step + done).min(opts.total_steps)
+    };
+    let mut last_checkpoint = start_step;
+    let report_every = Duration::from_secs_f64(opts.report_every_s.max(0.01));
+    loop {
+        let step = step_now(began);
+        if let Some(fail) = opts.fail_at_step {
+            if step >= fail && start_step < fail {
+                writeln!(out, "keel trainer: failing at step {step} as asked")
+                    .map_err(TrainerError::Output)?;
+                return Ok(opts.exit_code);
+            }
+        }
+        if leader {
+            let loss = curve.loss(step) * noise(0.03);
+            writeln!(
+                out,
+                "{PROGRESS_MARKER}{}",
+                serde_json::json!({
+                    "step": step,
+                    "total_steps": opts.total_steps,
+                    "loss": (loss * 1e4).round() / 1e4,
+                    "samples_per_s": (samples_per_s * noise(0.02) * 10.0).round() / 10.0,
+                })
+            )
+            .map_err(TrainerError::Output)?;
+            out.flush().map_err(TrainerError::Output)?;
+            if let Some(dir) = &opts.checkpoint_dir {
+                let due = step >= last_checkpoint + opts.checkpoint_every_steps.max(1);
+                if due || step == opts.total_steps {
+                    write_checkpoint(dir, step, profile.model)?;
+                    last_checkpoint = step;
+                }
+            }
+        }
+        if step >= opts.total_steps {
+            return Ok(0);
+        }
+        // Sleep until the next report, the end, or the failure step.
+        let mut target = opts.total_steps;
+        if let Some(fail) = opts.fail_at_step.filter(|f| *f > step) {
+            target = target.min(fail);
+        }
+        let until_target = Duration::from_secs_f64((target - step) as f64 / steps_per_wall_s);
+        let nap = report_every.min(until_target + Duration::from_millis(1));
+        tokio::select! {
+            _ = tokio::time::sleep(nap) => {}
+            _ = sigterm.recv() => {
+                let step = step_now(began);
+                if leader {
+                    if let Some(dir) = &opts.checkpoint_dir {
+                        write_checkpoint(dir, step, profile.model)?;
+                    }
+                    writeln!(out, "keel trainer: SIGTERM at step {step}; checkpointed, exiting")
+                        .map_err(TrainerError::Output)?;
+                }
+                return Ok(EXIT_STOPPED);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(dir: &Path) -> TrainerOptions {
+        TrainerOptions {
+            model: "resnet50".into(),
+            total_steps: 200,
+            speedup: 1000.0,
+            fail_at_step: None,
+            exit_code: 1,
+            report_every_s: 0.01,
+            checkpoint_every_steps: 50,
+            gpu_type: "v100".into(),
+            gpus: 1,
+            rank: 0,
+            checkpoint_dir: Some(dir.to_path_buf()),
+            seed: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn runs_to_the_end_with_falling_loss_and_checkpoints() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut out = Vec::new();
+        let code = run(opts(dir.path()), &mut out).await.expect("runs");
+        assert_eq!(code, 0);
+        let text = String::from_utf8(out).expect("utf8");
+        let samples: Vec<keel_core::ProgressSample> = text
+            .lines()
+            .filter_map(|l| crate::contract::parse_progress_line(l, 0))
+            .collect();
+        assert!(samples.len() >= 2, "{text}");
+        let last = samples.last().expect("a sample");
+        assert_eq!((last.step, last.total_steps), (200, 200));
+        assert!(last.loss < samples[0].loss, "{text}");
+        assert_eq!(read_checkpoint(dir.path()).expect("checkpoint"), 200);
+    }
+
+    #[tokio::test]
+    async fn fails_when_asked_and_resumes_past_the_failure_from_its_checkpoint() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut o = opts(dir.path());
+        // About 2 steps per progress line, so it checkpoints on the way.
+        o.speedup = 20.0;
+        o.fail_at_step = Some(120);
+        o.exit_code = 7;
+        o.checkpoint_every_steps = 10;
+        let code = run(o.clone(), &mut Vec::new()).await.expect("runs");
+        assert_eq!(code, 7);
+        let saved = read_checkpoint(dir.path()).expect("checkpoint");
+        assert!(saved > 0 && saved < 120, "checkpoint at {saved}");
+        // The relaunch starts from the checkpoint, before the failure step,
+        // so it reaches it and fails again.
+        let mut out = Vec::new();
+        let code = run(o, &mut out).await.expect("runs");
+        let text = String::from_utf8(out).expect("utf8");
+        assert!(text.contains(&format!("from step {saved}")), "{text}");
+        assert_eq!(code, 7, "{text}");
+    }
+}
