@@ -173,6 +173,11 @@ fn main() {
             data_dir: dir.path().join("data"),
             listen: "127.0.0.1:0".parse().expect("addr"),
             raft: RaftSettings::default(),
+            // No GPUs: the scheduling loop runs but places nothing, so the
+            // figure is the write path's.
+            nodes: Vec::new(),
+            policy: std::sync::Arc::new(keel_core::policy::Fifo::default()),
+            loops: keel::leader::LoopSettings::default(),
         };
         let server = Server::start(&config, system_clock()).await.expect("start");
         let addr = server.addr.to_string();

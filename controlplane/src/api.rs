@@ -37,9 +37,34 @@ const WATCH_BATCH: usize = 512;
 /// Longest user filter accepted by ListJobs.
 const USER_FILTER_MAX_LEN: usize = keel_core::spec::limits::USER_MAX_LEN;
 
+/// Reads a job's worker logs (from the executor that ran them).
+pub type LogReader = Arc<
+    dyn Fn(
+            u64,
+            u64,
+        ) -> Pin<
+            Box<
+                dyn std::future::Future<
+                        Output = Result<
+                            Vec<keel_executors::WorkerLog>,
+                            keel_executors::ExecutorError,
+                        >,
+                    > + Send,
+            >,
+        > + Send
+        + Sync,
+>;
+
+/// Default and largest tail of each worker log that GetLogs returns.
+const LOG_TAIL_DEFAULT_BYTES: u64 = 64 * 1024;
+const LOG_TAIL_MAX_BYTES: u64 = 4 * 1024 * 1024;
+/// Default and largest number of entries JobHistory returns.
+const HISTORY_MAX_ENTRIES: usize = 10_000;
+
 pub struct KeelApi {
     node: Arc<RaftNode>,
     proposer: Proposer,
+    logs: LogReader,
 }
 
 impl std::fmt::Debug for KeelApi {
@@ -51,10 +76,12 @@ impl std::fmt::Debug for KeelApi {
 }
 
 impl KeelApi {
-    /// Must be called on a tokio runtime: it starts the proposer task.
-    pub fn new(node: Arc<RaftNode>, clock: Clock) -> Self {
-        let proposer = Proposer::spawn(node.raft.clone(), clock);
-        KeelApi { node, proposer }
+    pub fn new(node: Arc<RaftNode>, proposer: Proposer, logs: LogReader) -> Self {
+        KeelApi {
+            node,
+            proposer,
+            logs,
+        }
     }
 
     /// Proposes a command (stamped with the leader's clock, group-committed
@@ -261,5 +288,119 @@ impl Keel for KeelApi {
             leader_id: metrics.current_leader,
             voters: metrics.membership_config.membership().voter_ids().collect(),
         }))
+    }
+
+    async fn job_history(
+        &self,
+        request: Request<api::JobHistoryRequest>,
+    ) -> Result<Response<api::JobHistoryResponse>, Status> {
+        let req = request.into_inner();
+        let limit = match req.limit as usize {
+            0 => HISTORY_MAX_ENTRIES,
+            n if n > HISTORY_MAX_ENTRIES => {
+                return Err(ApiError::InvalidArgument {
+                    field: "limit",
+                    message: format!("{n} is more than the limit of {HISTORY_MAX_ENTRIES}"),
+                }
+                .into())
+            }
+            n => n,
+        };
+        self.linearizable().await?;
+        // The history is journaled when the state's applied index moves past
+        // it; wait for the journal to catch up with what we just read.
+        let target = {
+            let shared = self.node.state_machine.shared();
+            let applied = shared.read();
+            if applied.state.job(req.job_id).is_none() {
+                return Err(ApiError::JobNotFound(req.job_id).into());
+            }
+            applied.last_applied.map_or(0, |l| l.index)
+        };
+        let mut journaled = self.node.state_machine.shared().subscribe();
+        while *journaled.borrow_and_update() < target {
+            if journaled.changed().await.is_err() {
+                break;
+            }
+        }
+        let (entries, truncated) = self
+            .node
+            .state_machine
+            .job_history(req.job_id, limit)
+            .map_err(ApiError::from)?;
+        Ok(Response::new(api::JobHistoryResponse {
+            entries,
+            truncated,
+        }))
+    }
+
+    async fn get_logs(
+        &self,
+        request: Request<api::GetLogsRequest>,
+    ) -> Result<Response<api::GetLogsResponse>, Status> {
+        let req = request.into_inner();
+        let tail = match req.tail_bytes {
+            0 => LOG_TAIL_DEFAULT_BYTES,
+            n if n > LOG_TAIL_MAX_BYTES => {
+                return Err(ApiError::InvalidArgument {
+                    field: "tail_bytes",
+                    message: format!("{n} is more than the limit of {LOG_TAIL_MAX_BYTES}"),
+                }
+                .into())
+            }
+            n => n,
+        };
+        let known = self
+            .node
+            .state_machine
+            .shared()
+            .read()
+            .state
+            .job(req.job_id)
+            .is_some();
+        if !known {
+            return Err(ApiError::JobNotFound(req.job_id).into());
+        }
+        let logs = (self.logs)(req.job_id, tail)
+            .await
+            .map_err(|e| ApiError::Storage(e.to_string()))?;
+        Ok(Response::new(api::GetLogsResponse {
+            logs: logs
+                .into_iter()
+                .map(|l| api::WorkerLog {
+                    epoch: l.id.epoch,
+                    rank: l.id.rank,
+                    content: l.content,
+                    total_bytes: l.total_bytes,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn set_node_state(
+        &self,
+        request: Request<api::SetNodeStateRequest>,
+    ) -> Result<Response<api::SetNodeStateResponse>, Status> {
+        let req = request.into_inner();
+        let command = match req.state.as_str() {
+            "lost" => Command::MarkNodeLost {
+                name: req.name,
+                reason: if req.reason.is_empty() {
+                    "marked lost by an operator".into()
+                } else {
+                    req.reason
+                },
+            },
+            "alive" => Command::MarkNodeRecovered { name: req.name },
+            other => {
+                return Err(ApiError::InvalidArgument {
+                    field: "state",
+                    message: format!("{other:?} is not \"lost\" or \"alive\""),
+                }
+                .into())
+            }
+        };
+        let (index, _) = self.propose(command).await?;
+        Ok(Response::new(api::SetNodeStateResponse { index }))
     }
 }

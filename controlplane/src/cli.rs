@@ -102,7 +102,48 @@ pub async fn job(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
         .await
         .map_err(status_error)?
         .into_inner();
-    render::job(&job, out)
+    let history = client
+        .job_history(api::JobHistoryRequest {
+            job_id: id,
+            limit: 0,
+        })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    render::job(&job, &history, out)
+}
+
+pub async fn logs(addr: &str, id: u64, tail_bytes: u64, out: Output) -> anyhow::Result<()> {
+    let mut client = connect(addr).await?;
+    let resp = client
+        .get_logs(api::GetLogsRequest {
+            job_id: id,
+            tail_bytes,
+        })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    render::logs(id, &resp, out)
+}
+
+pub async fn set_node_state(
+    addr: &str,
+    name: String,
+    state: &str,
+    reason: String,
+    out: Output,
+) -> anyhow::Result<()> {
+    let mut client = connect(addr).await?;
+    let resp = client
+        .set_node_state(api::SetNodeStateRequest {
+            name: name.clone(),
+            state: state.to_string(),
+            reason,
+        })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    render::node_state_set(&name, state, resp.index, out)
 }
 
 pub async fn cancel(addr: &str, id: u64, reason: String, out: Output) -> anyhow::Result<()> {

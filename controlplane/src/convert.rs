@@ -36,6 +36,8 @@ pub fn job_to_proto(job: &Job) -> api::Job {
             })
             .collect(),
         message: job.message.clone(),
+        retries: job.retries,
+        max_retries: job.spec.max_retries,
     }
 }
 

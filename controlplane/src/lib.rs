@@ -5,11 +5,17 @@
 //! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
 //! - [`proposer`]: group commit: concurrent commands share one Raft entry.
 //! - [`convert`]: domain objects to their API messages.
-//! - [`server`]: the `keel server` process: data dir, Raft, API, shutdown.
+//! - [`inventory`]: this server's nodes and GPUs (discovered or simulated)
+//!   and their registration.
+//! - [`leader`]: the leader's scheduling and reconcile loops.
+//! - [`server`]: the `keel server` process: data dir, Raft, API, loops,
+//!   shutdown.
 
 pub mod api;
 pub mod convert;
 pub mod grpc_status;
+pub mod inventory;
+pub mod leader;
 pub mod proposer;
 pub mod raft_node;
 pub mod server;

@@ -8,8 +8,13 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use std::time::Duration;
+
+use keel::inventory::{NodeInventory, DEFAULT_SIMULATED_GPUS, DEFAULT_SIMULATED_NODES};
+use keel::leader::LoopSettings;
 use keel::raft_node::RaftSettings;
 use keel::server::{shutdown_signal, Server, ServerConfig};
+use keel_core::policy::QueueOptions;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -49,7 +54,51 @@ enum Cmd {
         /// Build a snapshot and compact the log every this many entries.
         #[arg(long, default_value_t = 10_000)]
         snapshot_every: u64,
+        /// Declare simulated GPUs instead of discovering real ones, e.g.
+        /// `4xv100,2xk80`. Without this flag, GPUs are discovered with
+        /// nvidia-smi; where there are none, a small simulated cluster
+        /// (4xv100,4xk80 over 2 nodes) is used.
+        #[arg(long)]
+        simulated_gpus: Option<String>,
+        /// Split the simulated GPUs over this many nodes (sim-0, sim-1, ...).
+        #[arg(long)]
+        simulated_nodes: Option<u32>,
+        /// Register no node for this machine: the server schedules and serves
+        /// the API but runs no workers itself.
+        #[arg(long, conflicts_with_all = ["simulated_gpus", "simulated_nodes"])]
+        no_local_node: bool,
+        /// Scheduling policy.
+        #[arg(long, default_value = "fifo")]
+        policy: String,
+        /// Let jobs behind a blocked head of the queue start when they fit.
+        #[arg(long)]
+        backfill: bool,
+        /// Seconds between scheduling rounds (changes also wake the scheduler).
+        #[arg(long, default_value_t = 10.0)]
+        round_s: f64,
+        /// Seconds a stopped worker gets between SIGTERM and SIGKILL.
+        #[arg(long, default_value_t = 10.0)]
+        stop_grace_s: f64,
+        /// At most one progress entry per job this often, in seconds.
+        #[arg(long, default_value_t = 2.0)]
+        progress_interval_s: f64,
     },
+    /// Show the logs of a job's workers (every epoch and rank).
+    Logs {
+        id: u64,
+        /// Bytes from the end of each worker's log (at most 4 MiB).
+        #[arg(long, default_value_t = 64 * 1024)]
+        tail_bytes: u64,
+    },
+    /// Mark a node lost (its jobs go back to the queue) or alive again.
+    Node {
+        #[command(subcommand)]
+        command: NodeCmd,
+    },
+    /// A simulated training job for demos and tests: advances at the speed
+    /// of its model on the GPUs it was given, reports progress, checkpoints
+    /// on SIGTERM and resumes. Reads the worker contract's environment.
+    Trainer(TrainerArgs),
     /// Submit a job from a YAML or JSON spec file (`-` reads stdin).
     Submit {
         #[arg(short = 'f', long = "file")]
@@ -99,6 +148,42 @@ enum Cmd {
 }
 
 #[derive(Subcommand, Debug)]
+enum NodeCmd {
+    /// Mark a node lost: the jobs on it are preempted and go back to the queue.
+    Lost {
+        name: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Mark a lost node alive again.
+    Alive { name: String },
+}
+
+#[derive(clap::Args, Debug)]
+struct TrainerArgs {
+    /// Model (throughput table row); default: $KEEL_MODEL or "generic".
+    #[arg(long)]
+    model: Option<String>,
+    /// Steps to train; default: $KEEL_TOTAL_STEPS or 1000.
+    #[arg(long)]
+    total_steps: Option<u64>,
+    /// Simulated seconds per real second.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Fail (exit with --exit-code) on reaching this step.
+    #[arg(long)]
+    fail_at_step: Option<u64>,
+    #[arg(long, default_value_t = 1)]
+    exit_code: i32,
+    /// Seconds between progress lines.
+    #[arg(long, default_value_t = 1.0)]
+    report_every_s: f64,
+    /// Checkpoint every this many steps (default: a tenth of the run).
+    #[arg(long)]
+    checkpoint_every_steps: Option<u64>,
+}
+
+#[derive(Subcommand, Debug)]
 enum ClusterCmd {
     /// This replica's role, term, indexes and state hash.
     Status,
@@ -139,8 +224,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
             listen,
             id,
             snapshot_every,
+            simulated_gpus,
+            simulated_nodes,
+            no_local_node,
+            policy,
+            backfill,
+            round_s,
+            stop_grace_s,
+            progress_interval_s,
         } => {
             init_tracing();
+            let seconds = |name: &str, s: f64| -> anyhow::Result<Duration> {
+                if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
+                    anyhow::bail!("--{name} must be between 0 and 86400 seconds, not {s}");
+                }
+                Ok(Duration::from_secs_f64(s))
+            };
+            let policy = keel_core::policy::by_name(&policy, QueueOptions { backfill })?;
             let config = ServerConfig {
                 id,
                 data_dir,
@@ -149,7 +249,27 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     snapshot_every_entries: snapshot_every,
                     ..RaftSettings::default()
                 },
+                nodes: if no_local_node {
+                    Vec::new()
+                } else {
+                    inventory(simulated_gpus, simulated_nodes)?
+                },
+                policy: policy.into(),
+                loops: LoopSettings {
+                    round: seconds("round-s", round_s)?,
+                    stop_grace: seconds("stop-grace-s", stop_grace_s)?,
+                    progress_every: seconds("progress-interval-s", progress_interval_s)?,
+                    ..LoopSettings::default()
+                },
             };
+            for n in &config.nodes {
+                let gpus: Vec<String> = n
+                    .gpus
+                    .iter()
+                    .map(|g| format!("{}:{}", g.index, g.gpu_type))
+                    .collect();
+                tracing::info!(node = %n.name, gpus = %gpus.join(","), "inventory");
+            }
             let server = Server::start(&config, keel::api::system_clock())
                 .await
                 .with_context(|| {
@@ -165,9 +285,92 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Job { id } => cli::job(&args.addr, id, out).await,
         Cmd::Cancel { id, reason } => cli::cancel(&args.addr, id, reason, out).await,
         Cmd::Nodes => cli::nodes(&args.addr, out).await,
+        Cmd::Logs { id, tail_bytes } => cli::logs(&args.addr, id, tail_bytes, out).await,
+        Cmd::Node {
+            command: NodeCmd::Lost { name, reason },
+        } => cli::set_node_state(&args.addr, name, "lost", reason, out).await,
+        Cmd::Node {
+            command: NodeCmd::Alive { name },
+        } => cli::set_node_state(&args.addr, name, "alive", String::new(), out).await,
+        Cmd::Trainer(t) => trainer(t).await,
         Cmd::Events { from, follow } => cli::events(&args.addr, from, follow, out).await,
         Cmd::Cluster {
             command: ClusterCmd::Status,
         } => cli::cluster_status(&args.addr, out).await,
     }
+}
+
+/// The server's nodes: simulated when asked, else discovered, else the
+/// default simulated cluster.
+fn inventory(
+    simulated_gpus: Option<String>,
+    simulated_nodes: Option<u32>,
+) -> anyhow::Result<Vec<NodeInventory>> {
+    if let Some(spec) = simulated_gpus {
+        return Ok(keel::inventory::simulated(
+            &spec,
+            simulated_nodes.unwrap_or(1),
+        )?);
+    }
+    if simulated_nodes.is_some() {
+        anyhow::bail!("--simulated-nodes needs --simulated-gpus");
+    }
+    match keel::inventory::discovered() {
+        Ok(Some(node)) => return Ok(vec![node]),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %e, "GPU discovery failed"),
+    }
+    tracing::info!(
+        gpus = DEFAULT_SIMULATED_GPUS,
+        nodes = DEFAULT_SIMULATED_NODES,
+        "no GPUs found: using a simulated cluster"
+    );
+    Ok(keel::inventory::simulated(
+        DEFAULT_SIMULATED_GPUS,
+        DEFAULT_SIMULATED_NODES,
+    )?)
+}
+
+/// `keel trainer`: flags first, then the worker contract's environment.
+async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
+    use keel_executors::trainer::{run, TrainerOptions};
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let env_num = |k: &str| -> anyhow::Result<Option<u64>> {
+        env(k)
+            .map(|v| {
+                v.parse::<u64>()
+                    .with_context(|| format!("${k}={v:?} is not a number"))
+            })
+            .transpose()
+    };
+    let total_steps = match t.total_steps {
+        Some(s) => s,
+        None => env_num("KEEL_TOTAL_STEPS")?.unwrap_or(1000),
+    };
+    let per_worker = env_num("KEEL_GPUS_PER_WORKER")?.unwrap_or(1);
+    let world = env_num("KEEL_WORLD_SIZE")?.unwrap_or(1);
+    let opts = TrainerOptions {
+        model: t
+            .model
+            .or_else(|| env("KEEL_MODEL"))
+            .unwrap_or_else(|| "generic".into()),
+        total_steps,
+        speedup: t.speedup,
+        fail_at_step: t.fail_at_step,
+        exit_code: t.exit_code,
+        report_every_s: t.report_every_s,
+        checkpoint_every_steps: t
+            .checkpoint_every_steps
+            .unwrap_or((total_steps / 10).max(1)),
+        gpu_type: env("KEEL_GPU_TYPE").unwrap_or_else(|| "v100".into()),
+        gpus: u32::try_from(per_worker.saturating_mul(world)).unwrap_or(u32::MAX),
+        rank: u32::try_from(env_num("KEEL_RANK")?.unwrap_or(0)).unwrap_or(u32::MAX),
+        checkpoint_dir: env("KEEL_CHECKPOINT_DIR").map(PathBuf::from),
+        seed: env_num("KEEL_JOB_ID")?.unwrap_or(0),
+    };
+    let mut stdout = std::io::stdout();
+    let code = run(opts, &mut stdout).await?;
+    // The exit code is the trainer's answer (0, 143 on SIGTERM, or the
+    // failure asked for).
+    std::process::exit(code);
 }

@@ -98,6 +98,8 @@ struct JobView {
     submitted_at_ms: u64,
     started_at_ms: Option<u64>,
     finished_at_ms: Option<u64>,
+    retries: u32,
+    max_retries: u32,
     message: String,
 }
 
@@ -133,6 +135,8 @@ fn job_view(job: &api::Job) -> JobView {
         submitted_at_ms: job.submitted_at_ms,
         started_at_ms: (job.started_at_ms != 0).then_some(job.started_at_ms),
         finished_at_ms: (job.finished_at_ms != 0).then_some(job.finished_at_ms),
+        retries: job.retries,
+        max_retries: job.max_retries,
         message: job.message.clone(),
     }
 }
@@ -155,13 +159,33 @@ fn job_row(v: &JobView) -> Vec<String> {
             .unwrap_or_else(|| "-".into()),
         v.progress
             .as_ref()
-            .map(|p| format!("{}/{}", p.step, p.total_steps))
+            .map(|p| {
+                if p.total_steps > 0 {
+                    format!(
+                        "{}/{} ({:.0}%)",
+                        p.step,
+                        p.total_steps,
+                        100.0 * p.step as f64 / p.total_steps as f64
+                    )
+                } else {
+                    p.step.to_string()
+                }
+            })
+            .unwrap_or_else(|| "-".into()),
+        v.progress
+            .as_ref()
+            .map(|p| format!("{:.1}", p.samples_per_s))
+            .unwrap_or_else(|| "-".into()),
+        v.progress
+            .as_ref()
+            .and_then(|p| p.loss)
+            .map(|l| format!("{l:.4}"))
             .unwrap_or_else(|| "-".into()),
         time(v.submitted_at_ms),
     ]
 }
 
-const JOB_HEADER: [&str; 8] = [
+const JOB_HEADER: [&str; 10] = [
     "ID",
     "NAME",
     "USER",
@@ -169,6 +193,8 @@ const JOB_HEADER: [&str; 8] = [
     "WORKERSxGPUS",
     "ALLOCATION",
     "PROGRESS",
+    "SAMPLES/S",
+    "LOSS",
     "SUBMITTED",
 ];
 
@@ -180,14 +206,29 @@ pub fn jobs(jobs: &[api::Job], out: Output) -> anyhow::Result<()> {
     }
 }
 
-pub fn job(job: &api::Job, out: Output) -> anyhow::Result<()> {
+#[derive(Serialize)]
+struct JobWithHistory<'a> {
+    #[serde(flatten)]
+    job: JobView,
+    history: &'a [pb::AppliedEntry],
+    history_truncated: bool,
+}
+
+pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> anyhow::Result<()> {
     let view = job_view(job);
     match out {
-        Output::Json => print_json(&view),
+        Output::Json => print_json(&JobWithHistory {
+            job: view,
+            history: &history.entries,
+            history_truncated: history.truncated,
+        }),
         Output::Table => {
             print_table(&JOB_HEADER, &[job_row(&view)])?;
             if !view.message.is_empty() {
                 println!("message: {}", view.message);
+            }
+            if view.max_retries > 0 {
+                println!("retries: {} of {}", view.retries, view.max_retries);
             }
             for w in &job.workers {
                 println!(
@@ -201,6 +242,94 @@ pub fn job(job: &api::Job, out: Output) -> anyhow::Result<()> {
                         .unwrap_or_default()
                 );
             }
+            println!("history:");
+            for record in &history.entries {
+                let what = record
+                    .events
+                    .iter()
+                    .filter(|e| event_job_id(e) == Some(job.id))
+                    .map(describe_event)
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                println!("{:>8}  {}  {}", record.index, time(record.at_ms), what);
+            }
+            if history.truncated {
+                println!("(older entries only; the history is longer)");
+            }
+            Ok(())
+        }
+    }
+}
+
+fn event_job_id(e: &pb::Event) -> Option<u64> {
+    use pb::event::Kind as K;
+    match e.kind.as_ref()? {
+        K::JobSubmitted(x) => Some(x.job_id),
+        K::JobCancelled(x) => Some(x.job_id),
+        K::JobAllocated(x) => Some(x.job_id),
+        K::JobPreempted(x) => Some(x.job_id),
+        K::PlacementRefused(x) => Some(x.job_id),
+        K::WorkerStarted(x) => Some(x.job_id),
+        K::WorkerExited(x) => Some(x.job_id),
+        K::JobProgressReported(x) => Some(x.job_id),
+        K::JobFinished(x) => Some(x.job_id),
+        K::JobRequeued(x) => Some(x.job_id),
+        K::JobRemoved(x) => Some(x.job_id),
+        K::NodeRegistered(_) | K::NodeLost(_) | K::NodeRecovered(_) => None,
+    }
+}
+
+pub fn logs(job_id: u64, resp: &api::GetLogsResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => {
+            let logs: Vec<serde_json::Value> = resp
+                .logs
+                .iter()
+                .map(|l| {
+                    serde_json::json!({
+                        "epoch": l.epoch,
+                        "rank": l.rank,
+                        "total_bytes": l.total_bytes,
+                        "content": String::from_utf8_lossy(&l.content),
+                    })
+                })
+                .collect();
+            print_json(&serde_json::json!({"job_id": job_id, "logs": logs}))
+        }
+        Output::Table => {
+            let mut stdout = std::io::stdout().lock();
+            if resp.logs.is_empty() {
+                writeln!(stdout, "job {job_id} has no worker logs yet")?;
+            }
+            for l in &resp.logs {
+                let shown = l.content.len() as u64;
+                let note = if shown < l.total_bytes {
+                    format!(", last {shown} of {} bytes", l.total_bytes)
+                } else {
+                    String::new()
+                };
+                writeln!(
+                    stdout,
+                    "==> job {job_id} epoch {} rank {}{note} <==",
+                    l.epoch, l.rank
+                )?;
+                stdout.write_all(&l.content)?;
+                if !l.content.ends_with(b"\n") && !l.content.is_empty() {
+                    writeln!(stdout)?;
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+pub fn node_state_set(name: &str, state: &str, index: u64, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => {
+            print_json(&serde_json::json!({"node": name, "state": state, "index": index}))
+        }
+        Output::Table => {
+            println!("node {name} marked {state} (log index {index})");
             Ok(())
         }
     }
@@ -283,16 +412,17 @@ fn describe_event(e: &pb::Event) -> String {
             "job {} worker {} (epoch {}) started on {}",
             x.job_id, x.rank, x.epoch, x.node
         ),
-        Some(K::WorkerExited(x)) => format!(
-            "job {} worker {} (epoch {}) exited{} {}",
-            x.job_id,
-            x.rank,
-            x.epoch,
-            x.exit_code
-                .map(|c| format!(" with {c}"))
-                .unwrap_or_default(),
-            x.reason
-        ),
+        Some(K::WorkerExited(x)) => {
+            let how = match (&x.reason, x.exit_code) {
+                (r, _) if !r.is_empty() => r.clone(),
+                (_, Some(c)) => format!("exited with code {c}"),
+                (_, None) => "exited".into(),
+            };
+            format!(
+                "job {} worker {} (epoch {}): {}",
+                x.job_id, x.rank, x.epoch, how
+            )
+        }
         Some(K::JobProgressReported(x)) => format!(
             "job {} at step {} ({} samples)",
             x.job_id,

@@ -10,7 +10,13 @@ use keel_proto::api::keel_server::KeelServer;
 use keel_storage::DataDir;
 use tokio::net::TcpListener;
 
-use crate::api::{Clock, KeelApi};
+use keel_core::policy::Policy;
+use keel_executors::{LocalConfig, LocalExecutor};
+
+use crate::api::{Clock, KeelApi, LogReader};
+use crate::inventory::NodeInventory;
+use crate::leader::LoopSettings;
+use crate::proposer::Proposer;
 use crate::raft_node::{RaftNode, RaftNodeError, RaftSettings};
 use crate::MAX_REQUEST_BYTES;
 
@@ -20,6 +26,11 @@ pub struct ServerConfig {
     pub data_dir: PathBuf,
     pub listen: SocketAddr,
     pub raft: RaftSettings,
+    /// The nodes this server runs workers on (local executor).
+    pub nodes: Vec<NodeInventory>,
+    /// The scheduling policy.
+    pub policy: Arc<dyn Policy>,
+    pub loops: LoopSettings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +46,8 @@ pub enum ServerError {
     },
     #[error("the gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("the executor: {0}")]
+    Executor(#[from] keel_executors::ExecutorError),
 }
 
 /// A started server: its bound address and the Raft node behind it.
@@ -43,6 +56,8 @@ pub struct Server {
     pub node: Arc<RaftNode>,
     listener: TcpListener,
     clock: Clock,
+    config: ServerConfig,
+    executor: Arc<LocalExecutor>,
 }
 
 impl std::fmt::Debug for Server {
@@ -78,18 +93,57 @@ impl Server {
             addr: config.listen,
             source,
         })?;
+        let executor = LocalExecutor::new(LocalConfig {
+            workers_dir: data_dir.root().join("workers"),
+            checkpoints_dir: data_dir.root().join("checkpoints"),
+            path_prepend: std::env::current_exe()
+                .ok()
+                .and_then(|p| p.parent().map(PathBuf::from)),
+        })?;
         let node = RaftNode::start(config.id, &addr.to_string(), data_dir, &config.raft).await?;
         Ok(Server {
             addr,
             node: Arc::new(node),
             listener,
             clock,
+            config: config.clone(),
+            executor: Arc::new(executor),
         })
     }
 
     /// Serves the API until `shutdown` resolves, then stops Raft and flushes.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
-        let api = KeelApi::new(self.node.clone(), self.clock.clone());
+        let proposer = Proposer::spawn(self.node.raft.clone(), self.clock.clone());
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(crate::inventory::register(
+            self.node.clone(),
+            proposer.clone(),
+            self.config.nodes.clone(),
+            std::time::Duration::from_secs(30),
+        ));
+        let scheduling = tokio::spawn(crate::leader::scheduling_loop(
+            self.node.clone(),
+            proposer.clone(),
+            self.config.policy.clone(),
+            self.clock.clone(),
+            self.config.loops.clone(),
+            stop_rx.clone(),
+        ));
+        let reconciling = tokio::spawn(crate::leader::reconcile_loop(
+            self.node.clone(),
+            proposer.clone(),
+            self.executor.clone(),
+            self.config.loops.clone(),
+            stop_rx,
+        ));
+        let executor = self.executor.clone();
+        let logs: LogReader = Arc::new(move |job_id, tail| {
+            let executor = executor.clone();
+            Box::pin(async move {
+                keel_executors::Executor::logs(executor.as_ref(), job_id, tail).await
+            })
+        });
+        let api = KeelApi::new(self.node.clone(), proposer, logs);
         let service = KeelServer::new(api)
             .max_decoding_message_size(MAX_REQUEST_BYTES)
             .max_encoding_message_size(64 * MAX_REQUEST_BYTES);
@@ -110,6 +164,11 @@ impl Server {
             .serve_with_incoming_shutdown(incoming, shutdown)
             .await;
         tracing::info!("shutting down");
+        // Workers stop (SIGTERM, grace, SIGKILL) while Raft still runs, so
+        // their exits are recorded where possible.
+        let _ = stop_tx.send(true);
+        let _ = scheduling.await;
+        let _ = reconciling.await;
         self.node.shutdown().await?;
         result?;
         Ok(())

@@ -1,5 +1,7 @@
 //! End-to-end tests against real `keel server` processes on 127.0.0.1:
-//! the CLI, restart and crash recovery, and bad input.
+//! the CLI, restart and crash recovery, and bad input. These servers have
+//! no nodes (`--no-local-node`), so nothing is scheduled and the log holds
+//! only what the tests write; scheduling is in `tests/scheduling.rs`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -24,7 +26,13 @@ impl ServerProcess {
     fn start_with(data_dir: &Path, extra: &[&str]) -> ServerProcess {
         let _ = std::fs::remove_file(data_dir.join("server.addr"));
         let child = Command::new(KEEL)
-            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+            .args([
+                "server",
+                "--no-local-node",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+            ])
             .arg(data_dir)
             .args(extra)
             .stdout(Stdio::null())

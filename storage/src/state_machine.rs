@@ -37,6 +37,8 @@ use crate::{ApplyResponse, Entry, LogId, StorageError, StoreError, TypeConfig};
 
 pub(crate) const PREFIX_APPLIED: u8 = b'v';
 pub(crate) const PREFIX_CHECKPOINT: u8 = b'c';
+/// Per-job history index: prefix, job id, Raft index, position → nothing.
+pub(crate) const PREFIX_JOB_HISTORY: u8 = b'h';
 const KEY_APPLIED: &[u8] = b"m/applied";
 const KEY_MEMBERSHIP: &[u8] = b"m/membership";
 const KEY_SNAPSHOT_META: &[u8] = b"m/snapshot-meta";
@@ -56,6 +58,15 @@ pub(crate) fn applied_key(index: u64, position: u32) -> [u8; 13] {
     k[0] = PREFIX_APPLIED;
     k[1..9].copy_from_slice(&index.to_be_bytes());
     k[9..].copy_from_slice(&position.to_be_bytes());
+    k
+}
+
+fn job_history_key(job_id: u64, index: u64, position: u32) -> [u8; 21] {
+    let mut k = [0u8; 21];
+    k[0] = PREFIX_JOB_HISTORY;
+    k[1..9].copy_from_slice(&job_id.to_be_bytes());
+    k[9..17].copy_from_slice(&index.to_be_bytes());
+    k[17..].copy_from_slice(&position.to_be_bytes());
     k
 }
 
@@ -239,6 +250,33 @@ impl StateMachineStore {
         Ok(out)
     }
 
+    /// The applied records whose events concern `job_id`, oldest first, at
+    /// most `limit`; and whether more were left out.
+    pub fn job_history(
+        &self,
+        job_id: u64,
+        limit: usize,
+    ) -> Result<(Vec<pb::AppliedEntry>, bool), StoreError> {
+        let from = job_history_key(job_id, 0, 0);
+        let to = job_history_key(job_id, u64::MAX, u32::MAX);
+        let mut out = Vec::new();
+        for item in self.tree.range(from..=to) {
+            if out.len() == limit {
+                return Ok((out, true));
+            }
+            let (k, _) = item?;
+            let index = u64::from_be_bytes(k[9..17].try_into().unwrap_or_default());
+            let position = u32::from_be_bytes(k[17..21].try_into().unwrap_or_default());
+            let Some(v) = self.tree.get(applied_key(index, position))? else {
+                continue;
+            };
+            out.push(pb::AppliedEntry::decode(v.as_ref()).map_err(|e| {
+                StoreError::corrupt(format!("applied record {index}/{position}"), e)
+            })?);
+        }
+        Ok((out, false))
+    }
+
     /// Merges the journal's small pages at or below `upto` into larger ones
     /// (content unchanged). Runs after each snapshot; returns the number of
     /// pages merged away.
@@ -372,6 +410,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             ));
                             if let Err(refusal) = &outcome {
                                 tracing::debug!(index, position, %refusal, "entry refused");
+                            }
+                            if let Ok(events) = &outcome {
+                                let jobs: std::collections::BTreeSet<u64> =
+                                    events.iter().filter_map(|e| e.job_id()).collect();
+                                for job_id in jobs {
+                                    writes.inserts.push((
+                                        job_history_key(job_id, index, position).to_vec(),
+                                        Vec::new(),
+                                    ));
+                                }
                             }
                             outcomes.push(outcome);
                         }

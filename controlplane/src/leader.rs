@@ -1,0 +1,318 @@
+//! The leader's loops: scheduling and reconciling.
+//!
+//! Both run on every replica but act only while it leads; both read the
+//! applied state and act through log entries (via the [`Proposer`]), never
+//! by changing state directly.
+//!
+//! - **Scheduling**: woken when the state's supply/demand version moves
+//!   (jobs arriving or ending, nodes changing, decisions applied), after a
+//!   short debounce, and on every round tick. It runs the policy (a pure
+//!   function) on the state at applied index *i* and proposes
+//!   `DecideAllocation { based_on: i }` only when the plan differs from the
+//!   current allocations.
+//! - **Reconciling**: compares the workers the state wants with what the
+//!   executor reports ([`keel_executors::reconcile`]), records exits (after
+//!   the job's pending progress), stops unwanted workers, launches wanted
+//!   ones and records their start. Progress samples are batched: at most
+//!   one `ReportProgress` per job per progress interval.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_core::policy::{Policy, SchedulingInput};
+use keel_core::state::limits::PROGRESS_SAMPLES_MAX;
+use keel_core::{Command, JobId, ProgressSample};
+use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
+use keel_executors::{Executor, Observed};
+use openraft::ServerState;
+use tokio::sync::watch;
+
+use crate::api::Clock;
+use crate::proposer::Proposer;
+use crate::raft_node::RaftNode;
+
+/// Timing of the leader's loops.
+#[derive(Debug, Clone)]
+pub struct LoopSettings {
+    /// The scheduling loop runs at least this often.
+    pub round: Duration,
+    /// Wait this long after a change before scheduling, so a burst of
+    /// submissions is placed in one round.
+    pub debounce: Duration,
+    /// The reconcile loop runs at least this often (exits are noticed
+    /// within this time).
+    pub reconcile_every: Duration,
+    /// At most one progress entry per job this often.
+    pub progress_every: Duration,
+    /// SIGTERM → SIGKILL grace period for stopped workers.
+    pub stop_grace: Duration,
+}
+
+impl Default for LoopSettings {
+    fn default() -> Self {
+        LoopSettings {
+            round: Duration::from_secs(10),
+            debounce: Duration::from_millis(50),
+            reconcile_every: Duration::from_millis(250),
+            progress_every: Duration::from_secs(2),
+            stop_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+fn is_leader(node: &RaftNode) -> bool {
+    let m = node.raft.metrics();
+    let m = m.borrow();
+    m.state == ServerState::Leader && m.current_leader == Some(node.id)
+}
+
+/// The scheduling loop. Returns when `stop` turns true.
+pub async fn scheduling_loop(
+    node: Arc<RaftNode>,
+    proposer: Proposer,
+    policy: Arc<dyn Policy>,
+    clock: Clock,
+    settings: LoopSettings,
+    mut stop: watch::Receiver<bool>,
+) {
+    let shared = node.state_machine.shared();
+    let mut applied = shared.subscribe();
+    let mut seen_version = None;
+    loop {
+        let version = shared.read().state.supply_demand_version();
+        if seen_version == Some(version) {
+            tokio::select! {
+                _ = applied.changed() => continue,
+                _ = tokio::time::sleep(settings.round) => {}
+                _ = stop.changed() => return,
+            }
+        } else {
+            tokio::select! {
+                _ = tokio::time::sleep(settings.debounce) => {}
+                _ = stop.changed() => return,
+            }
+        }
+        if *stop.borrow() {
+            return;
+        }
+        if !is_leader(&node) {
+            seen_version = None;
+            continue;
+        }
+        // Read one consistent state at applied index i and plan on it. The
+        // policy is a pure function over the borrowed state; FIFO takes a
+        // few ms at 10,000 waiting jobs.
+        let (command, version) = {
+            let applied = shared.read();
+            let state = &applied.state;
+            let plan = tokio::task::block_in_place(|| {
+                policy.plan(&SchedulingInput {
+                    state,
+                    now_ms: clock(),
+                })
+            });
+            let changes = plan.changes(state);
+            let command = (!changes.is_empty()).then(|| Command::DecideAllocation {
+                based_on: state.last_index(),
+                policy: policy.name().to_string(),
+                round: state.last_round() + 1,
+                placements: changes,
+            });
+            (command, state.supply_demand_version())
+        };
+        seen_version = Some(version);
+        if let Some(command) = command {
+            if let Command::DecideAllocation {
+                based_on,
+                round,
+                placements,
+                ..
+            } = &command
+            {
+                tracing::info!(
+                    based_on,
+                    round,
+                    jobs = placements.len(),
+                    "proposing an allocation"
+                );
+            }
+            if let Err(e) = proposer.propose(command).await {
+                tracing::warn!(error = %e, "allocation decision not committed");
+            }
+        }
+    }
+}
+
+/// The reconcile loop. Returns when `stop` turns true, after stopping every
+/// worker (with the grace period).
+pub async fn reconcile_loop<E: Executor>(
+    node: Arc<RaftNode>,
+    proposer: Proposer,
+    executor: Arc<E>,
+    settings: LoopSettings,
+    mut stop: watch::Receiver<bool>,
+) {
+    let shared = node.state_machine.shared();
+    let mut applied = shared.subscribe();
+    let mut last_progress = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = applied.changed() => {
+                // Coalesce bursts of entries into one pass.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            _ = tokio::time::sleep(settings.reconcile_every) => {}
+            _ = stop.changed() => break,
+        }
+        if *stop.borrow() {
+            break;
+        }
+        if !is_leader(&node) {
+            continue;
+        }
+        // Launches are recorded on the next pass; take it at once.
+        for _ in 0..3 {
+            match reconcile_pass(&node, &proposer, executor.as_ref(), &settings).await {
+                Ok(launched) if launched > 0 => continue,
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reconcile pass failed");
+                    break;
+                }
+            }
+        }
+        if last_progress.elapsed() >= settings.progress_every {
+            flush_progress(&proposer, executor.as_ref()).await;
+            last_progress = tokio::time::Instant::now();
+        }
+    }
+    // Exits that happened before the shutdown are facts to record; the
+    // workers stopped by the shutdown itself are not failures and are not
+    // recorded: the next leader relaunches them from their checkpoints.
+    if is_leader(&node) {
+        if let Ok(observed) = executor.observe().await {
+            let exits: Vec<Action> = observed
+                .into_iter()
+                .filter_map(|(id, o)| match o {
+                    Observed::Exited { exit_code, reason } => Some(Action::RecordExit {
+                        id,
+                        exit_code,
+                        reason,
+                    }),
+                    Observed::Running { .. } => None,
+                })
+                .collect();
+            record_exits(&proposer, executor.as_ref(), &exits).await;
+        }
+    }
+    tracing::info!("stopping every worker");
+    executor.shutdown(settings.stop_grace).await;
+}
+
+/// One reconcile pass; returns how many workers it launched.
+async fn reconcile_pass<E: Executor>(
+    node: &RaftNode,
+    proposer: &Proposer,
+    executor: &E,
+    settings: &LoopSettings,
+) -> Result<usize, keel_executors::ExecutorError> {
+    let observed = executor.observe().await?;
+    let actions = {
+        let shared = node.state_machine.shared();
+        let applied = shared.read();
+        reconcile(
+            &desired_workers(&applied.state),
+            &observed,
+            &recorded_running(&applied.state),
+        )
+    };
+    record_exits(proposer, executor, &actions).await;
+    let mut launched = 0;
+    let mut starts = Vec::new();
+    for action in actions {
+        match action {
+            Action::Stop { id } => executor.stop(&id, settings.stop_grace).await?,
+            Action::Launch(launch) => {
+                executor.launch(*launch).await?;
+                launched += 1;
+            }
+            Action::RecordStart { id, node } => {
+                starts.push(proposer.propose(Command::RecordWorkerStarted {
+                    job_id: id.job_id,
+                    epoch: id.epoch,
+                    rank: id.rank,
+                    node,
+                }))
+            }
+            Action::RecordExit { .. } => {}
+        }
+    }
+    for outcome in futures::future::join_all(starts).await {
+        if let Err(e) = outcome {
+            tracing::debug!(error = %e, "worker start not recorded");
+        }
+    }
+    Ok(launched)
+}
+
+/// Records the exits among `actions` (after the progress that came before
+/// them: a job's last progress lines must be in the log before the exit
+/// that ends it), then lets the executor forget them.
+async fn record_exits<E: Executor>(proposer: &Proposer, executor: &E, actions: &[Action]) {
+    let exits: Vec<&Action> = actions
+        .iter()
+        .filter(|a| matches!(a, Action::RecordExit { .. }))
+        .collect();
+    if exits.is_empty() {
+        return;
+    }
+    flush_progress(proposer, executor).await;
+    let proposals = exits.iter().filter_map(|a| match a {
+        Action::RecordExit {
+            id,
+            exit_code,
+            reason,
+        } => Some(async move {
+            let outcome = proposer
+                .propose(Command::RecordWorkerExited {
+                    job_id: id.job_id,
+                    epoch: id.epoch,
+                    rank: id.rank,
+                    exit_code: *exit_code,
+                    reason: reason.clone(),
+                })
+                .await;
+            (id, outcome)
+        }),
+        _ => None,
+    });
+    for (id, outcome) in futures::future::join_all(proposals).await {
+        match outcome {
+            Ok(_) => executor.forget(id).await,
+            // Refused (the job was removed): nothing to record it on.
+            Err(crate::grpc_status::ApiError::Refused(e)) => {
+                tracing::debug!(worker = %id, refusal = %e, "exit not recorded");
+                executor.forget(id).await;
+            }
+            // Not committed: keep it and try again next pass.
+            Err(e) => tracing::warn!(worker = %id, error = %e, "exit not committed"),
+        }
+    }
+}
+
+/// Proposes one `ReportProgress` per job with samples since the last flush.
+async fn flush_progress<E: Executor>(proposer: &Proposer, executor: &E) {
+    let batches: BTreeMap<JobId, Vec<ProgressSample>> = executor.take_progress().await;
+    let proposals = batches.into_iter().map(|(job_id, mut samples)| {
+        if samples.len() > PROGRESS_SAMPLES_MAX {
+            samples.drain(..samples.len() - PROGRESS_SAMPLES_MAX);
+        }
+        proposer.propose(Command::ReportProgress { job_id, samples })
+    });
+    for outcome in futures::future::join_all(proposals).await {
+        if let Err(e) = outcome {
+            tracing::debug!(error = %e, "progress not recorded");
+        }
+    }
+}
