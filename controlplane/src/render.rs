@@ -100,7 +100,17 @@ struct JobView {
     finished_at_ms: Option<u64>,
     retries: u32,
     max_retries: u32,
+    workers: Vec<WorkerView>,
     message: String,
+}
+
+#[derive(Serialize)]
+struct WorkerView {
+    rank: u32,
+    epoch: u64,
+    node: String,
+    state: String,
+    exit_code: Option<i32>,
 }
 
 fn job_view(job: &api::Job) -> JobView {
@@ -137,6 +147,17 @@ fn job_view(job: &api::Job) -> JobView {
         finished_at_ms: (job.finished_at_ms != 0).then_some(job.finished_at_ms),
         retries: job.retries,
         max_retries: job.max_retries,
+        workers: job
+            .workers
+            .iter()
+            .map(|w| WorkerView {
+                rank: w.rank,
+                epoch: w.epoch,
+                node: w.node.clone(),
+                state: w.state.clone(),
+                exit_code: w.exit_code,
+            })
+            .collect(),
         message: job.message.clone(),
     }
 }

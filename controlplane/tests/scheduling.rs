@@ -1,0 +1,414 @@
+//! End to end on one machine: a real `keel server` with simulated GPUs, the
+//! FIFO scheduling loop, the local executor and `keel trainer` workers.
+//! Waits are bounded polls on the server's state, never fixed sleeps.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+
+struct ServerProcess {
+    child: Child,
+    addr: String,
+}
+
+impl ServerProcess {
+    fn start(data_dir: &Path, extra: &[&str]) -> ServerProcess {
+        let child = Command::new(KEEL)
+            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(["--progress-interval-s", "0.2", "--stop-grace-s", "3"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn keel server");
+        let addr = wait_for("the server's address", || {
+            std::fs::read_to_string(data_dir.join("server.addr")).ok()
+        });
+        let server = ServerProcess { child, addr };
+        wait_for("a leader", || {
+            let out = server.cli(&["cluster", "status", "-o", "json"]);
+            (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
+                .then_some(())
+        });
+        server
+    }
+
+    fn cli(&self, args: &[&str]) -> Output {
+        Command::new(KEEL)
+            .args(args)
+            .env("KEEL_ADDR", &self.addr)
+            .output()
+            .expect("run keel CLI")
+    }
+
+    fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "keel {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        serde_json::from_str(&self.cli_ok(&all)).expect("JSON output")
+    }
+
+    fn submit(&self, dir: &Path, name: &str, body: &str) -> u64 {
+        let path = dir.join(format!("{name}.yaml"));
+        std::fs::write(&path, body).expect("write spec");
+        self.json(&["submit", "-f", path.to_str().expect("utf-8")])["id"]
+            .as_u64()
+            .expect("job id")
+    }
+
+    fn job(&self, id: u64) -> Value {
+        self.json(&["job", &id.to_string()])
+    }
+
+    /// Events of every applied entry, in log order.
+    fn events(&self) -> Vec<Value> {
+        self.cli_ok(&["events", "-o", "json"])
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+            .collect()
+    }
+
+    fn terminate(mut self) {
+        let pid = self.child.id().to_string();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill -TERM");
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                assert!(status.success(), "server exited with {status} on SIGTERM");
+                return;
+            }
+            assert!(Instant::now() < deadline, "server ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it returns `Some`, for at most 90 s.
+fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn trainer_job(name: &str, gpus: u32, workers: &str, steps: u64, speedup: u32) -> String {
+    format!(
+        "name: {name}\nuser: tour\ncommand: [keel, trainer, --speedup, \"{speedup}\", --report-every-s, \"0.1\"]\n\
+         gpus: {gpus}\nworkers: {workers}\nmodel: resnet50\ntotal_steps: {steps}\n"
+    )
+}
+
+/// Which worker holds each GPU, replayed from the event journal: a worker
+/// holds its rank's GPUs of its allocation from `worker_started` to
+/// `worker_exited`. Panics if two workers ever hold one GPU.
+fn check_no_gpu_double_booked(events: &[Value]) -> usize {
+    let mut allocations: BTreeMap<(u64, u64), Vec<String>> = BTreeMap::new();
+    let mut gpus_per_worker: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut holder: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
+    let mut starts = 0;
+    for record in events {
+        for event in record["events"].as_array().into_iter().flatten() {
+            let kind = event["kind"].as_object().expect("event kind");
+            for (name, e) in kind {
+                let job = e["job_id"].as_u64().unwrap_or(0);
+                match name.as_str() {
+                    "job_submitted" => {}
+                    "job_allocated" => {
+                        let gpus: Vec<String> = e["gpus"]
+                            .as_array()
+                            .expect("gpus")
+                            .iter()
+                            .map(|g| format!("{}/{}", g["node"].as_str().unwrap_or(""), g["index"]))
+                            .collect();
+                        let epoch = e["epoch"].as_u64().expect("epoch");
+                        allocations.insert((job, epoch), gpus);
+                    }
+                    "worker_started" | "worker_exited" => {
+                        let epoch = e["epoch"].as_u64().expect("epoch");
+                        let rank = e["rank"].as_u64().unwrap_or(0);
+                        let gpus = allocations
+                            .get(&(job, epoch))
+                            .expect("allocated before start");
+                        let per = *gpus_per_worker.get(&job).expect("spec known");
+                        let mine = &gpus[rank as usize * per..(rank as usize + 1) * per];
+                        for g in mine {
+                            if name == "worker_started" {
+                                if let Some(other) = holder.insert(g.clone(), (job, epoch, rank)) {
+                                    panic!(
+                                        "GPU {g} held by worker {other:?} and job {job} epoch {epoch} rank {rank} at index {}",
+                                        record["index"]
+                                    );
+                                }
+                            } else if holder.get(g) == Some(&(job, epoch, rank)) {
+                                holder.remove(g);
+                            }
+                        }
+                        if name == "worker_started" {
+                            starts += 1;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // Learn each job's GPUs per worker from its submission command.
+        if record["command"] == "submit_job" {
+            for event in record["events"].as_array().into_iter().flatten() {
+                if let Some(e) = event["kind"].get("job_submitted") {
+                    let name = e["name"].as_str().unwrap_or("");
+                    let per = name
+                        .rsplit('g')
+                        .next()
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or(1);
+                    gpus_per_worker.insert(e["job_id"].as_u64().expect("id"), per);
+                }
+            }
+        }
+    }
+    starts
+}
+
+#[test]
+fn a_tour_sized_run_completes_without_double_booking_a_gpu() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &["--simulated-gpus", "4xv100,4xk80", "--simulated-nodes", "2"],
+    );
+    let nodes = server.json(&["nodes"]);
+    assert_eq!(nodes.as_array().map(Vec::len), Some(2));
+    // 20 jobs over 8 GPUs: one and two GPUs per worker, one or two
+    // workers, and elastic ones. Names end in g<GPUs per worker> so the
+    // journal check knows each job's worker shape.
+    let mut ids = Vec::new();
+    for i in 0..20u64 {
+        let gpus = 1 + (i % 2) as u32;
+        let workers = match i % 5 {
+            0 => "{min: 1, max: 3}".to_string(),
+            3 => "2".to_string(),
+            _ => "1".to_string(),
+        };
+        let name = format!("tour-{i}-g{gpus}");
+        ids.push(server.submit(
+            dir.path(),
+            &name,
+            &trainer_job(&name, gpus, &workers, 3000 + 500 * (i % 4), 400),
+        ));
+    }
+    let finals = wait_for("every job to finish", || {
+        let jobs = server.json(&["jobs"]);
+        let states: Vec<String> = jobs
+            .as_array()?
+            .iter()
+            .map(|j| j["state"].as_str().unwrap_or("").to_string())
+            .collect();
+        states
+            .iter()
+            .all(|s| s == "succeeded" || s == "failed" || s == "cancelled")
+            .then_some(jobs)
+    });
+    for job in finals.as_array().expect("jobs") {
+        assert_eq!(job["state"], "succeeded", "{job}");
+        let p = &job["progress"];
+        assert_eq!(p["step"], p["total_steps"], "{job}");
+        assert!(p["samples_per_s"].as_f64().unwrap_or(0.0) > 0.0, "{job}");
+    }
+    let events = server.events();
+    let starts = check_no_gpu_double_booked(&events);
+    assert!(starts >= 20, "every job started its workers ({starts})");
+    // Progress is batched: far fewer progress entries than progress lines.
+    let progress_entries = events
+        .iter()
+        .filter(|r| r["command"] == "report_progress")
+        .count();
+    assert!(progress_entries > 0);
+    // The history of a job tells its story, and its logs hold its output.
+    let history = server.job(ids[3])["history"].clone();
+    let kinds: Vec<String> = history
+        .as_array()
+        .expect("history")
+        .iter()
+        .map(|r| r["command"].as_str().unwrap_or("").to_string())
+        .collect();
+    for expected in [
+        "submit_job",
+        "decide_allocation",
+        "record_worker_started",
+        "record_worker_exited",
+    ] {
+        assert!(
+            kinds.iter().any(|k| k == expected),
+            "{expected} missing from {kinds:?}"
+        );
+    }
+    let logs = server.cli_ok(&["logs", &ids[3].to_string()]);
+    assert!(logs.contains("KEEL_PROGRESS"), "{logs}");
+    assert!(logs.contains("rank 1"), "both ranks' logs: {logs}");
+    server.terminate();
+}
+
+#[test]
+fn cancel_stops_workers_failures_retry_and_a_lost_node_requeues() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &["--simulated-gpus", "6xv100", "--simulated-nodes", "3"],
+    );
+    // A long job on one node (two GPUs: a whole node).
+    let long = server.submit(
+        dir.path(),
+        "long",
+        &trainer_job("long-g2", 2, "1", 10_000_000, 1),
+    );
+    let first_node = wait_for("the long job to run", || {
+        let job = server.job(long);
+        let running = job["workers"].as_array().is_some_and(|w| !w.is_empty());
+        let node = job["allocation"]["gpus"][0]
+            .as_str()?
+            .split('/')
+            .next()?
+            .to_string();
+        (job["state"] == "running" && running).then_some(node)
+    });
+    // Its node is lost: it is preempted and placed on the other node.
+    server.cli_ok(&["node", "lost", &first_node, "--reason", "test"]);
+    let second_node = wait_for("the long job to move", || {
+        let job = server.job(long);
+        let epoch = job["allocation"]["epoch"].as_u64()?;
+        let node = job["allocation"]["gpus"][0]
+            .as_str()?
+            .split('/')
+            .next()?
+            .to_string();
+        (epoch == 2 && job["workers"].as_array().is_some_and(|w| !w.is_empty())).then_some(node)
+    });
+    assert_ne!(first_node, second_node);
+    // The epoch-1 worker was stopped with SIGTERM and checkpointed.
+    wait_for("the old worker's exit", || {
+        let history = server.job(long)["history"].to_string();
+        (history.contains("\"epoch\":1") && history.contains("worker_exited")).then_some(())
+    });
+    let logs = server.cli_ok(&["logs", &long.to_string()]);
+    assert!(logs.contains("SIGTERM at step"), "{logs}");
+
+    // A failing job is retried, then fails.
+    let flaky = server.submit(
+        dir.path(),
+        "flaky",
+        "name: flaky-g1\ncommand: [keel, trainer, --speedup, \"500\", --fail-at-step, \"100\", --exit-code, \"3\"]\n\
+         gpus: 1\nmodel: resnet50\ntotal_steps: 1000\nmax_retries: 1\n",
+    );
+    let failed = wait_for("the flaky job to fail", || {
+        let job = server.job(flaky);
+        (job["state"] == "failed").then_some(job)
+    });
+    assert_eq!(failed["retries"], 1);
+    assert!(
+        failed["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("exited with code 3"),
+        "{failed}"
+    );
+
+    // Cancel the running long job: its worker is stopped.
+    server.cli_ok(&["cancel", &long.to_string()]);
+    let job = wait_for("the cancelled job's worker to exit", || {
+        let job = server.job(long);
+        let exited = job["history"].as_array()?.iter().any(|r| {
+            r["command"] == "record_worker_exited" && r.to_string().contains("\"epoch\":2")
+        });
+        exited.then_some(job)
+    });
+    assert_eq!(job["state"], "cancelled");
+    let events = server.events();
+    check_no_gpu_double_booked(&events);
+    server.terminate();
+}
+
+#[test]
+fn the_journal_check_catches_a_double_booking() {
+    let record = |index: u64, command: &str, events: Value| serde_json::json!({"index": index, "command": command, "events": events});
+    let gpu = serde_json::json!([{"node": "n", "index": 0}]);
+    let history = vec![
+        record(
+            1,
+            "submit_job",
+            serde_json::json!([{"kind": {"job_submitted": {"job_id": 1, "name": "a-g1"}}}]),
+        ),
+        record(
+            2,
+            "submit_job",
+            serde_json::json!([{"kind": {"job_submitted": {"job_id": 2, "name": "b-g1"}}}]),
+        ),
+        record(
+            3,
+            "decide_allocation",
+            serde_json::json!([
+                {"kind": {"job_allocated": {"job_id": 1, "epoch": 1, "gpus": gpu}}},
+            ]),
+        ),
+        record(
+            4,
+            "record_worker_started",
+            serde_json::json!([{"kind": {"worker_started": {"job_id": 1, "epoch": 1, "rank": 0}}}]),
+        ),
+        // Job 1 is preempted and job 2 gets the GPU, but job 1's worker has
+        // not exited when job 2's starts.
+        record(
+            5,
+            "decide_allocation",
+            serde_json::json!([
+                {"kind": {"job_allocated": {"job_id": 2, "epoch": 1, "gpus": gpu}}},
+            ]),
+        ),
+        record(
+            6,
+            "record_worker_started",
+            serde_json::json!([{"kind": {"worker_started": {"job_id": 2, "epoch": 1, "rank": 0}}}]),
+        ),
+    ];
+    let caught = std::panic::catch_unwind(|| check_no_gpu_double_booked(&history));
+    assert!(caught.is_err(), "the overlap went unnoticed");
+    let mut fixed = history.clone();
+    fixed.insert(
+        5,
+        record(
+            5,
+            "record_worker_exited",
+            serde_json::json!([{"kind": {"worker_exited": {"job_id": 1, "epoch": 1, "rank": 0}}}]),
+        ),
+    );
+    assert_eq!(check_no_gpu_double_booked(&fixed), 2);
+}
