@@ -207,6 +207,9 @@ mod tests {
         let gpus = parse_nvidia_smi(out).expect("parses");
         let types: Vec<&str> = gpus.iter().map(|g| g.gpu_type.as_str()).collect();
         assert_eq!(types, vec!["v100", "v100", "h100", "rtx4090", "a100"]);
+        // Captured from a lent H200 machine (2026-11-26).
+        let h200 = parse_nvidia_smi("0, NVIDIA H200\n").expect("parses");
+        assert_eq!(h200[0].gpu_type, "h200");
         assert!(parse_nvidia_smi("garbage").is_err());
         assert_eq!(parse_nvidia_smi("").expect("empty"), vec![]);
     }

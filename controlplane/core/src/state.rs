@@ -696,14 +696,15 @@ impl ClusterState {
             ));
         }
         // A worker is one process on one node: every node gets whole workers.
-        let mut per_node: BTreeMap<&str, usize> = BTreeMap::new();
-        for gpu in &gpus {
-            *per_node.entry(gpu.node.as_str()).or_default() += 1;
-        }
-        if let Some((node, n)) = per_node.iter().find(|(_, n)| !n.is_multiple_of(per_worker)) {
-            return Err(format!(
-                "{n} GPUs on node {node:?} do not make whole workers of {per_worker} GPUs"
-            ));
+        // `gpus` is sorted, so each node's GPUs are one run.
+        for run in gpus.chunk_by(|a, b| a.node == b.node) {
+            if !run.len().is_multiple_of(per_worker) {
+                return Err(format!(
+                    "{} GPUs on node {:?} do not make whole workers of {per_worker} GPUs",
+                    run.len(),
+                    run[0].node
+                ));
+            }
         }
         for gpu in &gpus {
             let node = self
