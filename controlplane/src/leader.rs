@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::policy::{Policy, SchedulingInput};
+use keel_core::policy::{decide, Policy};
 use keel_core::state::limits::PROGRESS_SAMPLES_MAX;
 use keel_core::{Command, JobId, ProgressSample};
 use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
@@ -106,19 +106,7 @@ pub async fn scheduling_loop(
         let (command, version) = {
             let applied = shared.read();
             let state = &applied.state;
-            let plan = tokio::task::block_in_place(|| {
-                policy.plan(&SchedulingInput {
-                    state,
-                    now_ms: clock(),
-                })
-            });
-            let changes = plan.changes(state);
-            let command = (!changes.is_empty()).then(|| Command::DecideAllocation {
-                based_on: state.last_index(),
-                policy: policy.name().to_string(),
-                round: state.last_round() + 1,
-                placements: changes,
-            });
+            let command = tokio::task::block_in_place(|| decide(policy.as_ref(), state, clock()));
             (command, state.supply_demand_version())
         };
         seen_version = Some(version);

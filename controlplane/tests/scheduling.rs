@@ -18,6 +18,7 @@ struct ServerProcess {
 
 impl ServerProcess {
     fn start(data_dir: &Path, extra: &[&str]) -> ServerProcess {
+        let _ = std::fs::remove_file(data_dir.join("server.addr"));
         let child = Command::new(KEEL)
             .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
@@ -81,6 +82,11 @@ impl ServerProcess {
             .lines()
             .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
             .collect()
+    }
+
+    fn kill9(mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap");
     }
 
     fn terminate(mut self) {
@@ -411,4 +417,63 @@ fn the_journal_check_catches_a_double_booking() {
         ),
     );
     assert_eq!(check_no_gpu_double_booked(&fixed), 2);
+}
+
+/// Whether `pid` runs (a zombie does not count).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat[stat.rfind(')')? + 1..]
+                .split_whitespace()
+                .next()?
+                .to_string();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn after_kill_9_the_restarted_server_kills_leftover_workers_and_resumes_from_the_checkpoint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let args = ["--simulated-gpus", "1xv100"];
+    let server = ServerProcess::start(&data, &args);
+    let id = server.submit(
+        dir.path(),
+        "long",
+        "name: long-g1\ncommand: [keel, trainer, --speedup, \"5\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"10\"]\n\
+         gpus: 1\nmodel: resnet50\ntotal_steps: 10000000\n",
+    );
+    wait_for("progress past a checkpoint", || {
+        let step = server.job(id)["progress"]["step"].as_u64()?;
+        (step >= 50).then_some(())
+    });
+    let pid_file = data.join(format!("workers/job-{id}/e1-r0.pid"));
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .expect("pid file")
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("a pid");
+    server.kill9();
+    // The worker is in its own process group: it outlives its server.
+    assert!(alive(pid), "worker {pid} died with its server");
+
+    let server = ServerProcess::start(&data, &args);
+    wait_for("the leftover worker to be killed", || {
+        (!alive(pid)).then_some(())
+    });
+    // The job is relaunched (same epoch and rank) and resumes from its checkpoint.
+    let resumed_from = wait_for("the relaunched worker", || {
+        let logs = server.cli_ok(&["logs", &id.to_string()]);
+        logs.lines()
+            .filter_map(|l| l.split(", from step ").nth(1))
+            .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+            .nth(1)
+    });
+    assert!(resumed_from >= 10, "resumed from step {resumed_from}");
+    let job = server.job(id);
+    assert_eq!(job["state"], "running");
+    server.terminate();
 }

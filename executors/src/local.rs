@@ -2,9 +2,11 @@
 //!
 //! Each worker runs in its own process group (so stopping it reaches the
 //! processes it starts), with the worker contract in its environment. Its
-//! stdout and stderr go to `ROOT/job-J/eE-rR.log`; rank 0's progress lines
-//! are also parsed and buffered until the reconcile loop takes them. Stop =
-//! SIGTERM to the group, then SIGKILL after the grace period.
+//! stdout and stderr go straight to `ROOT/job-J/eE-rR.log` (no pipe through
+//! the server, so a worker never dies of a broken pipe when the server
+//! does); the executor follows rank 0's log for progress lines and buffers
+//! them until the reconcile loop takes them. Stop = SIGTERM to the group,
+//! then SIGKILL after the grace period.
 //!
 //! A `.pid` file beside each log (pid and kernel start time) lets a server
 //! that was killed find the workers it left behind: [`LocalExecutor::new`]
@@ -19,7 +21,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use keel_core::{GpuRef, JobId, ProgressSample};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::AsyncWriteExt;
 
 use crate::contract::{checkpoint_dir_name, environment, parse_progress_line, WorkerLaunch};
 use crate::executor::{Executor, ExecutorError, WorkerLog};
@@ -63,6 +65,21 @@ pub struct LocalExecutor {
 /// Progress samples buffered per job before the reconcile loop takes them;
 /// older ones are dropped beyond this (the latest matter most).
 const PROGRESS_BUFFER_MAX: usize = 1024;
+
+/// How often a running worker's log is read for progress lines.
+const PROGRESS_POLL: Duration = Duration::from_millis(200);
+
+/// The bytes of `path` from `offset` on (at most 1 MiB per read).
+async fn read_from(path: &Path, offset: u64) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let mut out = Vec::new();
+    if let Ok(mut f) = tokio::fs::File::open(path).await {
+        if f.seek(SeekFrom::Start(offset)).await.is_ok() {
+            let _ = f.take(1 << 20).read_to_end(&mut out).await;
+        }
+    }
+    out
+}
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -192,7 +209,7 @@ impl LocalExecutor {
         cmd.args(&launch.command[1..])
             .envs(&env)
             .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
+            .stdout(log.try_clone().map_err(io)?)
             .stderr(log.try_clone().map_err(io)?)
             .process_group(0)
             .kill_on_drop(false);
@@ -237,24 +254,28 @@ impl LocalExecutor {
                 stopping: false,
             },
         );
-        let stdout = child.stdout.take();
+        // Follow the log from where this run begins (a relaunch with the
+        // same identity appends to the same file).
+        let start = log.metadata().map(|m| m.len()).unwrap_or(0);
+        drop(log);
         let this = self.clone();
         tokio::spawn(async move {
-            let reader = stdout.map(|out| {
+            let follower = (id.rank == 0).then(|| {
+                let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
                 let this = this.clone();
                 let id = id.clone();
-                let log = tokio::fs::File::from_std(log);
-                tokio::spawn(async move { this.copy_output(id, out, log).await })
+                let path = log_path.clone();
+                let task =
+                    tokio::spawn(
+                        async move { this.follow_progress(id, path, start, done_rx).await },
+                    );
+                (done_tx, task)
             });
             let status = child.wait().await;
-            if let Some(reader) = reader {
-                // A process the worker left behind may hold stdout open.
-                if tokio::time::timeout(Duration::from_secs(2), reader)
-                    .await
-                    .is_err()
-                {
-                    tracing::warn!(worker = %id, "stdout still open after exit; log capture stopped");
-                }
+            if let Some((done_tx, task)) = follower {
+                // One last read after the exit, so the final lines count.
+                let _ = done_tx.send(());
+                let _ = task.await;
             }
             let _ = std::fs::remove_file(pid_path(&log_path));
             let (code, reason) = match status {
@@ -278,39 +299,56 @@ impl LocalExecutor {
         Ok(())
     }
 
-    async fn copy_output(
+    /// Reads the worker's log as it grows and buffers its progress lines,
+    /// until `done` fires (then reads what is left once more).
+    async fn follow_progress(
         &self,
         id: WorkerId,
-        out: tokio::process::ChildStdout,
-        mut log: tokio::fs::File,
+        path: PathBuf,
+        mut offset: u64,
+        mut done: tokio::sync::oneshot::Receiver<()>,
     ) {
-        let mut reader = BufReader::new(out);
-        let mut line = Vec::new();
+        let mut partial: Vec<u8> = Vec::new();
+        // Inside an over-long line: skip to its end.
+        let mut skipping = false;
         loop {
-            line.clear();
-            match reader.read_until(b'\n', &mut line).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-            if log.write_all(&line).await.is_err() {
-                tracing::warn!(worker = %id, "could not write the worker's log");
-            }
-            if id.rank != 0 {
-                continue;
-            }
-            let sample = std::str::from_utf8(&line)
-                .ok()
-                .and_then(|s| parse_progress_line(s, now_ms()));
-            if let Some(sample) = sample {
-                let mut inner = self.lock();
-                let buf = inner.progress.entry(id.job_id).or_default();
-                if buf.len() >= PROGRESS_BUFFER_MAX {
-                    buf.remove(0);
+            let finished = tokio::select! {
+                _ = &mut done => true,
+                _ = tokio::time::sleep(PROGRESS_POLL) => false,
+            };
+            let chunk = read_from(&path, offset).await;
+            offset += chunk.len() as u64;
+            partial.extend_from_slice(&chunk);
+            // Complete lines only; a line longer than the progress limit
+            // cannot be a progress line, so the buffer stays bounded.
+            let mut consumed = 0;
+            while let Some(nl) = partial[consumed..].iter().position(|b| *b == b'\n') {
+                let line = &partial[consumed..consumed + nl];
+                consumed += nl + 1;
+                if std::mem::take(&mut skipping) {
+                    continue;
                 }
-                buf.push(sample);
+                let sample = std::str::from_utf8(line)
+                    .ok()
+                    .and_then(|s| parse_progress_line(s, now_ms()));
+                if let Some(sample) = sample {
+                    let mut inner = self.lock();
+                    let buf = inner.progress.entry(id.job_id).or_default();
+                    if buf.len() >= PROGRESS_BUFFER_MAX {
+                        buf.remove(0);
+                    }
+                    buf.push(sample);
+                }
+            }
+            partial.drain(..consumed);
+            if partial.len() > crate::contract::PROGRESS_LINE_MAX_LEN {
+                partial.clear();
+                skipping = true;
+            }
+            if finished {
+                return;
             }
         }
-        let _ = log.flush().await;
     }
 
     async fn fail_to_start(&self, id: &WorkerId, log_path: &Path, reason: &str) {

@@ -43,7 +43,9 @@ const KEY_APPLIED: &[u8] = b"m/applied";
 const KEY_MEMBERSHIP: &[u8] = b"m/membership";
 const KEY_SNAPSHOT_META: &[u8] = b"m/snapshot-meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
-const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+/// 2: `ClusterState` gained the supply/demand version, the last round and
+/// per-job retries.
+const SNAPSHOT_FORMAT_VERSION: u32 = 2;
 
 pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];

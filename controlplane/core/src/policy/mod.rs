@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 pub use fifo::Fifo;
 
-use crate::command::JobPlacement;
+use crate::command::{Command, JobPlacement};
 use crate::model::{GpuRef, JobId};
 use crate::state::ClusterState;
 
@@ -70,6 +70,21 @@ pub trait Policy: std::fmt::Debug + Send + Sync {
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan;
 }
 
+/// One scheduling round: runs `policy` on `state` and returns the entry to
+/// propose, or `None` when the plan is what the cluster already runs. The
+/// decision records the applied index it was based on and the next round
+/// number, so `apply` can validate it against the state it meets.
+pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<Command> {
+    let plan = policy.plan(&SchedulingInput { state, now_ms });
+    let placements = plan.changes(state);
+    (!placements.is_empty()).then(|| Command::DecideAllocation {
+        based_on: state.last_index(),
+        policy: policy.name().to_string(),
+        round: state.last_round() + 1,
+        placements,
+    })
+}
+
 /// Options shared by the queue-based policies.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QueueOptions {
@@ -89,6 +104,68 @@ pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, Unk
 
 /// The names [`by_name`] knows.
 pub const POLICY_NAMES: &[&str] = &["fifo"];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command::LogEntry;
+    use crate::fixtures::job_spec;
+    use crate::model::Gpu;
+
+    #[test]
+    fn a_round_proposes_only_changes_based_on_the_index_it_read() {
+        let mut state = ClusterState::new();
+        let entries = [
+            Command::RegisterNode {
+                name: "n0".into(),
+                address: "127.0.0.1".into(),
+                gpus: vec![Gpu {
+                    index: 0,
+                    gpu_type: "v100".into(),
+                }],
+            },
+            Command::SubmitJob {
+                spec: job_spec("a", 1, 1),
+            },
+            Command::SubmitJob {
+                spec: job_spec("b", 1, 1),
+            },
+        ];
+        for (i, command) in entries.into_iter().enumerate() {
+            state
+                .apply(i as u64 + 1, &LogEntry { at_ms: 5, command })
+                .expect("applies");
+        }
+        let fifo = Fifo::default();
+        let decision = decide(&fifo, &state, 5).expect("job 1 starts");
+        assert_eq!(
+            decision,
+            Command::DecideAllocation {
+                based_on: 3,
+                policy: "fifo".into(),
+                round: 1,
+                placements: vec![JobPlacement {
+                    job_id: 1,
+                    gpus: vec![GpuRef {
+                        node: "n0".into(),
+                        index: 0
+                    }],
+                }],
+            }
+        );
+        state
+            .apply(
+                4,
+                &LogEntry {
+                    at_ms: 6,
+                    command: decision,
+                },
+            )
+            .expect("applies");
+        assert_eq!(decide(&fifo, &state, 6), None, "nothing changed");
+        assert_eq!(state.last_round(), 1);
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown policy {name:?}; known policies: {}", POLICY_NAMES.join(", "))]
