@@ -38,6 +38,7 @@ pub fn job_to_proto(job: &Job) -> api::Job {
         message: job.message.clone(),
         retries: job.retries,
         max_retries: job.spec.max_retries,
+        not_before_ms: job.not_before_ms.unwrap_or(0),
     }
 }
 

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::policy::{decide, Policy};
+use keel_core::policy::{decide, next_backoff_end_ms, Policy};
 use keel_core::state::limits::PROGRESS_SAMPLES_MAX;
 use keel_core::{Command, JobId, ProgressSample};
 use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
@@ -80,11 +80,23 @@ pub async fn scheduling_loop(
     let mut applied = shared.subscribe();
     let mut seen_version = None;
     loop {
-        let version = shared.read().state.supply_demand_version();
+        let (version, backoff_end_ms) = {
+            let applied = shared.read();
+            let now = clock();
+            (
+                applied.state.supply_demand_version(),
+                next_backoff_end_ms(&applied.state, now).map(|t| t.saturating_sub(now)),
+            )
+        };
         if seen_version == Some(version) {
+            // The next tick: the round length, or sooner when a retry's
+            // backoff ends.
+            let tick = backoff_end_ms
+                .map(|ms| settings.round.min(Duration::from_millis(ms + 1)))
+                .unwrap_or(settings.round);
             tokio::select! {
                 _ = applied.changed() => continue,
-                _ = tokio::time::sleep(settings.round) => {}
+                _ = tokio::time::sleep(tick) => {}
                 _ = stop.changed() => return,
             }
         } else {

@@ -333,13 +333,30 @@ fn cancel_stops_workers_failures_retry_and_a_lost_node_requeues() {
         dir.path(),
         "flaky",
         "name: flaky-g1\ncommand: [keel, trainer, --speedup, \"500\", --fail-at-step, \"100\", --exit-code, \"3\"]\n\
-         gpus: 1\nmodel: resnet50\ntotal_steps: 1000\nmax_retries: 1\n",
+         gpus: 1\nmodel: resnet50\ntotal_steps: 1000\nmax_retries: 1\nretry_backoff_s: 1\n",
     );
     let failed = wait_for("the flaky job to fail", || {
         let job = server.job(flaky);
         (job["state"] == "failed").then_some(job)
     });
     assert_eq!(failed["retries"], 1);
+    // The retry waited out its backoff: the second allocation was decided at
+    // least a second after the requeue (times as the leader stamped them).
+    let history = failed["history"].as_array().expect("history").clone();
+    let at = |pred: &dyn Fn(&Value) -> bool| {
+        history
+            .iter()
+            .find(|r| pred(r))
+            .and_then(|r| r["at_ms"].as_u64())
+            .expect("entry in the history")
+    };
+    let requeued = at(&|r| r.to_string().contains("job_requeued"));
+    let second =
+        at(&|r| r["command"] == "decide_allocation" && r.to_string().contains("\"epoch\":2"));
+    assert!(
+        second >= requeued + 1000,
+        "requeued at {requeued}, placed again at {second}"
+    );
     assert!(
         failed["message"]
             .as_str()

@@ -264,6 +264,7 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
         epochs: s.epochs.unwrap_or(0),
         priority: s.priority,
         max_retries: s.max_retries,
+        retry_backoff_s: Some(s.retry_backoff_s),
     }
 }
 
@@ -293,6 +294,9 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
         epochs: (s.epochs != 0).then_some(s.epochs),
         priority: s.priority,
         max_retries: s.max_retries,
+        retry_backoff_s: s
+            .retry_backoff_s
+            .unwrap_or(crate::spec::DEFAULT_RETRY_BACKOFF_S),
     }
 }
 

@@ -31,6 +31,7 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         epochs: None,
         priority: 0,
         max_retries: 0,
+        retry_backoff_s: 0,
     }
 }
 

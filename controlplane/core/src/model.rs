@@ -148,11 +148,19 @@ pub struct Job {
     pub progress_samples: u64,
     /// Failed attempts that were retried (at most `spec.max_retries`).
     pub retries: u32,
+    /// After a failed attempt: not to be placed before this time (the
+    /// retry backoff). Policies pass over the job until then.
+    pub not_before_ms: Option<u64>,
     /// Why the job is in its state, when there is something to say.
     pub message: String,
 }
 
 impl Job {
+    /// Whether the job is still in its retry backoff at `now_ms`.
+    pub fn backing_off(&self, now_ms: u64) -> bool {
+        self.not_before_ms.is_some_and(|t| now_ms < t)
+    }
+
     /// Workers in the current allocation (0 when it holds no GPUs).
     pub fn worker_count(&self) -> u32 {
         self.allocation.as_ref().map_or(0, |a| {

@@ -28,6 +28,9 @@ pub mod limits {
     pub const PRIORITY_MIN: i32 = -1000;
     pub const PRIORITY_MAX: i32 = 1000;
     pub const MAX_RETRIES_MAX: u32 = 100;
+    pub const RETRY_BACKOFF_MAX_S: u32 = 3600;
+    /// The wait before a retry doubles with each failure, up to this.
+    pub const RETRY_BACKOFF_CAP_S: u64 = 600;
 }
 
 /// What a user asks to run.
@@ -66,6 +69,17 @@ pub struct JobSpec {
     /// before the job fails. 0: the first failure fails the job.
     #[serde(default)]
     pub max_retries: u32,
+    /// Seconds before the first retry; each further retry waits twice as
+    /// long as the one before, up to `limits::RETRY_BACKOFF_CAP_S`.
+    #[serde(default = "default_retry_backoff_s")]
+    pub retry_backoff_s: u32,
+}
+
+/// The default wait before a first retry.
+pub const DEFAULT_RETRY_BACKOFF_S: u32 = 10;
+
+fn default_retry_backoff_s() -> u32 {
+    DEFAULT_RETRY_BACKOFF_S
 }
 
 fn one() -> u32 {
@@ -323,7 +337,21 @@ impl JobSpec {
             0,
             MAX_RETRIES_MAX.into(),
         )?;
+        check_range(
+            "retry_backoff_s",
+            self.retry_backoff_s.into(),
+            0,
+            RETRY_BACKOFF_MAX_S.into(),
+        )?;
         Ok(())
+    }
+
+    /// How long a job waits before retry number `retry` (1 = the first).
+    pub fn retry_backoff_ms(&self, retry: u32) -> u64 {
+        let doublings = retry.saturating_sub(1).min(32);
+        let s = u64::from(self.retry_backoff_s).saturating_mul(1u64 << doublings);
+        s.min(limits::RETRY_BACKOFF_CAP_S.max(u64::from(self.retry_backoff_s)))
+            .saturating_mul(1000)
     }
 
     /// The most GPUs this job can hold at once.

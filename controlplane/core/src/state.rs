@@ -212,6 +212,7 @@ impl ClusterState {
                         progress: None,
                         progress_samples: 0,
                         retries: 0,
+                        not_before_ms: None,
                         message: String::new(),
                     },
                 );
@@ -576,7 +577,14 @@ impl ClusterState {
         let event = if job.retries < job.spec.max_retries {
             job.retries += 1;
             job.state = JobState::Pending;
-            job.message = format!("{how}; retry {} of {}", job.retries, job.spec.max_retries);
+            let wait_ms = job.spec.retry_backoff_ms(job.retries);
+            job.not_before_ms = (wait_ms > 0).then_some(at_ms.saturating_add(wait_ms));
+            job.message = format!(
+                "{how}; retry {} of {} in {} s",
+                job.retries,
+                job.spec.max_retries,
+                wait_ms / 1000
+            );
             Event::JobRequeued {
                 job_id,
                 retries: job.retries,

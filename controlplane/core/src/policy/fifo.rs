@@ -6,7 +6,8 @@
 //! the queue does not fit, the queue stops there unless backfill is on, in
 //! which case later jobs that fit start. A job that could not fit even on the
 //! whole cluster (too many GPUs, or types the cluster lacks) is passed over
-//! rather than blocking the queue forever.
+//! rather than blocking the queue forever, and so is a job waiting out its
+//! retry backoff.
 
 use std::collections::BTreeSet;
 
@@ -48,7 +49,9 @@ impl Policy for Fifo {
         let mut failed: BTreeSet<(u32, u32, &[String])> = BTreeSet::new();
         // Job ids are assigned in submission order, so map order is arrival order.
         for (job_id, job) in state.jobs() {
-            if !matches!(job.state, JobState::Pending | JobState::Preempted) {
+            if !matches!(job.state, JobState::Pending | JobState::Preempted)
+                || job.backing_off(input.now_ms)
+            {
                 continue;
             }
             if free.total() == 0 {
@@ -213,6 +216,48 @@ mod tests {
             .expect("c runs")
             .gpus;
         assert_eq!(a_gpus, c_gpus, "c takes the GPUs a released");
+    }
+
+    #[test]
+    fn a_failed_job_waits_out_its_backoff_without_blocking_the_queue() {
+        let mut w = World::new(&[1]);
+        let mut flaky = job_spec("flaky", 1, 1);
+        flaky.max_retries = 3;
+        flaky.retry_backoff_s = 10;
+        w.submit(flaky);
+        w.submit(job_spec("next", 1, 1));
+        let fifo = Fifo::default();
+        assert_eq!(w.round(&fifo), vec![1]);
+        // Fails at t = 1 ms (the World's entries are stamped at 1).
+        w.apply(Command::RecordWorkerExited {
+            job_id: 1,
+            epoch: 1,
+            rank: 0,
+            exit_code: Some(1),
+            reason: String::new(),
+        });
+        let job = w.state.job(1).expect("job");
+        assert_eq!(job.not_before_ms, Some(10_001));
+        assert_eq!(
+            crate::policy::next_backoff_end_ms(&w.state, 5_000),
+            Some(10_001)
+        );
+        // During the backoff the next job runs instead.
+        let plan = fifo.plan(&SchedulingInput {
+            state: &w.state,
+            now_ms: 5_000,
+        });
+        assert_eq!(plan.placements.keys().copied().collect::<Vec<_>>(), vec![2]);
+        // Once it is over, the flaky job is first in line again.
+        let plan = fifo.plan(&SchedulingInput {
+            state: &w.state,
+            now_ms: 10_001,
+        });
+        assert_eq!(plan.placements.keys().copied().collect::<Vec<_>>(), vec![1]);
+        // The wait doubles with each retry, up to the cap.
+        let spec = &w.state.job(1).expect("job").spec;
+        assert_eq!(spec.retry_backoff_ms(2), 20_000);
+        assert_eq!(spec.retry_backoff_ms(30), 600_000);
     }
 
     #[test]

@@ -85,6 +85,18 @@ pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<
     })
 }
 
+/// The earliest time after `now_ms` at which a waiting job's retry backoff
+/// ends: the scheduling loop runs a round then, without waiting for its tick.
+pub fn next_backoff_end_ms(state: &ClusterState, now_ms: u64) -> Option<u64> {
+    state
+        .jobs()
+        .values()
+        .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
+        .filter_map(|j| j.not_before_ms)
+        .filter(|t| *t > now_ms)
+        .min()
+}
+
 /// Options shared by the queue-based policies.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QueueOptions {
