@@ -126,6 +126,54 @@ pub async fn logs(addr: &str, id: u64, tail_bytes: u64, out: Output) -> anyhow::
     render::logs(id, &resp, out)
 }
 
+/// Prints each worker log's tail, then what is appended, until the job has
+/// ended and its logs stop growing. Polls the server twice a second.
+pub async fn follow_logs(addr: &str, id: u64, tail_bytes: u64) -> anyhow::Result<()> {
+    let mut client = connect(addr).await?;
+    // Bytes of each (epoch, rank) log already printed.
+    let mut printed: std::collections::BTreeMap<(u64, u32), u64> = Default::default();
+    let mut last: Option<(u64, u32)> = None;
+    loop {
+        let resp = client
+            .get_logs(api::GetLogsRequest {
+                job_id: id,
+                tail_bytes,
+            })
+            .await
+            .map_err(status_error)?
+            .into_inner();
+        let mut grew = false;
+        for log in &resp.logs {
+            let key = (log.epoch, log.rank);
+            let seen = printed.get(&key).copied();
+            if seen == Some(log.total_bytes) {
+                continue;
+            }
+            grew = true;
+            let start = log.total_bytes - log.content.len() as u64;
+            let from = seen.unwrap_or(start).max(start);
+            let skipped = from.saturating_sub(seen.unwrap_or(from));
+            let new = &log.content[usize::try_from(from - start).unwrap_or(0)..];
+            let header = last != Some(key);
+            render::log_chunk(id, log.epoch, log.rank, header, skipped, new)?;
+            printed.insert(key, log.total_bytes);
+            last = Some(key);
+        }
+        if !grew {
+            let job = client
+                .get_job(api::GetJobRequest { job_id: id })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            let ended = matches!(job.state.as_str(), "succeeded" | "failed" | "cancelled");
+            if ended {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
 pub async fn set_node_state(
     addr: &str,
     name: String,

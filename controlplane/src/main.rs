@@ -89,6 +89,9 @@ enum Cmd {
         /// Bytes from the end of each worker's log (at most 4 MiB).
         #[arg(long, default_value_t = 64 * 1024)]
         tail_bytes: u64,
+        /// Keep printing what the workers write until the job ends.
+        #[arg(long, short = 'f')]
+        follow: bool,
     },
     /// Mark a node lost (its jobs go back to the queue) or alive again.
     Node {
@@ -285,7 +288,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Job { id } => cli::job(&args.addr, id, out).await,
         Cmd::Cancel { id, reason } => cli::cancel(&args.addr, id, reason, out).await,
         Cmd::Nodes => cli::nodes(&args.addr, out).await,
-        Cmd::Logs { id, tail_bytes } => cli::logs(&args.addr, id, tail_bytes, out).await,
+        Cmd::Logs {
+            id,
+            tail_bytes,
+            follow: false,
+        } => cli::logs(&args.addr, id, tail_bytes, out).await,
+        Cmd::Logs {
+            id,
+            tail_bytes,
+            follow: true,
+        } => cli::follow_logs(&args.addr, id, tail_bytes).await,
         Cmd::Node {
             command: NodeCmd::Lost { name, reason },
         } => cli::set_node_state(&args.addr, name, "lost", reason, out).await,

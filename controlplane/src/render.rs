@@ -344,6 +344,28 @@ pub fn logs(job_id: u64, resp: &api::GetLogsResponse, out: Output) -> anyhow::Re
     }
 }
 
+/// Part of a followed log, with a header when it comes from another worker
+/// than the last part.
+pub fn log_chunk(
+    job_id: u64,
+    epoch: u64,
+    rank: u32,
+    header: bool,
+    skipped: u64,
+    content: &[u8],
+) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    if header {
+        writeln!(stdout, "==> job {job_id} epoch {epoch} rank {rank} <==")?;
+    }
+    if skipped > 0 {
+        writeln!(stdout, "[... {skipped} bytes not shown ...]")?;
+    }
+    stdout.write_all(content)?;
+    stdout.flush()?;
+    Ok(())
+}
+
 pub fn node_state_set(name: &str, state: &str, index: u64, out: Output) -> anyhow::Result<()> {
     match out {
         Output::Json => {

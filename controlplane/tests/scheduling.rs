@@ -340,6 +340,9 @@ fn cancel_stops_workers_failures_retry_and_a_lost_node_requeues() {
         (job["state"] == "failed").then_some(job)
     });
     assert_eq!(failed["retries"], 1);
+    // Following the logs of an ended job prints both attempts and returns.
+    let followed = server.cli_ok(&["logs", "--follow", &flaky.to_string()]);
+    assert_eq!(followed.matches("failing at step").count(), 2, "{followed}");
     // The retry waited out its backoff: the second allocation was decided at
     // least a second after the requeue (times as the leader stamped them).
     let history = failed["history"].as_array().expect("history").clone();
