@@ -32,6 +32,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .extern_path(".keel.entry.v1", "crate::entry")
             .out_dir(&api_dir)
             .compile_fds(api_fds)?;
+
+        let raft_dir = out_dir.join("raft");
+        std::fs::create_dir_all(&raft_dir)?;
+        let raft_fds = protox::compile(["keel/raft/v1/raft.proto"], ["proto"])?;
+        tonic_prost_build::configure()
+            .out_dir(&raft_dir)
+            .compile_fds(raft_fds)?;
     }
     Ok(())
 }

@@ -172,6 +172,7 @@ fn main() {
             id: 1,
             data_dir: dir.path().join("data"),
             listen: "127.0.0.1:0".parse().expect("addr"),
+            peers: Default::default(),
             raft: RaftSettings::default(),
             // No GPUs: the scheduling loop runs but places nothing, so the
             // figure is the write path's.

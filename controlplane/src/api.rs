@@ -9,9 +9,10 @@ use std::sync::Arc;
 use futures::Stream;
 use keel_core::codec::spec_from_proto;
 use keel_core::{Command, JobState};
-use keel_proto::api::{self, keel_server::Keel};
+use keel_proto::api::{self, keel_client::KeelClient, keel_server::Keel};
 use keel_proto::entry::AppliedEntry;
 use openraft::ServerState;
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::grpc_status::ApiError;
@@ -61,10 +62,55 @@ const LOG_TAIL_MAX_BYTES: u64 = 4 * 1024 * 1024;
 /// Default and largest number of entries JobHistory returns.
 const HISTORY_MAX_ENTRIES: usize = 10_000;
 
+/// Metadata a replica sets on a request it forwards to the leader, so the
+/// leader never forwards it again.
+const FORWARDED_HEADER: &str = "keel-forwarded";
+/// Metadata a client sets to read this replica's state as it is, without a
+/// linearizable read index (`keel --stale`).
+pub const READ_HEADER: &str = "keel-read";
+
 pub struct KeelApi {
     node: Arc<RaftNode>,
     proposer: Proposer,
     logs: LogReader,
+    /// A channel to the current leader (its address, the client), reused
+    /// while the leader stays the same.
+    leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
+}
+
+/// Forwards a request to the leader when this replica should not answer it
+/// itself (see [`KeelApi::forward_to`]).
+macro_rules! route {
+    ($self:ident, $request:ident, $method:ident, $write:expr) => {
+        if let Some(mut leader) = $self.forward_to(&$request, $write).await? {
+            let mut forwarded = Request::new($request.into_inner());
+            forwarded.metadata_mut().insert(
+                FORWARDED_HEADER,
+                tonic::metadata::MetadataValue::from_static("1"),
+            );
+            return leader.$method(forwarded).await.map_err(forward_error);
+        }
+    };
+}
+
+/// A forwarded request that could not even reach the leader (it is down
+/// and no new one is elected yet) was never proposed: say so in words the
+/// client retries on.
+fn forward_error(status: Status) -> Status {
+    if status.code() == tonic::Code::Unavailable && status.message().contains("connect") {
+        return Status::unavailable(format!(
+            "no leader is reachable ({}); retry",
+            status.message()
+        ));
+    }
+    status
+}
+
+fn is_stale<T>(request: &Request<T>) -> bool {
+    request
+        .metadata()
+        .get(READ_HEADER)
+        .is_some_and(|v| v.as_bytes() == b"stale")
 }
 
 impl std::fmt::Debug for KeelApi {
@@ -81,7 +127,62 @@ impl KeelApi {
             node,
             proposer,
             logs,
+            leader: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// Where a request goes: `None` to answer here, or a client to the
+    /// leader. Writes always go to the leader; reads too, unless the client
+    /// asked for a stale read. A request already forwarded once is never
+    /// forwarded again (the answer is then "not the leader", and the client
+    /// retries).
+    async fn forward_to<T>(
+        &self,
+        request: &Request<T>,
+        write: bool,
+    ) -> Result<Option<KeelClient<Channel>>, Status> {
+        if !write && is_stale(request) {
+            return Ok(None);
+        }
+        let (leader_id, leader_addr) = {
+            let m = self.node.raft.metrics();
+            let m = m.borrow();
+            let addr = m.current_leader.and_then(|l| {
+                m.membership_config
+                    .membership()
+                    .get_node(&l)
+                    .map(|n| n.addr.clone())
+            });
+            (m.current_leader, addr)
+        };
+        if leader_id == Some(self.node.id) {
+            return Ok(None);
+        }
+        if request.metadata().get(FORWARDED_HEADER).is_some() {
+            return Err(ApiError::NotLeader {
+                leader: leader_addr,
+            }
+            .into());
+        }
+        let Some(addr) = leader_addr else {
+            return Err(ApiError::Unavailable("no leader is known yet; retry".into()).into());
+        };
+        let mut cached = self.leader.lock().await;
+        if let Some((a, c)) = cached.as_ref() {
+            if *a == addr {
+                return Ok(Some(c.clone()));
+            }
+        }
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| ApiError::Unavailable(format!("leader address {addr:?}: {e}")))?
+            .connect_timeout(std::time::Duration::from_secs(1))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        let client = KeelClient::new(channel)
+            .max_decoding_message_size(64 * crate::MAX_REQUEST_BYTES)
+            .max_encoding_message_size(crate::MAX_REQUEST_BYTES);
+        *cached = Some((addr, client.clone()));
+        Ok(Some(client))
     }
 
     /// Proposes a command (stamped with the leader's clock, group-committed
@@ -105,6 +206,7 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::SubmitJobRequest>,
     ) -> Result<Response<api::SubmitJobResponse>, Status> {
+        route!(self, request, submit_job, true);
         let spec = request.into_inner().spec.ok_or(ApiError::InvalidArgument {
             field: "spec",
             message: "is required".into(),
@@ -126,6 +228,7 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::CancelJobRequest>,
     ) -> Result<Response<api::CancelJobResponse>, Status> {
+        route!(self, request, cancel_job, true);
         let req = request.into_inner();
         let (index, _) = self
             .propose(Command::CancelJob {
@@ -140,8 +243,12 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::GetJobRequest>,
     ) -> Result<Response<api::Job>, Status> {
+        let stale = is_stale(&request);
+        route!(self, request, get_job, false);
         let job_id = request.into_inner().job_id;
-        self.linearizable().await?;
+        if !stale {
+            self.linearizable().await?;
+        }
         let shared = self.node.state_machine.shared();
         let applied = shared.read();
         let job = applied
@@ -155,6 +262,8 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::ListJobsRequest>,
     ) -> Result<Response<api::ListJobsResponse>, Status> {
+        let stale = is_stale(&request);
+        route!(self, request, list_jobs, false);
         let req = request.into_inner();
         let state = if req.state.is_empty() {
             None
@@ -179,7 +288,9 @@ impl Keel for KeelApi {
             }
             .into());
         }
-        self.linearizable().await?;
+        if !stale {
+            self.linearizable().await?;
+        }
         let shared = self.node.state_machine.shared();
         let applied = shared.read();
         let jobs = applied
@@ -195,9 +306,13 @@ impl Keel for KeelApi {
 
     async fn list_nodes(
         &self,
-        _request: Request<api::ListNodesRequest>,
+        request: Request<api::ListNodesRequest>,
     ) -> Result<Response<api::ListNodesResponse>, Status> {
-        self.linearizable().await?;
+        let stale = is_stale(&request);
+        route!(self, request, list_nodes, false);
+        if !stale {
+            self.linearizable().await?;
+        }
         let shared = self.node.state_machine.shared();
         let applied = shared.read();
         let holders = applied.state.gpu_holders();
@@ -294,6 +409,8 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::JobHistoryRequest>,
     ) -> Result<Response<api::JobHistoryResponse>, Status> {
+        let stale = is_stale(&request);
+        route!(self, request, job_history, false);
         let req = request.into_inner();
         let limit = match req.limit as usize {
             0 => HISTORY_MAX_ENTRIES,
@@ -306,7 +423,9 @@ impl Keel for KeelApi {
             }
             n => n,
         };
-        self.linearizable().await?;
+        if !stale {
+            self.linearizable().await?;
+        }
         // The history is journaled when the state's applied index moves past
         // it; wait for the journal to catch up with what we just read.
         let target = {
@@ -338,6 +457,8 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::GetLogsRequest>,
     ) -> Result<Response<api::GetLogsResponse>, Status> {
+        // Workers run under the leader's executor, so their logs are there.
+        route!(self, request, get_logs, true);
         let req = request.into_inner();
         let tail = match req.tail_bytes {
             0 => LOG_TAIL_DEFAULT_BYTES,
@@ -381,6 +502,7 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::SetNodeStateRequest>,
     ) -> Result<Response<api::SetNodeStateResponse>, Status> {
+        route!(self, request, set_node_state, true);
         let req = request.into_inner();
         let command = match req.state.as_str() {
             "lost" => Command::MarkNodeLost {

@@ -14,21 +14,88 @@ use crate::render::{self, Output};
 /// Largest spec file accepted.
 const SPEC_FILE_MAX_BYTES: u64 = 1024 * 1024;
 
-async fn connect(addr: &str) -> anyhow::Result<KeelClient<Channel>> {
-    let url = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    let channel = tonic::transport::Endpoint::from_shared(url.clone())
-        .with_context(|| format!("invalid server address {addr:?}"))?
-        .connect_timeout(std::time::Duration::from_secs(5))
-        .connect()
-        .await
-        .with_context(|| {
-            format!("cannot connect to a Keel server at {addr} (set --addr or KEEL_ADDR)")
-        })?;
-    Ok(KeelClient::new(channel).max_decoding_message_size(64 * keel::MAX_REQUEST_BYTES))
+/// Whether reads may be served from the contacted replica's state as it is
+/// (`--stale`), set once by `main`.
+pub static STALE_READS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Adds the read mode to every request.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadMode {
+    stale: bool,
+}
+
+impl tonic::service::Interceptor for ReadMode {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if self.stale {
+            request.metadata_mut().insert(
+                keel::api::READ_HEADER,
+                tonic::metadata::MetadataValue::from_static("stale"),
+            );
+        }
+        Ok(request)
+    }
+}
+
+pub type Client = KeelClient<tonic::service::interceptor::InterceptedService<Channel, ReadMode>>;
+
+/// Connects to the first reachable of the comma-separated addresses.
+async fn connect(addrs: &str) -> anyhow::Result<Client> {
+    let mut last_error = None;
+    for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        let url = if addr.contains("://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())
+            .with_context(|| format!("invalid server address {addr:?}"))?
+            .connect_timeout(std::time::Duration::from_secs(2));
+        match endpoint.connect().await {
+            Ok(channel) => {
+                let mode = ReadMode {
+                    stale: STALE_READS.get().copied().unwrap_or(false),
+                };
+                return Ok(KeelClient::with_interceptor(channel, mode)
+                    .max_decoding_message_size(64 * keel::MAX_REQUEST_BYTES));
+            }
+            Err(e) => last_error = Some(anyhow::Error::new(e).context(addr.to_string())),
+        }
+    }
+    Err(last_error
+        .unwrap_or_else(|| anyhow::anyhow!("no address given"))
+        .context(format!(
+            "cannot connect to a Keel server at {addrs} (set --addr or KEEL_ADDR)"
+        )))
+}
+
+/// Whether a write can be sent again safely: it was refused before it
+/// reached the log (no leader, or not the leader).
+fn retryable(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable
+        && (status.message().contains("not the leader") || status.message().contains("no leader"))
+}
+
+/// Runs a write, retrying (reconnecting, for at most 10 s) while the
+/// cluster has no leader to take it.
+async fn write<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<T>
+where
+    F: FnMut(Client) -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let client = connect(addrs).await?;
+        match call(client).await {
+            Ok(resp) => return Ok(resp.into_inner()),
+            Err(status) if retryable(&status) && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(status) => return Err(status_error(status)),
+        }
+    }
 }
 
 fn status_error(e: tonic::Status) -> anyhow::Error {
@@ -65,15 +132,16 @@ pub fn read_spec(file: &Path) -> anyhow::Result<JobSpec> {
 }
 
 pub async fn submit(addr: &str, file: &Path, out: Output) -> anyhow::Result<()> {
-    let spec = read_spec(file)?;
-    let mut client = connect(addr).await?;
-    let resp = client
-        .submit_job(api::SubmitJobRequest {
-            spec: Some(spec_to_proto(&spec)),
-        })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let spec = spec_to_proto(&read_spec(file)?);
+    let resp = write(addr, |mut client| {
+        let spec = spec.clone();
+        async move {
+            client
+                .submit_job(api::SubmitJobRequest { spec: Some(spec) })
+                .await
+        }
+    })
+    .await?;
     render::submitted(&resp, out)
 }
 
@@ -195,12 +263,15 @@ pub async fn set_node_state(
 }
 
 pub async fn cancel(addr: &str, id: u64, reason: String, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let resp = client
-        .cancel_job(api::CancelJobRequest { job_id: id, reason })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let resp = write(addr, |mut client| {
+        let reason = reason.clone();
+        async move {
+            client
+                .cancel_job(api::CancelJobRequest { job_id: id, reason })
+                .await
+        }
+    })
+    .await?;
     render::cancelled(id, &resp, out)
 }
 

@@ -64,11 +64,14 @@ pub fn discovered() -> Result<Option<NodeInventory>, DiscoveryError> {
 }
 
 /// Waits until this node leads (at most `wait`), then registers the
-/// inventory. Returns how many entries it proposed.
+/// inventory. With `retire_missing` (a one-replica cluster, where every node
+/// is this server's), nodes in the state but not in the inventory are marked
+/// lost. Returns how many entries it proposed.
 pub async fn register(
     node: Arc<RaftNode>,
     proposer: Proposer,
     inventory: Vec<NodeInventory>,
+    retire_missing: bool,
     wait: Duration,
 ) -> usize {
     let mut metrics = node.raft.metrics();
@@ -104,7 +107,7 @@ pub async fn register(
                 });
             }
         }
-        for (name, have) in state.nodes() {
+        for (name, have) in state.nodes().iter().filter(|_| retire_missing) {
             if have.state == NodeState::Alive && !inventory.iter().any(|n| &n.name == name) {
                 commands.push(Command::MarkNodeLost {
                     name: name.clone(),

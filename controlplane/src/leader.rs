@@ -67,6 +67,38 @@ fn is_leader(node: &RaftNode) -> bool {
     m.state == ServerState::Leader && m.current_leader == Some(node.id)
 }
 
+/// Lets a leader-only loop act only once this replica leads *and* has
+/// applied everything up to its term's first entry (so it decides on the
+/// whole history, not on what a previous leader had not yet replicated to
+/// it).
+#[derive(Debug, Default)]
+struct LeaderGate {
+    ready_term: Option<u64>,
+}
+
+impl LeaderGate {
+    async fn ready(&mut self, node: &RaftNode) -> bool {
+        if !is_leader(node) {
+            self.ready_term = None;
+            return false;
+        }
+        let term = node.raft.metrics().borrow().current_term;
+        if self.ready_term == Some(term) {
+            return true;
+        }
+        // A read index on the leader commits and applies the term's first
+        // entry before it returns.
+        match tokio::time::timeout(Duration::from_secs(5), node.raft.ensure_linearizable()).await {
+            Ok(Ok(_)) => {
+                tracing::info!(term, "leading: the leader loops act from now on");
+                self.ready_term = Some(term);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// The scheduling loop. Returns when `stop` turns true.
 pub async fn scheduling_loop(
     node: Arc<RaftNode>,
@@ -79,6 +111,7 @@ pub async fn scheduling_loop(
     let shared = node.state_machine.shared();
     let mut applied = shared.subscribe();
     let mut seen_version = None;
+    let mut gate = LeaderGate::default();
     loop {
         let (version, backoff_end_ms) = {
             let applied = shared.read();
@@ -108,7 +141,7 @@ pub async fn scheduling_loop(
         if *stop.borrow() {
             return;
         }
-        if !is_leader(&node) {
+        if !gate.ready(&node).await {
             seen_version = None;
             continue;
         }
@@ -158,6 +191,7 @@ pub async fn reconcile_loop<E: Executor>(
     let shared = node.state_machine.shared();
     let mut applied = shared.subscribe();
     let mut last_progress = tokio::time::Instant::now();
+    let mut gate = LeaderGate::default();
     loop {
         tokio::select! {
             _ = applied.changed() => {
@@ -170,7 +204,7 @@ pub async fn reconcile_loop<E: Executor>(
         if *stop.borrow() {
             break;
         }
-        if !is_leader(&node) {
+        if !gate.ready(&node).await {
             continue;
         }
         // Launches are recorded on the next pass; take it at once.

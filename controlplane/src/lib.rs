@@ -1,6 +1,7 @@
 //! Keel's control plane: the Raft node, the gRPC API and the server process.
 //!
-//! - [`raft_node`]: openraft wired to Keel's storage; one replica for now.
+//! - [`raft_node`]: openraft wired to Keel's storage.
+//! - [`raft_network`]: Raft between replicas over gRPC.
 //! - [`api`]: the `keel.api.v1.Keel` gRPC service.
 //! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
 //! - [`proposer`]: group commit: concurrent commands share one Raft entry.
@@ -17,6 +18,7 @@ pub mod grpc_status;
 pub mod inventory;
 pub mod leader;
 pub mod proposer;
+pub mod raft_network;
 pub mod raft_node;
 pub mod server;
 

@@ -23,7 +23,8 @@ use keel_core::policy::QueueOptions;
     about = "Keel: a highly available scheduler for deep-learning training jobs"
 )]
 struct Args {
-    /// Address of a Keel server.
+    /// Addresses of Keel replicas, comma-separated: the first that answers
+    /// is used, and writes go to the leader from any of them.
     #[arg(
         long,
         global = true,
@@ -31,6 +32,10 @@ struct Args {
         default_value = "127.0.0.1:7070"
     )]
     addr: String,
+    /// Read this replica's state as it is, without a linearizable read
+    /// (answers from a follower may lag the leader).
+    #[arg(long, global = true)]
+    stale: bool,
     /// Output format of read commands.
     #[arg(long, short = 'o', global = true, value_enum, default_value_t = render::Output::Table)]
     output: render::Output,
@@ -51,6 +56,11 @@ enum Cmd {
         /// This replica's Raft member id.
         #[arg(long, default_value_t = 1)]
         id: u64,
+        /// The cluster's members at bootstrap, `ID=HOST:PORT,...` (this
+        /// replica included; each serves the API and Raft on that address).
+        /// Without it, the replica forms a one-member cluster.
+        #[arg(long, value_delimiter = ',', value_parser = parse_peer)]
+        peers: Vec<(u64, String)>,
         /// Build a snapshot and compact the log every this many entries.
         #[arg(long, default_value_t = 10_000)]
         snapshot_every: u64,
@@ -221,11 +231,13 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let out = args.output;
+    let _ = cli::STALE_READS.set(args.stale);
     match args.command {
         Cmd::Server {
             data_dir,
             listen,
             id,
+            peers,
             snapshot_every,
             simulated_gpus,
             simulated_nodes,
@@ -248,6 +260,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 id,
                 data_dir,
                 listen,
+                peers: peers.into_iter().collect(),
                 raft: RaftSettings {
                     snapshot_every_entries: snapshot_every,
                     ..RaftSettings::default()
@@ -385,4 +398,20 @@ async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
     // The exit code is the trainer's answer (0, 143 on SIGTERM, or the
     // failure asked for).
     std::process::exit(code);
+}
+
+/// `ID=HOST:PORT`.
+fn parse_peer(s: &str) -> Result<(u64, String), String> {
+    let (id, addr) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not ID=HOST:PORT"))?;
+    let id: u64 = id
+        .trim()
+        .parse()
+        .map_err(|_| format!("{id:?} in {s:?} is not a member id"))?;
+    let addr = addr.trim();
+    if addr.is_empty() || !addr.contains(':') {
+        return Err(format!("{addr:?} in {s:?} is not HOST:PORT"));
+    }
+    Ok((id, addr.to_string()))
 }

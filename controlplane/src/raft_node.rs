@@ -1,20 +1,21 @@
-//! openraft wired to Keel's storage.
+//! openraft wired to Keel's storage and the gRPC network, and how a replica
+//! joins its cluster.
 //!
-//! One replica for now: the network never carries a message, because a
-//! one-member cluster has no one to send to. Replication over gRPC replaces
-//! [`NoPeers`] when clusters get more members.
+//! Bootstrap happens exactly once per cluster. Without `--peers`, a replica
+//! forms a one-member cluster of itself. With `--peers`, only the member
+//! with the lowest id initialises, and only after asking the other peers
+//! whether a cluster already exists (a wiped member that comes back must
+//! rejoin, not found a second cluster); the others wait for the leader to
+//! replicate the membership to them. A data directory initialised with one
+//! member set refuses a different `--peers` until the membership changes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use keel_storage::{DataDir, LogStore, StateMachineStore, TypeConfig};
-use openraft::error::{InstallSnapshotError, RPCError, RaftError, Unreachable};
-use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
-use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
-    VoteRequest, VoteResponse,
-};
 use openraft::{BasicNode, Config, SnapshotPolicy};
+
+use crate::raft_network::GrpcNetwork;
 
 pub type Raft = openraft::Raft<TypeConfig>;
 
@@ -33,52 +34,48 @@ pub enum RaftNodeError {
     Config(String),
     #[error("Raft failed: {0}")]
     Raft(String),
+    #[error("--peers must name this replica's id {id} with its address (got {peers})")]
+    NotInPeers { id: u64, peers: String },
+    #[error(
+        "this data directory belongs to a cluster of members {stored}; --peers says {given}. \
+         Refusing to start: initialising a cluster twice with different members could split it. \
+         Start with the original --peers (or none), or use a fresh data directory to join another cluster"
+    )]
+    PeersMismatch { stored: String, given: String },
 }
 
-/// The peer network of a one-member cluster: every peer is unreachable.
-#[derive(Debug, Clone, Default)]
-pub struct NoPeers;
+/// Who is in the cluster at bootstrap: member id → address (API and Raft on
+/// one port). Empty: a one-member cluster of this replica.
+pub type Peers = BTreeMap<u64, String>;
 
-impl RaftNetworkFactory<TypeConfig> for NoPeers {
-    type Network = NoPeers;
-    async fn new_client(&mut self, _target: u64, _node: &BasicNode) -> NoPeers {
-        NoPeers
-    }
+fn show(ids: impl IntoIterator<Item = u64>) -> String {
+    let ids: Vec<String> = ids.into_iter().map(|i| i.to_string()).collect();
+    format!("{{{}}}", ids.join(","))
 }
 
-fn unreachable<E: std::error::Error>() -> RPCError<u64, BasicNode, E> {
-    RPCError::Unreachable(Unreachable::new(&std::io::Error::other(
-        "this replica has no peers",
-    )))
-}
-
-impl RaftNetwork<TypeConfig> for NoPeers {
-    async fn append_entries(
-        &mut self,
-        _rpc: AppendEntriesRequest<TypeConfig>,
-        _option: RPCOption,
-    ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        Err(unreachable())
+/// Asks every other peer whether it belongs to an initialised cluster;
+/// returns the id of one that does. Unreachable peers count as "no".
+async fn existing_cluster(id: u64, peers: &Peers) -> Option<u64> {
+    use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest};
+    for (peer, addr) in peers.iter().filter(|(p, _)| **p != id) {
+        let url = format!("http://{addr}");
+        let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url) else {
+            continue;
+        };
+        let endpoint = endpoint
+            .connect_timeout(std::time::Duration::from_millis(500))
+            .timeout(std::time::Duration::from_secs(1));
+        let Ok(channel) = endpoint.connect().await else {
+            continue;
+        };
+        let mut client = KeelClient::new(channel);
+        if let Ok(status) = client.cluster_status(ClusterStatusRequest::default()).await {
+            if !status.into_inner().voters.is_empty() {
+                return Some(*peer);
+            }
+        }
     }
-
-    async fn install_snapshot(
-        &mut self,
-        _rpc: InstallSnapshotRequest<TypeConfig>,
-        _option: RPCOption,
-    ) -> Result<
-        InstallSnapshotResponse<u64>,
-        RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
-    > {
-        Err(unreachable())
-    }
-
-    async fn vote(
-        &mut self,
-        _rpc: VoteRequest<u64>,
-        _option: RPCOption,
-    ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        Err(unreachable())
-    }
+    None
 }
 
 /// A running Raft replica and the stores behind it.
@@ -129,9 +126,20 @@ impl RaftNode {
     pub async fn start(
         id: u64,
         advertise_addr: &str,
+        peers: &Peers,
         data_dir: DataDir,
         settings: &RaftSettings,
     ) -> Result<RaftNode, RaftNodeError> {
+        if !peers.is_empty() && !peers.contains_key(&id) {
+            return Err(RaftNodeError::NotInPeers {
+                id,
+                peers: peers
+                    .iter()
+                    .map(|(i, a)| format!("{i}={a}"))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            });
+        }
         let log_dir = data_dir.raft_log_dir();
         let log = LogStore::open(&log_dir).map_err(|source| RaftNodeError::Log {
             path: log_dir.display().to_string(),
@@ -145,6 +153,10 @@ impl RaftNode {
             election_timeout_max: settings.election_timeout_max_ms,
             snapshot_policy: SnapshotPolicy::LogsSinceLast(settings.snapshot_every_entries),
             max_in_snapshot_log_to_keep: 1000,
+            // Proposals are at most 4 MiB; keep one replication message
+            // well under the transport's limit.
+            max_payload_entries: 32,
+            snapshot_max_chunk_size: 1024 * 1024,
             ..Default::default()
         }
         .validate()
@@ -152,7 +164,7 @@ impl RaftNode {
         let raft = Raft::new(
             id,
             Arc::new(config),
-            NoPeers,
+            GrpcNetwork,
             log.clone(),
             state_machine.clone(),
         )
@@ -162,7 +174,21 @@ impl RaftNode {
             .is_initialized()
             .await
             .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
-        if !initialized {
+        if initialized {
+            let membership = raft.metrics().borrow().membership_config.clone();
+            let stored: Vec<u64> = membership.membership().voter_ids().collect();
+            // Only a membership that never changed since bootstrap (its log
+            // id is the initial one) is held against --peers.
+            let never_changed = membership.log_id().is_none_or(|l| l.index == 0);
+            let given: Vec<u64> = peers.keys().copied().collect();
+            if !peers.is_empty() && never_changed && stored != given {
+                return Err(RaftNodeError::PeersMismatch {
+                    stored: show(stored),
+                    given: show(given),
+                });
+            }
+            tracing::info!(id, voters = %show(stored), "recovered from the data directory");
+        } else if peers.is_empty() {
             let members = BTreeMap::from([(
                 id,
                 BasicNode {
@@ -173,8 +199,25 @@ impl RaftNode {
                 .await
                 .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
             tracing::info!(id, "initialised a one-member cluster");
+        } else if peers.keys().next() == Some(&id) {
+            if let Some(existing) = existing_cluster(id, peers).await {
+                tracing::info!(
+                    id,
+                    peer = existing,
+                    "a cluster already exists; waiting for its leader to add this replica"
+                );
+            } else {
+                let members: BTreeMap<u64, BasicNode> = peers
+                    .iter()
+                    .map(|(i, addr)| (*i, BasicNode { addr: addr.clone() }))
+                    .collect();
+                raft.initialize(members)
+                    .await
+                    .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
+                tracing::info!(id, members = %show(peers.keys().copied()), "initialised the cluster");
+            }
         } else {
-            tracing::info!(id, "recovered from the data directory");
+            tracing::info!(id, "waiting for the cluster's leader to reach this replica");
         }
         Ok(RaftNode {
             id,

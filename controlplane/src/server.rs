@@ -17,7 +17,8 @@ use crate::api::{Clock, KeelApi, LogReader};
 use crate::inventory::NodeInventory;
 use crate::leader::LoopSettings;
 use crate::proposer::Proposer;
-use crate::raft_node::{RaftNode, RaftNodeError, RaftSettings};
+use crate::raft_network::{RaftService, RAFT_MESSAGE_MAX_BYTES};
+use crate::raft_node::{Peers, RaftNode, RaftNodeError, RaftSettings};
 use crate::MAX_REQUEST_BYTES;
 
 #[derive(Debug, Clone)]
@@ -25,6 +26,9 @@ pub struct ServerConfig {
     pub id: u64,
     pub data_dir: PathBuf,
     pub listen: SocketAddr,
+    /// The cluster's members at bootstrap (empty: a one-member cluster).
+    /// This replica's entry is the address its peers and clients use.
+    pub peers: Peers,
     pub raft: RaftSettings,
     /// The nodes this server runs workers on (local executor).
     pub nodes: Vec<NodeInventory>,
@@ -100,7 +104,13 @@ impl Server {
                 .ok()
                 .and_then(|p| p.parent().map(PathBuf::from)),
         })?;
-        let node = RaftNode::start(config.id, &addr.to_string(), data_dir, &config.raft).await?;
+        let advertise = config
+            .peers
+            .get(&config.id)
+            .cloned()
+            .unwrap_or_else(|| addr.to_string());
+        let node =
+            RaftNode::start(config.id, &advertise, &config.peers, data_dir, &config.raft).await?;
         Ok(Server {
             addr,
             node: Arc::new(node),
@@ -119,6 +129,7 @@ impl Server {
             self.node.clone(),
             proposer.clone(),
             self.config.nodes.clone(),
+            self.config.peers.len() <= 1,
             std::time::Duration::from_secs(30),
         ));
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
@@ -159,8 +170,14 @@ impl Server {
                 })
             },
         );
+        let raft_service = keel_proto::raft::raft_server::RaftServer::new(RaftService::new(
+            self.node.raft.clone(),
+        ))
+        .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
+        .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);
         let result = tonic::transport::Server::builder()
             .add_service(service)
+            .add_service(raft_service)
             .serve_with_incoming_shutdown(incoming, shutdown)
             .await;
         tracing::info!("shutting down");
