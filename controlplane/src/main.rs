@@ -64,6 +64,10 @@ enum Cmd {
         /// Build a snapshot and compact the log every this many entries.
         #[arg(long, default_value_t = 10_000)]
         snapshot_every: u64,
+        /// Log entries kept behind a snapshot (a follower further behind
+        /// catches up by installing the snapshot).
+        #[arg(long, default_value_t = 1000)]
+        keep_log_entries: u64,
         /// Declare simulated GPUs instead of discovering real ones, e.g.
         /// `4xv100,2xk80`. Without this flag, GPUs are discovered with
         /// nvidia-smi; where there are none, a small simulated cluster
@@ -239,6 +243,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             id,
             peers,
             snapshot_every,
+            keep_log_entries,
             simulated_gpus,
             simulated_nodes,
             no_local_node,
@@ -263,6 +268,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 peers: peers.into_iter().collect(),
                 raft: RaftSettings {
                     snapshot_every_entries: snapshot_every,
+                    keep_log_after_snapshot: keep_log_entries,
                     ..RaftSettings::default()
                 },
                 nodes: if no_local_node {

@@ -96,6 +96,9 @@ pub struct RaftSettings {
     pub election_timeout_max_ms: u64,
     /// Build a snapshot (and purge the log behind it) every this many entries.
     pub snapshot_every_entries: u64,
+    /// Log entries kept behind a snapshot, so a briefly absent follower
+    /// catches up from the log rather than by a snapshot install.
+    pub keep_log_after_snapshot: u64,
 }
 
 impl Default for RaftSettings {
@@ -105,6 +108,7 @@ impl Default for RaftSettings {
             election_timeout_min_ms: 300,
             election_timeout_max_ms: 600,
             snapshot_every_entries: 10_000,
+            keep_log_after_snapshot: 1000,
         }
     }
 }
@@ -152,7 +156,7 @@ impl RaftNode {
             election_timeout_min: settings.election_timeout_min_ms,
             election_timeout_max: settings.election_timeout_max_ms,
             snapshot_policy: SnapshotPolicy::LogsSinceLast(settings.snapshot_every_entries),
-            max_in_snapshot_log_to_keep: 1000,
+            max_in_snapshot_log_to_keep: settings.keep_log_after_snapshot,
             // Proposals are at most 4 MiB; keep one replication message
             // well under the transport's limit.
             max_payload_entries: 32,
