@@ -131,6 +131,17 @@ impl KeelApi {
         }
     }
 
+    fn membership(&self, index: u64) -> api::MembershipResponse {
+        let m = self.node.raft.metrics();
+        let m = m.borrow();
+        let membership = m.membership_config.membership();
+        api::MembershipResponse {
+            voters: membership.voter_ids().collect(),
+            learners: membership.learner_ids().collect(),
+            index,
+        }
+    }
+
     /// Where a request goes: `None` to answer here, or a client to the
     /// leader. Writes always go to the leader; reads too, unless the client
     /// asked for a stale read. A request already forwarded once is never
@@ -402,6 +413,25 @@ impl Keel for KeelApi {
             state_hash,
             leader_id: metrics.current_leader,
             voters: metrics.membership_config.membership().voter_ids().collect(),
+            members: {
+                let membership = metrics.membership_config.membership();
+                let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
+                membership
+                    .nodes()
+                    .map(|(id, node)| api::Member {
+                        id: *id,
+                        address: node.addr.clone(),
+                        voter: voters.contains(id),
+                        matched_index: metrics.replication.as_ref().and_then(|r| {
+                            if *id == metrics.id {
+                                metrics.last_log_index
+                            } else {
+                                r.get(id).and_then(|m| m.map(|l| l.index))
+                            }
+                        }),
+                    })
+                    .collect()
+            },
         }))
     }
 
@@ -524,5 +554,120 @@ impl Keel for KeelApi {
         };
         let (index, _) = self.propose(command).await?;
         Ok(Response::new(api::SetNodeStateResponse { index }))
+    }
+
+    async fn add_member(
+        &self,
+        request: Request<api::AddMemberRequest>,
+    ) -> Result<Response<api::MembershipResponse>, Status> {
+        route!(self, request, add_member, true);
+        let req = request.into_inner();
+        if req.id == 0 {
+            return Err(ApiError::InvalidArgument {
+                field: "id",
+                message: "member ids start at 1".into(),
+            }
+            .into());
+        }
+        if req.address.is_empty() || req.address.len() > 512 || !req.address.contains(':') {
+            return Err(ApiError::InvalidArgument {
+                field: "address",
+                message: format!("{:?} is not HOST:PORT (at most 512 bytes)", req.address),
+            }
+            .into());
+        }
+        let node = openraft::BasicNode {
+            addr: req.address.clone(),
+        };
+        // Blocks until the learner has caught up with the leader's log (a
+        // learner that never answers fails the call after a minute; it
+        // stays a learner and can be removed).
+        tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            self.node.raft.add_learner(req.id, node, true),
+        )
+        .await
+        .map_err(|_| {
+            ApiError::Unavailable(format!(
+                "learner {} at {} did not catch up within 60 s",
+                req.id, req.address
+            ))
+        })?
+        .map_err(|e| ApiError::Unavailable(format!("adding learner {}: {e}", req.id)))?;
+        let mut index = 0;
+        if !req.learner_only {
+            let mut voters: std::collections::BTreeSet<u64> = self
+                .node
+                .raft
+                .metrics()
+                .borrow()
+                .membership_config
+                .membership()
+                .voter_ids()
+                .collect();
+            if voters.insert(req.id) {
+                let resp = self
+                    .node
+                    .raft
+                    .change_membership(voters, false)
+                    .await
+                    .map_err(|e| ApiError::Unavailable(format!("promoting {}: {e}", req.id)))?;
+                index = resp.log_id.index;
+            }
+        }
+        Ok(Response::new(self.membership(index)))
+    }
+
+    async fn remove_member(
+        &self,
+        request: Request<api::RemoveMemberRequest>,
+    ) -> Result<Response<api::MembershipResponse>, Status> {
+        route!(self, request, remove_member, true);
+        let id = request.into_inner().id;
+        let (mut voters, learners) = {
+            let m = self.node.raft.metrics();
+            let m = m.borrow();
+            let membership = m.membership_config.membership();
+            let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
+            let learners: std::collections::BTreeSet<u64> = membership.learner_ids().collect();
+            (voters, learners)
+        };
+        if !voters.contains(&id) && !learners.contains(&id) {
+            return Err(ApiError::InvalidArgument {
+                field: "id",
+                message: format!("{id} is not a member"),
+            }
+            .into());
+        }
+        let index;
+        if voters.remove(&id) {
+            if voters.is_empty() {
+                return Err(ApiError::InvalidArgument {
+                    field: "id",
+                    message: format!("{id} is the last voter; a cluster cannot remove it"),
+                }
+                .into());
+            }
+            let resp = self
+                .node
+                .raft
+                .change_membership(voters, false)
+                .await
+                .map_err(|e| ApiError::Unavailable(format!("removing {id}: {e}")))?;
+            // Not retained as a learner: it leaves the membership.
+            index = resp.log_id.index;
+        } else {
+            let resp = self
+                .node
+                .raft
+                .change_membership(
+                    openraft::ChangeMembers::RemoveNodes(std::collections::BTreeSet::from([id])),
+                    false,
+                )
+                .await
+                .map_err(|e| ApiError::Unavailable(format!("removing {id}: {e}")))?;
+            index = resp.log_id.index;
+        }
+        Ok(Response::new(self.membership(index)))
     }
 }

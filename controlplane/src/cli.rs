@@ -301,6 +301,9 @@ pub async fn events(addr: &str, from: u64, follow: bool, out: Output) -> anyhow:
     Ok(())
 }
 
+/// The contacted replica's status, then every member's own (asked
+/// directly, so each row is that member's view), with replication lag from
+/// the leader's view.
 pub async fn cluster_status(addr: &str, out: Output) -> anyhow::Result<()> {
     let mut client = connect(addr).await?;
     let status = client
@@ -308,7 +311,66 @@ pub async fn cluster_status(addr: &str, out: Output) -> anyhow::Result<()> {
         .await
         .map_err(status_error)?
         .into_inner();
-    render::cluster_status(&status, out)
+    let mut views = Vec::new();
+    for member in &status.members {
+        let own = if member.id == status.member_id {
+            Some(status.clone())
+        } else {
+            member_status(&member.address).await
+        };
+        views.push((member.clone(), own));
+    }
+    // Lag as the leader sees it: its last log index minus what it has
+    // replicated to the member.
+    let leader = views
+        .iter()
+        .find_map(|(_, s)| s.as_ref().filter(|s| s.role == "leader"))
+        .cloned();
+    render::cluster_status(&status, &views, leader.as_ref(), out)
+}
+
+pub async fn add_member(
+    addr: &str,
+    id: u64,
+    member_addr: String,
+    learner_only: bool,
+    out: Output,
+) -> anyhow::Result<()> {
+    let resp = write(addr, |mut client| {
+        let address = member_addr.clone();
+        async move {
+            client
+                .add_member(api::AddMemberRequest {
+                    id,
+                    address,
+                    learner_only,
+                })
+                .await
+        }
+    })
+    .await?;
+    render::membership(&resp, out)
+}
+
+pub async fn remove_member(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
+    let resp = write(addr, |mut client| async move {
+        client.remove_member(api::RemoveMemberRequest { id }).await
+    })
+    .await?;
+    render::membership(&resp, out)
+}
+
+async fn member_status(addr: &str) -> Option<api::ClusterStatusResponse> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .ok()?
+        .connect_timeout(std::time::Duration::from_millis(500))
+        .timeout(std::time::Duration::from_secs(2));
+    let channel = endpoint.connect().await.ok()?;
+    KeelClient::new(channel)
+        .cluster_status(api::ClusterStatusRequest {})
+        .await
+        .ok()
+        .map(|r| r.into_inner())
 }
 
 pub fn replay(data_dir: &Path, until: Option<u64>, out: Output) -> anyhow::Result<()> {

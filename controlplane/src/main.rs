@@ -202,8 +202,25 @@ struct TrainerArgs {
 
 #[derive(Subcommand, Debug)]
 enum ClusterCmd {
-    /// This replica's role, term, indexes and state hash.
+    /// Every member: role, term, indexes, replication lag, state hash.
     Status,
+    /// Add a replica (started with `keel server --id N --peers ...`, where it
+    /// waits): it joins as a learner, catches up, then becomes a voter.
+    Add {
+        #[arg(long)]
+        id: u64,
+        /// The new replica's HOST:PORT.
+        #[arg(long)]
+        member_addr: String,
+        /// Keep it a learner (it replicates but does not vote).
+        #[arg(long)]
+        learner_only: bool,
+    },
+    /// Remove a replica from the cluster.
+    Remove {
+        #[arg(long)]
+        id: u64,
+    },
 }
 
 fn init_tracing() {
@@ -328,6 +345,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Cluster {
             command: ClusterCmd::Status,
         } => cli::cluster_status(&args.addr, out).await,
+        Cmd::Cluster {
+            command:
+                ClusterCmd::Add {
+                    id,
+                    member_addr,
+                    learner_only,
+                },
+        } => cli::add_member(&args.addr, id, member_addr, learner_only, out).await,
+        Cmd::Cluster {
+            command: ClusterCmd::Remove { id },
+        } => cli::remove_member(&args.addr, id, out).await,
     }
 }
 

@@ -516,37 +516,113 @@ pub fn applied_entry(record: &pb::AppliedEntry, out: Output) -> anyhow::Result<(
     }
 }
 
-pub fn cluster_status(s: &api::ClusterStatusResponse, out: Output) -> anyhow::Result<()> {
+pub fn membership(m: &api::MembershipResponse, out: Output) -> anyhow::Result<()> {
     match out {
-        Output::Json => print_json(s),
-        Output::Table => print_table(
-            &[
-                "ID",
-                "ROLE",
-                "TERM",
-                "LAST LOG",
-                "APPLIED",
-                "LEADER",
-                "VOTERS",
-                "STATE HASH",
-            ],
-            &[vec![
-                s.member_id.to_string(),
-                s.role.clone(),
-                s.term.to_string(),
-                s.last_log_index.to_string(),
-                s.last_applied_index.to_string(),
-                s.leader_id
-                    .map(|l| l.to_string())
-                    .unwrap_or_else(|| "-".into()),
-                s.voters
+        Output::Json => print_json(m),
+        Output::Table => {
+            let ids = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+            println!(
+                "voters {{{}}}, learners {{{}}} (log index {})",
+                ids(&m.voters),
+                ids(&m.learners),
+                m.index
+            );
+            Ok(())
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct MemberView {
+    id: u64,
+    address: String,
+    voter: bool,
+    reachable: bool,
+    role: Option<String>,
+    term: Option<u64>,
+    last_log_index: Option<u64>,
+    last_applied_index: Option<u64>,
+    state_hash: Option<String>,
+    /// Entries the leader has that it has not yet replicated to the member.
+    replication_lag: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct ClusterView<'a> {
+    #[serde(flatten)]
+    contacted: &'a api::ClusterStatusResponse,
+    members_status: Vec<MemberView>,
+}
+
+pub fn cluster_status(
+    contacted: &api::ClusterStatusResponse,
+    members: &[(api::Member, Option<api::ClusterStatusResponse>)],
+    leader: Option<&api::ClusterStatusResponse>,
+    out: Output,
+) -> anyhow::Result<()> {
+    let views: Vec<MemberView> = members
+        .iter()
+        .map(|(m, s)| {
+            let lag = leader.and_then(|l| {
+                let matched = l
+                    .members
                     .iter()
-                    .map(u64::to_string)
-                    .collect::<Vec<_>>()
-                    .join(","),
-                s.state_hash.clone(),
-            ]],
-        ),
+                    .find(|x| x.id == m.id)
+                    .and_then(|x| x.matched_index)?;
+                Some(l.last_log_index.saturating_sub(matched))
+            });
+            MemberView {
+                id: m.id,
+                address: m.address.clone(),
+                voter: m.voter,
+                reachable: s.is_some(),
+                role: s.as_ref().map(|s| s.role.clone()),
+                term: s.as_ref().map(|s| s.term),
+                last_log_index: s.as_ref().map(|s| s.last_log_index),
+                last_applied_index: s.as_ref().map(|s| s.last_applied_index),
+                state_hash: s.as_ref().map(|s| s.state_hash.clone()),
+                replication_lag: lag,
+            }
+        })
+        .collect();
+    match out {
+        Output::Json => print_json(&ClusterView {
+            contacted,
+            members_status: views,
+        }),
+        Output::Table => {
+            let opt = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
+            let rows: Vec<Vec<String>> = views
+                .iter()
+                .map(|v| {
+                    vec![
+                        v.id.to_string(),
+                        v.address.clone(),
+                        if v.voter { "voter" } else { "learner" }.to_string(),
+                        v.role.clone().unwrap_or_else(|| "unreachable".into()),
+                        opt(v.term),
+                        opt(v.last_log_index),
+                        opt(v.last_applied_index),
+                        opt(v.replication_lag),
+                        v.state_hash.clone().unwrap_or_else(|| "-".into()),
+                    ]
+                })
+                .collect();
+            print_table(
+                &[
+                    "ID",
+                    "ADDRESS",
+                    "MEMBER",
+                    "ROLE",
+                    "TERM",
+                    "LAST LOG",
+                    "APPLIED",
+                    "LAG",
+                    "STATE HASH",
+                ],
+                &rows,
+            )
+        }
     }
 }
 

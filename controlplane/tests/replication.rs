@@ -26,11 +26,20 @@ struct Cluster {
     _dir: tempfile::TempDir,
 }
 
+/// A port no other test of this binary uses, free when chosen. Ports come
+/// from below the kernel's ephemeral range (so servers binding port 0
+/// elsewhere never take them) and each is handed out once per process (a
+/// killed replica's port stays its own for its restart).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 400) as u16 * 30;
+    loop {
+        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 30_000;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Polls `f` until it returns `Some`, for at most 60 s.
@@ -174,12 +183,42 @@ impl Cluster {
     }
 }
 
+/// A distinct suffix for each log file of a replica (one per start).
 fn rand_suffix() -> String {
-    format!("{}", free_port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed).to_string()
 }
 
 impl Drop for Cluster {
+    #[allow(clippy::print_stderr)]
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The replicas' own words, for the failure report.
+            if let Ok(entries) = std::fs::read_dir(self._dir.path()) {
+                for e in entries.flatten() {
+                    let name = e.file_name().to_string_lossy().to_string();
+                    if name.contains(".log") {
+                        let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                        let tail: Vec<&str> = text.lines().rev().take(40).collect();
+                        eprintln!("==> {name} <==");
+                        let mut lines = text.lines();
+                        while let Some(line) = lines.next() {
+                            if line.contains("panicked at") {
+                                eprintln!("{line}");
+                                for more in lines.by_ref().take(3) {
+                                    eprintln!("{more}");
+                                }
+                            }
+                        }
+                        eprintln!("[...]");
+                        for line in tail.into_iter().rev() {
+                            eprintln!("{line}");
+                        }
+                    }
+                }
+            }
+        }
         for r in &mut self.replicas {
             if let Some(mut c) = r.child.take() {
                 let _ = c.kill();
@@ -244,8 +283,19 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     cluster.kill9(1);
     let replica = &cluster.replicas[0];
     let refused = Command::new(KEEL)
-        .args(["server", "--no-local-node", "--id", "1", "--listen", "127.0.0.1:0"])
-        .args(["--peers", &format!("1={},9=127.0.0.1:1", replica.addr), "--data-dir"])
+        .args([
+            "server",
+            "--no-local-node",
+            "--id",
+            "1",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--peers",
+            &format!("1={},9=127.0.0.1:1", replica.addr),
+            "--data-dir",
+        ])
         .arg(&replica.data)
         .stderr(Stdio::piped())
         .output()
@@ -283,4 +333,68 @@ fn a_wiped_member_rejoins_through_a_snapshot() {
         cluster.status(victim).expect("status")["state_hash"],
         hash.as_str()
     );
+}
+
+#[test]
+fn members_are_added_as_learners_promoted_and_removed() {
+    let mut cluster = Cluster::start(&[]);
+    let leader = cluster.leader();
+    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
+    cluster
+        .submit(&leader_addr, "before")
+        .expect("acknowledged");
+    // A fourth replica starts knowing the cluster; it waits to be added.
+    let addr4 = format!("127.0.0.1:{}", free_port());
+    let data4 = cluster._dir.path().join("r4");
+    cluster.peers = format!("{},4={addr4}", cluster.peers);
+    cluster.replicas.push(Replica {
+        id: 4,
+        addr: addr4.clone(),
+        data: data4,
+        child: None,
+    });
+    cluster.spawn(4, &[]);
+    let added = json(
+        &cluster.all_addrs(),
+        &["cluster", "add", "--id", "4", "--member-addr", &addr4],
+    )
+    .expect("added");
+    assert_eq!(added["voters"], serde_json::json!([1, 2, 3, 4]));
+    cluster
+        .submit(&addr4, "through-the-new-member")
+        .expect("acknowledged");
+    cluster.converged();
+    assert_eq!(cluster.jobs_on(4).len(), 2);
+
+    // Remove a follower; the cluster goes on without it.
+    let gone = (1..=3).find(|r| *r != leader).expect("a follower");
+    let removed = json(
+        &cluster.all_addrs(),
+        &["cluster", "remove", "--id", &gone.to_string()],
+    )
+    .expect("removed");
+    let voters: Vec<u64> = removed["voters"]
+        .as_array()
+        .expect("voters")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert!(!voters.contains(&gone) && voters.len() == 3, "{removed}");
+    cluster.kill9(gone);
+    cluster
+        .submit(&cluster.all_addrs(), "after")
+        .expect("acknowledged");
+    let status = json(&leader_addr, &["cluster", "status"]).expect("status");
+    let members: Vec<u64> = status["members_status"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .filter_map(|m| m["id"].as_u64())
+        .collect();
+    assert!(!members.contains(&gone), "{status}");
+    assert!(status["members_status"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .all(|m| m["replication_lag"].as_u64().is_some()));
 }
