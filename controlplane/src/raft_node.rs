@@ -104,9 +104,13 @@ pub struct RaftSettings {
 impl Default for RaftSettings {
     fn default() -> Self {
         RaftSettings {
-            heartbeat_interval_ms: 100,
-            election_timeout_min_ms: 300,
-            election_timeout_max_ms: 600,
+            // A follower refuses to vote while it heard from a leader within
+            // the longest election timeout (openraft's leader lease), so a
+            // failover takes about one to two election timeouts: these keep
+            // it under a second (BENCHMARKS.md, failover).
+            heartbeat_interval_ms: 50,
+            election_timeout_min_ms: 200,
+            election_timeout_max_ms: 400,
             snapshot_every_entries: 10_000,
             keep_log_after_snapshot: 1000,
         }
