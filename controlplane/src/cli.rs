@@ -373,12 +373,25 @@ async fn member_status(addr: &str) -> Option<api::ClusterStatusResponse> {
         .map(|r| r.into_inner())
 }
 
-pub fn replay(data_dir: &Path, until: Option<u64>, out: Output) -> anyhow::Result<()> {
+pub async fn why(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
+    let mut client = connect(addr).await?;
+    let history = client
+        .job_history(api::JobHistoryRequest {
+            job_id: id,
+            limit: 0,
+        })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    render::why(id, &history, out)
+}
+
+pub fn replay(data_dir: &Path, until: keel_storage::Until, out: Output) -> anyhow::Result<()> {
     // Take the directory's lock: replaying a directory a server is writing
     // would read a moving journal.
     let dir = keel_storage::DataDir::open(data_dir)
         .with_context(|| format!("cannot replay {}", data_dir.display()))?;
-    let summary = keel_storage::replay(&dir.state_dir(), until)
+    let summary = keel_storage::replay_until(&dir.state_dir(), until)
         .with_context(|| format!("cannot replay {}", data_dir.display()))?;
     render::replay(&summary, out)
 }

@@ -159,9 +159,17 @@ enum Cmd {
         #[arg(long)]
         data_dir: PathBuf,
         /// Stop after this log index.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "at")]
         until: Option<u64>,
+        /// Stop after the last entry stamped at or before this time
+        /// (RFC 3339, e.g. 2026-11-26T10:00:00Z).
+        #[arg(long)]
+        at: Option<String>,
     },
+    /// Why a job is where it is: its history from the log (submission,
+    /// every allocation decision that touched it with policy, round,
+    /// based-on index and GPUs, preemptions, worker exits), with times.
+    Why { id: u64 },
 }
 
 #[derive(Subcommand, Debug)]
@@ -318,7 +326,27 @@ async fn run(args: Args) -> anyhow::Result<()> {
             server.serve(shutdown_signal()).await?;
             Ok(())
         }
-        Cmd::Replay { data_dir, until } => cli::replay(&data_dir, until, out),
+        Cmd::Replay {
+            data_dir,
+            until,
+            at,
+        } => {
+            let until = match (until, at) {
+                (Some(i), _) => keel_storage::Until::Index(i),
+                (None, Some(t)) => {
+                    let time = humantime::parse_rfc3339_weak(&t)
+                        .with_context(|| format!("--at {t:?} is not an RFC 3339 time"))?;
+                    let ms = time
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_millis() as u64)
+                        .unwrap_or(0);
+                    keel_storage::Until::Time(ms)
+                }
+                (None, None) => keel_storage::Until::End,
+            };
+            cli::replay(&data_dir, until, out)
+        }
+        Cmd::Why { id } => cli::why(&args.addr, id, out).await,
         Cmd::Submit { file } => cli::submit(&args.addr, &file, out).await,
         Cmd::Jobs { state, user } => cli::jobs(&args.addr, state, user, out).await,
         Cmd::Job { id } => cli::job(&args.addr, id, out).await,

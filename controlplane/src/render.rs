@@ -282,6 +282,41 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
     }
 }
 
+/// `keel why`: one line per entry that concerns the job, only its events.
+pub fn why(job_id: u64, history: &api::JobHistoryResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(history),
+        Output::Table => {
+            let mut stdout = std::io::stdout().lock();
+            for record in &history.entries {
+                let what = record
+                    .events
+                    .iter()
+                    .filter(|e| event_job_id(e) == Some(job_id))
+                    .map(describe_event)
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                writeln!(
+                    stdout,
+                    "{}  index {:>8}  {:<22} {}",
+                    time(record.at_ms),
+                    record.index,
+                    record.command,
+                    what
+                )?;
+            }
+            if history.truncated {
+                writeln!(
+                    stdout,
+                    "(the first {} entries; the history is longer)",
+                    history.entries.len()
+                )?;
+            }
+            Ok(())
+        }
+    }
+}
+
 fn event_job_id(e: &pb::Event) -> Option<u64> {
     use pb::event::Kind as K;
     match e.kind.as_ref()? {

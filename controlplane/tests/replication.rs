@@ -264,7 +264,7 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     );
     // The dead member comes back and catches up.
     cluster.spawn(first, &[]);
-    let (index, _) = cluster.converged();
+    let (index, hash) = cluster.converged();
     assert!(index > 0);
     for r in 1..=3 {
         let jobs = cluster.jobs_on(r);
@@ -282,6 +282,29 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     // A data directory of this cluster refuses a different member set.
     cluster.kill9(1);
     let replica = &cluster.replicas[0];
+    // Offline replay of its journal reaches the live replicas' hash at the
+    // index they agreed on, and a replay up to now reaches at least that.
+    let replay = |extra: &[&str]| -> Value {
+        let out = Command::new(KEEL)
+            .args(["replay", "-o", "json", "--data-dir"])
+            .arg(&replica.data)
+            .args(extra)
+            .output()
+            .expect("replay");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let at_index = replay(&["--until", &index.to_string()]);
+    assert_eq!(at_index["state_hash"], hash.as_str(), "{at_index}");
+    let now = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+    let at_now = replay(&["--at", &now]);
+    assert!(at_now["last_index"].as_u64() >= Some(index), "{at_now}");
+    let before = replay(&["--at", "2000-01-01T00:00:00Z"]);
+    assert_eq!(before["last_index"], 0, "{before}");
     let refused = Command::new(KEEL)
         .args([
             "server",

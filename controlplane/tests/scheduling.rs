@@ -340,6 +340,11 @@ fn cancel_stops_workers_failures_retry_and_a_lost_node_requeues() {
         (job["state"] == "failed").then_some(job)
     });
     assert_eq!(failed["retries"], 1);
+    // `keel why` tells the story: placed, failed, requeued, placed again.
+    let why = server.cli_ok(&["why", &flaky.to_string()]);
+    for expected in ["submitted", "allocated", "requeued", "failed"] {
+        assert!(why.contains(expected), "{expected} missing from: {why}");
+    }
     // Following the logs of an ended job prints both attempts and returns.
     let followed = server.cli_ok(&["logs", "--follow", &flaky.to_string()]);
     assert_eq!(followed.matches("failing at step").count(), 2, "{followed}");

@@ -6,7 +6,7 @@ use std::path::Path;
 use keel_core::{ClusterState, StateHash};
 
 use crate::journal::apply_journal;
-use crate::state_machine::{decode_snapshot, index_of, key, PREFIX_CHECKPOINT};
+use crate::state_machine::{applied_key, decode_snapshot, index_of, key, PREFIX_CHECKPOINT};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -51,6 +51,70 @@ pub fn replay(state_dir: &Path, until: Option<u64>) -> Result<ReplaySummary, Rep
         .open_tree("sm")
         .map_err(|e| ReplayError::Read(e.to_string()))?;
     replay_tree(&tree, until.unwrap_or(u64::MAX))
+}
+
+/// Where to stop a replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// Everything in the journal.
+    End,
+    /// Up to and including this log index.
+    Index(u64),
+    /// Up to and including the last entry stamped at or before this Unix
+    /// time in milliseconds (entries carry the leader's clock; the search
+    /// assumes stamps do not go backwards, as they do not between leaders
+    /// whose clocks agree).
+    Time(u64),
+}
+
+/// Replays the journal in a state directory up to `until`.
+pub fn replay_until(state_dir: &Path, until: Until) -> Result<ReplaySummary, ReplayError> {
+    let db = crate::state_machine::open_sled(state_dir).map_err(|e| ReplayError::Open {
+        path: state_dir.display().to_string(),
+        message: e.to_string(),
+    })?;
+    let tree = db
+        .open_tree("sm")
+        .map_err(|e| ReplayError::Read(e.to_string()))?;
+    let index = match until {
+        Until::End => u64::MAX,
+        Until::Index(i) => i,
+        Until::Time(at_ms) => index_at_time(&tree, at_ms)?,
+    };
+    replay_tree(&tree, index)
+}
+
+/// The last journaled index whose entry was stamped at or before `at_ms`
+/// (0 when none was): a binary search over the applied records.
+fn index_at_time(tree: &sled::Tree, at_ms: u64) -> Result<u64, ReplayError> {
+    use prost::Message;
+    let read = |e: sled::Error| ReplayError::Read(e.to_string());
+    // The first record at or after `index`: (its index, its stamp).
+    let record_from = |index: u64| -> Result<Option<(u64, u64)>, ReplayError> {
+        let Some(item) = tree
+            .range(applied_key(index, 0)..=applied_key(u64::MAX, u32::MAX))
+            .next()
+        else {
+            return Ok(None);
+        };
+        let (k, v) = item.map_err(read)?;
+        let record = keel_proto::entry::AppliedEntry::decode(v.as_ref())
+            .map_err(|e| ReplayError::Read(format!("applied record: {e}")))?;
+        Ok(Some((index_of(&k).unwrap_or(index), record.at_ms)))
+    };
+    let mut best = 0;
+    let (mut lo, mut hi) = (0u64, u64::MAX);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match record_from(mid)? {
+            Some((index, stamp)) if stamp <= at_ms => {
+                best = best.max(index);
+                lo = index.saturating_add(1);
+            }
+            _ => hi = mid,
+        }
+    }
+    Ok(best)
 }
 
 pub(crate) fn replay_tree(tree: &sled::Tree, until: u64) -> Result<ReplaySummary, ReplayError> {
