@@ -437,3 +437,36 @@ fn members_are_added_as_learners_promoted_and_removed() {
         .iter()
         .all(|m| m["replication_lag"].as_u64().is_some()));
 }
+
+#[test]
+fn a_snapshot_of_tens_of_megabytes_installs() {
+    let args = ["--snapshot-every", "8", "--keep-log-entries", "0"];
+    let mut cluster = Cluster::start(&args);
+    let leader = cluster.leader();
+    let victim = (1..=3).find(|r| *r != leader).expect("a follower");
+    cluster.kill9(victim);
+    std::fs::remove_dir_all(&cluster.replicas[victim as usize - 1].data).expect("wipe");
+    // 32 jobs of about 1 MB each (250 arguments of 4,000 bytes).
+    let arg = "a".repeat(4000);
+    let mut body = String::from("name: big\ncommand:\n  - \"true\"\n");
+    for _ in 0..250 {
+        body.push_str(&format!("  - {arg}\n"));
+    }
+    let spec = cluster._dir.path().join("big.yaml");
+    std::fs::write(&spec, body).expect("spec");
+    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
+    for _ in 0..32 {
+        json(
+            &leader_addr,
+            &["submit", "-f", spec.to_str().expect("utf-8")],
+        )
+        .expect("acknowledged");
+    }
+    cluster.spawn(victim, &args);
+    let (_, hash) = cluster.converged();
+    assert_eq!(cluster.jobs_on(victim).len(), 32);
+    assert_eq!(
+        cluster.status(victim).expect("status")["state_hash"],
+        hash.as_str()
+    );
+}
