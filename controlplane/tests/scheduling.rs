@@ -4,66 +4,27 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+mod support;
 
-struct ServerProcess {
-    child: Child,
-    addr: String,
+use support::{wait_for, ServerProcess};
+
+/// A server with fast progress reports and a short stop grace.
+fn start(data_dir: &Path, extra: &[&str]) -> ServerProcess {
+    let mut args = vec!["--progress-interval-s", "0.2", "--stop-grace-s", "3"];
+    args.extend_from_slice(extra);
+    ServerProcess::start(data_dir, &args)
 }
 
-impl ServerProcess {
-    fn start(data_dir: &Path, extra: &[&str]) -> ServerProcess {
-        let _ = std::fs::remove_file(data_dir.join("server.addr"));
-        let child = Command::new(KEEL)
-            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data_dir)
-            .args(["--progress-interval-s", "0.2", "--stop-grace-s", "3"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn keel server");
-        let addr = wait_for("the server's address", || {
-            std::fs::read_to_string(data_dir.join("server.addr")).ok()
-        });
-        let server = ServerProcess { child, addr };
-        wait_for("a leader", || {
-            let out = server.cli(&["cluster", "status", "-o", "json"]);
-            (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
-                .then_some(())
-        });
-        server
-    }
+trait Jobs {
+    fn submit(&self, dir: &Path, name: &str, body: &str) -> u64;
+    fn job(&self, id: u64) -> Value;
+    fn events(&self) -> Vec<Value>;
+}
 
-    fn cli(&self, args: &[&str]) -> Output {
-        Command::new(KEEL)
-            .args(args)
-            .env("KEEL_ADDR", &self.addr)
-            .output()
-            .expect("run keel CLI")
-    }
-
-    fn cli_ok(&self, args: &[&str]) -> String {
-        let out = self.cli(args);
-        assert!(
-            out.status.success(),
-            "keel {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn json(&self, args: &[&str]) -> Value {
-        let mut all = args.to_vec();
-        all.extend(["-o", "json"]);
-        serde_json::from_str(&self.cli_ok(&all)).expect("JSON output")
-    }
-
+impl Jobs for ServerProcess {
     fn submit(&self, dir: &Path, name: &str, body: &str) -> u64 {
         let path = dir.join(format!("{name}.yaml"));
         std::fs::write(&path, body).expect("write spec");
@@ -82,48 +43,6 @@ impl ServerProcess {
             .lines()
             .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
             .collect()
-    }
-
-    fn kill9(mut self) {
-        self.child.kill().expect("SIGKILL");
-        self.child.wait().expect("reap");
-    }
-
-    fn terminate(mut self) {
-        let pid = self.child.id().to_string();
-        let status = Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .expect("kill -TERM");
-        assert!(status.success());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                assert!(status.success(), "server exited with {status} on SIGTERM");
-                return;
-            }
-            assert!(Instant::now() < deadline, "server ignored SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Polls `f` until it returns `Some`, for at most 90 s.
-fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -208,7 +127,7 @@ fn check_no_gpu_double_booked(events: &[Value]) -> usize {
 #[test]
 fn a_tour_sized_run_completes_without_double_booking_a_gpu() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(
+    let server = start(
         &dir.path().join("data"),
         &["--simulated-gpus", "4xv100,4xk80", "--simulated-nodes", "2"],
     );
@@ -287,7 +206,7 @@ fn a_tour_sized_run_completes_without_double_booking_a_gpu() {
 #[test]
 fn cancel_stops_workers_failures_retry_and_a_lost_node_requeues() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(
+    let server = start(
         &dir.path().join("data"),
         &["--simulated-gpus", "6xv100", "--simulated-nodes", "3"],
     );
@@ -463,7 +382,7 @@ fn after_kill_9_the_restarted_server_kills_leftover_workers_and_resumes_from_the
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
     let args = ["--simulated-gpus", "1xv100"];
-    let server = ServerProcess::start(&data, &args);
+    let server = start(&data, &args);
     let id = server.submit(
         dir.path(),
         "long",
@@ -485,7 +404,7 @@ fn after_kill_9_the_restarted_server_kills_leftover_workers_and_resumes_from_the
     // The worker is in its own process group: it outlives its server.
     assert!(alive(pid), "worker {pid} died with its server");
 
-    let server = ServerProcess::start(&data, &args);
+    let server = start(&data, &args);
     wait_for("the leftover worker to be killed", || {
         (!alive(pid)).then_some(())
     });

@@ -4,117 +4,24 @@
 //! only what the tests write; scheduling is in `tests/scheduling.rs`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
 use keel_proto::api::{self, keel_client::KeelClient};
 use keel_proto::entry::JobSpec;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+mod support;
 
-/// A `keel server` child process, killed when dropped.
-struct ServerProcess {
-    child: Child,
-    addr: String,
+use support::{ServerProcess, KEEL};
+
+/// A server with no nodes.
+fn start(data_dir: &Path) -> ServerProcess {
+    start_with(data_dir, &[])
 }
 
-impl ServerProcess {
-    fn start(data_dir: &Path) -> ServerProcess {
-        Self::start_with(data_dir, &[])
-    }
-
-    fn start_with(data_dir: &Path, extra: &[&str]) -> ServerProcess {
-        let _ = std::fs::remove_file(data_dir.join("server.addr"));
-        let child = Command::new(KEEL)
-            .args([
-                "server",
-                "--no-local-node",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-            ])
-            .arg(data_dir)
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn keel server");
-        let addr = wait_for(|| std::fs::read_to_string(data_dir.join("server.addr")).ok());
-        let server = ServerProcess { child, addr };
-        // Ready once it has a leader and answers.
-        wait_for(|| {
-            let out = server.cli(&["cluster", "status", "-o", "json"]);
-            (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
-                .then_some(())
-        });
-        server
-    }
-
-    fn cli(&self, args: &[&str]) -> Output {
-        Command::new(KEEL)
-            .args(args)
-            .env("KEEL_ADDR", &self.addr)
-            .output()
-            .expect("run keel CLI")
-    }
-
-    fn cli_ok(&self, args: &[&str]) -> String {
-        let out = self.cli(args);
-        assert!(
-            out.status.success(),
-            "keel {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn json(&self, args: &[&str]) -> serde_json::Value {
-        let mut all = args.to_vec();
-        all.extend(["-o", "json"]);
-        serde_json::from_str(&self.cli_ok(&all)).expect("JSON output")
-    }
-
-    fn terminate(mut self) {
-        let pid = self.child.id().to_string();
-        let status = Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .expect("kill -TERM");
-        assert!(status.success());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                assert!(status.success(), "server exited with {status} on SIGTERM");
-                return;
-            }
-            assert!(Instant::now() < deadline, "server ignored SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn kill9(mut self) {
-        self.child.kill().expect("SIGKILL");
-        self.child.wait().expect("reap");
-    }
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Polls `f` until it returns `Some`, for at most 30 s.
-fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting");
-        std::thread::sleep(Duration::from_millis(25));
-    }
+fn start_with(data_dir: &Path, extra: &[&str]) -> ServerProcess {
+    let mut args = vec!["--no-local-node"];
+    args.extend_from_slice(extra);
+    ServerProcess::start(data_dir, &args)
 }
 
 /// `keel replay -o json` on a data directory no server is using.
@@ -155,7 +62,7 @@ const SPEC: &str = "name: resnet\nuser: ada\ncommand: [python3, train.py]\ngpus:
 #[test]
 fn cli_submit_list_cancel_and_watch() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(&dir.path().join("data"));
+    let server = start(&dir.path().join("data"));
     let spec = write_spec(dir.path(), "job.yaml", SPEC);
     let spec = spec.to_str().expect("utf-8 path");
 
@@ -216,7 +123,7 @@ fn cli_submit_list_cancel_and_watch() {
 #[test]
 fn events_follow_streams_new_entries() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(&dir.path().join("data"));
+    let server = start(&dir.path().join("data"));
     let spec = write_spec(dir.path(), "job.yaml", SPEC);
     let mut follower = Command::new(KEEL)
         .args(["events", "--follow", "-o", "json"])
@@ -240,7 +147,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
     let spec = write_spec(dir.path(), "job.yaml", SPEC);
     let spec = spec.to_str().expect("utf-8");
 
-    let server = ServerProcess::start(&data);
+    let server = start(&data);
     for _ in 0..5 {
         server.cli_ok(&["submit", "-f", spec]);
     }
@@ -248,7 +155,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
     let hash = server.json(&["cluster", "status"])["state_hash"].clone();
     server.terminate();
 
-    let server = ServerProcess::start(&data);
+    let server = start(&data);
     assert_eq!(server.json(&["cluster", "status"])["state_hash"], hash);
     assert_eq!(server.json(&["job", "3"])["state"], "cancelled");
 
@@ -274,7 +181,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
         });
     server.kill9();
 
-    let server = ServerProcess::start(&data);
+    let server = start(&data);
     let jobs = server.json(&["jobs"]);
     let ids: Vec<u64> = jobs
         .as_array()
@@ -298,7 +205,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
 fn bad_input_gets_clear_errors_and_the_server_keeps_running() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let server = ServerProcess::start(&data);
+    let server = start(&data);
 
     // An invalid spec names the field and the limit.
     let bad = write_spec(dir.path(), "bad.yaml", "name: x\ncommand: [a]\ngpus: 100\n");
@@ -448,7 +355,7 @@ impl tonic::codec::Decoder for RawCodec {
 #[test]
 fn concurrent_submissions_are_group_committed() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(&dir.path().join("data"));
+    let server = start(&dir.path().join("data"));
     let addr = server.addr.clone();
     let results = tokio::runtime::Runtime::new()
         .expect("runtime")
@@ -493,7 +400,7 @@ fn concurrent_submissions_are_group_committed() {
 fn snapshots_compact_the_log_and_restarts_load_them() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let server = ServerProcess::start_with(&data, &["--snapshot-every", "16"]);
+    let server = start_with(&data, &["--snapshot-every", "16"]);
     let addr = server.addr.clone();
     tokio::runtime::Runtime::new()
         .expect("runtime")
@@ -514,7 +421,7 @@ fn snapshots_compact_the_log_and_restarts_load_them() {
     server.terminate();
 
     // The state comes back from the snapshot plus the journal after it.
-    let server = ServerProcess::start_with(&data, &["--snapshot-every", "16"]);
+    let server = start_with(&data, &["--snapshot-every", "16"]);
     assert_eq!(server.json(&["cluster", "status"])["state_hash"], hash);
     assert_eq!(server.json(&["jobs"]).as_array().map(Vec::len), Some(120));
     // History before the snapshot is still there for audit.

@@ -1,0 +1,113 @@
+//! What the end-to-end tests share: a real `keel server` child process and
+//! bounded waiting.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+
+/// A `keel server` child process on a free port, killed when dropped.
+pub struct ServerProcess {
+    child: Child,
+    pub addr: String,
+}
+
+impl ServerProcess {
+    /// Starts `keel server --listen 127.0.0.1:0 --data-dir DIR ARGS...` and
+    /// waits until it has a leader and answers.
+    pub fn start(data_dir: &Path, args: &[&str]) -> ServerProcess {
+        let _ = std::fs::remove_file(data_dir.join("server.addr"));
+        let child = Command::new(KEEL)
+            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn keel server");
+        let addr = wait_for("the server's address", || {
+            std::fs::read_to_string(data_dir.join("server.addr")).ok()
+        });
+        let server = ServerProcess { child, addr };
+        wait_for("a leader", || {
+            let out = server.cli(&["cluster", "status", "-o", "json"]);
+            (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
+                .then_some(())
+        });
+        server
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(KEEL)
+            .args(args)
+            .env("KEEL_ADDR", &self.addr)
+            .output()
+            .expect("run keel CLI")
+    }
+
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "keel {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        serde_json::from_str(&self.cli_ok(&all)).expect("JSON output")
+    }
+
+    /// SIGTERM, and a clean exit within 30 s.
+    pub fn terminate(mut self) {
+        let pid = self.child.id().to_string();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill -TERM");
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                assert!(status.success(), "server exited with {status} on SIGTERM");
+                return;
+            }
+            assert!(Instant::now() < deadline, "server ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn kill9(mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap");
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it returns `Some`, for at most 90 s.
+pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
