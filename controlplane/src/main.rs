@@ -116,6 +116,14 @@ enum Cmd {
     /// of its model on the GPUs it was given, reports progress, checkpoints
     /// on SIGTERM and resumes. Reads the worker contract's environment.
     Trainer(TrainerArgs),
+    /// Run a worker and record its exit (used by the local executor).
+    #[command(hide = true)]
+    Supervise {
+        #[arg(long)]
+        exit_file: PathBuf,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
     /// Submit a job from a YAML or JSON spec file (`-` reads stdin).
     Submit {
         #[arg(short = 'f', long = "file")]
@@ -369,6 +377,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
             command: NodeCmd::Alive { name },
         } => cli::set_node_state(&args.addr, name, "alive", String::new(), out).await,
         Cmd::Trainer(t) => trainer(t).await,
+        Cmd::Supervise { exit_file, command } => {
+            let code = keel_executors::supervisor::supervise(exit_file, command).await;
+            std::process::exit(code);
+        }
         Cmd::Events { from, follow } => cli::events(&args.addr, from, follow, out).await,
         Cmd::Cluster {
             command: ClusterCmd::Status,

@@ -97,12 +97,14 @@ impl Server {
             addr: config.listen,
             source,
         })?;
+        let exe = std::env::current_exe().ok();
         let executor = LocalExecutor::new(LocalConfig {
             workers_dir: data_dir.root().join("workers"),
             checkpoints_dir: data_dir.root().join("checkpoints"),
-            path_prepend: std::env::current_exe()
-                .ok()
-                .and_then(|p| p.parent().map(PathBuf::from)),
+            path_prepend: exe.as_ref().and_then(|p| p.parent().map(PathBuf::from)),
+            // Workers run under `keel supervise`, so they outlive this
+            // process and a restarted server re-adopts them.
+            supervisor: exe,
         })?;
         let advertise = config
             .peers

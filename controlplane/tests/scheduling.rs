@@ -378,7 +378,7 @@ fn alive(pid: u32) -> bool {
 }
 
 #[test]
-fn after_kill_9_the_restarted_server_kills_leftover_workers_and_resumes_from_the_checkpoint() {
+fn after_kill_9_the_restarted_server_re_adopts_running_workers() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
     let args = ["--simulated-gpus", "1xv100"];
@@ -389,35 +389,41 @@ fn after_kill_9_the_restarted_server_kills_leftover_workers_and_resumes_from_the
         "name: long-g1\ncommand: [keel, trainer, --speedup, \"5\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"10\"]\n\
          gpus: 1\nmodel: resnet50\ntotal_steps: 10000000\n",
     );
-    wait_for("progress past a checkpoint", || {
+    let before = wait_for("progress", || {
         let step = server.job(id)["progress"]["step"].as_u64()?;
-        (step >= 50).then_some(())
+        (step >= 20).then_some(step)
     });
     let pid_file = data.join(format!("workers/job-{id}/e1-r0.pid"));
-    let pid: u32 = std::fs::read_to_string(&pid_file)
-        .expect("pid file")
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("a pid");
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(&pid_file).expect("pid file")).expect("json");
+    let pid = record["pid"].as_u64().expect("a pid") as u32;
     server.kill9();
-    // The worker is in its own process group: it outlives its server.
+    // The worker runs under its supervisor in its own process group: it
+    // outlives its server.
     assert!(alive(pid), "worker {pid} died with its server");
 
     let server = start(&data, &args);
-    wait_for("the leftover worker to be killed", || {
+    // Re-adopted, not relaunched: the same process goes on reporting.
+    wait_for("progress from the re-adopted worker", || {
+        let step = server.job(id)["progress"]["step"].as_u64()?;
+        (step > before + 20).then_some(())
+    });
+    assert!(alive(pid), "the worker was replaced");
+    let logs = server.cli_ok(&["logs", &id.to_string()]);
+    assert_eq!(
+        logs.matches(", from step ").count(),
+        1,
+        "relaunched: {logs}"
+    );
+    // And stopped like any other worker.
+    server.cli_ok(&["cancel", &id.to_string()]);
+    wait_for("the re-adopted worker to stop", || {
         (!alive(pid)).then_some(())
     });
-    // The job is relaunched (same epoch and rank) and resumes from its checkpoint.
-    let resumed_from = wait_for("the relaunched worker", || {
-        let logs = server.cli_ok(&["logs", &id.to_string()]);
-        logs.lines()
-            .filter_map(|l| l.split(", from step ").nth(1))
-            .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
-            .nth(1)
+    let history = wait_for("its exit in the log", || {
+        let h = server.job(id)["history"].to_string();
+        h.contains("worker_exited").then_some(h)
     });
-    assert!(resumed_from >= 10, "resumed from step {resumed_from}");
-    let job = server.job(id);
-    assert_eq!(job["state"], "running");
+    assert!(history.contains("stopped by keel"), "{history}");
     server.terminate();
 }

@@ -6,6 +6,8 @@
 //!   workers + observed workers → actions);
 //! - [`executor`]: the [`Executor`] trait the leader's reconcile loop drives;
 //! - [`local`]: workers as local child processes (the embedded default);
+//! - [`supervisor`]: `keel supervise`, the parent that lets a worker outlive
+//!   its server and keeps its exit status;
 //! - [`discovery`]: GPU inventory from `nvidia-smi`, or simulated;
 //! - [`trainer`]: the simulated trainer behind `keel trainer`.
 //!
@@ -17,6 +19,7 @@ pub mod discovery;
 pub mod executor;
 pub mod local;
 pub mod reconcile;
+pub mod supervisor;
 pub mod trainer;
 
 use keel_core::{GpuRef, JobId};

@@ -8,9 +8,13 @@
 //! them until the reconcile loop takes them. Stop = SIGTERM to the group,
 //! then SIGKILL after the grace period.
 //!
-//! A `.pid` file beside each log (pid and kernel start time) lets a server
-//! that was killed find the workers it left behind: [`LocalExecutor::new`]
-//! kills them, and the reconciler relaunches them from their checkpoints.
+//! With a supervisor (`keel supervise`, see [`crate::supervisor`]), each
+//! worker runs under a small parent that outlives the server and records the
+//! worker's exit. A `.pid` file beside each log (the supervisor's pid, its
+//! kernel start time, the worker's GPUs) lets a restarted server find them:
+//! [`LocalExecutor::new`] re-adopts the ones still running (the reconciler
+//! then launches nothing twice) and reports the exits it missed. Without a
+//! supervisor (unit tests), leftovers are killed instead.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -26,6 +30,7 @@ use tokio::io::AsyncWriteExt;
 use crate::contract::{checkpoint_dir_name, environment, parse_progress_line, WorkerLaunch};
 use crate::executor::{Executor, ExecutorError, WorkerLog};
 use crate::reconcile::Observed;
+use crate::supervisor::{read_exit, ExitRecord};
 use crate::WorkerId;
 
 /// Where the local executor keeps things.
@@ -38,6 +43,20 @@ pub struct LocalConfig {
     /// Put first on the workers' PATH (the directory of the `keel` binary,
     /// so job files can run `keel trainer`).
     pub path_prepend: Option<PathBuf>,
+    /// The `keel` binary, to run each worker under `keel supervise`.
+    /// `None`: workers are direct children of the server; a later executor
+    /// kills the ones it finds instead of re-adopting them.
+    pub supervisor: Option<PathBuf>,
+}
+
+/// What a `.pid` file holds.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct PidFile {
+    pid: u32,
+    /// Kernel start time of `pid`, so a reused pid is never mistaken for it.
+    start: u64,
+    node: String,
+    gpus: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -66,6 +85,9 @@ pub struct LocalExecutor {
 /// older ones are dropped beyond this (the latest matter most).
 const PROGRESS_BUFFER_MAX: usize = 1024;
 
+/// How often a re-adopted worker (not our child: no wait) is checked.
+const ADOPTED_POLL: Duration = Duration::from_millis(200);
+
 /// How often a running worker's log is read for progress lines.
 const PROGRESS_POLL: Duration = Duration::from_millis(200);
 
@@ -91,11 +113,16 @@ fn log_name(id: &WorkerId) -> String {
     format!("e{}-r{}", id.epoch, id.rank)
 }
 
-/// The kernel's start time of `pid` (clock ticks since boot), if it runs.
+/// The kernel's start time of `pid` (clock ticks since boot), if it runs
+/// (a zombie does not).
 fn process_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let after_name = &stat[stat.rfind(')')? + 1..];
-    after_name.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = after_name.split_whitespace();
+    if matches!(fields.next(), Some("Z") | Some("X")) {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 impl LocalExecutor {
@@ -110,7 +137,7 @@ impl LocalExecutor {
             config: Arc::new(config),
             inner: Arc::default(),
         };
-        exec.kill_leftovers();
+        exec.take_over_leftovers();
         Ok(exec)
     }
 
@@ -123,33 +150,174 @@ impl LocalExecutor {
         self.config.workers_dir.join(format!("job-{job_id}"))
     }
 
-    fn kill_leftovers(&self) {
+    /// Workers an earlier server left: re-adopted when still running under
+    /// a supervisor (or killed, without one), and their missed exits
+    /// reported. Must run on a tokio runtime.
+    fn take_over_leftovers(&self) {
         let Ok(jobs) = std::fs::read_dir(&self.config.workers_dir) else {
             return;
         };
         for job in jobs.flatten() {
+            let Some(job_id) = job
+                .file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("job-"))
+                .and_then(|n| n.parse::<JobId>().ok())
+            else {
+                continue;
+            };
             let Ok(files) = std::fs::read_dir(job.path()) else {
                 continue;
             };
-            for f in files.flatten() {
-                let path = f.path();
-                if path.extension().is_none_or(|e| e != "pid") {
+            let mut names: Vec<PathBuf> = files.flatten().map(|f| f.path()).collect();
+            names.sort();
+            for path in names {
+                let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+                if ext != "pid" && ext != "exit" {
                     continue;
                 }
-                if let Ok(text) = std::fs::read_to_string(&path) {
-                    let mut parts = text.split_whitespace();
-                    let pid = parts.next().and_then(|p| p.parse::<u32>().ok());
-                    let start = parts.next().and_then(|p| p.parse::<u64>().ok());
-                    if let (Some(pid), Some(start)) = (pid, start) {
-                        if process_start_time(pid) == Some(start) {
-                            tracing::warn!(pid, file = %path.display(), "killing a worker left by an earlier server");
-                            let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
-                        }
-                    }
+                let Some((epoch, rank)) = path
+                    .file_stem()
+                    .and_then(|s| s.to_str())
+                    .and_then(|s| parse_log_name(&format!("{s}.log")))
+                else {
+                    continue;
+                };
+                let id = WorkerId {
+                    job_id,
+                    epoch,
+                    rank,
+                };
+                if self.lock().workers.contains_key(&id) {
+                    continue;
                 }
-                let _ = std::fs::remove_file(&path);
+                self.take_over(id, &path.with_extension("log"));
             }
         }
+    }
+
+    fn take_over(&self, id: WorkerId, log_path: &Path) {
+        let exit_path = log_path.with_extension("exit");
+        let pid_file: Option<PidFile> = std::fs::read(pid_path(log_path))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let running = pid_file
+            .as_ref()
+            .filter(|p| process_start_time(p.pid) == Some(p.start));
+        match running {
+            Some(p) if self.config.supervisor.is_some() => {
+                tracing::info!(worker = %id, pid = p.pid, "re-adopting a worker left by an earlier server");
+                self.lock().workers.insert(
+                    id.clone(),
+                    Entry {
+                        pid: Some(p.pid),
+                        gpus: p
+                            .gpus
+                            .iter()
+                            .map(|index| GpuRef {
+                                node: p.node.clone(),
+                                index: *index,
+                            })
+                            .collect(),
+                        exited: None,
+                        stopping: false,
+                    },
+                );
+                let start = std::fs::metadata(log_path).map(|m| m.len()).unwrap_or(0);
+                let this = self.clone();
+                let (pid, started) = (p.pid, p.start);
+                let log_path = log_path.to_path_buf();
+                tokio::spawn(async move {
+                    let follower = this.start_follower(&id, &log_path, start);
+                    while process_start_time(pid) == Some(started) {
+                        tokio::time::sleep(ADOPTED_POLL).await;
+                    }
+                    this.finish(&id, &log_path, follower, None).await;
+                });
+            }
+            Some(p) => {
+                tracing::warn!(worker = %id, pid = p.pid, "killing a worker left by an earlier server");
+                let _ = killpg(Pid::from_raw(p.pid as i32), Signal::SIGKILL);
+                let _ = std::fs::remove_file(pid_path(log_path));
+                let _ = std::fs::remove_file(&exit_path);
+            }
+            None => {
+                // Ended while no server watched: report what the supervisor
+                // recorded, or that the record is missing.
+                let _ = std::fs::remove_file(pid_path(log_path));
+                if pid_file.is_none() && !exit_path.exists() {
+                    return;
+                }
+                let record = read_exit(&exit_path).unwrap_or(ExitRecord {
+                    exit_code: None,
+                    reason: "ended while no server watched it (no exit record)".into(),
+                });
+                tracing::info!(worker = %id, reason = %record.reason, "a worker ended while no server watched it");
+                self.lock().workers.insert(
+                    id,
+                    Entry {
+                        pid: None,
+                        gpus: Vec::new(),
+                        exited: Some((record.exit_code, record.reason)),
+                        stopping: false,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Follows rank 0's log for progress; `None` for other ranks.
+    fn start_follower(
+        &self,
+        id: &WorkerId,
+        log_path: &Path,
+        start: u64,
+    ) -> Option<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    )> {
+        (id.rank == 0).then(|| {
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+            let this = self.clone();
+            let id = id.clone();
+            let path = log_path.to_path_buf();
+            let task =
+                tokio::spawn(async move { this.follow_progress(id, path, start, done_rx).await });
+            (done_tx, task)
+        })
+    }
+
+    /// After a worker ended: last progress read, then its exit, from the
+    /// supervisor's record when there is one, else from `status`.
+    async fn finish(
+        &self,
+        id: &WorkerId,
+        log_path: &Path,
+        follower: Option<(
+            tokio::sync::oneshot::Sender<()>,
+            tokio::task::JoinHandle<()>,
+        )>,
+        status: Option<std::io::Result<std::process::ExitStatus>>,
+    ) {
+        if let Some((done_tx, task)) = follower {
+            // One last read after the exit, so the final lines count.
+            let _ = done_tx.send(());
+            let _ = task.await;
+        }
+        let _ = std::fs::remove_file(pid_path(log_path));
+        let record = read_exit(&log_path.with_extension("exit")).unwrap_or_else(|| match status {
+            Some(Ok(s)) => crate::supervisor::describe(s),
+            Some(Err(e)) => ExitRecord {
+                exit_code: None,
+                reason: format!("could not wait for the worker: {e}"),
+            },
+            None => ExitRecord {
+                exit_code: None,
+                reason: "killed (its supervisor left no exit record)".into(),
+            },
+        });
+        tracing::info!(worker = %id, code = ?record.exit_code, reason = %record.reason, "worker exited");
+        self.record_exit(id, record.exit_code, record.reason);
     }
 
     /// One rendezvous port per (job, epoch), free on this machine when chosen.
@@ -205,9 +373,25 @@ impl LocalExecutor {
             .await;
             return Ok(());
         };
-        let mut cmd = tokio::process::Command::new(program);
-        cmd.args(&launch.command[1..])
-            .envs(&env)
+        let exit_path = log_path.with_extension("exit");
+        let _ = std::fs::remove_file(&exit_path);
+        let mut cmd = match &self.config.supervisor {
+            Some(keel) => {
+                let mut c = tokio::process::Command::new(keel);
+                c.arg("supervise")
+                    .arg("--exit-file")
+                    .arg(&exit_path)
+                    .arg("--")
+                    .args(&launch.command);
+                c
+            }
+            None => {
+                let mut c = tokio::process::Command::new(program);
+                c.args(&launch.command[1..]);
+                c
+            }
+        };
+        cmd.envs(&env)
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone().map_err(io)?)
             .stderr(log.try_clone().map_err(io)?)
@@ -234,7 +418,15 @@ impl LocalExecutor {
         let pid = child.id();
         if let Some(pid) = pid {
             if let Some(start) = process_start_time(pid) {
-                let _ = std::fs::write(pid_path(&log_path), format!("{pid} {start}\n"));
+                let record = PidFile {
+                    pid,
+                    start,
+                    node: launch.node.clone(),
+                    gpus: launch.gpus.clone(),
+                };
+                if let Ok(body) = serde_json::to_vec(&record) {
+                    let _ = std::fs::write(pid_path(&log_path), body);
+                }
             }
         }
         tracing::info!(worker = %id, ?pid, node = %launch.node, gpus = ?launch.gpus, "worker started");
@@ -260,41 +452,9 @@ impl LocalExecutor {
         drop(log);
         let this = self.clone();
         tokio::spawn(async move {
-            let follower = (id.rank == 0).then(|| {
-                let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-                let this = this.clone();
-                let id = id.clone();
-                let path = log_path.clone();
-                let task =
-                    tokio::spawn(
-                        async move { this.follow_progress(id, path, start, done_rx).await },
-                    );
-                (done_tx, task)
-            });
+            let follower = this.start_follower(&id, &log_path, start);
             let status = child.wait().await;
-            if let Some((done_tx, task)) = follower {
-                // One last read after the exit, so the final lines count.
-                let _ = done_tx.send(());
-                let _ = task.await;
-            }
-            let _ = std::fs::remove_file(pid_path(&log_path));
-            let (code, reason) = match status {
-                Ok(s) => {
-                    use std::os::unix::process::ExitStatusExt;
-                    match (s.code(), s.signal()) {
-                        (Some(c), _) => (Some(c), format!("exited with code {c}")),
-                        (None, Some(sig)) => {
-                            let name =
-                                Signal::try_from(sig).map_or(sig.to_string(), |s| s.to_string());
-                            (None, format!("killed by {name}"))
-                        }
-                        (None, None) => (None, "ended".to_string()),
-                    }
-                }
-                Err(e) => (None, format!("could not wait for the worker: {e}")),
-            };
-            tracing::info!(worker = %id, ?code, %reason, "worker exited");
-            this.record_exit(&id, code, reason);
+            this.finish(&id, &log_path, follower, Some(status)).await;
         });
         Ok(())
     }
@@ -461,6 +621,11 @@ impl Executor for LocalExecutor {
     }
 
     async fn forget(&self, id: &WorkerId) {
+        // The exit is in the log now; its record is no longer needed.
+        let _ = std::fs::remove_file(
+            self.job_dir(id.job_id)
+                .join(format!("{}.exit", log_name(id))),
+        );
         let mut inner = self.lock();
         if inner.workers.get(id).is_some_and(|e| e.exited.is_some()) {
             inner.workers.remove(id);
@@ -558,6 +723,7 @@ mod tests {
             workers_dir: dir.join("workers"),
             checkpoints_dir: dir.join("checkpoints"),
             path_prepend: None,
+            supervisor: None,
         })
         .expect("executor")
     }

@@ -229,7 +229,7 @@ impl ClusterState {
                 job.state = JobState::Cancelled;
                 job.finished_at_ms = Some(at_ms);
                 job.message = reason.clone();
-                self.release(released);
+                self.release(*job_id, released);
                 Ok(vec![Event::JobCancelled {
                     job_id: *job_id,
                     reason: reason.clone(),
@@ -334,7 +334,7 @@ impl ClusterState {
                 job.state = state;
                 job.finished_at_ms = Some(at_ms);
                 job.message = reason.clone();
-                self.release(released);
+                self.release(*job_id, released);
                 Ok(vec![Event::JobFinished {
                     job_id: *job_id,
                     state,
@@ -411,10 +411,14 @@ impl ClusterState {
         Ok(job)
     }
 
-    fn release(&mut self, allocation: Option<Allocation>) {
+    /// Drops `job_id`'s hold on the GPUs of `allocation`. A GPU that the
+    /// same decision already handed to another job keeps its new holder.
+    fn release(&mut self, job_id: JobId, allocation: Option<Allocation>) {
         if let Some(a) = allocation {
             for gpu in &a.gpus {
-                self.gpu_holders.remove(gpu);
+                if self.gpu_holders.get(gpu) == Some(&job_id) {
+                    self.gpu_holders.remove(gpu);
+                }
             }
         }
     }
@@ -529,7 +533,7 @@ impl ClusterState {
             }
             None => None,
         };
-        self.release(released);
+        self.release(job_id, released);
     }
 
     /// A worker of the job's current allocation exited on its own (the
@@ -562,7 +566,7 @@ impl ClusterState {
             job.finished_at_ms = Some(at_ms);
             job.message = "every worker exited 0".into();
             let reason = job.message.clone();
-            self.release(released);
+            self.release(job_id, released);
             return vec![Event::JobFinished {
                 job_id,
                 state: JobState::Succeeded,
@@ -604,7 +608,7 @@ impl ClusterState {
                 reason: job.message.clone(),
             }
         };
-        self.release(released);
+        self.release(job_id, released);
         vec![event]
     }
 
@@ -832,7 +836,7 @@ impl ClusterState {
                 job.state = JobState::Preempted;
                 job.message = format!("preempted by {policy} in round {round}");
                 let reason = job.message.clone();
-                self.release(old);
+                self.release(job_id, old);
                 events.push(Event::JobPreempted { job_id, reason });
                 continue;
             }

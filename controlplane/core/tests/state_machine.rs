@@ -265,6 +265,20 @@ fn the_supply_demand_version_moves_on_scheduling_changes_only() {
 }
 
 #[test]
+fn a_decision_that_preempts_a_job_and_hands_its_gpu_to_an_older_one_keeps_the_index() {
+    // Found by `no_gpu_is_ever_held_by_two_jobs`: job 2's release ran after
+    // job 1 was granted job 2's GPU, and dropped job 1's hold on it.
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let older = h.submit(spec("older", 1, 1));
+    let younger = h.submit(spec("younger", 2, 1));
+    h.place(vec![(younger, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    h.place(vec![(younger, vec![]), (older, vec![gpu("n0", 0)])]);
+    assert_eq!(h.state.gpu_holders().get(&gpu("n0", 0)), Some(&older));
+    assert_eq!(h.state.gpu_holders().len(), 1);
+}
+
+#[test]
 fn cancel_of_a_finished_job_is_refused() {
     let mut h = Harness::new();
     let j = h.submit(spec("a", 1, 1));

@@ -1,0 +1,116 @@
+//! The worker supervisor (`keel supervise`): a small parent between the
+//! executor and the worker, so that a worker outlives the server that
+//! started it and its exit is never lost.
+//!
+//! The local executor starts `keel supervise --exit-file F -- CMD...` as the
+//! leader of a new process group. The supervisor starts the worker in that
+//! group, survives the group's SIGTERM (the worker gets it and checkpoints),
+//! waits for the worker and writes its exit status to `F` before exiting
+//! with the same code. A server that restarts finds the supervisor still
+//! running (its pid file) and re-adopts the worker, or finds `F` and
+//! records the exit it missed. SIGKILL to the group ends both, with no
+//! exit file: the executor then reports the kill.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// A worker's end, as the supervisor recorded it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitRecord {
+    pub exit_code: Option<i32>,
+    pub reason: String,
+}
+
+/// Writes `record` to `path` atomically (temp file, then rename).
+pub fn write_exit(path: &Path, record: &ExitRecord) -> std::io::Result<()> {
+    let tmp = path.with_extension("exit.tmp");
+    let body = serde_json::to_vec(record).map_err(std::io::Error::other)?;
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&body)?;
+    f.sync_data()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// The exit recorded at `path`, if there is a readable one.
+pub fn read_exit(path: &Path) -> Option<ExitRecord> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+/// Describes an exit status the way the executor reports exits.
+pub fn describe(status: std::process::ExitStatus) -> ExitRecord {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => ExitRecord {
+            exit_code: Some(c),
+            reason: format!("exited with code {c}"),
+        },
+        (None, Some(sig)) => {
+            let name =
+                nix::sys::signal::Signal::try_from(sig).map_or(sig.to_string(), |s| s.to_string());
+            ExitRecord {
+                exit_code: None,
+                reason: format!("killed by {name}"),
+            }
+        }
+        (None, None) => ExitRecord {
+            exit_code: None,
+            reason: "ended".into(),
+        },
+    }
+}
+
+/// Runs `command` to its end, writes its exit to `exit_file`, and returns
+/// the code to exit with.
+pub async fn supervise(exit_file: PathBuf, command: Vec<String>) -> i32 {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Our own SIGTERM handler: the group's SIGTERM is for the worker.
+    let mut term = signal(SignalKind::terminate()).ok();
+    let Some(program) = command.first() else {
+        let record = ExitRecord {
+            exit_code: Some(127),
+            reason: "no command to run".into(),
+        };
+        let _ = write_exit(&exit_file, &record);
+        return 127;
+    };
+    let mut child = match tokio::process::Command::new(program)
+        .args(&command[1..])
+        .kill_on_drop(false)
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            let record = ExitRecord {
+                exit_code: Some(127),
+                reason: format!("could not start {program:?}: {e}"),
+            };
+            let _ = writeln!(std::io::stderr(), "keel: {}", record.reason);
+            let _ = write_exit(&exit_file, &record);
+            return 127;
+        }
+    };
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status,
+            _ = async {
+                match term.as_mut() {
+                    Some(t) => { t.recv().await; }
+                    None => std::future::pending::<()>().await,
+                }
+            } => {}
+        }
+    };
+    let record = match status {
+        Ok(s) => describe(s),
+        Err(e) => ExitRecord {
+            exit_code: None,
+            reason: format!("could not wait for the worker: {e}"),
+        },
+    };
+    let _ = write_exit(&exit_file, &record);
+    // Signals cannot be re-raised safely here; 128 + n is the shell's
+    // convention for "killed by signal n".
+    record.exit_code.unwrap_or(128 + 9)
+}
