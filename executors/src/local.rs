@@ -373,6 +373,10 @@ impl LocalExecutor {
             .await;
             return Ok(());
         };
+        // Follow the log from where this run begins (a relaunch with the
+        // same identity appends to the same file); taken before the spawn,
+        // so a fast worker's first lines are not skipped.
+        let start = log.metadata().map(|m| m.len()).unwrap_or(0);
         let exit_path = log_path.with_extension("exit");
         let _ = std::fs::remove_file(&exit_path);
         let mut cmd = match &self.config.supervisor {
@@ -446,9 +450,6 @@ impl LocalExecutor {
                 stopping: false,
             },
         );
-        // Follow the log from where this run begins (a relaunch with the
-        // same identity appends to the same file).
-        let start = log.metadata().map(|m| m.len()).unwrap_or(0);
         drop(log);
         let this = self.clone();
         tokio::spawn(async move {
