@@ -427,3 +427,38 @@ fn after_kill_9_the_restarted_server_re_adopts_running_workers() {
     assert!(history.contains("stopped by keel"), "{history}");
     server.terminate();
 }
+
+#[test]
+fn a_server_stopped_with_sigterm_relaunches_its_workers_instead_of_failing_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let args = ["--simulated-gpus", "1xv100"];
+    let server = start(&data, &args);
+    let id = server.submit(
+        dir.path(),
+        "long",
+        "name: long-g1\ncommand: [keel, trainer, --speedup, \"5\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"10\"]\n\
+         gpus: 1\nmodel: resnet50\ntotal_steps: 10000000\n",
+    );
+    let before = wait_for("progress", || {
+        let step = server.job(id)["progress"]["step"].as_u64()?;
+        (step >= 20).then_some(step)
+    });
+    // The shutdown stops the worker (it checkpoints on SIGTERM); that exit
+    // is not the job's failure.
+    server.terminate();
+    let server = start(&data, &args);
+    wait_for("the relaunched worker's progress", || {
+        let job = server.job(id);
+        assert_eq!(job["state"], "running", "{job}");
+        let step = job["progress"]["step"].as_u64()?;
+        (step > before + 20).then_some(())
+    });
+    let logs = server.cli_ok(&["logs", &id.to_string()]);
+    assert_eq!(
+        logs.matches(", from step ").count(),
+        2,
+        "relaunched once: {logs}"
+    );
+    server.terminate();
+}

@@ -690,6 +690,16 @@ impl Executor for LocalExecutor {
         while !self.running().is_empty() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // These exits were the shutdown's doing, not the workers' failures:
+        // drop their records so the next server does not report them (the
+        // state still wants the workers, and they are relaunched from their
+        // checkpoints).
+        for id in &running {
+            let _ = std::fs::remove_file(
+                self.job_dir(id.job_id)
+                    .join(format!("{}.exit", log_name(id))),
+            );
+        }
     }
 }
 
