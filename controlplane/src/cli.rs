@@ -170,14 +170,7 @@ pub async fn job(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
         .await
         .map_err(status_error)?
         .into_inner();
-    let history = client
-        .job_history(api::JobHistoryRequest {
-            job_id: id,
-            limit: 0,
-        })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let history = history(&mut client, id).await?;
     render::job(&job, &history, out)
 }
 
@@ -375,15 +368,20 @@ async fn member_status(addr: &str) -> Option<api::ClusterStatusResponse> {
 
 pub async fn why(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
     let mut client = connect(addr).await?;
-    let history = client
+    let history = history(&mut client, id).await?;
+    render::why(id, &history, out)
+}
+
+/// A job's whole history (up to the server's limit).
+async fn history(client: &mut Client, id: u64) -> anyhow::Result<api::JobHistoryResponse> {
+    Ok(client
         .job_history(api::JobHistoryRequest {
             job_id: id,
             limit: 0,
         })
         .await
         .map_err(status_error)?
-        .into_inner();
-    render::why(id, &history, out)
+        .into_inner())
 }
 
 pub fn replay(data_dir: &Path, until: keel_storage::Until, out: Output) -> anyhow::Result<()> {

@@ -43,14 +43,7 @@ pub struct ReplaySummary {
 /// Replays the journal in a state directory (`DATA_DIR/state`) up to and
 /// including `until` (everything if `None`).
 pub fn replay(state_dir: &Path, until: Option<u64>) -> Result<ReplaySummary, ReplayError> {
-    let db = crate::state_machine::open_sled(state_dir).map_err(|e| ReplayError::Open {
-        path: state_dir.display().to_string(),
-        message: e.to_string(),
-    })?;
-    let tree = db
-        .open_tree("sm")
-        .map_err(|e| ReplayError::Read(e.to_string()))?;
-    replay_tree(&tree, until.unwrap_or(u64::MAX))
+    replay_until(state_dir, until.map_or(Until::End, Until::Index))
 }
 
 /// Where to stop a replay.
