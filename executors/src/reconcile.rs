@@ -47,7 +47,8 @@ pub enum Action {
 /// current allocation, except ranks already recorded as exited.
 pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch> {
     let mut out = BTreeMap::new();
-    for (job_id, job) in state.jobs() {
+    for job in state.allocated_jobs() {
+        let job_id = &job.id;
         if job.state != JobState::Running {
             continue;
         }
@@ -121,11 +122,11 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
 /// Workers the state records as running (started and not exited).
 pub fn recorded_running(state: &ClusterState) -> BTreeSet<WorkerId> {
     let mut out = BTreeSet::new();
-    for (job_id, job) in state.jobs() {
+    for job in state.jobs_with_running_workers() {
         for (rank, w) in &job.workers {
             if w.state == WorkerState::Running {
                 out.insert(WorkerId {
-                    job_id: *job_id,
+                    job_id: job.id,
                     epoch: w.epoch,
                     rank: *rank,
                 });

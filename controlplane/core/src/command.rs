@@ -97,6 +97,23 @@ pub enum Command {
 }
 
 impl Command {
+    /// The one job this command is about, if it names one.
+    pub fn job_id(&self) -> Option<JobId> {
+        match self {
+            Command::CancelJob { job_id, .. }
+            | Command::RecordWorkerStarted { job_id, .. }
+            | Command::RecordWorkerExited { job_id, .. }
+            | Command::ReportProgress { job_id, .. }
+            | Command::FinishJob { job_id, .. }
+            | Command::RemoveJob { job_id } => Some(*job_id),
+            Command::RegisterNode { .. }
+            | Command::MarkNodeLost { .. }
+            | Command::MarkNodeRecovered { .. }
+            | Command::SubmitJob { .. }
+            | Command::DecideAllocation { .. } => None,
+        }
+    }
+
     /// A short name for logs and metrics.
     pub fn kind(&self) -> &'static str {
         match self {

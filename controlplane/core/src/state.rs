@@ -83,7 +83,11 @@ pub enum ApplyError {
 }
 
 /// The whole scheduler state: a fold of `apply` over the log.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+///
+/// The encoding (snapshots, the state hash) holds the jobs, nodes and
+/// counters; the [`JobIndexes`] are derived from the jobs, left out of it and
+/// rebuilt when a state is decoded.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ClusterState {
     next_job_id: JobId,
     jobs: BTreeMap<JobId, Job>,
@@ -101,6 +105,99 @@ pub struct ClusterState {
     /// The highest scheduling round decided so far, so a new leader goes on
     /// numbering where the last one stopped.
     last_round: u64,
+    #[serde(skip)]
+    indexes: JobIndexes,
+}
+
+/// Sets of job ids that the loops on the leader walk instead of every job
+/// ever submitted (finished jobs pile up; a round must not cost more as they
+/// do). Derived from `jobs`: `apply` updates the entries of the jobs an entry
+/// touched, [`ClusterState::check_invariants`] proves they agree.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct JobIndexes {
+    /// Jobs not yet in a terminal state.
+    unfinished: BTreeSet<JobId>,
+    /// Jobs holding an allocation.
+    allocated: BTreeSet<JobId>,
+    /// Jobs with a worker recorded as running (a cancelled job's workers
+    /// stay recorded until their exits are).
+    with_running_workers: BTreeSet<JobId>,
+    /// (`not_before_ms`, job) of waiting jobs that carry a retry backoff,
+    /// ended or not.
+    backoffs: BTreeSet<(u64, JobId)>,
+    backoff_of: BTreeMap<JobId, u64>,
+}
+
+impl JobIndexes {
+    fn of(jobs: &BTreeMap<JobId, Job>) -> JobIndexes {
+        let mut indexes = JobIndexes::default();
+        for (id, job) in jobs {
+            indexes.update(*id, Some(job));
+        }
+        indexes
+    }
+
+    /// Puts `id` in exactly the sets that `job` (None: removed) belongs to.
+    fn update(&mut self, id: JobId, job: Option<&Job>) {
+        if let Some(t) = self.backoff_of.remove(&id) {
+            self.backoffs.remove(&(t, id));
+        }
+        if let Some(t) = job
+            .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
+            .and_then(|j| j.not_before_ms)
+        {
+            self.backoffs.insert((t, id));
+            self.backoff_of.insert(id, t);
+        }
+        let set = |set: &mut BTreeSet<JobId>, member: bool| {
+            if member {
+                set.insert(id);
+            } else {
+                set.remove(&id);
+            }
+        };
+        set(
+            &mut self.unfinished,
+            job.is_some_and(|j| !j.state.is_terminal()),
+        );
+        set(
+            &mut self.allocated,
+            job.is_some_and(|j| j.allocation.is_some()),
+        );
+        set(
+            &mut self.with_running_workers,
+            job.is_some_and(|j| j.workers.values().any(|w| w.state == WorkerState::Running)),
+        );
+    }
+}
+
+/// The encoded fields of [`ClusterState`], in order.
+#[derive(Deserialize)]
+struct EncodedClusterState {
+    next_job_id: JobId,
+    jobs: BTreeMap<JobId, Job>,
+    nodes: BTreeMap<String, Node>,
+    gpu_holders: BTreeMap<GpuRef, JobId>,
+    last_index: u64,
+    supply_demand_version: u64,
+    last_round: u64,
+}
+
+impl<'de> Deserialize<'de> for ClusterState {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let e = EncodedClusterState::deserialize(deserializer)?;
+        let indexes = JobIndexes::of(&e.jobs);
+        Ok(ClusterState {
+            next_job_id: e.next_job_id,
+            jobs: e.jobs,
+            nodes: e.nodes,
+            gpu_holders: e.gpu_holders,
+            last_index: e.last_index,
+            supply_demand_version: e.supply_demand_version,
+            last_round: e.last_round,
+            indexes,
+        })
+    }
 }
 
 fn check_len(field: &'static str, s: &str, limit: usize) -> Result<(), ApplyError> {
@@ -114,6 +211,45 @@ fn check_len(field: &'static str, s: &str, limit: usize) -> Result<(), ApplyErro
     Ok(())
 }
 
+/// Checks a node's name, address and GPUs against the limits; returns its
+/// GPU types by index.
+pub fn validate_node(
+    name: &str,
+    address: &str,
+    gpus: &[Gpu],
+) -> Result<BTreeMap<u32, String>, ApplyError> {
+    if name.is_empty() {
+        return Err(ApplyError::Invalid {
+            field: "node name".into(),
+            reason: "empty".into(),
+        });
+    }
+    check_len("node name", name, limits::NODE_NAME_MAX_LEN)?;
+    check_len("node address", address, limits::NODE_ADDRESS_MAX_LEN)?;
+    if gpus.len() > limits::NODE_GPUS_MAX {
+        return Err(ApplyError::TooLarge {
+            field: "node gpus".into(),
+            len: gpus.len(),
+            limit: limits::NODE_GPUS_MAX,
+        });
+    }
+    let mut inventory = BTreeMap::new();
+    for gpu in gpus {
+        check_len(
+            "gpu type",
+            &gpu.gpu_type,
+            crate::spec::limits::GPU_TYPE_MAX_LEN,
+        )?;
+        if inventory.insert(gpu.index, gpu.gpu_type.clone()).is_some() {
+            return Err(ApplyError::DuplicateGpu {
+                node: name.to_string(),
+                index: gpu.index,
+            });
+        }
+    }
+    Ok(inventory)
+}
+
 impl ClusterState {
     pub fn new() -> Self {
         ClusterState {
@@ -124,6 +260,36 @@ impl ClusterState {
 
     pub fn jobs(&self) -> &BTreeMap<JobId, Job> {
         &self.jobs
+    }
+
+    /// Jobs not yet in a terminal state, in submission order.
+    pub fn unfinished_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.unfinished)
+    }
+
+    /// Jobs holding an allocation, in submission order.
+    pub fn allocated_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.allocated)
+    }
+
+    /// Jobs with a worker recorded as running, in submission order.
+    pub fn jobs_with_running_workers(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.with_running_workers)
+    }
+
+    /// The earliest time after `now_ms` at which a waiting job's retry
+    /// backoff ends: the scheduling loop runs a round then, without waiting
+    /// for its tick.
+    pub fn next_backoff_end_ms(&self, now_ms: u64) -> Option<u64> {
+        self.indexes
+            .backoffs
+            .range((now_ms.saturating_add(1), 0)..)
+            .next()
+            .map(|(t, _)| *t)
+    }
+
+    fn indexed<'a>(&'a self, ids: &'a BTreeSet<JobId>) -> impl Iterator<Item = &'a Job> + 'a {
+        ids.iter().filter_map(|id| self.jobs.get(id))
     }
 
     pub fn job(&self, id: JobId) -> Option<&Job> {
@@ -171,6 +337,15 @@ impl ClusterState {
     pub fn apply(&mut self, index: u64, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         self.last_index = index;
         let events = self.apply_command(entry)?;
+        // Every change to a job names it in an event (or in the command).
+        let touched: BTreeSet<JobId> = events
+            .iter()
+            .filter_map(Event::job_id)
+            .chain(entry.command.job_id())
+            .collect();
+        for id in touched {
+            self.indexes.update(id, self.jobs.get(&id));
+        }
         let moves_supply_or_demand = events.iter().any(|e| {
             !matches!(
                 e,
@@ -430,35 +605,7 @@ impl ClusterState {
         gpus: &[Gpu],
         at_ms: u64,
     ) -> Result<Vec<Event>, ApplyError> {
-        if name.is_empty() {
-            return Err(ApplyError::Invalid {
-                field: "node name".into(),
-                reason: "empty".into(),
-            });
-        }
-        check_len("node name", name, limits::NODE_NAME_MAX_LEN)?;
-        check_len("node address", address, limits::NODE_ADDRESS_MAX_LEN)?;
-        if gpus.len() > limits::NODE_GPUS_MAX {
-            return Err(ApplyError::TooLarge {
-                field: "node gpus".into(),
-                len: gpus.len(),
-                limit: limits::NODE_GPUS_MAX,
-            });
-        }
-        let mut inventory = BTreeMap::new();
-        for gpu in gpus {
-            check_len(
-                "gpu type",
-                &gpu.gpu_type,
-                crate::spec::limits::GPU_TYPE_MAX_LEN,
-            )?;
-            if inventory.insert(gpu.index, gpu.gpu_type.clone()).is_some() {
-                return Err(ApplyError::DuplicateGpu {
-                    node: name.to_string(),
-                    index: gpu.index,
-                });
-            }
-        }
+        let inventory = validate_node(name, address, gpus)?;
         // Re-registration may not drop a GPU that a job holds.
         for (gpu, holder) in self.gpus_held_on(name) {
             if !inventory.contains_key(&gpu.index) {
@@ -905,6 +1052,9 @@ impl ClusterState {
             self.gpu_holders.iter().map(|(g, j)| (g, *j)).collect();
         if index != from_jobs {
             return Err("the GPU holder index disagrees with the jobs' allocations".into());
+        }
+        if self.indexes != JobIndexes::of(&self.jobs) {
+            return Err("the job indexes disagree with the jobs".into());
         }
         Ok(())
     }

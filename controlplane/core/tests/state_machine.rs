@@ -587,6 +587,16 @@ proptest! {
     }
 
     #[test]
+    fn a_decoded_state_equals_the_live_one_indexes_included(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let (live, _) = run(&commands);
+        let bytes = postcard::to_allocvec(&live).expect("encodes");
+        let decoded: ClusterState = postcard::from_bytes(&bytes).expect("decodes");
+        prop_assert!(decoded.check_invariants().is_ok());
+        prop_assert_eq!(decoded.state_hash(), live.state_hash());
+        prop_assert_eq!(decoded, live);
+    }
+
+    #[test]
     fn a_different_history_gives_a_different_hash(commands in proptest::collection::vec(arb_command(), 1..40)) {
         let (a, _) = run(&commands);
         let mut longer = commands.clone();

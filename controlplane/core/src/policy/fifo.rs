@@ -37,9 +37,9 @@ impl Policy for Fifo {
         let mut plan = Plan::default();
         let mut free = FreeGpus::of(state);
         let capacity = FreeGpus::capacity(state);
-        for (job_id, job) in state.jobs() {
+        for job in state.allocated_jobs() {
             if let Some(a) = &job.allocation {
-                plan.placements.insert(*job_id, a.gpus.clone());
+                plan.placements.insert(job.id, a.gpus.clone());
             }
         }
         // Shapes (GPUs per worker, minimum workers, allowed types) that did
@@ -48,7 +48,8 @@ impl Policy for Fifo {
         // thousands of waiting jobs costs one attempt per distinct shape.
         let mut failed: BTreeSet<(u32, u32, &[String])> = BTreeSet::new();
         // Job ids are assigned in submission order, so map order is arrival order.
-        for (job_id, job) in state.jobs() {
+        for job in state.unfinished_jobs() {
+            let job_id = &job.id;
             if !matches!(job.state, JobState::Pending | JobState::Preempted)
                 || job.backing_off(input.now_ms)
             {
@@ -238,10 +239,7 @@ mod tests {
         });
         let job = w.state.job(1).expect("job");
         assert_eq!(job.not_before_ms, Some(10_001));
-        assert_eq!(
-            crate::policy::next_backoff_end_ms(&w.state, 5_000),
-            Some(10_001)
-        );
+        assert_eq!(w.state.next_backoff_end_ms(5_000), Some(10_001));
         // During the backoff the next job runs instead.
         let plan = fifo.plan(&SchedulingInput {
             state: &w.state,

@@ -9,7 +9,7 @@
 
 mod fifo;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 pub use fifo::Fifo;
 
@@ -38,7 +38,16 @@ impl Plan {
     /// cluster already runs (then nothing is proposed).
     pub fn changes(&self, state: &ClusterState) -> Vec<JobPlacement> {
         let mut out = Vec::new();
-        for (job_id, job) in state.jobs() {
+        // Only jobs that hold GPUs now or are planned to can change.
+        let candidates: BTreeSet<JobId> = state
+            .allocated_jobs()
+            .map(|j| j.id)
+            .chain(self.placements.keys().copied())
+            .collect();
+        for job_id in &candidates {
+            let Some(job) = state.job(*job_id) else {
+                continue;
+            };
             let current = job.allocation.as_ref().map(|a| a.gpus.as_slice());
             match (current, self.placements.get(job_id)) {
                 (Some(now), Some(planned)) if now == planned.as_slice() => {}
@@ -83,18 +92,6 @@ pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<
         round: state.last_round() + 1,
         placements,
     })
-}
-
-/// The earliest time after `now_ms` at which a waiting job's retry backoff
-/// ends: the scheduling loop runs a round then, without waiting for its tick.
-pub fn next_backoff_end_ms(state: &ClusterState, now_ms: u64) -> Option<u64> {
-    state
-        .jobs()
-        .values()
-        .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
-        .filter_map(|j| j.not_before_ms)
-        .filter(|t| *t > now_ms)
-        .min()
 }
 
 /// Options shared by the queue-based policies.

@@ -1,0 +1,270 @@
+//! Node liveness: which nodes have stopped reporting, and which are back.
+//!
+//! Every node has an agent (the server that declares it; later the SSH and
+//! Kubernetes executors' probes) that reports it to the leader every second
+//! or so, with its inventory. Reports are not log entries: the leader keeps
+//! them in memory, in a [`NodeLiveness`] created when it starts to lead, and
+//! turns what they mean into entries ([`NodeLiveness::due`]):
+//!
+//! - an Alive node not heard from for `timeout_ms` is marked lost (its jobs
+//!   go back to the queue); a new leader counts every node as heard at the
+//!   moment it started to lead, so a failover alone never loses a node;
+//! - a node heard with an inventory that differs from the state's (or not in
+//!   the state at all) is registered;
+//! - a node that this mechanism marked lost and that reports again is marked
+//!   recovered. A node an operator marked lost stays lost until the operator
+//!   says otherwise (`keel node alive`).
+//!
+//! Pure: time comes in as arguments, maps are ordered.
+
+use std::collections::BTreeMap;
+
+use crate::command::Command;
+use crate::model::{Gpu, NodeState};
+use crate::state::{validate_node, ApplyError, ClusterState};
+
+/// The start of the reason recorded when liveness marks a node lost; how a
+/// later leader knows that a returning node may be marked recovered.
+pub const LOST_BY_LIVENESS: &str = "no heartbeat";
+
+/// What a node's agent reports about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeReport {
+    pub name: String,
+    /// Where its workers reach each other (the rendezvous address).
+    pub address: String,
+    pub gpus: Vec<Gpu>,
+}
+
+impl NodeReport {
+    /// Checks the report against the same limits as a node's registration.
+    pub fn validate(&self) -> Result<(), ApplyError> {
+        validate_node(&self.name, &self.address, &self.gpus).map(|_| ())
+    }
+}
+
+/// The leader's view of when each node was last heard from.
+#[derive(Debug, Clone)]
+pub struct NodeLiveness {
+    timeout_ms: u64,
+    /// When this replica started to lead: nodes not heard from since are
+    /// counted from here.
+    leading_since_ms: u64,
+    heard: BTreeMap<String, (u64, NodeReport)>,
+}
+
+impl NodeLiveness {
+    pub fn new(timeout_ms: u64, leading_since_ms: u64) -> Self {
+        NodeLiveness {
+            timeout_ms,
+            leading_since_ms,
+            heard: BTreeMap::new(),
+        }
+    }
+
+    /// Records a report received at `at_ms`.
+    pub fn heard(&mut self, report: NodeReport, at_ms: u64) {
+        match self.heard.get(&report.name) {
+            Some((last, _)) if *last > at_ms => {}
+            _ => {
+                self.heard.insert(report.name.clone(), (at_ms, report));
+            }
+        }
+    }
+
+    fn fresh(&self, at_ms: u64, now_ms: u64) -> bool {
+        now_ms.saturating_sub(at_ms) <= self.timeout_ms
+    }
+
+    /// The entries that bring the state in line with what was heard by
+    /// `now_ms`, in node-name order.
+    pub fn due(&self, state: &ClusterState, now_ms: u64) -> Vec<Command> {
+        let mut out = Vec::new();
+        for (name, node) in state.nodes() {
+            if node.state != NodeState::Alive {
+                continue;
+            }
+            let last = self
+                .heard
+                .get(name)
+                .map_or(self.leading_since_ms, |(at, _)| {
+                    (*at).max(self.leading_since_ms)
+                });
+            if !self.fresh(last, now_ms) {
+                out.push(Command::MarkNodeLost {
+                    name: name.clone(),
+                    reason: format!(
+                        "{LOST_BY_LIVENESS} for {:.1} s",
+                        now_ms.saturating_sub(last) as f64 / 1000.0
+                    ),
+                });
+            }
+        }
+        for (name, (at_ms, report)) in &self.heard {
+            if !self.fresh(*at_ms, now_ms) {
+                continue;
+            }
+            let known = state.nodes().get(name);
+            let lost_by_us = known.is_some_and(|n| {
+                n.state == NodeState::Lost && n.message.starts_with(LOST_BY_LIVENESS)
+            });
+            if known.is_some_and(|n| n.state == NodeState::Lost) && !lost_by_us {
+                continue;
+            }
+            let same_inventory = known.is_some_and(|n| {
+                n.address == report.address
+                    && n.gpus.len() == report.gpus.len()
+                    && report
+                        .gpus
+                        .iter()
+                        .all(|g| n.gpus.get(&g.index) == Some(&g.gpu_type))
+            });
+            if !same_inventory {
+                out.push(Command::RegisterNode {
+                    name: name.clone(),
+                    address: report.address.clone(),
+                    gpus: report.gpus.clone(),
+                });
+            } else if lost_by_us {
+                out.push(Command::MarkNodeRecovered { name: name.clone() });
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command::LogEntry;
+
+    const TIMEOUT_MS: u64 = 10_000;
+
+    fn report(name: &str, gpus: u32) -> NodeReport {
+        NodeReport {
+            name: name.into(),
+            address: "10.0.0.1".into(),
+            gpus: (0..gpus)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: "v100".into(),
+                })
+                .collect(),
+        }
+    }
+
+    struct World {
+        state: ClusterState,
+        index: u64,
+    }
+
+    impl World {
+        fn new() -> World {
+            World {
+                state: ClusterState::new(),
+                index: 0,
+            }
+        }
+
+        /// Applies what liveness asks for at `now_ms`; returns the command kinds.
+        fn settle(&mut self, liveness: &NodeLiveness, now_ms: u64) -> Vec<&'static str> {
+            let due = liveness.due(&self.state, now_ms);
+            let kinds = due.iter().map(Command::kind).collect();
+            for command in due {
+                self.apply(command, now_ms);
+            }
+            kinds
+        }
+
+        fn apply(&mut self, command: Command, at_ms: u64) {
+            self.index += 1;
+            self.state
+                .apply(self.index, &LogEntry { at_ms, command })
+                .expect("applies");
+        }
+
+        fn node_state(&self, name: &str) -> NodeState {
+            self.state.nodes()[name].state
+        }
+    }
+
+    #[test]
+    fn a_reported_node_is_registered_once() {
+        let mut w = World::new();
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 4), 100);
+        assert_eq!(w.settle(&l, 200), vec!["register_node"]);
+        l.heard(report("a", 4), 1_100);
+        assert!(
+            w.settle(&l, 1_200).is_empty(),
+            "same inventory: nothing to do"
+        );
+        l.heard(report("a", 8), 2_100);
+        assert_eq!(w.settle(&l, 2_200), vec!["register_node"], "GPUs added");
+    }
+
+    #[test]
+    fn a_silent_node_is_lost_after_the_timeout_and_recovers_when_heard() {
+        let mut w = World::new();
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 1), 0);
+        l.heard(report("b", 1), 0);
+        w.settle(&l, 0);
+        l.heard(report("a", 1), 9_000);
+        assert!(
+            w.settle(&l, TIMEOUT_MS).is_empty(),
+            "not yet past the timeout"
+        );
+        assert_eq!(w.settle(&l, TIMEOUT_MS + 1), vec!["mark_node_lost"]);
+        assert_eq!(w.node_state("b"), NodeState::Lost);
+        assert_eq!(w.node_state("a"), NodeState::Alive);
+        assert!(w.state.nodes()["b"].message.starts_with(LOST_BY_LIVENESS));
+        assert!(w.settle(&l, TIMEOUT_MS + 2).is_empty(), "lost once");
+        l.heard(report("b", 1), 12_000);
+        assert_eq!(w.settle(&l, 12_000), vec!["mark_node_recovered"]);
+        assert_eq!(w.node_state("b"), NodeState::Alive);
+    }
+
+    #[test]
+    fn a_new_leader_counts_every_node_as_heard_when_it_started() {
+        let mut w = World::new();
+        let mut first = NodeLiveness::new(TIMEOUT_MS, 0);
+        first.heard(report("a", 1), 0);
+        w.settle(&first, 0);
+        // Leadership moves at 50 s; the new leader has heard nothing yet.
+        let second = NodeLiveness::new(TIMEOUT_MS, 50_000);
+        assert!(w.settle(&second, 50_000 + TIMEOUT_MS).is_empty());
+        assert_eq!(
+            w.settle(&second, 50_001 + TIMEOUT_MS),
+            vec!["mark_node_lost"]
+        );
+    }
+
+    #[test]
+    fn a_node_an_operator_marked_lost_stays_lost() {
+        let mut w = World::new();
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 1), 0);
+        w.settle(&l, 0);
+        w.apply(
+            Command::MarkNodeLost {
+                name: "a".into(),
+                reason: "maintenance".into(),
+            },
+            1,
+        );
+        l.heard(report("a", 2), 1_000);
+        assert!(w.settle(&l, 1_000).is_empty());
+        assert_eq!(w.node_state("a"), NodeState::Lost);
+    }
+
+    #[test]
+    fn an_old_report_does_not_replace_a_newer_one() {
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 1), 5_000);
+        l.heard(report("a", 2), 4_000);
+        let mut w = World::new();
+        w.settle(&l, 5_000);
+        assert_eq!(w.state.nodes()["a"].gpus.len(), 1);
+    }
+}
