@@ -16,6 +16,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::grpc_status::ApiError;
+use crate::node_liveness::{reports_from_proto, HeartbeatInbox, HEARTBEAT_NODES_MAX};
 use crate::proposer::Proposer;
 use crate::raft_node::RaftNode;
 
@@ -73,6 +74,7 @@ pub struct KeelApi {
     node: Arc<RaftNode>,
     proposer: Proposer,
     logs: LogReader,
+    heartbeats: Arc<HeartbeatInbox>,
     /// A channel to the current leader (its address, the client), reused
     /// while the leader stays the same.
     leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
@@ -122,11 +124,17 @@ impl std::fmt::Debug for KeelApi {
 }
 
 impl KeelApi {
-    pub fn new(node: Arc<RaftNode>, proposer: Proposer, logs: LogReader) -> Self {
+    pub fn new(
+        node: Arc<RaftNode>,
+        proposer: Proposer,
+        logs: LogReader,
+        heartbeats: Arc<HeartbeatInbox>,
+    ) -> Self {
         KeelApi {
             node,
             proposer,
             logs,
+            heartbeats,
             leader: tokio::sync::Mutex::new(None),
         }
     }
@@ -554,6 +562,30 @@ impl Keel for KeelApi {
         };
         let (index, _) = self.propose(command).await?;
         Ok(Response::new(api::SetNodeStateResponse { index }))
+    }
+
+    async fn node_heartbeat(
+        &self,
+        request: Request<api::NodeHeartbeatRequest>,
+    ) -> Result<Response<api::NodeHeartbeatResponse>, Status> {
+        route!(self, request, node_heartbeat, true);
+        let req = request.into_inner();
+        if req.nodes.len() > HEARTBEAT_NODES_MAX {
+            return Err(ApiError::InvalidArgument {
+                field: "nodes",
+                message: format!(
+                    "{} nodes in one heartbeat; the limit is {HEARTBEAT_NODES_MAX}",
+                    req.nodes.len()
+                ),
+            }
+            .into());
+        }
+        let reports = reports_from_proto(req.nodes);
+        for r in &reports {
+            r.validate().map_err(ApiError::from)?;
+        }
+        self.heartbeats.record(reports);
+        Ok(Response::new(api::NodeHeartbeatResponse {}))
     }
 
     async fn add_member(

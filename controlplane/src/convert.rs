@@ -64,5 +64,6 @@ pub fn node_to_proto<'a>(
             .filter(|(g, _)| g.node == node.name)
             .map(|(g, j)| (g.index, *j))
             .collect(),
+        message: node.message.clone(),
     }
 }

@@ -1,4 +1,5 @@
-//! The leader's loops: scheduling and reconciling.
+//! The leader's loops: scheduling and reconciling (the third, node
+//! liveness, is in [`crate::node_liveness`]).
 //!
 //! Both run on every replica but act only while it leads; both read the
 //! applied state and act through log entries (via the [`Proposer`]), never
@@ -20,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::policy::{decide, next_backoff_end_ms, Policy};
+use keel_core::policy::{decide, Policy};
 use keel_core::state::limits::PROGRESS_SAMPLES_MAX;
 use keel_core::{Command, JobId, ProgressSample};
 use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
@@ -47,6 +48,10 @@ pub struct LoopSettings {
     pub progress_every: Duration,
     /// SIGTERM → SIGKILL grace period for stopped workers.
     pub stop_grace: Duration,
+    /// A node not heard from for this long is marked lost.
+    pub node_timeout: Duration,
+    /// How often a server reports its nodes to the leader.
+    pub heartbeat_every: Duration,
 }
 
 impl Default for LoopSettings {
@@ -57,6 +62,8 @@ impl Default for LoopSettings {
             reconcile_every: Duration::from_millis(250),
             progress_every: Duration::from_secs(2),
             stop_grace: Duration::from_secs(10),
+            node_timeout: Duration::from_secs(10),
+            heartbeat_every: Duration::from_secs(1),
         }
     }
 }
@@ -72,12 +79,12 @@ fn is_leader(node: &RaftNode) -> bool {
 /// whole history, not on what a previous leader had not yet replicated to
 /// it).
 #[derive(Debug, Default)]
-struct LeaderGate {
+pub(crate) struct LeaderGate {
     ready_term: Option<u64>,
 }
 
 impl LeaderGate {
-    async fn ready(&mut self, node: &RaftNode) -> bool {
+    pub(crate) async fn ready(&mut self, node: &RaftNode) -> bool {
         if !is_leader(node) {
             self.ready_term = None;
             return false;
@@ -118,7 +125,10 @@ pub async fn scheduling_loop(
             let now = clock();
             (
                 applied.state.supply_demand_version(),
-                next_backoff_end_ms(&applied.state, now).map(|t| t.saturating_sub(now)),
+                applied
+                    .state
+                    .next_backoff_end_ms(now)
+                    .map(|t| t.saturating_sub(now)),
             )
         };
         if seen_version == Some(version) {

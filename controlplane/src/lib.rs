@@ -17,6 +17,7 @@ pub mod convert;
 pub mod grpc_status;
 pub mod inventory;
 pub mod leader;
+pub mod node_liveness;
 pub mod proposer;
 pub mod raft_network;
 pub mod raft_node;

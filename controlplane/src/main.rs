@@ -77,6 +77,14 @@ enum Cmd {
         /// Split the simulated GPUs over this many nodes (sim-0, sim-1, ...).
         #[arg(long)]
         simulated_nodes: Option<u32>,
+        /// This machine's node name (default: the hostname); with simulated
+        /// GPUs, the prefix of the simulated nodes' names (default: `sim`).
+        #[arg(long, conflicts_with = "no_local_node")]
+        node_name: Option<String>,
+        /// Seconds without a heartbeat after which the leader marks a node
+        /// lost (its jobs go back to the queue).
+        #[arg(long, default_value_t = 10.0)]
+        node_timeout_s: f64,
         /// Register no node for this machine: the server schedules and serves
         /// the API but runs no workers itself.
         #[arg(long, conflicts_with_all = ["simulated_gpus", "simulated_nodes"])]
@@ -279,6 +287,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             keep_log_entries,
             simulated_gpus,
             simulated_nodes,
+            node_name,
+            node_timeout_s,
             no_local_node,
             policy,
             backfill,
@@ -307,13 +317,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 nodes: if no_local_node {
                     Vec::new()
                 } else {
-                    inventory(simulated_gpus, simulated_nodes)?
+                    inventory(simulated_gpus, simulated_nodes, node_name)?
                 },
                 policy: policy.into(),
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,
                     stop_grace: seconds("stop-grace-s", stop_grace_s)?,
                     progress_every: seconds("progress-interval-s", progress_interval_s)?,
+                    node_timeout: seconds("node-timeout-s", node_timeout_s)?,
+                    // A few beats per timeout, so one lost beat loses nothing.
+                    heartbeat_every: seconds("node-timeout-s", node_timeout_s)?
+                        .div_f64(4.0)
+                        .min(Duration::from_secs(1)),
                     ..LoopSettings::default()
                 },
             };
@@ -404,18 +419,24 @@ async fn run(args: Args) -> anyhow::Result<()> {
 fn inventory(
     simulated_gpus: Option<String>,
     simulated_nodes: Option<u32>,
+    node_name: Option<String>,
 ) -> anyhow::Result<Vec<NodeInventory>> {
-    if let Some(spec) = simulated_gpus {
-        return Ok(keel::inventory::simulated(
-            &spec,
-            simulated_nodes.unwrap_or(1),
-        )?);
+    let simulated = |spec: &str, nodes: u32| {
+        keel::inventory::simulated(spec, nodes, node_name.as_deref().unwrap_or("sim"))
+    };
+    if let Some(spec) = &simulated_gpus {
+        return Ok(simulated(spec, simulated_nodes.unwrap_or(1))?);
     }
     if simulated_nodes.is_some() {
         anyhow::bail!("--simulated-nodes needs --simulated-gpus");
     }
     match keel::inventory::discovered() {
-        Ok(Some(node)) => return Ok(vec![node]),
+        Ok(Some(mut node)) => {
+            if let Some(name) = &node_name {
+                node.name.clone_from(name);
+            }
+            return Ok(vec![node]);
+        }
         Ok(None) => {}
         Err(e) => tracing::warn!(error = %e, "GPU discovery failed"),
     }
@@ -424,10 +445,7 @@ fn inventory(
         nodes = DEFAULT_SIMULATED_NODES,
         "no GPUs found: using a simulated cluster"
     );
-    Ok(keel::inventory::simulated(
-        DEFAULT_SIMULATED_GPUS,
-        DEFAULT_SIMULATED_NODES,
-    )?)
+    Ok(simulated(DEFAULT_SIMULATED_GPUS, DEFAULT_SIMULATED_NODES)?)
 }
 
 /// `keel trainer`: flags first, then the worker contract's environment.

@@ -454,10 +454,14 @@ pub fn nodes(nodes: &[api::Node], out: Output) -> anyhow::Result<()> {
                             .join(","),
                         format!("{}/{}", n.gpu_holders.len(), n.gpus.len()),
                         n.address.clone(),
+                        n.message.clone(),
                     ]
                 })
                 .collect();
-            print_table(&["NAME", "STATE", "GPUS", "IN USE", "ADDRESS"], &rows)
+            print_table(
+                &["NAME", "STATE", "GPUS", "IN USE", "ADDRESS", "MESSAGE"],
+                &rows,
+            )
         }
     }
 }

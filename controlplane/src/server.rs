@@ -16,6 +16,7 @@ use keel_executors::{LocalConfig, LocalExecutor};
 use crate::api::{Clock, KeelApi, LogReader};
 use crate::inventory::NodeInventory;
 use crate::leader::LoopSettings;
+use crate::node_liveness::HeartbeatInbox;
 use crate::proposer::Proposer;
 use crate::raft_network::{RaftService, RAFT_MESSAGE_MAX_BYTES};
 use crate::raft_node::{Peers, RaftNode, RaftNodeError, RaftSettings};
@@ -127,12 +128,14 @@ impl Server {
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let proposer = Proposer::spawn(self.node.raft.clone(), self.clock.clone());
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        tokio::spawn(crate::inventory::register(
+        let heartbeats = Arc::new(HeartbeatInbox::new(self.clock.clone()));
+        let liveness = tokio::spawn(crate::node_liveness::liveness_loop(
             self.node.clone(),
             proposer.clone(),
-            self.config.nodes.clone(),
-            self.config.peers.len() <= 1,
-            std::time::Duration::from_secs(30),
+            heartbeats.clone(),
+            self.clock.clone(),
+            self.config.loops.clone(),
+            stop_rx.clone(),
         ));
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
@@ -147,7 +150,7 @@ impl Server {
             proposer.clone(),
             self.executor.clone(),
             self.config.loops.clone(),
-            stop_rx,
+            stop_rx.clone(),
         ));
         let executor = self.executor.clone();
         let logs: LogReader = Arc::new(move |job_id, tail| {
@@ -156,8 +159,14 @@ impl Server {
                 keel_executors::Executor::logs(executor.as_ref(), job_id, tail).await
             })
         });
-        let api = KeelApi::new(self.node.clone(), proposer, logs);
-        let service = KeelServer::new(api)
+        let api = Arc::new(KeelApi::new(self.node.clone(), proposer, logs, heartbeats));
+        let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
+            api.clone(),
+            self.config.nodes.clone(),
+            self.config.loops.clone(),
+            stop_rx,
+        ));
+        let service = KeelServer::from_arc(api)
             .max_decoding_message_size(MAX_REQUEST_BYTES)
             .max_encoding_message_size(64 * MAX_REQUEST_BYTES);
         tracing::info!(addr = %self.addr, "serving the Keel API");
@@ -188,6 +197,8 @@ impl Server {
         let _ = stop_tx.send(true);
         let _ = scheduling.await;
         let _ = reconciling.await;
+        let _ = liveness.await;
+        let _ = beating.await;
         self.node.shutdown().await?;
         result?;
         Ok(())

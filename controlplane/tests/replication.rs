@@ -104,8 +104,16 @@ impl Cluster {
         let r = &mut self.replicas[id as usize - 1];
         let log = std::fs::File::create(r.data.with_extension(format!("log{}", rand_suffix())))
             .expect("log file");
+        // A replica given simulated GPUs declares its own node, `r{id}-0`;
+        // the others run none.
+        let node = if extra.contains(&"--simulated-gpus") {
+            vec!["--node-name".to_string(), format!("r{id}")]
+        } else {
+            vec!["--no-local-node".to_string()]
+        };
         let child = Command::new(KEEL)
-            .args(["server", "--no-local-node", "--id", &id.to_string()])
+            .args(["server", "--id", &id.to_string()])
+            .args(&node)
             .args(["--peers", &peers, "--listen", &r.addr, "--data-dir"])
             .arg(&r.data)
             .args(extra)
@@ -184,6 +192,37 @@ impl Cluster {
         let spec = self._dir.path().join(format!("{name}.yaml"));
         std::fs::write(&spec, format!("name: {name}\ncommand: [\"true\"]\n")).expect("spec");
         json(addrs, &["submit", "-f", spec.to_str().expect("utf-8")])?["id"].as_u64()
+    }
+
+    /// Each node's (state, message), as the cluster sees it now.
+    fn nodes(&self) -> Option<Vec<(String, String, String)>> {
+        let v = json(&self.all_addrs(), &["nodes"])?;
+        v.as_array().map(|a| {
+            a.iter()
+                .map(|n| {
+                    let s = |k: &str| n[k].as_str().unwrap_or_default().to_string();
+                    (s("name"), s("state"), s("message"))
+                })
+                .collect()
+        })
+    }
+
+    /// Waits until node `name` is in `state`; fails if meanwhile a node in
+    /// `stay_alive` is seen lost.
+    fn wait_node(&self, name: &str, state: &str, stay_alive: &[String]) -> String {
+        wait_for(&format!("node {name} to be {state}"), || {
+            let nodes = self.nodes()?;
+            for (n, s, m) in &nodes {
+                assert!(
+                    !(stay_alive.contains(n) && s == "lost"),
+                    "node {n} was marked lost ({m}) though its replica runs"
+                );
+            }
+            nodes
+                .into_iter()
+                .find(|(n, s, _)| n == name && s == state)
+                .map(|(_, _, m)| m)
+        })
     }
 
     fn jobs_on(&self, id: u64) -> BTreeSet<u64> {
@@ -469,4 +508,40 @@ fn a_snapshot_of_tens_of_megabytes_installs() {
         cluster.status(victim).expect("status")["state_hash"],
         hash.as_str()
     );
+}
+
+/// Node liveness follows leadership: every replica reports its own node to
+/// the leader; a SIGKILLed replica's node is marked lost after the timeout
+/// and recovers when the replica is back; a new leader starts its timers
+/// afresh and loses no node that still reports.
+#[test]
+fn a_silent_node_is_marked_lost_and_timers_follow_the_leader() {
+    let mut cluster = Cluster::start(&["--simulated-gpus", "1xv100", "--node-timeout-s", "2"]);
+    let extra = ["--simulated-gpus", "1xv100", "--node-timeout-s", "2"];
+    let name = |id: u64| format!("r{id}-0");
+    let leader = cluster.leader();
+    for id in 1..=3 {
+        cluster.wait_node(&name(id), "alive", &[]);
+    }
+    let follower = (1..=3).find(|id| *id != leader).expect("a follower");
+    let others =
+        |dead: u64| -> Vec<String> { (1..=3).filter(|id| *id != dead).map(name).collect() };
+
+    // A follower dies: its node goes lost, the others do not.
+    cluster.kill9(follower);
+    let why = cluster.wait_node(&name(follower), "lost", &others(follower));
+    assert!(why.contains("no heartbeat"), "reason: {why}");
+    cluster.spawn(follower, &extra);
+    cluster.wait_node(&name(follower), "alive", &others(follower));
+
+    // The leader dies: the new leader's timers start, the dead leader's
+    // node goes lost, and no node that still reports is lost meanwhile.
+    cluster.kill9(leader);
+    let second = cluster.leader();
+    assert_ne!(second, leader);
+    let why = cluster.wait_node(&name(leader), "lost", &others(leader));
+    assert!(why.contains("no heartbeat"), "reason: {why}");
+    cluster.spawn(leader, &extra);
+    cluster.wait_node(&name(leader), "alive", &[]);
+    cluster.converged();
 }

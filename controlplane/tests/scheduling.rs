@@ -131,8 +131,10 @@ fn a_tour_sized_run_completes_without_double_booking_a_gpu() {
         &dir.path().join("data"),
         &["--simulated-gpus", "4xv100,4xk80", "--simulated-nodes", "2"],
     );
-    let nodes = server.json(&["nodes"]);
-    assert_eq!(nodes.as_array().map(Vec::len), Some(2));
+    // The server's heartbeats register its nodes once it leads.
+    wait_for("both nodes to be registered", || {
+        (server.json(&["nodes"]).as_array().map(Vec::len) == Some(2)).then_some(())
+    });
     // 20 jobs over 8 GPUs: one and two GPUs per worker, one or two
     // workers, and elastic ones. Names end in g<GPUs per worker> so the
     // journal check knows each job's worker shape.

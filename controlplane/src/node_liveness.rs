@@ -1,0 +1,194 @@
+//! Node heartbeats and the leader's liveness timers.
+//!
+//! - **Heartbeats** (every replica that declares nodes): every
+//!   `heartbeat_every`, the server reports its nodes with their inventory
+//!   through the `NodeHeartbeat` RPC, which a follower forwards to the
+//!   leader. They are not log entries; the leader keeps them in a
+//!   [`HeartbeatInbox`].
+//! - **Liveness** (leader only, after the term's first entry is applied):
+//!   a [`NodeLiveness`] created when this replica starts to lead takes the
+//!   reports and proposes what they mean: registrations, `MarkNodeLost` for
+//!   nodes silent for `node_timeout`, `MarkNodeRecovered` for nodes it had
+//!   marked lost that report again. A replica that loses leadership drops
+//!   its timers; the next leader starts its own, counting every node as
+//!   heard when it took over.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keel_core::liveness::{NodeLiveness, NodeReport};
+use keel_core::Command;
+use keel_proto::api::keel_server::Keel;
+use keel_proto::api::NodeHeartbeatRequest;
+use keel_proto::entry as pb;
+use tokio::sync::watch;
+
+use crate::api::{Clock, KeelApi};
+use crate::inventory::NodeInventory;
+use crate::leader::{LeaderGate, LoopSettings};
+use crate::proposer::Proposer;
+use crate::raft_node::RaftNode;
+
+/// Most nodes in one heartbeat.
+pub const HEARTBEAT_NODES_MAX: usize = 4096;
+
+/// Reports received by this replica while it leads, newest per node, until
+/// the liveness loop takes them.
+pub struct HeartbeatInbox {
+    clock: Clock,
+    reports: Mutex<BTreeMap<String, (u64, NodeReport)>>,
+}
+
+impl std::fmt::Debug for HeartbeatInbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeartbeatInbox").finish_non_exhaustive()
+    }
+}
+
+impl HeartbeatInbox {
+    pub fn new(clock: Clock) -> Self {
+        HeartbeatInbox {
+            clock,
+            reports: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Records reports received now.
+    pub fn record(&self, reports: Vec<NodeReport>) {
+        let at_ms = (self.clock)();
+        let mut inbox = self.reports.lock().unwrap_or_else(|e| e.into_inner());
+        for r in reports {
+            inbox.insert(r.name.clone(), (at_ms, r));
+        }
+    }
+
+    fn take(&self) -> BTreeMap<String, (u64, NodeReport)> {
+        std::mem::take(&mut *self.reports.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The reports in a heartbeat request.
+pub fn reports_from_proto(nodes: Vec<pb::RegisterNode>) -> Vec<NodeReport> {
+    nodes
+        .into_iter()
+        .map(|n| NodeReport {
+            name: n.name,
+            address: n.address,
+            gpus: n
+                .gpus
+                .into_iter()
+                .map(keel_core::codec::gpu_from_proto)
+                .collect(),
+        })
+        .collect()
+}
+
+/// Reports this server's nodes every `settings.heartbeat_every`, through
+/// its own API (which forwards to the leader). Returns when `stop` turns
+/// true.
+pub async fn heartbeat_loop(
+    api: Arc<KeelApi>,
+    nodes: Vec<NodeInventory>,
+    settings: LoopSettings,
+    mut stop: watch::Receiver<bool>,
+) {
+    if nodes.is_empty() {
+        return;
+    }
+    let request = NodeHeartbeatRequest {
+        nodes: nodes
+            .iter()
+            .map(|n| pb::RegisterNode {
+                name: n.name.clone(),
+                address: n.address.clone(),
+                gpus: n
+                    .gpus
+                    .iter()
+                    .map(|g| pb::Gpu {
+                        index: g.index,
+                        gpu_type: g.gpu_type.clone(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    };
+    loop {
+        let wait = match api
+            .node_heartbeat(tonic::Request::new(request.clone()))
+            .await
+        {
+            Ok(_) => settings.heartbeat_every,
+            Err(status) => {
+                // No leader yet, or an election: try again soon.
+                tracing::debug!(error = %status.message(), "heartbeat not delivered");
+                settings.heartbeat_every.min(Duration::from_millis(200))
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+    }
+}
+
+/// The leader's liveness timers. Returns when `stop` turns true.
+pub async fn liveness_loop(
+    node: Arc<RaftNode>,
+    proposer: Proposer,
+    inbox: Arc<HeartbeatInbox>,
+    clock: Clock,
+    settings: LoopSettings,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut gate = LeaderGate::default();
+    // The term these timers were started in, and the timers.
+    let mut timers: Option<(u64, NodeLiveness)> = None;
+    // Cheap when nothing is due (one pass over the nodes), and a new node
+    // is registered within a tick of its first report.
+    let tick = (settings.node_timeout / 10).min(Duration::from_millis(200));
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+        if !gate.ready(&node).await {
+            timers = None;
+            continue;
+        }
+        let term = node.raft.metrics().borrow().current_term;
+        let (_, liveness) = match &mut timers {
+            Some((t, l)) if *t == term => (t, l),
+            _ => {
+                tracing::info!(term, "node liveness timers started");
+                let timeout_ms =
+                    u64::try_from(settings.node_timeout.as_millis()).unwrap_or(u64::MAX);
+                let started = timers.insert((term, NodeLiveness::new(timeout_ms, clock())));
+                (&mut started.0, &mut started.1)
+            }
+        };
+        for (_, (at_ms, report)) in inbox.take() {
+            liveness.heard(report, at_ms);
+        }
+        let due = {
+            let shared = node.state_machine.shared();
+            let applied = shared.read();
+            liveness.due(&applied.state, clock())
+        };
+        for command in due {
+            if let Command::MarkNodeLost { name, reason } = &command {
+                tracing::warn!(node = %name, %reason, "marking a silent node lost");
+            }
+            let kind = command.kind();
+            if let Err(e) = proposer.propose(command).await {
+                tracing::warn!(error = %e, kind, "liveness entry not committed");
+            }
+        }
+    }
+}
