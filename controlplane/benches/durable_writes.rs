@@ -177,6 +177,7 @@ fn main() {
             // No GPUs: the scheduling loop runs but places nothing, so the
             // figure is the write path's.
             nodes: Vec::new(),
+            executor_dir: None,
             policy: std::sync::Arc::new(keel_core::policy::Fifo::default()),
             loops: keel::leader::LoopSettings::default(),
         };

@@ -202,6 +202,9 @@ pub async fn reconcile_loop<E: Executor>(
     let mut applied = shared.subscribe();
     let mut last_progress = tokio::time::Instant::now();
     let mut gate = LeaderGate::default();
+    // Whether the executor holds the workers (taken over at the start of
+    // this replica's leadership, released when it ends).
+    let mut holding = false;
     loop {
         tokio::select! {
             _ = applied.changed() => {
@@ -215,7 +218,18 @@ pub async fn reconcile_loop<E: Executor>(
             break;
         }
         if !gate.ready(&node).await {
+            if holding && !is_leader(&node) {
+                tracing::info!("no longer leading: releasing the workers to the next leader");
+                executor.release().await;
+                holding = false;
+            }
             continue;
+        }
+        if !holding {
+            // Before the first pass: what runs already is adopted, not
+            // launched a second time.
+            executor.take_over().await;
+            holding = true;
         }
         // Launches are recorded on the next pass; take it at once.
         for _ in 0..3 {
@@ -232,6 +246,10 @@ pub async fn reconcile_loop<E: Executor>(
             flush_progress(&proposer, executor.as_ref()).await;
             last_progress = tokio::time::Instant::now();
         }
+    }
+    // A replica that does not hold the workers leaves them to the leader.
+    if !holding {
+        return;
     }
     // Exits that happened before the shutdown are facts to record; the
     // workers stopped by the shutdown itself are not failures and are not

@@ -81,6 +81,12 @@ enum Cmd {
         /// GPUs, the prefix of the simulated nodes' names (default: `sim`).
         #[arg(long, conflicts_with = "no_local_node")]
         node_name: Option<String>,
+        /// Where the local executor keeps worker logs, pid and exit records
+        /// and checkpoints (default: the data directory). Replicas on one
+        /// machine that share one let a new leader re-adopt the workers the
+        /// last leader started instead of launching them again.
+        #[arg(long)]
+        executor_dir: Option<PathBuf>,
         /// Seconds without a heartbeat after which the leader marks a node
         /// lost (its jobs go back to the queue).
         #[arg(long, default_value_t = 10.0)]
@@ -288,6 +294,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             simulated_gpus,
             simulated_nodes,
             node_name,
+            executor_dir,
             node_timeout_s,
             no_local_node,
             policy,
@@ -319,6 +326,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 } else {
                     inventory(simulated_gpus, simulated_nodes, node_name)?
                 },
+                executor_dir,
                 policy: policy.into(),
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,

@@ -33,6 +33,11 @@ pub struct ServerConfig {
     pub raft: RaftSettings,
     /// The nodes this server runs workers on (local executor).
     pub nodes: Vec<NodeInventory>,
+    /// Where the local executor keeps worker logs, pid and exit records and
+    /// checkpoints (`None`: in the data directory). Replicas on one machine
+    /// that share one let a new leader re-adopt the workers the last one
+    /// started.
+    pub executor_dir: Option<PathBuf>,
     /// The scheduling policy.
     pub policy: Arc<dyn Policy>,
     pub loops: LoopSettings,
@@ -99,9 +104,13 @@ impl Server {
             source,
         })?;
         let exe = std::env::current_exe().ok();
+        let executor_dir = config
+            .executor_dir
+            .clone()
+            .unwrap_or_else(|| data_dir.root().to_path_buf());
         let executor = LocalExecutor::new(LocalConfig {
-            workers_dir: data_dir.root().join("workers"),
-            checkpoints_dir: data_dir.root().join("checkpoints"),
+            workers_dir: executor_dir.join("workers"),
+            checkpoints_dir: executor_dir.join("checkpoints"),
             path_prepend: exe.as_ref().and_then(|p| p.parent().map(PathBuf::from)),
             // Workers run under `keel supervise`, so they outlive this
             // process and a restarted server re-adopts them.

@@ -104,12 +104,14 @@ impl Cluster {
         let r = &mut self.replicas[id as usize - 1];
         let log = std::fs::File::create(r.data.with_extension(format!("log{}", rand_suffix())))
             .expect("log file");
-        // A replica given simulated GPUs declares its own node, `r{id}-0`;
-        // the others run none.
-        let node = if extra.contains(&"--simulated-gpus") {
-            vec!["--node-name".to_string(), format!("r{id}")]
-        } else {
+        // A replica given simulated GPUs declares a node (its own, `r{id}-0`,
+        // unless the test names it); the others run none.
+        let node = if !extra.contains(&"--simulated-gpus") {
             vec!["--no-local-node".to_string()]
+        } else if extra.contains(&"--node-name") {
+            Vec::new()
+        } else {
+            vec!["--node-name".to_string(), format!("r{id}")]
         };
         let child = Command::new(KEEL)
             .args(["server", "--id", &id.to_string()])
@@ -543,5 +545,89 @@ fn a_silent_node_is_marked_lost_and_timers_follow_the_leader() {
     assert!(why.contains("no heartbeat"), "reason: {why}");
     cluster.spawn(leader, &extra);
     cluster.wait_node(&name(leader), "alive", &[]);
+    cluster.converged();
+}
+
+/// A new leader re-adopts the workers the last one started: three replicas
+/// on one machine share the executor's directory and declare the same node;
+/// the leader is SIGKILLed while a job runs; the job's worker goes on under
+/// its supervisor, the new leader takes it over (no second launch, no new
+/// epoch) and records its exit when it finishes.
+#[test]
+fn a_new_leader_re_adopts_the_running_workers() {
+    let shared = tempfile::tempdir().expect("tempdir");
+    let shared_dir = shared.path().to_str().expect("utf-8").to_string();
+    let extra = [
+        "--simulated-gpus",
+        "1xv100",
+        "--node-name",
+        "m",
+        "--executor-dir",
+        &shared_dir,
+    ];
+    let mut cluster = Cluster::start(&extra);
+    let leader = cluster.leader();
+    let all = cluster.all_addrs();
+    cluster.wait_node("m-0", "alive", &[]);
+    let spec = shared.path().join("long.yaml");
+    std::fs::write(
+        &spec,
+        "name: long\ncommand: [keel, trainer, --speedup, \"20\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"10\"]\n\
+         gpus: 1\nmodel: resnet50\ntotal_steps: 3000\n",
+    )
+    .expect("spec");
+    let id = json(&all, &["submit", "-f", spec.to_str().expect("utf-8")])
+        .and_then(|v| v["id"].as_u64())
+        .expect("submitted");
+    let job = |field: &str| json(&all, &["job", &id.to_string()]).map(|j| j[field].clone());
+    let before = wait_for("progress", || {
+        let step = job("progress")?["step"].as_u64()?;
+        (step >= 20).then_some(step)
+    });
+    let pid_file = shared.path().join(format!("workers/job-{id}/e1-r0.pid"));
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(&pid_file).expect("pid file")).expect("json");
+    let pid = record["pid"].as_u64().expect("a pid");
+
+    cluster.kill9(leader);
+    assert!(
+        Path::new(&format!("/proc/{pid}")).exists(),
+        "the worker died with its leader"
+    );
+    let second = cluster.leader();
+    assert_ne!(second, leader);
+    // The same process goes on reporting to the new leader.
+    wait_for("progress reported to the new leader", || {
+        let step = job("progress")?["step"].as_u64()?;
+        (step > before + 20).then_some(())
+    });
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(&pid_file).expect("pid file")).expect("json");
+    assert_eq!(record["pid"].as_u64(), Some(pid), "the worker was replaced");
+    let logs = String::from_utf8_lossy(&cli(&all, &["logs", &id.to_string()]).stdout).to_string();
+    assert_eq!(
+        logs.matches(", from step ").count(),
+        1,
+        "launched twice: {logs}"
+    );
+    let history = wait_for("the job to succeed", || {
+        (job("state")? == "succeeded").then(|| job("history"))?
+    });
+    let commands: Vec<String> = history
+        .as_array()
+        .expect("history")
+        .iter()
+        .filter_map(|r| r["command"].as_str().map(str::to_string))
+        .collect();
+    let count = |c: &str| commands.iter().filter(|k| *k == c).count();
+    assert_eq!(
+        count("record_worker_started"),
+        1,
+        "relaunched: {commands:?}"
+    );
+    assert_eq!(count("decide_allocation"), 1, "re-placed: {commands:?}");
+    let text = history.to_string();
+    assert!(text.contains("worker_exited"), "{text}");
+    cluster.spawn(leader, &extra);
     cluster.converged();
 }

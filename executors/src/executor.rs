@@ -73,6 +73,15 @@ pub trait Executor: Send + Sync + 'static {
         tail_bytes: u64,
     ) -> impl Future<Output = Result<Vec<WorkerLog>, ExecutorError>> + Send;
 
+    /// This server starts to lead: find the workers an earlier leader (or an
+    /// earlier run of this server) left, re-adopt the running ones and
+    /// report the exits that no one saw. Idempotent.
+    fn take_over(&self) -> impl Future<Output = ()> + Send;
+
+    /// This server stopped leading: stop watching every worker without
+    /// touching it (the next leader takes them over) and forget them.
+    fn release(&self) -> impl Future<Output = ()> + Send;
+
     /// Stops every worker and waits (at most `grace` plus a little) for them
     /// to exit. Used when the server shuts down.
     fn shutdown(&self, grace: Duration) -> impl Future<Output = ()> + Send;

@@ -11,10 +11,15 @@
 //! With a supervisor (`keel supervise`, see [`crate::supervisor`]), each
 //! worker runs under a small parent that outlives the server and records the
 //! worker's exit. A `.pid` file beside each log (the supervisor's pid, its
-//! kernel start time, the worker's GPUs) lets a restarted server find them:
-//! [`LocalExecutor::new`] re-adopts the ones still running (the reconciler
-//! then launches nothing twice) and reports the exits it missed. Without a
+//! kernel start time, the worker's GPUs) lets a server that starts to lead
+//! find them: [`Executor::take_over`] re-adopts the ones still running (the
+//! reconciler then launches nothing twice) and reports the exits it missed;
+//! this is how a restarted server, or a new leader on the same machine
+//! sharing the directory (`--executor-dir`), carries on. Without a
 //! supervisor (unit tests), leftovers are killed instead.
+//! [`Executor::release`] (leadership lost) stops watching every worker
+//! without touching it, so a deposed leader never records or stops what the
+//! next one now owns.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -72,6 +77,9 @@ struct Inner {
     workers: BTreeMap<WorkerId, Entry>,
     progress: BTreeMap<JobId, Vec<ProgressSample>>,
     ports: BTreeMap<(JobId, u64), u16>,
+    /// Bumped by `release`: watchers started before it end without
+    /// recording anything.
+    generation: u64,
 }
 
 /// Runs workers as local child processes. Cheap to clone (shared state).
@@ -126,19 +134,17 @@ fn process_start_time(pid: u32) -> Option<u64> {
 }
 
 impl LocalExecutor {
-    /// Creates the directories and kills workers that a previous server
-    /// process left running.
+    /// Creates the directories. Workers an earlier server left are taken
+    /// over by [`Executor::take_over`], once this server leads.
     pub fn new(config: LocalConfig) -> Result<LocalExecutor, ExecutorError> {
         for dir in [&config.workers_dir, &config.checkpoints_dir] {
             std::fs::create_dir_all(dir)
                 .map_err(|e| ExecutorError::Other(format!("creating {}: {e}", dir.display())))?;
         }
-        let exec = LocalExecutor {
+        Ok(LocalExecutor {
             config: Arc::new(config),
             inner: Arc::default(),
-        };
-        exec.take_over_leftovers();
-        Ok(exec)
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -227,12 +233,16 @@ impl LocalExecutor {
                 let this = self.clone();
                 let (pid, started) = (p.pid, p.start);
                 let log_path = log_path.to_path_buf();
+                let generation = self.lock().generation;
                 tokio::spawn(async move {
-                    let follower = this.start_follower(&id, &log_path, start);
-                    while process_start_time(pid) == Some(started) {
+                    let follower = this.start_follower(&id, &log_path, start, generation);
+                    while process_start_time(pid) == Some(started)
+                        && this.lock().generation == generation
+                    {
                         tokio::time::sleep(ADOPTED_POLL).await;
                     }
-                    this.finish(&id, &log_path, follower, None).await;
+                    this.finish(&id, &log_path, follower, None, generation)
+                        .await;
                 });
             }
             Some(p) => {
@@ -272,6 +282,7 @@ impl LocalExecutor {
         id: &WorkerId,
         log_path: &Path,
         start: u64,
+        generation: u64,
     ) -> Option<(
         tokio::sync::oneshot::Sender<()>,
         tokio::task::JoinHandle<()>,
@@ -281,8 +292,10 @@ impl LocalExecutor {
             let this = self.clone();
             let id = id.clone();
             let path = log_path.to_path_buf();
-            let task =
-                tokio::spawn(async move { this.follow_progress(id, path, start, done_rx).await });
+            let task = tokio::spawn(async move {
+                this.follow_progress(id, path, start, done_rx, generation)
+                    .await
+            });
             (done_tx, task)
         })
     }
@@ -298,11 +311,16 @@ impl LocalExecutor {
             tokio::task::JoinHandle<()>,
         )>,
         status: Option<std::io::Result<std::process::ExitStatus>>,
+        generation: u64,
     ) {
         if let Some((done_tx, task)) = follower {
             // One last read after the exit, so the final lines count.
             let _ = done_tx.send(());
             let _ = task.await;
+        }
+        if self.lock().generation != generation {
+            // Released: the leader that took over watches this worker.
+            return;
         }
         let _ = std::fs::remove_file(pid_path(log_path));
         let record = read_exit(&log_path.with_extension("exit")).unwrap_or_else(|| match status {
@@ -452,10 +470,12 @@ impl LocalExecutor {
         );
         drop(log);
         let this = self.clone();
+        let generation = self.lock().generation;
         tokio::spawn(async move {
-            let follower = this.start_follower(&id, &log_path, start);
+            let follower = this.start_follower(&id, &log_path, start, generation);
             let status = child.wait().await;
-            this.finish(&id, &log_path, follower, Some(status)).await;
+            this.finish(&id, &log_path, follower, Some(status), generation)
+                .await;
         });
         Ok(())
     }
@@ -468,6 +488,7 @@ impl LocalExecutor {
         path: PathBuf,
         mut offset: u64,
         mut done: tokio::sync::oneshot::Receiver<()>,
+        generation: u64,
     ) {
         let mut partial: Vec<u8> = Vec::new();
         // Inside an over-long line: skip to its end.
@@ -494,6 +515,9 @@ impl LocalExecutor {
                     .and_then(|s| parse_progress_line(s, now_ms()));
                 if let Some(sample) = sample {
                     let mut inner = self.lock();
+                    if inner.generation != generation {
+                        return;
+                    }
                     let buf = inner.progress.entry(id.job_id).or_default();
                     if buf.len() >= PROGRESS_BUFFER_MAX {
                         buf.remove(0);
@@ -679,6 +703,18 @@ impl Executor for LocalExecutor {
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(out)
+    }
+
+    async fn take_over(&self) {
+        self.take_over_leftovers();
+    }
+
+    async fn release(&self) {
+        let mut inner = self.lock();
+        inner.generation += 1;
+        inner.workers.clear();
+        inner.progress.clear();
+        inner.ports.clear();
     }
 
     async fn shutdown(&self, grace: Duration) {
