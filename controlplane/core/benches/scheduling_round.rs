@@ -3,8 +3,9 @@
 //! GPU types). The target: ≤ 10 ms.
 //!
 //! Cases: an idle cluster (the round fills it), a busy cluster (half the
-//! GPUs held by 1,024 running jobs), and backfill (every waiting job is
-//! tried, the worst case).
+//! GPUs held by 1,024 running jobs), backfill (every waiting job is tried,
+//! the worst case), and the busy cluster with 100,000 finished jobs still
+//! in the state (a round must not cost more as history piles up).
 //!
 //! Run: `cargo bench -p keel-core --bench scheduling_round`
 
@@ -18,7 +19,7 @@ const GPUS_PER_NODE: u32 = 8;
 const WAITING: usize = 10_000;
 const TYPES: [&str; 3] = ["v100", "p100", "k80"];
 
-fn cluster(running: usize) -> ClusterState {
+fn cluster(running: usize, finished: usize) -> ClusterState {
     let mut state = ClusterState::new();
     let mut index = 0;
     let mut apply = |state: &mut ClusterState, command: Command| {
@@ -83,6 +84,21 @@ fn cluster(running: usize) -> ClusterState {
             },
         );
     }
+    for f in 0..finished {
+        apply(
+            &mut state,
+            Command::SubmitJob {
+                spec: job_spec(&format!("finished-{f}"), 1, 1),
+            },
+        );
+        apply(
+            &mut state,
+            Command::CancelJob {
+                job_id: (running + f) as u64 + 1,
+                reason: String::new(),
+            },
+        );
+    }
     let mut rng = SplitMix64::new(7);
     for w in 0..WAITING {
         let gpus = 1 << rng.below(3);
@@ -103,8 +119,9 @@ fn round(state: &ClusterState, policy: &Fifo) -> usize {
 }
 
 fn fifo_round(c: &mut Criterion) {
-    let idle = cluster(0);
-    let busy = cluster(1024);
+    let idle = cluster(0, 0);
+    let busy = cluster(1024, 0);
+    let history = cluster(1024, 100_000);
     let fifo = Fifo::default();
     let backfill = Fifo::new(QueueOptions { backfill: true });
     let mut group = c.benchmark_group("fifo_round_10k_waiting_2048_gpus");
@@ -112,6 +129,9 @@ fn fifo_round(c: &mut Criterion) {
     group.bench_function("idle_cluster", |b| b.iter(|| round(&idle, &fifo)));
     group.bench_function("half_busy", |b| b.iter(|| round(&busy, &fifo)));
     group.bench_function("half_busy_backfill", |b| b.iter(|| round(&busy, &backfill)));
+    group.bench_function("half_busy_100k_finished", |b| {
+        b.iter(|| round(&history, &fifo))
+    });
     group.finish();
 }
 

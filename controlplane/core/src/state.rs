@@ -337,14 +337,19 @@ impl ClusterState {
     pub fn apply(&mut self, index: u64, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         self.last_index = index;
         let events = self.apply_command(entry)?;
-        // Every change to a job names it in an event (or in the command).
-        let touched: BTreeSet<JobId> = events
-            .iter()
-            .filter_map(Event::job_id)
-            .chain(entry.command.job_id())
-            .collect();
-        for id in touched {
-            self.indexes.update(id, self.jobs.get(&id));
+        // Every change to a job names it in an event (or in the command);
+        // progress changes no index.
+        if !matches!(entry.command, Command::ReportProgress { .. }) {
+            let mut touched: Vec<JobId> = events
+                .iter()
+                .filter_map(Event::job_id)
+                .chain(entry.command.job_id())
+                .collect();
+            touched.sort_unstable();
+            touched.dedup();
+            for id in touched {
+                self.indexes.update(id, self.jobs.get(&id));
+            }
         }
         let moves_supply_or_demand = events.iter().any(|e| {
             !matches!(
