@@ -420,6 +420,7 @@ impl Keel for KeelApi {
             last_applied_index,
             state_hash,
             leader_id: metrics.current_leader,
+            cluster_id: self.node.identity.get().unwrap_or_default(),
             voters: metrics.membership_config.membership().voter_ids().collect(),
             members: {
                 let membership = metrics.membership_config.membership();

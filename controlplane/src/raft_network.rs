@@ -7,7 +7,14 @@
 //! are openraft's own request and response types, encoded with postcard.
 //! Snapshots travel as openraft's chunks (`snapshot_max_chunk_size`), one
 //! call per chunk.
+//!
+//! Every message carries the sender's cluster id ([`ClusterIdentity`]); a
+//! replica refuses messages from another cluster, so a member restarted
+//! with the wrong `--peers` or at a reused address never mixes two
+//! clusters' logs.
 
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_proto::raft::raft_client::RaftClient;
@@ -43,15 +50,129 @@ fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, postcard::Error> {
     postcard::from_bytes(bytes)
 }
 
+/// Metadata naming the sender's cluster on every Raft message.
+const CLUSTER_ID_HEADER: &str = "keel-cluster-id";
+
+/// Longest cluster id accepted from a peer.
+const CLUSTER_ID_MAX_LEN: usize = 64;
+
+/// Which cluster this replica belongs to: an id made by the member that
+/// initialised the cluster, learnt by the others from the first leader
+/// message they accept, and kept in `DATA/cluster-id`.
+#[derive(Debug)]
+pub struct ClusterIdentity {
+    path: PathBuf,
+    id: Mutex<Option<String>>,
+}
+
+/// What a replica does with a message from `theirs`.
+#[derive(Debug, PartialEq, Eq)]
+enum Admission {
+    Accept,
+    /// Accept, and belong to `theirs` from now on.
+    Adopt,
+    Refuse {
+        mine: String,
+    },
+}
+
+impl ClusterIdentity {
+    /// Reads the id kept in `path`, if any.
+    pub fn load(path: PathBuf) -> std::io::Result<ClusterIdentity> {
+        let id = match std::fs::read_to_string(&path) {
+            Ok(s) => Some(s.trim().to_string()).filter(|s| !s.is_empty()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        Ok(ClusterIdentity {
+            path,
+            id: Mutex::new(id),
+        })
+    }
+
+    pub fn get(&self) -> Option<String> {
+        self.id.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes a new id (when this replica initialises a cluster).
+    pub fn create(&self, replica: u64) -> std::io::Result<String> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let id = format!("{nanos:x}-{:x}-{replica}", std::process::id());
+        self.set(&id)?;
+        Ok(id)
+    }
+
+    /// Keeps `id` (written to a temporary file, synced, renamed).
+    fn set(&self, id: &str) -> std::io::Result<()> {
+        use std::io::Write;
+        let tmp = self.path.with_extension("tmp");
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(id.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &self.path)?;
+        *self.id.lock().unwrap_or_else(|e| e.into_inner()) = Some(id.to_string());
+        Ok(())
+    }
+
+    fn admit(&self, theirs: Option<&str>, from_leader: bool) -> Admission {
+        match (self.get(), theirs) {
+            (Some(mine), Some(theirs)) if mine != theirs => Admission::Refuse { mine },
+            (None, Some(_)) if from_leader => Admission::Adopt,
+            _ => Admission::Accept,
+        }
+    }
+
+    /// Checks a received message's cluster id; adopts it when this replica
+    /// has none yet and the message comes from a leader.
+    fn check<T>(&self, request: &Request<T>, from_leader: bool) -> Result<(), Status> {
+        let theirs = request
+            .metadata()
+            .get(CLUSTER_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| v.len() <= CLUSTER_ID_MAX_LEN);
+        match self.admit(theirs, from_leader) {
+            Admission::Accept => Ok(()),
+            Admission::Adopt => {
+                let theirs = theirs.unwrap_or_default();
+                tracing::info!(cluster_id = theirs, "joined cluster");
+                self.set(theirs)
+                    .map_err(|e| Status::internal(format!("cannot keep the cluster id: {e}")))
+            }
+            Admission::Refuse { mine } => {
+                let theirs = theirs.unwrap_or_default();
+                tracing::warn!(
+                    mine = %mine,
+                    theirs,
+                    "refused a Raft message from another cluster"
+                );
+                Err(Status::failed_precondition(format!(
+                    "cluster id mismatch: this replica belongs to cluster {mine}, the message \
+                     came from cluster {theirs} (check --peers and the addresses)"
+                )))
+            }
+        }
+    }
+}
+
 /// Makes a [`GrpcPeer`] for each peer openraft replicates to.
-#[derive(Debug, Clone, Default)]
-pub struct GrpcNetwork;
+#[derive(Debug, Clone)]
+pub struct GrpcNetwork {
+    identity: Arc<ClusterIdentity>,
+}
+
+impl GrpcNetwork {
+    pub fn new(identity: Arc<ClusterIdentity>) -> GrpcNetwork {
+        GrpcNetwork { identity }
+    }
+}
 
 impl RaftNetworkFactory<TypeConfig> for GrpcNetwork {
     type Network = GrpcPeer;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> GrpcPeer {
-        GrpcPeer::new(target, &node.addr)
+        GrpcPeer::new(target, &node.addr, self.identity.clone())
     }
 }
 
@@ -61,14 +182,16 @@ pub struct GrpcPeer {
     target: u64,
     addr: String,
     client: Option<RaftClient<Channel>>,
+    identity: Arc<ClusterIdentity>,
 }
 
 impl GrpcPeer {
-    fn new(target: u64, addr: &str) -> GrpcPeer {
+    fn new(target: u64, addr: &str, identity: Arc<ClusterIdentity>) -> GrpcPeer {
         GrpcPeer {
             target,
             addr: addr.to_string(),
             client: None,
+            identity,
         }
     }
 
@@ -115,6 +238,13 @@ impl GrpcPeer {
         let ttl = option.hard_ttl();
         let mut req = Request::new(RaftMessage { payload });
         req.set_timeout(ttl);
+        if let Some(id) = self
+            .identity
+            .get()
+            .and_then(|id| tonic::metadata::MetadataValue::try_from(id).ok())
+        {
+            req.metadata_mut().insert(CLUSTER_ID_HEADER, id);
+        }
         let call = async {
             match kind {
                 RpcKind::AppendEntries => client.append_entries(req).await,
@@ -202,6 +332,7 @@ impl RaftNetwork<TypeConfig> for GrpcPeer {
 #[derive(Clone)]
 pub struct RaftService {
     raft: Raft,
+    identity: Arc<ClusterIdentity>,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -211,8 +342,8 @@ impl std::fmt::Debug for RaftService {
 }
 
 impl RaftService {
-    pub fn new(raft: Raft) -> RaftService {
-        RaftService { raft }
+    pub fn new(raft: Raft, identity: Arc<ClusterIdentity>) -> RaftService {
+        RaftService { raft, identity }
     }
 }
 
@@ -231,12 +362,14 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
+        self.identity.check(&request, true)?;
         let req: AppendEntriesRequest<TypeConfig> =
             decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.append_entries(req).await)
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        self.identity.check(&request, false)?;
         let req: VoteRequest<u64> = decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.vote(req).await)
     }
@@ -245,8 +378,39 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
+        self.identity.check(&request, true)?;
         let req: InstallSnapshotRequest<TypeConfig> =
             decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.install_snapshot(req).await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replica_refuses_another_cluster_and_adopts_only_from_a_leader() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("cluster-id");
+        let fresh = ClusterIdentity::load(path.clone()).expect("load");
+        assert_eq!(fresh.admit(Some("a"), false), Admission::Accept);
+        assert_eq!(fresh.get(), None, "a vote request does not brand a replica");
+        assert_eq!(fresh.admit(Some("a"), true), Admission::Adopt);
+        fresh.set("a").expect("set");
+        assert_eq!(fresh.admit(Some("a"), true), Admission::Accept);
+        assert_eq!(
+            fresh.admit(Some("b"), true),
+            Admission::Refuse { mine: "a".into() }
+        );
+        assert_eq!(
+            fresh.admit(None, true),
+            Admission::Accept,
+            "a peer without an id"
+        );
+        let reloaded = ClusterIdentity::load(path).expect("reload");
+        assert_eq!(reloaded.get().as_deref(), Some("a"), "kept across restarts");
+        let made = reloaded.create(1).expect("create");
+        assert_ne!(made, "a");
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use keel_storage::{DataDir, LogStore, StateMachineStore, TypeConfig};
 use openraft::{BasicNode, Config, SnapshotPolicy};
 
-use crate::raft_network::GrpcNetwork;
+use crate::raft_network::{ClusterIdentity, GrpcNetwork};
 
 pub type Raft = openraft::Raft<TypeConfig>;
 
@@ -30,6 +30,11 @@ pub enum RaftNodeError {
     },
     #[error("cannot open the state machine: {0}")]
     StateMachine(#[from] keel_storage::StoreError),
+    #[error("cannot read or write the cluster id in {path}: {source}")]
+    ClusterId {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("invalid Raft configuration: {0}")]
     Config(String),
     #[error("Raft failed: {0}")]
@@ -82,6 +87,8 @@ async fn existing_cluster(id: u64, peers: &Peers) -> Option<u64> {
 pub struct RaftNode {
     pub id: u64,
     pub raft: Raft,
+    /// The cluster this replica belongs to (checked on every Raft message).
+    pub identity: Arc<ClusterIdentity>,
     pub state_machine: StateMachineStore,
     pub log: LogStore,
     /// Held for the life of the node: the data directory's lock.
@@ -156,6 +163,13 @@ impl RaftNode {
             source,
         })?;
         let state_machine = StateMachineStore::open(&data_dir.state_dir())?;
+        let identity_path = data_dir.root().join("cluster-id");
+        let identity_error = |source| RaftNodeError::ClusterId {
+            path: identity_path.display().to_string(),
+            source,
+        };
+        let identity =
+            Arc::new(ClusterIdentity::load(identity_path.clone()).map_err(identity_error)?);
         let config = Config {
             cluster_name: "keel".into(),
             heartbeat_interval: settings.heartbeat_interval_ms,
@@ -174,7 +188,7 @@ impl RaftNode {
         let raft = Raft::new(
             id,
             Arc::new(config),
-            GrpcNetwork,
+            GrpcNetwork::new(identity.clone()),
             log.clone(),
             state_machine.clone(),
         )
@@ -205,6 +219,7 @@ impl RaftNode {
                     addr: advertise_addr.to_string(),
                 },
             )]);
+            identity.create(id).map_err(identity_error)?;
             raft.initialize(members)
                 .await
                 .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
@@ -221,6 +236,7 @@ impl RaftNode {
                     .iter()
                     .map(|(i, addr)| (*i, BasicNode { addr: addr.clone() }))
                     .collect();
+                identity.create(id).map_err(identity_error)?;
                 raft.initialize(members)
                     .await
                     .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
@@ -232,6 +248,7 @@ impl RaftNode {
         Ok(RaftNode {
             id,
             raft,
+            identity,
             state_machine,
             log,
             data_dir,

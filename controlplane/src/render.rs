@@ -582,6 +582,7 @@ struct MemberView {
     last_log_index: Option<u64>,
     last_applied_index: Option<u64>,
     state_hash: Option<String>,
+    cluster_id: Option<String>,
     /// Entries the leader has that it has not yet replicated to the member.
     replication_lag: Option<u64>,
 }
@@ -620,6 +621,7 @@ pub fn cluster_status(
                 last_log_index: s.as_ref().map(|s| s.last_log_index),
                 last_applied_index: s.as_ref().map(|s| s.last_applied_index),
                 state_hash: s.as_ref().map(|s| s.state_hash.clone()),
+                cluster_id: s.as_ref().map(|s| s.cluster_id.clone()),
                 replication_lag: lag,
             }
         })
@@ -631,6 +633,16 @@ pub fn cluster_status(
         }),
         Output::Table => {
             let opt = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
+            println!("cluster {}", contacted.cluster_id);
+            for v in &views {
+                if let Some(other) = v
+                    .cluster_id
+                    .as_ref()
+                    .filter(|c| !c.is_empty() && **c != contacted.cluster_id)
+                {
+                    println!("member {} belongs to another cluster: {other}", v.id);
+                }
+            }
             let rows: Vec<Vec<String>> = views
                 .iter()
                 .map(|v| {

@@ -192,6 +192,7 @@ impl Server {
         );
         let raft_service = keel_proto::raft::raft_server::RaftServer::new(RaftService::new(
             self.node.raft.clone(),
+            self.node.identity.clone(),
         ))
         .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);

@@ -631,3 +631,74 @@ fn a_new_leader_re_adopts_the_running_workers() {
     cluster.spawn(leader, &extra);
     cluster.converged();
 }
+
+/// A member of one cluster restarted at another cluster's address, with
+/// that cluster's `--peers` (the same ids, so the data directory's member
+/// check passes), never mixes the two logs: every Raft message between them
+/// is refused for its cluster id, and it keeps its own history.
+#[test]
+fn a_replica_of_another_cluster_is_refused_not_overwritten() {
+    let mut a = Cluster::start(&[]);
+    let mut b = Cluster::start(&[]);
+    a.leader();
+    b.leader();
+    let a_addrs = a.all_addrs();
+    let b_addrs = b.all_addrs();
+    a.submit(&a_addrs, "in-a").expect("submitted to a");
+    b.submit(&b_addrs, "in-b").expect("submitted to b");
+    b.converged();
+    let a_id = a.status(1).expect("a status")["cluster_id"].clone();
+    let b_id = b.status(1).expect("b status")["cluster_id"].clone();
+    assert!(a_id.as_str().is_some_and(|s| !s.is_empty()), "{a_id}");
+    assert_ne!(a_id, b_id);
+    for id in 1..=3 {
+        b.terminate(id);
+    }
+    // A's member 3 dies; B's member 3 comes up in its place.
+    a.kill9(3);
+    let intruder_addr = a.replicas[2].addr.clone();
+    let log_path = a._dir.path().join("intruder.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let intruder = Command::new(KEEL)
+        .args([
+            "server",
+            "--no-local-node",
+            "--id",
+            "3",
+            "--peers",
+            &a.peers,
+        ])
+        .args(["--listen", &intruder_addr, "--data-dir"])
+        .arg(&b.replicas[2].data)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn the intruder");
+    a.replicas[2].child = Some(intruder);
+    let names = |addr: &str| -> Option<Vec<String>> {
+        json(addr, &["--stale", "jobs"]).and_then(|v| {
+            v.as_array().map(|a| {
+                a.iter()
+                    .filter_map(|j| j["name"].as_str().map(str::to_string))
+                    .collect()
+            })
+        })
+    };
+    // A goes on with two members.
+    a.submit(&a_addrs, "in-a-later").expect("a still commits");
+    // Until A's leader has reached the intruder: refused, or (were there no
+    // check) the intruder's log overwritten with A's.
+    wait_for("A's leader to reach the intruder", || {
+        let refused = std::fs::read_to_string(&log_path)
+            .is_ok_and(|l| l.contains("refused a Raft message from another cluster"));
+        let overwritten = names(&intruder_addr).is_some_and(|n| n != ["in-b"]);
+        (refused || overwritten).then_some(())
+    });
+    assert_eq!(
+        names(&intruder_addr),
+        Some(vec!["in-b".to_string()]),
+        "the intruder took the other cluster's log"
+    );
+    let intruder_status = json(&intruder_addr, &["cluster", "status"]).expect("status");
+    assert_eq!(intruder_status["cluster_id"], b_id);
+}
