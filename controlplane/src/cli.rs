@@ -389,7 +389,7 @@ pub fn replay(data_dir: &Path, until: keel_storage::Until, out: Output) -> anyho
     // would read a moving journal.
     let dir = keel_storage::DataDir::open(data_dir)
         .with_context(|| format!("cannot replay {}", data_dir.display()))?;
-    let summary = keel_storage::replay_until(&dir.state_dir(), until)
+    let summary = keel_storage::replay_data_dir(&dir, until)
         .with_context(|| format!("cannot replay {}", data_dir.display()))?;
     render::replay(&summary, out)
 }

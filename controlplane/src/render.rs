@@ -684,6 +684,7 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             "refused": s.refused,
             "started_after": s.started_after,
             "last_index": s.last_index,
+            "from_log": s.from_log,
             "state_hash": s.state_hash.to_string(),
             "jobs_by_state": s.jobs_by_state,
             "nodes": s.nodes,
@@ -695,6 +696,12 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             );
             if s.started_after > 0 {
                 println!("started from the checkpoint at index {}", s.started_after);
+            }
+            if s.from_log > 0 {
+                println!(
+                    "{} entries past the journal's end came from the Raft log",
+                    s.from_log
+                );
             }
             println!("nodes: {}", s.nodes);
             for (state, n) in &s.jobs_by_state {

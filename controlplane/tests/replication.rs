@@ -333,14 +333,14 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
             "replica {r} has jobs nobody acknowledged"
         );
     }
-    // A data directory of this cluster refuses a different member set.
-    // (Stopped cleanly: after a SIGKILL the journal's tail is rebuilt from
-    // the WAL when the replica restarts, so an offline replay before that
-    // would stop short.)
-    cluster.terminate(1);
+    // SIGKILLed: the journal (written behind the state machine) may have
+    // lost its tail; the replay takes the committed entries past it from the
+    // Raft log.
+    cluster.kill9(1);
     let replica = &cluster.replicas[0];
-    // Offline replay of its journal reaches the live replicas' hash at the
-    // index they agreed on, and a replay up to now reaches at least that.
+    // Offline replay of its data directory reaches the live replicas' hash
+    // at the index they agreed on, and a replay up to now reaches at least
+    // that.
     let replay = |extra: &[&str]| -> Value {
         let out = Command::new(KEEL)
             .args(["replay", "-o", "json", "--data-dir"])
@@ -362,6 +362,7 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     assert!(at_now["last_index"].as_u64() >= Some(index), "{at_now}");
     let before = replay(&["--at", "2000-01-01T00:00:00Z"]);
     assert_eq!(before["last_index"], 0, "{before}");
+    // A data directory of this cluster refuses a different member set.
     let refused = Command::new(KEEL)
         .args([
             "server",

@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 pub use data_dir::{DataDir, DataDirError};
 pub use error::StoreError;
 pub use log_store::LogStore;
-pub use replay::{replay, replay_until, ReplayError, ReplaySummary, Until};
+pub use replay::{replay, replay_data_dir, replay_until, ReplayError, ReplaySummary, Until};
 pub use state_machine::{Applied, SharedState, StateMachineStore};
 
 /// The result of applying one Raft entry: the outcome of each command in its

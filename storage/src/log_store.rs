@@ -188,6 +188,15 @@ impl LogStore {
         Ok(self.sync_and_wait()?)
     }
 
+    /// The last index this log knows to be committed (as far as it reached
+    /// the disk: openraft saves it with the next synced append).
+    pub fn committed_index(&self) -> Option<u64> {
+        self.lock()
+            .log_state()
+            .committed()
+            .map(|c| from_wal_id(c).index)
+    }
+
     /// Every entry in `[start, end)` that the log holds.
     pub fn entries(&self, start: u64, end: u64) -> Result<Vec<Entry>, StoreError> {
         self.read_range(start, end)

@@ -1,4 +1,5 @@
-//! Offline replay: rebuild `ClusterState` from a data directory's journal.
+//! Offline replay: rebuild `ClusterState` from a data directory's journal
+//! (and, past the journal's end, from the Raft log).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -21,6 +22,8 @@ pub enum ReplayError {
     },
     #[error("the checkpoint at index {index} cannot be decoded: {message}")]
     Checkpoint { index: u64, message: String },
+    #[error("cannot read the Raft log in {path}: {message}")]
+    Log { path: String, message: String },
 }
 
 /// What a replay rebuilt.
@@ -32,8 +35,13 @@ pub struct ReplaySummary {
     pub refused: u64,
     /// Index the replay started after (a checkpoint), 0 for the beginning.
     pub started_after: u64,
-    /// The last journal index applied.
+    /// The last index applied.
     pub last_index: u64,
+    /// Entries (commands) taken from the Raft log past the journal's end:
+    /// committed, but not yet journaled when the replica stopped (the
+    /// journal is written behind the state machine; a SIGKILL can cut its
+    /// tail, which a restart rebuilds from the log).
+    pub from_log: u64,
     pub state_hash: StateHash,
     pub jobs_by_state: BTreeMap<String, u64>,
     pub nodes: u64,
@@ -58,6 +66,96 @@ pub enum Until {
     /// assumes stamps do not go backwards, as they do not between leaders
     /// whose clocks agree).
     Time(u64),
+}
+
+/// Replays a data directory up to `until`: its journal, then the committed
+/// entries of its Raft log that the journal had not recorded yet.
+pub fn replay_data_dir(dir: &crate::DataDir, until: Until) -> Result<ReplaySummary, ReplayError> {
+    let journaled = replay_until(&dir.state_dir(), until)?;
+    let log_dir = dir.raft_log_dir();
+    if !log_dir.exists() {
+        return Ok(journaled);
+    }
+    let log_error = |message: String| ReplayError::Log {
+        path: log_dir.display().to_string(),
+        message,
+    };
+    let log = crate::LogStore::open(&log_dir).map_err(|e| log_error(e.to_string()))?;
+    let (until_index, until_ms) = match until {
+        Until::End => (u64::MAX, u64::MAX),
+        Until::Index(i) => (i, u64::MAX),
+        Until::Time(t) => (u64::MAX, t),
+    };
+    let end = log
+        .committed_index()
+        .unwrap_or(0)
+        .min(until_index)
+        .saturating_add(1);
+    let start = journaled.last_index.saturating_add(1);
+    if start >= end {
+        return Ok(journaled);
+    }
+    let ReplaySummary {
+        mut entries,
+        mut refused,
+        started_after,
+        mut last_index,
+        mut state,
+        ..
+    } = journaled;
+    let mut from_log = 0;
+    'entries: for entry in log
+        .entries(start, end)
+        .map_err(|e| log_error(e.to_string()))?
+    {
+        let index = entry.log_id.index;
+        if let openraft::EntryPayload::Normal(proposal) = &entry.payload {
+            for e in &proposal.entries {
+                if e.at_ms > until_ms {
+                    break 'entries;
+                }
+                if state.apply(index, e).is_err() {
+                    refused += 1;
+                }
+                entries += 1;
+                from_log += 1;
+                last_index = index;
+            }
+        }
+    }
+    Ok(summarise(
+        state,
+        entries,
+        refused,
+        started_after,
+        last_index,
+        from_log,
+    ))
+}
+
+fn summarise(
+    state: ClusterState,
+    entries: u64,
+    refused: u64,
+    started_after: u64,
+    last_index: u64,
+    from_log: u64,
+) -> ReplaySummary {
+    let mut jobs_by_state = BTreeMap::new();
+    for job in state.jobs().values() {
+        *jobs_by_state.entry(job.state.to_string()).or_insert(0) += 1;
+    }
+    ReplaySummary {
+        entries,
+        refused,
+        started_after,
+        last_index,
+        from_log,
+        state_hash: state.state_hash(),
+        jobs_by_state,
+        nodes: state.nodes().len() as u64,
+        state,
+    }
 }
 
 /// Replays the journal in a state directory up to `until`.
@@ -131,19 +229,12 @@ pub(crate) fn replay_tree(tree: &sled::Tree, until: u64) -> Result<ReplaySummary
     let start = started_after.saturating_add(u64::from(started_after > 0));
     let applied = apply_journal(tree, &mut state, start, until)?;
     let last_index = applied.last_index.unwrap_or(started_after);
-    let (entries, refused) = (applied.entries, applied.refused);
-    let mut jobs_by_state = BTreeMap::new();
-    for job in state.jobs().values() {
-        *jobs_by_state.entry(job.state.to_string()).or_insert(0) += 1;
-    }
-    Ok(ReplaySummary {
-        entries,
-        refused,
+    Ok(summarise(
+        state,
+        applied.entries,
+        applied.refused,
         started_after,
         last_index,
-        state_hash: state.state_hash(),
-        jobs_by_state,
-        nodes: state.nodes().len() as u64,
-        state,
-    })
+        0,
+    ))
 }

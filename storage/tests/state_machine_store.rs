@@ -218,3 +218,46 @@ async fn journal_compaction_keeps_content_and_order() {
     assert_eq!(partial.last_index, 2_500);
     assert_eq!(partial.state_hash, before);
 }
+
+/// A replica killed before its journal writer caught up: the Raft log holds
+/// committed entries the journal does not. The offline replay takes them
+/// from the log and reaches the state that applying everything gives.
+#[tokio::test]
+async fn replay_of_a_data_dir_takes_the_journal_tail_from_the_raft_log() {
+    use openraft::storage::RaftLogStorage;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let all = history(1, 6);
+    let last = all.last().map(|e| e.log_id).expect("entries");
+    let expected = {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let mut sm = StateMachineStore::open(scratch.path()).expect("open");
+        sm.apply(all.clone()).await.expect("apply");
+        let hash = sm.shared().read().state.state_hash();
+        hash
+    };
+    {
+        let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
+        let mut log = keel_storage::LogStore::open(&dir.raft_log_dir()).expect("log");
+        log.append_durable(&all).expect("append");
+        log.save_committed(Some(last)).await.expect("commit");
+        // The journal got only the first four entries.
+        let mut sm = StateMachineStore::open(&dir.state_dir()).expect("open");
+        sm.apply(all[..4].to_vec()).await.expect("apply");
+        sm.flush().expect("flush");
+    }
+    let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
+    let journal_only = replay(&dir.state_dir(), None).expect("journal replay");
+    assert_eq!(journal_only.last_index, 4);
+    assert_ne!(journal_only.state_hash, expected);
+    let summary = keel_storage::replay_data_dir(&dir, keel_storage::Until::End).expect("replay");
+    assert_eq!(summary.state_hash, expected);
+    assert_eq!(summary.last_index, last.index);
+    assert_eq!(
+        summary.from_log, 5,
+        "entries 5..=9 (four submissions, a cancel)"
+    );
+    let until =
+        keel_storage::replay_data_dir(&dir, keel_storage::Until::Index(6)).expect("until 6");
+    assert_eq!(until.last_index, 6);
+    assert_eq!(until.from_log, 2);
+}
