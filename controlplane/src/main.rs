@@ -2,6 +2,7 @@
 
 mod cli;
 mod render;
+mod sim_cmd;
 
 /// mimalloc instead of glibc's malloc: the server allocates and frees small
 /// buffers per request, per entry and per RPC; with three replicas and 64
@@ -199,6 +200,9 @@ enum Cmd {
     /// every allocation decision that touched it with policy, round,
     /// based-on index and GPUs, preemptions, worker exits), with times.
     Why { id: u64 },
+    /// Simulate a workload on a cluster with a policy: the real state
+    /// machine and policies on a virtual clock (no server needed).
+    Sim(Box<sim_cmd::SimArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -385,6 +389,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             cli::replay(&data_dir, until, out)
         }
         Cmd::Why { id } => cli::why(&args.addr, id, out).await,
+        Cmd::Sim(sim) => sim_cmd::run(*sim, out),
         Cmd::Submit { file } => cli::submit(&args.addr, &file, out).await,
         Cmd::Jobs { state, user } => cli::jobs(&args.addr, state, user, out).await,
         Cmd::Job { id } => cli::job(&args.addr, id, out).await,

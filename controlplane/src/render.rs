@@ -14,7 +14,7 @@ pub enum Output {
     Json,
 }
 
-fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+pub(crate) fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     serde_json::to_writer_pretty(&mut stdout, value)?;
     writeln!(stdout)?;
@@ -22,7 +22,7 @@ fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
 }
 
 /// Prints rows as columns aligned under a header.
-fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Result<()> {
+pub(crate) fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Result<()> {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {

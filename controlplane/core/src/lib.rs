@@ -18,6 +18,7 @@ pub mod model;
 pub mod placement;
 pub mod policy;
 pub mod rng;
+pub mod sim;
 pub mod spec;
 pub mod state;
 pub mod throughput;

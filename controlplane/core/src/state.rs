@@ -267,6 +267,11 @@ impl ClusterState {
         self.indexed(&self.indexes.unfinished)
     }
 
+    /// How many jobs wait for GPUs (unfinished, without an allocation).
+    pub fn queued_count(&self) -> usize {
+        self.indexes.unfinished.len() - self.indexes.allocated.len()
+    }
+
     /// Jobs holding an allocation, in submission order.
     pub fn allocated_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
         self.indexed(&self.indexes.allocated)

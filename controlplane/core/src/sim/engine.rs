@@ -1,0 +1,622 @@
+//! The event loop: a virtual clock, the real state machine, the real
+//! policies, and a simulated executor.
+//!
+//! Everything that happens is an entry applied to a [`ClusterState`], as in
+//! the live cluster: nodes register, jobs are submitted when they arrive,
+//! the policy's decisions are `DecideAllocation` entries (through the same
+//! [`policy::decide`]), workers start (`RecordWorkerStarted`), report
+//! progress (`ReportProgress`, at every round) and exit when their job's
+//! steps are done (`RecordWorkerExited`). The simulated executor turns an
+//! allocation into progress at the throughput table's speed for the
+//! allocation's GPU type and size, after a restart cost each time a job's
+//! allocation changes (checkpoint and relaunch).
+//!
+//! Scheduling passes run when a job arrives or finishes and at every round
+//! tick, like the live loop's wake-ups. No wall clock, no threads, no
+//! randomness but the workload's seed: the same inputs give the same
+//! report, state hash included.
+
+use std::collections::BTreeMap;
+
+use crate::command::{Command, LogEntry};
+use crate::event::Event;
+use crate::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
+use crate::policy::{self, Policy};
+use crate::spec::{JobSpec, Workers};
+use crate::state::ClusterState;
+use crate::throughput;
+
+use super::workload::SimJob;
+
+/// One simulated node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimNode {
+    pub name: String,
+    pub gpus: Vec<Gpu>,
+}
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub nodes: Vec<SimNode>,
+    pub jobs: Vec<SimJob>,
+    /// Seconds between scheduling round ticks.
+    pub round_s: f64,
+    /// Seconds without progress each time a job (re)starts on a new
+    /// allocation: checkpoint, relaunch, warm-up.
+    pub restart_s: f64,
+    /// Measure only jobs whose workload id is in `[start, end]`; the run
+    /// stops once they all finished (later arrivals keep the cluster in
+    /// steady state meanwhile).
+    pub window: Option<(u64, u64)>,
+    /// Stop after this much simulated time even if jobs remain.
+    pub max_simulated_s: f64,
+}
+
+impl SimConfig {
+    pub fn new(nodes: Vec<SimNode>, jobs: Vec<SimJob>) -> SimConfig {
+        SimConfig {
+            nodes,
+            jobs,
+            round_s: 360.0,
+            restart_s: 0.0,
+            window: None,
+            max_simulated_s: 10.0 * 365.0 * 86_400.0,
+        }
+    }
+}
+
+/// What happened to one job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobResult {
+    /// The job's id in the workload.
+    pub id: u64,
+    /// The id the state machine gave it.
+    pub job_id: JobId,
+    pub model: String,
+    pub gpus: u32,
+    pub arrival_s: f64,
+    pub first_start_s: Option<f64>,
+    pub finish_s: Option<f64>,
+    /// How many times its allocation changed while it ran (preemptions,
+    /// migrations, resizes).
+    pub restarts: u32,
+}
+
+impl JobResult {
+    pub fn jct_s(&self) -> Option<f64> {
+        self.finish_s.map(|f| f - self.arrival_s)
+    }
+}
+
+/// A point of the run's time series.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    pub at_s: f64,
+    pub busy_gpus: u32,
+    pub queued_jobs: u32,
+}
+
+/// What a run produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimReport {
+    pub policy: String,
+    pub jobs: Vec<JobResult>,
+    pub total_gpus: u32,
+    /// Simulated seconds from the first arrival to the last event.
+    pub simulated_s: f64,
+    /// From the first arrival to the last measured job's finish.
+    pub makespan_s: f64,
+    /// Busy GPU-seconds over available GPU-seconds, until the last event.
+    pub utilisation: f64,
+    /// Scheduling passes (policy runs).
+    pub rounds: u64,
+    /// Passes that changed an allocation.
+    pub decisions: u64,
+    /// Jobs that lost their GPUs while running (`JobPreempted`).
+    pub preemptions: u64,
+    /// Log entries applied (refused ones included).
+    pub entries: u64,
+    pub refused_entries: u64,
+    pub state_hash: String,
+    pub samples: Vec<Sample>,
+}
+
+/// Summary statistics over the measured jobs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JctSummary {
+    pub finished: usize,
+    pub unfinished: usize,
+    pub mean_s: f64,
+    pub median_s: f64,
+    pub p95_s: f64,
+    pub p99_s: f64,
+}
+
+impl SimReport {
+    /// JCT statistics over the jobs in `window` (all when `None`).
+    pub fn jct(&self, window: Option<(u64, u64)>) -> JctSummary {
+        let measured: Vec<&JobResult> = self
+            .jobs
+            .iter()
+            .filter(|j| window.is_none_or(|(a, b)| (a..=b).contains(&j.id)))
+            .collect();
+        let mut jcts: Vec<f64> = measured.iter().filter_map(|j| j.jct_s()).collect();
+        jcts.sort_by(f64::total_cmp);
+        let pick = |p: f64| -> f64 {
+            if jcts.is_empty() {
+                return 0.0;
+            }
+            jcts[(((jcts.len() - 1) as f64) * p).round() as usize]
+        };
+        JctSummary {
+            finished: jcts.len(),
+            unfinished: measured.len() - jcts.len(),
+            mean_s: if jcts.is_empty() {
+                0.0
+            } else {
+                jcts.iter().sum::<f64>() / jcts.len() as f64
+            },
+            median_s: pick(0.5),
+            p95_s: pick(0.95),
+            p99_s: pick(0.99),
+        }
+    }
+}
+
+/// A job that holds GPUs in the simulation.
+#[derive(Debug, Clone)]
+struct Running {
+    epoch: u64,
+    /// Steps per second on the current allocation.
+    rate: f64,
+    /// No progress before this time (restart cost).
+    resumes_at_s: f64,
+    gpus: u32,
+}
+
+#[derive(Debug)]
+struct Engine<'a> {
+    config: &'a SimConfig,
+    policy: &'a dyn Policy,
+    state: ClusterState,
+    index: u64,
+    now_s: f64,
+    /// Workload position → state job id, and back.
+    job_of: BTreeMap<u64, JobId>,
+    sim_of: BTreeMap<JobId, usize>,
+    steps_done: BTreeMap<JobId, f64>,
+    running: BTreeMap<JobId, Running>,
+    results: Vec<JobResult>,
+    /// State job id → its entry in `results`.
+    result_of: BTreeMap<JobId, usize>,
+    report: SimReport,
+    busy_gpu_s: f64,
+}
+
+fn ms(s: f64) -> u64 {
+    (s * 1000.0).round().max(0.0) as u64
+}
+
+/// Steps left, relative to the total, below which a job is done.
+const EPSILON_STEPS: f64 = 1e-9;
+
+impl Engine<'_> {
+    fn apply(&mut self, command: Command) -> Option<Vec<Event>> {
+        self.index += 1;
+        self.report.entries += 1;
+        let entry = LogEntry {
+            at_ms: ms(self.now_s),
+            command,
+        };
+        match self.state.apply(self.index, &entry) {
+            Ok(events) => {
+                for e in &events {
+                    if matches!(e, Event::JobPreempted { .. }) {
+                        self.report.preemptions += 1;
+                    }
+                }
+                Some(events)
+            }
+            Err(_) => {
+                self.report.refused_entries += 1;
+                None
+            }
+        }
+    }
+
+    /// Moves the clock to `t`, crediting progress and busy GPU time.
+    fn advance(&mut self, t: f64) {
+        let dt = t - self.now_s;
+        if dt <= 0.0 {
+            return;
+        }
+        for (job_id, r) in &self.running {
+            let from = self.now_s.max(r.resumes_at_s);
+            if t > from {
+                *self.steps_done.entry(*job_id).or_default() += r.rate * (t - from);
+            }
+            self.busy_gpu_s += f64::from(r.gpus) * dt;
+        }
+        self.now_s = t;
+    }
+
+    fn total_steps(&self, job_id: JobId) -> f64 {
+        self.sim_of
+            .get(&job_id)
+            .map_or(0.0, |i| self.config.jobs[*i].total_steps as f64)
+    }
+
+    fn remaining(&self, job_id: JobId) -> f64 {
+        self.total_steps(job_id) - self.steps_done.get(&job_id).copied().unwrap_or(0.0)
+    }
+
+    /// When the next running job finishes, at the current rates.
+    fn next_finish(&self) -> Option<f64> {
+        self.running
+            .iter()
+            .filter(|(_, r)| r.rate > 0.0)
+            .map(|(job_id, r)| {
+                self.now_s.max(r.resumes_at_s) + self.remaining(*job_id).max(0.0) / r.rate
+            })
+            .min_by(f64::total_cmp)
+    }
+
+    fn submit(&mut self, position: usize) {
+        let job = &self.config.jobs[position];
+        let spec = JobSpec {
+            name: format!("sim-{}", job.id),
+            user: "sim".into(),
+            command: vec!["keel".into(), "trainer".into()],
+            image: None,
+            env: BTreeMap::new(),
+            gpus: job.gpus_per_worker,
+            workers: Workers {
+                min: job.workers_min,
+                max: job.workers_max,
+            },
+            gpu_types: Default::default(),
+            model: Some(job.model.clone()),
+            total_steps: Some(job.total_steps),
+            epochs: None,
+            priority: job.priority,
+            max_retries: 0,
+            retry_backoff_s: 0,
+        };
+        let (id, arrival_s, model, gpus) = (
+            job.id,
+            job.arrival_s,
+            job.model.clone(),
+            job.gpus_per_worker * job.workers_min,
+        );
+        let job_id = self.apply(Command::SubmitJob { spec }).and_then(|events| {
+            events.iter().find_map(|e| match e {
+                Event::JobSubmitted { job_id, .. } => Some(*job_id),
+                _ => None,
+            })
+        });
+        let Some(job_id) = job_id else {
+            return;
+        };
+        self.job_of.insert(id, job_id);
+        self.sim_of.insert(job_id, position);
+        self.result_of.insert(job_id, self.results.len());
+        self.results.push(JobResult {
+            id,
+            job_id,
+            model,
+            gpus,
+            arrival_s,
+            first_start_s: None,
+            finish_s: None,
+            restarts: 0,
+        });
+    }
+
+    fn result_mut(&mut self, job_id: JobId) -> Option<&mut JobResult> {
+        let at = *self.result_of.get(&job_id)?;
+        self.results.get_mut(at)
+    }
+
+    /// Finishes the jobs whose steps are done by now.
+    fn finish_done(&mut self) -> bool {
+        // Done: no steps left, up to rounding (progress is a sum of
+        // rate × interval terms), or so few that the clock cannot move
+        // forward by their time.
+        let done: Vec<(JobId, u64)> = self
+            .running
+            .iter()
+            .filter(|(job_id, r)| {
+                let remaining = self.remaining(**job_id);
+                remaining <= EPSILON_STEPS * self.total_steps(**job_id).max(1.0)
+                    || (r.rate > 0.0
+                        && self.now_s >= r.resumes_at_s
+                        && self.now_s + remaining / r.rate <= self.now_s)
+            })
+            .map(|(job_id, r)| (*job_id, r.epoch))
+            .collect();
+        for (job_id, epoch) in &done {
+            self.report_progress(*job_id);
+            let ranks = self.state.job(*job_id).map_or(0, |j| j.worker_count());
+            for rank in 0..ranks {
+                self.apply(Command::RecordWorkerExited {
+                    job_id: *job_id,
+                    epoch: *epoch,
+                    rank,
+                    exit_code: Some(0),
+                    reason: "finished".into(),
+                });
+            }
+            self.running.remove(job_id);
+            let now = self.now_s;
+            if let Some(r) = self.result_mut(*job_id) {
+                r.finish_s = Some(now);
+            }
+        }
+        !done.is_empty()
+    }
+
+    fn report_progress(&mut self, job_id: JobId) {
+        let total = self.total_steps(job_id);
+        let step = self
+            .steps_done
+            .get(&job_id)
+            .copied()
+            .unwrap_or(0.0)
+            .min(total);
+        let rate = self.running.get(&job_id).map_or(0.0, |r| r.rate);
+        let batch = self.sim_of.get(&job_id).map_or(1, |i| {
+            throughput::profile(&self.config.jobs[*i].model).batch_size
+        });
+        self.apply(Command::ReportProgress {
+            job_id,
+            samples: vec![ProgressSample {
+                step: step as u64,
+                total_steps: total as u64,
+                loss: None,
+                samples_per_s: rate * f64::from(batch),
+                at_ms: ms(self.now_s),
+            }],
+        });
+    }
+
+    /// One scheduling pass, then the simulated executor follows the state.
+    fn schedule(&mut self) {
+        self.report.rounds += 1;
+        if let Some(decision) = policy::decide(self.policy, &self.state, ms(self.now_s)) {
+            if self.apply(decision).is_some() {
+                self.report.decisions += 1;
+            }
+        }
+        self.follow_allocations();
+    }
+
+    /// Starts the workers of new allocations and stops those whose
+    /// allocation went away, as the reconciler does.
+    fn follow_allocations(&mut self) {
+        let stopped: Vec<JobId> = self
+            .running
+            .iter()
+            .filter(|(job_id, r)| {
+                self.state
+                    .job(**job_id)
+                    .and_then(|j| j.allocation.as_ref())
+                    .is_none_or(|a| a.epoch != r.epoch)
+            })
+            .map(|(job_id, _)| *job_id)
+            .collect();
+        for job_id in stopped {
+            self.report_progress(job_id);
+            self.running.remove(&job_id);
+        }
+        let started: Vec<(JobId, u64, Vec<GpuRef>, u32)> = self
+            .state
+            .allocated_jobs()
+            .filter(|j| j.state == JobState::Running && !self.running.contains_key(&j.id))
+            .filter_map(|j| {
+                j.allocation
+                    .as_ref()
+                    .map(|a| (j.id, a.epoch, a.gpus.clone(), j.spec.gpus.max(1)))
+            })
+            .collect();
+        for (job_id, epoch, gpus, per_worker) in started {
+            let gpu_type = gpus
+                .first()
+                .and_then(|g| self.state.nodes().get(&g.node)?.gpus.get(&g.index).cloned())
+                .unwrap_or_default();
+            let count = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
+            for (rank, worker_gpus) in gpus.chunks(per_worker as usize).enumerate() {
+                let node = worker_gpus
+                    .first()
+                    .map(|g| g.node.clone())
+                    .unwrap_or_default();
+                self.apply(Command::RecordWorkerStarted {
+                    job_id,
+                    epoch,
+                    rank: u32::try_from(rank).unwrap_or(u32::MAX),
+                    node,
+                });
+            }
+            let model = self
+                .sim_of
+                .get(&job_id)
+                .map_or("generic", |i| self.config.jobs[*i].model.as_str());
+            let rate = throughput::profile(model).steps_per_s(&gpu_type, count);
+            let restart = self.config.restart_s.max(0.0);
+            let now = self.now_s;
+            let first = self
+                .result_mut(job_id)
+                .is_some_and(|r| r.first_start_s.is_none());
+            if let Some(r) = self.result_mut(job_id) {
+                if first {
+                    r.first_start_s = Some(now);
+                } else {
+                    r.restarts += 1;
+                }
+            }
+            self.running.insert(
+                job_id,
+                Running {
+                    epoch,
+                    rate,
+                    resumes_at_s: now + restart,
+                    gpus: count,
+                },
+            );
+        }
+    }
+
+    fn sample(&mut self) {
+        let busy_gpus = self.running.values().map(|r| r.gpus).sum();
+        let queued_jobs = self.state.queued_count();
+        let sample = Sample {
+            at_s: self.now_s,
+            busy_gpus,
+            queued_jobs: u32::try_from(queued_jobs).unwrap_or(u32::MAX),
+        };
+        if self.report.samples.last().map(|s| s.at_s) == Some(sample.at_s) {
+            self.report.samples.pop();
+        }
+        self.report.samples.push(sample);
+    }
+
+    fn window_done(&self) -> bool {
+        let Some((a, b)) = self.config.window else {
+            return false;
+        };
+        self.config
+            .jobs
+            .iter()
+            .filter(|j| (a..=b).contains(&j.id))
+            .all(|j| {
+                self.job_of
+                    .get(&j.id)
+                    .and_then(|id| self.state.job(*id))
+                    .is_some_and(|job| job.state.is_terminal())
+            })
+    }
+}
+
+/// Runs the simulation of `config` under `policy`.
+pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
+    let total_gpus = config
+        .nodes
+        .iter()
+        .map(|n| u32::try_from(n.gpus.len()).unwrap_or(u32::MAX))
+        .sum();
+    let mut order: Vec<usize> = (0..config.jobs.len()).collect();
+    order.sort_by(|a, b| {
+        config.jobs[*a]
+            .arrival_s
+            .total_cmp(&config.jobs[*b].arrival_s)
+            .then(a.cmp(b))
+    });
+    let start_s = order.first().map_or(0.0, |i| config.jobs[*i].arrival_s);
+    let mut engine = Engine {
+        config,
+        policy,
+        state: ClusterState::new(),
+        index: 0,
+        now_s: start_s,
+        job_of: BTreeMap::new(),
+        sim_of: BTreeMap::new(),
+        steps_done: BTreeMap::new(),
+        running: BTreeMap::new(),
+        results: Vec::new(),
+        result_of: BTreeMap::new(),
+        report: SimReport {
+            policy: policy.name().to_string(),
+            jobs: Vec::new(),
+            total_gpus,
+            simulated_s: 0.0,
+            makespan_s: 0.0,
+            utilisation: 0.0,
+            rounds: 0,
+            decisions: 0,
+            preemptions: 0,
+            entries: 0,
+            refused_entries: 0,
+            state_hash: String::new(),
+            samples: Vec::new(),
+        },
+        busy_gpu_s: 0.0,
+    };
+    for node in &config.nodes {
+        engine.apply(Command::RegisterNode {
+            name: node.name.clone(),
+            address: "10.0.0.1".into(),
+            gpus: node.gpus.clone(),
+        });
+    }
+    let round_s = if config.round_s.is_finite() && config.round_s > 0.0 {
+        config.round_s
+    } else {
+        360.0
+    };
+    let mut next_arrival = 0;
+    let mut next_tick = start_s;
+    loop {
+        let arrival = order.get(next_arrival).map(|i| config.jobs[*i].arrival_s);
+        let finish = engine.next_finish();
+        let idle = engine.running.is_empty();
+        if arrival.is_none() && finish.is_none() && idle {
+            // Nothing runs and nothing will arrive: what waits now can
+            // never be placed.
+            break;
+        }
+        let mut t = next_tick;
+        for c in [arrival, finish].into_iter().flatten() {
+            t = t.min(c);
+        }
+        if t - start_s > config.max_simulated_s {
+            break;
+        }
+        engine.advance(t);
+        let mut changed = engine.finish_done();
+        while let Some(i) = order.get(next_arrival) {
+            if config.jobs[*i].arrival_s > engine.now_s {
+                break;
+            }
+            engine.submit(*i);
+            next_arrival += 1;
+            changed = true;
+        }
+        let tick = engine.now_s >= next_tick;
+        if tick {
+            let running: Vec<JobId> = engine.running.keys().copied().collect();
+            for job_id in running {
+                engine.report_progress(job_id);
+            }
+            while next_tick <= engine.now_s {
+                next_tick += round_s;
+            }
+        }
+        if changed || tick {
+            engine.schedule();
+            engine.sample();
+        }
+        if engine.window_done() {
+            break;
+        }
+    }
+    let end_s = engine.now_s;
+    let mut report = engine.report;
+    report.jobs = engine.results;
+    report.simulated_s = end_s - start_s;
+    let last_finish = report
+        .jobs
+        .iter()
+        .filter(|j| config.window.is_none_or(|(a, b)| (a..=b).contains(&j.id)))
+        .filter_map(|j| j.finish_s)
+        .max_by(f64::total_cmp)
+        .unwrap_or(start_s);
+    report.makespan_s = last_finish - start_s;
+    let available = f64::from(report.total_gpus) * report.simulated_s;
+    report.utilisation = if available > 0.0 {
+        engine.busy_gpu_s / available
+    } else {
+        0.0
+    };
+    report.state_hash = engine.state.state_hash().to_string();
+    report
+}

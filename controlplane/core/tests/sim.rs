@@ -1,0 +1,156 @@
+//! The simulator: a hand-checked run, determinism, windows, and a property
+//! test that every job that fits the cluster finishes.
+
+use keel_core::policy::{Fifo, QueueOptions};
+use keel_core::sim::{cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode};
+use keel_core::throughput;
+use proptest::prelude::*;
+
+fn job(id: u64, arrival_s: f64, workers: u32, total_steps: u64) -> SimJob {
+    SimJob {
+        id,
+        arrival_s,
+        model: "resnet50".into(),
+        gpus_per_worker: 1,
+        workers_min: workers,
+        workers_max: workers,
+        total_steps,
+        priority: 0,
+    }
+}
+
+fn v100s(n: u32) -> Vec<SimNode> {
+    cluster_from_counts(&format!("{n}:0:0"), n).expect("cluster")
+}
+
+#[test]
+fn fifo_on_two_gpus_matches_the_hand_computed_schedule() {
+    let one = throughput::profile("resnet50").steps_per_s("v100", 1);
+    let two = throughput::profile("resnet50").steps_per_s("v100", 2);
+    // a: 100 s on one GPU; b: 200 s on one GPU; c (arrives at 10 s) needs
+    // both GPUs, waits for b, then runs 100 s.
+    let jobs = vec![
+        job(0, 0.0, 1, (one * 100.0) as u64),
+        job(1, 0.0, 1, (one * 200.0) as u64),
+        job(2, 10.0, 2, (two * 100.0) as u64),
+    ];
+    let report = simulate(&SimConfig::new(v100s(2), jobs), &Fifo::default());
+    let jct: Vec<f64> = report
+        .jobs
+        .iter()
+        .map(|j| j.jct_s().expect("finished"))
+        .collect();
+    let close = |a: f64, b: f64| (a - b).abs() < 0.1;
+    assert!(close(jct[0], 100.0), "{jct:?}");
+    assert!(close(jct[1], 200.0), "{jct:?}");
+    assert!(close(jct[2], 290.0), "{jct:?}");
+    assert!(close(report.makespan_s, 300.0), "{}", report.makespan_s);
+    // Busy: 2 GPUs for 300 s except a's GPU idle 100..200.
+    assert!(
+        (report.utilisation - 500.0 / 600.0).abs() < 0.01,
+        "{}",
+        report.utilisation
+    );
+    assert_eq!(report.refused_entries, 0);
+    assert_eq!(report.preemptions, 0);
+    let summary = report.jct(None);
+    assert_eq!((summary.finished, summary.unfinished), (3, 0));
+}
+
+#[test]
+fn a_restart_cost_delays_each_start() {
+    let one = throughput::profile("resnet50").steps_per_s("v100", 1);
+    let mut config = SimConfig::new(v100s(1), vec![job(0, 0.0, 1, (one * 100.0) as u64)]);
+    config.restart_s = 30.0;
+    let report = simulate(&config, &Fifo::default());
+    let jct = report.jobs[0].jct_s().expect("finished");
+    assert!((jct - 130.0).abs() < 0.1, "{jct}");
+}
+
+fn generated(seed: u64, jobs: usize) -> Vec<SimJob> {
+    Generator {
+        jobs,
+        rate_per_hour: 20.0,
+        seed,
+        multi_gpu: true,
+    }
+    .generate()
+    .expect("generates")
+}
+
+#[test]
+fn the_same_inputs_give_the_same_report() {
+    let config = SimConfig::new(
+        // FIFO gives a job one GPU type: 8 v100s hold the largest jobs.
+        cluster_from_counts("8:4:4", 4).expect("cluster"),
+        generated(3, 120),
+    );
+    let a = simulate(&config, &Fifo::default());
+    let b = simulate(&config, &Fifo::default());
+    assert_eq!(a, b);
+    assert_eq!(a.jct(None).finished, 120);
+    let backfill = simulate(&config, &Fifo::new(QueueOptions { backfill: true }));
+    assert_ne!(
+        a.state_hash, backfill.state_hash,
+        "a different policy, a different history"
+    );
+    assert!(backfill.jct(None).mean_s <= a.jct(None).mean_s * 1.05);
+}
+
+#[test]
+fn a_window_run_stops_once_its_jobs_finished() {
+    let mut config = SimConfig::new(
+        cluster_from_counts("8:2:2", 2).expect("cluster"),
+        generated(5, 300),
+    );
+    config.window = Some((50, 99));
+    let report = simulate(&config, &Fifo::default());
+    let window = report.jct(Some((50, 99)));
+    assert_eq!((window.finished, window.unfinished), (50, 0));
+    assert!(
+        report.jobs.len() < 300 || report.jct(None).unfinished > 0,
+        "the run went on past the window"
+    );
+}
+
+#[test]
+fn a_job_larger_than_the_cluster_ends_the_run_unfinished() {
+    let jobs = vec![job(0, 0.0, 4, 10), job(1, 0.0, 1, 10)];
+    let report = simulate(&SimConfig::new(v100s(2), jobs), &Fifo::default());
+    let s = report.jct(None);
+    assert_eq!((s.finished, s.unfinished), (1, 1));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    #[test]
+    fn every_job_that_fits_finishes_under_fifo(
+        seed in 0u64..1000,
+        counts in (1u32..6, 0u32..6, 0u32..6),
+        per_server in 1u32..5,
+        backfill in any::<bool>(),
+    ) {
+        let nodes = cluster_from_counts(&format!("{}:{}:{}", counts.0, counts.1, counts.2), per_server)
+            .expect("cluster");
+        // A job gets GPUs of one type: the largest type's count bounds it.
+        let largest = counts.0.max(counts.1).max(counts.2);
+        let jobs: Vec<SimJob> = generated(seed, 40)
+            .into_iter()
+            .map(|mut j| {
+                j.workers_min = j.workers_min.min(largest);
+                j.workers_max = j.workers_min;
+                j.total_steps = j.total_steps.min(200_000);
+                j
+            })
+            .collect();
+        let report = simulate(&SimConfig::new(nodes, jobs), &Fifo::new(QueueOptions { backfill }));
+        let s = report.jct(None);
+        prop_assert_eq!((s.finished, s.unfinished), (40, 0));
+        prop_assert_eq!(report.refused_entries, 0);
+        prop_assert!(report.utilisation <= 1.0 + 1e-9);
+        for j in &report.jobs {
+            prop_assert!(j.first_start_s.is_some_and(|s| s >= j.arrival_s));
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! `keel sim`: reads the inputs, runs [`keel_core::sim::simulate`], prints
+//! the summary and writes per-job results.
+
+#![allow(clippy::print_stdout)]
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use keel_core::policy::QueueOptions;
+use keel_core::sim::{self, SimConfig, SimJob, SimReport};
+use serde::Serialize;
+
+use crate::render::{print_json, print_table, Output};
+
+/// Largest workload or cluster file read.
+const INPUT_MAX_BYTES: u64 = 512 * 1024 * 1024;
+
+#[derive(clap::Args, Debug)]
+pub struct SimArgs {
+    /// GPUs by type, `v100:p100:k80` counts.
+    #[arg(long, default_value = "36:36:36", conflicts_with = "cluster_file")]
+    cluster: String,
+    /// GPUs per server for `--cluster` (each server holds one type).
+    #[arg(long, default_value_t = 1)]
+    gpus_per_server: u32,
+    /// A YAML or JSON list of nodes instead: `- {gpu_type: a100, gpus: 8, count: 4}`.
+    #[arg(long)]
+    cluster_file: Option<PathBuf>,
+    /// Keel's trace format: one JSON object per line (`arrival_s`, `model`,
+    /// `workers` as a number or `{min, max}`, `gpus_per_worker`,
+    /// `total_steps`, `priority`).
+    #[arg(long, group = "workload")]
+    trace: Option<PathBuf>,
+    /// Gavel's trace format (10 tab-separated columns).
+    #[arg(long, group = "workload")]
+    gavel_trace: Option<PathBuf>,
+    /// Generate this many jobs with Gavel's distributions.
+    #[arg(long, group = "workload")]
+    generate: Option<usize>,
+    /// Arrivals per hour for `--generate` (Poisson; 0: all at once).
+    #[arg(long, default_value_t = 3.2)]
+    rate: f64,
+    /// Seed for `--generate`.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// `--generate` multi-GPU jobs too (scale factors 1/2/4/8 at 70/10/15/5 %).
+    #[arg(long)]
+    multi_gpu: bool,
+    /// Scheduling policy.
+    #[arg(long, default_value = "fifo")]
+    policy: String,
+    /// Let jobs behind a blocked head of the queue start when they fit.
+    #[arg(long)]
+    backfill: bool,
+    /// Seconds between scheduling rounds (arrivals and completions also
+    /// start a round).
+    #[arg(long, default_value_t = 360.0)]
+    round_s: f64,
+    /// Seconds without progress each time a job (re)starts on an allocation.
+    #[arg(long, default_value_t = 0.0)]
+    restart_s: f64,
+    /// Measure only jobs with workload ids in START:END (inclusive); the run
+    /// stops once they all finished.
+    #[arg(long, value_parser = parse_window)]
+    window: Option<(u64, u64)>,
+    /// Write one CSV row per job here.
+    #[arg(long)]
+    jobs_csv: Option<PathBuf>,
+}
+
+fn parse_window(s: &str) -> Result<(u64, u64), String> {
+    let (a, b) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not START:END"))?;
+    let a: u64 = a.trim().parse().map_err(|e| format!("window start: {e}"))?;
+    let b: u64 = b.trim().parse().map_err(|e| format!("window end: {e}"))?;
+    if a > b {
+        return Err(format!("window start {a} is after its end {b}"));
+    }
+    Ok((a, b))
+}
+
+fn read_text(path: &PathBuf) -> anyhow::Result<String> {
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .len();
+    if len > INPUT_MAX_BYTES {
+        anyhow::bail!(
+            "{} is {len} bytes; the limit is {INPUT_MAX_BYTES}",
+            path.display()
+        );
+    }
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+fn workload(args: &SimArgs) -> anyhow::Result<Vec<SimJob>> {
+    if let Some(path) = &args.trace {
+        return sim::workload::parse_keel_trace(&read_text(path)?)
+            .with_context(|| format!("in {}", path.display()));
+    }
+    if let Some(path) = &args.gavel_trace {
+        return sim::workload::parse_gavel_trace(&read_text(path)?)
+            .with_context(|| format!("in {}", path.display()));
+    }
+    let jobs = args
+        .generate
+        .context("give a workload: --trace FILE, --gavel-trace FILE or --generate N")?;
+    Ok(sim::Generator {
+        jobs,
+        rate_per_hour: args.rate,
+        seed: args.seed,
+        multi_gpu: args.multi_gpu,
+    }
+    .generate()?)
+}
+
+fn cluster(args: &SimArgs) -> anyhow::Result<Vec<sim::SimNode>> {
+    match &args.cluster_file {
+        Some(path) => {
+            let specs: Vec<sim::NodeSpec> = serde_yaml::from_str(&read_text(path)?)
+                .with_context(|| format!("in {}", path.display()))?;
+            Ok(sim::cluster_from_specs(&specs)?)
+        }
+        None => Ok(sim::cluster_from_counts(
+            &args.cluster,
+            args.gpus_per_server,
+        )?),
+    }
+}
+
+#[derive(Serialize)]
+struct Summary<'a> {
+    policy: &'a str,
+    jobs: usize,
+    measured: usize,
+    finished: usize,
+    unfinished: usize,
+    avg_jct_h: f64,
+    median_jct_h: f64,
+    p95_jct_h: f64,
+    p99_jct_h: f64,
+    makespan_h: f64,
+    utilisation: f64,
+    rounds: u64,
+    decisions: u64,
+    preemptions: u64,
+    entries: u64,
+    simulated_h: f64,
+    wall_s: f64,
+    state_hash: &'a str,
+}
+
+pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
+    if !(args.round_s.is_finite() && args.round_s > 0.0) {
+        anyhow::bail!("--round-s must be a positive number of seconds");
+    }
+    if !(args.restart_s.is_finite() && args.restart_s >= 0.0) {
+        anyhow::bail!("--restart-s must be a number of seconds ≥ 0");
+    }
+    let policy = keel_core::policy::by_name(
+        &args.policy,
+        QueueOptions {
+            backfill: args.backfill,
+        },
+    )?;
+    let mut config = SimConfig::new(cluster(&args)?, workload(&args)?);
+    config.round_s = args.round_s;
+    config.restart_s = args.restart_s;
+    config.window = args.window;
+    let started = Instant::now();
+    let report = sim::simulate(&config, policy.as_ref());
+    let wall_s = started.elapsed().as_secs_f64();
+    if let Some(path) = &args.jobs_csv {
+        write_csv(path, &report)?;
+    }
+    let jct = report.jct(args.window);
+    let h = |s: f64| s / 3600.0;
+    let summary = Summary {
+        policy: &report.policy,
+        jobs: report.jobs.len(),
+        measured: jct.finished + jct.unfinished,
+        finished: jct.finished,
+        unfinished: jct.unfinished,
+        avg_jct_h: h(jct.mean_s),
+        median_jct_h: h(jct.median_s),
+        p95_jct_h: h(jct.p95_s),
+        p99_jct_h: h(jct.p99_s),
+        makespan_h: h(report.makespan_s),
+        utilisation: report.utilisation,
+        rounds: report.rounds,
+        decisions: report.decisions,
+        preemptions: report.preemptions,
+        entries: report.entries,
+        simulated_h: h(report.simulated_s),
+        wall_s,
+        state_hash: &report.state_hash,
+    };
+    match out {
+        Output::Json => print_json(&summary),
+        Output::Table => {
+            let rows = vec![
+                vec!["policy".into(), summary.policy.to_string()],
+                vec![
+                    "jobs finished (measured)".into(),
+                    format!("{} of {}", summary.finished, summary.measured),
+                ],
+                vec!["average JCT".into(), format!("{:.2} h", summary.avg_jct_h)],
+                vec![
+                    "median JCT".into(),
+                    format!("{:.2} h", summary.median_jct_h),
+                ],
+                vec!["p95 JCT".into(), format!("{:.2} h", summary.p95_jct_h)],
+                vec!["p99 JCT".into(), format!("{:.2} h", summary.p99_jct_h)],
+                vec!["makespan".into(), format!("{:.2} h", summary.makespan_h)],
+                vec![
+                    "GPU utilisation".into(),
+                    format!("{:.1} %", 100.0 * summary.utilisation),
+                ],
+                vec!["rounds".into(), summary.rounds.to_string()],
+                vec!["decisions".into(), summary.decisions.to_string()],
+                vec!["preemptions".into(), summary.preemptions.to_string()],
+                vec!["log entries".into(), summary.entries.to_string()],
+                vec![
+                    "simulated time".into(),
+                    format!("{:.1} h", summary.simulated_h),
+                ],
+                vec!["wall time".into(), format!("{:.2} s", summary.wall_s)],
+                vec!["state hash".into(), summary.state_hash.to_string()],
+            ];
+            print_table(&["", ""], &rows)
+        }
+    }
+}
+
+fn write_csv(path: &PathBuf, report: &SimReport) -> anyhow::Result<()> {
+    let file =
+        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    writeln!(
+        w,
+        "id,job_id,model,gpus,arrival_s,first_start_s,finish_s,jct_s,restarts"
+    )?;
+    let opt = |v: Option<f64>| v.map(|x| format!("{x:.3}")).unwrap_or_default();
+    for j in &report.jobs {
+        writeln!(
+            w,
+            "{},{},{},{},{:.3},{},{},{},{}",
+            j.id,
+            j.job_id,
+            j.model,
+            j.gpus,
+            j.arrival_s,
+            opt(j.first_start_s),
+            opt(j.finish_s),
+            opt(j.jct_s()),
+            j.restarts
+        )?;
+    }
+    w.flush()?;
+    Ok(())
+}
