@@ -49,8 +49,12 @@ pub struct SimArgs {
     #[arg(long)]
     multi_gpu: bool,
     /// Scheduling policy.
-    #[arg(long, default_value = "fifo")]
+    #[arg(long, default_value = "fifo", conflicts_with = "compare")]
     policy: String,
+    /// Run several policies on the same workload and print them side by
+    /// side, e.g. `fifo,srjf,tiresias`.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
     /// Let jobs behind a blocked head of the queue start when they fit.
     #[arg(long)]
     backfill: bool,
@@ -159,25 +163,50 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     if !(args.restart_s.is_finite() && args.restart_s >= 0.0) {
         anyhow::bail!("--restart-s must be a number of seconds ≥ 0");
     }
-    let policy = keel_core::policy::by_name(
-        &args.policy,
-        QueueOptions {
-            backfill: args.backfill,
-        },
-    )?;
+    let names = if args.compare.is_empty() {
+        vec![args.policy.clone()]
+    } else {
+        args.compare.clone()
+    };
+    let options = QueueOptions {
+        backfill: args.backfill,
+    };
+    let policies = names
+        .iter()
+        .map(|n| keel_core::policy::by_name(n, options))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut config = SimConfig::new(cluster(&args)?, workload(&args)?);
     config.round_s = args.round_s;
     config.restart_s = args.restart_s;
     config.window = args.window;
-    let started = Instant::now();
-    let report = sim::simulate(&config, policy.as_ref());
-    let wall_s = started.elapsed().as_secs_f64();
-    if let Some(path) = &args.jobs_csv {
-        write_csv(path, &report)?;
+    let mut reports = Vec::new();
+    for policy in &policies {
+        let started = Instant::now();
+        let report = sim::simulate(&config, policy.as_ref());
+        let wall_s = started.elapsed().as_secs_f64();
+        reports.push((report, wall_s));
     }
-    let jct = report.jct(args.window);
+    if let (Some(path), [(report, _)]) = (&args.jobs_csv, reports.as_slice()) {
+        write_csv(path, report)?;
+    } else if args.jobs_csv.is_some() {
+        anyhow::bail!("--jobs-csv takes one policy, not --compare");
+    }
+    let summaries: Vec<Summary> = reports
+        .iter()
+        .map(|(r, wall_s)| summarise(r, args.window, *wall_s))
+        .collect();
+    match (out, summaries.as_slice()) {
+        (Output::Json, [one]) => print_json(one),
+        (Output::Json, many) => print_json(&many),
+        (Output::Table, [one]) => print_one(one),
+        (Output::Table, many) => print_compare(many),
+    }
+}
+
+fn summarise(report: &SimReport, window: Option<(u64, u64)>, wall_s: f64) -> Summary<'_> {
+    let jct = report.jct(window);
     let h = |s: f64| s / 3600.0;
-    let summary = Summary {
+    Summary {
         policy: &report.policy,
         jobs: report.jobs.len(),
         measured: jct.finished + jct.unfinished,
@@ -196,42 +225,73 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
         simulated_h: h(report.simulated_s),
         wall_s,
         state_hash: &report.state_hash,
-    };
-    match out {
-        Output::Json => print_json(&summary),
-        Output::Table => {
-            let rows = vec![
-                vec!["policy".into(), summary.policy.to_string()],
-                vec![
-                    "jobs finished (measured)".into(),
-                    format!("{} of {}", summary.finished, summary.measured),
-                ],
-                vec!["average JCT".into(), format!("{:.2} h", summary.avg_jct_h)],
-                vec![
-                    "median JCT".into(),
-                    format!("{:.2} h", summary.median_jct_h),
-                ],
-                vec!["p95 JCT".into(), format!("{:.2} h", summary.p95_jct_h)],
-                vec!["p99 JCT".into(), format!("{:.2} h", summary.p99_jct_h)],
-                vec!["makespan".into(), format!("{:.2} h", summary.makespan_h)],
-                vec![
-                    "GPU utilisation".into(),
-                    format!("{:.1} %", 100.0 * summary.utilisation),
-                ],
-                vec!["rounds".into(), summary.rounds.to_string()],
-                vec!["decisions".into(), summary.decisions.to_string()],
-                vec!["preemptions".into(), summary.preemptions.to_string()],
-                vec!["log entries".into(), summary.entries.to_string()],
-                vec![
-                    "simulated time".into(),
-                    format!("{:.1} h", summary.simulated_h),
-                ],
-                vec!["wall time".into(), format!("{:.2} s", summary.wall_s)],
-                vec!["state hash".into(), summary.state_hash.to_string()],
-            ];
-            print_table(&["", ""], &rows)
-        }
     }
+}
+
+fn print_one(summary: &Summary) -> anyhow::Result<()> {
+    let rows = vec![
+        vec!["policy".into(), summary.policy.to_string()],
+        vec![
+            "jobs finished (measured)".into(),
+            format!("{} of {}", summary.finished, summary.measured),
+        ],
+        vec!["average JCT".into(), format!("{:.2} h", summary.avg_jct_h)],
+        vec![
+            "median JCT".into(),
+            format!("{:.2} h", summary.median_jct_h),
+        ],
+        vec!["p95 JCT".into(), format!("{:.2} h", summary.p95_jct_h)],
+        vec!["p99 JCT".into(), format!("{:.2} h", summary.p99_jct_h)],
+        vec!["makespan".into(), format!("{:.2} h", summary.makespan_h)],
+        vec![
+            "GPU utilisation".into(),
+            format!("{:.1} %", 100.0 * summary.utilisation),
+        ],
+        vec!["rounds".into(), summary.rounds.to_string()],
+        vec!["decisions".into(), summary.decisions.to_string()],
+        vec!["preemptions".into(), summary.preemptions.to_string()],
+        vec!["log entries".into(), summary.entries.to_string()],
+        vec![
+            "simulated time".into(),
+            format!("{:.1} h", summary.simulated_h),
+        ],
+        vec!["wall time".into(), format!("{:.2} s", summary.wall_s)],
+        vec!["state hash".into(), summary.state_hash.to_string()],
+    ];
+    print_table(&["", ""], &rows)
+}
+
+fn print_compare(summaries: &[Summary]) -> anyhow::Result<()> {
+    let rows: Vec<Vec<String>> = summaries
+        .iter()
+        .map(|s| {
+            vec![
+                s.policy.to_string(),
+                format!("{}/{}", s.finished, s.measured),
+                format!("{:.2}", s.avg_jct_h),
+                format!("{:.2}", s.median_jct_h),
+                format!("{:.2}", s.p99_jct_h),
+                format!("{:.1}", s.makespan_h),
+                format!("{:.1}", 100.0 * s.utilisation),
+                s.preemptions.to_string(),
+                format!("{:.2}", s.wall_s),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "POLICY",
+            "FINISHED",
+            "AVG JCT (h)",
+            "MEDIAN (h)",
+            "P99 (h)",
+            "MAKESPAN (h)",
+            "UTIL (%)",
+            "PREEMPTIONS",
+            "WALL (s)",
+        ],
+        &rows,
+    )
 }
 
 fn write_csv(path: &PathBuf, report: &SimReport) -> anyhow::Result<()> {

@@ -34,7 +34,11 @@ fn a_trace_runs_to_a_json_summary_and_per_job_csv() {
         "-o",
         "json",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(summary["finished"], 3, "{summary}");
     assert_eq!(summary["unfinished"], 0, "{summary}");

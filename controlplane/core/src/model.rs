@@ -103,6 +103,14 @@ pub struct Allocation {
     pub decided_at_ms: u64,
 }
 
+impl Allocation {
+    /// GPU-milliseconds this allocation has given by `now_ms`.
+    pub fn service_until(&self, now_ms: u64) -> u64 {
+        let gpus = u64::try_from(self.gpus.len()).unwrap_or(u64::MAX);
+        gpus.saturating_mul(now_ms.saturating_sub(self.decided_at_ms))
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkerState {
@@ -153,9 +161,37 @@ pub struct Job {
     pub not_before_ms: Option<u64>,
     /// Why the job is in its state, when there is something to say.
     pub message: String,
+    /// GPU-milliseconds received in allocations that ended (the current
+    /// one counts through [`Job::attained_gpu_ms`]).
+    pub service_gpu_ms: u64,
+    /// How long the last allocation that ended lasted.
+    pub last_run_ms: u64,
+    /// When the job last started waiting for GPUs (submission, or the end
+    /// of its last allocation).
+    pub queued_since_ms: u64,
 }
 
 impl Job {
+    /// GPU-milliseconds of service up to `now_ms` (least-attained-service
+    /// policies order jobs by it).
+    pub fn attained_gpu_ms(&self, now_ms: u64) -> u64 {
+        self.service_gpu_ms
+            + self
+                .allocation
+                .as_ref()
+                .map_or(0, |a| a.service_until(now_ms))
+    }
+
+    /// Ends the current allocation at `at_ms`, accounting its service;
+    /// returns it.
+    pub fn close_allocation(&mut self, at_ms: u64) -> Option<Allocation> {
+        let a = self.allocation.take()?;
+        self.service_gpu_ms = self.service_gpu_ms.saturating_add(a.service_until(at_ms));
+        self.last_run_ms = at_ms.saturating_sub(a.decided_at_ms);
+        self.queued_since_ms = at_ms;
+        Some(a)
+    }
+
     /// Whether the job is still in its retry backoff at `now_ms`.
     pub fn backing_off(&self, now_ms: u64) -> bool {
         self.not_before_ms.is_some_and(|t| now_ms < t)

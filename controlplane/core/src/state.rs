@@ -376,7 +376,7 @@ impl ClusterState {
                 address,
                 gpus,
             } => self.register_node(name, address, gpus, at_ms),
-            Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason),
+            Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason, at_ms),
             Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
             Command::SubmitJob { spec } => {
                 spec.validate()?;
@@ -399,6 +399,9 @@ impl ClusterState {
                         retries: 0,
                         not_before_ms: None,
                         message: String::new(),
+                        service_gpu_ms: 0,
+                        last_run_ms: 0,
+                        queued_since_ms: at_ms,
                     },
                 );
                 Ok(vec![Event::JobSubmitted {
@@ -410,7 +413,7 @@ impl ClusterState {
             Command::CancelJob { job_id, reason } => {
                 check_len("reason", reason, limits::REASON_MAX_LEN)?;
                 let job = self.live_job(*job_id, "cancelled")?;
-                let released = job.allocation.take();
+                let released = job.close_allocation(at_ms);
                 job.state = JobState::Cancelled;
                 job.finished_at_ms = Some(at_ms);
                 job.message = reason.clone();
@@ -515,7 +518,7 @@ impl ClusterState {
                     JobOutcome::Succeeded => JobState::Succeeded,
                     JobOutcome::Failed => JobState::Failed,
                 };
-                let released = job.allocation.take();
+                let released = job.close_allocation(at_ms);
                 job.state = state;
                 job.finished_at_ms = Some(at_ms);
                 job.message = reason.clone();
@@ -651,7 +654,12 @@ impl ClusterState {
             .collect()
     }
 
-    fn mark_node_lost(&mut self, name: &str, reason: &str) -> Result<Vec<Event>, ApplyError> {
+    fn mark_node_lost(
+        &mut self,
+        name: &str,
+        reason: &str,
+        at_ms: u64,
+    ) -> Result<Vec<Event>, ApplyError> {
         check_len("reason", reason, limits::REASON_MAX_LEN)?;
         let node = self
             .nodes
@@ -675,18 +683,18 @@ impl ClusterState {
             .collect();
         for job_id in affected {
             let reason = format!("node {name} lost");
-            self.preempt(job_id, &reason);
+            self.preempt(job_id, &reason, at_ms);
             events.push(Event::JobPreempted { job_id, reason });
         }
         Ok(events)
     }
 
-    fn preempt(&mut self, job_id: JobId, reason: &str) {
+    fn preempt(&mut self, job_id: JobId, reason: &str, at_ms: u64) {
         let released = match self.jobs.get_mut(&job_id) {
             Some(job) => {
                 job.state = JobState::Preempted;
                 job.message = reason.to_string();
-                job.allocation.take()
+                job.close_allocation(at_ms)
             }
             None => None,
         };
@@ -718,7 +726,7 @@ impl ClusterState {
             if !all_done {
                 return Vec::new();
             }
-            let released = job.allocation.take();
+            let released = job.close_allocation(at_ms);
             job.state = JobState::Succeeded;
             job.finished_at_ms = Some(at_ms);
             job.message = "every worker exited 0".into();
@@ -734,7 +742,7 @@ impl ClusterState {
             Some(code) => format!("worker {rank} exited with code {code}"),
             None => format!("worker {rank} was killed by a signal"),
         };
-        let released = job.allocation.take();
+        let released = job.close_allocation(at_ms);
         let event = if job.retries < job.spec.max_retries {
             job.retries += 1;
             job.state = JobState::Pending;
@@ -967,7 +975,7 @@ impl ClusterState {
                 .iter()
                 .any(|g| claimed.get(g).is_some_and(|h| *h != job_id));
             if taken {
-                self.preempt(job_id, "its GPUs went to another job");
+                self.preempt(job_id, "its GPUs went to another job", at_ms);
                 events.push(Event::JobPreempted {
                     job_id,
                     reason: "its GPUs went to another job".into(),
@@ -988,7 +996,7 @@ impl ClusterState {
             if unchanged {
                 continue;
             }
-            let old = job.allocation.take();
+            let old = job.close_allocation(at_ms);
             if gpus.is_empty() {
                 job.state = JobState::Preempted;
                 job.message = format!("preempted by {policy} in round {round}");

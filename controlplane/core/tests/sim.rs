@@ -1,7 +1,8 @@
-//! The simulator: a hand-checked run, determinism, windows, and a property
-//! test that every job that fits the cluster finishes.
+//! The simulator: hand-checked runs (FIFO, Tiresias, SRJF), determinism,
+//! windows, and a property test that every job that fits the cluster
+//! finishes under every policy.
 
-use keel_core::policy::{Fifo, QueueOptions};
+use keel_core::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias};
 use keel_core::sim::{cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode};
 use keel_core::throughput;
 use proptest::prelude::*;
@@ -121,11 +122,61 @@ fn a_job_larger_than_the_cluster_ends_the_run_unfinished() {
     assert_eq!((s.finished, s.unfinished), (1, 1));
 }
 
+#[test]
+fn tiresias_lets_a_new_job_preempt_one_past_the_first_threshold() {
+    let one = throughput::profile("resnet50").steps_per_s("v100", 1);
+    // a: 2 h alone; b arrives at 1.5 h (a has 5,400 GPU·s, past 3,600) and
+    // needs 10 min.
+    let jobs = vec![
+        job(0, 0.0, 1, (one * 7200.0) as u64),
+        job(1, 5400.0, 1, (one * 600.0) as u64),
+    ];
+    let report = simulate(&SimConfig::new(v100s(1), jobs), &Tiresias::default());
+    let b = &report.jobs[1];
+    assert!(
+        (b.jct_s().expect("b finished") - 600.0).abs() < 1.0,
+        "{b:?}"
+    );
+    let a = &report.jobs[0];
+    assert_eq!(a.restarts, 1, "{a:?}");
+    assert!(
+        (a.finish_s.expect("a finished") - 7800.0).abs() < 1.0,
+        "{a:?}"
+    );
+    assert_eq!(report.preemptions, 1);
+    // FIFO lets b wait for a: 1,800 s, then its 600 s.
+    let fifo = simulate(
+        &SimConfig::new(
+            v100s(1),
+            vec![
+                job(0, 0.0, 1, (one * 7200.0) as u64),
+                job(1, 5400.0, 1, (one * 600.0) as u64),
+            ],
+        ),
+        &Fifo::default(),
+    );
+    let b = fifo.jobs[1].jct_s().expect("finished");
+    assert!((b - 2400.0).abs() < 1.0, "{b}");
+}
+
+#[test]
+fn srjf_runs_the_shorter_job_first_and_preempts_a_longer_one() {
+    let one = throughput::profile("resnet50").steps_per_s("v100", 1);
+    let jobs = vec![
+        job(0, 0.0, 1, (one * 3600.0) as u64),
+        job(1, 60.0, 1, (one * 300.0) as u64),
+    ];
+    let report = simulate(&SimConfig::new(v100s(1), jobs), &Srjf);
+    let b = &report.jobs[1];
+    assert!((b.jct_s().expect("finished") - 300.0).abs() < 1.0, "{b:?}");
+    assert_eq!(report.jobs[0].restarts, 1);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
 
     #[test]
-    fn every_job_that_fits_finishes_under_fifo(
+    fn every_job_that_fits_finishes_under_every_policy(
         seed in 0u64..1000,
         counts in (1u32..6, 0u32..6, 0u32..6),
         per_server in 1u32..5,
@@ -144,13 +195,19 @@ proptest! {
                 j
             })
             .collect();
-        let report = simulate(&SimConfig::new(nodes, jobs), &Fifo::new(QueueOptions { backfill }));
-        let s = report.jct(None);
-        prop_assert_eq!((s.finished, s.unfinished), (40, 0));
-        prop_assert_eq!(report.refused_entries, 0);
-        prop_assert!(report.utilisation <= 1.0 + 1e-9);
-        for j in &report.jobs {
-            prop_assert!(j.first_start_s.is_some_and(|s| s >= j.arrival_s));
+        let config = SimConfig::new(nodes, jobs);
+        let fifo = Fifo::new(QueueOptions { backfill });
+        let srjf = by_name("srjf", QueueOptions::default()).expect("srjf");
+        let tiresias = by_name("tiresias", QueueOptions::default()).expect("tiresias");
+        for policy in [&fifo as &dyn keel_core::policy::Policy, srjf.as_ref(), tiresias.as_ref()] {
+            let report = simulate(&config, policy);
+            let s = report.jct(None);
+            prop_assert_eq!((s.finished, s.unfinished), (40, 0), "{}", policy.name());
+            prop_assert_eq!(report.refused_entries, 0, "{}", policy.name());
+            prop_assert!(report.utilisation <= 1.0 + 1e-9);
+            for j in &report.jobs {
+                prop_assert!(j.first_start_s.is_some_and(|s| s >= j.arrival_s));
+            }
         }
     }
 }

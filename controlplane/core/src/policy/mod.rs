@@ -7,11 +7,16 @@
 //! `DecideAllocation { based_on: i }` entry, which `apply` validates against
 //! the state it meets. One file per policy.
 
+mod admit;
 mod fifo;
+mod srjf;
+mod tiresias;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 pub use fifo::Fifo;
+pub use srjf::{remaining_s, Srjf};
+pub use tiresias::{Tiresias, TiresiasOptions};
 
 use crate::command::{Command, JobPlacement};
 use crate::model::{GpuRef, JobId};
@@ -105,6 +110,8 @@ pub struct QueueOptions {
 pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, UnknownPolicy> {
     match name {
         "fifo" => Ok(Box::new(Fifo::new(options))),
+        "srjf" => Ok(Box::new(Srjf)),
+        "tiresias" => Ok(Box::new(Tiresias::default())),
         _ => Err(UnknownPolicy {
             name: name.to_string(),
         }),
@@ -112,7 +119,7 @@ pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, Unk
 }
 
 /// The names [`by_name`] knows.
-pub const POLICY_NAMES: &[&str] = &["fifo"];
+pub const POLICY_NAMES: &[&str] = &["fifo", "srjf", "tiresias"];
 
 #[cfg(test)]
 mod tests {

@@ -406,7 +406,8 @@ impl Engine<'_> {
             .map(|(job_id, _)| *job_id)
             .collect();
         for job_id in stopped {
-            self.report_progress(job_id);
+            // Its progress stays with the simulator (`steps_done`); the
+            // state heard of it at the last round.
             self.running.remove(&job_id);
         }
         let started: Vec<(JobId, u64, Vec<GpuRef>, u32)> = self

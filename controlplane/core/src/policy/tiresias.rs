@@ -1,0 +1,101 @@
+//! Tiresias (discretised 2D-LAS, as in Voda): jobs are ranked by the
+//! GPU-time they have received. Queue 0 holds jobs under the first
+//! threshold, queue 1 those under the second, and so on; within a queue,
+//! the earlier submission first. A running job that crosses a threshold is
+//! demoted and may be preempted by jobs in higher queues. Starvation guard:
+//! a job that has waited at least `starvation_factor` times as long as it
+//! has run goes back to queue 0, and keeps it while it runs for a slice of
+//! its wait.
+
+use crate::model::JobId;
+
+/// The shortest run time the starvation guard counts with.
+const MIN_RUN_MS: u64 = 60_000;
+
+use super::admit::admit_in_order;
+use super::{Plan, Policy, SchedulingInput};
+
+/// Tiresias's knobs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TiresiasOptions {
+    /// Queue thresholds in GPU-seconds of attained service, ascending.
+    pub thresholds_gpu_s: Vec<u64>,
+    /// Promote a waiting job after it waited this many times its last run
+    /// (0: never).
+    pub starvation_factor: u64,
+}
+
+impl Default for TiresiasOptions {
+    fn default() -> Self {
+        TiresiasOptions {
+            thresholds_gpu_s: vec![3600],
+            starvation_factor: 8,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Tiresias {
+    options: TiresiasOptions,
+}
+
+impl Tiresias {
+    pub fn new(options: TiresiasOptions) -> Self {
+        Tiresias { options }
+    }
+}
+
+impl Policy for Tiresias {
+    fn name(&self) -> &'static str {
+        "tiresias"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let now = input.now_ms;
+        let mut ranked: Vec<(usize, u64, JobId)> = input
+            .state
+            .unfinished_jobs()
+            .map(|job| {
+                let attained_ms = job.attained_gpu_ms(now);
+                let mut queue = self
+                    .options
+                    .thresholds_gpu_s
+                    .iter()
+                    .take_while(|t| attained_ms >= t.saturating_mul(1000))
+                    .count();
+                let factor = self.options.starvation_factor;
+                // How long it has run in all (service over its size), at
+                // least a minute: a job preempted moments after it started
+                // must not come back moments later.
+                let size = u64::from(job.spec.gpus.saturating_mul(job.spec.workers.min).max(1));
+                let executed_ms = (job.service_gpu_ms / size).max(MIN_RUN_MS);
+                let promoted = match &job.allocation {
+                    // Waiting long enough: back to queue 0.
+                    None => {
+                        factor > 0
+                            && job.service_gpu_ms > 0
+                            && now.saturating_sub(job.queued_since_ms)
+                                >= executed_ms.saturating_mul(factor)
+                    }
+                    // Promoted and now running: it keeps queue 0 for a
+                    // slice of its wait, so it is not preempted again at
+                    // the next pass.
+                    Some(a) => {
+                        let waited = a.decided_at_ms.saturating_sub(job.queued_since_ms);
+                        factor > 0
+                            && job.service_gpu_ms > 0
+                            && waited >= executed_ms.saturating_mul(factor)
+                            && now.saturating_sub(a.decided_at_ms) < waited / factor
+                    }
+                };
+                if promoted {
+                    queue = 0;
+                }
+                (queue, job.submitted_at_ms, job.id)
+            })
+            .collect();
+        ranked.sort_unstable();
+        let order: Vec<JobId> = ranked.into_iter().map(|(_, _, id)| id).collect();
+        admit_in_order(input.state, &order, now)
+    }
+}
