@@ -464,3 +464,50 @@ fn a_server_stopped_with_sigterm_relaunches_its_workers_instead_of_failing_them(
     );
     server.terminate();
 }
+
+/// A preemptive policy on the live path: under `srjf`, a short job that
+/// arrives while a long one holds the only GPU preempts it (SIGTERM: the
+/// long job checkpoints), runs to completion, and the long job then resumes
+/// from its checkpoint on a new allocation epoch.
+#[test]
+fn srjf_preempts_a_long_job_for_a_short_one_which_resumes_from_its_checkpoint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start(
+        &dir.path().join("data"),
+        &["--simulated-gpus", "1xv100", "--policy", "srjf"],
+    );
+    let trainer = |name: &str, steps: u64| {
+        format!(
+            "name: {name}\ncommand: [keel, trainer, --speedup, \"50\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"50\"]\n\
+             gpus: 1\nmodel: resnet50\ntotal_steps: {steps}\n"
+        )
+    };
+    let long = server.submit(dir.path(), "long", &trainer("long", 10_000_000));
+    let before = wait_for("the long job to make progress", || {
+        let step = server.job(long)["progress"]["step"].as_u64()?;
+        (step >= 100).then_some(step)
+    });
+    let short = server.submit(dir.path(), "short", &trainer("short", 1_000));
+    wait_for("the short job to succeed", || {
+        (server.job(short)["state"] == "succeeded").then_some(())
+    });
+    let resumed = wait_for("the long job to run again", || {
+        let job = server.job(long);
+        (job["state"] == "running" && job["allocation"]["epoch"].as_u64() >= Some(2)).then_some(job)
+    });
+    let history = resumed["history"].to_string();
+    assert!(history.contains("preempted"), "{history}");
+    let logs = server.cli_ok(&["logs", &long.to_string()]);
+    let resumed_from = logs
+        .lines()
+        .filter_map(|l| l.split(", from step ").nth(1))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+        .max()
+        .expect("a relaunch line");
+    assert!(
+        resumed_from >= before,
+        "resumed from step {resumed_from}, had reached {before} before: {logs}"
+    );
+    server.cli_ok(&["cancel", &long.to_string()]);
+    server.terminate();
+}
