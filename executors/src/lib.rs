@@ -22,7 +22,7 @@ pub mod reconcile;
 pub mod supervisor;
 pub mod trainer;
 
-use keel_core::{GpuRef, JobId};
+use keel_core::JobId;
 
 pub use executor::{Executor, ExecutorError, WorkerLog};
 pub use local::{LocalConfig, LocalExecutor};
@@ -43,25 +43,26 @@ impl std::fmt::Display for WorkerId {
     }
 }
 
-/// Splits an allocation's GPUs into workers of `gpus_per_worker`, in order:
-/// rank r gets GPUs `r*g .. (r+1)*g`. Every executor places ranks the same way.
-pub fn ranks(gpus: &[GpuRef], gpus_per_worker: u32) -> Vec<&[GpuRef]> {
-    gpus.chunks(gpus_per_worker.max(1) as usize).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn ranks_split_gpus_in_order() {
-        let gpus: Vec<GpuRef> = (0..4)
-            .map(|index| GpuRef {
-                node: "n0".into(),
-                index,
-            })
-            .collect();
-        let r = ranks(&gpus, 2);
+    fn ranks_split_gpus_in_order_and_ids_print() {
+        let allocation = keel_core::Allocation {
+            epoch: 1,
+            gpus: (0..4)
+                .map(|index| keel_core::GpuRef {
+                    node: "n0".into(),
+                    index,
+                })
+                .collect(),
+            based_on: 0,
+            policy: "fifo".into(),
+            round: 1,
+            decided_at_ms: 0,
+        };
+        let r = allocation.ranks(2);
         assert_eq!(r.len(), 2);
         assert_eq!(r[1][0].index, 2);
         assert_eq!(

@@ -55,7 +55,7 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
         let Some(alloc) = &job.allocation else {
             continue;
         };
-        let ranks = crate::ranks(&alloc.gpus, job.spec.gpus);
+        let ranks = alloc.ranks(job.spec.gpus);
         let world_size = u32::try_from(ranks.len()).unwrap_or(u32::MAX);
         let rendezvous_addr = ranks
             .first()

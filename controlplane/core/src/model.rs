@@ -104,6 +104,13 @@ pub struct Allocation {
 }
 
 impl Allocation {
+    /// The GPUs of each worker, by rank: rank r gets GPUs `r*g .. (r+1)*g`
+    /// of the (sorted) allocation. Every executor, and the simulator, places
+    /// ranks this way.
+    pub fn ranks(&self, gpus_per_worker: u32) -> Vec<&[GpuRef]> {
+        self.gpus.chunks(gpus_per_worker.max(1) as usize).collect()
+    }
+
     /// GPU-milliseconds this allocation has given by `now_ms`.
     pub fn service_until(&self, now_ms: u64) -> u64 {
         let gpus = u64::try_from(self.gpus.len()).unwrap_or(u64::MAX);

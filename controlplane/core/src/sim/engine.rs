@@ -410,27 +410,27 @@ impl Engine<'_> {
             // state heard of it at the last round.
             self.running.remove(&job_id);
         }
-        let started: Vec<(JobId, u64, Vec<GpuRef>, u32)> = self
+        let started: Vec<(JobId, u64, Vec<GpuRef>, Vec<String>)> = self
             .state
             .allocated_jobs()
             .filter(|j| j.state == JobState::Running && !self.running.contains_key(&j.id))
             .filter_map(|j| {
-                j.allocation
-                    .as_ref()
-                    .map(|a| (j.id, a.epoch, a.gpus.clone(), j.spec.gpus.max(1)))
+                let a = j.allocation.as_ref()?;
+                let nodes = a
+                    .ranks(j.spec.gpus)
+                    .iter()
+                    .map(|gpus| gpus.first().map(|g| g.node.clone()).unwrap_or_default())
+                    .collect();
+                Some((j.id, a.epoch, a.gpus.clone(), nodes))
             })
             .collect();
-        for (job_id, epoch, gpus, per_worker) in started {
+        for (job_id, epoch, gpus, nodes) in started {
             let gpu_type = gpus
                 .first()
                 .and_then(|g| self.state.nodes().get(&g.node)?.gpus.get(&g.index).cloned())
                 .unwrap_or_default();
             let count = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
-            for (rank, worker_gpus) in gpus.chunks(per_worker as usize).enumerate() {
-                let node = worker_gpus
-                    .first()
-                    .map(|g| g.node.clone())
-                    .unwrap_or_default();
+            for (rank, node) in nodes.into_iter().enumerate() {
                 self.apply(Command::RecordWorkerStarted {
                     job_id,
                     epoch,
