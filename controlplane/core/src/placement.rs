@@ -176,19 +176,23 @@ impl FreeGpus {
     /// Marks `gpus` as taken.
     pub fn remove(&mut self, gpus: &[GpuRef]) {
         for g in gpus {
+            // A node's GPUs may be of several types: look in each.
             for (gpu_type, nodes) in self.by_type.iter_mut() {
-                if let Some(free) = nodes.get_mut(&g.node) {
-                    if let Ok(pos) = free.binary_search(&g.index) {
-                        free.remove(pos);
-                        if let Some(c) = self.count_by_type.get_mut(gpu_type) {
-                            *c -= 1;
-                        }
-                    }
+                let Some(free) = nodes.get_mut(&g.node) else {
+                    continue;
+                };
+                let Ok(pos) = free.binary_search(&g.index) else {
+                    continue;
+                };
+                free.remove(pos);
+                if free.is_empty() {
+                    nodes.remove(&g.node);
                 }
+                if let Some(c) = self.count_by_type.get_mut(gpu_type) {
+                    *c -= 1;
+                }
+                break;
             }
-        }
-        for nodes in self.by_type.values_mut() {
-            nodes.retain(|_, free| !free.is_empty());
         }
     }
 }
