@@ -69,6 +69,11 @@ pub struct SimArgs {
     /// stops once they all finished.
     #[arg(long, value_parser = parse_window)]
     window: Option<(u64, u64)>,
+    /// Gavel's throughput table (`simulation_throughputs.json` layout): the
+    /// speed of jobs whose Gavel job type and size it holds (Gavel traces);
+    /// the others run at the project's table's speed.
+    #[arg(long)]
+    throughputs: Option<PathBuf>,
     /// Write one CSV row per job here.
     #[arg(long)]
     jobs_csv: Option<PathBuf>,
@@ -179,6 +184,12 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     config.round_s = args.round_s;
     config.restart_s = args.restart_s;
     config.window = args.window;
+    if let Some(path) = &args.throughputs {
+        config.throughputs = Some(
+            sim::ThroughputTable::from_gavel_json(&read_text(path)?)
+                .with_context(|| format!("in {}", path.display()))?,
+        );
+    }
     let mut reports = Vec::new();
     for policy in &policies {
         let started = Instant::now();

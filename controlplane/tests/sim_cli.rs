@@ -79,3 +79,48 @@ fn bad_inputs_are_refused_naming_the_line_or_flag() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("fifo"));
 }
+
+#[test]
+fn a_gavel_trace_runs_with_gavel_throughputs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("jobs.trace");
+    std::fs::write(
+        &trace,
+        "ResNet-50 (batch size 64)\tpython3 main.py\tdir\t--num_steps\t1\t7200\t1\t1\t-1\t0\n",
+    )
+    .expect("trace");
+    let table = dir.path().join("throughputs.json");
+    std::fs::write(
+        &table,
+        r#"{"v100": {"('ResNet-50 (batch size 64)', 1)": {"null": 2.0}}}"#,
+    )
+    .expect("table");
+    let out = sim(&[
+        "--gavel-trace",
+        trace.to_str().expect("utf-8"),
+        "--throughputs",
+        table.to_str().expect("utf-8"),
+        "--cluster",
+        "1:0:0",
+        "-o",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    // 7,200 steps at Gavel's 2 steps/s: one hour.
+    let jct = summary["avg_jct_h"].as_f64().expect("jct");
+    assert!((jct - 1.0).abs() < 1e-3, "{summary}");
+    std::fs::write(&table, "{\"v100\": 3}").expect("table");
+    let out = sim(&[
+        "--gavel-trace",
+        trace.to_str().expect("utf-8"),
+        "--throughputs",
+        table.to_str().expect("utf-8"),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("throughput table"));
+}

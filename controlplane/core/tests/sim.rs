@@ -3,7 +3,9 @@
 //! finishes under every policy.
 
 use keel_core::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias};
-use keel_core::sim::{cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode};
+use keel_core::sim::{
+    cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode, ThroughputTable,
+};
 use keel_core::throughput;
 use proptest::prelude::*;
 
@@ -17,6 +19,7 @@ fn job(id: u64, arrival_s: f64, workers: u32, total_steps: u64) -> SimJob {
         workers_max: workers,
         total_steps,
         priority: 0,
+        job_type: None,
     }
 }
 
@@ -170,6 +173,35 @@ fn srjf_runs_the_shorter_job_first_and_preempts_a_longer_one() {
     let b = &report.jobs[1];
     assert!((b.jct_s().expect("finished") - 300.0).abs() < 1.0, "{b:?}");
     assert_eq!(report.jobs[0].restarts, 1);
+}
+
+#[test]
+fn a_gavel_throughput_table_sets_the_speed_of_the_job_types_it_holds() {
+    let table = ThroughputTable::from_gavel_json(
+        r#"{"v100": {"('ResNet-50 (batch size 64)', 1)": {"null": 2.0}}}"#,
+    )
+    .expect("table");
+    let mut typed = job(0, 0.0, 1, 200);
+    typed.job_type = Some("ResNet-50 (batch size 64)".into());
+    let untyped = job(
+        1,
+        0.0,
+        1,
+        (throughput::profile("resnet50").steps_per_s("v100", 1) * 50.0) as u64,
+    );
+    let mut config = SimConfig::new(v100s(2), vec![typed, untyped]);
+    config.throughputs = Some(table);
+    let report = simulate(&config, &Fifo::default());
+    let jct: Vec<f64> = report
+        .jobs
+        .iter()
+        .map(|j| j.jct_s().expect("finished"))
+        .collect();
+    assert!(
+        (jct[0] - 100.0).abs() < 0.1,
+        "200 steps at 2 steps/s: {jct:?}"
+    );
+    assert!((jct[1] - 50.0).abs() < 0.1, "the project's table: {jct:?}");
 }
 
 proptest! {

@@ -51,6 +51,9 @@ pub struct SimConfig {
     pub window: Option<(u64, u64)>,
     /// Stop after this much simulated time even if jobs remain.
     pub max_simulated_s: f64,
+    /// Speeds by job type from Gavel's table; jobs it does not hold run at
+    /// the project's table's speed for their model.
+    pub throughputs: Option<super::ThroughputTable>,
 }
 
 impl SimConfig {
@@ -62,6 +65,7 @@ impl SimConfig {
             restart_s: 0.0,
             window: None,
             max_simulated_s: 10.0 * 365.0 * 86_400.0,
+            throughputs: None,
         }
     }
 }
@@ -262,6 +266,20 @@ impl Engine<'_> {
             .min_by(f64::total_cmp)
     }
 
+    /// Steps per second of `job_id` on `gpus` GPUs of `gpu_type`.
+    fn rate(&self, job_id: JobId, gpu_type: &str, gpus: u32) -> f64 {
+        let Some(job) = self.sim_of.get(&job_id).map(|i| &self.config.jobs[*i]) else {
+            return 0.0;
+        };
+        let from_table = self
+            .config
+            .throughputs
+            .as_ref()
+            .zip(job.job_type.as_deref())
+            .and_then(|(table, job_type)| table.steps_per_s(job_type, gpus, gpu_type));
+        from_table.unwrap_or_else(|| throughput::profile(&job.model).steps_per_s(gpu_type, gpus))
+    }
+
     fn submit(&mut self, position: usize) {
         let job = &self.config.jobs[position];
         let spec = JobSpec {
@@ -438,11 +456,7 @@ impl Engine<'_> {
                     node,
                 });
             }
-            let model = self
-                .sim_of
-                .get(&job_id)
-                .map_or("generic", |i| self.config.jobs[*i].model.as_str());
-            let rate = throughput::profile(model).steps_per_s(&gpu_type, count);
+            let rate = self.rate(job_id, &gpu_type, count);
             let restart = self.config.restart_s.max(0.0);
             let now = self.now_s;
             let first = self

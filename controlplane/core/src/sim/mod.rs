@@ -11,9 +11,11 @@
 //! text), no clock, no threads, seeded randomness only.
 
 mod engine;
+pub mod gavel_throughputs;
 pub mod workload;
 
 pub use engine::{simulate, JctSummary, JobResult, Sample, SimConfig, SimNode, SimReport};
+pub use gavel_throughputs::{ThroughputTable, ThroughputTableError};
 pub use workload::{Generator, SimJob, WorkloadError};
 
 use serde::Deserialize;

@@ -24,6 +24,11 @@ pub struct SimJob {
     pub total_steps: u64,
     #[serde(default)]
     pub priority: i32,
+    /// The workload's own name for the job's type (Gavel's job type, e.g.
+    /// `ResNet-50 (batch size 64)`), looked up in a Gavel throughput table
+    /// when one is given.
+    #[serde(default)]
+    pub job_type: Option<String>,
 }
 
 fn one() -> u32 {
@@ -119,6 +124,7 @@ pub fn parse_keel_trace(text: &str) -> Result<Vec<SimJob>, WorkloadError> {
             workers_max,
             total_steps: t.total_steps,
             priority: t.priority,
+            job_type: None,
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -178,6 +184,7 @@ pub fn parse_gavel_trace(text: &str) -> Result<Vec<SimJob>, WorkloadError> {
             workers_max: scale_factor as u32,
             total_steps: total_steps.max(1.0) as u64,
             priority: priority_weight.round() as i32,
+            job_type: Some(cols[0].to_string()),
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -266,6 +273,7 @@ impl Generator {
                 workers_max: scale,
                 total_steps,
                 priority: 0,
+                job_type: None,
             });
             if self.rate_per_hour > 0.0 {
                 arrival_s += -(1.0 - rng.unit()).ln() * 3600.0 / self.rate_per_hour;
