@@ -497,13 +497,16 @@ fn srjf_preempts_a_long_job_for_a_short_one_which_resumes_from_its_checkpoint() 
     });
     let history = resumed["history"].to_string();
     assert!(history.contains("preempted"), "{history}");
-    let logs = server.cli_ok(&["logs", &long.to_string()]);
-    let resumed_from = logs
-        .lines()
-        .filter_map(|l| l.split(", from step ").nth(1))
-        .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
-        .max()
-        .expect("a relaunch line");
+    // The relaunched worker's first line says where it resumed from.
+    let (resumed_from, logs) = wait_for("the relaunched worker's first line", || {
+        let logs = server.cli_ok(&["logs", &long.to_string()]);
+        let starts: Vec<u64> = logs
+            .lines()
+            .filter_map(|l| l.split(", from step ").nth(1))
+            .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+            .collect();
+        (starts.len() >= 2).then(|| (starts[starts.len() - 1], logs))
+    });
     assert!(
         resumed_from >= before,
         "resumed from step {resumed_from}, had reached {before} before: {logs}"
