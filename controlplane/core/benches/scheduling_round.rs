@@ -7,11 +7,13 @@
 //! the worst case), and the busy cluster with 100,000 finished jobs still
 //! in the state (a round must not cost more as history piles up).
 //!
+//! Then one round of every policy on the busy cluster.
+//!
 //! Run: `cargo bench -p keel-core --bench scheduling_round`
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use keel_core::fixtures::{job_spec, SplitMix64};
-use keel_core::policy::{Fifo, Policy, QueueOptions, SchedulingInput};
+use keel_core::policy::{by_name, Fifo, Policy, QueueOptions, SchedulingInput, POLICY_NAMES};
 use keel_core::{ClusterState, Command, Gpu, GpuRef, JobPlacement, LogEntry};
 
 const NODES: u32 = 256;
@@ -132,6 +134,22 @@ fn fifo_round(c: &mut Criterion) {
     group.bench_function("half_busy_100k_finished", |b| {
         b.iter(|| round(&history, &fifo))
     });
+    group.finish();
+    // The preemptive policies rank every unfinished job each round.
+    let mut group = c.benchmark_group("policy_round_10k_waiting_2048_gpus");
+    group.sample_size(20);
+    for name in POLICY_NAMES {
+        let policy = by_name(name, QueueOptions::default()).expect("known policy");
+        group.bench_function(format!("{name}_half_busy"), |b| {
+            b.iter(|| {
+                let plan = policy.plan(&SchedulingInput {
+                    state: &busy,
+                    now_ms: 0,
+                });
+                plan.changes(&busy).len()
+            })
+        });
+    }
     group.finish();
 }
 
