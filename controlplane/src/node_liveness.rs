@@ -102,14 +102,7 @@ pub async fn heartbeat_loop(
             .map(|n| pb::RegisterNode {
                 name: n.name.clone(),
                 address: n.address.clone(),
-                gpus: n
-                    .gpus
-                    .iter()
-                    .map(|g| pb::Gpu {
-                        index: g.index,
-                        gpu_type: g.gpu_type.clone(),
-                    })
-                    .collect(),
+                gpus: n.gpus.iter().map(keel_core::codec::gpu_to_proto).collect(),
             })
             .collect(),
     };

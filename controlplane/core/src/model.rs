@@ -171,8 +171,6 @@ pub struct Job {
     /// GPU-milliseconds received in allocations that ended (the current
     /// one counts through [`Job::attained_gpu_ms`]).
     pub service_gpu_ms: u64,
-    /// How long the last allocation that ended lasted.
-    pub last_run_ms: u64,
     /// When the job last started waiting for GPUs (submission, or the end
     /// of its last allocation).
     pub queued_since_ms: u64,
@@ -194,7 +192,6 @@ impl Job {
     pub fn close_allocation(&mut self, at_ms: u64) -> Option<Allocation> {
         let a = self.allocation.take()?;
         self.service_gpu_ms = self.service_gpu_ms.saturating_add(a.service_until(at_ms));
-        self.last_run_ms = at_ms.saturating_sub(a.decided_at_ms);
         self.queued_since_ms = at_ms;
         Some(a)
     }

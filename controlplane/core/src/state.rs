@@ -400,7 +400,6 @@ impl ClusterState {
                         not_before_ms: None,
                         message: String::new(),
                         service_gpu_ms: 0,
-                        last_run_ms: 0,
                         queued_since_ms: at_ms,
                     },
                 );

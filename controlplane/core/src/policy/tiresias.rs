@@ -20,8 +20,8 @@ use super::{Plan, Policy, SchedulingInput};
 pub struct TiresiasOptions {
     /// Queue thresholds in GPU-seconds of attained service, ascending.
     pub thresholds_gpu_s: Vec<u64>,
-    /// Promote a waiting job after it waited this many times its last run
-    /// (0: never).
+    /// Promote a waiting job after it waited this many times as long as it
+    /// has run (0: never).
     pub starvation_factor: u64,
 }
 

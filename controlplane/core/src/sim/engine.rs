@@ -459,11 +459,8 @@ impl Engine<'_> {
             let rate = self.rate(job_id, &gpu_type, count);
             let restart = self.config.restart_s.max(0.0);
             let now = self.now_s;
-            let first = self
-                .result_mut(job_id)
-                .is_some_and(|r| r.first_start_s.is_none());
             if let Some(r) = self.result_mut(job_id) {
-                if first {
+                if r.first_start_s.is_none() {
                     r.first_start_s = Some(now);
                 } else {
                     r.restarts += 1;
