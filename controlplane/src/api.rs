@@ -75,6 +75,8 @@ pub struct KeelApi {
     proposer: Proposer,
     logs: LogReader,
     heartbeats: Arc<HeartbeatInbox>,
+    /// The server's configured policy (rounds use it until `SetPolicy`).
+    default_policy: &'static str,
     /// A channel to the current leader (its address, the client), reused
     /// while the leader stays the same.
     leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
@@ -129,12 +131,14 @@ impl KeelApi {
         proposer: Proposer,
         logs: LogReader,
         heartbeats: Arc<HeartbeatInbox>,
+        default_policy: &'static str,
     ) -> Self {
         KeelApi {
             node,
             proposer,
             logs,
             heartbeats,
+            default_policy,
             leader: tokio::sync::Mutex::new(None),
         }
     }
@@ -274,7 +278,11 @@ impl Keel for KeelApi {
             .state
             .job(job_id)
             .ok_or(ApiError::JobNotFound(job_id))?;
-        Ok(Response::new(crate::convert::job_to_proto(job)))
+        let mut reply = crate::convert::job_to_proto(job);
+        reply.estimate = keel_core::perf::estimate(&applied.state, job)
+            .as_ref()
+            .map(crate::convert::estimate_to_proto);
+        Ok(Response::new(reply))
     }
 
     async fn list_jobs(
@@ -405,11 +413,16 @@ impl Keel for KeelApi {
             ServerState::Shutdown => "shutdown",
         };
         let shared = self.node.state_machine.shared();
-        let (last_applied_index, state_hash) = {
+        let (last_applied_index, state_hash, policy) = {
             let applied = shared.read();
             (
                 applied.last_applied.map_or(0, |l| l.index),
                 applied.state.state_hash().to_string(),
+                applied
+                    .state
+                    .policy()
+                    .unwrap_or(self.default_policy)
+                    .to_string(),
             )
         };
         Ok(Response::new(api::ClusterStatusResponse {
@@ -421,6 +434,7 @@ impl Keel for KeelApi {
             state_hash,
             leader_id: metrics.current_leader,
             cluster_id: self.node.identity.get().unwrap_or_default(),
+            policy,
             voters: metrics.membership_config.membership().voter_ids().collect(),
             members: {
                 let membership = metrics.membership_config.membership();
@@ -563,6 +577,24 @@ impl Keel for KeelApi {
         };
         let (index, _) = self.propose(command).await?;
         Ok(Response::new(api::SetNodeStateResponse { index }))
+    }
+
+    async fn set_policy(
+        &self,
+        request: Request<api::SetPolicyRequest>,
+    ) -> Result<Response<api::SetPolicyResponse>, Status> {
+        route!(self, request, set_policy, true);
+        let name = request.into_inner().name;
+        // Checked here for a clear error before anything is logged; `apply`
+        // checks again (the log is the authority).
+        keel_core::policy::by_name(&name, Default::default()).map_err(|e| {
+            ApiError::InvalidArgument {
+                field: "name",
+                message: e.to_string(),
+            }
+        })?;
+        let (index, _) = self.propose(Command::SetPolicy { name }).await?;
+        Ok(Response::new(api::SetPolicyResponse { index }))
     }
 
     async fn node_heartbeat(

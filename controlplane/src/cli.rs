@@ -255,6 +255,26 @@ pub async fn set_node_state(
     render::node_state_set(&name, state, resp.index, out)
 }
 
+pub async fn set_policy(addr: &str, name: String, out: Output) -> anyhow::Result<()> {
+    let mut client = connect(addr).await?;
+    let resp = client
+        .set_policy(api::SetPolicyRequest { name: name.clone() })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    render::policy_set(&name, resp.index, out)
+}
+
+pub async fn show_policy(addr: &str, out: Output) -> anyhow::Result<()> {
+    let mut client = connect(addr).await?;
+    let status = client
+        .cluster_status(api::ClusterStatusRequest {})
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    render::policy_show(&status.policy, out)
+}
+
 pub async fn cancel(addr: &str, id: u64, reason: String, out: Output) -> anyhow::Result<()> {
     let resp = write(addr, |mut client| {
         let reason = reason.clone();

@@ -39,6 +39,19 @@ pub fn job_to_proto(job: &Job) -> api::Job {
         retries: job.retries,
         max_retries: job.spec.max_retries,
         not_before_ms: job.not_before_ms.unwrap_or(0),
+        estimate: None,
+    }
+}
+
+/// The performance models' estimate for `job`, as `GetJob` returns it.
+pub fn estimate_to_proto(e: &keel_core::perf::Estimate) -> api::JobEstimate {
+    api::JobEstimate {
+        remaining_steps: e.remaining_steps,
+        steps_per_s: e.steps_per_s,
+        remaining_s: e.remaining_s,
+        gpus: e.gpus,
+        gpu_type: e.gpu_type.clone(),
+        speed_source: e.speed_source.as_str().to_string(),
     }
 }
 

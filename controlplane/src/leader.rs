@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::policy::{decide, Policy};
+use keel_core::policy::{by_name, decide, Policy, QueueOptions};
 use keel_core::state::limits::PROGRESS_SAMPLES_MAX;
 use keel_core::{Command, JobId, ProgressSample};
 use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
@@ -110,12 +110,14 @@ impl LeaderGate {
 pub async fn scheduling_loop(
     node: Arc<RaftNode>,
     proposer: Proposer,
-    policy: Arc<dyn Policy>,
+    default_policy: Arc<dyn Policy>,
+    options: QueueOptions,
     clock: Clock,
     settings: LoopSettings,
     mut stop: watch::Receiver<bool>,
 ) {
     let shared = node.state_machine.shared();
+    let mut policy = default_policy.clone();
     let mut applied = shared.subscribe();
     let mut seen_version = None;
     let mut gate = LeaderGate::default();
@@ -161,6 +163,18 @@ pub async fn scheduling_loop(
         let (command, version) = {
             let applied = shared.read();
             let state = &applied.state;
+            // The policy an operator chose at run time (a logged entry),
+            // else the configured one.
+            let wanted = state.policy().unwrap_or(default_policy.name());
+            if policy.name() != wanted {
+                match by_name(wanted, options) {
+                    Ok(p) => {
+                        tracing::info!(from = policy.name(), to = wanted, "switching policy");
+                        policy = Arc::from(p);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "keeping the current policy"),
+                }
+            }
             (
                 decide(policy.as_ref(), state, clock()),
                 state.supply_demand_version(),

@@ -3,6 +3,7 @@
 mod cli;
 mod render;
 mod sim_cmd;
+mod sim_plot;
 
 /// mimalloc instead of glibc's malloc: the server allocates and frees small
 /// buffers per request, per entry and per RPC; with three replicas and 64
@@ -134,6 +135,11 @@ enum Cmd {
         #[command(subcommand)]
         command: NodeCmd,
     },
+    /// Show or switch the scheduling policy (a switch is a logged entry).
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCmd,
+    },
     /// A simulated training job for demos and tests: advances at the speed
     /// of its model on the GPUs it was given, reports progress, checkpoints
     /// on SIGTERM and resumes. Reads the worker contract's environment.
@@ -215,6 +221,14 @@ enum NodeCmd {
     },
     /// Mark a lost node alive again.
     Alive { name: String },
+}
+
+#[derive(Subcommand, Debug)]
+enum PolicyCmd {
+    /// The policy rounds use now, and the known ones.
+    Show,
+    /// Switch every later round to this policy.
+    Set { name: String },
 }
 
 #[derive(clap::Args, Debug)]
@@ -339,6 +353,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 },
                 executor_dir,
                 policy: policy.into(),
+                queue_options: QueueOptions { backfill },
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,
                     stop_grace: seconds("stop-grace-s", stop_grace_s)?,
@@ -411,6 +426,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Node {
             command: NodeCmd::Alive { name },
         } => cli::set_node_state(&args.addr, name, "alive", String::new(), out).await,
+        Cmd::Policy {
+            command: PolicyCmd::Show,
+        } => cli::show_policy(&args.addr, out).await,
+        Cmd::Policy {
+            command: PolicyCmd::Set { name },
+        } => cli::set_policy(&args.addr, name, out).await,
         Cmd::Trainer(t) => trainer(t).await,
         Cmd::Supervise { exit_file, command } => {
             let code = keel_executors::supervisor::supervise(exit_file, command).await;

@@ -102,6 +102,19 @@ struct JobView {
     max_retries: u32,
     workers: Vec<WorkerView>,
     message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    estimate: Option<EstimateView>,
+}
+
+#[derive(Serialize)]
+struct EstimateView {
+    remaining_steps: f64,
+    steps_per_s: f64,
+    /// `None` (null) when the speed is unknown.
+    remaining_s: Option<f64>,
+    gpus: u32,
+    gpu_type: String,
+    speed_source: String,
 }
 
 #[derive(Serialize)]
@@ -159,6 +172,14 @@ fn job_view(job: &api::Job) -> JobView {
             })
             .collect(),
         message: job.message.clone(),
+        estimate: job.estimate.as_ref().map(|e| EstimateView {
+            remaining_steps: e.remaining_steps,
+            steps_per_s: e.steps_per_s,
+            remaining_s: e.remaining_s.is_finite().then_some(e.remaining_s),
+            gpus: e.gpus,
+            gpu_type: e.gpu_type.clone(),
+            speed_source: e.speed_source.clone(),
+        }),
     }
 }
 
@@ -251,6 +272,19 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
             if view.max_retries > 0 {
                 println!("retries: {} of {}", view.retries, view.max_retries);
             }
+            if let Some(e) = &view.estimate {
+                let left = e
+                    .remaining_s
+                    .map(|s| {
+                        humantime::format_duration(std::time::Duration::from_secs(s.round() as u64))
+                            .to_string()
+                    })
+                    .unwrap_or_else(|| "unknown".into());
+                println!(
+                    "estimated remaining: {left} ({:.0} steps at {:.2} steps/s on {}x{}, speed {})",
+                    e.remaining_steps, e.steps_per_s, e.gpus, e.gpu_type, e.speed_source
+                );
+            }
             for w in &job.workers {
                 println!(
                     "worker rank {} epoch {} on {}: {}{}",
@@ -331,7 +365,7 @@ fn event_job_id(e: &pb::Event) -> Option<u64> {
         K::JobFinished(x) => Some(x.job_id),
         K::JobRequeued(x) => Some(x.job_id),
         K::JobRemoved(x) => Some(x.job_id),
-        K::NodeRegistered(_) | K::NodeLost(_) | K::NodeRecovered(_) => None,
+        K::NodeRegistered(_) | K::NodeLost(_) | K::NodeRecovered(_) | K::PolicyChanged(_) => None,
     }
 }
 
@@ -413,6 +447,28 @@ pub fn node_state_set(name: &str, state: &str, index: u64, out: Output) -> anyho
     }
 }
 
+pub fn policy_set(name: &str, index: u64, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(&serde_json::json!({"policy": name, "index": index})),
+        Output::Table => {
+            println!("policy set to {name} (log index {index})");
+            Ok(())
+        }
+    }
+}
+
+pub fn policy_show(policy: &str, out: Output) -> anyhow::Result<()> {
+    let known = keel_core::policy::POLICY_NAMES;
+    match out {
+        Output::Json => print_json(&serde_json::json!({"policy": policy, "known": known})),
+        Output::Table => {
+            println!("policy {policy}");
+            println!("known: {}", known.join(", "));
+            Ok(())
+        }
+    }
+}
+
 pub fn submitted(resp: &api::SubmitJobResponse, out: Output) -> anyhow::Result<()> {
     match out {
         Output::Json => print_json(&serde_json::json!({"id": resp.job_id, "index": resp.index})),
@@ -475,6 +531,15 @@ fn describe_event(e: &pb::Event) -> String {
         }
         Some(K::NodeLost(x)) => format!("node {} lost: {}", x.name, x.reason),
         Some(K::NodeRecovered(x)) => format!("node {} recovered", x.name),
+        Some(K::PolicyChanged(x)) => format!(
+            "policy changed from {} to {}",
+            if x.from.is_empty() {
+                "the server's default"
+            } else {
+                &x.from
+            },
+            x.to
+        ),
         Some(K::JobSubmitted(x)) => format!("job {} submitted: {} by {}", x.job_id, x.name, x.user),
         Some(K::JobCancelled(x)) => format!("job {} cancelled: {}", x.job_id, x.reason),
         Some(K::JobAllocated(x)) => format!(
@@ -634,6 +699,9 @@ pub fn cluster_status(
         Output::Table => {
             let opt = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
             println!("cluster {}", contacted.cluster_id);
+            if !contacted.policy.is_empty() {
+                println!("policy {}", contacted.policy);
+            }
             for v in &views {
                 if let Some(other) = v
                     .cluster_id

@@ -38,8 +38,11 @@ pub struct ServerConfig {
     /// that share one let a new leader re-adopt the workers the last one
     /// started.
     pub executor_dir: Option<PathBuf>,
-    /// The scheduling policy.
+    /// The scheduling policy, until an operator switches it at run time
+    /// (`SetPolicy`, logged).
     pub policy: Arc<dyn Policy>,
+    /// Options for the policies switched to at run time.
+    pub queue_options: keel_core::policy::QueueOptions,
     pub loops: LoopSettings,
 }
 
@@ -150,6 +153,7 @@ impl Server {
             self.node.clone(),
             proposer.clone(),
             self.config.policy.clone(),
+            self.config.queue_options,
             self.clock.clone(),
             self.config.loops.clone(),
             stop_rx.clone(),
@@ -168,7 +172,13 @@ impl Server {
                 keel_executors::Executor::logs(executor.as_ref(), job_id, tail).await
             })
         });
-        let api = Arc::new(KeelApi::new(self.node.clone(), proposer, logs, heartbeats));
+        let api = Arc::new(KeelApi::new(
+            self.node.clone(),
+            proposer,
+            logs,
+            heartbeats,
+            self.config.policy.name(),
+        ));
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),
             self.config.nodes.clone(),

@@ -48,6 +48,10 @@ pub struct SimArgs {
     /// `--generate` multi-GPU jobs too (scale factors 1/2/4/8 at 70/10/15/5 %).
     #[arg(long)]
     multi_gpu: bool,
+    /// `--generate` elastic jobs: each may run on 1 to 4 × its scale
+    /// factor workers.
+    #[arg(long)]
+    elastic: bool,
     /// Scheduling policy.
     #[arg(long, default_value = "fifo", conflicts_with = "compare")]
     policy: String,
@@ -77,6 +81,10 @@ pub struct SimArgs {
     /// Write one CSV row per job here.
     #[arg(long)]
     jobs_csv: Option<PathBuf>,
+    /// Write figures here as SVG: JCT CDF per policy, GPU utilisation and
+    /// queue length over time.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 fn parse_window(s: &str) -> Result<(u64, u64), String> {
@@ -121,6 +129,7 @@ fn workload(args: &SimArgs) -> anyhow::Result<Vec<SimJob>> {
         rate_per_hour: args.rate,
         seed: args.seed,
         multi_gpu: args.multi_gpu,
+        elastic: args.elastic,
     }
     .generate()?)
 }
@@ -155,9 +164,12 @@ struct Summary<'a> {
     rounds: u64,
     decisions: u64,
     preemptions: u64,
+    resizes: u64,
+    migrations: u64,
     entries: u64,
     simulated_h: f64,
     wall_s: f64,
+    rounds_per_s: f64,
     state_hash: &'a str,
 }
 
@@ -202,6 +214,10 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     } else if args.jobs_csv.is_some() {
         anyhow::bail!("--jobs-csv takes one policy, not --compare");
     }
+    if let Some(dir) = &args.plot {
+        let runs: Vec<&SimReport> = reports.iter().map(|(r, _)| r).collect();
+        crate::sim_plot::write_all(dir, &runs, args.window)?;
+    }
     let summaries: Vec<Summary> = reports
         .iter()
         .map(|(r, wall_s)| summarise(r, args.window, *wall_s))
@@ -232,9 +248,16 @@ fn summarise(report: &SimReport, window: Option<(u64, u64)>, wall_s: f64) -> Sum
         rounds: report.rounds,
         decisions: report.decisions,
         preemptions: report.preemptions,
+        resizes: report.resizes,
+        migrations: report.migrations,
         entries: report.entries,
         simulated_h: h(report.simulated_s),
         wall_s,
+        rounds_per_s: if wall_s > 0.0 {
+            report.rounds as f64 / wall_s
+        } else {
+            0.0
+        },
         state_hash: &report.state_hash,
     }
 }
@@ -261,12 +284,18 @@ fn print_one(summary: &Summary) -> anyhow::Result<()> {
         vec!["rounds".into(), summary.rounds.to_string()],
         vec!["decisions".into(), summary.decisions.to_string()],
         vec!["preemptions".into(), summary.preemptions.to_string()],
+        vec!["resizes and moves".into(), summary.resizes.to_string()],
+        vec!["workers migrated".into(), summary.migrations.to_string()],
         vec!["log entries".into(), summary.entries.to_string()],
         vec![
             "simulated time".into(),
             format!("{:.1} h", summary.simulated_h),
         ],
         vec!["wall time".into(), format!("{:.2} s", summary.wall_s)],
+        vec![
+            "rounds per second".into(),
+            format!("{:.0}", summary.rounds_per_s),
+        ],
         vec!["state hash".into(), summary.state_hash.to_string()],
     ];
     print_table(&["", ""], &rows)
@@ -285,6 +314,7 @@ fn print_compare(summaries: &[Summary]) -> anyhow::Result<()> {
                 format!("{:.1}", s.makespan_h),
                 format!("{:.1}", 100.0 * s.utilisation),
                 s.preemptions.to_string(),
+                s.resizes.to_string(),
                 format!("{:.2}", s.wall_s),
             ]
         })
@@ -299,6 +329,7 @@ fn print_compare(summaries: &[Summary]) -> anyhow::Result<()> {
             "MAKESPAN (h)",
             "UTIL (%)",
             "PREEMPTIONS",
+            "RESIZES",
             "WALL (s)",
         ],
         &rows,

@@ -514,3 +514,154 @@ fn srjf_preempts_a_long_job_for_a_short_one_which_resumes_from_its_checkpoint() 
     server.cli_ok(&["cancel", &long.to_string()]);
     server.terminate();
 }
+
+/// Elastic jobs end to end: under `elastic_fifo` an elastic job takes both
+/// GPUs, shrinks to one when another job arrives (checkpoint, relaunch with
+/// world size 1, resume from the checkpoint) and grows back to two when
+/// that job is cancelled.
+#[test]
+fn an_elastic_job_shrinks_and_grows_by_checkpoint_and_relaunch() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start(
+        &dir.path().join("data"),
+        &["--simulated-gpus", "2xv100", "--policy", "elastic_fifo"],
+    );
+    let trainer = "command: [keel, trainer, --speedup, \"50\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"50\"]\n\
+                   gpus: 1\nmodel: resnet50\ntotal_steps: 10000000\n";
+    let elastic = server.submit(
+        dir.path(),
+        "elastic",
+        &format!("name: elastic\nworkers: {{min: 1, max: 2}}\n{trainer}"),
+    );
+    let gpus_of = |job: &serde_json::Value| job["allocation"]["gpus"].as_array().map(Vec::len);
+    let before = wait_for(
+        "the elastic job to run on both GPUs and make progress",
+        || {
+            let job = server.job(elastic);
+            let step = job["progress"]["step"].as_u64()?;
+            (gpus_of(&job) == Some(2) && step >= 100).then_some(step)
+        },
+    );
+    let other = server.submit(dir.path(), "other", &format!("name: other\n{trainer}"));
+    wait_for("the elastic job to shrink to one GPU", || {
+        let job = server.job(elastic);
+        (job["state"] == "running" && gpus_of(&job) == Some(1)).then_some(())
+    });
+    wait_for("the other job to run", || {
+        (server.job(other)["state"] == "running").then_some(())
+    });
+    let starts = |logs: &str| -> Vec<(String, u64)> {
+        logs.lines()
+            .filter_map(|l| {
+                let on = l
+                    .split(" on ")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .to_string();
+                let from = l
+                    .split(", from step ")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()?;
+                Some((on, from))
+            })
+            .collect()
+    };
+    let (size, resumed_from) = wait_for("the relaunched worker's first line", || {
+        let logs = server.cli_ok(&["logs", &elastic.to_string()]);
+        starts(&logs)
+            .last()
+            .cloned()
+            .filter(|(on, _)| on.starts_with("1x"))
+    });
+    assert!(size.starts_with("1x"));
+    assert!(
+        resumed_from >= before,
+        "resumed from step {resumed_from}, had reached {before} before"
+    );
+    server.cli_ok(&["cancel", &other.to_string()]);
+    let grown = wait_for("the elastic job to grow back to two GPUs", || {
+        let job = server.job(elastic);
+        (job["state"] == "running" && gpus_of(&job) == Some(2)).then_some(job)
+    });
+    assert!(grown["allocation"]["epoch"].as_u64() >= Some(3), "{grown}");
+    server.cli_ok(&["cancel", &elastic.to_string()]);
+    server.terminate();
+}
+
+/// `keel policy set` switches the policy at run time through a logged
+/// entry: under `fifo` a short job waits behind a long one; after
+/// `keel policy set srjf` it preempts it. An unknown name is refused with
+/// the known ones listed, and nothing is logged. `keel job` shows the
+/// performance models' estimate of the remaining time.
+#[test]
+fn the_policy_is_switched_at_run_time_by_a_logged_entry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start(
+        &dir.path().join("data"),
+        &["--simulated-gpus", "1xv100", "--policy", "fifo"],
+    );
+    let trainer = |name: &str, steps: u64| {
+        format!(
+            "name: {name}\ncommand: [keel, trainer, --speedup, \"50\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"50\"]\n\
+             gpus: 1\nmodel: resnet50\ntotal_steps: {steps}\n"
+        )
+    };
+    let long = server.submit(dir.path(), "long", &trainer("long", 10_000_000));
+    wait_for("the long job to make progress", || {
+        let step = server.job(long)["progress"]["step"].as_u64()?;
+        (step >= 100).then_some(step)
+    });
+    // Measured speed: the estimate is no longer the table's alone.
+    let estimate = wait_for("a measured estimate", || {
+        let e = server.job(long)["estimate"].clone();
+        (e["speed_source"] == "measured").then_some(e)
+    });
+    let remaining_s = estimate["remaining_s"].as_f64().expect("a finite estimate");
+    let steps_per_s = estimate["steps_per_s"].as_f64().expect("a speed");
+    let remaining_steps = estimate["remaining_steps"].as_f64().expect("steps");
+    assert!(remaining_steps > 9_000_000.0, "{estimate}");
+    assert!(
+        (remaining_s - remaining_steps / steps_per_s).abs() < 1.0,
+        "{estimate}"
+    );
+    let table = server.cli_ok(&["job", &long.to_string()]);
+    assert!(table.contains("estimated remaining:"), "{table}");
+
+    let short = server.submit(dir.path(), "short", &trainer("short", 500));
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert_eq!(
+        server.job(short)["state"],
+        "pending",
+        "fifo does not preempt"
+    );
+
+    let refused = server.cli(&["policy", "set", "no-such-policy"]);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("name") && stderr.contains("tiresias"),
+        "{stderr}"
+    );
+
+    server.cli_ok(&["policy", "set", "srjf"]);
+    assert!(server.cli_ok(&["policy", "show"]).contains("policy srjf"));
+    wait_for("the short job to succeed under srjf", || {
+        (server.job(short)["state"] == "succeeded").then_some(())
+    });
+    let events = server.cli_ok(&["events"]);
+    assert!(
+        events.contains("policy changed from the server's default to srjf"),
+        "{events}"
+    );
+    assert_eq!(
+        events.matches("policy changed").count(),
+        1,
+        "the refused name left no entry"
+    );
+    server.cli_ok(&["cancel", &long.to_string()]);
+    server.terminate();
+}

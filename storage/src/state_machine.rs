@@ -45,8 +45,8 @@ const KEY_SNAPSHOT_META: &[u8] = b"m/snapshot-meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
 /// 2: `ClusterState` gained the supply/demand version, the last round and
 /// per-job retries. 3: jobs gained their attained service and queueing
-/// time.
-const SNAPSHOT_FORMAT_VERSION: u32 = 3;
+/// time. 4: jobs gained their performance history (loss points, speeds).
+const SNAPSHOT_FORMAT_VERSION: u32 = 4;
 
 pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];

@@ -156,6 +156,7 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             reason: reason.clone(),
         }),
         Command::RemoveJob { job_id } => C::RemoveJob(pb::RemoveJob { job_id: *job_id }),
+        Command::SetPolicy { name } => C::SetPolicy(pb::SetPolicy { name: name.clone() }),
     };
     pb::LogEntry {
         format_version: ENTRY_FORMAT_VERSION,
@@ -240,6 +241,7 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             reason: c.reason,
         },
         Some(C::RemoveJob(c)) => Command::RemoveJob { job_id: c.job_id },
+        Some(C::SetPolicy(c)) => Command::SetPolicy { name: c.name },
     };
     Ok(LogEntry {
         at_ms: msg.at_ms,
@@ -435,6 +437,10 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             reason: reason.clone(),
         }),
         Event::JobRemoved { job_id } => K::JobRemoved(pb::JobRemoved { job_id: *job_id }),
+        Event::PolicyChanged { from, to } => K::PolicyChanged(pb::PolicyChanged {
+            from: from.clone(),
+            to: to.clone(),
+        }),
         Event::JobRequeued {
             job_id,
             retries,

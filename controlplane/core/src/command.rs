@@ -94,6 +94,11 @@ pub enum Command {
     RemoveJob {
         job_id: JobId,
     },
+    /// Switch the scheduling policy at run time (one of
+    /// [`crate::policy::POLICY_NAMES`]); every later round uses it.
+    SetPolicy {
+        name: String,
+    },
 }
 
 impl Command {
@@ -110,6 +115,7 @@ impl Command {
             | Command::MarkNodeLost { .. }
             | Command::MarkNodeRecovered { .. }
             | Command::SubmitJob { .. }
+            | Command::SetPolicy { .. }
             | Command::DecideAllocation { .. } => None,
         }
     }
@@ -128,6 +134,7 @@ impl Command {
             Command::ReportProgress { .. } => "report_progress",
             Command::FinishJob { .. } => "finish_job",
             Command::RemoveJob { .. } => "remove_job",
+            Command::SetPolicy { .. } => "set_policy",
         }
     }
 }

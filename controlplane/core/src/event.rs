@@ -75,15 +75,22 @@ pub enum Event {
     JobRemoved {
         job_id: JobId,
     },
+    /// The scheduling policy changed (`from` is empty when it was the
+    /// server's configured one).
+    PolicyChanged {
+        from: String,
+        to: String,
+    },
 }
 
 impl Event {
     /// The job this event is about, if any.
     pub fn job_id(&self) -> Option<JobId> {
         match self {
-            Event::NodeRegistered { .. } | Event::NodeLost { .. } | Event::NodeRecovered { .. } => {
-                None
-            }
+            Event::NodeRegistered { .. }
+            | Event::NodeLost { .. }
+            | Event::NodeRecovered { .. }
+            | Event::PolicyChanged { .. } => None,
             Event::JobSubmitted { job_id, .. }
             | Event::JobCancelled { job_id, .. }
             | Event::JobAllocated { job_id, .. }

@@ -15,6 +15,7 @@ pub mod event;
 pub mod fixtures;
 pub mod liveness;
 pub mod model;
+pub mod perf;
 pub mod placement;
 pub mod policy;
 pub mod rng;
@@ -22,6 +23,7 @@ pub mod sim;
 pub mod spec;
 pub mod state;
 pub mod throughput;
+pub mod topology;
 
 pub use command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 pub use event::Event;

@@ -174,6 +174,8 @@ pub struct Job {
     /// When the job last started waiting for GPUs (submission, or the end
     /// of its last allocation).
     pub queued_since_ms: u64,
+    /// Loss and speed history for the performance models ([`crate::perf`]).
+    pub perf: crate::perf::PerfHistory,
 }
 
 impl Job {

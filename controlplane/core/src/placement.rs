@@ -80,11 +80,16 @@ impl FreeGpus {
         self.count_by_type.values().sum()
     }
 
-    fn free_of_type(&self, gpu_type: &str) -> usize {
+    /// Free GPUs of one type.
+    pub fn free_of_type(&self, gpu_type: &str) -> usize {
         self.count_by_type.get(gpu_type).copied().unwrap_or(0)
     }
 
     /// The GPU types a job may use, in the order placement tries them.
+    pub fn types_for(&self, spec: &JobSpec) -> Vec<String> {
+        self.candidate_types(spec)
+    }
+
     fn candidate_types(&self, spec: &JobSpec) -> Vec<String> {
         let allowed = |t: &str| {
             spec.gpu_types.allowed.is_empty() || spec.gpu_types.allowed.iter().any(|a| a == t)
@@ -171,6 +176,65 @@ impl FreeGpus {
         }
         gpus.sort();
         Some(gpus)
+    }
+
+    /// Places `workers` more workers of `per_worker` GPUs on `gpu_type`,
+    /// on the `near` nodes first (a growing job's own), then the roomiest.
+    /// `None` when they do not fit; `self` is unchanged.
+    pub fn place_near(
+        &self,
+        gpu_type: &str,
+        per_worker: u32,
+        workers: u32,
+        near: &std::collections::BTreeSet<String>,
+    ) -> Option<Vec<GpuRef>> {
+        let per = per_worker.max(1) as usize;
+        let nodes = self.by_type.get(gpu_type)?;
+        let mut order: Vec<(&String, &Vec<u32>)> = nodes.iter().collect();
+        order.sort_by_key(|(name, free)| {
+            (!near.contains(*name), std::cmp::Reverse(free.len() / per))
+        });
+        let mut left = workers as usize;
+        let mut gpus = Vec::with_capacity(left * per);
+        for (node, free) in order {
+            if left == 0 {
+                break;
+            }
+            let here = (free.len() / per).min(left);
+            gpus.extend(free[..here * per].iter().map(|index| GpuRef {
+                node: node.clone(),
+                index: *index,
+            }));
+            left -= here;
+        }
+        (left == 0 && workers > 0).then(|| {
+            gpus.sort();
+            gpus
+        })
+    }
+
+    /// Gives `gpus` back (they become free again); their types come from
+    /// `state`'s nodes.
+    pub fn release(&mut self, state: &ClusterState, gpus: &[GpuRef]) {
+        for g in gpus {
+            let Some(gpu_type) = state
+                .nodes()
+                .get(&g.node)
+                .and_then(|n| n.gpus.get(&g.index))
+            else {
+                continue;
+            };
+            let free = self
+                .by_type
+                .entry(gpu_type.clone())
+                .or_default()
+                .entry(g.node.clone())
+                .or_default();
+            if let Err(pos) = free.binary_search(&g.index) {
+                free.insert(pos, g.index);
+                *self.count_by_type.entry(gpu_type.clone()).or_default() += 1;
+            }
+        }
     }
 
     /// Marks `gpus` as taken.

@@ -105,6 +105,9 @@ pub struct ClusterState {
     /// The highest scheduling round decided so far, so a new leader goes on
     /// numbering where the last one stopped.
     last_round: u64,
+    /// The policy an operator chose at run time (`SetPolicy`); `None`: the
+    /// server's configured one.
+    policy: Option<String>,
     #[serde(skip)]
     indexes: JobIndexes,
 }
@@ -181,6 +184,7 @@ struct EncodedClusterState {
     last_index: u64,
     supply_demand_version: u64,
     last_round: u64,
+    policy: Option<String>,
 }
 
 impl<'de> Deserialize<'de> for ClusterState {
@@ -195,6 +199,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             last_index: e.last_index,
             supply_demand_version: e.supply_demand_version,
             last_round: e.last_round,
+            policy: e.policy,
             indexes,
         })
     }
@@ -325,6 +330,11 @@ impl ClusterState {
         self.last_round
     }
 
+    /// The policy chosen at run time with `SetPolicy`, if any.
+    pub fn policy(&self) -> Option<&str> {
+        self.policy.as_deref()
+    }
+
     /// A digest of the whole state. Two replicas that applied the same
     /// entries share it; any difference in content changes it.
     pub fn state_hash(&self) -> StateHash {
@@ -378,6 +388,23 @@ impl ClusterState {
             } => self.register_node(name, address, gpus, at_ms),
             Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason, at_ms),
             Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
+            Command::SetPolicy { name } => {
+                check_len("policy", name, limits::POLICY_NAME_MAX_LEN)?;
+                if !crate::policy::POLICY_NAMES.contains(&name.as_str()) {
+                    return Err(ApplyError::Invalid {
+                        field: "policy".into(),
+                        reason: format!(
+                            "unknown policy {name:?}; known policies: {}",
+                            crate::policy::POLICY_NAMES.join(", ")
+                        ),
+                    });
+                }
+                let from = self.policy.replace(name.clone()).unwrap_or_default();
+                Ok(vec![Event::PolicyChanged {
+                    from,
+                    to: name.clone(),
+                }])
+            }
             Command::SubmitJob { spec } => {
                 spec.validate()?;
                 let job_id = self.next_job_id;
@@ -396,6 +423,7 @@ impl ClusterState {
                         workers: BTreeMap::new(),
                         progress: None,
                         progress_samples: 0,
+                        perf: Default::default(),
                         retries: 0,
                         not_before_ms: None,
                         message: String::new(),
@@ -828,6 +856,26 @@ impl ClusterState {
             job.progress = Some(latest.clone());
         }
         job.progress_samples += samples.len() as u64;
+        if let Some(a) = &job.allocation {
+            let gpu_type = a
+                .gpus
+                .first()
+                .and_then(|g| self.nodes.get(&g.node)?.gpus.get(&g.index))
+                .map_or("", String::as_str);
+            let gpus = u32::try_from(a.gpus.len()).unwrap_or(u32::MAX);
+            let model = job.spec.model.as_deref().unwrap_or("generic");
+            let mut ordered: Vec<&ProgressSample> = samples.iter().collect();
+            ordered.sort_by_key(|s| (s.step, s.at_ms));
+            let on = crate::perf::RunningOn {
+                model,
+                epoch: a.epoch,
+                gpu_type,
+                gpus,
+            };
+            for s in ordered {
+                job.perf.record(&on, s.step, s.loss, s.at_ms);
+            }
+        }
         Ok(vec![Event::JobProgressReported {
             job_id,
             latest: latest.clone(),

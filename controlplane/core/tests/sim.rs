@@ -77,6 +77,7 @@ fn generated(seed: u64, jobs: usize) -> Vec<SimJob> {
         rate_per_hour: 20.0,
         seed,
         multi_gpu: true,
+        elastic: false,
     }
     .generate()
     .expect("generates")

@@ -8,13 +8,28 @@
 //! the state it meets. One file per policy.
 
 mod admit;
+mod afs_l;
+mod drf;
+mod elastic_fifo;
+mod elastic_srjf;
+mod elastic_tiresias;
+mod ffdl_optimizer;
 mod fifo;
+mod optimus;
+mod sizing;
 mod srjf;
 mod tiresias;
 
 use std::collections::{BTreeMap, BTreeSet};
 
+pub use afs_l::AfsL;
+pub use drf::Drf;
+pub use elastic_fifo::ElasticFifo;
+pub use elastic_srjf::ElasticSrjf;
+pub use elastic_tiresias::ElasticTiresias;
+pub use ffdl_optimizer::FfdlOptimizer;
 pub use fifo::Fifo;
+pub use optimus::Optimus;
 pub use srjf::{remaining_s, Srjf};
 pub use tiresias::{Tiresias, TiresiasOptions};
 
@@ -112,6 +127,13 @@ pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, Unk
         "fifo" => Ok(Box::new(Fifo::new(options))),
         "srjf" => Ok(Box::new(Srjf)),
         "tiresias" => Ok(Box::new(Tiresias::default())),
+        "elastic_fifo" => Ok(Box::new(ElasticFifo)),
+        "elastic_srjf" => Ok(Box::new(ElasticSrjf)),
+        "elastic_tiresias" => Ok(Box::new(ElasticTiresias::default())),
+        "ffdl_optimizer" => Ok(Box::new(FfdlOptimizer)),
+        "afs_l" => Ok(Box::new(AfsL)),
+        "drf" => Ok(Box::new(Drf)),
+        "optimus" => Ok(Box::new(Optimus)),
         _ => Err(UnknownPolicy {
             name: name.to_string(),
         }),
@@ -119,7 +141,18 @@ pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, Unk
 }
 
 /// The names [`by_name`] knows.
-pub const POLICY_NAMES: &[&str] = &["fifo", "srjf", "tiresias"];
+pub const POLICY_NAMES: &[&str] = &[
+    "fifo",
+    "srjf",
+    "tiresias",
+    "elastic_fifo",
+    "elastic_srjf",
+    "elastic_tiresias",
+    "ffdl_optimizer",
+    "afs_l",
+    "drf",
+    "optimus",
+];
 
 #[cfg(test)]
 mod tests {

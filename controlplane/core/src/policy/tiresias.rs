@@ -8,6 +8,7 @@
 //! its wait.
 
 use crate::model::JobId;
+use crate::state::ClusterState;
 
 /// The shortest run time the starvation guard counts with.
 const MIN_RUN_MS: u64 = 60_000;
@@ -51,9 +52,15 @@ impl Policy for Tiresias {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let now = input.now_ms;
-        let mut ranked: Vec<(usize, u64, JobId)> = input
-            .state
+        let order = self.rank(input.state, input.now_ms);
+        admit_in_order(input.state, &order, input.now_ms)
+    }
+}
+
+impl Tiresias {
+    /// Unfinished jobs, most important first: by queue, then submission.
+    pub(crate) fn rank(&self, state: &ClusterState, now: u64) -> Vec<JobId> {
+        let mut ranked: Vec<(usize, u64, JobId)> = state
             .unfinished_jobs()
             .map(|job| {
                 let attained_ms = job.attained_gpu_ms(now);
@@ -95,7 +102,6 @@ impl Policy for Tiresias {
             })
             .collect();
         ranked.sort_unstable();
-        let order: Vec<JobId> = ranked.into_iter().map(|(_, _, id)| id).collect();
-        admit_in_order(input.state, &order, now)
+        ranked.into_iter().map(|(_, _, id)| id).collect()
     }
 }

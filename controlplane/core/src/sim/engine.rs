@@ -119,6 +119,11 @@ pub struct SimReport {
     pub decisions: u64,
     /// Jobs that lost their GPUs while running (`JobPreempted`).
     pub preemptions: u64,
+    /// Running jobs whose allocation changed without ending (resizes and
+    /// moves): each is a checkpoint and relaunch.
+    pub resizes: u64,
+    /// Workers that moved to another node (see [`crate::topology::migrations`]).
+    pub migrations: u64,
     /// Log entries applied (refused ones included).
     pub entries: u64,
     pub refused_entries: u64,
@@ -177,6 +182,7 @@ struct Running {
     /// No progress before this time (restart cost).
     resumes_at_s: f64,
     gpus: u32,
+    placement: Vec<GpuRef>,
 }
 
 #[derive(Debug)]
@@ -391,7 +397,9 @@ impl Engine<'_> {
             samples: vec![ProgressSample {
                 step: step as u64,
                 total_steps: total as u64,
-                loss: None,
+                loss: Some(
+                    throughput::LossCurve::for_run(2.5, 0.1, total as u64).loss(step as u64),
+                ),
                 samples_per_s: rate * f64::from(batch),
                 at_ms: ms(self.now_s),
             }],
@@ -423,10 +431,13 @@ impl Engine<'_> {
             })
             .map(|(job_id, _)| *job_id)
             .collect();
+        let mut moved_from: BTreeMap<JobId, Vec<GpuRef>> = BTreeMap::new();
         for job_id in stopped {
             // Its progress stays with the simulator (`steps_done`); the
             // state heard of it at the last round.
-            self.running.remove(&job_id);
+            if let Some(r) = self.running.remove(&job_id) {
+                moved_from.insert(job_id, r.placement);
+            }
         }
         let started: Vec<(JobId, u64, Vec<GpuRef>, Vec<String>)> = self
             .state
@@ -456,6 +467,12 @@ impl Engine<'_> {
                     node,
                 });
             }
+            if let Some(before) = moved_from.get(&job_id) {
+                let per = self.state.job(job_id).map_or(1, |j| j.spec.gpus);
+                self.report.resizes += 1;
+                self.report.migrations +=
+                    u64::from(crate::topology::migrations(before, &gpus, per));
+            }
             let rate = self.rate(job_id, &gpu_type, count);
             let restart = self.config.restart_s.max(0.0);
             let now = self.now_s;
@@ -473,6 +490,7 @@ impl Engine<'_> {
                     rate,
                     resumes_at_s: now + restart,
                     gpus: count,
+                    placement: gpus,
                 },
             );
         }
@@ -546,6 +564,8 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             rounds: 0,
             decisions: 0,
             preemptions: 0,
+            resizes: 0,
+            migrations: 0,
             entries: 0,
             refused_entries: 0,
             state_hash: String::new(),

@@ -220,6 +220,9 @@ pub struct Generator {
     pub seed: u64,
     /// Scale factors 1, 2, 4, 8 with probability 70/10/15/5 %; else 1.
     pub multi_gpu: bool,
+    /// Elastic jobs: each may run on 1 to 4 × its scale factor workers
+    /// (its steps are still sized at the scale factor); else rigid.
+    pub elastic: bool,
 }
 
 impl Generator {
@@ -269,8 +272,8 @@ impl Generator {
                 arrival_s,
                 model: profile.model.to_string(),
                 gpus_per_worker: 1,
-                workers_min: scale,
-                workers_max: scale,
+                workers_min: if self.elastic { 1 } else { scale },
+                workers_max: if self.elastic { scale * 4 } else { scale },
                 total_steps,
                 priority: 0,
                 job_type: None,
@@ -340,6 +343,7 @@ mod tests {
             rate_per_hour: 3.2,
             seed: 7,
             multi_gpu: true,
+            elastic: false,
         };
         let a = g.generate().expect("generates");
         assert_eq!(a, g.generate().expect("generates"));

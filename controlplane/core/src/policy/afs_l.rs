@@ -1,0 +1,100 @@
+//! AFS-L (Hwang et al., as in Voda): GPUs are handed out one grant at a
+//! time (a waiting job's first grant is its minimum, later ones one
+//! worker). Each grant goes to the winner of pairwise comparisons along
+//! the jobs ordered by estimated remaining time: the current candidate `j`
+//! (shorter) loses to a longer job `jb` when
+//! `(S_jb(n+1) − S_jb(n)) / S_jb(n+1) > (S_j(n+1) − S_j(n)) / S_j(n)`,
+//! with `S` a job's speed from its performance model. A waiting job
+//! (`S_j(0) = 0`) is never passed over for a longer one, so short jobs start
+//! first and the spare GPUs go where they speed a job up most relative to
+//! its length.
+
+use std::collections::BTreeMap;
+
+use crate::perf::JobPerf;
+
+use super::sizing::{budget, candidates, per_worker, plan};
+use super::{srjf, Plan, Policy, SchedulingInput};
+use crate::topology::Sizes;
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AfsL;
+
+impl Policy for AfsL {
+    fn name(&self) -> &'static str {
+        "afs_l"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let eligible: BTreeMap<_, _> = candidates(input.state, input.now_ms)
+            .into_iter()
+            .map(|j| (j.id, j))
+            .collect();
+        let jobs: Vec<_> = srjf::rank(input.state)
+            .into_iter()
+            .filter_map(|id| eligible.get(&id).copied())
+            .collect();
+        let perf: Vec<JobPerf<'_>> = jobs.iter().map(|j| JobPerf::of(j)).collect();
+        let speed = |i: usize, n: u32| -> f64 {
+            perf[i].steps_per_s_v100(n.saturating_mul(per_worker(jobs[i])))
+        };
+        let mut workers = vec![0u32; jobs.len()];
+        let mut left = budget(input.state);
+        // The next grant of job i: its minimum first, then one worker.
+        let grant = |i: usize, n: u32| -> u32 {
+            if n == 0 {
+                jobs[i].spec.workers.min
+            } else {
+                1
+            }
+        };
+        loop {
+            let fits = |i: usize, n: u32| {
+                n < jobs[i].spec.workers.max
+                    && grant(i, n).saturating_mul(per_worker(jobs[i])) <= left
+            };
+            let mut winner: Option<usize> = None;
+            for i in 0..jobs.len() {
+                if !fits(i, workers[i]) {
+                    continue;
+                }
+                let Some(c) = winner else {
+                    winner = Some(i);
+                    continue;
+                };
+                let nc = workers[c];
+                if nc == 0 {
+                    // A waiting shorter job always keeps the grant.
+                    break;
+                }
+                let (sc, sc_next) = (speed(c, nc), speed(c, nc + grant(c, nc)));
+                let ni = workers[i];
+                let (si, si_next) = (speed(i, ni), speed(i, ni + grant(i, ni)));
+                let longer = if si_next > 0.0 {
+                    (si_next - si) / si_next
+                } else {
+                    0.0
+                };
+                let shorter = if sc > 0.0 {
+                    (sc_next - sc) / sc
+                } else {
+                    f64::INFINITY
+                };
+                if longer > shorter {
+                    winner = Some(i);
+                }
+            }
+            let Some(w) = winner else { break };
+            let g = grant(w, workers[w]);
+            left -= g * per_worker(jobs[w]);
+            workers[w] += g;
+        }
+        let sizes: Sizes = jobs
+            .iter()
+            .zip(&workers)
+            .filter(|(_, n)| **n > 0)
+            .map(|(j, n)| (j.id, *n))
+            .collect();
+        plan(input.state, &sizes, &jobs)
+    }
+}

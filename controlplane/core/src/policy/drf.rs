@@ -1,0 +1,29 @@
+//! Dominant-resource fairness (the baseline Optimus and DL2 compare
+//! against): progressive filling from zero, one worker at a time to the
+//! job with the smallest dominant share. GPUs are the only resource Keel
+//! allocates, so the dominant share is the job's share of the cluster's
+//! GPUs and DRF is max-min fairness over GPUs: waiting jobs first get
+//! their minimum in submission order, then the GPUs left go to the jobs
+//! holding the fewest, up to their maximum.
+
+use super::sizing::{budget, candidates, greedy, minimums, per_worker, plan};
+use super::{Plan, Policy, SchedulingInput};
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Drf;
+
+impl Policy for Drf {
+    fn name(&self) -> &'static str {
+        "drf"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let jobs = candidates(input.state, input.now_ms);
+        let (mut sizes, left) = minimums(&jobs, budget(input.state));
+        // Highest gain = smallest share (GPUs held), ties: earlier job.
+        greedy(&jobs, &mut sizes, left, |job, n| {
+            1.0 / (1.0 + f64::from(n.saturating_mul(per_worker(job))))
+        });
+        plan(input.state, &sizes, &jobs)
+    }
+}

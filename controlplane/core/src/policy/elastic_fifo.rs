@@ -1,0 +1,25 @@
+//! Elastic FIFO (Voda): every job that fits gets its minimum in submission
+//! order (a job whose minimum does not fit what is left is passed over,
+//! not waited for); the GPUs left are handed out one worker at a time,
+//! round-robin in submission order, while any job is below its maximum.
+//! Earlier jobs are never shrunk below their minimum for later ones, but
+//! share their extra workers with them.
+
+use super::sizing::{budget, candidates, minimums, plan, round_robin};
+use super::{Plan, Policy, SchedulingInput};
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ElasticFifo;
+
+impl Policy for ElasticFifo {
+    fn name(&self) -> &'static str {
+        "elastic_fifo"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let jobs = candidates(input.state, input.now_ms);
+        let (mut sizes, left) = minimums(&jobs, budget(input.state));
+        round_robin(&jobs, &mut sizes, left);
+        plan(input.state, &sizes, &jobs)
+    }
+}

@@ -1,0 +1,33 @@
+//! Elastic SRJF (Voda): minimum sizes in order of estimated remaining time
+//! (shortest first, as [`super::Srjf`] ranks them), then one more worker
+//! at a time, round-robin in that order, while any job is below its
+//! maximum and GPUs remain. Preemptive: a long running job loses its GPUs
+//! when shorter ones need them.
+
+use std::collections::BTreeMap;
+
+use super::sizing::{budget, candidates, minimums, plan, round_robin};
+use super::{srjf, Plan, Policy, SchedulingInput};
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ElasticSrjf;
+
+impl Policy for ElasticSrjf {
+    fn name(&self) -> &'static str {
+        "elastic_srjf"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let eligible: BTreeMap<_, _> = candidates(input.state, input.now_ms)
+            .into_iter()
+            .map(|j| (j.id, j))
+            .collect();
+        let jobs: Vec<_> = srjf::rank(input.state)
+            .into_iter()
+            .filter_map(|id| eligible.get(&id).copied())
+            .collect();
+        let (mut sizes, left) = minimums(&jobs, budget(input.state));
+        round_robin(&jobs, &mut sizes, left);
+        plan(input.state, &sizes, &jobs)
+    }
+}

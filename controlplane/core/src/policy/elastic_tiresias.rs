@@ -1,0 +1,57 @@
+//! Elastic Tiresias (Voda): jobs ranked as [`super::Tiresias`] ranks them
+//! (discretised 2D-LAS with the starvation guard); each gets its minimum
+//! in that order while GPUs last, which shrinks low-priority jobs to their
+//! minimum (or preempts them) when many wait; the GPUs left go one worker
+//! at a time to the job with the largest marginal speed-up
+//! `speedup(n+1) − speedup(n)`, from its performance model.
+
+use std::collections::BTreeMap;
+
+use crate::perf::JobPerf;
+
+use super::sizing::{budget, candidates, greedy, minimums, plan};
+use super::tiresias::{Tiresias, TiresiasOptions};
+use super::{Plan, Policy, SchedulingInput};
+
+#[derive(Debug, Clone, Default)]
+pub struct ElasticTiresias {
+    ranking: Tiresias,
+}
+
+impl ElasticTiresias {
+    pub fn new(options: TiresiasOptions) -> Self {
+        ElasticTiresias {
+            ranking: Tiresias::new(options),
+        }
+    }
+}
+
+impl Policy for ElasticTiresias {
+    fn name(&self) -> &'static str {
+        "elastic_tiresias"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let eligible: BTreeMap<_, _> = candidates(input.state, input.now_ms)
+            .into_iter()
+            .map(|j| (j.id, j))
+            .collect();
+        let jobs: Vec<_> = self
+            .ranking
+            .rank(input.state, input.now_ms)
+            .into_iter()
+            .filter_map(|id| eligible.get(&id).copied())
+            .collect();
+        let (mut sizes, left) = minimums(&jobs, budget(input.state));
+        let perf: BTreeMap<_, _> = jobs
+            .iter()
+            .filter(|j| sizes.contains_key(&j.id))
+            .map(|j| (j.id, JobPerf::of(j)))
+            .collect();
+        greedy(&jobs, &mut sizes, left, |job, n| {
+            perf.get(&job.id)
+                .map_or(0.0, |p| p.speedup(n + 1) - p.speedup(n))
+        });
+        plan(input.state, &sizes, &jobs)
+    }
+}

@@ -1,0 +1,49 @@
+//! Optimus: marginal-gain allocation on fitted performance models. Every
+//! job first gets its minimum (submission order, while GPUs last); then a
+//! max-heap repeatedly grants one more worker to the job with the highest
+//! utility `(T(n) − T(n+1)) / share`, where `T(n)` is the job's estimated
+//! remaining time on `n` workers ([`crate::perf::JobPerf`]: remaining
+//! steps over the fitted speed) and `share` the worker's share of the
+//! cluster's GPUs (its dominant resource). It stops when no grant helps
+//! (utility ≤ 0) or nothing fits.
+
+use std::collections::BTreeMap;
+
+use crate::perf::JobPerf;
+
+use super::sizing::{budget, candidates, greedy, minimums, per_worker, plan};
+use super::{Plan, Policy, SchedulingInput};
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Optimus;
+
+impl Policy for Optimus {
+    fn name(&self) -> &'static str {
+        "optimus"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let jobs = candidates(input.state, input.now_ms);
+        let total = budget(input.state);
+        let (mut sizes, left) = minimums(&jobs, total);
+        let perf: BTreeMap<_, _> = jobs
+            .iter()
+            .filter(|j| sizes.contains_key(&j.id))
+            .map(|j| (j.id, JobPerf::of(j)))
+            .collect();
+        greedy(&jobs, &mut sizes, left, |job, n| {
+            let Some(p) = perf.get(&job.id) else {
+                return 0.0;
+            };
+            let per = per_worker(job);
+            let now = p.remaining_s(n.saturating_mul(per));
+            let more = p.remaining_s((n + 1).saturating_mul(per));
+            if !now.is_finite() || !more.is_finite() {
+                return 0.0;
+            }
+            let share = f64::from(per) / f64::from(total.max(1));
+            (now - more) / share
+        });
+        plan(input.state, &sizes, &jobs)
+    }
+}
