@@ -69,6 +69,10 @@ pub struct SimArgs {
     /// Seconds without progress each time a job (re)starts on an allocation.
     #[arg(long, default_value_t = 0.0)]
     restart_s: f64,
+    /// A running job reports progress at the first round at least this
+    /// many seconds after its last report (and when it finishes).
+    #[arg(long, default_value_t = 1800.0)]
+    progress_interval_s: f64,
     /// Measure only jobs with workload ids in START:END (inclusive); the run
     /// stops once they all finished.
     #[arg(long, value_parser = parse_window)]
@@ -180,6 +184,9 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     if !(args.restart_s.is_finite() && args.restart_s >= 0.0) {
         anyhow::bail!("--restart-s must be a number of seconds ≥ 0");
     }
+    if !(args.progress_interval_s.is_finite() && args.progress_interval_s >= 0.0) {
+        anyhow::bail!("--progress-interval-s must be a number of seconds ≥ 0");
+    }
     let names = if args.compare.is_empty() {
         vec![args.policy.clone()]
     } else {
@@ -195,6 +202,7 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     let mut config = SimConfig::new(cluster(&args)?, workload(&args)?);
     config.round_s = args.round_s;
     config.restart_s = args.restart_s;
+    config.progress_interval_s = args.progress_interval_s;
     config.window = args.window;
     if let Some(path) = &args.throughputs {
         config.throughputs = Some(

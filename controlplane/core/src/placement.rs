@@ -28,11 +28,20 @@ pub struct FreeGpus {
 }
 
 impl FreeGpus {
-    /// Every GPU on a live node that no job holds.
+    /// Every GPU on a live node that no job holds (a copy of the state's
+    /// index, [`ClusterState::free_gpus`]).
     pub fn of(state: &ClusterState) -> FreeGpus {
-        let holders = state.gpu_holders();
+        state.free_gpus().clone()
+    }
+
+    /// Every GPU on a live node of `nodes` that no job holds, worked out
+    /// afresh.
+    pub(crate) fn of_holders(
+        nodes: &BTreeMap<String, crate::model::Node>,
+        holders: &BTreeMap<GpuRef, crate::model::JobId>,
+    ) -> FreeGpus {
         let mut free = FreeGpus::default();
-        for (name, node) in state.nodes() {
+        for (name, node) in nodes {
             if node.state != NodeState::Alive {
                 continue;
             }
@@ -55,10 +64,16 @@ impl FreeGpus {
         free
     }
 
-    /// Every GPU on a live node, held or not: what an empty cluster offers.
+    /// Every GPU on a live node, held or not: what an empty cluster offers
+    /// (a copy of the state's index, [`ClusterState::capacity`]).
     pub fn capacity(state: &ClusterState) -> FreeGpus {
+        state.capacity().clone()
+    }
+
+    /// Every GPU on a live node of `nodes`.
+    pub(crate) fn of_nodes(nodes: &BTreeMap<String, crate::model::Node>) -> FreeGpus {
         let mut all = FreeGpus::default();
-        for (name, node) in state.nodes() {
+        for (name, node) in nodes {
             if node.state != NodeState::Alive {
                 continue;
             }
@@ -217,28 +232,33 @@ impl FreeGpus {
     /// `state`'s nodes.
     pub fn release(&mut self, state: &ClusterState, gpus: &[GpuRef]) {
         for g in gpus {
-            let Some(gpu_type) = state
+            if let Some(gpu_type) = state
                 .nodes()
                 .get(&g.node)
                 .and_then(|n| n.gpus.get(&g.index))
-            else {
-                continue;
-            };
-            let free = self
-                .by_type
-                .entry(gpu_type.clone())
-                .or_default()
-                .entry(g.node.clone())
-                .or_default();
-            if let Err(pos) = free.binary_search(&g.index) {
-                free.insert(pos, g.index);
-                *self.count_by_type.entry(gpu_type.clone()).or_default() += 1;
+            {
+                self.release_one(gpu_type, g);
             }
+        }
+    }
+
+    /// Gives one GPU of `gpu_type` back.
+    pub(crate) fn release_one(&mut self, gpu_type: &str, g: &GpuRef) {
+        let free = self
+            .by_type
+            .entry(gpu_type.to_string())
+            .or_default()
+            .entry(g.node.clone())
+            .or_default();
+        if let Err(pos) = free.binary_search(&g.index) {
+            free.insert(pos, g.index);
+            *self.count_by_type.entry(gpu_type.to_string()).or_default() += 1;
         }
     }
 
     /// Marks `gpus` as taken.
     pub fn remove(&mut self, gpus: &[GpuRef]) {
+        let mut emptied: Option<String> = None;
         for g in gpus {
             // A node's GPUs may be of several types: look in each.
             for (gpu_type, nodes) in self.by_type.iter_mut() {
@@ -255,7 +275,16 @@ impl FreeGpus {
                 if let Some(c) = self.count_by_type.get_mut(gpu_type) {
                     *c -= 1;
                 }
+                if nodes.is_empty() {
+                    emptied = Some(gpu_type.clone());
+                }
                 break;
+            }
+            // A type with nothing free leaves the index, so an index kept
+            // up to date equals one built afresh.
+            if let Some(t) = emptied.take() {
+                self.by_type.remove(&t);
+                self.count_by_type.remove(&t);
             }
         }
     }

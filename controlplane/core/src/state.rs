@@ -17,6 +17,7 @@ use crate::model::{
     Allocation, Gpu, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample, Worker,
     WorkerState,
 };
+use crate::placement::FreeGpus;
 use crate::spec::SpecError;
 
 /// Limits on commands, so one entry cannot blow up the state.
@@ -110,6 +111,14 @@ pub struct ClusterState {
     policy: Option<String>,
     #[serde(skip)]
     indexes: JobIndexes,
+    /// Every GPU on a live node, by type and node: derived from `nodes`,
+    /// rebuilt when a node registers, is lost or recovers.
+    #[serde(skip)]
+    capacity: FreeGpus,
+    /// The GPUs of `capacity` that no job holds: derived from `nodes` and
+    /// `gpu_holders`, kept as GPUs are taken and given back.
+    #[serde(skip)]
+    free: FreeGpus,
 }
 
 /// Sets of job ids that the loops on the leader walk instead of every job
@@ -191,6 +200,8 @@ impl<'de> Deserialize<'de> for ClusterState {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let e = EncodedClusterState::deserialize(deserializer)?;
         let indexes = JobIndexes::of(&e.jobs);
+        let capacity = FreeGpus::of_nodes(&e.nodes);
+        let free = FreeGpus::of_holders(&e.nodes, &e.gpu_holders);
         Ok(ClusterState {
             next_job_id: e.next_job_id,
             jobs: e.jobs,
@@ -201,6 +212,8 @@ impl<'de> Deserialize<'de> for ClusterState {
             last_round: e.last_round,
             policy: e.policy,
             indexes,
+            capacity,
+            free,
         })
     }
 }
@@ -330,6 +343,16 @@ impl ClusterState {
         self.last_round
     }
 
+    /// Every GPU on a live node, held or not: what an empty cluster offers.
+    pub fn capacity(&self) -> &FreeGpus {
+        &self.capacity
+    }
+
+    /// Every GPU on a live node that no job holds.
+    pub fn free_gpus(&self) -> &FreeGpus {
+        &self.free
+    }
+
     /// The policy chosen at run time with `SetPolicy`, if any.
     pub fn policy(&self) -> Option<&str> {
         self.policy.as_deref()
@@ -365,6 +388,15 @@ impl ClusterState {
             for id in touched {
                 self.indexes.update(id, self.jobs.get(&id));
             }
+        }
+        if matches!(
+            entry.command,
+            Command::RegisterNode { .. }
+                | Command::MarkNodeLost { .. }
+                | Command::MarkNodeRecovered { .. }
+        ) {
+            self.capacity = FreeGpus::of_nodes(&self.nodes);
+            self.free = FreeGpus::of_holders(&self.nodes, &self.gpu_holders);
         }
         let moves_supply_or_demand = events.iter().any(|e| {
             !matches!(
@@ -628,11 +660,25 @@ impl ClusterState {
 
     /// Drops `job_id`'s hold on the GPUs of `allocation`. A GPU that the
     /// same decision already handed to another job keeps its new holder.
+    /// A GPU no job holds any more is free again if its node is alive.
+    fn give_back(&mut self, gpu: &GpuRef) {
+        let Some(node) = self.nodes.get(&gpu.node) else {
+            return;
+        };
+        if node.state != NodeState::Alive {
+            return;
+        }
+        if let Some(gpu_type) = node.gpus.get(&gpu.index) {
+            self.free.release_one(gpu_type, gpu);
+        }
+    }
+
     fn release(&mut self, job_id: JobId, allocation: Option<Allocation>) {
         if let Some(a) = allocation {
             for gpu in &a.gpus {
                 if self.gpu_holders.get(gpu) == Some(&job_id) {
                     self.gpu_holders.remove(gpu);
+                    self.give_back(gpu);
                 }
             }
         }
@@ -1070,12 +1116,14 @@ impl ClusterState {
                 for g in old.gpus {
                     if self.gpu_holders.get(&g) == Some(&job_id) {
                         self.gpu_holders.remove(&g);
+                        self.give_back(&g);
                     }
                 }
             }
             for g in &gpus {
                 self.gpu_holders.insert(g.clone(), job_id);
             }
+            self.free.remove(&gpus);
             events.push(Event::JobAllocated {
                 job_id,
                 epoch,
@@ -1091,6 +1139,12 @@ impl ClusterState {
     /// Checks the invariants that every reachable state holds. Used by tests
     /// and debug assertions; returns the first broken one.
     pub fn check_invariants(&self) -> Result<(), String> {
+        if self.capacity != FreeGpus::of_nodes(&self.nodes) {
+            return Err("the capacity index does not match the nodes".into());
+        }
+        if self.free != FreeGpus::of_holders(&self.nodes, &self.gpu_holders) {
+            return Err("the free-GPU index does not match the holders".into());
+        }
         let mut from_jobs: BTreeMap<&GpuRef, JobId> = BTreeMap::new();
         for (id, job) in &self.jobs {
             if *id != job.id {

@@ -26,7 +26,6 @@ use pathfinding::kuhn_munkres::kuhn_munkres;
 use pathfinding::matrix::Matrix;
 
 use crate::model::{GpuRef, Job, JobId, NodeState};
-use crate::placement::FreeGpus;
 use crate::policy::Plan;
 use crate::state::ClusterState;
 
@@ -95,13 +94,22 @@ fn shrink(gpus: &[GpuRef], per_worker: u32, workers: u32) -> Vec<GpuRef> {
 /// cluster's GPUs. A job whose planned size cannot be placed gets the
 /// largest smaller size (down to its minimum) that can, or none.
 pub fn place_sizes(state: &ClusterState, sizes: &Sizes, order: &[JobId]) -> Plan {
-    let mut free = FreeGpus::capacity(state);
+    let mut free = state.free_gpus().clone();
     let mut plan = Plan::default();
-    let jobs: Vec<(&Job, u32)> = order
-        .iter()
-        .filter_map(|id| Some((state.job(*id)?, *sizes.get(id)?)))
-        .filter(|(_, w)| *w > 0)
-        .collect();
+    // The sized jobs in `order` (which may list many more): stop once all
+    // are found.
+    let mut jobs: Vec<(&Job, u32)> = Vec::with_capacity(sizes.len());
+    let mut found = 0;
+    for id in order {
+        if found == sizes.len() {
+            break;
+        }
+        let Some(w) = sizes.get(id) else { continue };
+        found += 1;
+        if let (Some(job), true) = (state.job(*id), *w > 0) {
+            jobs.push((job, *w));
+        }
+    }
     // 1. Keep what stays.
     for (job, workers) in &jobs {
         let Some(a) = &job.allocation else { continue };
@@ -112,20 +120,40 @@ pub fn place_sizes(state: &ClusterState, sizes: &Sizes, order: &[JobId]) -> Plan
         } else {
             shrink(&a.gpus, per, *workers)
         };
-        free.remove(&kept);
         plan.placements.insert(job.id, kept);
+    }
+    // Whatever running jobs no longer keep is free for the rest.
+    for job in state.allocated_jobs() {
+        let Some(a) = &job.allocation else { continue };
+        match plan.placements.get(&job.id) {
+            Some(kept) if kept.len() == a.gpus.len() => {}
+            Some(kept) => {
+                let dropped: Vec<GpuRef> = a
+                    .gpus
+                    .iter()
+                    .filter(|g| !kept.contains(g))
+                    .cloned()
+                    .collect();
+                free.release(state, &dropped);
+            }
+            None => free.release(state, &a.gpus),
+        }
     }
     // 2. Grow and start.
     let mut unplaced: Vec<(JobId, u32)> = Vec::new();
     for (job, workers) in &jobs {
         let spec = &job.spec;
         let per = spec.gpus.max(1);
+        let have = plan
+            .placements
+            .get(&job.id)
+            .map(|kept| u32::try_from(kept.len()).unwrap_or(u32::MAX) / per);
+        if have.is_some_and(|have| *workers <= have) {
+            continue;
+        }
         match plan.placements.get(&job.id).cloned() {
             Some(kept) => {
-                let have = u32::try_from(kept.len()).unwrap_or(u32::MAX) / per;
-                if *workers <= have {
-                    continue;
-                }
+                let have = have.unwrap_or(0);
                 let Some(gpu_type) = allocation_type(state, &kept) else {
                     continue;
                 };

@@ -2,7 +2,7 @@
 //! windows, and a property test that every job that fits the cluster
 //! finishes under every policy.
 
-use keel_core::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias};
+use keel_core::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias, POLICY_NAMES};
 use keel_core::sim::{
     cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode, ThroughputTable,
 };
@@ -206,7 +206,7 @@ fn a_gavel_throughput_table_sets_the_speed_of_the_job_types_it_holds() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 32, .. ProptestConfig::default() })]
 
     #[test]
     fn every_job_that_fits_finishes_under_every_policy(
@@ -221,26 +221,59 @@ proptest! {
         let largest = counts.0.max(counts.1).max(counts.2);
         let jobs: Vec<SimJob> = generated(seed, 40)
             .into_iter()
-            .map(|mut j| {
+            .enumerate()
+            .map(|(i, mut j)| {
                 j.workers_min = j.workers_min.min(largest);
-                j.workers_max = j.workers_min;
+                // Every third job is elastic: up to twice its minimum.
+                j.workers_max = if i % 3 == 0 {
+                    (2 * j.workers_min).min(largest)
+                } else {
+                    j.workers_min
+                };
                 j.total_steps = j.total_steps.min(200_000);
                 j
             })
             .collect();
-        let config = SimConfig::new(nodes, jobs);
-        let fifo = Fifo::new(QueueOptions { backfill });
-        let srjf = by_name("srjf", QueueOptions::default()).expect("srjf");
-        let tiresias = by_name("tiresias", QueueOptions::default()).expect("tiresias");
-        for policy in [&fifo as &dyn keel_core::policy::Policy, srjf.as_ref(), tiresias.as_ref()] {
-            let report = simulate(&config, policy);
+        let mut config = SimConfig::new(nodes, jobs);
+        config.restart_s = 10.0;
+        for name in POLICY_NAMES {
+            let policy = by_name(name, QueueOptions { backfill }).expect("known");
+            let report = simulate(&config, policy.as_ref());
             let s = report.jct(None);
-            prop_assert_eq!((s.finished, s.unfinished), (40, 0), "{}", policy.name());
-            prop_assert_eq!(report.refused_entries, 0, "{}", policy.name());
+            prop_assert_eq!((s.finished, s.unfinished), (40, 0), "{}", name);
+            prop_assert_eq!(report.refused_entries, 0, "{}", name);
             prop_assert!(report.utilisation <= 1.0 + 1e-9);
             for j in &report.jobs {
                 prop_assert!(j.first_start_s.is_some_and(|s| s >= j.arrival_s));
             }
         }
     }
+}
+
+#[test]
+fn an_elastic_job_is_resized_and_each_resize_costs_a_restart() {
+    let mut elastic = job(0, 0.0, 1, 44_000); // 1,000 s on 4 v100s (speed-up 3.386)
+    elastic.workers_max = 4;
+    let jobs = vec![elastic, job(1, 100.0, 1, 1_100)]; // 100 s on one v100
+    let policy = by_name("elastic_fifo", QueueOptions::default()).expect("known");
+    let run = |restart_s: f64| {
+        let mut config = SimConfig::new(v100s(4), jobs.clone());
+        config.restart_s = restart_s;
+        simulate(&config, policy.as_ref())
+    };
+    let free = run(0.0);
+    // Shrunk to 3 when job 1 arrived, grown back to 4 when it finished.
+    assert_eq!(free.resizes, 2, "{free:?}");
+    assert_eq!(free.migrations, 0, "a resize keeps workers where they were");
+    assert_eq!(free.jobs[0].restarts, 2);
+    let costly = run(30.0);
+    assert_eq!(costly.resizes, 2);
+    let (a, b) = (
+        free.jobs[0].jct_s().expect("finishes"),
+        costly.jobs[0].jct_s().expect("finishes"),
+    );
+    // Three starts (the first and two resizes) each without progress for
+    // 30 s; job 1's own start delays its finish and so the grow-back.
+    assert!(b - a >= 90.0 - 1e-6, "{a} -> {b}");
+    assert!(b - a <= 90.0 + 30.0 + 1e-6, "{a} -> {b}");
 }

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 
 use crate::model::{Job, JobId, JobState};
-use crate::placement::FreeGpus;
 use crate::state::ClusterState;
 
 use super::Plan;
@@ -16,7 +15,7 @@ use super::Plan;
 /// waited for; running jobs left out are preempted. Jobs in retry backoff
 /// at `now_ms` and jobs the whole cluster could not hold are skipped.
 pub(crate) fn admit_in_order(state: &ClusterState, order: &[JobId], now_ms: u64) -> Plan {
-    let capacity = FreeGpus::capacity(state);
+    let capacity = state.capacity();
     let mut budget = capacity.total();
     // Whether a shape (GPUs per worker, minimum workers, allowed types)
     // fits the whole cluster, worked out once per shape.
@@ -54,12 +53,17 @@ pub(crate) fn admit_in_order(state: &ClusterState, order: &[JobId], now_ms: u64)
         admitted.push(job);
     }
     let mut plan = Plan::default();
-    let mut free = capacity;
-    // Admitted running jobs stay where they are.
+    // Admitted running jobs stay where they are; the others give their
+    // GPUs back.
     for job in admitted.iter().filter(|j| j.state == JobState::Running) {
         if let Some(a) = &job.allocation {
-            free.remove(&a.gpus);
             plan.placements.insert(job.id, a.gpus.clone());
+        }
+    }
+    let mut free = state.free_gpus().clone();
+    for job in state.allocated_jobs() {
+        if let (Some(a), false) = (&job.allocation, plan.placements.contains_key(&job.id)) {
+            free.release(state, &a.gpus);
         }
     }
     // Then the waiting ones, most important first.

@@ -43,14 +43,11 @@ impl Policy for ElasticTiresias {
             .filter_map(|id| eligible.get(&id).copied())
             .collect();
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
-        let perf: BTreeMap<_, _> = jobs
-            .iter()
-            .filter(|j| sizes.contains_key(&j.id))
-            .map(|j| (j.id, JobPerf::of(j)))
-            .collect();
+        // Models are fitted for the jobs that can grow, when first asked.
+        let mut perf: BTreeMap<_, JobPerf<'_>> = BTreeMap::new();
         greedy(&jobs, &mut sizes, left, |job, n| {
-            perf.get(&job.id)
-                .map_or(0.0, |p| p.speedup(n + 1) - p.speedup(n))
+            let p = perf.entry(job.id).or_insert_with(|| JobPerf::of(job));
+            p.speedup(n + 1) - p.speedup(n)
         });
         plan(input.state, &sizes, &jobs)
     }

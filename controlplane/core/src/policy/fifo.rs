@@ -36,7 +36,7 @@ impl Policy for Fifo {
         let state = input.state;
         let mut plan = Plan::default();
         let mut free = FreeGpus::of(state);
-        let capacity = FreeGpus::capacity(state);
+        let capacity = state.capacity();
         for job in state.allocated_jobs() {
             if let Some(a) = &job.allocation {
                 plan.placements.insert(job.id, a.gpus.clone());

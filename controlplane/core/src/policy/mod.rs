@@ -20,7 +20,7 @@ mod sizing;
 mod srjf;
 mod tiresias;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 pub use afs_l::AfsL;
 pub use drf::Drf;
@@ -58,18 +58,28 @@ impl Plan {
     /// cluster already runs (then nothing is proposed).
     pub fn changes(&self, state: &ClusterState) -> Vec<JobPlacement> {
         let mut out = Vec::new();
-        // Only jobs that hold GPUs now or are planned to can change.
-        let candidates: BTreeSet<JobId> = state
-            .allocated_jobs()
-            .map(|j| j.id)
-            .chain(self.placements.keys().copied())
-            .collect();
-        for job_id in &candidates {
-            let Some(job) = state.job(*job_id) else {
+        // Only jobs that hold GPUs now or are planned to can change: a merge
+        // of the two id-ordered sequences.
+        let mut allocated = state.allocated_jobs().peekable();
+        let mut planned = self.placements.iter().peekable();
+        loop {
+            let next_allocated = allocated.peek().map(|j| j.id);
+            let next_planned = planned.peek().map(|(id, _)| **id);
+            let (job, plan) = match (next_allocated, next_planned) {
+                (None, None) => break,
+                (Some(a), Some(p)) if a == p => (allocated.next(), planned.next().map(|(_, g)| g)),
+                (Some(a), p) if p.is_none_or(|p| a < p) => (allocated.next(), None),
+                _ => match planned.next() {
+                    Some((id, gpus)) => (state.job(*id), Some(gpus)),
+                    None => break,
+                },
+            };
+            let Some(job) = job else {
                 continue;
             };
+            let job_id = &job.id;
             let current = job.allocation.as_ref().map(|a| a.gpus.as_slice());
-            match (current, self.placements.get(job_id)) {
+            match (current, plan) {
                 (Some(now), Some(planned)) if now == planned.as_slice() => {}
                 (None, None) => {}
                 (Some(_), None) => out.push(JobPlacement {

@@ -26,15 +26,10 @@ impl Policy for Optimus {
         let jobs = candidates(input.state, input.now_ms);
         let total = budget(input.state);
         let (mut sizes, left) = minimums(&jobs, total);
-        let perf: BTreeMap<_, _> = jobs
-            .iter()
-            .filter(|j| sizes.contains_key(&j.id))
-            .map(|j| (j.id, JobPerf::of(j)))
-            .collect();
+        // Models are fitted for the jobs that can grow, when first asked.
+        let mut perf: BTreeMap<_, JobPerf<'_>> = BTreeMap::new();
         greedy(&jobs, &mut sizes, left, |job, n| {
-            let Some(p) = perf.get(&job.id) else {
-                return 0.0;
-            };
+            let p = perf.entry(job.id).or_insert_with(|| JobPerf::of(job));
             let per = per_worker(job);
             let now = p.remaining_s(n.saturating_mul(per));
             let more = p.remaining_s((n + 1).saturating_mul(per));

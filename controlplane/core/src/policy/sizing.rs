@@ -11,7 +11,6 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use crate::model::{Job, JobId};
-use crate::placement::FreeGpus;
 use crate::state::ClusterState;
 use crate::topology::{place_sizes, Sizes};
 
@@ -20,12 +19,16 @@ use super::Plan;
 /// Jobs an elastic policy may size at `now_ms`: unfinished, not in retry
 /// backoff, and whose minimum fits the whole cluster. Submission order.
 pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
-    let capacity = FreeGpus::capacity(state);
+    let capacity = state.capacity();
     let mut fits: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
     state
         .unfinished_jobs()
         .filter(|job| !job.backing_off(now_ms))
         .filter(|job| {
+            if job.allocation.is_some() {
+                // Running: it fits.
+                return true;
+            }
             let spec = &job.spec;
             let shape = (
                 spec.gpus,
@@ -41,7 +44,7 @@ pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
 
 /// The cluster's live GPUs.
 pub(crate) fn budget(state: &ClusterState) -> u32 {
-    u32::try_from(FreeGpus::capacity(state).total()).unwrap_or(u32::MAX)
+    u32::try_from(state.capacity().total()).unwrap_or(u32::MAX)
 }
 
 /// GPUs per worker of `job` (at least 1).
@@ -116,13 +119,12 @@ impl PartialOrd for Offer {
 /// Greedy marginal gain: repeatedly gives one more worker to the sized job
 /// whose `gain(job, workers now)` is highest, while it is positive, the job
 /// is below its maximum and its worker fits what is left.
-pub(crate) fn greedy(
-    jobs: &[&Job],
+pub(crate) fn greedy<'a>(
+    jobs: &[&'a Job],
     sizes: &mut Sizes,
     mut left: u32,
-    mut gain: impl FnMut(&Job, u32) -> f64,
+    mut gain: impl FnMut(&'a Job, u32) -> f64,
 ) -> u32 {
-    let by_id: BTreeMap<JobId, &Job> = jobs.iter().map(|j| (j.id, *j)).collect();
     let mut heap = BinaryHeap::new();
     for job in jobs {
         if let Some(n) = sizes.get(&job.id) {
@@ -134,6 +136,10 @@ pub(crate) fn greedy(
             }
         }
     }
+    if heap.is_empty() {
+        return left;
+    }
+    let by_id: BTreeMap<JobId, &'a Job> = jobs.iter().map(|j| (j.id, *j)).collect();
     while let Some(Offer { gain: g, job_id }) = heap.pop() {
         if left == 0 || g <= 0.0 || g.is_nan() {
             break;

@@ -51,6 +51,11 @@ pub struct SimConfig {
     pub window: Option<(u64, u64)>,
     /// Stop after this much simulated time even if jobs remain.
     pub max_simulated_s: f64,
+    /// A running job reports progress at the first round tick at least
+    /// this long after its last report (and when it finishes), like the
+    /// live server's `--progress-interval-s`. Policies see progress at most
+    /// this stale.
+    pub progress_interval_s: f64,
     /// Speeds by job type from Gavel's table; jobs it does not hold run at
     /// the project's table's speed for their model.
     pub throughputs: Option<super::ThroughputTable>,
@@ -65,6 +70,7 @@ impl SimConfig {
             restart_s: 0.0,
             window: None,
             max_simulated_s: 10.0 * 365.0 * 86_400.0,
+            progress_interval_s: 1800.0,
             throughputs: None,
         }
     }
@@ -183,6 +189,8 @@ struct Running {
     resumes_at_s: f64,
     gpus: u32,
     placement: Vec<GpuRef>,
+    /// When it last reported progress.
+    reported_at_s: f64,
 }
 
 #[derive(Debug)]
@@ -388,7 +396,11 @@ impl Engine<'_> {
             .copied()
             .unwrap_or(0.0)
             .min(total);
-        let rate = self.running.get(&job_id).map_or(0.0, |r| r.rate);
+        let now = self.now_s;
+        let rate = self.running.get_mut(&job_id).map_or(0.0, |r| {
+            r.reported_at_s = now;
+            r.rate
+        });
         let batch = self.sim_of.get(&job_id).map_or(1, |i| {
             throughput::profile(&self.config.jobs[*i].model).batch_size
         });
@@ -491,6 +503,7 @@ impl Engine<'_> {
                     resumes_at_s: now + restart,
                     gpus: count,
                     placement: gpus,
+                    reported_at_s: now,
                 },
             );
         }
@@ -615,7 +628,13 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
         }
         let tick = engine.now_s >= next_tick;
         if tick {
-            let running: Vec<JobId> = engine.running.keys().copied().collect();
+            let due_s = engine.now_s - config.progress_interval_s.max(0.0);
+            let running: Vec<JobId> = engine
+                .running
+                .iter()
+                .filter(|(_, r)| r.reported_at_s <= due_s)
+                .map(|(job_id, _)| *job_id)
+                .collect();
             for job_id in running {
                 engine.report_progress(job_id);
             }
