@@ -124,3 +124,53 @@ fn a_gavel_trace_runs_with_gavel_throughputs() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("throughput table"));
 }
+
+#[test]
+fn compare_with_plots_writes_one_svg_per_figure_with_every_policy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plots = dir.path().join("plots");
+    let out = sim(&[
+        "--generate",
+        "60",
+        "--rate",
+        "30",
+        "--multi-gpu",
+        "--elastic",
+        "--cluster",
+        "4:4:4",
+        "--gpus-per-server",
+        "4",
+        "--restart-s",
+        "30",
+        "--compare",
+        "fifo,elastic_fifo,optimus",
+        "--plot",
+        plots.to_str().expect("utf-8"),
+        "-o",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summaries: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let rows = summaries.as_array().expect("one summary per policy");
+    assert_eq!(rows.len(), 3);
+    for row in rows {
+        assert_eq!(row["finished"], 60, "{row}");
+    }
+    // Elastic policies resize jobs; FIFO never does.
+    assert_eq!(rows[0]["resizes"], 0);
+    assert!(rows[1]["resizes"].as_u64() > Some(0), "{}", rows[1]);
+    for figure in ["jct_cdf.svg", "utilisation.svg", "queue.svg"] {
+        let svg = std::fs::read_to_string(plots.join(figure)).expect(figure);
+        assert!(svg.starts_with("<svg"), "{figure}");
+        for policy in ["fifo", "elastic_fifo", "optimus"] {
+            assert!(
+                svg.contains(&format!(">\n{policy}\n<")),
+                "{figure} lacks {policy}"
+            );
+        }
+    }
+}

@@ -7,7 +7,8 @@
 //! the worst case), and the busy cluster with 100,000 finished jobs still
 //! in the state (a round must not cost more as history piles up).
 //!
-//! Then one round of every policy on the busy cluster.
+//! Then one round of every policy on the busy cluster, with rigid and with
+//! elastic waiting jobs.
 //!
 //! Run: `cargo bench -p keel-core --bench scheduling_round`
 
@@ -22,6 +23,11 @@ const WAITING: usize = 10_000;
 const TYPES: [&str; 3] = ["v100", "p100", "k80"];
 
 fn cluster(running: usize, finished: usize) -> ClusterState {
+    cluster_of(running, finished, false)
+}
+
+/// `elastic`: waiting jobs may grow to 1–3 workers more than their minimum.
+fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
     let mut state = ClusterState::new();
     let mut index = 0;
     let mut apply = |state: &mut ClusterState, command: Command| {
@@ -105,12 +111,11 @@ fn cluster(running: usize, finished: usize) -> ClusterState {
     for w in 0..WAITING {
         let gpus = 1 << rng.below(3);
         let workers = 1 + rng.below(2) as u32;
-        apply(
-            &mut state,
-            Command::SubmitJob {
-                spec: job_spec(&format!("waiting-{w}"), gpus, workers),
-            },
-        );
+        let mut spec = job_spec(&format!("waiting-{w}"), gpus, workers);
+        if elastic {
+            spec.workers.max = workers + 1 + rng.below(3) as u32;
+        }
+        apply(&mut state, Command::SubmitJob { spec });
     }
     state
 }
@@ -135,20 +140,21 @@ fn fifo_round(c: &mut Criterion) {
         b.iter(|| round(&history, &fifo))
     });
     group.finish();
-    // The preemptive policies rank every unfinished job each round.
+    // Every policy: 11,024 active jobs (1,024 running, 10,000 waiting),
+    // rigid, then with elastic waiting jobs.
+    let elastic = cluster_of(1024, 0, true);
     let mut group = c.benchmark_group("policy_round_10k_waiting_2048_gpus");
-    group.sample_size(20);
+    group.sample_size(10);
     for name in POLICY_NAMES {
         let policy = by_name(name, QueueOptions::default()).expect("known policy");
-        group.bench_function(format!("{name}_half_busy"), |b| {
-            b.iter(|| {
-                let plan = policy.plan(&SchedulingInput {
-                    state: &busy,
-                    now_ms: 0,
-                });
-                plan.changes(&busy).len()
-            })
-        });
+        for (case, state) in [("half_busy", &busy), ("half_busy_elastic", &elastic)] {
+            group.bench_function(format!("{name}_{case}"), |b| {
+                b.iter(|| {
+                    let plan = policy.plan(&SchedulingInput { state, now_ms: 0 });
+                    plan.changes(state).len()
+                })
+            });
+        }
     }
     group.finish();
 }
