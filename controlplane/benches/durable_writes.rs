@@ -179,7 +179,7 @@ fn main() {
             nodes: Vec::new(),
             executor_dir: None,
             policy: std::sync::Arc::new(keel_core::policy::Fifo::default()),
-            queue_options: Default::default(),
+            policy_options: Default::default(),
             loops: keel::leader::LoopSettings::default(),
         };
         let server = Server::start(&config, system_clock()).await.expect("start");

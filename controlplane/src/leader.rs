@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::policy::{by_name, decide, Policy, QueueOptions};
+use keel_core::policy::{by_name_with, decide, Policy, PolicyOptions};
 use keel_core::state::limits::PROGRESS_SAMPLES_MAX;
 use keel_core::{Command, JobId, ProgressSample};
 use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
@@ -111,7 +111,7 @@ pub async fn scheduling_loop(
     node: Arc<RaftNode>,
     proposer: Proposer,
     default_policy: Arc<dyn Policy>,
-    options: QueueOptions,
+    options: PolicyOptions,
     clock: Clock,
     settings: LoopSettings,
     mut stop: watch::Receiver<bool>,
@@ -167,7 +167,7 @@ pub async fn scheduling_loop(
             // else the configured one.
             let wanted = state.policy().unwrap_or(default_policy.name());
             if policy.name() != wanted {
-                match by_name(wanted, options) {
+                match by_name_with(wanted, &options) {
                     Ok(p) => {
                         tracing::info!(from = policy.name(), to = wanted, "switching policy");
                         policy = Arc::from(p);

@@ -110,6 +110,8 @@ enum Cmd {
         /// Let jobs behind a blocked head of the queue start when they fit.
         #[arg(long)]
         backfill: bool,
+        #[command(flatten)]
+        tiresias: TiresiasArgs,
         /// Seconds between scheduling rounds (changes also wake the scheduler).
         #[arg(long, default_value_t = 10.0)]
         round_s: f64,
@@ -223,6 +225,31 @@ enum NodeCmd {
     Alive { name: String },
 }
 
+/// Tiresias's knobs (`tiresias`, `elastic_tiresias`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct TiresiasArgs {
+    /// Queue thresholds in GPU-seconds of attained service, ascending.
+    #[arg(long, value_delimiter = ',', default_value = "3600")]
+    pub tiresias_thresholds_gpu_s: Vec<u64>,
+    /// Promote a waiting job to the first queue after it waited this many
+    /// times as long as it has run (0: never).
+    #[arg(long, default_value_t = 8)]
+    pub starvation_factor: u64,
+}
+
+impl TiresiasArgs {
+    pub fn options(&self) -> anyhow::Result<keel_core::policy::TiresiasOptions> {
+        let options = keel_core::policy::TiresiasOptions {
+            thresholds_gpu_s: self.tiresias_thresholds_gpu_s.clone(),
+            starvation_factor: self.starvation_factor,
+        };
+        options
+            .validate()
+            .map_err(|e| anyhow::anyhow!("--tiresias-thresholds-gpu-s: {e}"))?;
+        Ok(options)
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum PolicyCmd {
     /// The policy rounds use now, and the known ones.
@@ -324,6 +351,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             no_local_node,
             policy,
             backfill,
+            tiresias,
             round_s,
             stop_grace_s,
             progress_interval_s,
@@ -335,7 +363,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 }
                 Ok(Duration::from_secs_f64(s))
             };
-            let policy = keel_core::policy::by_name(&policy, QueueOptions { backfill })?;
+            let policy_options = keel_core::policy::PolicyOptions {
+                queue: QueueOptions { backfill },
+                tiresias: tiresias.options()?,
+            };
+            let policy = keel_core::policy::by_name_with(&policy, &policy_options)?;
             let config = ServerConfig {
                 id,
                 data_dir,
@@ -353,7 +385,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 },
                 executor_dir,
                 policy: policy.into(),
-                queue_options: QueueOptions { backfill },
+                policy_options,
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,
                     stop_grace: seconds("stop-grace-s", stop_grace_s)?,

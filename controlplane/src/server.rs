@@ -42,7 +42,7 @@ pub struct ServerConfig {
     /// (`SetPolicy`, logged).
     pub policy: Arc<dyn Policy>,
     /// Options for the policies switched to at run time.
-    pub queue_options: keel_core::policy::QueueOptions,
+    pub policy_options: keel_core::policy::PolicyOptions,
     pub loops: LoopSettings,
 }
 
@@ -153,7 +153,7 @@ impl Server {
             self.node.clone(),
             proposer.clone(),
             self.config.policy.clone(),
-            self.config.queue_options,
+            self.config.policy_options.clone(),
             self.clock.clone(),
             self.config.loops.clone(),
             stop_rx.clone(),

@@ -62,6 +62,8 @@ pub struct SimArgs {
     /// Let jobs behind a blocked head of the queue start when they fit.
     #[arg(long)]
     backfill: bool,
+    #[command(flatten)]
+    tiresias: crate::TiresiasArgs,
     /// Seconds between scheduling rounds (arrivals and completions also
     /// start a round).
     #[arg(long, default_value_t = 360.0)]
@@ -192,12 +194,15 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     } else {
         args.compare.clone()
     };
-    let options = QueueOptions {
-        backfill: args.backfill,
+    let options = keel_core::policy::PolicyOptions {
+        queue: QueueOptions {
+            backfill: args.backfill,
+        },
+        tiresias: args.tiresias.options()?,
     };
     let policies = names
         .iter()
-        .map(|n| keel_core::policy::by_name(n, options))
+        .map(|n| keel_core::policy::by_name_with(n, &options))
         .collect::<Result<Vec<_>, _>>()?;
     let mut config = SimConfig::new(cluster(&args)?, workload(&args)?);
     config.round_s = args.round_s;

@@ -77,7 +77,21 @@ fn bad_inputs_are_refused_naming_the_line_or_flag() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("v100:p100:k80"));
     let out = sim(&["--generate", "10", "--policy", "nope"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("fifo"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("optimus"));
+    let out = sim(&[
+        "--generate",
+        "10",
+        "--policy",
+        "tiresias",
+        "--tiresias-thresholds-gpu-s",
+        "3600,60",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tiresias-thresholds-gpu-s") && err.contains("ascend"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -34,9 +34,24 @@ impl Policy for AfsL {
             .into_iter()
             .filter_map(|id| eligible.get(&id).copied())
             .collect();
-        let perf: Vec<JobPerf<'_>> = jobs.iter().map(|j| JobPerf::of(j)).collect();
-        let speed = |i: usize, n: u32| -> f64 {
-            perf[i].steps_per_s_v100(n.saturating_mul(per_worker(jobs[i])))
+        // Speeds by job and worker count, worked out when first needed.
+        let mut perf: Vec<Option<JobPerf<'_>>> = vec![None; jobs.len()];
+        let mut speeds: Vec<Vec<Option<f64>>> = vec![Vec::new(); jobs.len()];
+        let mut speed = |i: usize, n: u32| -> f64 {
+            if n == 0 {
+                return 0.0;
+            }
+            let at = n as usize;
+            if let Some(Some(s)) = speeds[i].get(at) {
+                return *s;
+            }
+            let p = perf[i].get_or_insert_with(|| JobPerf::of(jobs[i]));
+            let s = p.steps_per_s_v100(n.saturating_mul(per_worker(jobs[i])));
+            if speeds[i].len() <= at {
+                speeds[i].resize(at + 1, None);
+            }
+            speeds[i][at] = Some(s);
+            s
         };
         let mut workers = vec![0u32; jobs.len()];
         let mut left = budget(input.state);

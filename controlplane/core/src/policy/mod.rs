@@ -131,15 +131,35 @@ pub struct QueueOptions {
     pub backfill: bool,
 }
 
+/// Every policy's knobs, as the server and `keel sim` take them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PolicyOptions {
+    pub queue: QueueOptions,
+    /// For `tiresias` and `elastic_tiresias`.
+    pub tiresias: TiresiasOptions,
+}
+
 /// The policy named `name`, or an error listing the known ones.
 pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, UnknownPolicy> {
+    by_name_with(
+        name,
+        &PolicyOptions {
+            queue: options,
+            ..Default::default()
+        },
+    )
+}
+
+/// The policy named `name` with `options`, or an error listing the known
+/// ones.
+pub fn by_name_with(name: &str, options: &PolicyOptions) -> Result<Box<dyn Policy>, UnknownPolicy> {
     match name {
-        "fifo" => Ok(Box::new(Fifo::new(options))),
+        "fifo" => Ok(Box::new(Fifo::new(options.queue))),
         "srjf" => Ok(Box::new(Srjf)),
-        "tiresias" => Ok(Box::new(Tiresias::default())),
+        "tiresias" => Ok(Box::new(Tiresias::new(options.tiresias.clone()))),
         "elastic_fifo" => Ok(Box::new(ElasticFifo)),
         "elastic_srjf" => Ok(Box::new(ElasticSrjf)),
-        "elastic_tiresias" => Ok(Box::new(ElasticTiresias::default())),
+        "elastic_tiresias" => Ok(Box::new(ElasticTiresias::new(options.tiresias.clone()))),
         "ffdl_optimizer" => Ok(Box::new(FfdlOptimizer)),
         "afs_l" => Ok(Box::new(AfsL)),
         "drf" => Ok(Box::new(Drf)),

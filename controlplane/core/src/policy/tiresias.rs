@@ -26,6 +26,31 @@ pub struct TiresiasOptions {
     pub starvation_factor: u64,
 }
 
+impl TiresiasOptions {
+    /// Most thresholds (queues − 1) accepted.
+    pub const THRESHOLDS_MAX: usize = 16;
+
+    /// Checks the thresholds: at most [`Self::THRESHOLDS_MAX`], each
+    /// positive, strictly ascending.
+    pub fn validate(&self) -> Result<(), String> {
+        let t = &self.thresholds_gpu_s;
+        if t.len() > Self::THRESHOLDS_MAX {
+            return Err(format!(
+                "{} queue thresholds; the limit is {}",
+                t.len(),
+                Self::THRESHOLDS_MAX
+            ));
+        }
+        if t.first() == Some(&0) {
+            return Err("queue thresholds must be positive GPU-seconds".into());
+        }
+        if t.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(format!("queue thresholds must ascend, not {t:?}"));
+        }
+        Ok(())
+    }
+}
+
 impl Default for TiresiasOptions {
     fn default() -> Self {
         TiresiasOptions {
