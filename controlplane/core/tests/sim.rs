@@ -103,6 +103,28 @@ fn the_same_inputs_give_the_same_report() {
 }
 
 #[test]
+fn every_policy_is_deterministic_on_an_elastic_workload() {
+    let jobs = Generator {
+        jobs: 80,
+        rate_per_hour: 20.0,
+        seed: 5,
+        multi_gpu: true,
+        elastic: true,
+    }
+    .generate()
+    .expect("generates");
+    let mut config = SimConfig::new(cluster_from_counts("8:4:4", 4).expect("cluster"), jobs);
+    config.restart_s = 30.0;
+    for name in POLICY_NAMES {
+        let policy = by_name(name, QueueOptions::default()).expect("known");
+        let a = simulate(&config, policy.as_ref());
+        let b = simulate(&config, policy.as_ref());
+        assert_eq!(a, b, "{name}");
+        assert_eq!(a.jct(None).finished, 80, "{name}");
+    }
+}
+
+#[test]
 fn a_window_run_stops_once_its_jobs_finished() {
     let mut config = SimConfig::new(
         cluster_from_counts("8:2:2", 2).expect("cluster"),
