@@ -521,6 +521,8 @@ fn arb_command() -> impl Strategy<Value = Command> {
             reason: String::new(),
         }),
         1 => job.prop_map(|job_id| Command::RemoveJob { job_id }),
+        1 => prop::sample::select(vec!["fifo", "optimus", "no-such-policy"])
+            .prop_map(|name| Command::SetPolicy { name: name.into() }),
     ]
 }
 
@@ -540,6 +542,108 @@ fn run(commands: &[Command]) -> (ClusterState, Vec<Result<Vec<Event>, ApplyError
         })
         .collect();
     (state, results)
+}
+
+#[test]
+fn set_policy_logs_known_names_and_refuses_others() {
+    let mut h = Harness::new();
+    assert_eq!(h.state.policy(), None);
+    let err = h
+        .apply(Command::SetPolicy {
+            name: "no-such-policy".into(),
+        })
+        .expect_err("unknown name");
+    let text = err.to_string();
+    assert!(
+        text.contains("policy") && text.contains("tiresias"),
+        "{text}"
+    );
+    assert_eq!(h.state.policy(), None);
+    let events = h
+        .apply(Command::SetPolicy {
+            name: "optimus".into(),
+        })
+        .expect("known name");
+    assert_eq!(
+        events,
+        vec![Event::PolicyChanged {
+            from: String::new(),
+            to: "optimus".into()
+        }]
+    );
+    let events = h
+        .apply(Command::SetPolicy { name: "drf".into() })
+        .expect("known name");
+    assert_eq!(
+        events,
+        vec![Event::PolicyChanged {
+            from: "optimus".into(),
+            to: "drf".into()
+        }]
+    );
+    assert_eq!(h.state.policy(), Some("drf"));
+}
+
+#[test]
+fn progress_reports_build_the_performance_history() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let mut s = spec("elastic", 1, 1);
+    s.workers.max = 2;
+    s.model = Some("resnet50".into());
+    let id = h.submit(s);
+    let place = |h: &mut Harness, gpus: u32| {
+        let based_on = h.index;
+        h.apply(Command::DecideAllocation {
+            based_on,
+            policy: "test".into(),
+            round: h.state.last_round() + 1,
+            placements: vec![JobPlacement {
+                job_id: id,
+                gpus: (0..gpus)
+                    .map(|index| GpuRef {
+                        node: "n0".into(),
+                        index,
+                    })
+                    .collect(),
+            }],
+        })
+        .expect("placed");
+    };
+    let report = |h: &mut Harness, step: u64, at_ms: u64| {
+        h.apply(Command::ReportProgress {
+            job_id: id,
+            samples: vec![ProgressSample {
+                step,
+                total_steps: 0,
+                loss: Some(2.0 / (1.0 + step as f64 / 100.0)),
+                samples_per_s: 0.0,
+                at_ms,
+            }],
+        })
+        .expect("progress");
+    };
+    place(&mut h, 1);
+    report(&mut h, 0, 0);
+    report(&mut h, 110, 10_000); // 11 steps/s on one v100
+    place(&mut h, 2); // a resize: a new epoch
+    report(&mut h, 120, 30_000); // the gap across the restart is no speed
+    report(&mut h, 322, 40_000); // 20.2 steps/s on two
+    let job = h.state.job(id).expect("job");
+    let speeds: Vec<(u32, f64)> = job
+        .perf
+        .speed_by_gpus
+        .iter()
+        .map(|(n, s)| (*n, s.mean()))
+        .collect();
+    assert_eq!(speeds, vec![(1, 11.0), (2, 20.2)]);
+    assert_eq!(job.perf.loss_points.len(), 4);
+    let estimate = keel_core::perf::estimate(&h.state, job).expect("an estimate");
+    assert_eq!(
+        estimate.speed_source,
+        keel_core::perf::SpeedSource::Measured
+    );
+    assert!((estimate.steps_per_s - 20.2).abs() < 1e-9, "{estimate:?}");
 }
 
 proptest! {
