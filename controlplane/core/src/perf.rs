@@ -42,7 +42,7 @@ pub const SPEED_SIZES_MIN: usize = 3;
 /// Mean measured speed at one size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct SpeedStat {
-    /// Sum of measured steps per second, normalised to a v100.
+    /// Sum of measured steps per second.
     pub sum_steps_per_s: f64,
     pub count: u32,
 }
@@ -60,10 +60,10 @@ impl SpeedStat {
 /// Where a job ran when it reported a sample.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunningOn<'a> {
-    /// The job's model (throughput table row).
-    pub model: &'a str,
     /// The allocation epoch.
     pub epoch: u64,
+    /// Read only when the epoch is new to the history (callers may pass ""
+    /// when [`PerfHistory::knows_epoch`]).
     pub gpu_type: &'a str,
     pub gpus: u32,
 }
@@ -73,12 +73,20 @@ pub struct RunningOn<'a> {
 pub struct PerfHistory {
     /// `(step, loss)`, ascending steps, at most [`LOSS_POINTS_MAX`].
     pub loss_points: Vec<(u64, f64)>,
-    /// Measured speed by GPU count (normalised to a v100).
-    pub speed_by_gpus: BTreeMap<u32, SpeedStat>,
+    /// Measured speed by GPU type, then GPU count, of the epochs before
+    /// the current one (as measured; normalised to a v100 when the models
+    /// are fitted, [`Self::speeds_v100`]).
+    pub speeds: BTreeMap<String, BTreeMap<u32, SpeedStat>>,
+    /// The current epoch's measurements (folded into `speeds` when the
+    /// epoch changes), on `epoch_gpus` GPUs of `epoch_gpu_type`.
+    pub epoch_speed: SpeedStat,
+    pub epoch_gpus: u32,
     /// The last sample of the current allocation: `(epoch, step, at_ms)`.
     /// Speed is measured between two samples of one epoch, so restarts
     /// never count as slow steps.
     pub last_sample: Option<(u64, u64, u64)>,
+    /// The GPU type of the last sample's epoch.
+    pub epoch_gpu_type: String,
 }
 
 impl PerfHistory {
@@ -86,11 +94,15 @@ impl PerfHistory {
     /// `on` an allocation.
     pub fn record(&mut self, on: &RunningOn<'_>, step: u64, loss: Option<f64>, at_ms: u64) {
         let RunningOn {
-            model,
             epoch,
             gpu_type,
             gpus,
         } = *on;
+        if !self.knows_epoch(epoch) {
+            self.fold_epoch();
+            gpu_type.clone_into(&mut self.epoch_gpu_type);
+            self.epoch_gpus = gpus;
+        }
         if let Some(loss) = loss.filter(|l| l.is_finite() && *l >= 0.0) {
             let newer = self.loss_points.last().is_none_or(|(s, _)| step > *s);
             if newer {
@@ -107,11 +119,9 @@ impl PerfHistory {
         if let Some((e, s0, t0)) = self.last_sample {
             if e == epoch && at_ms > t0 && step > s0 && gpus > 0 {
                 let speed = (step - s0) as f64 / ((at_ms - t0) as f64 / 1000.0);
-                let factor = type_factor(model, gpu_type);
-                if speed.is_finite() && factor > 0.0 {
-                    let stat = self.speed_by_gpus.entry(gpus).or_default();
-                    stat.sum_steps_per_s += speed / factor;
-                    stat.count = stat.count.saturating_add(1);
+                if speed.is_finite() {
+                    self.epoch_speed.sum_steps_per_s += speed;
+                    self.epoch_speed.count = self.epoch_speed.count.saturating_add(1);
                 }
             }
         }
@@ -121,6 +131,57 @@ impl PerfHistory {
         {
             self.last_sample = Some((epoch, step, at_ms));
         }
+    }
+}
+
+impl PerfHistory {
+    /// Moves the current epoch's measurements into `speeds`.
+    fn fold_epoch(&mut self) {
+        let stat = std::mem::take(&mut self.epoch_speed);
+        if stat.count == 0 || self.epoch_gpus == 0 {
+            return;
+        }
+        let gpu_type = self.epoch_gpu_type.as_str();
+        let by_size = match self.speeds.get_mut(gpu_type) {
+            Some(m) => m,
+            None => self.speeds.entry(gpu_type.to_string()).or_default(),
+        };
+        let o = by_size.entry(self.epoch_gpus).or_default();
+        o.sum_steps_per_s += stat.sum_steps_per_s;
+        o.count = o.count.saturating_add(stat.count);
+    }
+
+    /// Whether the last sample recorded was of allocation `epoch`.
+    pub fn knows_epoch(&self, epoch: u64) -> bool {
+        self.last_sample.is_some_and(|(e, _, _)| e == epoch)
+    }
+
+    /// Measured speed by GPU count, every type's measurements normalised to
+    /// a v100 by the table's relative speed of that type for `model`.
+    pub fn speeds_v100(&self, model: &str) -> BTreeMap<u32, SpeedStat> {
+        let mut out: BTreeMap<u32, SpeedStat> = BTreeMap::new();
+        let current = (self.epoch_speed.count > 0 && self.epoch_gpus > 0).then(|| {
+            (
+                self.epoch_gpu_type.clone(),
+                BTreeMap::from([(self.epoch_gpus, self.epoch_speed)]),
+            )
+        });
+        for (gpu_type, by_size) in self
+            .speeds
+            .iter()
+            .chain(current.iter().map(|(t, m)| (t, m)))
+        {
+            let factor = type_factor(model, gpu_type);
+            if factor <= 0.0 {
+                continue;
+            }
+            for (n, s) in by_size {
+                let o = out.entry(*n).or_default();
+                o.sum_steps_per_s += s.sum_steps_per_s / factor;
+                o.count = o.count.saturating_add(s.count);
+            }
+        }
+        out
     }
 }
 
@@ -512,6 +573,8 @@ pub fn fit_async_ps(samples: &[(u32, u32, f64)]) -> Option<AsyncPsModel> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobPerf<'a> {
     job: &'a Job,
+    /// Measured speed by GPU count, normalised to a v100.
+    measured: BTreeMap<u32, SpeedStat>,
     speed: Option<SpeedModel>,
 }
 
@@ -519,15 +582,13 @@ impl<'a> JobPerf<'a> {
     /// Fits what `job`'s history allows (the speed model only; the
     /// convergence model is fitted when the job declares no step count).
     pub fn of(job: &'a Job) -> JobPerf<'a> {
-        let points: Vec<(u32, f64)> = job
-            .perf
-            .speed_by_gpus
-            .iter()
-            .map(|(n, s)| (*n, s.mean()))
-            .collect();
+        let model = job.spec.model.as_deref().unwrap_or("generic");
+        let measured = job.perf.speeds_v100(model);
+        let points: Vec<(u32, f64)> = measured.iter().map(|(n, s)| (*n, s.mean())).collect();
         JobPerf {
             job,
             speed: fit_speed(&points),
+            measured,
         }
     }
 
@@ -547,9 +608,7 @@ impl<'a> JobPerf<'a> {
         }
         let profile = throughput::profile(self.model());
         let nearest = self
-            .job
-            .perf
-            .speed_by_gpus
+            .measured
             .iter()
             .filter(|(_, s)| s.count > 0)
             .min_by_key(|(n, _)| n.abs_diff(gpus));
@@ -563,7 +622,7 @@ impl<'a> JobPerf<'a> {
     pub fn speed_source(&self) -> SpeedSource {
         if self.speed.is_some() {
             SpeedSource::Fitted
-        } else if self.job.perf.speed_by_gpus.values().any(|s| s.count > 0) {
+        } else if self.measured.values().any(|s| s.count > 0) {
             SpeedSource::Measured
         } else {
             SpeedSource::Table
@@ -818,7 +877,6 @@ mod tests {
     #[test]
     fn the_history_measures_speed_within_an_epoch_and_thins_loss_points() {
         let on = |epoch, gpus| RunningOn {
-            model: "generic",
             epoch,
             gpu_type: "v100",
             gpus,
@@ -830,8 +888,9 @@ mod tests {
         // Epoch 2 starts: the gap across the restart is not a speed.
         h.record(&on(2, 4), 110, Some(1.4), 60_000);
         h.record(&on(2, 4), 310, Some(1.2), 70_000);
-        assert_eq!(h.speed_by_gpus.get(&2).map(SpeedStat::mean), Some(10.0));
-        assert_eq!(h.speed_by_gpus.get(&4).map(SpeedStat::mean), Some(20.0));
+        let speeds = h.speeds_v100("generic");
+        assert_eq!(speeds.get(&2).map(SpeedStat::mean), Some(10.0));
+        assert_eq!(speeds.get(&4).map(SpeedStat::mean), Some(20.0));
         for step in 311..400 {
             h.record(&on(2, 4), step, Some(1.0), 70_000 + step);
         }

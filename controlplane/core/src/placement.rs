@@ -244,15 +244,24 @@ impl FreeGpus {
 
     /// Gives one GPU of `gpu_type` back.
     pub(crate) fn release_one(&mut self, gpu_type: &str, g: &GpuRef) {
-        let free = self
-            .by_type
-            .entry(gpu_type.to_string())
-            .or_default()
-            .entry(g.node.clone())
-            .or_default();
+        // Looked up by reference first: no allocation unless the type or
+        // node is new to the index.
+        let nodes = match self.by_type.get_mut(gpu_type) {
+            Some(nodes) => nodes,
+            None => self.by_type.entry(gpu_type.to_string()).or_default(),
+        };
+        let free = match nodes.get_mut(&g.node) {
+            Some(free) => free,
+            None => nodes.entry(g.node.clone()).or_default(),
+        };
         if let Err(pos) = free.binary_search(&g.index) {
             free.insert(pos, g.index);
-            *self.count_by_type.entry(gpu_type.to_string()).or_default() += 1;
+            match self.count_by_type.get_mut(gpu_type) {
+                Some(c) => *c += 1,
+                None => {
+                    self.count_by_type.insert(gpu_type.to_string(), 1);
+                }
+            }
         }
     }
 

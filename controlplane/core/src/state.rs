@@ -116,9 +116,21 @@ pub struct ClusterState {
     #[serde(skip)]
     capacity: FreeGpus,
     /// The GPUs of `capacity` that no job holds: derived from `nodes` and
-    /// `gpu_holders`, kept as GPUs are taken and given back.
+    /// `gpu_holders`, built when first read and then kept as GPUs are taken
+    /// and given back (a state nobody schedules on never builds it).
     #[serde(skip)]
-    free: FreeGpus,
+    free: FreeCache,
+}
+
+/// A lazily built index of free GPUs. It is derived data: any two compare
+/// equal (the state's equality is about what it derives from).
+#[derive(Debug, Clone, Default)]
+struct FreeCache(std::sync::OnceLock<FreeGpus>);
+
+impl PartialEq for FreeCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// Sets of job ids that the loops on the leader walk instead of every job
@@ -201,7 +213,6 @@ impl<'de> Deserialize<'de> for ClusterState {
         let e = EncodedClusterState::deserialize(deserializer)?;
         let indexes = JobIndexes::of(&e.jobs);
         let capacity = FreeGpus::of_nodes(&e.nodes);
-        let free = FreeGpus::of_holders(&e.nodes, &e.gpu_holders);
         Ok(ClusterState {
             next_job_id: e.next_job_id,
             jobs: e.jobs,
@@ -213,7 +224,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             policy: e.policy,
             indexes,
             capacity,
-            free,
+            free: FreeCache::default(),
         })
     }
 }
@@ -350,7 +361,9 @@ impl ClusterState {
 
     /// Every GPU on a live node that no job holds.
     pub fn free_gpus(&self) -> &FreeGpus {
-        &self.free
+        self.free
+            .0
+            .get_or_init(|| FreeGpus::of_holders(&self.nodes, &self.gpu_holders))
     }
 
     /// The policy chosen at run time with `SetPolicy`, if any.
@@ -396,7 +409,7 @@ impl ClusterState {
                 | Command::MarkNodeRecovered { .. }
         ) {
             self.capacity = FreeGpus::of_nodes(&self.nodes);
-            self.free = FreeGpus::of_holders(&self.nodes, &self.gpu_holders);
+            self.free = FreeCache::default();
         }
         let moves_supply_or_demand = events.iter().any(|e| {
             !matches!(
@@ -658,10 +671,11 @@ impl ClusterState {
         Ok(job)
     }
 
-    /// Drops `job_id`'s hold on the GPUs of `allocation`. A GPU that the
-    /// same decision already handed to another job keeps its new holder.
     /// A GPU no job holds any more is free again if its node is alive.
     fn give_back(&mut self, gpu: &GpuRef) {
+        let Some(free) = self.free.0.get_mut() else {
+            return;
+        };
         let Some(node) = self.nodes.get(&gpu.node) else {
             return;
         };
@@ -669,10 +683,12 @@ impl ClusterState {
             return;
         }
         if let Some(gpu_type) = node.gpus.get(&gpu.index) {
-            self.free.release_one(gpu_type, gpu);
+            free.release_one(gpu_type, gpu);
         }
     }
 
+    /// Drops `job_id`'s hold on the GPUs of `allocation`. A GPU that the
+    /// same decision already handed to another job keeps its new holder.
     fn release(&mut self, job_id: JobId, allocation: Option<Allocation>) {
         if let Some(a) = allocation {
             for gpu in &a.gpus {
@@ -903,24 +919,26 @@ impl ClusterState {
         }
         job.progress_samples += samples.len() as u64;
         if let Some(a) = &job.allocation {
-            let gpu_type = a
-                .gpus
-                .first()
-                .and_then(|g| self.nodes.get(&g.node)?.gpus.get(&g.index))
-                .map_or("", String::as_str);
+            // The type is looked up only when the epoch is new to the
+            // history (a node lookup per progress entry is not free).
+            let gpu_type = if job.perf.knows_epoch(a.epoch) {
+                ""
+            } else {
+                a.gpus
+                    .first()
+                    .and_then(|g| self.nodes.get(&g.node)?.gpus.get(&g.index))
+                    .map_or("", String::as_str)
+            };
             let gpus = u32::try_from(a.gpus.len()).unwrap_or(u32::MAX);
-            let model = job.spec.model.as_deref().unwrap_or("generic");
-            let mut ordered: Vec<&ProgressSample> = samples.iter().collect();
-            ordered.sort_by_key(|s| (s.step, s.at_ms));
             let on = crate::perf::RunningOn {
-                model,
                 epoch: a.epoch,
                 gpu_type,
                 gpus,
             };
-            for s in ordered {
-                job.perf.record(&on, s.step, s.loss, s.at_ms);
-            }
+            // One point per entry, its latest sample: speed is measured
+            // between entries (a longer interval than within a batch), and
+            // the loss history is thinned anyway.
+            job.perf.record(&on, latest.step, latest.loss, latest.at_ms);
         }
         Ok(vec![Event::JobProgressReported {
             job_id,
@@ -1123,7 +1141,9 @@ impl ClusterState {
             for g in &gpus {
                 self.gpu_holders.insert(g.clone(), job_id);
             }
-            self.free.remove(&gpus);
+            if let Some(free) = self.free.0.get_mut() {
+                free.remove(&gpus);
+            }
             events.push(Event::JobAllocated {
                 job_id,
                 epoch,
@@ -1142,7 +1162,12 @@ impl ClusterState {
         if self.capacity != FreeGpus::of_nodes(&self.nodes) {
             return Err("the capacity index does not match the nodes".into());
         }
-        if self.free != FreeGpus::of_holders(&self.nodes, &self.gpu_holders) {
+        if self
+            .free
+            .0
+            .get()
+            .is_some_and(|f| *f != FreeGpus::of_holders(&self.nodes, &self.gpu_holders))
+        {
             return Err("the free-GPU index does not match the holders".into());
         }
         let mut from_jobs: BTreeMap<&GpuRef, JobId> = BTreeMap::new();
