@@ -256,6 +256,17 @@ enum PolicyCmd {
     Show,
     /// Switch every later round to this policy.
     Set { name: String },
+    /// Evaluate heterogeneity-aware policies on a JSON input shaped like a
+    /// case of Gavel's `policy_golden.json` (cluster_spec, throughputs,
+    /// scale_factors, priority_weights, ...); prints each policy's
+    /// allocation and effective throughputs as JSON. Runs locally.
+    Eval {
+        #[arg(long)]
+        input: PathBuf,
+        /// One policy (default: every one Keel has).
+        #[arg(long)]
+        policy: Option<String>,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -303,6 +314,35 @@ enum ClusterCmd {
         #[arg(long)]
         id: u64,
     },
+}
+
+/// Largest `keel policy eval` input read.
+const POLICY_EVAL_INPUT_MAX_BYTES: u64 = 64 * 1024 * 1024;
+
+fn policy_eval(input: &std::path::Path, policy: Option<&str>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let len = std::fs::metadata(input)
+        .with_context(|| format!("cannot read {}", input.display()))?
+        .len();
+    if len > POLICY_EVAL_INPUT_MAX_BYTES {
+        anyhow::bail!(
+            "{} is {len} bytes; the limit is {POLICY_EVAL_INPUT_MAX_BYTES}",
+            input.display()
+        );
+    }
+    let text = std::fs::read_to_string(input)
+        .with_context(|| format!("cannot read {}", input.display()))?;
+    let problem: keel_core::gavel::AllocationProblem =
+        serde_json::from_str(&text).with_context(|| format!("in {}", input.display()))?;
+    let names: Vec<&str> = match policy {
+        Some(p) => vec![p],
+        None => keel_core::gavel::GAVEL_POLICY_NAMES.to_vec(),
+    };
+    let mut results = std::collections::BTreeMap::new();
+    for name in names {
+        results.insert(name, keel_core::gavel::solve(name, &problem)?);
+    }
+    render::print_json(&results)
 }
 
 fn init_tracing() {
@@ -464,6 +504,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Policy {
             command: PolicyCmd::Set { name },
         } => cli::set_policy(&args.addr, name, out).await,
+        Cmd::Policy {
+            command: PolicyCmd::Eval { input, policy },
+        } => policy_eval(&input, policy.as_deref()),
         Cmd::Trainer(t) => trainer(t).await,
         Cmd::Supervise { exit_file, command } => {
             let code = keel_executors::supervisor::supervise(exit_file, command).await;

@@ -188,3 +188,47 @@ fn compare_with_plots_writes_one_svg_per_figure_with_every_policy() {
         }
     }
 }
+
+#[test]
+fn policy_eval_prints_gavel_shaped_allocations_and_names_bad_fields() {
+    let golden: serde_json::Value = serde_json::from_str(include_str!(
+        "../core/tests/fixtures/gavel_golden_small.json"
+    ))
+    .expect("fixture");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("case.json");
+    std::fs::write(&input, golden["cases"][1].to_string()).expect("write");
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
+        .output()
+        .expect("run keel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let expected = &golden["cases"][1]["expected_effective_throughput"]["max_min_fairness_perf"];
+    for job in 0..6 {
+        let ours = results["max_min_fairness_perf"]["effective_throughput"][job.to_string()]
+            .as_f64()
+            .expect("a throughput");
+        let gavel = expected[job.to_string()].as_f64().expect("expected");
+        assert!((ours - gavel).abs() < 1e-3, "job {job}: {ours} vs {gavel}");
+    }
+    assert!(results["isolated"]["allocation"]["5"]["v100"].is_number());
+    // A negative throughput is refused, naming the field.
+    let mut bad = golden["cases"][0].clone();
+    bad["throughputs"]["0"]["v100"] = serde_json::json!(-1.0);
+    std::fs::write(&input, bad.to_string()).expect("write");
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
+        .output()
+        .expect("run keel");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("throughputs") && err.contains("job 0"),
+        "{err}"
+    );
+}

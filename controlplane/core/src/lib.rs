@@ -13,6 +13,7 @@ pub mod codec;
 pub mod command;
 pub mod event;
 pub mod fixtures;
+pub mod gavel;
 pub mod liveness;
 pub mod model;
 pub mod perf;

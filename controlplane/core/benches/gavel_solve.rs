@@ -1,0 +1,61 @@
+//! Solve time of the heterogeneity-aware LPs (Clarabel through good_lp)
+//! for 32, 256 and 2,048 active jobs on a 3-type cluster sized with the
+//! jobs (Gavel: ≈ 4 ms, 9 ms and 50 ms for `max_min_fairness_perf` at the
+//! first three sizes, reference/gavel.md).
+//!
+//! Run: `cargo bench -p keel-core --bench gavel_solve`
+
+use std::collections::BTreeMap;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use keel_core::fixtures::SplitMix64;
+use keel_core::gavel::{solve, AllocationProblem};
+
+fn problem(jobs: u64) -> AllocationProblem {
+    let mut rng = SplitMix64::new(jobs);
+    let per_type = u32::try_from(jobs / 2).unwrap_or(u32::MAX).max(1);
+    let mut p = AllocationProblem {
+        cluster_spec: ["v100", "p100", "k80"]
+            .into_iter()
+            .map(|t| (t.to_string(), per_type))
+            .collect(),
+        throughputs: BTreeMap::new(),
+        scale_factors: BTreeMap::new(),
+        priority_weights: BTreeMap::new(),
+        times_since_start: BTreeMap::new(),
+        num_steps_remaining: BTreeMap::new(),
+    };
+    for i in 0..jobs {
+        let v100 = 1.0 + 20.0 * rng.unit();
+        let row = [
+            ("v100", v100),
+            ("p100", v100 * (0.4 + 0.4 * rng.unit())),
+            ("k80", v100 * (0.1 + 0.3 * rng.unit())),
+        ];
+        p.throughputs.insert(
+            i,
+            row.into_iter().map(|(t, x)| (t.to_string(), x)).collect(),
+        );
+        let s = [1, 1, 1, 2, 4][rng.below(5) as usize];
+        p.scale_factors.insert(i, s);
+        p.priority_weights.insert(i, 1.0);
+    }
+    p
+}
+
+fn gavel_solve(c: &mut Criterion) {
+    let mut group = c.benchmark_group("gavel_solve");
+    group.sample_size(10);
+    for jobs in [32u64, 256, 2048] {
+        let p = problem(jobs);
+        for policy in ["max_min_fairness_perf", "max_sum_throughput_perf"] {
+            group.bench_function(format!("{policy}_{jobs}_jobs"), |b| {
+                b.iter(|| solve(policy, &p).expect("solves"))
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, gavel_solve);
+criterion_main!(benches);

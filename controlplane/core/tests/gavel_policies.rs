@@ -1,0 +1,177 @@
+//! Heterogeneity-aware policies held against Gavel's golden vectors
+//! (`tests/fixtures/gavel_golden_small.json`, copied from Gavel's
+//! `policy_golden.json`, source noted in the file), and the properties
+//! every allocation must have.
+
+use std::collections::BTreeMap;
+
+use keel_core::gavel::{solve, AllocationProblem, GAVEL_POLICY_NAMES};
+use proptest::prelude::*;
+
+fn golden() -> serde_json::Value {
+    serde_json::from_str(include_str!("fixtures/gavel_golden_small.json")).expect("fixture")
+}
+
+/// Policies whose optimum is not unique on a case: Gavel's ECOS and
+/// Keel's Clarabel may return different optimal points, so the objective
+/// is compared (it must be the same), not the effective throughputs.
+const NOT_UNIQUE: &[(&str, &str)] = &[
+    // Any split that gives each job a full unit of time is optimal.
+    ("tests_2jobs_cluster_1_2_3", "max_min_fairness"),
+    // Job 0 on the v100 and job 1 on the p100s, or the reverse: both 4.0.
+    ("tests_2jobs_cluster_1_2_3", "max_sum_throughput_perf"),
+];
+
+#[test]
+fn the_golden_vectors_match_gavel_to_1e_3() {
+    let golden = golden();
+    let cases = golden["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 2);
+    for case in cases {
+        let name = case["name"].as_str().expect("name");
+        let problem: AllocationProblem = serde_json::from_value(case.clone()).expect("problem");
+        for policy in GAVEL_POLICY_NAMES {
+            let result = solve(policy, &problem).expect("solves");
+            let expected: BTreeMap<u64, f64> =
+                serde_json::from_value(case["expected_effective_throughput"][policy].clone())
+                    .expect("expected");
+            if NOT_UNIQUE.contains(&(name, policy)) {
+                // The same objective as Gavel's allocation reaches.
+                let gavel_total: f64 = expected.values().sum();
+                match *policy {
+                    "max_sum_throughput_perf" => {
+                        let ours = result.objective.expect("objective");
+                        assert!(
+                            (ours - gavel_total).abs() < 1e-3,
+                            "{name} {policy}: {ours} vs {gavel_total}"
+                        );
+                    }
+                    _ => {
+                        let ours = result.objective.expect("objective");
+                        assert!((ours - 1.0).abs() < 1e-3, "{name} {policy}: {ours}");
+                    }
+                }
+                continue;
+            }
+            assert_eq!(result.effective_throughput.len(), expected.len());
+            for (job, e) in &expected {
+                let ours = result.effective_throughput[job];
+                assert!(
+                    (ours - e).abs() < 1e-3,
+                    "{name} {policy} job {job}: {ours} vs Gavel's {e}"
+                );
+            }
+        }
+    }
+}
+
+/// Gavel's normalised throughput: effective throughput × scale factor over
+/// (priority weight × the job's throughput on an equal share of the
+/// cluster).
+fn normalised_min(problem: &AllocationProblem, r: &keel_core::gavel::PolicyResult) -> f64 {
+    let total: f64 = problem.cluster_spec.values().map(|n| f64::from(*n)).sum();
+    r.effective_throughput
+        .iter()
+        .map(|(job, e)| {
+            let prop: f64 = problem
+                .cluster_spec
+                .iter()
+                .map(|(t, n)| problem.throughput(*job, t) * f64::from(*n))
+                .sum::<f64>()
+                / total;
+            e * f64::from(problem.scale_factor(*job)) / (problem.weight(*job) * prop)
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn problem_strategy() -> impl Strategy<Value = AllocationProblem> {
+    (
+        (0u32..5, 0u32..5, 0u32..5),
+        prop::collection::vec(
+            (
+                (0.1f64..10.0, 0.1f64..10.0, 0.1f64..10.0),
+                prop::sample::select(vec![1u32, 2, 4]),
+                prop::sample::select(vec![1.0f64, 2.0]),
+            ),
+            1..12,
+        ),
+    )
+        .prop_map(|((v, p, k), jobs)| {
+            let mut problem = AllocationProblem {
+                cluster_spec: [("v100", v), ("p100", p), ("k80", k)]
+                    .into_iter()
+                    .map(|(t, n)| (t.to_string(), n))
+                    .collect(),
+                throughputs: BTreeMap::new(),
+                scale_factors: BTreeMap::new(),
+                priority_weights: BTreeMap::new(),
+                times_since_start: BTreeMap::new(),
+                num_steps_remaining: BTreeMap::new(),
+            };
+            for (i, ((tv, tp, tk), s, w)) in jobs.into_iter().enumerate() {
+                let i = i as u64;
+                problem.throughputs.insert(
+                    i,
+                    [("v100", tv), ("p100", tp), ("k80", tk)]
+                        .into_iter()
+                        .map(|(t, x)| (t.to_string(), x))
+                        .collect(),
+                );
+                problem.scale_factors.insert(i, s);
+                problem.priority_weights.insert(i, w);
+            }
+            problem
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    #[test]
+    fn heterogeneity_aware_las_never_does_worse_than_agnostic_las_on_its_worst_job(
+        problem in problem_strategy(),
+    ) {
+        prop_assume!(problem.cluster_spec.values().sum::<u32>() > 0);
+        let aware = solve("max_min_fairness_perf", &problem).expect("solves");
+        let agnostic = solve("max_min_fairness", &problem).expect("solves");
+        let (a, b) = (normalised_min(&problem, &aware), normalised_min(&problem, &agnostic));
+        prop_assert!(a >= b - 1e-4 * b.abs().max(1.0), "aware {} < agnostic {}", a, b);
+    }
+
+    #[test]
+    fn every_allocation_satisfies_the_shared_constraints(problem in problem_strategy()) {
+        for policy in GAVEL_POLICY_NAMES {
+            let result = solve(policy, &problem).expect("solves");
+            for (job, row) in &result.allocation {
+                let total: f64 = row.values().sum();
+                prop_assert!(total <= 1.0 + 1e-6, "{} job {} sums to {}", policy, job, total);
+                for x in row.values() {
+                    prop_assert!((0.0..=1.0).contains(x));
+                }
+            }
+            for (gpu_type, n) in &problem.cluster_spec {
+                let used: f64 = result
+                    .allocation
+                    .iter()
+                    .map(|(job, row)| f64::from(problem.scale_factors[job]) * row[gpu_type])
+                    .sum();
+                prop_assert!(used <= f64::from(*n) + 1e-5, "{} uses {} of {} {}", policy, used, n, gpu_type);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_input_names_the_field() {
+    let mut problem: AllocationProblem =
+        serde_json::from_value(golden()["cases"][0].clone()).expect("problem");
+    problem.scale_factors.clear();
+    let err = solve("max_min_fairness_perf", &problem).expect_err("no scale factors");
+    assert!(err.to_string().contains("scale_factors"), "{err}");
+    let err = solve("no_such_policy", &golden_problem()).expect_err("unknown");
+    assert!(err.to_string().contains("max_min_fairness_perf"), "{err}");
+}
+
+fn golden_problem() -> AllocationProblem {
+    serde_json::from_value(golden()["cases"][0].clone()).expect("problem")
+}
