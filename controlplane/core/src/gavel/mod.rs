@@ -10,9 +10,10 @@
 //! The inputs and outputs have the shape of a case in Gavel's
 //! `policy_golden.json`, so Keel's policies can be held against Gavel's
 //! (`keel policy eval`). Linear programmes are solved by Clarabel (an
-//! interior-point solver in pure Rust) through `good_lp`: like Gavel's
-//! ECOS, it returns a point in the middle of the optimal face when the
-//! optimum is not unique. Pure: no I/O, no clock, ordered maps only.
+//! interior-point solver in pure Rust) through `good_lp`. Gavel used
+//! ECOS, also interior-point; where the optimum is not unique the two may
+//! return different optimal points (2 of the 8 golden comparisons so far),
+//! with the same objective. Pure: no I/O, no clock, ordered maps only.
 
 mod isolated;
 mod lp;

@@ -9,11 +9,9 @@
 //! first and the spare GPUs go where they speed a job up most relative to
 //! its length.
 
-use std::collections::BTreeMap;
-
 use crate::perf::JobPerf;
 
-use super::sizing::{budget, candidates, per_worker, plan};
+use super::sizing::{budget, candidates_in, per_worker, plan};
 use super::{srjf, Plan, Policy, SchedulingInput};
 use crate::topology::Sizes;
 
@@ -26,14 +24,7 @@ impl Policy for AfsL {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let eligible: BTreeMap<_, _> = candidates(input.state, input.now_ms)
-            .into_iter()
-            .map(|j| (j.id, j))
-            .collect();
-        let jobs: Vec<_> = srjf::rank(input.state)
-            .into_iter()
-            .filter_map(|id| eligible.get(&id).copied())
-            .collect();
+        let jobs = candidates_in(input.state, input.now_ms, srjf::rank(input.state));
         // Speeds by job and worker count, worked out when first needed.
         let mut perf: Vec<Option<JobPerf<'_>>> = vec![None; jobs.len()];
         let mut speeds: Vec<Vec<Option<f64>>> = vec![Vec::new(); jobs.len()];

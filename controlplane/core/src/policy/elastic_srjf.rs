@@ -4,9 +4,7 @@
 //! maximum and GPUs remain. Preemptive: a long running job loses its GPUs
 //! when shorter ones need them.
 
-use std::collections::BTreeMap;
-
-use super::sizing::{budget, candidates, minimums, plan, round_robin};
+use super::sizing::{budget, candidates_in, minimums, plan, round_robin};
 use super::{srjf, Plan, Policy, SchedulingInput};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -18,14 +16,7 @@ impl Policy for ElasticSrjf {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let eligible: BTreeMap<_, _> = candidates(input.state, input.now_ms)
-            .into_iter()
-            .map(|j| (j.id, j))
-            .collect();
-        let jobs: Vec<_> = srjf::rank(input.state)
-            .into_iter()
-            .filter_map(|id| eligible.get(&id).copied())
-            .collect();
+        let jobs = candidates_in(input.state, input.now_ms, srjf::rank(input.state));
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         round_robin(&jobs, &mut sizes, left);
         plan(input.state, &sizes, &jobs)

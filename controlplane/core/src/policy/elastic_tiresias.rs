@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use crate::perf::JobPerf;
 
-use super::sizing::{budget, candidates, greedy, minimums, plan};
+use super::sizing::{budget, candidates_in, greedy, minimums, plan};
 use super::tiresias::{Tiresias, TiresiasOptions};
 use super::{Plan, Policy, SchedulingInput};
 
@@ -32,16 +32,11 @@ impl Policy for ElasticTiresias {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let eligible: BTreeMap<_, _> = candidates(input.state, input.now_ms)
-            .into_iter()
-            .map(|j| (j.id, j))
-            .collect();
-        let jobs: Vec<_> = self
-            .ranking
-            .rank(input.state, input.now_ms)
-            .into_iter()
-            .filter_map(|id| eligible.get(&id).copied())
-            .collect();
+        let jobs = candidates_in(
+            input.state,
+            input.now_ms,
+            self.ranking.rank(input.state, input.now_ms),
+        );
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         // Models are fitted for the jobs that can grow, when first asked.
         let mut perf: BTreeMap<_, JobPerf<'_>> = BTreeMap::new();

@@ -42,6 +42,18 @@ pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
         .collect()
 }
 
+/// The [`candidates`] in `order` (job ids, most important first).
+pub(crate) fn candidates_in(state: &ClusterState, now_ms: u64, order: Vec<JobId>) -> Vec<&Job> {
+    let eligible: BTreeMap<JobId, &Job> = candidates(state, now_ms)
+        .into_iter()
+        .map(|j| (j.id, j))
+        .collect();
+    order
+        .into_iter()
+        .filter_map(|id| eligible.get(&id).copied())
+        .collect()
+}
+
 /// The cluster's live GPUs.
 pub(crate) fn budget(state: &ClusterState) -> u32 {
     u32::try_from(state.capacity().total()).unwrap_or(u32::MAX)
