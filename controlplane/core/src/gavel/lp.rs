@@ -97,3 +97,32 @@ pub(crate) fn maximise(
         .solve()
         .map_err(|e| AllocationError::Solver(e.to_string()))
 }
+
+/// An allocation in which every job `i` with a bound gets at least
+/// `bound_i` effective throughput (counted with `throughput`), or `None`
+/// when there is none. The LP has no objective: the interior-point solver
+/// returns a point inside the feasible set. Bisections drive these LPs to
+/// the edge of feasibility, where the solver may stop on a numerical
+/// error or its iteration limit: that counts as infeasible (the search
+/// keeps its last feasible allocation, a little less tight).
+pub(crate) fn feasible(
+    problem: &AllocationProblem,
+    bounds: &BTreeMap<ProblemJobId, f64>,
+    throughput: &dyn Fn(ProblemJobId, &str) -> f64,
+) -> Result<Option<(Allocation, impl Solution)>, AllocationError> {
+    let mut vars = ProblemVariables::new();
+    let lp = AllocationVars::new(problem, &mut vars);
+    let mut constraints = lp.shared_constraints(problem);
+    for (job, bound) in bounds {
+        let thr = lp.row_sum(*job, |t| throughput(*job, t));
+        constraints.push(constraint!(thr >= *bound));
+    }
+    let mut model = vars.maximise(Expression::from(0.0)).using(clarabel);
+    for c in constraints {
+        model = model.with(c);
+    }
+    match model.solve() {
+        Ok(solution) => Ok(Some((lp.allocation(&solution), solution))),
+        Err(_) => Ok(None),
+    }
+}

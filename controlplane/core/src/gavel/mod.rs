@@ -15,18 +15,22 @@
 //! return different optimal points (2 of the 8 golden comparisons so far),
 //! with the same objective. Pure: no I/O, no clock, ordered maps only.
 
+mod finish_time_fairness;
 mod isolated;
 mod lp;
 mod max_min_fairness;
 mod max_sum_throughput;
+mod min_total_duration;
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use finish_time_fairness::{finish_time_fairness, finish_time_fairness_perf};
 pub use isolated::isolated;
 pub use max_min_fairness::{max_min_fairness, max_min_fairness_perf};
 pub use max_sum_throughput::max_sum_throughput_perf;
+pub use min_total_duration::{min_total_duration, min_total_duration_perf};
 
 /// A job's id in an allocation problem.
 pub type ProblemJobId = u64;
@@ -83,6 +87,10 @@ pub const GAVEL_POLICY_NAMES: &[&str] = &[
     "max_min_fairness",
     "max_min_fairness_perf",
     "max_sum_throughput_perf",
+    "finish_time_fairness",
+    "finish_time_fairness_perf",
+    "min_total_duration",
+    "min_total_duration_perf",
 ];
 
 /// Runs the policy `name` on `problem`.
@@ -93,6 +101,10 @@ pub fn solve(name: &str, problem: &AllocationProblem) -> Result<PolicyResult, Al
         "max_min_fairness" => max_min_fairness(problem),
         "max_min_fairness_perf" => max_min_fairness_perf(problem),
         "max_sum_throughput_perf" => max_sum_throughput_perf(problem),
+        "finish_time_fairness" => finish_time_fairness(problem),
+        "finish_time_fairness_perf" => finish_time_fairness_perf(problem),
+        "min_total_duration" => min_total_duration(problem),
+        "min_total_duration_perf" => min_total_duration_perf(problem),
         _ => Err(AllocationError::UnknownPolicy {
             name: name.to_string(),
         }),
