@@ -1,4 +1,5 @@
-//! Deterministic, seeded entry streams for benchmarks and tests.
+//! Deterministic, seeded entry streams for benchmarks and tests, and a
+//! small cluster to apply entries to in tests ([`TestCluster`]).
 //!
 //! [`mixed_entries`] plays a busy cluster: nodes register, jobs are submitted,
 //! placed, start workers, report progress (the bulk of the log, as in
@@ -32,6 +33,61 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         priority: 0,
         max_retries: 0,
         retry_backoff_s: 0,
+    }
+}
+
+/// A state and the index of its last entry, for tests: nodes of v100s,
+/// entries applied in order and stamped at 1 ms (time does not move).
+#[derive(Debug, Clone)]
+pub struct TestCluster {
+    pub state: ClusterState,
+    pub index: u64,
+}
+
+impl TestCluster {
+    /// Nodes `n0`, `n1`, ... with `gpus_per_node[i]` v100s each.
+    pub fn v100_nodes(gpus_per_node: &[u32]) -> TestCluster {
+        let mut c = TestCluster {
+            state: ClusterState::new(),
+            index: 0,
+        };
+        for (n, count) in gpus_per_node.iter().enumerate() {
+            c.apply(Command::RegisterNode {
+                name: format!("n{n}"),
+                address: "127.0.0.1".into(),
+                gpus: (0..*count)
+                    .map(|index| Gpu {
+                        index,
+                        gpu_type: "v100".into(),
+                    })
+                    .collect(),
+            });
+        }
+        c
+    }
+
+    /// Applies `command` as the next entry; panics if it is refused.
+    pub fn apply(&mut self, command: Command) -> Vec<crate::event::Event> {
+        self.index += 1;
+        self.state
+            .apply(self.index, &LogEntry { at_ms: 1, command })
+            .expect("applies")
+    }
+
+    /// Submits `spec`; returns the new job's id.
+    pub fn submit(&mut self, spec: JobSpec) -> JobId {
+        self.apply(Command::SubmitJob { spec });
+        self.state.jobs().keys().last().copied().expect("a job")
+    }
+
+    /// Gives `job_id` exactly `gpus` (one decision, based on the last entry).
+    pub fn place(&mut self, job_id: JobId, gpus: Vec<GpuRef>) {
+        self.apply(Command::DecideAllocation {
+            based_on: self.index,
+            policy: "test".into(),
+            round: self.state.last_round() + 1,
+            placements: vec![JobPlacement { job_id, gpus }],
+        });
     }
 }
 

@@ -400,7 +400,7 @@ pub fn fit_loss(points: &[(f64, f64)]) -> Option<LossModel> {
             }
         }
     }
-    let (i, mut model, mut err) = best?;
+    let (i, mut model, err) = best?;
     // Golden-section search between the neighbouring grid points.
     let step = min_loss / GRID as f64;
     let (mut lo, mut hi) = (
@@ -422,10 +422,8 @@ pub fn fit_loss(points: &[(f64, f64)]) -> Option<LossModel> {
     if let Some((m, e)) = solve((lo + hi) / 2.0) {
         if e < err {
             model = m;
-            err = e;
         }
     }
-    let _ = err;
     Some(model)
 }
 

@@ -294,14 +294,8 @@ fn repack(
     // Hungarian: virtual node v onto physical node p, weight = GPUs that
     // stay put; infeasible pairs (v needs more than p has) weigh far less.
     let n = nodes.len();
-    let used: Vec<u32> = virtual_nodes
-        .iter()
-        .map(|m| {
-            m.iter()
-                .map(|(id, w)| w * items.iter().find(|i| i.0 == *id).map_or(1, |i| i.1))
-                .sum()
-        })
-        .collect();
+    // GPUs each virtual node holds: its capacity less what is left.
+    let used: Vec<u32> = caps.iter().zip(&room).map(|(c, r)| c.1 - r).collect();
     let per_of: BTreeMap<JobId, u32> = items.iter().map(|i| (i.0, i.1)).collect();
     let current: BTreeMap<JobId, &BTreeMap<String, u32>> =
         items.iter().map(|i| (i.0, &i.3)).collect();
@@ -378,9 +372,7 @@ fn repack(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::command::{Command, JobPlacement, LogEntry};
-    use crate::fixtures::job_spec;
-    use crate::model::Gpu;
+    use crate::fixtures::{job_spec, TestCluster};
 
     fn g(node: &str, index: u32) -> GpuRef {
         GpuRef {
@@ -389,64 +381,29 @@ mod tests {
         }
     }
 
-    struct World {
-        state: ClusterState,
-        index: u64,
-    }
-
-    impl World {
-        fn new(nodes: &[u32]) -> World {
-            let mut w = World {
-                state: ClusterState::new(),
-                index: 0,
-            };
-            for (i, count) in nodes.iter().enumerate() {
-                w.apply(Command::RegisterNode {
-                    name: format!("n{i}"),
-                    address: "127.0.0.1".into(),
-                    gpus: (0..*count)
-                        .map(|index| Gpu {
-                            index,
-                            gpu_type: "v100".into(),
-                        })
-                        .collect(),
-                });
-            }
-            w
+    /// Submits a job of `gpus_per_worker` GPUs, `min..=max` workers, and
+    /// places it on `at` (unless empty).
+    fn run(c: &mut TestCluster, gpus_per_worker: u32, min: u32, max: u32, at: &[GpuRef]) -> JobId {
+        let mut spec = job_spec("j", gpus_per_worker, min);
+        spec.workers.max = max;
+        let id = c.submit(spec);
+        if !at.is_empty() {
+            c.place(id, at.to_vec());
         }
-
-        fn apply(&mut self, command: Command) {
-            self.index += 1;
-            self.state
-                .apply(self.index, &LogEntry { at_ms: 1, command })
-                .expect("applies");
-        }
-
-        fn run(&mut self, gpus_per_worker: u32, min: u32, max: u32, at: &[GpuRef]) -> JobId {
-            let mut spec = job_spec("j", gpus_per_worker, min);
-            spec.workers.max = max;
-            self.apply(Command::SubmitJob { spec });
-            let id = self.state.jobs().keys().last().copied().expect("job");
-            if !at.is_empty() {
-                self.apply(Command::DecideAllocation {
-                    based_on: self.index,
-                    policy: "test".into(),
-                    round: self.state.last_round() + 1,
-                    placements: vec![JobPlacement {
-                        job_id: id,
-                        gpus: at.to_vec(),
-                    }],
-                });
-            }
-            id
-        }
+        id
     }
 
     #[test]
     fn unchanged_jobs_keep_their_gpus_and_shrinking_ones_keep_their_largest_node() {
-        let mut w = World::new(&[4, 4]);
-        let a = w.run(1, 1, 4, &[g("n0", 0), g("n0", 1), g("n0", 2), g("n1", 0)]);
-        let b = w.run(1, 1, 1, &[g("n1", 1)]);
+        let mut w = TestCluster::v100_nodes(&[4, 4]);
+        let a = run(
+            &mut w,
+            1,
+            1,
+            4,
+            &[g("n0", 0), g("n0", 1), g("n0", 2), g("n1", 0)],
+        );
+        let b = run(&mut w, 1, 1, 1, &[g("n1", 1)]);
         let sizes: Sizes = [(a, 3), (b, 1)].into_iter().collect();
         let plan = place_sizes(&w.state, &sizes, &[a, b]);
         assert_eq!(
@@ -469,8 +426,8 @@ mod tests {
 
     #[test]
     fn a_growing_job_adds_workers_next_to_its_own() {
-        let mut w = World::new(&[4, 4]);
-        let a = w.run(1, 1, 4, &[g("n1", 0)]);
+        let mut w = TestCluster::v100_nodes(&[4, 4]);
+        let a = run(&mut w, 1, 1, 4, &[g("n1", 0)]);
         let sizes: Sizes = [(a, 3)].into_iter().collect();
         let plan = place_sizes(&w.state, &sizes, &[a]);
         assert_eq!(
@@ -483,12 +440,12 @@ mod tests {
     fn fragmentation_is_repacked_with_the_fewest_moves() {
         // Two 4-GPU nodes, each with two single-GPU jobs: 4 GPUs free, but
         // no node has 4. A 4-GPU gang needs the small jobs moved together.
-        let mut w = World::new(&[4, 4]);
-        let a = w.run(1, 1, 1, &[g("n0", 0)]);
-        let b = w.run(1, 1, 1, &[g("n0", 1)]);
-        let c = w.run(1, 1, 1, &[g("n1", 2)]);
-        let d = w.run(1, 1, 1, &[g("n1", 3)]);
-        let big = w.run(4, 1, 1, &[]);
+        let mut w = TestCluster::v100_nodes(&[4, 4]);
+        let a = run(&mut w, 1, 1, 1, &[g("n0", 0)]);
+        let b = run(&mut w, 1, 1, 1, &[g("n0", 1)]);
+        let c = run(&mut w, 1, 1, 1, &[g("n1", 2)]);
+        let d = run(&mut w, 1, 1, 1, &[g("n1", 3)]);
+        let big = run(&mut w, 4, 1, 1, &[]);
         let sizes: Sizes = [(a, 1), (b, 1), (c, 1), (d, 1), (big, 1)]
             .into_iter()
             .collect();

@@ -4,45 +4,17 @@
 
 use std::collections::BTreeMap;
 
-use keel_core::fixtures::job_spec;
+use keel_core::fixtures::{job_spec, TestCluster};
 use keel_core::policy::{by_name, QueueOptions, SchedulingInput};
 use keel_core::*;
 
-struct World {
-    state: ClusterState,
-    index: u64,
-}
+/// One node of v100s (the shared [`TestCluster`]) and the elastic
+/// policies' view of it.
+struct World(TestCluster);
 
 impl World {
     fn new(v100s: u32) -> World {
-        let mut w = World {
-            state: ClusterState::new(),
-            index: 0,
-        };
-        w.apply(Command::RegisterNode {
-            name: "n0".into(),
-            address: "127.0.0.1".into(),
-            gpus: (0..v100s)
-                .map(|index| Gpu {
-                    index,
-                    gpu_type: "v100".into(),
-                })
-                .collect(),
-        });
-        w
-    }
-
-    fn apply(&mut self, command: Command) {
-        self.index += 1;
-        self.state
-            .apply(
-                self.index,
-                &LogEntry {
-                    at_ms: self.index,
-                    command,
-                },
-            )
-            .expect("applies");
+        World(TestCluster::v100_nodes(&[v100s]))
     }
 
     /// Submits a job of `gpus` GPUs per worker, `min..=max` workers.
@@ -51,21 +23,20 @@ impl World {
         spec.workers.max = max;
         spec.model = Some(model.into());
         spec.total_steps = Some(steps);
-        self.apply(Command::SubmitJob { spec });
-        self.state.jobs().keys().last().copied().expect("job")
+        self.0.submit(spec)
     }
 
     /// Workers per job in `policy`'s plan.
     fn plan(&self, policy: &str) -> BTreeMap<JobId, usize> {
         let policy = by_name(policy, QueueOptions::default()).expect("known");
         let plan = policy.plan(&SchedulingInput {
-            state: &self.state,
-            now_ms: self.index,
+            state: &self.0.state,
+            now_ms: self.0.index,
         });
         plan.placements
             .iter()
             .map(|(id, gpus)| {
-                let per = self.state.job(*id).expect("job").spec.gpus as usize;
+                let per = self.0.state.job(*id).expect("job").spec.gpus as usize;
                 (*id, gpus.len() / per)
             })
             .collect()
@@ -179,20 +150,22 @@ fn elastic_policies_shrink_a_running_job_for_a_new_one() {
     for policy in ["elastic_fifo", "elastic_srjf", "elastic_tiresias", "drf"] {
         let mut w = World::new(4);
         let a = w.submit("resnet50", 1, 1, 4, 100_000);
+        let c = &mut w.0;
         let plan = by_name(policy, QueueOptions::default())
             .expect("known")
             .plan(&SchedulingInput {
-                state: &w.state,
-                now_ms: w.index,
+                state: &c.state,
+                now_ms: c.index,
             });
-        let changes = plan.changes(&w.state);
-        w.apply(Command::DecideAllocation {
-            based_on: w.index,
+        let changes = plan.changes(&c.state);
+        let based_on = c.index;
+        c.apply(Command::DecideAllocation {
+            based_on,
             policy: policy.into(),
             round: 1,
             placements: changes,
         });
-        assert_eq!(w.state.job(a).map(Job::worker_count), Some(4), "{policy}");
+        assert_eq!(c.state.job(a).map(Job::worker_count), Some(4), "{policy}");
         let b = w.submit("resnet50", 1, 1, 1, 100_000);
         let after = w.plan(policy);
         assert_eq!(after.get(&b), Some(&1), "{policy}: the new job runs");

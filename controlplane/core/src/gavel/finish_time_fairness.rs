@@ -70,7 +70,6 @@ fn solve(
         Some(b) => feasible(problem, &b, throughput)?.map(|(a, _)| a),
         None => None,
     };
-    let mut best_rho = hi;
     for _ in 0..BISECTION_STEPS {
         if hi - lo <= 1e-7 * hi.max(1.0) {
             break;
@@ -81,7 +80,6 @@ fn solve(
                 Some((a, _)) => {
                     hi = mid;
                     best = Some(a);
-                    best_rho = mid;
                 }
                 None => lo = mid,
             },
@@ -104,6 +102,5 @@ fn solve(
             }
         })
         .fold(0.0f64, f64::max);
-    let _ = best_rho;
     Ok(problem.result(allocation, Some(rho)))
 }

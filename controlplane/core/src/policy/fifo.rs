@@ -97,48 +97,30 @@ impl Policy for Fifo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::command::{Command, LogEntry};
-    use crate::fixtures::job_spec;
-    use crate::model::{Gpu, GpuRef, JobId};
+    use crate::command::Command;
+    use crate::fixtures::{job_spec, TestCluster};
+    use crate::model::{GpuRef, JobId};
     use crate::policy::Policy;
-    use crate::state::ClusterState;
-    use crate::JobSpec;
 
-    struct World {
-        state: ClusterState,
-        index: u64,
+    /// The shared test cluster, plus FIFO rounds.
+    struct World(TestCluster);
+
+    impl std::ops::Deref for World {
+        type Target = TestCluster;
+        fn deref(&self) -> &TestCluster {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for World {
+        fn deref_mut(&mut self) -> &mut TestCluster {
+            &mut self.0
+        }
     }
 
     impl World {
         fn new(gpus_per_node: &[u32]) -> World {
-            let mut w = World {
-                state: ClusterState::new(),
-                index: 0,
-            };
-            for (n, count) in gpus_per_node.iter().enumerate() {
-                w.apply(Command::RegisterNode {
-                    name: format!("n{n}"),
-                    address: "127.0.0.1".into(),
-                    gpus: (0..*count)
-                        .map(|index| Gpu {
-                            index,
-                            gpu_type: "v100".into(),
-                        })
-                        .collect(),
-                });
-            }
-            w
-        }
-
-        fn apply(&mut self, command: Command) {
-            self.index += 1;
-            self.state
-                .apply(self.index, &LogEntry { at_ms: 1, command })
-                .expect("applies");
-        }
-
-        fn submit(&mut self, spec: JobSpec) {
-            self.apply(Command::SubmitJob { spec });
+            World(TestCluster::v100_nodes(gpus_per_node))
         }
 
         /// Runs one round and applies its decision; returns the jobs placed.
@@ -150,8 +132,9 @@ mod tests {
             let changes = plan.changes(&self.state);
             let placed = changes.iter().map(|p| p.job_id).collect();
             if !changes.is_empty() {
+                let based_on = self.index;
                 self.apply(Command::DecideAllocation {
-                    based_on: self.index,
+                    based_on,
                     policy: "fifo".into(),
                     round: 1,
                     placements: changes,
