@@ -15,17 +15,20 @@
 //! return different optimal points (2 of the 8 golden comparisons so far),
 //! with the same objective. Pure: no I/O, no clock, ordered maps only.
 
+mod fifo_perf;
 mod finish_time_fairness;
 mod isolated;
 mod lp;
 mod max_min_fairness;
 mod max_sum_throughput;
+pub mod mechanism;
 mod min_total_duration;
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use fifo_perf::fifo_perf;
 pub use finish_time_fairness::{finish_time_fairness, finish_time_fairness_perf};
 pub use isolated::isolated;
 pub use max_min_fairness::{max_min_fairness, max_min_fairness_perf};
@@ -91,6 +94,7 @@ pub const GAVEL_POLICY_NAMES: &[&str] = &[
     "finish_time_fairness_perf",
     "min_total_duration",
     "min_total_duration_perf",
+    "fifo_perf",
 ];
 
 /// Runs the policy `name` on `problem`.
@@ -105,6 +109,7 @@ pub fn solve(name: &str, problem: &AllocationProblem) -> Result<PolicyResult, Al
         "finish_time_fairness_perf" => finish_time_fairness_perf(problem),
         "min_total_duration" => min_total_duration(problem),
         "min_total_duration_perf" => min_total_duration_perf(problem),
+        "fifo_perf" => Ok(fifo_perf(problem)),
         _ => Err(AllocationError::UnknownPolicy {
             name: name.to_string(),
         }),

@@ -133,6 +133,14 @@ pub struct SimReport {
     /// Log entries applied (refused ones included).
     pub entries: u64,
     pub refused_entries: u64,
+    /// Solves of a fractional allocation (heterogeneity-aware policies).
+    pub solves: u64,
+    /// Jobs that kept exactly the same GPUs from one round to the next,
+    /// out of those that ran and were still active (the round-based
+    /// mechanism's lease extensions).
+    pub lease_extensions: u64,
+    pub lease_extension_opportunities: u64,
+    /// The final state's hash (empty where no state machine ran).
     pub state_hash: String,
     pub samples: Vec<Sample>,
 }
@@ -581,6 +589,9 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             migrations: 0,
             entries: 0,
             refused_entries: 0,
+            solves: 0,
+            lease_extensions: 0,
+            lease_extension_opportunities: 0,
             state_hash: String::new(),
             samples: Vec::new(),
         },

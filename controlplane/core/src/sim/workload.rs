@@ -192,6 +192,75 @@ pub fn parse_gavel_trace(text: &str) -> Result<Vec<SimJob>, WorkloadError> {
     Ok(jobs)
 }
 
+/// Parses the generated-stream CSV of Gavel's generator
+/// (`job_id,model,scale_factor,duration_s_on_v100,total_steps,unit_arrival`,
+/// as in `shared/data/gavel/generated/`): arrivals are `unit_arrival ·
+/// 3600 / rate_per_hour` seconds, so one stream serves every rate. Jobs
+/// keep the file's ids; fractional steps round up.
+pub fn parse_gavel_generated_csv(
+    text: &str,
+    rate_per_hour: f64,
+) -> Result<Vec<SimJob>, WorkloadError> {
+    if !(rate_per_hour.is_finite() && rate_per_hour > 0.0) {
+        return Err(WorkloadError::Invalid(format!(
+            "--rate {rate_per_hour}: must be a finite number > 0 to convert unit arrivals"
+        )));
+    }
+    let mut jobs = Vec::new();
+    let mut lines = text.lines().enumerate();
+    let header = lines.next().map(|(_, h)| h.trim()).unwrap_or_default();
+    const HEADER: &str = "job_id,model,scale_factor,duration_s_on_v100,total_steps,unit_arrival";
+    if header != HEADER {
+        return Err(line_error(1, format!("the header must be {HEADER:?}")));
+    }
+    for (n, raw) in lines {
+        let line = n + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        // The model may hold commas only inside parentheses; split from
+        // the right.
+        let cols: Vec<&str> = raw.rsplitn(5, ',').collect();
+        let [unit_arrival, total_steps, _duration, scale_factor, head] = cols[..] else {
+            return Err(line_error(line, "expected 6 comma-separated columns"));
+        };
+        let Some((id, model)) = head.split_once(',') else {
+            return Err(line_error(line, "expected 6 comma-separated columns"));
+        };
+        let num = |v: &str, name: &str| -> Result<f64, WorkloadError> {
+            v.trim()
+                .parse::<f64>()
+                .map_err(|e| line_error(line, format!("{name} {v:?}: {e}")))
+        };
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|e| line_error(line, format!("job_id {id:?}: {e}")))?;
+        let scale_factor = num(scale_factor, "scale_factor")?;
+        if !(scale_factor >= 1.0 && scale_factor <= 1024.0 && scale_factor.fract() == 0.0) {
+            return Err(line_error(line, "scale_factor must be a whole number from 1 to 1024"));
+        }
+        let total_steps = num(total_steps, "total_steps")?;
+        if !(total_steps.is_finite() && total_steps > 0.0 && total_steps < 1e15) {
+            return Err(line_error(line, "total_steps must be a number > 0 and < 1e15"));
+        }
+        let job = SimJob {
+            id,
+            arrival_s: num(unit_arrival, "unit_arrival")? * 3600.0 / rate_per_hour,
+            model: model_for_gavel_job_type(model).to_string(),
+            gpus_per_worker: 1,
+            workers_min: scale_factor as u32,
+            workers_max: scale_factor as u32,
+            total_steps: total_steps.ceil() as u64,
+            priority: 0,
+            job_type: Some(model.to_string()),
+        };
+        check_job(&job, line)?;
+        push(&mut jobs, job, line)?;
+    }
+    Ok(jobs)
+}
+
 /// The project's model closest to a Gavel job type such as
 /// `ResNet-50 (batch size 64)` (the table has no per-batch-size rows).
 pub fn model_for_gavel_job_type(job_type: &str) -> &'static str {
@@ -333,6 +402,32 @@ mod tests {
         assert!(matches!(
             parse_gavel_trace("a\tb\n"),
             Err(WorkloadError::Line { line: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn generated_csv_converts_unit_arrivals() {
+        let text = "job_id,model,scale_factor,duration_s_on_v100,total_steps,unit_arrival\n\
+                    0,ResNet-18 (batch size 64),1,68344.3,1646636.27,0.0\n\
+                    1,LM (batch size 80),4,3100.5,3431.2,0.5\n";
+        let jobs = parse_gavel_generated_csv(text, 3.2).expect("parses");
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].total_steps, 1_646_637);
+        assert_eq!(jobs[1].job_type.as_deref(), Some("LM (batch size 80)"));
+        assert_eq!(jobs[1].workers_min, 4);
+        assert!((jobs[1].arrival_s - 0.5 * 3600.0 / 3.2).abs() < 1e-9);
+        assert!(matches!(
+            parse_gavel_generated_csv("id,model\n", 3.2),
+            Err(WorkloadError::Line { line: 1, .. })
+        ));
+        assert!(matches!(
+            parse_gavel_generated_csv(text, 0.0),
+            Err(WorkloadError::Invalid(_))
+        ));
+        let bad = text.replace("1,4,3100.5", "1,x,3100.5");
+        assert!(matches!(
+            parse_gavel_generated_csv(&bad, 3.2),
+            Err(WorkloadError::Line { line: 3, .. })
         ));
     }
 

@@ -1,0 +1,590 @@
+//! The round-based mechanism: turns a fractional [`Allocation`] into the
+//! placements of one round, so that over many rounds each job receives the
+//! time on each type its allocation asks for.
+//!
+//! Per round, for every (job, type) the priority is the allocation over the
+//! share of that type's time the job has received since the last reset
+//! (`X[i][j] / (t[i][j] / Σ_k t[k][j])`); entries are sorted per type by
+//! (priority, deficit, allocation), the types' lists are concatenated and
+//! walked greedily, one placement per job, while GPUs are left. A job placed
+//! on the type it ran on last round keeps its GPUs when they are free
+//! (lease extension: no checkpoint and relaunch); the others are packed
+//! server by server, largest jobs first.
+//!
+//! The allocation is re-solved only when the job set changed and at least
+//! `min_resolve_interval_s` passed since the last solve. Before a re-solve,
+//! each (job, type) accumulates a deficit (the time the old allocation
+//! promised since the last reset less the time received) and the times
+//! received restart at `initial_credit_s`, so a new job does not start with
+//! an infinite priority. These are Gavel's rules and, with
+//! [`MechanismConfig::gavel`], its constants; the same component drives
+//! `keel sim --gavel-compat` and the live scheduler.
+//!
+//! Pure: the caller passes the time and the solver's answer; the only
+//! randomness is the seeded type shuffle of type-agnostic policies
+//! (Mersenne Twister seeded as Python's `random.Random(seed)`, so a run can
+//! follow Gavel's simulator round by round).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use rand_mt::Mt19937GenRand32;
+
+use super::{Allocation, ProblemJobId};
+
+/// The mechanism's constants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MechanismConfig {
+    /// Length of a round.
+    pub round_s: f64,
+    /// Least time between two solves of the allocation.
+    pub min_resolve_interval_s: f64,
+    /// Time on every type each job is credited with at each reset.
+    pub initial_credit_s: f64,
+    /// Skip entries with priority 0 (jobs the allocation gives nothing):
+    /// Gavel's FIFO policies leave such GPUs idle rather than run them.
+    pub skip_zero_priority: bool,
+    /// Shuffle the type order each round with this seed (Gavel does for
+    /// its type-agnostic policies, with seed + 5); `None`: the cluster's
+    /// type order every round.
+    pub shuffle_seed: Option<u32>,
+}
+
+impl MechanismConfig {
+    /// Gavel's constants: 360 s rounds, at least 1,920 s between solves, a
+    /// credit of half a round.
+    pub fn gavel() -> MechanismConfig {
+        MechanismConfig {
+            round_s: 360.0,
+            min_resolve_interval_s: 1920.0,
+            initial_credit_s: 180.0,
+            skip_zero_priority: false,
+            shuffle_seed: None,
+        }
+    }
+}
+
+/// A GPU, numbered across the cluster.
+pub type WorkerId = u32;
+
+/// The GPUs of one type, grouped by server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TypeServers {
+    pub gpu_type: String,
+    pub servers: Vec<Vec<WorkerId>>,
+}
+
+impl TypeServers {
+    fn gpus(&self) -> u32 {
+        self.servers
+            .iter()
+            .map(|s| u32::try_from(s.len()).unwrap_or(u32::MAX))
+            .sum()
+    }
+}
+
+/// Where one job runs this round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub gpu_type: String,
+    pub workers: Vec<WorkerId>,
+}
+
+/// What the mechanism keeps per job.
+#[derive(Debug, Clone, PartialEq)]
+struct Book {
+    scale_factor: u32,
+    /// Steps per second alone, by type (0: cannot run there).
+    throughputs: BTreeMap<String, f64>,
+    /// Time received per type since the last reset (from the credit).
+    time_on_s: BTreeMap<String, f64>,
+    deficit_s: BTreeMap<String, f64>,
+}
+
+/// Counters for reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MechanismStats {
+    pub solves: u64,
+    pub rounds: u64,
+    /// Jobs that ran in consecutive rounds on exactly the same GPUs.
+    pub lease_extensions: u64,
+    /// Jobs that ran last round and were still active this round.
+    pub lease_extension_opportunities: u64,
+}
+
+/// The round-based mechanism's state.
+#[derive(Debug, Clone)]
+pub struct Mechanism {
+    config: MechanismConfig,
+    /// Types in their base order (before any shuffle).
+    types: Vec<TypeServers>,
+    jobs: BTreeMap<ProblemJobId, Book>,
+    /// Σ over jobs of time received per type since the last reset.
+    type_time_s: BTreeMap<String, f64>,
+    allocation: Allocation,
+    last_reset_s: f64,
+    job_set_changed: bool,
+    /// Last round's placements.
+    current: BTreeMap<ProblemJobId, Placement>,
+    shuffler: Option<Mt19937GenRand32>,
+    stats: MechanismStats,
+}
+
+impl Mechanism {
+    /// A mechanism over `types` (their order is the order of the per-type
+    /// lists when the policy does not shuffle).
+    pub fn new(config: MechanismConfig, types: Vec<TypeServers>) -> Mechanism {
+        let shuffler = config
+            .shuffle_seed
+            .map(|seed| Mt19937GenRand32::new_with_key([seed]));
+        let type_time_s = types.iter().map(|t| (t.gpu_type.clone(), 0.0)).collect();
+        Mechanism {
+            config,
+            types,
+            jobs: BTreeMap::new(),
+            type_time_s,
+            allocation: Allocation::new(),
+            last_reset_s: 0.0,
+            job_set_changed: false,
+            current: BTreeMap::new(),
+            shuffler,
+            stats: MechanismStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &MechanismConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> MechanismStats {
+        self.stats
+    }
+
+    /// The allocation the rounds follow.
+    pub fn allocation(&self) -> &Allocation {
+        &self.allocation
+    }
+
+    /// The jobs the mechanism knows.
+    pub fn job_ids(&self) -> impl Iterator<Item = ProblemJobId> + '_ {
+        self.jobs.keys().copied()
+    }
+
+    pub fn contains(&self, job: ProblemJobId) -> bool {
+        self.jobs.contains_key(&job)
+    }
+
+    /// Last round's placements.
+    pub fn current(&self) -> &BTreeMap<ProblemJobId, Placement> {
+        &self.current
+    }
+
+    /// A job arrived: credited on every type, no allocation until the next
+    /// solve.
+    pub fn add_job(
+        &mut self,
+        job: ProblemJobId,
+        scale_factor: u32,
+        throughputs: BTreeMap<String, f64>,
+    ) {
+        let credit = self.config.initial_credit_s;
+        let time_on_s = self
+            .types
+            .iter()
+            .map(|t| (t.gpu_type.clone(), credit))
+            .collect();
+        let deficit_s = self
+            .types
+            .iter()
+            .map(|t| (t.gpu_type.clone(), 0.0))
+            .collect();
+        self.jobs.insert(
+            job,
+            Book {
+                scale_factor: scale_factor.max(1),
+                throughputs,
+                time_on_s,
+                deficit_s,
+            },
+        );
+        self.job_set_changed = true;
+    }
+
+    /// A job ended (finished, cancelled or failed).
+    pub fn remove_job(&mut self, job: ProblemJobId) {
+        if self.jobs.remove(&job).is_some() {
+            self.job_set_changed = true;
+        }
+    }
+
+    /// `job` ran `seconds` on `gpu_type` (a round's micro-task).
+    pub fn record_run(&mut self, job: ProblemJobId, gpu_type: &str, seconds: f64) {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        if let Some(t) = self
+            .jobs
+            .get_mut(&job)
+            .and_then(|b| b.time_on_s.get_mut(gpu_type))
+        {
+            *t += seconds;
+            if let Some(total) = self.type_time_s.get_mut(gpu_type) {
+                *total += seconds;
+            }
+        }
+    }
+
+    /// Whether the allocation must be solved again before the round at
+    /// `now_s`: the job set changed and the last solve is old enough (or
+    /// there was none).
+    pub fn needs_solve(&self, now_s: f64) -> bool {
+        self.job_set_changed
+            && (now_s - self.last_reset_s >= self.config.min_resolve_interval_s
+                || self.last_reset_s == 0.0)
+    }
+
+    /// Installs a freshly solved allocation at `now_s`: first the deficits
+    /// under the old one, then the times received restart at the credit.
+    pub fn install(&mut self, now_s: f64, allocation: Allocation) {
+        let elapsed_s = now_s - self.last_reset_s;
+        let credit = self.config.initial_credit_s;
+        for total in self.type_time_s.values_mut() {
+            *total = 0.0;
+        }
+        for (job, book) in &mut self.jobs {
+            for (gpu_type, time_on) in &mut book.time_on_s {
+                let received = *time_on - credit;
+                let promised = self
+                    .allocation
+                    .get(job)
+                    .and_then(|row| row.get(gpu_type))
+                    .map_or(0.0, |x| x * elapsed_s);
+                *book.deficit_s.entry(gpu_type.clone()).or_default() += promised - received;
+                *time_on = credit;
+                *self.type_time_s.entry(gpu_type.clone()).or_default() += credit;
+            }
+        }
+        self.allocation = allocation;
+        self.last_reset_s = now_s;
+        self.job_set_changed = false;
+        self.stats.solves += 1;
+    }
+
+    /// The priority of `job` on `gpu_type` now.
+    fn priority(&self, job: ProblemJobId, book: &Book, gpu_type: &str) -> f64 {
+        let Some(row) = self.allocation.get(&job) else {
+            return 0.0;
+        };
+        let x = row.get(gpu_type).copied().unwrap_or(0.0);
+        if x == 0.0 || book.throughputs.get(gpu_type).copied().unwrap_or(0.0) == 0.0 {
+            return 0.0;
+        }
+        let type_time = self.type_time_s.get(gpu_type).copied().unwrap_or(0.0);
+        let fraction = if type_time == 0.0 {
+            0.0
+        } else {
+            book.time_on_s.get(gpu_type).copied().unwrap_or(0.0) / type_time
+        };
+        if fraction > 0.0 {
+            x / fraction
+        } else {
+            // Not scheduled yet: a priority far above any ratio, still in
+            // proportion to the allocation.
+            x * 1e9
+        }
+    }
+
+    /// The type order of this round.
+    fn round_types(&mut self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.types.len()).collect();
+        if let Some(rng) = &mut self.shuffler {
+            // Python's `random.shuffle` (Fisher–Yates from the end, with
+            // `_randbelow` by rejection on `getrandbits`).
+            for i in (1..order.len()).rev() {
+                let n = (i + 1) as u32;
+                let bits = 32 - n.leading_zeros();
+                let j = loop {
+                    let r = rng.next_u32() >> (32 - bits);
+                    if r < n {
+                        break r as usize;
+                    }
+                };
+                order.swap(i, j);
+            }
+        }
+        order
+    }
+
+    /// The placements of the round starting at `now_s`. Call
+    /// [`Mechanism::install`] first when [`Mechanism::needs_solve`] says
+    /// so. Never places more GPUs of a type than it has, nor a job twice.
+    pub fn plan_round(&mut self) -> BTreeMap<ProblemJobId, Placement> {
+        self.stats.rounds += 1;
+        let order = self.round_types();
+        // Per type: (job, priority, deficit, allocation), sorted
+        // descending, the types' lists one after the other.
+        let mut queue: Vec<(ProblemJobId, usize, f64)> = Vec::new();
+        for &ti in &order {
+            let gpu_type = self.types[ti].gpu_type.as_str();
+            let mut entries: Vec<(ProblemJobId, f64, f64, f64)> = self
+                .jobs
+                .iter()
+                .map(|(job, book)| {
+                    let x = self
+                        .allocation
+                        .get(job)
+                        .and_then(|row| row.get(gpu_type))
+                        .copied()
+                        .unwrap_or(0.0);
+                    let deficit = book.deficit_s.get(gpu_type).copied().unwrap_or(0.0);
+                    (*job, self.priority(*job, book, gpu_type), deficit, x)
+                })
+                .collect();
+            // A stable sort: ties keep arrival (id) order.
+            entries.sort_by(|a, b| {
+                b.1.total_cmp(&a.1)
+                    .then(b.2.total_cmp(&a.2))
+                    .then(b.3.total_cmp(&a.3))
+            });
+            queue.extend(entries.into_iter().map(|(job, p, ..)| (job, ti, p)));
+        }
+        let mut left: Vec<u32> = self.types.iter().map(TypeServers::gpus).collect();
+        let mut chosen: BTreeSet<ProblemJobId> = BTreeSet::new();
+        // Per type, in queue order: (job, scale factor).
+        let mut per_type: Vec<Vec<(ProblemJobId, u32)>> = vec![Vec::new(); self.types.len()];
+        for (job, ti, priority) in queue {
+            if left[ti] == 0 || chosen.contains(&job) {
+                continue;
+            }
+            let Some(book) = self.jobs.get(&job) else {
+                continue;
+            };
+            let speed = book
+                .throughputs
+                .get(&self.types[ti].gpu_type)
+                .copied()
+                .unwrap_or(0.0);
+            if speed <= 0.0 || (self.config.skip_zero_priority && priority <= 0.0) {
+                continue;
+            }
+            if book.scale_factor > left[ti] {
+                continue;
+            }
+            left[ti] -= book.scale_factor;
+            chosen.insert(job);
+            per_type[ti].push((job, book.scale_factor));
+        }
+        let placements = self.assign(&order, per_type);
+        for (job, placement) in &self.current {
+            if self.jobs.contains_key(job) {
+                self.stats.lease_extension_opportunities += 1;
+                if placements.get(job).is_some_and(|p| {
+                    let mut a = p.workers.clone();
+                    let mut b = placement.workers.clone();
+                    a.sort_unstable();
+                    b.sort_unstable();
+                    a == b
+                }) {
+                    self.stats.lease_extensions += 1;
+                }
+            }
+        }
+        self.current = placements.clone();
+        placements
+    }
+
+    /// GPUs for the chosen jobs, type by type: largest scale factor first;
+    /// within a size, jobs that ran on this type last round keep their
+    /// GPUs when all are still free, then the rest are packed server by
+    /// server. Jobs the allocation does not name (arrived since the last
+    /// solve) are not placed, as in Gavel.
+    fn assign(
+        &self,
+        order: &[usize],
+        mut per_type: Vec<Vec<(ProblemJobId, u32)>>,
+    ) -> BTreeMap<ProblemJobId, Placement> {
+        let mut out: BTreeMap<ProblemJobId, Placement> = BTreeMap::new();
+        for &ti in order {
+            let servers = &self.types[ti];
+            let jobs = &mut per_type[ti];
+            jobs.sort_by(|a, b| b.1.cmp(&a.1));
+            let mut free: Vec<std::collections::VecDeque<WorkerId>> = servers
+                .servers
+                .iter()
+                .map(|s| s.iter().copied().collect())
+                .collect();
+            let mut taken: BTreeSet<WorkerId> = BTreeSet::new();
+            let mut server = 0usize;
+            let mut sizes: Vec<u32> = jobs.iter().map(|(_, s)| *s).collect();
+            sizes.dedup();
+            for size in sizes {
+                for (job, _) in jobs.iter().filter(|(_, s)| *s == size) {
+                    let Some(previous) = self.current.get(job) else {
+                        continue;
+                    };
+                    if previous.gpu_type != servers.gpu_type
+                        || previous.workers.iter().any(|w| taken.contains(w))
+                    {
+                        continue;
+                    }
+                    taken.extend(previous.workers.iter().copied());
+                    out.insert(*job, previous.clone());
+                }
+                for (job, _) in jobs.iter().filter(|(_, s)| *s == size) {
+                    if !self.allocation.contains_key(job) || out.contains_key(job) {
+                        continue;
+                    }
+                    let mut workers = Vec::with_capacity(size as usize);
+                    while workers.len() < size as usize && server < free.len() {
+                        let Some(w) = free[server].pop_front() else {
+                            server += 1;
+                            continue;
+                        };
+                        if taken.insert(w) {
+                            workers.push(w);
+                        }
+                    }
+                    if workers.len() == size as usize {
+                        out.insert(
+                            *job,
+                            Placement {
+                                gpu_type: servers.gpu_type.clone(),
+                                workers,
+                            },
+                        );
+                    } else {
+                        // Cannot happen: the walk counted GPUs per type.
+                        // Give back what was taken so nothing leaks.
+                        for w in workers {
+                            taken.remove(&w);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(counts: &[(&str, u32)], per_server: u32) -> Vec<TypeServers> {
+        let mut next = 0;
+        counts
+            .iter()
+            .map(|(t, n)| {
+                let mut servers = Vec::new();
+                let mut left = *n;
+                while left > 0 {
+                    let here = left.min(per_server);
+                    servers.push((next..next + here).collect());
+                    next += here;
+                    left -= here;
+                }
+                TypeServers {
+                    gpu_type: t.to_string(),
+                    servers,
+                }
+            })
+            .collect()
+    }
+
+    fn speeds(v: f64, k: f64) -> BTreeMap<String, f64> {
+        [("v100".to_string(), v), ("k80".to_string(), k)]
+            .into_iter()
+            .collect()
+    }
+
+    fn row(v: f64, k: f64) -> BTreeMap<String, f64> {
+        speeds(v, k)
+    }
+
+    #[test]
+    fn shuffle_follows_python_random() {
+        // random.Random(5).getrandbits(32), three times (CPython 3.11).
+        let mut rng = Mt19937GenRand32::new_with_key([5u32]);
+        assert_eq!(
+            [rng.next_u32(), rng.next_u32(), rng.next_u32()],
+            [2675342405, 1097127993, 3185950873]
+        );
+        // r = random.Random(5); r.shuffle(['v100', 'p100', 'k80']) eight
+        // times on fresh lists.
+        let expected = [
+            ["v100", "p100", "k80"],
+            ["v100", "p100", "k80"],
+            ["p100", "v100", "k80"],
+            ["k80", "v100", "p100"],
+            ["p100", "v100", "k80"],
+            ["p100", "k80", "v100"],
+            ["v100", "k80", "p100"],
+            ["k80", "p100", "v100"],
+        ];
+        let mut config = MechanismConfig::gavel();
+        config.shuffle_seed = Some(5);
+        let mut m = Mechanism::new(
+            config,
+            cluster(&[("v100", 1), ("p100", 1), ("k80", 1)], 1),
+        );
+        for want in expected {
+            let got: Vec<String> = m
+                .round_types()
+                .into_iter()
+                .map(|i| m.types[i].gpu_type.clone())
+                .collect();
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn time_sharing_follows_the_allocation() {
+        // Two jobs, one v100: each should get half of it.
+        let mut m = Mechanism::new(MechanismConfig::gavel(), cluster(&[("v100", 1)], 1));
+        m.add_job(0, 1, speeds(1.0, 0.0));
+        m.add_job(1, 1, speeds(1.0, 0.0));
+        assert!(m.needs_solve(0.0));
+        let half: BTreeMap<String, f64> = [("v100".to_string(), 0.5)].into_iter().collect();
+        m.install(0.0, [(0, half.clone()), (1, half)].into_iter().collect());
+        assert!(!m.needs_solve(10.0));
+        let mut runs = [0u32; 2];
+        for _ in 0..10 {
+            let plan = m.plan_round();
+            assert_eq!(plan.len(), 1, "one GPU, one job per round");
+            let (job, p) = plan.iter().next().expect("one");
+            runs[*job as usize] += 1;
+            m.record_run(*job, &p.gpu_type, 360.0);
+        }
+        assert_eq!(runs, [5, 5]);
+    }
+
+    #[test]
+    fn a_job_keeps_its_gpus_and_new_jobs_wait_for_a_solve() {
+        let mut m = Mechanism::new(MechanismConfig::gavel(), cluster(&[("v100", 4)], 4));
+        m.add_job(0, 2, speeds(1.0, 0.0));
+        m.install(100.0, [(0, row(1.0, 0.0))].into_iter().collect());
+        let first = m.plan_round();
+        m.record_run(0, "v100", 360.0);
+        m.add_job(1, 2, speeds(1.0, 0.0));
+        assert!(!m.needs_solve(460.0), "the last solve is too recent");
+        let second = m.plan_round();
+        assert_eq!(second.get(&0), first.get(&0), "lease extended");
+        assert!(!second.contains_key(&1), "no allocation yet");
+        assert!(m.needs_solve(2020.0));
+        assert_eq!(m.stats().lease_extensions, 1);
+    }
+
+    #[test]
+    fn deficits_carry_what_the_old_allocation_promised() {
+        let mut m = Mechanism::new(MechanismConfig::gavel(), cluster(&[("v100", 1)], 1));
+        m.add_job(0, 1, speeds(1.0, 0.0));
+        m.install(0.0, [(0, row(1.0, 0.0))].into_iter().collect());
+        // Promised 2,000 s on v100, received 1,500.
+        m.record_run(0, "v100", 1500.0);
+        m.add_job(1, 1, speeds(1.0, 0.0));
+        assert!(m.needs_solve(2000.0));
+        m.install(2000.0, Allocation::new());
+        let d = m.jobs[&0].deficit_s["v100"];
+        assert!((d - 500.0).abs() < 1e-9, "{d}");
+        assert_eq!(m.jobs[&1].deficit_s["v100"], 0.0);
+    }
+}

@@ -1,0 +1,396 @@
+//! The round-based simulator for the heterogeneity-aware policies
+//! ([`crate::gavel`]), with the time semantics of Gavel's simulator so its
+//! results can be compared one to one (`keel sim --gavel-compat`).
+//!
+//! Each round the [`Mechanism`] places jobs; a placed job runs
+//! `min(⌊T·round_s⌋, remaining)` whole steps at its speed `T` on that type,
+//! and the round ends when its longest micro-task does (so rounds last a
+//! little under `round_s`). Then finished micro-tasks are credited to the
+//! mechanism (time on the type since the round began), finished jobs leave,
+//! arrivals up to the new time join, and the next round is planned —
+//! re-solving the policy first when the mechanism says so. When nothing
+//! runs, time jumps to the next arrival.
+//!
+//! Unlike [`super::simulate`], this loop does not drive
+//! [`crate::ClusterState`]: it replays Gavel's bookkeeping (a few hundred
+//! thousand micro-tasks per run) rather than Keel's log entries, and it
+//! is the mechanism, not the loop, that the live scheduler shares.
+
+use std::collections::BTreeMap;
+
+use crate::gavel::mechanism::{Mechanism, MechanismConfig, Placement, TypeServers};
+use crate::gavel::{self, Allocation, AllocationError, AllocationProblem, ProblemJobId};
+use crate::throughput;
+
+use super::engine::{JobResult, Sample, SimNode, SimReport};
+use super::workload::SimJob;
+use super::ThroughputTable;
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct RoundSimConfig {
+    pub nodes: Vec<SimNode>,
+    pub jobs: Vec<SimJob>,
+    /// Speeds by Gavel job type; jobs it does not hold run at the
+    /// project's table's speed for their model.
+    pub throughputs: Option<ThroughputTable>,
+    /// The mechanism's constants; the type shuffle and the FIFO rule are
+    /// set from the policy (as Gavel does) and `seed`.
+    pub mechanism: MechanismConfig,
+    /// Gavel's seed: type-agnostic policies shuffle the type order with
+    /// `seed + 5`.
+    pub seed: u64,
+    /// Measure only jobs whose workload id is in `[start, end]`; stop once
+    /// they all finished.
+    pub window: Option<(u64, u64)>,
+    /// Stop after this much simulated time even if jobs remain.
+    pub max_simulated_s: f64,
+}
+
+/// Gavel's order of the types in the per-type lists (then any other type
+/// by name).
+pub const GAVEL_TYPE_ORDER: [&str; 3] = ["v100", "p100", "k80"];
+
+/// Whether Gavel shuffles the type order for `policy` (its type-agnostic
+/// policies: names without `_perf`).
+pub fn shuffles_types(policy: &str) -> bool {
+    !policy.ends_with("_perf") && !policy.contains("packed")
+}
+
+/// The cluster as the mechanism sees it: types in Gavel's order, GPUs
+/// numbered across the cluster, grouped by node.
+pub fn type_servers(nodes: &[SimNode]) -> Vec<TypeServers> {
+    let mut by_type: BTreeMap<String, Vec<Vec<u32>>> = BTreeMap::new();
+    let mut next = 0u32;
+    for node in nodes {
+        // A node holds one type in the clusters `keel sim` builds; a mixed
+        // node counts as one server per type.
+        let mut here: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+        for gpu in &node.gpus {
+            here.entry(gpu.gpu_type.as_str()).or_default().push(next);
+            next += 1;
+        }
+        for (t, ids) in here {
+            by_type.entry(t.to_string()).or_default().push(ids);
+        }
+    }
+    let mut out = Vec::new();
+    for t in GAVEL_TYPE_ORDER {
+        if let Some(servers) = by_type.remove(t) {
+            out.push(TypeServers {
+                gpu_type: t.to_string(),
+                servers,
+            });
+        }
+    }
+    out.extend(
+        by_type
+            .into_iter()
+            .map(|(gpu_type, servers)| TypeServers { gpu_type, servers }),
+    );
+    out
+}
+
+/// A job in the system.
+#[derive(Debug, Clone)]
+struct Active {
+    position: usize,
+    throughputs: BTreeMap<String, f64>,
+    steps_done: f64,
+}
+
+/// A micro-task of the current round.
+#[derive(Debug, Clone)]
+struct MicroTask {
+    job: ProblemJobId,
+    gpu_type: String,
+    gpus: u32,
+    steps: f64,
+    start_s: f64,
+    finish_s: f64,
+}
+
+/// Runs `policy` (one of [`gavel::GAVEL_POLICY_NAMES`]) on `config`.
+pub fn simulate_rounds(
+    config: &RoundSimConfig,
+    policy: &str,
+) -> Result<SimReport, AllocationError> {
+    if !gavel::GAVEL_POLICY_NAMES.contains(&policy) {
+        return Err(AllocationError::UnknownPolicy {
+            name: policy.to_string(),
+        });
+    }
+    let types = type_servers(&config.nodes);
+    let cluster_spec: BTreeMap<String, u32> = types
+        .iter()
+        .map(|t| {
+            let n = t
+                .servers
+                .iter()
+                .map(|s| u32::try_from(s.len()).unwrap_or(u32::MAX))
+                .sum();
+            (t.gpu_type.clone(), n)
+        })
+        .collect();
+    let total_gpus: u32 = cluster_spec.values().sum();
+    let mut mechanism_config = config.mechanism.clone();
+    mechanism_config.shuffle_seed = shuffles_types(policy)
+        .then(|| u32::try_from((config.seed + 5) & 0xFFFF_FFFF).unwrap_or(5));
+    mechanism_config.skip_zero_priority = policy.starts_with("fifo");
+    let round_s = if mechanism_config.round_s.is_finite() && mechanism_config.round_s > 0.0 {
+        mechanism_config.round_s
+    } else {
+        360.0
+    };
+    let mut mechanism = Mechanism::new(mechanism_config, types);
+
+    let mut order: Vec<usize> = (0..config.jobs.len()).collect();
+    order.sort_by(|a, b| {
+        config.jobs[*a]
+            .arrival_s
+            .total_cmp(&config.jobs[*b].arrival_s)
+            .then(a.cmp(b))
+    });
+    let start_s = order.first().map_or(0.0, |i| config.jobs[*i].arrival_s);
+    let speeds = |job: &SimJob| -> BTreeMap<String, f64> {
+        let scale = job.workers_min * job.gpus_per_worker;
+        cluster_spec
+            .keys()
+            .map(|t| {
+                let from_table = config
+                    .throughputs
+                    .as_ref()
+                    .zip(job.job_type.as_deref())
+                    .and_then(|(table, job_type)| table.steps_per_s(job_type, scale, t));
+                let speed = from_table
+                    .unwrap_or_else(|| throughput::profile(&job.model).steps_per_s(t, scale));
+                (t.clone(), speed)
+            })
+            .collect()
+    };
+
+    let mut report = SimReport {
+        policy: policy.to_string(),
+        jobs: Vec::new(),
+        total_gpus,
+        simulated_s: 0.0,
+        makespan_s: 0.0,
+        utilisation: 0.0,
+        rounds: 0,
+        decisions: 0,
+        preemptions: 0,
+        resizes: 0,
+        migrations: 0,
+        entries: 0,
+        refused_entries: 0,
+        solves: 0,
+        lease_extensions: 0,
+        lease_extension_opportunities: 0,
+        state_hash: String::new(),
+        samples: Vec::new(),
+    };
+    let mut results: Vec<JobResult> = Vec::with_capacity(config.jobs.len());
+    let mut result_of: BTreeMap<ProblemJobId, usize> = BTreeMap::new();
+    let mut active: BTreeMap<ProblemJobId, Active> = BTreeMap::new();
+    let mut running: Vec<MicroTask> = Vec::new();
+    let mut next_arrival = 0usize;
+    let mut now_s = start_s;
+    // Gavel's round bookkeeping: a micro-task's time counts from the start
+    // of its round, which is the end of the round before.
+    let mut round_start_s = 0.0f64;
+    let mut round_end_s: Option<f64> = None;
+    let mut busy_gpu_s = 0.0;
+    let mut window_left = config.window.map_or(0, |(a, b)| {
+        config
+            .jobs
+            .iter()
+            .filter(|j| (a..=b).contains(&j.id))
+            .count()
+    });
+    let in_window = |id: u64| config.window.is_none_or(|(a, b)| (a..=b).contains(&id));
+    let mut finished = 0usize;
+
+    loop {
+        if config.window.is_some() && window_left == 0 {
+            break;
+        }
+        if config.window.is_none() && finished == config.jobs.len() {
+            break;
+        }
+        if let Some(end) = running.iter().map(|m| m.finish_s).max_by(f64::total_cmp) {
+            if let Some(previous_end) = round_end_s {
+                round_start_s = previous_end;
+            }
+            round_end_s = Some(end);
+            now_s = end;
+        } else if let Some(i) = order.get(next_arrival) {
+            now_s = now_s.max(config.jobs[*i].arrival_s);
+        } else {
+            // Nothing runs and nothing will arrive: what waits can never
+            // be placed.
+            break;
+        }
+        if now_s - start_s > config.max_simulated_s {
+            break;
+        }
+
+        // Credit the round's micro-tasks.
+        for task in std::mem::take(&mut running) {
+            let ran_s = task.finish_s - round_start_s;
+            mechanism.record_run(task.job, &task.gpu_type, ran_s);
+            busy_gpu_s += f64::from(task.gpus) * (task.finish_s - task.start_s);
+            let Some(a) = active.get_mut(&task.job) else {
+                continue;
+            };
+            a.steps_done += task.steps;
+            let total = config.jobs[a.position].total_steps as f64;
+            if total - a.steps_done <= 0.0 {
+                mechanism.remove_job(task.job);
+                active.remove(&task.job);
+                finished += 1;
+                if let Some(r) = result_of.get(&task.job).and_then(|i| results.get_mut(*i)) {
+                    r.finish_s = Some(task.finish_s);
+                    if in_window(r.id) {
+                        window_left = window_left.saturating_sub(1);
+                    }
+                }
+            }
+        }
+
+        // Arrivals.
+        while let Some(i) = order.get(next_arrival) {
+            let job = &config.jobs[*i];
+            if job.arrival_s > now_s {
+                break;
+            }
+            let throughputs = speeds(job);
+            mechanism.add_job(job.id, job.workers_min * job.gpus_per_worker, throughputs.clone());
+            active.insert(
+                job.id,
+                Active {
+                    position: *i,
+                    throughputs,
+                    steps_done: 0.0,
+                },
+            );
+            result_of.insert(job.id, results.len());
+            results.push(JobResult {
+                id: job.id,
+                job_id: job.id,
+                model: job.model.clone(),
+                gpus: job.workers_min * job.gpus_per_worker,
+                arrival_s: job.arrival_s,
+                first_start_s: None,
+                finish_s: None,
+                restarts: 0,
+            });
+            next_arrival += 1;
+        }
+        if config.window.is_some() && window_left == 0 {
+            break;
+        }
+
+        // Re-solve when due, then plan the round.
+        if mechanism.needs_solve(now_s) {
+            let problem = AllocationProblem {
+                cluster_spec: cluster_spec.clone(),
+                throughputs: active
+                    .iter()
+                    .map(|(id, a)| (*id, a.throughputs.clone()))
+                    .collect(),
+                scale_factors: active
+                    .iter()
+                    .map(|(id, a)| {
+                        let j = &config.jobs[a.position];
+                        (*id, j.workers_min * j.gpus_per_worker)
+                    })
+                    .collect(),
+                priority_weights: active
+                    .iter()
+                    .map(|(id, a)| (*id, f64::from(config.jobs[a.position].priority.max(1))))
+                    .collect(),
+                times_since_start: active
+                    .iter()
+                    .map(|(id, a)| (*id, now_s - config.jobs[a.position].arrival_s))
+                    .collect(),
+                num_steps_remaining: active
+                    .iter()
+                    .map(|(id, a)| {
+                        let total = config.jobs[a.position].total_steps as f64;
+                        (*id, (total - a.steps_done).max(0.0))
+                    })
+                    .collect(),
+            };
+            let allocation: Allocation = match gavel::solve(policy, &problem) {
+                Ok(result) => result.allocation,
+                // A solver failure must not stop the cluster: fall back to
+                // equal shares until the next solve.
+                Err(_) => gavel::isolated(&problem).allocation,
+            };
+            mechanism.install(now_s, allocation);
+        }
+        let previous: BTreeMap<ProblemJobId, Placement> = mechanism.current().clone();
+        let plan = mechanism.plan_round();
+        report.rounds += 1;
+        for (job, placement) in plan {
+            let Some(a) = active.get(&job) else {
+                continue;
+            };
+            let speed = a
+                .throughputs
+                .get(&placement.gpu_type)
+                .copied()
+                .unwrap_or(0.0);
+            if speed <= 0.0 {
+                continue;
+            }
+            let remaining = config.jobs[a.position].total_steps as f64 - a.steps_done;
+            let steps = (speed * round_s).trunc().min(remaining);
+            if let Some(r) = result_of.get(&job).and_then(|i| results.get_mut(*i)) {
+                if r.first_start_s.is_none() {
+                    r.first_start_s = Some(now_s);
+                } else if previous.get(&job) != Some(&placement) {
+                    r.restarts += 1;
+                    report.preemptions += 1;
+                }
+            }
+            running.push(MicroTask {
+                job,
+                gpu_type: placement.gpu_type,
+                gpus: u32::try_from(placement.workers.len()).unwrap_or(u32::MAX),
+                steps,
+                start_s: now_s,
+                finish_s: now_s + steps / speed,
+            });
+        }
+        let busy_gpus = running.iter().map(|m| m.gpus).sum();
+        report.samples.push(Sample {
+            at_s: now_s,
+            busy_gpus,
+            queued_jobs: u32::try_from(active.len().saturating_sub(running.len()))
+                .unwrap_or(u32::MAX),
+        });
+    }
+
+    report.jobs = results;
+    report.simulated_s = now_s - start_s;
+    let last_finish = report
+        .jobs
+        .iter()
+        .filter(|j| in_window(j.id))
+        .filter_map(|j| j.finish_s)
+        .max_by(f64::total_cmp)
+        .unwrap_or(start_s);
+    report.makespan_s = last_finish - start_s;
+    let available = f64::from(total_gpus) * report.simulated_s;
+    report.utilisation = if available > 0.0 {
+        (busy_gpu_s / available).min(1.0)
+    } else {
+        0.0
+    };
+    let stats = mechanism.stats();
+    report.solves = stats.solves;
+    report.lease_extensions = stats.lease_extensions;
+    report.lease_extension_opportunities = stats.lease_extension_opportunities;
+    Ok(report)
+}
