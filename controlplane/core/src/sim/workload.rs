@@ -424,7 +424,7 @@ mod tests {
             parse_gavel_generated_csv(text, 0.0),
             Err(WorkloadError::Invalid(_))
         ));
-        let bad = text.replace("1,4,3100.5", "1,x,3100.5");
+        let bad = text.replace(",4,3100.5", ",x,3100.5");
         assert!(matches!(
             parse_gavel_generated_csv(&bad, 3.2),
             Err(WorkloadError::Line { line: 3, .. })
