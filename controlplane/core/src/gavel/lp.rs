@@ -13,6 +13,9 @@ use super::{Allocation, AllocationError, AllocationProblem, ProblemJobId};
 pub(crate) struct AllocationVars {
     /// `X[i][j]`, by job then type (the problem's type order).
     pub x: BTreeMap<ProblemJobId, Vec<(String, Variable)>>,
+    /// How many identical jobs each row stands for (see [`Classes`]); 1
+    /// when absent.
+    pub multiplicity: BTreeMap<ProblemJobId, f64>,
 }
 
 impl AllocationVars {
@@ -34,7 +37,15 @@ impl AllocationVars {
                 (*job, row)
             })
             .collect();
-        AllocationVars { x }
+        AllocationVars {
+            x,
+            multiplicity: BTreeMap::new(),
+        }
+    }
+
+    /// How many jobs the row of `job` stands for.
+    pub fn count(&self, job: ProblemJobId) -> f64 {
+        self.multiplicity.get(&job).copied().unwrap_or(1.0)
     }
 
     /// `Σ_j coefficient(i, j)·X[i][j]` for job `i`.
@@ -64,7 +75,7 @@ impl AllocationVars {
                 .filter_map(|(job, row)| {
                     let (t, v) = row.get(j)?;
                     debug_assert_eq!(t, gpu_type);
-                    Some(f64::from(problem.scale_factor(*job)) * *v)
+                    Some(f64::from(problem.scale_factor(*job)) * self.count(*job) * *v)
                 })
                 .sum();
             out.push(constraint!(used <= f64::from(*n)));
@@ -87,6 +98,18 @@ impl AllocationVars {
     }
 }
 
+/// Clarabel's settings for the optimising LPs: ECOS's default tolerances
+/// (1e-8, what Gavel solved with) rather than good_lp's tighter
+/// feasibility tolerance, and no iterative refinement of the KKT solves
+/// (a third of the solve time on these small, well-scaled problems; the
+/// golden vectors and the fidelity runs are unchanged without it).
+fn tune(model: &mut good_lp::solvers::clarabel::ClarabelProblem) {
+    model
+        .settings()
+        .tol_feas(1e-8)
+        .iterative_refinement_enable(false);
+}
+
 /// Maximises `objective` over `vars` subject to `constraints`.
 pub(crate) fn maximise(
     vars: ProblemVariables,
@@ -94,6 +117,7 @@ pub(crate) fn maximise(
     constraints: Vec<good_lp::Constraint>,
 ) -> Result<impl Solution, AllocationError> {
     let mut model = vars.maximise(objective).using(clarabel);
+    tune(&mut model);
     for c in constraints {
         model = model.with(c);
     }
@@ -128,5 +152,98 @@ pub(crate) fn feasible(
     match model.solve() {
         Ok(solution) => Ok(Some((lp.allocation(&solution), solution))),
         Err(_) => Ok(None),
+    }
+}
+
+/// Jobs that no policy can tell apart — the same throughputs, scale
+/// factor and weight (and no remaining steps or start time in play) — as
+/// one row standing for all of them. Active jobs come from a few dozen
+/// model templates, so a problem of thousands of jobs has a few dozen
+/// classes; the policies whose optimum can be taken the same for every
+/// member of a class (max-min fairness, max-sum throughput: averaging an
+/// optimum over permutations of identical jobs keeps it optimal) solve the
+/// small problem and give every member its class's row. Gavel's own
+/// scalable formulation groups jobs by type the same way.
+#[derive(Debug, Clone)]
+pub(crate) struct Classes {
+    /// One representative job (the class's smallest id) per class.
+    pub problem: AllocationProblem,
+    /// Representative → how many jobs it stands for.
+    pub multiplicity: BTreeMap<ProblemJobId, f64>,
+    /// Representative → its members (itself included).
+    pub members: BTreeMap<ProblemJobId, Vec<ProblemJobId>>,
+}
+
+impl Classes {
+    /// The classes of `problem`'s jobs: by job type (the throughput row),
+    /// scale factor and weight, for the type-agnostic forms too (as Gavel
+    /// groups by job type).
+    pub fn of(problem: &AllocationProblem) -> Classes {
+        let types: Vec<&String> = problem.cluster_spec.keys().collect();
+        let mut by_key: BTreeMap<Vec<u64>, ProblemJobId> = BTreeMap::new();
+        let mut members: BTreeMap<ProblemJobId, Vec<ProblemJobId>> = BTreeMap::new();
+        let mut key: Vec<u64> = Vec::with_capacity(types.len() + 2);
+        for (job, row) in &problem.throughputs {
+            key.clear();
+            key.extend(
+                types
+                    .iter()
+                    .map(|t| row.get(*t).copied().unwrap_or(0.0).to_bits()),
+            );
+            key.push(u64::from(problem.scale_factor(*job)));
+            key.push(problem.weight(*job).to_bits());
+            let representative = match by_key.get(&key) {
+                Some(r) => *r,
+                None => {
+                    by_key.insert(key.clone(), *job);
+                    *job
+                }
+            };
+            members.entry(representative).or_default().push(*job);
+        }
+        let mut reduced = AllocationProblem {
+            cluster_spec: problem.cluster_spec.clone(),
+            throughputs: BTreeMap::new(),
+            scale_factors: BTreeMap::new(),
+            priority_weights: BTreeMap::new(),
+            times_since_start: BTreeMap::new(),
+            num_steps_remaining: BTreeMap::new(),
+        };
+        for job in members.keys() {
+            let copy = |from: &BTreeMap<ProblemJobId, f64>, to: &mut BTreeMap<ProblemJobId, f64>| {
+                if let Some(v) = from.get(job) {
+                    to.insert(*job, *v);
+                }
+            };
+            if let Some(row) = problem.throughputs.get(job) {
+                reduced.throughputs.insert(*job, row.clone());
+            }
+            if let Some(s) = problem.scale_factors.get(job) {
+                reduced.scale_factors.insert(*job, *s);
+            }
+            copy(&problem.priority_weights, &mut reduced.priority_weights);
+            copy(&problem.times_since_start, &mut reduced.times_since_start);
+            copy(&problem.num_steps_remaining, &mut reduced.num_steps_remaining);
+        }
+        let multiplicity = members
+            .iter()
+            .map(|(r, m)| (*r, m.len() as f64))
+            .collect();
+        Classes {
+            problem: reduced,
+            multiplicity,
+            members,
+        }
+    }
+
+    /// The classes' allocation given to every member.
+    pub fn expand(&self, reduced: Allocation) -> Allocation {
+        let mut out = Allocation::new();
+        for (representative, row) in reduced {
+            for member in self.members.get(&representative).into_iter().flatten() {
+                out.insert(*member, row.clone());
+            }
+        }
+        out
     }
 }

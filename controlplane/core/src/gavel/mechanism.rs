@@ -85,19 +85,27 @@ impl TypeServers {
 /// Where one job runs this round.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    pub gpu_type: String,
+    /// Index of the GPU type in the mechanism's types
+    /// ([`Mechanism::type_name`]).
+    pub type_index: usize,
     pub workers: Vec<WorkerId>,
+    /// The job keeps exactly the GPUs it had last round (no checkpoint and
+    /// relaunch).
+    pub extended: bool,
 }
 
-/// What the mechanism keeps per job.
+/// What the mechanism keeps per job, by type index.
 #[derive(Debug, Clone, PartialEq)]
 struct Book {
     scale_factor: u32,
-    /// Steps per second alone, by type (0: cannot run there).
-    throughputs: BTreeMap<String, f64>,
-    /// Time received per type since the last reset (from the credit).
-    time_on_s: BTreeMap<String, f64>,
-    deficit_s: BTreeMap<String, f64>,
+    /// Steps per second alone (0: cannot run there).
+    speed: Vec<f64>,
+    /// Time received since the last reset (from the credit).
+    time_on_s: Vec<f64>,
+    deficit_s: Vec<f64>,
+    /// The installed allocation's row; `None` for a job that arrived
+    /// after the last solve.
+    x: Option<Vec<f64>>,
 }
 
 /// Counters for reports.
@@ -119,12 +127,12 @@ pub struct Mechanism {
     types: Vec<TypeServers>,
     jobs: BTreeMap<ProblemJobId, Book>,
     /// Σ over jobs of time received per type since the last reset.
-    type_time_s: BTreeMap<String, f64>,
+    type_time_s: Vec<f64>,
     allocation: Allocation,
     last_reset_s: f64,
     job_set_changed: bool,
-    /// Last round's placements.
-    current: BTreeMap<ProblemJobId, Placement>,
+    /// Last round's placements: type index and GPUs.
+    current: BTreeMap<ProblemJobId, (usize, Vec<WorkerId>)>,
     shuffler: Option<Mt19937GenRand32>,
     stats: MechanismStats,
 }
@@ -136,12 +144,11 @@ impl Mechanism {
         let shuffler = config
             .shuffle_seed
             .map(|seed| Mt19937GenRand32::new_with_key([seed]));
-        let type_time_s = types.iter().map(|t| (t.gpu_type.clone(), 0.0)).collect();
         Mechanism {
             config,
+            type_time_s: vec![0.0; types.len()],
             types,
             jobs: BTreeMap::new(),
-            type_time_s,
             allocation: Allocation::new(),
             last_reset_s: 0.0,
             job_set_changed: false,
@@ -159,6 +166,16 @@ impl Mechanism {
         self.stats
     }
 
+    /// The name of the type at `index`.
+    pub fn type_name(&self, index: usize) -> &str {
+        self.types.get(index).map_or("", |t| t.gpu_type.as_str())
+    }
+
+    /// The index of `gpu_type`.
+    pub fn type_index(&self, gpu_type: &str) -> Option<usize> {
+        self.types.iter().position(|t| t.gpu_type == gpu_type)
+    }
+
     /// The allocation the rounds follow.
     pub fn allocation(&self) -> &Allocation {
         &self.allocation
@@ -173,37 +190,28 @@ impl Mechanism {
         self.jobs.contains_key(&job)
     }
 
-    /// Last round's placements.
-    pub fn current(&self) -> &BTreeMap<ProblemJobId, Placement> {
-        &self.current
-    }
-
     /// A job arrived: credited on every type, no allocation until the next
-    /// solve.
+    /// solve. `throughputs` by type name (a missing type: 0).
     pub fn add_job(
         &mut self,
         job: ProblemJobId,
         scale_factor: u32,
-        throughputs: BTreeMap<String, f64>,
+        throughputs: &BTreeMap<String, f64>,
     ) {
-        let credit = self.config.initial_credit_s;
-        let time_on_s = self
+        let n = self.types.len();
+        let speed = self
             .types
             .iter()
-            .map(|t| (t.gpu_type.clone(), credit))
-            .collect();
-        let deficit_s = self
-            .types
-            .iter()
-            .map(|t| (t.gpu_type.clone(), 0.0))
+            .map(|t| throughputs.get(&t.gpu_type).copied().unwrap_or(0.0))
             .collect();
         self.jobs.insert(
             job,
             Book {
                 scale_factor: scale_factor.max(1),
-                throughputs,
-                time_on_s,
-                deficit_s,
+                speed,
+                time_on_s: vec![self.config.initial_credit_s; n],
+                deficit_s: vec![0.0; n],
+                x: None,
             },
         );
         self.job_set_changed = true;
@@ -216,18 +224,19 @@ impl Mechanism {
         }
     }
 
-    /// `job` ran `seconds` on `gpu_type` (a round's micro-task).
-    pub fn record_run(&mut self, job: ProblemJobId, gpu_type: &str, seconds: f64) {
+    /// `job` ran `seconds` on the type at `type_index` (a round's
+    /// micro-task).
+    pub fn record_run(&mut self, job: ProblemJobId, type_index: usize, seconds: f64) {
         if !(seconds.is_finite() && seconds > 0.0) {
             return;
         }
         if let Some(t) = self
             .jobs
             .get_mut(&job)
-            .and_then(|b| b.time_on_s.get_mut(gpu_type))
+            .and_then(|b| b.time_on_s.get_mut(type_index))
         {
             *t += seconds;
-            if let Some(total) = self.type_time_s.get_mut(gpu_type) {
+            if let Some(total) = self.type_time_s.get_mut(type_index) {
                 *total += seconds;
             }
         }
@@ -247,21 +256,24 @@ impl Mechanism {
     pub fn install(&mut self, now_s: f64, allocation: Allocation) {
         let elapsed_s = now_s - self.last_reset_s;
         let credit = self.config.initial_credit_s;
-        for total in self.type_time_s.values_mut() {
-            *total = 0.0;
-        }
+        let n = self.types.len();
         for (job, book) in &mut self.jobs {
-            for (gpu_type, time_on) in &mut book.time_on_s {
-                let received = *time_on - credit;
-                let promised = self
-                    .allocation
-                    .get(job)
-                    .and_then(|row| row.get(gpu_type))
-                    .map_or(0.0, |x| x * elapsed_s);
-                *book.deficit_s.entry(gpu_type.clone()).or_default() += promised - received;
-                *time_on = credit;
-                *self.type_time_s.entry(gpu_type.clone()).or_default() += credit;
+            for ti in 0..n {
+                let received = book.time_on_s[ti] - credit;
+                let promised = book.x.as_ref().map_or(0.0, |x| x[ti] * elapsed_s);
+                book.deficit_s[ti] += promised - received;
+                book.time_on_s[ti] = credit;
             }
+            book.x = allocation.get(job).map(|row| {
+                self.types
+                    .iter()
+                    .map(|t| row.get(&t.gpu_type).copied().unwrap_or(0.0))
+                    .collect()
+            });
+        }
+        let jobs = self.jobs.len() as f64;
+        for total in &mut self.type_time_s {
+            *total = credit * jobs;
         }
         self.allocation = allocation;
         self.last_reset_s = now_s;
@@ -269,20 +281,19 @@ impl Mechanism {
         self.stats.solves += 1;
     }
 
-    /// The priority of `job` on `gpu_type` now.
-    fn priority(&self, job: ProblemJobId, book: &Book, gpu_type: &str) -> f64 {
-        let Some(row) = self.allocation.get(&job) else {
+    /// The priority of a job on the type at `ti` now.
+    fn priority(&self, book: &Book, ti: usize) -> f64 {
+        let Some(x) = book.x.as_ref().map(|x| x[ti]) else {
             return 0.0;
         };
-        let x = row.get(gpu_type).copied().unwrap_or(0.0);
-        if x == 0.0 || book.throughputs.get(gpu_type).copied().unwrap_or(0.0) == 0.0 {
+        if x == 0.0 || book.speed[ti] == 0.0 {
             return 0.0;
         }
-        let type_time = self.type_time_s.get(gpu_type).copied().unwrap_or(0.0);
+        let type_time = self.type_time_s[ti];
         let fraction = if type_time == 0.0 {
             0.0
         } else {
-            book.time_on_s.get(gpu_type).copied().unwrap_or(0.0) / type_time
+            book.time_on_s[ti] / type_time
         };
         if fraction > 0.0 {
             x / fraction
@@ -314,141 +325,155 @@ impl Mechanism {
         order
     }
 
-    /// The placements of the round starting at `now_s`. Call
-    /// [`Mechanism::install`] first when [`Mechanism::needs_solve`] says
-    /// so. Never places more GPUs of a type than it has, nor a job twice.
+    /// The placements of the next round. Call [`Mechanism::install`] first
+    /// when [`Mechanism::needs_solve`] says so. Never places more GPUs of a
+    /// type than it has, a GPU twice, or a job twice.
     pub fn plan_round(&mut self) -> BTreeMap<ProblemJobId, Placement> {
         self.stats.rounds += 1;
         let order = self.round_types();
-        // Per type: (job, priority, deficit, allocation), sorted
-        // descending, the types' lists one after the other.
-        let mut queue: Vec<(ProblemJobId, usize, f64)> = Vec::new();
+        let books: Vec<(ProblemJobId, &Book)> = self.jobs.iter().map(|(j, b)| (*j, b)).collect();
+        let mut left: Vec<u32> = self.types.iter().map(TypeServers::gpus).collect();
+        let mut chosen = vec![false; books.len()];
+        // Per type, in queue order: (job, scale factor, has an allocation).
+        let mut per_type: Vec<Vec<(ProblemJobId, u32, bool)>> = vec![Vec::new(); self.types.len()];
+        // Per type: (job's position, priority, deficit, allocation), sorted
+        // descending, ties in arrival (id) order; the types' lists walked
+        // one after the other.
+        type Entry = (u32, f64, f64, f64);
+        let mut entries: Vec<Entry> = Vec::with_capacity(books.len());
         for &ti in &order {
-            let gpu_type = self.types[ti].gpu_type.as_str();
-            let mut entries: Vec<(ProblemJobId, f64, f64, f64)> = self
-                .jobs
-                .iter()
-                .map(|(job, book)| {
-                    let x = self
-                        .allocation
-                        .get(job)
-                        .and_then(|row| row.get(gpu_type))
-                        .copied()
-                        .unwrap_or(0.0);
-                    let deficit = book.deficit_s.get(gpu_type).copied().unwrap_or(0.0);
-                    (*job, self.priority(*job, book, gpu_type), deficit, x)
-                })
-                .collect();
-            // A stable sort: ties keep arrival (id) order.
-            entries.sort_by(|a, b| {
+            if left[ti] == 0 {
+                continue;
+            }
+            entries.clear();
+            entries.extend(books.iter().enumerate().map(|(i, (_, book))| {
+                let x = book.x.as_ref().map_or(0.0, |x| x[ti]);
+                (
+                    u32::try_from(i).unwrap_or(u32::MAX),
+                    self.priority(book, ti),
+                    book.deficit_s[ti],
+                    x,
+                )
+            }));
+            let order_of = |a: &Entry, b: &Entry| {
                 b.1.total_cmp(&a.1)
                     .then(b.2.total_cmp(&a.2))
                     .then(b.3.total_cmp(&a.3))
-            });
-            queue.extend(entries.into_iter().map(|(job, p, ..)| (job, ti, p)));
-        }
-        let mut left: Vec<u32> = self.types.iter().map(TypeServers::gpus).collect();
-        let mut chosen: BTreeSet<ProblemJobId> = BTreeSet::new();
-        // Per type, in queue order: (job, scale factor).
-        let mut per_type: Vec<Vec<(ProblemJobId, u32)>> = vec![Vec::new(); self.types.len()];
-        for (job, ti, priority) in queue {
-            if left[ti] == 0 || chosen.contains(&job) {
-                continue;
-            }
-            let Some(book) = self.jobs.get(&job) else {
-                continue;
+                    .then(a.0.cmp(&b.0))
             };
-            let speed = book
-                .throughputs
-                .get(&self.types[ti].gpu_type)
-                .copied()
-                .unwrap_or(0.0);
-            if speed <= 0.0 || (self.config.skip_zero_priority && priority <= 0.0) {
-                continue;
+            // Only the head of the order is usually walked: it holds at
+            // most `left` placements plus the jobs already chosen on other
+            // types. Sort that head; sort the rest only if the walk gets
+            // there.
+            let chosen_count = chosen.iter().filter(|c| **c).count();
+            let head = (left[ti] as usize + chosen_count + 8).min(entries.len());
+            if head < entries.len() {
+                entries.select_nth_unstable_by(head, order_of);
             }
-            if book.scale_factor > left[ti] {
-                continue;
+            entries[..head].sort_unstable_by(order_of);
+            let mut sorted_all = head == entries.len();
+            let mut at = 0;
+            while at < entries.len() && left[ti] > 0 {
+                if at == head && !sorted_all {
+                    entries[head..].sort_unstable_by(order_of);
+                    sorted_all = true;
+                }
+                let (i, priority, _, _) = entries[at];
+                at += 1;
+                let i = i as usize;
+                let (job, book) = books[i];
+                if chosen[i]
+                    || book.speed[ti] <= 0.0
+                    || (self.config.skip_zero_priority && priority <= 0.0)
+                    || book.scale_factor > left[ti]
+                {
+                    continue;
+                }
+                left[ti] -= book.scale_factor;
+                chosen[i] = true;
+                per_type[ti].push((job, book.scale_factor, book.x.is_some()));
             }
-            left[ti] -= book.scale_factor;
-            chosen.insert(job);
-            per_type[ti].push((job, book.scale_factor));
         }
         let placements = self.assign(&order, per_type);
-        for (job, placement) in &self.current {
+        for job in self.current.keys() {
             if self.jobs.contains_key(job) {
                 self.stats.lease_extension_opportunities += 1;
-                if placements.get(job).is_some_and(|p| {
-                    let mut a = p.workers.clone();
-                    let mut b = placement.workers.clone();
-                    a.sort_unstable();
-                    b.sort_unstable();
-                    a == b
-                }) {
+                if placements.get(job).is_some_and(|p| p.extended) {
                     self.stats.lease_extensions += 1;
                 }
             }
         }
-        self.current = placements.clone();
+        self.current = placements
+            .iter()
+            .map(|(job, p)| (*job, (p.type_index, p.workers.clone())))
+            .collect();
         placements
     }
 
     /// GPUs for the chosen jobs, type by type: largest scale factor first;
     /// within a size, jobs that ran on this type last round keep their
     /// GPUs when all are still free, then the rest are packed server by
-    /// server. Jobs the allocation does not name (arrived since the last
-    /// solve) are not placed, as in Gavel.
+    /// server (the type's GPUs in server order, skipping taken ones).
+    /// Jobs the allocation does not name (arrived since the last solve)
+    /// are not placed, as in Gavel.
     fn assign(
         &self,
         order: &[usize],
-        mut per_type: Vec<Vec<(ProblemJobId, u32)>>,
+        mut per_type: Vec<Vec<(ProblemJobId, u32, bool)>>,
     ) -> BTreeMap<ProblemJobId, Placement> {
         let mut out: BTreeMap<ProblemJobId, Placement> = BTreeMap::new();
+        let mut taken: BTreeSet<WorkerId> = BTreeSet::new();
         for &ti in order {
-            let servers = &self.types[ti];
             let jobs = &mut per_type[ti];
+            if jobs.is_empty() {
+                continue;
+            }
             jobs.sort_by(|a, b| b.1.cmp(&a.1));
-            let mut free: Vec<std::collections::VecDeque<WorkerId>> = servers
-                .servers
-                .iter()
-                .map(|s| s.iter().copied().collect())
-                .collect();
-            let mut taken: BTreeSet<WorkerId> = BTreeSet::new();
-            let mut server = 0usize;
-            let mut sizes: Vec<u32> = jobs.iter().map(|(_, s)| *s).collect();
+            let mut gpus = self.types[ti].servers.iter().flatten().copied();
+            let mut sizes: Vec<u32> = jobs.iter().map(|(_, s, _)| *s).collect();
             sizes.dedup();
             for size in sizes {
-                for (job, _) in jobs.iter().filter(|(_, s)| *s == size) {
-                    let Some(previous) = self.current.get(job) else {
+                for (job, _, _) in jobs.iter().filter(|(_, s, _)| *s == size) {
+                    let Some((previous_type, previous)) = self.current.get(job) else {
                         continue;
                     };
-                    if previous.gpu_type != servers.gpu_type
-                        || previous.workers.iter().any(|w| taken.contains(w))
-                    {
+                    if *previous_type != ti || previous.iter().any(|w| taken.contains(w)) {
                         continue;
                     }
-                    taken.extend(previous.workers.iter().copied());
-                    out.insert(*job, previous.clone());
+                    taken.extend(previous.iter().copied());
+                    out.insert(
+                        *job,
+                        Placement {
+                            type_index: ti,
+                            workers: previous.clone(),
+                            extended: true,
+                        },
+                    );
                 }
-                for (job, _) in jobs.iter().filter(|(_, s)| *s == size) {
-                    if !self.allocation.contains_key(job) || out.contains_key(job) {
+                for (job, _, allocated) in jobs.iter().filter(|(_, s, _)| *s == size) {
+                    if !allocated || out.contains_key(job) {
                         continue;
                     }
                     let mut workers = Vec::with_capacity(size as usize);
-                    while workers.len() < size as usize && server < free.len() {
-                        let Some(w) = free[server].pop_front() else {
-                            server += 1;
-                            continue;
+                    while workers.len() < size as usize {
+                        let Some(w) = gpus.next() else {
+                            break;
                         };
                         if taken.insert(w) {
                             workers.push(w);
                         }
                     }
                     if workers.len() == size as usize {
+                        let extended = self
+                            .current
+                            .get(job)
+                            .is_some_and(|(t, w)| *t == ti && *w == workers);
                         out.insert(
                             *job,
                             Placement {
-                                gpu_type: servers.gpu_type.clone(),
+                                type_index: ti,
                                 workers,
+                                extended,
                             },
                         );
                     } else {
@@ -540,8 +565,8 @@ mod tests {
     fn time_sharing_follows_the_allocation() {
         // Two jobs, one v100: each should get half of it.
         let mut m = Mechanism::new(MechanismConfig::gavel(), cluster(&[("v100", 1)], 1));
-        m.add_job(0, 1, speeds(1.0, 0.0));
-        m.add_job(1, 1, speeds(1.0, 0.0));
+        m.add_job(0, 1, &speeds(1.0, 0.0));
+        m.add_job(1, 1, &speeds(1.0, 0.0));
         assert!(m.needs_solve(0.0));
         let half: BTreeMap<String, f64> = [("v100".to_string(), 0.5)].into_iter().collect();
         m.install(0.0, [(0, half.clone()), (1, half)].into_iter().collect());
@@ -552,7 +577,7 @@ mod tests {
             assert_eq!(plan.len(), 1, "one GPU, one job per round");
             let (job, p) = plan.iter().next().expect("one");
             runs[*job as usize] += 1;
-            m.record_run(*job, &p.gpu_type, 360.0);
+            m.record_run(*job, p.type_index, 360.0);
         }
         assert_eq!(runs, [5, 5]);
     }
@@ -560,14 +585,19 @@ mod tests {
     #[test]
     fn a_job_keeps_its_gpus_and_new_jobs_wait_for_a_solve() {
         let mut m = Mechanism::new(MechanismConfig::gavel(), cluster(&[("v100", 4)], 4));
-        m.add_job(0, 2, speeds(1.0, 0.0));
+        m.add_job(0, 2, &speeds(1.0, 0.0));
         m.install(100.0, [(0, row(1.0, 0.0))].into_iter().collect());
         let first = m.plan_round();
-        m.record_run(0, "v100", 360.0);
-        m.add_job(1, 2, speeds(1.0, 0.0));
+        m.record_run(0, 0, 360.0);
+        m.add_job(1, 2, &speeds(1.0, 0.0));
         assert!(!m.needs_solve(460.0), "the last solve is too recent");
         let second = m.plan_round();
-        assert_eq!(second.get(&0), first.get(&0), "lease extended");
+        assert_eq!(
+            second.get(&0).map(|p| &p.workers),
+            first.get(&0).map(|p| &p.workers),
+            "lease extended"
+        );
+        assert!(second.get(&0).is_some_and(|p| p.extended));
         assert!(!second.contains_key(&1), "no allocation yet");
         assert!(m.needs_solve(2020.0));
         assert_eq!(m.stats().lease_extensions, 1);
@@ -576,15 +606,15 @@ mod tests {
     #[test]
     fn deficits_carry_what_the_old_allocation_promised() {
         let mut m = Mechanism::new(MechanismConfig::gavel(), cluster(&[("v100", 1)], 1));
-        m.add_job(0, 1, speeds(1.0, 0.0));
+        m.add_job(0, 1, &speeds(1.0, 0.0));
         m.install(0.0, [(0, row(1.0, 0.0))].into_iter().collect());
         // Promised 2,000 s on v100, received 1,500.
-        m.record_run(0, "v100", 1500.0);
-        m.add_job(1, 1, speeds(1.0, 0.0));
+        m.record_run(0, 0, 1500.0);
+        m.add_job(1, 1, &speeds(1.0, 0.0));
         assert!(m.needs_solve(2000.0));
         m.install(2000.0, Allocation::new());
-        let d = m.jobs[&0].deficit_s["v100"];
+        let d = m.jobs[&0].deficit_s[0];
         assert!((d - 500.0).abs() < 1e-9, "{d}");
-        assert_eq!(m.jobs[&1].deficit_s["v100"], 0.0);
+        assert_eq!(m.jobs[&1].deficit_s[0], 0.0);
     }
 }

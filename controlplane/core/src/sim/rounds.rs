@@ -18,7 +18,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::gavel::mechanism::{Mechanism, MechanismConfig, Placement, TypeServers};
+use crate::gavel::mechanism::{Mechanism, MechanismConfig, TypeServers};
 use crate::gavel::{self, Allocation, AllocationError, AllocationProblem, ProblemJobId};
 use crate::throughput;
 
@@ -96,6 +96,8 @@ pub fn type_servers(nodes: &[SimNode]) -> Vec<TypeServers> {
 struct Active {
     position: usize,
     throughputs: BTreeMap<String, f64>,
+    /// Steps per second by the mechanism's type index.
+    speed: Vec<f64>,
     steps_done: f64,
 }
 
@@ -103,7 +105,7 @@ struct Active {
 #[derive(Debug, Clone)]
 struct MicroTask {
     job: ProblemJobId,
-    gpu_type: String,
+    type_index: usize,
     gpus: u32,
     steps: f64,
     start_s: f64,
@@ -237,7 +239,7 @@ pub fn simulate_rounds(
         // Credit the round's micro-tasks.
         for task in std::mem::take(&mut running) {
             let ran_s = task.finish_s - round_start_s;
-            mechanism.record_run(task.job, &task.gpu_type, ran_s);
+            mechanism.record_run(task.job, task.type_index, ran_s);
             busy_gpu_s += f64::from(task.gpus) * (task.finish_s - task.start_s);
             let Some(a) = active.get_mut(&task.job) else {
                 continue;
@@ -264,12 +266,16 @@ pub fn simulate_rounds(
                 break;
             }
             let throughputs = speeds(job);
-            mechanism.add_job(job.id, job.workers_min * job.gpus_per_worker, throughputs.clone());
+            mechanism.add_job(job.id, job.workers_min * job.gpus_per_worker, &throughputs);
+            let speed = (0..cluster_spec.len())
+                .map(|ti| throughputs.get(mechanism.type_name(ti)).copied().unwrap_or(0.0))
+                .collect();
             active.insert(
                 job.id,
                 Active {
                     position: *i,
                     throughputs,
+                    speed,
                     steps_done: 0.0,
                 },
             );
@@ -329,18 +335,13 @@ pub fn simulate_rounds(
             };
             mechanism.install(now_s, allocation);
         }
-        let previous: BTreeMap<ProblemJobId, Placement> = mechanism.current().clone();
         let plan = mechanism.plan_round();
         report.rounds += 1;
         for (job, placement) in plan {
             let Some(a) = active.get(&job) else {
                 continue;
             };
-            let speed = a
-                .throughputs
-                .get(&placement.gpu_type)
-                .copied()
-                .unwrap_or(0.0);
+            let speed = a.speed.get(placement.type_index).copied().unwrap_or(0.0);
             if speed <= 0.0 {
                 continue;
             }
@@ -349,14 +350,14 @@ pub fn simulate_rounds(
             if let Some(r) = result_of.get(&job).and_then(|i| results.get_mut(*i)) {
                 if r.first_start_s.is_none() {
                     r.first_start_s = Some(now_s);
-                } else if previous.get(&job) != Some(&placement) {
+                } else if !placement.extended {
                     r.restarts += 1;
                     report.preemptions += 1;
                 }
             }
             running.push(MicroTask {
                 job,
-                gpu_type: placement.gpu_type,
+                type_index: placement.type_index,
                 gpus: u32::try_from(placement.workers.len()).unwrap_or(u32::MAX),
                 steps,
                 start_s: now_s,
