@@ -121,6 +121,11 @@ pub async fn scheduling_loop(
     let mut applied = shared.subscribe();
     let mut seen_version = None;
     let mut gate = LeaderGate::default();
+    // The next tick is a deadline, not a fresh wait after every applied
+    // entry: progress reports arrive more often than the round length and
+    // would otherwise postpone time-driven rounds (Tiresias's demotions,
+    // the heterogeneity-aware policies' rounds) forever.
+    let mut next_tick = tokio::time::Instant::now() + settings.round;
     loop {
         let (version, backoff_end_ms) = {
             let applied = shared.read();
@@ -136,12 +141,14 @@ pub async fn scheduling_loop(
         if seen_version == Some(version) {
             // The next tick: the round length, or sooner when a retry's
             // backoff ends.
-            let tick = backoff_end_ms
-                .map(|ms| settings.round.min(Duration::from_millis(ms + 1)))
-                .unwrap_or(settings.round);
+            let deadline = backoff_end_ms
+                .map(|ms| {
+                    next_tick.min(tokio::time::Instant::now() + Duration::from_millis(ms + 1))
+                })
+                .unwrap_or(next_tick);
             tokio::select! {
                 _ = applied.changed() => continue,
-                _ = tokio::time::sleep(tick) => {}
+                _ = tokio::time::sleep_until(deadline) => {}
                 _ = stop.changed() => return,
             }
         } else {
@@ -181,6 +188,7 @@ pub async fn scheduling_loop(
             )
         };
         seen_version = Some(version);
+        next_tick = tokio::time::Instant::now() + settings.round;
         if let Some(command) = command {
             if let Command::DecideAllocation {
                 based_on,

@@ -52,6 +52,8 @@ struct Args {
     command: Cmd,
 }
 
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run a Keel server (a Raft replica serving the API).
@@ -115,6 +117,8 @@ enum Cmd {
         /// Seconds between scheduling rounds (changes also wake the scheduler).
         #[arg(long, default_value_t = 10.0)]
         round_s: f64,
+        #[command(flatten)]
+        gavel: GavelArgs,
         /// Seconds a stopped worker gets between SIGTERM and SIGKILL.
         #[arg(long, default_value_t = 10.0)]
         stop_grace_s: f64,
@@ -246,6 +250,52 @@ impl TiresiasArgs {
         options
             .validate()
             .map_err(|e| anyhow::anyhow!("--tiresias-thresholds-gpu-s: {e}"))?;
+        Ok(options)
+    }
+}
+
+/// The heterogeneity-aware policies' round constants.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GavelArgs {
+    /// Heterogeneity-aware policies: seconds per round of time sharing
+    /// (a job placed differently next round is checkpointed and relaunched).
+    #[arg(long, default_value_t = 360.0)]
+    pub gavel_round_s: f64,
+    /// Heterogeneity-aware policies: least seconds between two solves of
+    /// the fractional allocation.
+    #[arg(long, default_value_t = 1920.0)]
+    pub resolve_interval_s: f64,
+    /// Price per hour of each GPU type, for
+    /// `max_sum_throughput_normalized_by_cost_perf`: `v100=2.48,k80=0.45`
+    /// (types not named cost 1).
+    #[arg(long, value_parser = parse_price, value_delimiter = ',')]
+    pub gpu_prices: Vec<(String, f64)>,
+}
+
+/// `TYPE=DOLLARS_PER_HOUR`.
+pub fn parse_price(s: &str) -> Result<(String, f64), String> {
+    let (t, p) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not TYPE=DOLLARS_PER_HOUR"))?;
+    let p: f64 = p.trim().parse().map_err(|e| format!("price of {t}: {e}"))?;
+    if !(p.is_finite() && p > 0.0 && p <= 1e6) {
+        return Err(format!(
+            "price of {t}: {p} is not between 0 and 1e6 dollars per hour"
+        ));
+    }
+    Ok((t.trim().to_ascii_lowercase(), p))
+}
+
+impl GavelArgs {
+    pub fn options(&self) -> anyhow::Result<keel_core::policy::GavelOptions> {
+        let options = keel_core::policy::GavelOptions {
+            round_s: self.gavel_round_s,
+            min_resolve_interval_s: self.resolve_interval_s,
+            instance_costs: self.gpu_prices.iter().cloned().collect(),
+        };
+        options
+            .validate()
+            .map_err(|e| anyhow::anyhow!("--{}", e.replace('_', "-")))?;
         Ok(options)
     }
 }
@@ -393,6 +443,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             backfill,
             tiresias,
             round_s,
+            gavel,
             stop_grace_s,
             progress_interval_s,
         } => {
@@ -406,6 +457,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let policy_options = keel_core::policy::PolicyOptions {
                 queue: QueueOptions { backfill },
                 tiresias: tiresias.options()?,
+                gavel: gavel.options()?,
             };
             let policy = keel_core::policy::by_name_with(&policy, &policy_options)?;
             let config = ServerConfig {

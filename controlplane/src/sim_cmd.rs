@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use keel_core::policy::QueueOptions;
 use keel_core::gavel::mechanism::MechanismConfig;
+use keel_core::policy::QueueOptions;
 use keel_core::sim::{self, RoundSimConfig, SimConfig, SimJob, SimReport};
 use serde::Serialize;
 
@@ -84,6 +84,10 @@ pub struct SimArgs {
     /// simulator's time semantics, for results comparable with Gavel's.
     #[arg(long)]
     gavel_compat: bool,
+    /// Price per hour of each GPU type, for
+    /// `max_sum_throughput_normalized_by_cost_perf`: `v100=2.48,k80=0.45`.
+    #[arg(long, value_parser = crate::parse_price, value_delimiter = ',')]
+    gpu_prices: Vec<(String, f64)>,
     /// Seconds without progress each time a job (re)starts on an allocation.
     #[arg(long, default_value_t = 0.0)]
     restart_s: f64,
@@ -147,9 +151,9 @@ fn workload(args: &SimArgs) -> anyhow::Result<Vec<SimJob>> {
         return sim::workload::parse_gavel_generated_csv(&read_text(path)?, args.rate)
             .with_context(|| format!("in {}", path.display()));
     }
-    let jobs = args
-        .generate
-        .context("give a workload: --trace FILE, --gavel-trace FILE, --generated-csv FILE or --generate N")?;
+    let jobs = args.generate.context(
+        "give a workload: --trace FILE, --gavel-trace FILE, --generated-csv FILE or --generate N",
+    )?;
     Ok(sim::Generator {
         jobs,
         rate_per_hour: args.rate,
@@ -229,6 +233,7 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
             backfill: args.backfill,
         },
         tiresias: args.tiresias.options()?,
+        gavel: Default::default(),
     };
     if !(args.resolve_interval_s.is_finite() && args.resolve_interval_s >= 0.0) {
         anyhow::bail!("--resolve-interval-s must be a number of seconds ≥ 0");
@@ -244,7 +249,9 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
                     keel_core::gavel::GAVEL_POLICY_NAMES.join(", ")
                 )
             } else {
-                Ok(SimPolicy::Keel(keel_core::policy::by_name_with(n, &options)?))
+                Ok(SimPolicy::Keel(keel_core::policy::by_name_with(
+                    n, &options,
+                )?))
             }
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -283,6 +290,7 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
                     seed: args.seed,
                     window: config.window,
                     max_simulated_s: config.max_simulated_s,
+                    instance_costs: args.gpu_prices.iter().cloned().collect(),
                 };
                 sim::simulate_rounds(&rounds, name)?
             }

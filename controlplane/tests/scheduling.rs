@@ -665,3 +665,56 @@ fn the_policy_is_switched_at_run_time_by_a_logged_entry() {
     server.cli_ok(&["cancel", &long.to_string()]);
     server.terminate();
 }
+
+/// A heterogeneity-aware policy in the live scheduler: under
+/// `max_min_fairness_perf` with 2-second rounds, two jobs share one GPU
+/// round by round — each is checkpointed when its round ends and relaunched
+/// from its checkpoint at its next one — and both finish. Decisions are
+/// logged under the policy's name.
+#[test]
+fn gavel_rounds_time_share_one_gpu_by_checkpoint_and_relaunch() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start(
+        &dir.path().join("data"),
+        &[
+            "--simulated-gpus",
+            "1xv100",
+            "--policy",
+            "max_min_fairness_perf",
+            "--round-s",
+            "0.5",
+            "--gavel-round-s",
+            "2",
+            "--resolve-interval-s",
+            "0",
+        ],
+    );
+    let trainer = |name: &str| {
+        format!(
+            "name: {name}\ncommand: [keel, trainer, --speedup, \"20\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"20\"]\n\
+             gpus: 1\nmodel: resnet50\ntotal_steps: 2000\n"
+        )
+    };
+    let a = server.submit(dir.path(), "a", &trainer("a"));
+    let b = server.submit(dir.path(), "b", &trainer("b"));
+    for job in [a, b] {
+        wait_for("both jobs to succeed", || {
+            (server.job(job)["state"] == "succeeded").then_some(())
+        });
+    }
+    // Both ran more than once: time sharing, not one after the other.
+    for job in [a, b] {
+        let view = server.job(job);
+        let epoch = view["workers"][0]["epoch"].as_u64().unwrap_or(0);
+        let history = view["history"].to_string();
+        assert!(
+            epoch >= 2 && history.contains("preempted"),
+            "job {job}: epoch {epoch}, {history}"
+        );
+    }
+    let events = server.events();
+    assert!(check_no_gpu_double_booked(&events) > 0);
+    let decisions = server.cli_ok(&["events"]);
+    assert!(decisions.contains("max_min_fairness_perf"), "{decisions}");
+    server.terminate();
+}

@@ -24,6 +24,8 @@ fn problem(jobs: u64) -> AllocationProblem {
         priority_weights: BTreeMap::new(),
         times_since_start: BTreeMap::new(),
         num_steps_remaining: BTreeMap::new(),
+        instance_costs: BTreeMap::new(),
+        slos: BTreeMap::new(),
     };
     for i in 0..jobs {
         let v100 = 1.0 + 20.0 * rng.unit();

@@ -95,7 +95,7 @@ pub enum Command {
         job_id: JobId,
     },
     /// Switch the scheduling policy at run time (one of
-    /// [`crate::policy::POLICY_NAMES`]); every later round uses it.
+    /// [`crate::policy::all_policy_names`]); every later round uses it.
     SetPolicy {
         name: String,
     },

@@ -435,12 +435,13 @@ impl ClusterState {
             Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
             Command::SetPolicy { name } => {
                 check_len("policy", name, limits::POLICY_NAME_MAX_LEN)?;
-                if !crate::policy::POLICY_NAMES.contains(&name.as_str()) {
+                let known = crate::policy::all_policy_names();
+                if !known.contains(&name.as_str()) {
                     return Err(ApplyError::Invalid {
                         field: "policy".into(),
                         reason: format!(
                             "unknown policy {name:?}; known policies: {}",
-                            crate::policy::POLICY_NAMES.join(", ")
+                            known.join(", ")
                         ),
                     });
                 }

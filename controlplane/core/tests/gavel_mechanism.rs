@@ -61,6 +61,8 @@ proptest! {
             priority_weights: BTreeMap::new(),
             times_since_start: BTreeMap::new(),
             num_steps_remaining: BTreeMap::new(),
+            instance_costs: BTreeMap::new(),
+            slos: BTreeMap::new(),
         };
         for (id, (s, v, p, k)) in jobs.iter().enumerate() {
             let row: BTreeMap<String, f64> = TYPES
@@ -121,6 +123,9 @@ fn round_config(jobs: Vec<SimJob>) -> RoundSimConfig {
         seed: 0,
         window: None,
         max_simulated_s: 10.0 * 365.0 * 86_400.0,
+        instance_costs: [("v100".to_string(), 2.48), ("k80".to_string(), 0.45)]
+            .into_iter()
+            .collect(),
     }
 }
 
@@ -135,14 +140,20 @@ fn every_policy_finishes_the_workload_deterministically() {
         assert_eq!(jct.unfinished, 0, "{policy}: {jct:?}");
         assert_eq!(jct.finished, 24, "{policy}");
         assert!(report.solves > 0 && report.rounds > 0, "{policy}");
-        assert!(report.utilisation > 0.0 && report.utilisation <= 1.0, "{policy}");
+        assert!(
+            report.utilisation > 0.0 && report.utilisation <= 1.0,
+            "{policy}"
+        );
         // The seeded type shuffle and the FIFO rule: the same report again.
         if ["max_min_fairness", "fifo_perf"].contains(policy) {
             let again = sim::simulate_rounds(&config, policy).expect("runs");
             assert_eq!(report, again, "{policy}: not deterministic");
         }
     }
-    assert!(sim::simulate_rounds(&config, "drf").is_err(), "not a Gavel policy");
+    assert!(
+        sim::simulate_rounds(&config, "drf").is_err(),
+        "not a Gavel policy"
+    );
 }
 
 /// Heterogeneity-aware LAS beats agnostic LAS on average JCT when the

@@ -23,7 +23,11 @@ pub fn fifo_perf(problem: &AllocationProblem) -> PolicyResult {
         .throughputs
         .keys()
         .map(|job| {
-            let row = problem.cluster_spec.keys().map(|t| (t.clone(), 0.0)).collect();
+            let row = problem
+                .cluster_spec
+                .keys()
+                .map(|t| (t.clone(), 0.0))
+                .collect();
             (*job, row)
         })
         .collect();

@@ -208,9 +208,12 @@ impl Classes {
             priority_weights: BTreeMap::new(),
             times_since_start: BTreeMap::new(),
             num_steps_remaining: BTreeMap::new(),
+            instance_costs: problem.instance_costs.clone(),
+            slos: BTreeMap::new(),
         };
         for job in members.keys() {
-            let copy = |from: &BTreeMap<ProblemJobId, f64>, to: &mut BTreeMap<ProblemJobId, f64>| {
+            let copy = |from: &BTreeMap<ProblemJobId, f64>,
+                        to: &mut BTreeMap<ProblemJobId, f64>| {
                 if let Some(v) = from.get(job) {
                     to.insert(*job, *v);
                 }
@@ -223,12 +226,13 @@ impl Classes {
             }
             copy(&problem.priority_weights, &mut reduced.priority_weights);
             copy(&problem.times_since_start, &mut reduced.times_since_start);
-            copy(&problem.num_steps_remaining, &mut reduced.num_steps_remaining);
+            copy(
+                &problem.num_steps_remaining,
+                &mut reduced.num_steps_remaining,
+            );
+            copy(&problem.slos, &mut reduced.slos);
         }
-        let multiplicity = members
-            .iter()
-            .map(|(r, m)| (*r, m.len() as f64))
-            .collect();
+        let multiplicity = members.iter().map(|(r, m)| (*r, m.len() as f64)).collect();
         Classes {
             problem: reduced,
             multiplicity,

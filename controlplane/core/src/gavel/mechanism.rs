@@ -428,7 +428,7 @@ impl Mechanism {
             if jobs.is_empty() {
                 continue;
             }
-            jobs.sort_by(|a, b| b.1.cmp(&a.1));
+            jobs.sort_by_key(|j| std::cmp::Reverse(j.1));
             let mut gpus = self.types[ti].servers.iter().flatten().copied();
             let mut sizes: Vec<u32> = jobs.iter().map(|(_, s, _)| *s).collect();
             sizes.dedup();
@@ -547,10 +547,7 @@ mod tests {
         ];
         let mut config = MechanismConfig::gavel();
         config.shuffle_seed = Some(5);
-        let mut m = Mechanism::new(
-            config,
-            cluster(&[("v100", 1), ("p100", 1), ("k80", 1)], 1),
-        );
+        let mut m = Mechanism::new(config, cluster(&[("v100", 1), ("p100", 1), ("k80", 1)], 1));
         for want in expected {
             let got: Vec<String> = m
                 .round_types()

@@ -21,6 +21,7 @@ mod isolated;
 mod lp;
 mod max_min_fairness;
 mod max_sum_throughput;
+mod max_sum_throughput_normalized_by_cost;
 pub mod mechanism;
 mod min_total_duration;
 
@@ -33,6 +34,7 @@ pub use finish_time_fairness::{finish_time_fairness, finish_time_fairness_perf};
 pub use isolated::isolated;
 pub use max_min_fairness::{max_min_fairness, max_min_fairness_perf};
 pub use max_sum_throughput::max_sum_throughput_perf;
+pub use max_sum_throughput_normalized_by_cost::max_sum_throughput_normalized_by_cost_perf;
 pub use min_total_duration::{min_total_duration, min_total_duration_perf};
 
 /// A job's id in an allocation problem.
@@ -54,6 +56,13 @@ pub struct AllocationProblem {
     pub times_since_start: BTreeMap<ProblemJobId, f64>,
     #[serde(default)]
     pub num_steps_remaining: BTreeMap<ProblemJobId, f64>,
+    /// Price per hour of each GPU type (cost-normalised policies; 1 where
+    /// absent).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub instance_costs: BTreeMap<String, f64>,
+    /// Seconds from now to each job's deadline (cost-normalised policies).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub slos: BTreeMap<ProblemJobId, f64>,
 }
 
 /// Fractions of time by job, then GPU type.
@@ -94,6 +103,7 @@ pub const GAVEL_POLICY_NAMES: &[&str] = &[
     "finish_time_fairness_perf",
     "min_total_duration",
     "min_total_duration_perf",
+    "max_sum_throughput_normalized_by_cost_perf",
     "fifo_perf",
 ];
 
@@ -109,6 +119,9 @@ pub fn solve(name: &str, problem: &AllocationProblem) -> Result<PolicyResult, Al
         "finish_time_fairness_perf" => finish_time_fairness_perf(problem),
         "min_total_duration" => min_total_duration(problem),
         "min_total_duration_perf" => min_total_duration_perf(problem),
+        "max_sum_throughput_normalized_by_cost_perf" => {
+            max_sum_throughput_normalized_by_cost_perf(problem)
+        }
         "fifo_perf" => Ok(fifo_perf(problem)),
         _ => Err(AllocationError::UnknownPolicy {
             name: name.to_string(),
@@ -171,6 +184,22 @@ impl AllocationProblem {
             }
             if !self.scale_factors.contains_key(job) {
                 return Err(invalid("scale_factors", format!("job {job} has none")));
+            }
+        }
+        for (t, c) in &self.instance_costs {
+            if !(c.is_finite() && *c > 0.0) {
+                return Err(invalid(
+                    "instance_costs",
+                    format!("{t}: {c} is not a positive price"),
+                ));
+            }
+        }
+        for (job, s) in &self.slos {
+            if !(s.is_finite() && *s > 0.0) {
+                return Err(invalid(
+                    "slos",
+                    format!("job {job}: {s} is not a positive number of seconds"),
+                ));
             }
         }
         for (job, w) in &self.priority_weights {

@@ -15,6 +15,7 @@ mod elastic_srjf;
 mod elastic_tiresias;
 mod ffdl_optimizer;
 mod fifo;
+mod gavel_rounds;
 mod optimus;
 mod sizing;
 mod srjf;
@@ -29,6 +30,7 @@ pub use elastic_srjf::ElasticSrjf;
 pub use elastic_tiresias::ElasticTiresias;
 pub use ffdl_optimizer::FfdlOptimizer;
 pub use fifo::Fifo;
+pub use gavel_rounds::{GavelOptions, GavelRounds};
 pub use optimus::Optimus;
 pub use srjf::{remaining_s, Srjf};
 pub use tiresias::{Tiresias, TiresiasOptions};
@@ -137,6 +139,8 @@ pub struct PolicyOptions {
     pub queue: QueueOptions,
     /// For `tiresias` and `elastic_tiresias`.
     pub tiresias: TiresiasOptions,
+    /// For the heterogeneity-aware policies ([`crate::gavel`]).
+    pub gavel: GavelOptions,
 }
 
 /// The policy named `name`, or an error listing the known ones.
@@ -164,13 +168,30 @@ pub fn by_name_with(name: &str, options: &PolicyOptions) -> Result<Box<dyn Polic
         "afs_l" => Ok(Box::new(AfsL)),
         "drf" => Ok(Box::new(Drf)),
         "optimus" => Ok(Box::new(Optimus)),
-        _ => Err(UnknownPolicy {
-            name: name.to_string(),
-        }),
+        _ => match crate::gavel::GAVEL_POLICY_NAMES
+            .iter()
+            .find(|n| **n == name)
+        {
+            Some(name) => Ok(Box::new(GavelRounds::new(name, options.gavel.clone()))),
+            None => Err(UnknownPolicy {
+                name: name.to_string(),
+            }),
+        },
     }
 }
 
-/// The names [`by_name`] knows.
+/// Every name [`by_name_with`] knows: Keel's policies, then the
+/// heterogeneity-aware ones.
+pub fn all_policy_names() -> Vec<&'static str> {
+    POLICY_NAMES
+        .iter()
+        .chain(crate::gavel::GAVEL_POLICY_NAMES)
+        .copied()
+        .collect()
+}
+
+/// Keel's own policy names (see [`all_policy_names`] for every name
+/// [`by_name`] knows).
 pub const POLICY_NAMES: &[&str] = &[
     "fifo",
     "srjf",
@@ -247,7 +268,7 @@ mod tests {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown policy {name:?}; known policies: {}", POLICY_NAMES.join(", "))]
+#[error("unknown policy {name:?}; known policies: {}", all_policy_names().join(", "))]
 pub struct UnknownPolicy {
     pub name: String,
 }

@@ -45,6 +45,8 @@ pub struct RoundSimConfig {
     pub window: Option<(u64, u64)>,
     /// Stop after this much simulated time even if jobs remain.
     pub max_simulated_s: f64,
+    /// Price per hour by GPU type, for the cost-normalised policy.
+    pub instance_costs: BTreeMap<String, f64>,
 }
 
 /// Gavel's order of the types in the per-type lists (then any other type
@@ -136,8 +138,8 @@ pub fn simulate_rounds(
         .collect();
     let total_gpus: u32 = cluster_spec.values().sum();
     let mut mechanism_config = config.mechanism.clone();
-    mechanism_config.shuffle_seed = shuffles_types(policy)
-        .then(|| u32::try_from((config.seed + 5) & 0xFFFF_FFFF).unwrap_or(5));
+    mechanism_config.shuffle_seed =
+        shuffles_types(policy).then(|| u32::try_from((config.seed + 5) & 0xFFFF_FFFF).unwrap_or(5));
     mechanism_config.skip_zero_priority = policy.starts_with("fifo");
     let round_s = if mechanism_config.round_s.is_finite() && mechanism_config.round_s > 0.0 {
         mechanism_config.round_s
@@ -268,7 +270,12 @@ pub fn simulate_rounds(
             let throughputs = speeds(job);
             mechanism.add_job(job.id, job.workers_min * job.gpus_per_worker, &throughputs);
             let speed = (0..cluster_spec.len())
-                .map(|ti| throughputs.get(mechanism.type_name(ti)).copied().unwrap_or(0.0))
+                .map(|ti| {
+                    throughputs
+                        .get(mechanism.type_name(ti))
+                        .copied()
+                        .unwrap_or(0.0)
+                })
                 .collect();
             active.insert(
                 job.id,
@@ -326,6 +333,8 @@ pub fn simulate_rounds(
                         (*id, (total - a.steps_done).max(0.0))
                     })
                     .collect(),
+                instance_costs: config.instance_costs.clone(),
+                slos: BTreeMap::new(),
             };
             let allocation: Allocation = match gavel::solve(policy, &problem) {
                 Ok(result) => result.allocation,

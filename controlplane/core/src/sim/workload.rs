@@ -237,12 +237,18 @@ pub fn parse_gavel_generated_csv(
             .parse()
             .map_err(|e| line_error(line, format!("job_id {id:?}: {e}")))?;
         let scale_factor = num(scale_factor, "scale_factor")?;
-        if !(scale_factor >= 1.0 && scale_factor <= 1024.0 && scale_factor.fract() == 0.0) {
-            return Err(line_error(line, "scale_factor must be a whole number from 1 to 1024"));
+        if !((1.0..=1024.0).contains(&scale_factor) && scale_factor.fract() == 0.0) {
+            return Err(line_error(
+                line,
+                "scale_factor must be a whole number from 1 to 1024",
+            ));
         }
         let total_steps = num(total_steps, "total_steps")?;
         if !(total_steps.is_finite() && total_steps > 0.0 && total_steps < 1e15) {
-            return Err(line_error(line, "total_steps must be a number > 0 and < 1e15"));
+            return Err(line_error(
+                line,
+                "total_steps must be a number > 0 and < 1e15",
+            ));
         }
         let job = SimJob {
             id,

@@ -1,0 +1,447 @@
+//! The heterogeneity-aware policies ([`crate::gavel`]) in the live
+//! scheduler: a fractional allocation turned into placements round by
+//! round by the shared [`Mechanism`].
+//!
+//! Every `round_s` the policy credits the round that ended (each placed job
+//! ran on its type since the round began), brings the mechanism's job set
+//! up to date with the state (unfinished jobs come in; ended ones leave),
+//! re-solves the allocation when the mechanism says so, and plans the next
+//! round. Between round boundaries it repeats the current round's plan, so
+//! a scheduling pass caused by an arrival or a finish changes nothing: a
+//! new job waits for the next round, and the allocation is not solved
+//! again before `min_resolve_interval_s`, as in Gavel. A job whose
+//! placement is the same next round keeps running (no entry changes it);
+//! one that moves or sits out a round is checkpointed and relaunched by the
+//! usual allocation change.
+//!
+//! Inputs per job: its scale factor (`gpus × workers.min`; elastic jobs run
+//! at their minimum), its speed on each type from the performance model
+//! ([`JobPerf`]: measured where the job has run, else the throughput
+//! table), 0 on types its spec does not allow, its remaining steps, its
+//! time since submission and its priority as the weight.
+//!
+//! The one policy with memory: the mechanism's times received, deficits
+//! and current allocation live in the leader's memory, behind a mutex. It
+//! is soft state: a new leader (or a changed cluster) starts it afresh —
+//! every job credited as if newly arrived — and every decision it makes is
+//! a logged `DecideAllocation`, so nothing it decided is lost or
+//! recomputed.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use crate::gavel::mechanism::{Mechanism, MechanismConfig, TypeServers, WorkerId};
+use crate::gavel::{self, AllocationProblem, ProblemJobId};
+use crate::model::{GpuRef, JobId, NodeState};
+use crate::perf::JobPerf;
+use crate::state::ClusterState;
+
+use super::{Plan, Policy, SchedulingInput};
+
+/// The round constants of the live heterogeneity-aware policies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GavelOptions {
+    pub round_s: f64,
+    pub min_resolve_interval_s: f64,
+    /// Price per hour by GPU type, for the cost-normalised policy.
+    pub instance_costs: BTreeMap<String, f64>,
+}
+
+impl Default for GavelOptions {
+    fn default() -> Self {
+        let gavel = MechanismConfig::gavel();
+        GavelOptions {
+            round_s: gavel.round_s,
+            min_resolve_interval_s: gavel.min_resolve_interval_s,
+            instance_costs: BTreeMap::new(),
+        }
+    }
+}
+
+impl GavelOptions {
+    /// Checks the values, naming the flag and the limit.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.round_s.is_finite() && (1.0..=86_400.0).contains(&self.round_s)) {
+            return Err(format!(
+                "gavel_round_s {}: must be between 1 and 86400 seconds",
+                self.round_s
+            ));
+        }
+        if !(self.min_resolve_interval_s.is_finite()
+            && (0.0..=7.0 * 86_400.0).contains(&self.min_resolve_interval_s))
+        {
+            return Err(format!(
+                "resolve_interval_s {}: must be between 0 and 604800 seconds",
+                self.min_resolve_interval_s
+            ));
+        }
+        for (t, c) in &self.instance_costs {
+            if !(c.is_finite() && *c > 0.0 && *c <= 1e6) {
+                return Err(format!(
+                    "gpu_prices {t}={c}: a price must be a positive number of dollars per hour up to 1e6"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The cluster as the mechanism numbers it, and back.
+#[derive(Debug, Clone, PartialEq)]
+struct Layout {
+    types: Vec<TypeServers>,
+    gpus: Vec<GpuRef>,
+}
+
+impl Layout {
+    /// Live nodes' GPUs, types in name order, one server per node.
+    fn of(state: &ClusterState) -> Layout {
+        let mut by_type: BTreeMap<&str, Vec<Vec<WorkerId>>> = BTreeMap::new();
+        let mut gpus = Vec::new();
+        for node in state.nodes().values() {
+            if node.state != NodeState::Alive {
+                continue;
+            }
+            let mut here: BTreeMap<&str, Vec<WorkerId>> = BTreeMap::new();
+            for (index, gpu_type) in &node.gpus {
+                let id = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
+                gpus.push(GpuRef {
+                    node: node.name.clone(),
+                    index: *index,
+                });
+                here.entry(gpu_type.as_str()).or_default().push(id);
+            }
+            for (t, ids) in here {
+                by_type.entry(t).or_default().push(ids);
+            }
+        }
+        Layout {
+            types: by_type
+                .into_iter()
+                .map(|(t, servers)| TypeServers {
+                    gpu_type: t.to_string(),
+                    servers,
+                })
+                .collect(),
+            gpus,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Rounds {
+    layout: Layout,
+    mechanism: Mechanism,
+    /// When the current round began; `None` before the first.
+    round_started_s: Option<f64>,
+    /// The current round's plan.
+    plan: BTreeMap<JobId, Vec<GpuRef>>,
+    /// The current round's type index per placed job.
+    placed_on: BTreeMap<JobId, usize>,
+}
+
+/// A heterogeneity-aware policy run in rounds.
+#[derive(Debug)]
+pub struct GavelRounds {
+    name: &'static str,
+    options: GavelOptions,
+    rounds: Mutex<Option<Rounds>>,
+}
+
+impl GavelRounds {
+    /// The policy `name` (one of [`gavel::GAVEL_POLICY_NAMES`]).
+    pub fn new(name: &'static str, options: GavelOptions) -> GavelRounds {
+        GavelRounds {
+            name,
+            options,
+            rounds: Mutex::new(None),
+        }
+    }
+
+    fn mechanism_config(&self) -> MechanismConfig {
+        MechanismConfig {
+            round_s: self.options.round_s,
+            min_resolve_interval_s: self.options.min_resolve_interval_s,
+            initial_credit_s: self.options.round_s / 2.0,
+            skip_zero_priority: self.name.starts_with("fifo"),
+            // Live rounds keep the cluster's type order: the shuffle only
+            // reproduces Gavel's simulator.
+            shuffle_seed: None,
+        }
+    }
+}
+
+/// The allocation problem of the jobs the mechanism knows.
+fn problem(
+    state: &ClusterState,
+    options: &GavelOptions,
+    layout: &Layout,
+    jobs: &BTreeMap<JobId, BTreeMap<String, f64>>,
+    now_ms: u64,
+) -> AllocationProblem {
+    let cluster_spec = layout
+        .types
+        .iter()
+        .map(|t| {
+            let n = t.servers.iter().map(|s| s.len() as u32).sum();
+            (t.gpu_type.clone(), n)
+        })
+        .collect();
+    let mut p = AllocationProblem {
+        cluster_spec,
+        throughputs: BTreeMap::new(),
+        scale_factors: BTreeMap::new(),
+        priority_weights: BTreeMap::new(),
+        times_since_start: BTreeMap::new(),
+        num_steps_remaining: BTreeMap::new(),
+        instance_costs: options.instance_costs.clone(),
+        slos: BTreeMap::new(),
+    };
+    for (id, speeds) in jobs {
+        let Some(job) = state.job(*id) else {
+            continue;
+        };
+        let perf = JobPerf::of(job);
+        p.throughputs.insert(*id, speeds.clone());
+        p.scale_factors.insert(*id, scale_factor(job));
+        p.priority_weights
+            .insert(*id, f64::from(job.spec.priority.max(1)));
+        p.times_since_start.insert(
+            *id,
+            now_ms.saturating_sub(job.submitted_at_ms) as f64 / 1000.0,
+        );
+        if let Some(steps) = perf.remaining_steps() {
+            p.num_steps_remaining.insert(*id, steps);
+        }
+    }
+    p
+}
+
+fn scale_factor(job: &crate::model::Job) -> u32 {
+    job.spec
+        .gpus
+        .max(1)
+        .saturating_mul(job.spec.workers.min.max(1))
+}
+
+/// Steps per second of `job` on each type, 0 where its spec forbids the
+/// type.
+fn speeds(job: &crate::model::Job, layout: &Layout) -> BTreeMap<String, f64> {
+    let perf = JobPerf::of(job);
+    let gpus = scale_factor(job);
+    layout
+        .types
+        .iter()
+        .map(|t| {
+            let allowed = job.spec.gpu_types.allowed.is_empty()
+                || job
+                    .spec
+                    .gpu_types
+                    .allowed
+                    .iter()
+                    .any(|a| a.eq_ignore_ascii_case(&t.gpu_type));
+            let speed = if allowed {
+                perf.steps_per_s(&t.gpu_type, gpus)
+            } else {
+                0.0
+            };
+            (t.gpu_type.clone(), speed)
+        })
+        .collect()
+}
+
+impl Policy for GavelRounds {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let state = input.state;
+        let now_s = input.now_ms as f64 / 1000.0;
+        let mut guard = match self.rounds.lock() {
+            Ok(g) => g,
+            // A panic elsewhere while planning: start the memory afresh.
+            Err(poisoned) => {
+                let mut g = poisoned.into_inner();
+                *g = None;
+                g
+            }
+        };
+        let layout = Layout::of(state);
+        if guard.as_ref().is_none_or(|r| r.layout != layout) {
+            *guard = Some(Rounds {
+                mechanism: Mechanism::new(self.mechanism_config(), layout.types.clone()),
+                layout,
+                round_started_s: None,
+                plan: BTreeMap::new(),
+                placed_on: BTreeMap::new(),
+            });
+        }
+        let Some(rounds) = guard.as_mut() else {
+            return Plan::default();
+        };
+        // Compared in whole milliseconds, the clock's unit.
+        let due = rounds.round_started_s.is_none_or(|start| {
+            ((now_s - start) * 1000.0).round() >= (self.options.round_s * 1000.0).round()
+        });
+        if due {
+            // Credit the round that ended.
+            if let Some(start) = rounds.round_started_s {
+                let ran_s = (now_s - start).max(0.0);
+                for (job, ti) in &rounds.placed_on {
+                    rounds.mechanism.record_run(*job, *ti, ran_s);
+                }
+            }
+            // The job set: unfinished jobs in, ended ones out.
+            let unfinished: BTreeMap<JobId, &crate::model::Job> =
+                state.unfinished_jobs().map(|j| (j.id, j)).collect();
+            let known: Vec<ProblemJobId> = rounds.mechanism.job_ids().collect();
+            for id in known {
+                if !unfinished.contains_key(&id) {
+                    rounds.mechanism.remove_job(id);
+                }
+            }
+            for (id, job) in &unfinished {
+                if !rounds.mechanism.contains(*id) && !job.backing_off(input.now_ms) {
+                    let speeds = speeds(job, &rounds.layout);
+                    rounds.mechanism.add_job(*id, scale_factor(job), &speeds);
+                }
+            }
+            if rounds.mechanism.needs_solve(now_s) {
+                let jobs: BTreeMap<JobId, BTreeMap<String, f64>> = rounds
+                    .mechanism
+                    .job_ids()
+                    .filter_map(|id| {
+                        let job = state.job(id)?;
+                        Some((id, speeds(job, &rounds.layout)))
+                    })
+                    .collect();
+                let p = problem(state, &self.options, &rounds.layout, &jobs, input.now_ms);
+                // A failed solve must not stop the cluster: equal shares
+                // until the next solve.
+                let allocation = gavel::solve(self.name, &p)
+                    .map(|r| r.allocation)
+                    .unwrap_or_else(|_| gavel::isolated(&p).allocation);
+                rounds.mechanism.install(now_s, allocation);
+            }
+            let placements = rounds.mechanism.plan_round();
+            rounds.plan.clear();
+            rounds.placed_on.clear();
+            for (job_id, placement) in placements {
+                let gpus: Vec<GpuRef> = placement
+                    .workers
+                    .iter()
+                    .filter_map(|w| rounds.layout.gpus.get(*w as usize).cloned())
+                    .collect();
+                let Some(job) = state.job(job_id) else {
+                    continue;
+                };
+                // A worker's GPUs must share a node.
+                let per = job.spec.gpus.max(1) as usize;
+                let whole_workers = gpus
+                    .chunks(per)
+                    .all(|rank| rank.iter().all(|g| g.node == rank[0].node));
+                if gpus.len() != placement.workers.len() || !whole_workers {
+                    continue;
+                }
+                rounds.placed_on.insert(job_id, placement.type_index);
+                rounds.plan.insert(job_id, gpus);
+            }
+            rounds.round_started_s = Some(now_s);
+        }
+        // Between boundaries: the current round's plan, for the jobs still
+        // unfinished.
+        let mut plan = Plan::default();
+        for (job_id, gpus) in &rounds.plan {
+            if state.job(*job_id).is_some_and(|j| !j.state.is_terminal()) {
+                plan.placements.insert(*job_id, gpus.clone());
+            }
+        }
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{job_spec, TestCluster};
+    use crate::policy::decide;
+
+    fn run_round(
+        policy: &GavelRounds,
+        cluster: &mut TestCluster,
+        now_ms: u64,
+    ) -> BTreeMap<JobId, Vec<GpuRef>> {
+        if let Some(decision) = decide(policy, &cluster.state, now_ms) {
+            cluster.apply(decision);
+        }
+        cluster
+            .state
+            .allocated_jobs()
+            .filter_map(|j| Some((j.id, j.allocation.as_ref()?.gpus.clone())))
+            .collect()
+    }
+
+    #[test]
+    fn two_jobs_share_one_gpu_round_by_round() {
+        let mut cluster = TestCluster::v100_nodes(&[1]);
+        let a = cluster.submit(job_spec("a", 1, 1));
+        let b = cluster.submit(job_spec("b", 1, 1));
+        let policy = GavelRounds::new(
+            "max_min_fairness_perf",
+            GavelOptions {
+                round_s: 60.0,
+                min_resolve_interval_s: 0.0,
+                ..GavelOptions::default()
+            },
+        );
+        let mut ran = BTreeMap::<JobId, u32>::new();
+        let mut last = BTreeMap::new();
+        for round in 0..8u64 {
+            let held = run_round(&policy, &mut cluster, round * 60_000 + 1);
+            assert_eq!(held.len(), 1, "one GPU: one job per round");
+            for job in held.keys() {
+                *ran.entry(*job).or_default() += 1;
+            }
+            // Mid-round passes change nothing.
+            assert_eq!(
+                decide(&policy, &cluster.state, round * 60_000 + 30_000),
+                None
+            );
+            last = held;
+        }
+        assert_eq!(ran.get(&a), Some(&4), "{ran:?}");
+        assert_eq!(ran.get(&b), Some(&4), "{ran:?}");
+        assert_eq!(last.len(), 1);
+    }
+
+    #[test]
+    fn a_job_that_fits_keeps_its_gpus_across_rounds() {
+        let mut cluster = TestCluster::v100_nodes(&[2, 2]);
+        let a = cluster.submit(job_spec("a", 2, 1));
+        let policy = GavelRounds::new("max_min_fairness", GavelOptions::default());
+        let first = run_round(&policy, &mut cluster, 1);
+        let epoch = cluster
+            .state
+            .job(a)
+            .and_then(|j| j.allocation.as_ref())
+            .map(|x| x.epoch);
+        let second = run_round(&policy, &mut cluster, 361_000);
+        assert_eq!(first, second);
+        assert_eq!(
+            cluster
+                .state
+                .job(a)
+                .and_then(|j| j.allocation.as_ref())
+                .map(|x| x.epoch),
+            epoch,
+            "no relaunch"
+        );
+        assert!(GavelOptions {
+            round_s: 0.0,
+            ..GavelOptions::default()
+        }
+        .validate()
+        .is_err());
+    }
+}
