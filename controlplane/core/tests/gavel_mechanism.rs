@@ -135,6 +135,17 @@ fn round_config(jobs: Vec<SimJob>) -> RoundSimConfig {
 fn every_policy_finishes_the_workload_deterministically() {
     let config = round_config(small_workload(24, 2.0, 3));
     for policy in GAVEL_POLICY_NAMES {
+        if *policy == "allox" {
+            // Single-GPU jobs only: refused up front, not run half-way.
+            assert!(sim::simulate_rounds(&config, policy).is_err());
+            let mut single = config.clone();
+            for job in &mut single.jobs {
+                (job.workers_min, job.workers_max) = (1, 1);
+            }
+            let report = sim::simulate_rounds(&single, policy).expect("runs");
+            assert_eq!(report.jct(None).unfinished, 0, "allox");
+            continue;
+        }
         let report = sim::simulate_rounds(&config, policy).expect("runs");
         let jct = report.jct(None);
         assert_eq!(jct.unfinished, 0, "{policy}: {jct:?}");

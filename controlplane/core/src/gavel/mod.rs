@@ -15,6 +15,7 @@
 //! return different optimal points (2 of the 8 golden comparisons so far),
 //! with the same objective. Pure: no I/O, no clock, ordered maps only.
 
+mod allox;
 mod fifo_perf;
 mod finish_time_fairness;
 mod isolated;
@@ -29,6 +30,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use allox::allox;
 pub use fifo_perf::fifo_perf;
 pub use finish_time_fairness::{finish_time_fairness, finish_time_fairness_perf};
 pub use isolated::isolated;
@@ -105,12 +107,26 @@ pub const GAVEL_POLICY_NAMES: &[&str] = &[
     "min_total_duration_perf",
     "max_sum_throughput_normalized_by_cost_perf",
     "fifo_perf",
+    "allox",
 ];
 
-/// Runs the policy `name` on `problem`.
+/// Runs the policy `name` on `problem` (a first solve: policies that
+/// keep earlier decisions start from none; see [`solve_after`]).
 pub fn solve(name: &str, problem: &AllocationProblem) -> Result<PolicyResult, AllocationError> {
+    solve_after(name, problem, &Allocation::new())
+}
+
+/// Runs the policy `name` on `problem`, where `previous` is the last
+/// solve's allocation (only `allox` uses it: a job that holds a GPU keeps
+/// it).
+pub fn solve_after(
+    name: &str,
+    problem: &AllocationProblem,
+    previous: &Allocation,
+) -> Result<PolicyResult, AllocationError> {
     problem.validate()?;
     match name {
+        "allox" => allox(problem, previous),
         "isolated" => Ok(isolated(problem)),
         "max_min_fairness" => max_min_fairness(problem),
         "max_min_fairness_perf" => max_min_fairness_perf(problem),

@@ -319,7 +319,7 @@ impl Policy for GavelRounds {
                 let p = problem(state, &self.options, &rounds.layout, &jobs, input.now_ms);
                 // A failed solve must not stop the cluster: equal shares
                 // until the next solve.
-                let allocation = gavel::solve(self.name, &p)
+                let allocation = gavel::solve_after(self.name, &p, rounds.mechanism.allocation())
                     .map(|r| r.allocation)
                     .unwrap_or_else(|_| gavel::isolated(&p).allocation);
                 rounds.mechanism.install(now_s, allocation);

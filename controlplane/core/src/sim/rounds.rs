@@ -53,10 +53,13 @@ pub struct RoundSimConfig {
 /// by name).
 pub const GAVEL_TYPE_ORDER: [&str; 3] = ["v100", "p100", "k80"];
 
-/// Whether Gavel shuffles the type order for `policy` (its type-agnostic
-/// policies: names without `_perf`).
+/// Whether Gavel shuffles the type order for `policy`: its type-agnostic
+/// policies (Gavel's class names without `Perf` or `Packing`; AlloX's is
+/// `AlloX_Perf`).
 pub fn shuffles_types(policy: &str) -> bool {
-    !policy.ends_with("_perf") && !policy.contains("packed")
+    !policy.ends_with("_perf")
+        && !policy.contains("packed")
+        && !matches!(policy, "allox" | "gandiva")
 }
 
 /// The cluster as the mechanism sees it: types in Gavel's order, GPUs
@@ -123,6 +126,22 @@ pub fn simulate_rounds(
         return Err(AllocationError::UnknownPolicy {
             name: policy.to_string(),
         });
+    }
+    if policy == "allox" {
+        if let Some(job) = config
+            .jobs
+            .iter()
+            .find(|j| j.workers_min * j.gpus_per_worker != 1)
+        {
+            return Err(AllocationError::Invalid {
+                field: "scale_factors".into(),
+                reason: format!(
+                    "allox places single-GPU jobs only; workload job {} has {} GPUs",
+                    job.id,
+                    job.workers_min * job.gpus_per_worker
+                ),
+            });
+        }
     }
     let types = type_servers(&config.nodes);
     let cluster_spec: BTreeMap<String, u32> = types
@@ -336,7 +355,7 @@ pub fn simulate_rounds(
                 instance_costs: config.instance_costs.clone(),
                 slos: BTreeMap::new(),
             };
-            let allocation: Allocation = match gavel::solve(policy, &problem) {
+            let allocation: Allocation = match gavel::solve_after(policy, &problem, mechanism.allocation()) {
                 Ok(result) => result.allocation,
                 // A solver failure must not stop the cluster: fall back to
                 // equal shares until the next solve.
