@@ -232,3 +232,77 @@ fn policy_eval_prints_gavel_shaped_allocations_and_names_bad_fields() {
         "{err}"
     );
 }
+
+/// `--gavel-compat` on Gavel's generated-stream CSV: a lone job of 720
+/// steps at Gavel's 2 steps/s on the v100 runs one 360 s round (0.1 h)
+/// under both heterogeneity-aware policies (the agnostic one may pick the
+/// k80 instead). Keel's own policies are refused in this mode, naming the
+/// heterogeneity-aware ones, and a rate of 0 cannot convert arrivals.
+#[test]
+fn gavel_compat_runs_the_generated_stream_through_the_round_mechanism() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let csv = dir.path().join("jobs.csv");
+    std::fs::write(
+        &csv,
+        "job_id,model,scale_factor,duration_s_on_v100,total_steps,unit_arrival\n\
+         0,ResNet-50 (batch size 64),1,360.0,720.0,0.0\n",
+    )
+    .expect("csv");
+    let table = dir.path().join("throughputs.json");
+    std::fs::write(
+        &table,
+        r#"{"v100": {"('ResNet-50 (batch size 64)', 1)": {"null": 2.0}},
+            "k80": {"('ResNet-50 (batch size 64)', 1)": {"null": 0.5}}}"#,
+    )
+    .expect("table");
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "--generated-csv",
+            csv.to_str().expect("utf-8"),
+            "--rate",
+            "3.2",
+            "--throughputs",
+            table.to_str().expect("utf-8"),
+            "--cluster",
+            "1:0:1",
+            "--gavel-compat",
+            "-o",
+            "json",
+        ];
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let run = |extra: &[&str]| {
+        let a = args(extra);
+        sim(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let out = run(&[
+        "--compare",
+        "fifo_perf,max_min_fairness_perf,max_min_fairness",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summaries: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(summaries.len(), 3);
+    for s in &summaries[..2] {
+        assert_eq!(s["finished"], 1, "{s}");
+        let jct = s["avg_jct_h"].as_f64().expect("jct");
+        assert!((jct - 0.1).abs() < 1e-9, "{s}");
+        assert!(s["solves"].as_u64() >= Some(1), "{s}");
+    }
+    assert_eq!(summaries[2]["finished"], 1, "{}", summaries[2]);
+
+    let refused = run(&["--policy", "drf"]);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("max_min_fairness_perf"), "{stderr}");
+
+    let mut zero = args(&["--policy", "fifo_perf"]);
+    zero[3] = "0".into();
+    let out = sim(&zero.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--rate"));
+}

@@ -50,7 +50,8 @@ fn problem(jobs: u64, templates: Option<u64>) -> AllocationProblem {
                 i,
                 row.into_iter().map(|(t, x)| (t.to_string(), x)).collect(),
             );
-            p.scale_factors.insert(i, [1, 1, 1, 2, 4][rng.below(5) as usize]);
+            p.scale_factors
+                .insert(i, [1, 1, 1, 2, 4][rng.below(5) as usize]);
             p.priority_weights.insert(i, 1.0);
             continue;
         }

@@ -232,6 +232,7 @@ pub fn simulate_rounds(
     });
     let in_window = |id: u64| config.window.is_none_or(|(a, b)| (a..=b).contains(&id));
     let mut finished = 0usize;
+    let mut placed_last_round = 0usize;
 
     loop {
         if config.window.is_some() && window_left == 0 {
@@ -355,16 +356,22 @@ pub fn simulate_rounds(
                 instance_costs: config.instance_costs.clone(),
                 slos: BTreeMap::new(),
             };
-            let allocation: Allocation = match gavel::solve_after(policy, &problem, mechanism.allocation()) {
-                Ok(result) => result.allocation,
-                // A solver failure must not stop the cluster: fall back to
-                // equal shares until the next solve.
-                Err(_) => gavel::isolated(&problem).allocation,
-            };
+            let allocation: Allocation =
+                match gavel::solve_after(policy, &problem, mechanism.allocation()) {
+                    Ok(result) => result.allocation,
+                    // A solver failure must not stop the cluster: fall back to
+                    // equal shares until the next solve.
+                    Err(_) => gavel::isolated(&problem).allocation,
+                };
             mechanism.install(now_s, allocation);
         }
         let plan = mechanism.plan_round();
         report.rounds += 1;
+        // A round decides something when a job starts, moves or stops.
+        if plan.len() != placed_last_round || plan.values().any(|p| !p.extended) {
+            report.decisions += 1;
+        }
+        placed_last_round = plan.len();
         for (job, placement) in plan {
             let Some(a) = active.get(&job) else {
                 continue;
