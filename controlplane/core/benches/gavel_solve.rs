@@ -10,8 +10,6 @@
 //!
 //! Run: `cargo bench -p keel-core --bench gavel_solve`
 
-use std::collections::BTreeMap;
-
 use criterion::{criterion_group, criterion_main, Criterion};
 use keel_core::fixtures::SplitMix64;
 use keel_core::gavel::{solve, AllocationProblem};
@@ -21,19 +19,12 @@ use keel_core::gavel::{solve, AllocationProblem};
 fn problem(jobs: u64, templates: Option<u64>) -> AllocationProblem {
     let mut rng = SplitMix64::new(jobs);
     let per_type = u32::try_from(jobs / 2).unwrap_or(u32::MAX).max(1);
-    let mut p = AllocationProblem {
-        cluster_spec: ["v100", "p100", "k80"]
+    let mut p = AllocationProblem::new(
+        ["v100", "p100", "k80"]
             .into_iter()
             .map(|t| (t.to_string(), per_type))
             .collect(),
-        throughputs: BTreeMap::new(),
-        scale_factors: BTreeMap::new(),
-        priority_weights: BTreeMap::new(),
-        times_since_start: BTreeMap::new(),
-        num_steps_remaining: BTreeMap::new(),
-        instance_costs: BTreeMap::new(),
-        slos: BTreeMap::new(),
-    };
+    );
     for i in 0..jobs {
         if let Some(n) = templates {
             // Template k's speeds: the same for every job drawn from it.

@@ -54,16 +54,7 @@ proptest! {
         config.shuffle_seed = shuffle.then_some(5);
         config.skip_zero_priority = policy == "fifo_perf";
         let mut mechanism = Mechanism::new(config, types);
-        let mut problem = AllocationProblem {
-            cluster_spec: capacity.clone(),
-            throughputs: BTreeMap::new(),
-            scale_factors: BTreeMap::new(),
-            priority_weights: BTreeMap::new(),
-            times_since_start: BTreeMap::new(),
-            num_steps_remaining: BTreeMap::new(),
-            instance_costs: BTreeMap::new(),
-            slos: BTreeMap::new(),
-        };
+        let mut problem = AllocationProblem::new(capacity.clone());
         for (id, (s, v, p, k)) in jobs.iter().enumerate() {
             let row: BTreeMap<String, f64> = TYPES
                 .iter()

@@ -141,19 +141,12 @@ fn problem_strategy() -> impl Strategy<Value = AllocationProblem> {
         ),
     )
         .prop_map(|((v, p, k), jobs)| {
-            let mut problem = AllocationProblem {
-                cluster_spec: [("v100", v), ("p100", p), ("k80", k)]
+            let mut problem = AllocationProblem::new(
+                [("v100", v), ("p100", p), ("k80", k)]
                     .into_iter()
                     .map(|(t, n)| (t.to_string(), n))
                     .collect(),
-                throughputs: BTreeMap::new(),
-                scale_factors: BTreeMap::new(),
-                priority_weights: BTreeMap::new(),
-                times_since_start: BTreeMap::new(),
-                num_steps_remaining: BTreeMap::new(),
-                instance_costs: BTreeMap::new(),
-                slos: BTreeMap::new(),
-            };
+            );
             for (i, ((tv, tp, tk), s, w, (rem, since))) in jobs.into_iter().enumerate() {
                 let i = i as u64;
                 problem.throughputs.insert(

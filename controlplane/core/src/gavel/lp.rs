@@ -201,16 +201,8 @@ impl Classes {
             };
             members.entry(representative).or_default().push(*job);
         }
-        let mut reduced = AllocationProblem {
-            cluster_spec: problem.cluster_spec.clone(),
-            throughputs: BTreeMap::new(),
-            scale_factors: BTreeMap::new(),
-            priority_weights: BTreeMap::new(),
-            times_since_start: BTreeMap::new(),
-            num_steps_remaining: BTreeMap::new(),
-            instance_costs: problem.instance_costs.clone(),
-            slos: BTreeMap::new(),
-        };
+        let mut reduced = AllocationProblem::new(problem.cluster_spec.clone());
+        reduced.instance_costs = problem.instance_costs.clone();
         for job in members.keys() {
             let copy = |from: &BTreeMap<ProblemJobId, f64>,
                         to: &mut BTreeMap<ProblemJobId, f64>| {

@@ -146,6 +146,20 @@ pub fn solve_after(
 }
 
 impl AllocationProblem {
+    /// A problem on `cluster_spec` with no jobs yet.
+    pub fn new(cluster_spec: BTreeMap<String, u32>) -> AllocationProblem {
+        AllocationProblem {
+            cluster_spec,
+            throughputs: BTreeMap::new(),
+            scale_factors: BTreeMap::new(),
+            priority_weights: BTreeMap::new(),
+            times_since_start: BTreeMap::new(),
+            num_steps_remaining: BTreeMap::new(),
+            instance_costs: BTreeMap::new(),
+            slos: BTreeMap::new(),
+        }
+    }
+
     /// The GPU types, in name order.
     pub fn types(&self) -> Vec<&str> {
         self.cluster_spec.keys().map(String::as_str).collect()

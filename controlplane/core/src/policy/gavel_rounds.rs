@@ -187,16 +187,8 @@ fn problem(
             (t.gpu_type.clone(), n)
         })
         .collect();
-    let mut p = AllocationProblem {
-        cluster_spec,
-        throughputs: BTreeMap::new(),
-        scale_factors: BTreeMap::new(),
-        priority_weights: BTreeMap::new(),
-        times_since_start: BTreeMap::new(),
-        num_steps_remaining: BTreeMap::new(),
-        instance_costs: options.instance_costs.clone(),
-        slos: BTreeMap::new(),
-    };
+    let mut p = AllocationProblem::new(cluster_spec);
+    p.instance_costs = options.instance_costs.clone();
     for (id, speeds) in jobs {
         let Some(job) = state.job(*id) else {
             continue;

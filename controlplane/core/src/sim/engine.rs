@@ -157,6 +157,30 @@ pub struct JctSummary {
 }
 
 impl SimReport {
+    /// An empty report of `policy` on `total_gpus` GPUs.
+    pub fn new(policy: &str, total_gpus: u32) -> SimReport {
+        SimReport {
+            policy: policy.to_string(),
+            jobs: Vec::new(),
+            total_gpus,
+            simulated_s: 0.0,
+            makespan_s: 0.0,
+            utilisation: 0.0,
+            rounds: 0,
+            decisions: 0,
+            preemptions: 0,
+            resizes: 0,
+            migrations: 0,
+            entries: 0,
+            refused_entries: 0,
+            solves: 0,
+            lease_extensions: 0,
+            lease_extension_opportunities: 0,
+            state_hash: String::new(),
+            samples: Vec::new(),
+        }
+    }
+
     /// JCT statistics over the jobs in `window` (all when `None`).
     pub fn jct(&self, window: Option<(u64, u64)>) -> JctSummary {
         let measured: Vec<&JobResult> = self
@@ -575,26 +599,7 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
         running: BTreeMap::new(),
         results: Vec::new(),
         result_of: BTreeMap::new(),
-        report: SimReport {
-            policy: policy.name().to_string(),
-            jobs: Vec::new(),
-            total_gpus,
-            simulated_s: 0.0,
-            makespan_s: 0.0,
-            utilisation: 0.0,
-            rounds: 0,
-            decisions: 0,
-            preemptions: 0,
-            resizes: 0,
-            migrations: 0,
-            entries: 0,
-            refused_entries: 0,
-            solves: 0,
-            lease_extensions: 0,
-            lease_extension_opportunities: 0,
-            state_hash: String::new(),
-            samples: Vec::new(),
-        },
+        report: SimReport::new(policy.name(), total_gpus),
         busy_gpu_s: 0.0,
     };
     for node in &config.nodes {

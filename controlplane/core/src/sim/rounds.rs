@@ -192,26 +192,7 @@ pub fn simulate_rounds(
             .collect()
     };
 
-    let mut report = SimReport {
-        policy: policy.to_string(),
-        jobs: Vec::new(),
-        total_gpus,
-        simulated_s: 0.0,
-        makespan_s: 0.0,
-        utilisation: 0.0,
-        rounds: 0,
-        decisions: 0,
-        preemptions: 0,
-        resizes: 0,
-        migrations: 0,
-        entries: 0,
-        refused_entries: 0,
-        solves: 0,
-        lease_extensions: 0,
-        lease_extension_opportunities: 0,
-        state_hash: String::new(),
-        samples: Vec::new(),
-    };
+    let mut report = SimReport::new(policy, total_gpus);
     let mut results: Vec<JobResult> = Vec::with_capacity(config.jobs.len());
     let mut result_of: BTreeMap<ProblemJobId, usize> = BTreeMap::new();
     let mut active: BTreeMap<ProblemJobId, Active> = BTreeMap::new();
