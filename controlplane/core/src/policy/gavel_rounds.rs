@@ -342,10 +342,13 @@ impl Policy for GavelRounds {
             rounds.round_started_s = Some(now_s);
         }
         // Between boundaries: the current round's plan, for the jobs still
-        // unfinished.
+        // unfinished and not waiting out a retry backoff.
         let mut plan = Plan::default();
         for (job_id, gpus) in &rounds.plan {
-            if state.job(*job_id).is_some_and(|j| !j.state.is_terminal()) {
+            if state
+                .job(*job_id)
+                .is_some_and(|j| !j.state.is_terminal() && !j.backing_off(input.now_ms))
+            {
                 plan.placements.insert(*job_id, gpus.clone());
             }
         }
