@@ -277,3 +277,31 @@ fn cost_normalised_max_sum_prefers_cheap_speed_and_meets_deadlines() {
         "a negative price is refused"
     );
 }
+
+/// Priority weights are honoured: of two identical jobs sharing one GPU,
+/// the one weighted 2 gets twice the other's throughput under max-min
+/// fairness, aware or agnostic.
+#[test]
+fn priority_weights_divide_the_share() {
+    let mut problem = AllocationProblem::new([("v100".to_string(), 1)].into_iter().collect());
+    for job in [0, 1] {
+        problem
+            .throughputs
+            .insert(job, [("v100".to_string(), 4.0)].into_iter().collect());
+        problem.scale_factors.insert(job, 1);
+    }
+    problem.priority_weights.insert(0, 1.0);
+    problem.priority_weights.insert(1, 2.0);
+    for policy in ["max_min_fairness_perf", "max_min_fairness"] {
+        let result = solve(policy, &problem).expect("solves");
+        let (light, heavy) = (
+            result.effective_throughput[&0],
+            result.effective_throughput[&1],
+        );
+        assert!((heavy - 2.0 * light).abs() < 1e-4, "{policy}: {result:?}");
+        assert!(
+            (heavy + light - 4.0).abs() < 1e-4,
+            "{policy}: the GPU is used whole"
+        );
+    }
+}
