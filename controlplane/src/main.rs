@@ -384,13 +384,24 @@ fn policy_eval(input: &std::path::Path, policy: Option<&str>) -> anyhow::Result<
         .with_context(|| format!("cannot read {}", input.display()))?;
     let problem: keel_core::gavel::AllocationProblem =
         serde_json::from_str(&text).with_context(|| format!("in {}", input.display()))?;
-    let names: Vec<&str> = match policy {
-        Some(p) => vec![p],
-        None => keel_core::gavel::GAVEL_POLICY_NAMES.to_vec(),
-    };
     let mut results = std::collections::BTreeMap::new();
-    for name in names {
-        results.insert(name, keel_core::gavel::solve(name, &problem)?);
+    match policy {
+        Some(name) => {
+            let result = keel_core::gavel::solve(name, &problem)?;
+            results.insert(name, serde_json::to_value(result)?);
+        }
+        None => {
+            // Bad input fails the command; a policy that does not take
+            // this input (AlloX and multi-GPU jobs) says so in its entry.
+            problem.validate()?;
+            for name in keel_core::gavel::GAVEL_POLICY_NAMES {
+                let value = match keel_core::gavel::solve(name, &problem) {
+                    Ok(result) => serde_json::to_value(result)?,
+                    Err(e) => serde_json::json!({ "error": e.to_string() }),
+                };
+                results.insert(*name, value);
+            }
+        }
     }
     render::print_json(&results)
 }

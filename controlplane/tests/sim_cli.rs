@@ -217,6 +217,24 @@ fn policy_eval_prints_gavel_shaped_allocations_and_names_bad_fields() {
         assert!((ours - gavel).abs() < 1e-3, "job {job}: {ours} vs {gavel}");
     }
     assert!(results["isolated"]["allocation"]["5"]["v100"].is_number());
+    // A multi-GPU job: AlloX (single-GPU jobs only) says why in its entry;
+    // the other policies still answer.
+    let mut multi = golden["cases"][1].clone();
+    multi["scale_factors"]["0"] = serde_json::json!(2);
+    std::fs::write(&input, multi.to_string()).expect("write");
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
+        .output()
+        .expect("run keel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let error = results["allox"]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("scale_factors"), "{results}");
+    assert!(results["max_min_fairness_perf"]["allocation"]["0"]["v100"].is_number());
     // A negative throughput is refused, naming the field.
     let mut bad = golden["cases"][0].clone();
     bad["throughputs"]["0"]["v100"] = serde_json::json!(-1.0);
