@@ -371,17 +371,7 @@ const POLICY_EVAL_INPUT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 
 fn policy_eval(input: &std::path::Path, policy: Option<&str>) -> anyhow::Result<()> {
     use anyhow::Context;
-    let len = std::fs::metadata(input)
-        .with_context(|| format!("cannot read {}", input.display()))?
-        .len();
-    if len > POLICY_EVAL_INPUT_MAX_BYTES {
-        anyhow::bail!(
-            "{} is {len} bytes; the limit is {POLICY_EVAL_INPUT_MAX_BYTES}",
-            input.display()
-        );
-    }
-    let text = std::fs::read_to_string(input)
-        .with_context(|| format!("cannot read {}", input.display()))?;
+    let text = sim_cmd::read_text_limited(input, POLICY_EVAL_INPUT_MAX_BYTES)?;
     let problem: keel_core::gavel::AllocationProblem =
         serde_json::from_str(&text).with_context(|| format!("in {}", input.display()))?;
     let mut results = std::collections::BTreeMap::new();

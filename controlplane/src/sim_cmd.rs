@@ -125,13 +125,19 @@ fn parse_window(s: &str) -> Result<(u64, u64), String> {
     Ok((a, b))
 }
 
-fn read_text(path: &PathBuf) -> anyhow::Result<String> {
+fn read_text(path: &std::path::Path) -> anyhow::Result<String> {
+    read_text_limited(path, INPUT_MAX_BYTES)
+}
+
+/// The text of `path`, refused (naming the size and the limit) when it is
+/// longer than `max_bytes`.
+pub fn read_text_limited(path: &std::path::Path, max_bytes: u64) -> anyhow::Result<String> {
     let len = std::fs::metadata(path)
         .with_context(|| format!("cannot read {}", path.display()))?
         .len();
-    if len > INPUT_MAX_BYTES {
+    if len > max_bytes {
         anyhow::bail!(
-            "{} is {len} bytes; the limit is {INPUT_MAX_BYTES}",
+            "{} is {len} bytes; the limit is {max_bytes}",
             path.display()
         );
     }

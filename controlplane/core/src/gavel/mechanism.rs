@@ -158,10 +158,6 @@ impl Mechanism {
         }
     }
 
-    pub fn config(&self) -> &MechanismConfig {
-        &self.config
-    }
-
     pub fn stats(&self) -> MechanismStats {
         self.stats
     }
@@ -169,11 +165,6 @@ impl Mechanism {
     /// The name of the type at `index`.
     pub fn type_name(&self, index: usize) -> &str {
         self.types.get(index).map_or("", |t| t.gpu_type.as_str())
-    }
-
-    /// The index of `gpu_type`.
-    pub fn type_index(&self, gpu_type: &str) -> Option<usize> {
-        self.types.iter().position(|t| t.gpu_type == gpu_type)
     }
 
     /// The allocation the rounds follow.
