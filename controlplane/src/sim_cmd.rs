@@ -213,6 +213,7 @@ struct Summary<'a> {
     entries: u64,
     solves: u64,
     lease_extensions_pct: Option<f64>,
+    pairs_placed: u64,
     simulated_h: f64,
     wall_s: f64,
     rounds_per_s: f64,
@@ -350,6 +351,7 @@ fn summarise(report: &SimReport, window: Option<(u64, u64)>, wall_s: f64) -> Sum
         lease_extensions_pct: (report.lease_extension_opportunities > 0).then(|| {
             100.0 * report.lease_extensions as f64 / report.lease_extension_opportunities as f64
         }),
+        pairs_placed: report.pairs_placed,
         simulated_h: h(report.simulated_s),
         wall_s,
         rounds_per_s: if wall_s > 0.0 {
@@ -392,6 +394,10 @@ fn print_one(summary: &Summary) -> anyhow::Result<()> {
             summary
                 .lease_extensions_pct
                 .map_or_else(|| "-".into(), |p| format!("{p:.1} %")),
+        ],
+        vec![
+            "pairs sharing GPUs".into(),
+            summary.pairs_placed.to_string(),
         ],
         vec![
             "simulated time".into(),

@@ -251,6 +251,58 @@ fn policy_eval_prints_gavel_shaped_allocations_and_names_bad_fields() {
     );
 }
 
+/// Space sharing through `keel policy eval`: two jobs of one type on one
+/// GPU, each at 80 % of its speed beside the other, share it all the time
+/// (listed as a pair); a negative pair figure is refused, naming the field.
+#[test]
+fn policy_eval_lists_the_pairs_that_share_gpus() {
+    let case = serde_json::json!({
+        "cluster_spec": {"v100": 1},
+        "throughputs": {"0": {"v100": 2.0}, "1": {"v100": 2.0}},
+        "scale_factors": {"0": 1, "1": 1},
+        "job_types": {"0": "resnet", "1": "resnet"},
+        "pair_throughputs": {"resnet": {"resnet": {"v100": [1.6, 1.6]}}}
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("case.json");
+    std::fs::write(&input, case.to_string()).expect("write");
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
+        .args(["--policy", "max_min_fairness_packed"])
+        .output()
+        .expect("run keel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let packed = &results["max_min_fairness_packed"];
+    assert_eq!(
+        packed["pair_allocation"][0]["jobs"],
+        serde_json::json!([0, 1])
+    );
+    let shared = packed["pair_allocation"][0]["allocation"]["v100"]
+        .as_f64()
+        .expect("a fraction");
+    assert!((shared - 1.0).abs() < 1e-4, "{packed}");
+    let e = packed["effective_throughput"]["0"]
+        .as_f64()
+        .expect("a throughput");
+    assert!((e - 1.6).abs() < 1e-4, "{packed}");
+
+    let mut bad = case.clone();
+    bad["pair_throughputs"]["resnet"]["resnet"]["v100"] = serde_json::json!([1.6, -1.0]);
+    std::fs::write(&input, bad.to_string()).expect("write");
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
+        .output()
+        .expect("run keel");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("pair_throughputs"), "{err}");
+}
+
 /// `--gavel-compat` on Gavel's generated-stream CSV: a lone job of 720
 /// steps at Gavel's 2 steps/s on the v100 runs one 360 s round (0.1 h)
 /// under both heterogeneity-aware policies (the agnostic one may pick the

@@ -439,10 +439,7 @@ impl ClusterState {
                 if !known.contains(&name.as_str()) {
                     return Err(ApplyError::Invalid {
                         field: "policy".into(),
-                        reason: format!(
-                            "unknown policy {name:?}; known policies: {}",
-                            known.join(", ")
-                        ),
+                        reason: crate::policy::unknown_policy_reason(name),
                     });
                 }
                 let from = self.policy.replace(name.clone()).unwrap_or_default();

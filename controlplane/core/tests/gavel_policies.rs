@@ -37,7 +37,11 @@ const NOT_UNIQUE: &[(&str, &str)] = &[
 
 /// Policies `policy_golden.json` has no vectors for (checked by hand
 /// below instead).
-const NOT_IN_GAVELS_GOLDEN_FILE: &[&str] = &["max_sum_throughput_normalized_by_cost_perf"];
+const NOT_IN_GAVELS_GOLDEN_FILE: &[&str] = &[
+    "max_sum_throughput_normalized_by_cost_perf",
+    "gandiva",
+    "max_min_fairness_packed",
+];
 
 #[test]
 fn the_golden_vectors_match_gavel_to_1e_3() {
@@ -136,19 +140,34 @@ fn problem_strategy() -> impl Strategy<Value = AllocationProblem> {
                 prop::sample::select(vec![1u32, 2, 4]),
                 prop::sample::select(vec![1.0f64, 2.0]),
                 (100.0f64..100_000.0, 0.0f64..3600.0),
+                0usize..3,
             ),
             1..12,
         ),
+        // Pair figures: job type a beside b on each GPU type, as fractions
+        // of their speeds alone (0: cannot share there).
+        prop::collection::vec(
+            (
+                prop::sample::select(vec![0.0f64, 0.3, 0.5, 0.7, 0.9]),
+                prop::sample::select(vec![0.0f64, 0.3, 0.5, 0.7, 0.9]),
+            ),
+            18,
+        ),
     )
-        .prop_map(|((v, p, k), jobs)| {
+        .prop_map(|((v, p, k), jobs, pair_fractions)| {
             let mut problem = AllocationProblem::new(
                 [("v100", v), ("p100", p), ("k80", k)]
                     .into_iter()
                     .map(|(t, n)| (t.to_string(), n))
                     .collect(),
             );
-            for (i, ((tv, tp, tk), s, w, (rem, since))) in jobs.into_iter().enumerate() {
+            // Jobs of one type share their throughputs (the first one's),
+            // so pair figures can be stated per type.
+            let mut type_rows: BTreeMap<usize, (f64, f64, f64)> = BTreeMap::new();
+            for (i, ((tv, tp, tk), s, w, (rem, since), job_type)) in jobs.into_iter().enumerate() {
                 let i = i as u64;
+                let (tv, tp, tk) = *type_rows.entry(job_type).or_insert((tv, tp, tk));
+                problem.job_types.insert(i, format!("type{job_type}"));
                 problem.throughputs.insert(
                     i,
                     [("v100", tv), ("p100", tp), ("k80", tk)]
@@ -161,8 +180,86 @@ fn problem_strategy() -> impl Strategy<Value = AllocationProblem> {
                 problem.num_steps_remaining.insert(i, rem);
                 problem.times_since_start.insert(i, since);
             }
+            for (a, row_a) in &type_rows {
+                for (b, row_b) in type_rows.range(a..) {
+                    let by_gpu = [
+                        ("v100", row_a.0, row_b.0),
+                        ("p100", row_a.1, row_b.1),
+                        ("k80", row_a.2, row_b.2),
+                    ]
+                    .into_iter()
+                    .enumerate()
+                    .map(|(g, (t, alone_a, alone_b))| {
+                        let (fa, fb) = pair_fractions[(a * 3 + b) * 2 % 18 + g % 2];
+                        // A type beside itself: the same for both, as
+                        // in Gavel's table.
+                        let fb = if a == b { fa } else { fb };
+                        (t.to_string(), [alone_a * fa, alone_b * fb])
+                    })
+                    .collect();
+                    problem
+                        .pair_throughputs
+                        .entry(format!("type{a}"))
+                        .or_default()
+                        .insert(format!("type{b}"), by_gpu);
+                }
+            }
             problem
         })
+}
+
+/// `max_min_fairness_packed`'s objective solved the long way: one
+/// variable per job and per pair of jobs (Gavel's simulator's form).
+fn packed_objective_per_job_pair(problem: &AllocationProblem) -> f64 {
+    use good_lp::{
+        clarabel, constraint, variable, Expression, ProblemVariables, Solution, SolverModel,
+    };
+    let types: Vec<String> = problem.cluster_spec.keys().cloned().collect();
+    let jobs: Vec<u64> = problem.throughputs.keys().copied().collect();
+    let mut vars = ProblemVariables::new();
+    let floor = vars.add(variable());
+    let mut time: BTreeMap<u64, Expression> = BTreeMap::new();
+    let mut speed: BTreeMap<u64, Expression> = BTreeMap::new();
+    let mut used: Vec<Expression> = types.iter().map(|_| Expression::from(0.0)).collect();
+    for job in &jobs {
+        for (ti, t) in types.iter().enumerate() {
+            let v = vars.add(variable().min(0.0));
+            *time.entry(*job).or_default() += v;
+            *speed.entry(*job).or_default() += problem.throughput(*job, t) * v;
+            used[ti] += f64::from(problem.scale_factor(*job)) * v;
+        }
+    }
+    for (i, a) in jobs.iter().enumerate() {
+        for b in &jobs[i + 1..] {
+            for (ti, t) in types.iter().enumerate() {
+                let Some([fa, fb]) = problem.pair_throughput(*a, *b, t) else {
+                    continue;
+                };
+                if fa <= 0.0 || fb <= 0.0 {
+                    continue;
+                }
+                let v = vars.add(variable().min(0.0));
+                *time.entry(*a).or_default() += v;
+                *time.entry(*b).or_default() += v;
+                *speed.entry(*a).or_default() += fa * v;
+                *speed.entry(*b).or_default() += fb * v;
+                used[ti] += f64::from(problem.scale_factor(*a)) * v;
+            }
+        }
+    }
+    let mut model = vars.maximise(floor).using(clarabel);
+    for t in time.into_values() {
+        model = model.with(constraint!(t <= 1.0));
+    }
+    for (u, n) in used.into_iter().zip(problem.cluster_spec.values()) {
+        model = model.with(constraint!(u <= f64::from(*n)));
+    }
+    for (job, s) in speed {
+        let alone: f64 = types.iter().map(|t| problem.throughput(job, t)).sum();
+        let scale = f64::from(problem.scale_factor(job)) / (problem.weight(job) * alone);
+        model = model.with(constraint!(scale * s >= floor));
+    }
+    model.solve().expect("solves").value(floor)
 }
 
 proptest! {
@@ -189,23 +286,183 @@ proptest! {
                 continue;
             }
             let result = solve(policy, &problem).expect("solves");
+            // Time alone and in every pair, per job.
+            let mut time: BTreeMap<u64, f64> = BTreeMap::new();
             for (job, row) in &result.allocation {
-                let total: f64 = row.values().sum();
-                prop_assert!(total <= 1.0 + 1e-6, "{} job {} sums to {}", policy, job, total);
+                *time.entry(*job).or_default() += row.values().sum::<f64>();
                 for x in row.values() {
                     prop_assert!((0.0..=1.0).contains(x));
                 }
             }
+            for ((a, b), row) in &result.pair_allocation {
+                prop_assert!(keel_core::gavel::shares_gpus(policy), "{} packed jobs", policy);
+                prop_assert_eq!(problem.scale_factors[a], problem.scale_factors[b]);
+                for (t, x) in row {
+                    prop_assert!((0.0..=1.0).contains(x));
+                    // Gandiva gives a pair its share of every type, as
+                    // Gavel's does; the rounds skip types where the pair
+                    // cannot run.
+                    if *x > 0.0 && *policy != "gandiva" {
+                        let figures = problem.pair_throughput(*a, *b, t).unwrap_or([0.0, 0.0]);
+                        prop_assert!(figures.iter().all(|f| *f > 0.0), "{} packs {} and {} on {}", policy, a, b, t);
+                    }
+                }
+                let total: f64 = row.values().sum();
+                *time.entry(*a).or_default() += total;
+                *time.entry(*b).or_default() += total;
+            }
+            for (job, total) in time {
+                prop_assert!(total <= 1.0 + 1e-6, "{} job {} sums to {}", policy, job, total);
+            }
             for (gpu_type, n) in &problem.cluster_spec {
-                let used: f64 = result
+                let alone: f64 = result
                     .allocation
                     .iter()
                     .map(|(job, row)| f64::from(problem.scale_factors[job]) * row[gpu_type])
                     .sum();
+                let shared: f64 = result
+                    .pair_allocation
+                    .iter()
+                    .map(|((a, _), row)| f64::from(problem.scale_factors[a]) * row.get(gpu_type).copied().unwrap_or(0.0))
+                    .sum();
+                let used = alone + shared;
                 prop_assert!(used <= f64::from(*n) + 1e-5, "{} uses {} of {} {}", policy, used, n, gpu_type);
             }
         }
     }
+
+    /// Solving the packed LP by classes of interchangeable jobs reaches
+    /// the optimum of the form with one variable per pair of jobs.
+    #[test]
+    fn packing_by_job_class_loses_nothing_against_packing_by_job_pair(
+        problem in problem_strategy(),
+    ) {
+        prop_assume!(problem.cluster_spec.values().sum::<u32>() > 0);
+        let ours = solve("max_min_fairness_packed", &problem)
+            .expect("solves")
+            .objective
+            .expect("objective");
+        let long_way = packed_objective_per_job_pair(&problem);
+        prop_assert!(
+            (ours - long_way).abs() <= 1e-4 * long_way.abs().max(1e-3),
+            "by class {} vs by job pair {}", ours, long_way
+        );
+    }
+}
+
+/// Two jobs, one GPU: sharing it at 80 % speed each beats taking turns
+/// (50 % each); at 30 % it does not, and they take turns.
+#[test]
+fn packing_shares_a_gpu_only_when_it_pays() {
+    for (fraction, expected) in [(0.8, 0.8), (0.3, 0.5)] {
+        let mut problem = AllocationProblem::new([("v100".to_string(), 1)].into_iter().collect());
+        for job in [0u64, 1] {
+            problem
+                .throughputs
+                .insert(job, [("v100".to_string(), 2.0)].into_iter().collect());
+            problem.scale_factors.insert(job, 1);
+            problem.job_types.insert(job, "resnet".into());
+        }
+        problem.pair_throughputs.insert(
+            "resnet".into(),
+            [(
+                "resnet".to_string(),
+                [("v100".to_string(), [2.0 * fraction, 2.0 * fraction])]
+                    .into_iter()
+                    .collect(),
+            )]
+            .into_iter()
+            .collect(),
+        );
+        let result = solve("max_min_fairness_packed", &problem).expect("solves");
+        let objective = result.objective.expect("objective");
+        assert!(
+            (objective - expected).abs() < 1e-5,
+            "{fraction}: {objective}"
+        );
+        for job in [0u64, 1] {
+            let e = result.effective_throughput[&job];
+            assert!(
+                (e - 2.0 * expected).abs() < 1e-4,
+                "{fraction}: job {job} {e}"
+            );
+        }
+        let shared = result
+            .pair_allocation
+            .get(&(0, 1))
+            .and_then(|row| row.get("v100"))
+            .copied()
+            .unwrap_or(0.0);
+        if fraction > 0.5 {
+            assert!((shared - 1.0).abs() < 1e-4, "{shared}");
+        } else {
+            assert!(shared < 1e-4, "{shared}");
+        }
+        // And through JSON, as `keel policy eval` prints it.
+        let json = serde_json::to_value(&result).expect("json");
+        let back: keel_core::gavel::PolicyResult = serde_json::from_value(json).expect("back");
+        assert_eq!(back.pair_allocation, result.pair_allocation);
+    }
+}
+
+/// Gandiva: equal shares while the jobs fit; once they do not, random
+/// pairs that stay together from one solve to the next until one of the
+/// two leaves.
+#[test]
+fn gandiva_pairs_jobs_only_when_oversubscribed_and_keeps_the_pairs() {
+    let mut problem = AllocationProblem::new([("v100".to_string(), 2)].into_iter().collect());
+    let add = |problem: &mut AllocationProblem, job: u64| {
+        problem
+            .throughputs
+            .insert(job, [("v100".to_string(), 1.0)].into_iter().collect());
+        problem.scale_factors.insert(job, 1);
+        problem.job_types.insert(job, "a3c".into());
+    };
+    problem.pair_throughputs.insert(
+        "a3c".into(),
+        [(
+            "a3c".to_string(),
+            [("v100".to_string(), [0.7, 0.7])].into_iter().collect(),
+        )]
+        .into_iter()
+        .collect(),
+    );
+    for job in 0..2 {
+        add(&mut problem, job);
+    }
+    let mut gandiva = keel_core::gavel::Gandiva::new(0);
+    let fits = gandiva.allocate(&problem);
+    assert!(
+        fits.pair_allocation.is_empty(),
+        "two jobs, two GPUs: no packing"
+    );
+    assert!((fits.allocation[&0]["v100"] - 1.0).abs() < 1e-12);
+    for job in 2..6 {
+        add(&mut problem, job);
+    }
+    let packed = gandiva.allocate(&problem);
+    assert_eq!(packed.pair_allocation.len(), 3, "six jobs, three pairs");
+    let again = gandiva.allocate(&problem);
+    assert_eq!(
+        again.pair_allocation.keys().collect::<Vec<_>>(),
+        packed.pair_allocation.keys().collect::<Vec<_>>(),
+        "the pairs are kept"
+    );
+    // Three entries share two GPUs: 2/3 of the time each.
+    for row in packed.pair_allocation.values() {
+        assert!((row["v100"] - 2.0 / 3.0).abs() < 1e-12);
+    }
+    let (&(a, b), _) = packed.pair_allocation.iter().next().expect("a pair");
+    problem.throughputs.remove(&a);
+    let after = gandiva.allocate(&problem);
+    assert!(
+        after
+            .pair_allocation
+            .keys()
+            .all(|(x, y)| *x != a && *y != a),
+        "a pair with a job that left is dropped"
+    );
+    assert!(!after.pair_allocation.contains_key(&(a, b)));
 }
 
 #[test]
@@ -248,6 +505,8 @@ fn cost_normalised_max_sum_prefers_cheap_speed_and_meets_deadlines() {
             .into_iter()
             .collect(),
         slos: BTreeMap::new(),
+        job_types: BTreeMap::new(),
+        pair_throughputs: BTreeMap::new(),
     };
     let policy = "max_sum_throughput_normalized_by_cost_perf";
     let cheap = solve(policy, &problem).expect("solves");

@@ -20,6 +20,15 @@
 //! [`MechanismConfig::gavel`], its constants; the same component drives
 //! `keel sim --gavel-compat` and the live scheduler.
 //!
+//! Space sharing (Gavel's packed policies and Gandiva): besides each job
+//! alone, an entry may be a pair of jobs of one size sharing the same GPUs
+//! ([`Combo`]). A pair is placed like a job, and then neither of its jobs
+//! runs elsewhere that round. Pairs keep their own time received, deficit
+//! and allocation; as in Gavel, a pair's time starts at 0 (not at the
+//! credit) until the next reset. Entries that tie are taken in the order
+//! Gavel's dictionaries hold them: by the newer job's arrival, the job
+//! alone before its pairs, and its pairs by the partner's arrival.
+//!
 //! Pure: the caller passes the time and the solver's answer; the only
 //! randomness is the seeded type shuffle of type-agnostic policies
 //! (Mersenne Twister seeded as Python's `random.Random(seed)`, so a run can
@@ -29,7 +38,52 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rand_mt::Mt19937GenRand32;
 
-use super::{Allocation, ProblemJobId};
+use super::{Allocation, PairAllocation, ProblemJobId};
+
+/// What a round places: one job alone, or two jobs sharing GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Combo {
+    /// The job alone, or the later-arrived (larger id) of the pair.
+    newer: ProblemJobId,
+    /// The earlier job of a pair.
+    older: Option<ProblemJobId>,
+}
+
+impl Combo {
+    pub fn single(job: ProblemJobId) -> Combo {
+        Combo {
+            newer: job,
+            older: None,
+        }
+    }
+
+    /// The pair of `a` and `b` (either order; `a != b`).
+    pub fn pair(a: ProblemJobId, b: ProblemJobId) -> Combo {
+        Combo {
+            newer: a.max(b),
+            older: Some(a.min(b)),
+        }
+    }
+
+    /// The job alone, or `None` for a pair.
+    pub fn as_single(&self) -> Option<ProblemJobId> {
+        self.older.is_none().then_some(self.newer)
+    }
+
+    /// The pair, smaller id first, or `None` for a job alone.
+    pub fn as_pair(&self) -> Option<(ProblemJobId, ProblemJobId)> {
+        self.older.map(|o| (o, self.newer))
+    }
+
+    /// The jobs, smaller id first.
+    pub fn jobs(&self) -> impl Iterator<Item = ProblemJobId> {
+        self.older.into_iter().chain(std::iter::once(self.newer))
+    }
+
+    pub fn contains(&self, job: ProblemJobId) -> bool {
+        self.newer == job || self.older == Some(job)
+    }
+}
 
 /// The mechanism's constants.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,11 +148,13 @@ pub struct Placement {
     pub extended: bool,
 }
 
-/// What the mechanism keeps per job, by type index.
+/// What the mechanism keeps per entry (a job alone or a pair), by type
+/// index.
 #[derive(Debug, Clone, PartialEq)]
 struct Book {
     scale_factor: u32,
-    /// Steps per second alone (0: cannot run there).
+    /// Steps per second alone; for a pair, the slower of its two jobs
+    /// beside each other (0: cannot run there).
     speed: Vec<f64>,
     /// Time received since the last reset (from the credit).
     time_on_s: Vec<f64>,
@@ -113,10 +169,12 @@ struct Book {
 pub struct MechanismStats {
     pub solves: u64,
     pub rounds: u64,
-    /// Jobs that ran in consecutive rounds on exactly the same GPUs.
+    /// Entries that ran in consecutive rounds on exactly the same GPUs.
     pub lease_extensions: u64,
-    /// Jobs that ran last round and were still active this round.
+    /// Entries that ran last round with a job still active this round.
     pub lease_extension_opportunities: u64,
+    /// Pairs placed to share GPUs.
+    pub pairs_placed: u64,
 }
 
 /// The round-based mechanism's state.
@@ -125,14 +183,17 @@ pub struct Mechanism {
     config: MechanismConfig,
     /// Types in their base order (before any shuffle).
     types: Vec<TypeServers>,
-    jobs: BTreeMap<ProblemJobId, Book>,
-    /// Σ over jobs of time received per type since the last reset.
+    /// Jobs alone and pairs, in Gavel's tie order.
+    books: BTreeMap<Combo, Book>,
+    /// Each job's pair partners.
+    partners: BTreeMap<ProblemJobId, BTreeSet<ProblemJobId>>,
+    /// Σ over entries of time received per type since the last reset.
     type_time_s: Vec<f64>,
     allocation: Allocation,
     last_reset_s: f64,
     job_set_changed: bool,
     /// Last round's placements: type index and GPUs.
-    current: BTreeMap<ProblemJobId, (usize, Vec<WorkerId>)>,
+    current: BTreeMap<Combo, (usize, Vec<WorkerId>)>,
     shuffler: Option<Mt19937GenRand32>,
     stats: MechanismStats,
 }
@@ -148,7 +209,8 @@ impl Mechanism {
             config,
             type_time_s: vec![0.0; types.len()],
             types,
-            jobs: BTreeMap::new(),
+            books: BTreeMap::new(),
+            partners: BTreeMap::new(),
             allocation: Allocation::new(),
             last_reset_s: 0.0,
             job_set_changed: false,
@@ -174,11 +236,16 @@ impl Mechanism {
 
     /// The jobs the mechanism knows.
     pub fn job_ids(&self) -> impl Iterator<Item = ProblemJobId> + '_ {
-        self.jobs.keys().copied()
+        self.books.keys().filter_map(Combo::as_single)
     }
 
     pub fn contains(&self, job: ProblemJobId) -> bool {
-        self.jobs.contains_key(&job)
+        self.books.contains_key(&Combo::single(job))
+    }
+
+    /// How many pairs may share GPUs.
+    pub fn pair_count(&self) -> usize {
+        self.books.keys().filter(|c| c.older.is_some()).count()
     }
 
     /// A job arrived: credited on every type, no allocation until the next
@@ -195,8 +262,8 @@ impl Mechanism {
             .iter()
             .map(|t| throughputs.get(&t.gpu_type).copied().unwrap_or(0.0))
             .collect();
-        self.jobs.insert(
-            job,
+        self.books.insert(
+            Combo::single(job),
             Book {
                 scale_factor: scale_factor.max(1),
                 speed,
@@ -208,22 +275,68 @@ impl Mechanism {
         self.job_set_changed = true;
     }
 
-    /// A job ended (finished, cancelled or failed).
+    /// Jobs `a` and `b` (both known, of one size) may share GPUs, at
+    /// `figures` by type name: `[a's, b's]` steps per second beside each
+    /// other (a missing type: they cannot share it). Ignored when either
+    /// job is unknown or their sizes differ.
+    pub fn add_pair(
+        &mut self,
+        a: ProblemJobId,
+        b: ProblemJobId,
+        figures: &BTreeMap<String, [f64; 2]>,
+    ) {
+        let (Some(ba), Some(bb)) = (
+            self.books.get(&Combo::single(a)),
+            self.books.get(&Combo::single(b)),
+        ) else {
+            return;
+        };
+        if a == b || ba.scale_factor != bb.scale_factor {
+            return;
+        }
+        let scale_factor = ba.scale_factor;
+        let n = self.types.len();
+        let speed = self
+            .types
+            .iter()
+            .map(|t| figures.get(&t.gpu_type).map_or(0.0, |[fa, fb]| fa.min(*fb)))
+            .collect();
+        self.books.insert(
+            Combo::pair(a, b),
+            Book {
+                scale_factor,
+                speed,
+                time_on_s: vec![0.0; n],
+                deficit_s: vec![0.0; n],
+                x: None,
+            },
+        );
+        self.partners.entry(a).or_default().insert(b);
+        self.partners.entry(b).or_default().insert(a);
+    }
+
+    /// A job ended (finished, cancelled or failed), and with it its pairs.
     pub fn remove_job(&mut self, job: ProblemJobId) {
-        if self.jobs.remove(&job).is_some() {
+        if self.books.remove(&Combo::single(job)).is_some() {
             self.job_set_changed = true;
+        }
+        for partner in self.partners.remove(&job).unwrap_or_default() {
+            self.books.remove(&Combo::pair(job, partner));
+            if let Some(p) = self.partners.get_mut(&partner) {
+                p.remove(&job);
+            }
         }
     }
 
-    /// `job` ran `seconds` on the type at `type_index` (a round's
-    /// micro-task).
-    pub fn record_run(&mut self, job: ProblemJobId, type_index: usize, seconds: f64) {
+    /// `combo` ran `seconds` on the type at `type_index` (a round's
+    /// micro-task; a pair's lasts until the later of its two ends).
+    pub fn record_run(&mut self, combo: Combo, type_index: usize, seconds: f64) {
         if !(seconds.is_finite() && seconds > 0.0) {
             return;
         }
         if let Some(t) = self
-            .jobs
-            .get_mut(&job)
+            .books
+            .get_mut(&combo)
             .and_then(|b| b.time_on_s.get_mut(type_index))
         {
             *t += seconds;
@@ -245,26 +358,42 @@ impl Mechanism {
     /// Installs a freshly solved allocation at `now_s`: first the deficits
     /// under the old one, then the times received restart at the credit.
     pub fn install(&mut self, now_s: f64, allocation: Allocation) {
+        self.install_with_pairs(now_s, allocation, &PairAllocation::new());
+    }
+
+    /// [`Mechanism::install`] for a space-sharing policy: `pairs` gives the
+    /// pairs' time (a known pair it does not name gets none, but may still
+    /// fill GPUs left over, as in Gavel).
+    pub fn install_with_pairs(
+        &mut self,
+        now_s: f64,
+        allocation: Allocation,
+        pairs: &PairAllocation,
+    ) {
         let elapsed_s = now_s - self.last_reset_s;
         let credit = self.config.initial_credit_s;
         let n = self.types.len();
-        for (job, book) in &mut self.jobs {
+        let row_of = |row: &BTreeMap<String, f64>| -> Vec<f64> {
+            self.types
+                .iter()
+                .map(|t| row.get(&t.gpu_type).copied().unwrap_or(0.0))
+                .collect()
+        };
+        for (combo, book) in &mut self.books {
             for ti in 0..n {
                 let received = book.time_on_s[ti] - credit;
                 let promised = book.x.as_ref().map_or(0.0, |x| x[ti] * elapsed_s);
                 book.deficit_s[ti] += promised - received;
                 book.time_on_s[ti] = credit;
             }
-            book.x = allocation.get(job).map(|row| {
-                self.types
-                    .iter()
-                    .map(|t| row.get(&t.gpu_type).copied().unwrap_or(0.0))
-                    .collect()
-            });
+            book.x = match combo.as_pair() {
+                None => allocation.get(&combo.newer).map(row_of),
+                Some(pair) => Some(pairs.get(&pair).map_or_else(|| vec![0.0; n], row_of)),
+            };
         }
-        let jobs = self.jobs.len() as f64;
+        let entries = self.books.len() as f64;
         for total in &mut self.type_time_s {
-            *total = credit * jobs;
+            *total = credit * entries;
         }
         self.allocation = allocation;
         self.last_reset_s = now_s;
@@ -318,22 +447,47 @@ impl Mechanism {
 
     /// The placements of the next round. Call [`Mechanism::install`] first
     /// when [`Mechanism::needs_solve`] says so. Never places more GPUs of a
-    /// type than it has, a GPU twice, or a job twice.
-    pub fn plan_round(&mut self) -> BTreeMap<ProblemJobId, Placement> {
+    /// type than it has, a GPU twice, or a job twice (alone or in a pair).
+    pub fn plan_round(&mut self) -> BTreeMap<Combo, Placement> {
         self.stats.rounds += 1;
         let order = self.round_types();
-        let books: Vec<(ProblemJobId, &Book)> = self.jobs.iter().map(|(j, b)| (*j, b)).collect();
+        let books: Vec<(Combo, &Book)> = self.books.iter().map(|(c, b)| (*c, b)).collect();
+        // Each entry's jobs as positions among the jobs alone.
+        let single_position: BTreeMap<ProblemJobId, u32> = books
+            .iter()
+            .filter_map(|(c, _)| c.as_single())
+            .enumerate()
+            .map(|(i, job)| (job, u32::try_from(i).unwrap_or(u32::MAX)))
+            .collect();
+        let members: Vec<[Option<u32>; 2]> = books
+            .iter()
+            .map(|(c, _)| {
+                let position = |j: ProblemJobId| single_position.get(&j).copied();
+                match c.as_pair() {
+                    None => [position(c.newer), None],
+                    Some((a, b)) => [position(a), position(b)],
+                }
+            })
+            .collect();
+        let jobs = single_position.len();
         let mut left: Vec<u32> = self.types.iter().map(TypeServers::gpus).collect();
-        let mut chosen = vec![false; books.len()];
-        // Per type, in queue order: (job, scale factor, has an allocation).
-        let mut per_type: Vec<Vec<(ProblemJobId, u32, bool)>> = vec![Vec::new(); self.types.len()];
-        // Per type: (job's position, priority, deficit, allocation), sorted
-        // descending, ties in arrival (id) order; the types' lists walked
+        let mut chosen = vec![false; jobs];
+        let mut chosen_count = 0usize;
+        // Per type, in queue order: (entry, scale factor, has an allocation).
+        let mut per_type: Vec<Vec<(Combo, u32, bool)>> = vec![Vec::new(); self.types.len()];
+        // Per type: (entry's position, priority, deficit, allocation),
+        // sorted descending, ties in entry order; the types' lists walked
         // one after the other.
         type Entry = (u32, f64, f64, f64);
+        let order_of = |a: &Entry, b: &Entry| {
+            b.1.total_cmp(&a.1)
+                .then(b.2.total_cmp(&a.2))
+                .then(b.3.total_cmp(&a.3))
+                .then(a.0.cmp(&b.0))
+        };
         let mut entries: Vec<Entry> = Vec::with_capacity(books.len());
         for &ti in &order {
-            if left[ti] == 0 {
+            if left[ti] == 0 || chosen_count == jobs {
                 continue;
             }
             entries.clear();
@@ -346,34 +500,29 @@ impl Mechanism {
                     x,
                 )
             }));
-            let order_of = |a: &Entry, b: &Entry| {
-                b.1.total_cmp(&a.1)
-                    .then(b.2.total_cmp(&a.2))
-                    .then(b.3.total_cmp(&a.3))
-                    .then(a.0.cmp(&b.0))
-            };
-            // Only the head of the order is usually walked: it holds at
-            // most `left` placements plus the jobs already chosen on other
-            // types. Sort that head; sort the rest only if the walk gets
-            // there.
-            let chosen_count = chosen.iter().filter(|c| **c).count();
-            let head = (left[ti] as usize + chosen_count + 8).min(entries.len());
-            if head < entries.len() {
-                entries.select_nth_unstable_by(head, order_of);
-            }
-            entries[..head].sort_unstable_by(order_of);
-            let mut sorted_all = head == entries.len();
+            // Only the head of the order is usually walked: sort it in
+            // growing chunks as the walk reaches them.
+            let mut sorted = 0usize;
             let mut at = 0;
-            while at < entries.len() && left[ti] > 0 {
-                if at == head && !sorted_all {
-                    entries[head..].sort_unstable_by(order_of);
-                    sorted_all = true;
+            while at < entries.len() && left[ti] > 0 && chosen_count < jobs {
+                if at == sorted {
+                    let chunk = (left[ti] as usize + 16).max(sorted);
+                    let end = (sorted + chunk).min(entries.len());
+                    let rest = &mut entries[sorted..];
+                    if end - sorted < rest.len() {
+                        rest.select_nth_unstable_by(end - sorted, order_of);
+                    }
+                    rest[..end - sorted].sort_unstable_by(order_of);
+                    sorted = end;
                 }
                 let (i, priority, _, _) = entries[at];
                 at += 1;
                 let i = i as usize;
-                let (job, book) = books[i];
-                if chosen[i]
+                let (combo, book) = books[i];
+                let taken = |m: Option<u32>| m.is_none_or(|m| chosen[m as usize]);
+                let [first, second] = members[i];
+                if taken(first)
+                    || (combo.older.is_some() && taken(second))
                     || book.speed[ti] <= 0.0
                     || (self.config.skip_zero_priority && priority <= 0.0)
                     || book.scale_factor > left[ti]
@@ -381,51 +530,55 @@ impl Mechanism {
                     continue;
                 }
                 left[ti] -= book.scale_factor;
-                chosen[i] = true;
-                per_type[ti].push((job, book.scale_factor, book.x.is_some()));
+                for m in [first, second].into_iter().flatten() {
+                    chosen[m as usize] = true;
+                    chosen_count += 1;
+                }
+                per_type[ti].push((combo, book.scale_factor, book.x.is_some()));
             }
         }
         let placements = self.assign(&order, per_type);
-        for job in self.current.keys() {
-            if self.jobs.contains_key(job) {
+        for combo in self.current.keys() {
+            if combo.jobs().any(|j| self.contains(j)) {
                 self.stats.lease_extension_opportunities += 1;
-                if placements.get(job).is_some_and(|p| p.extended) {
+                if placements.get(combo).is_some_and(|p| p.extended) {
                     self.stats.lease_extensions += 1;
                 }
             }
         }
+        self.stats.pairs_placed += placements.keys().filter(|c| c.older.is_some()).count() as u64;
         self.current = placements
             .iter()
-            .map(|(job, p)| (*job, (p.type_index, p.workers.clone())))
+            .map(|(combo, p)| (*combo, (p.type_index, p.workers.clone())))
             .collect();
         placements
     }
 
-    /// GPUs for the chosen jobs, type by type: largest scale factor first;
-    /// within a size, jobs that ran on this type last round keep their
-    /// GPUs when all are still free, then the rest are packed server by
-    /// server (the type's GPUs in server order, skipping taken ones).
-    /// Jobs the allocation does not name (arrived since the last solve)
+    /// GPUs for the chosen entries, type by type: largest scale factor
+    /// first; within a size, entries that ran on this type last round keep
+    /// their GPUs when all are still free, then the rest are packed server
+    /// by server (the type's GPUs in server order, skipping taken ones).
+    /// Entries the allocation does not name (arrived since the last solve)
     /// are not placed, as in Gavel.
     fn assign(
         &self,
         order: &[usize],
-        mut per_type: Vec<Vec<(ProblemJobId, u32, bool)>>,
-    ) -> BTreeMap<ProblemJobId, Placement> {
-        let mut out: BTreeMap<ProblemJobId, Placement> = BTreeMap::new();
+        mut per_type: Vec<Vec<(Combo, u32, bool)>>,
+    ) -> BTreeMap<Combo, Placement> {
+        let mut out: BTreeMap<Combo, Placement> = BTreeMap::new();
         let mut taken: BTreeSet<WorkerId> = BTreeSet::new();
         for &ti in order {
-            let jobs = &mut per_type[ti];
-            if jobs.is_empty() {
+            let entries = &mut per_type[ti];
+            if entries.is_empty() {
                 continue;
             }
-            jobs.sort_by_key(|j| std::cmp::Reverse(j.1));
+            entries.sort_by_key(|j| std::cmp::Reverse(j.1));
             let mut gpus = self.types[ti].servers.iter().flatten().copied();
-            let mut sizes: Vec<u32> = jobs.iter().map(|(_, s, _)| *s).collect();
+            let mut sizes: Vec<u32> = entries.iter().map(|(_, s, _)| *s).collect();
             sizes.dedup();
             for size in sizes {
-                for (job, _, _) in jobs.iter().filter(|(_, s, _)| *s == size) {
-                    let Some((previous_type, previous)) = self.current.get(job) else {
+                for (combo, _, _) in entries.iter().filter(|(_, s, _)| *s == size) {
+                    let Some((previous_type, previous)) = self.current.get(combo) else {
                         continue;
                     };
                     if *previous_type != ti || previous.iter().any(|w| taken.contains(w)) {
@@ -433,7 +586,7 @@ impl Mechanism {
                     }
                     taken.extend(previous.iter().copied());
                     out.insert(
-                        *job,
+                        *combo,
                         Placement {
                             type_index: ti,
                             workers: previous.clone(),
@@ -441,8 +594,8 @@ impl Mechanism {
                         },
                     );
                 }
-                for (job, _, allocated) in jobs.iter().filter(|(_, s, _)| *s == size) {
-                    if !allocated || out.contains_key(job) {
+                for (combo, _, allocated) in entries.iter().filter(|(_, s, _)| *s == size) {
+                    if !allocated || out.contains_key(combo) {
                         continue;
                     }
                     let mut workers = Vec::with_capacity(size as usize);
@@ -457,10 +610,10 @@ impl Mechanism {
                     if workers.len() == size as usize {
                         let extended = self
                             .current
-                            .get(job)
+                            .get(combo)
                             .is_some_and(|(t, w)| *t == ti && *w == workers);
                         out.insert(
-                            *job,
+                            *combo,
                             Placement {
                                 type_index: ti,
                                 workers,
@@ -564,8 +717,9 @@ mod tests {
             let plan = m.plan_round();
             assert_eq!(plan.len(), 1, "one GPU, one job per round");
             let (job, p) = plan.iter().next().expect("one");
-            runs[*job as usize] += 1;
-            m.record_run(*job, p.type_index, 360.0);
+            let job = job.as_single().expect("no pairs here");
+            runs[job as usize] += 1;
+            m.record_run(Combo::single(job), p.type_index, 360.0);
         }
         assert_eq!(runs, [5, 5]);
     }
@@ -576,17 +730,17 @@ mod tests {
         m.add_job(0, 2, &speeds(1.0, 0.0));
         m.install(100.0, [(0, row(1.0, 0.0))].into_iter().collect());
         let first = m.plan_round();
-        m.record_run(0, 0, 360.0);
+        m.record_run(Combo::single(0), 0, 360.0);
         m.add_job(1, 2, &speeds(1.0, 0.0));
         assert!(!m.needs_solve(460.0), "the last solve is too recent");
         let second = m.plan_round();
         assert_eq!(
-            second.get(&0).map(|p| &p.workers),
-            first.get(&0).map(|p| &p.workers),
+            second.get(&Combo::single(0)).map(|p| &p.workers),
+            first.get(&Combo::single(0)).map(|p| &p.workers),
             "lease extended"
         );
-        assert!(second.get(&0).is_some_and(|p| p.extended));
-        assert!(!second.contains_key(&1), "no allocation yet");
+        assert!(second.get(&Combo::single(0)).is_some_and(|p| p.extended));
+        assert!(!second.contains_key(&Combo::single(1)), "no allocation yet");
         assert!(m.needs_solve(2020.0));
         assert_eq!(m.stats().lease_extensions, 1);
     }
@@ -597,12 +751,12 @@ mod tests {
         m.add_job(0, 1, &speeds(1.0, 0.0));
         m.install(0.0, [(0, row(1.0, 0.0))].into_iter().collect());
         // Promised 2,000 s on v100, received 1,500.
-        m.record_run(0, 0, 1500.0);
+        m.record_run(Combo::single(0), 0, 1500.0);
         m.add_job(1, 1, &speeds(1.0, 0.0));
         assert!(m.needs_solve(2000.0));
         m.install(2000.0, Allocation::new());
-        let d = m.jobs[&0].deficit_s[0];
+        let d = m.books[&Combo::single(0)].deficit_s[0];
         assert!((d - 500.0).abs() < 1e-9, "{d}");
-        assert_eq!(m.jobs[&1].deficit_s[0], 0.0);
+        assert_eq!(m.books[&Combo::single(1)].deficit_s[0], 0.0);
     }
 }

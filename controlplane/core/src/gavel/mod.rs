@@ -18,9 +18,11 @@
 mod allox;
 mod fifo_perf;
 mod finish_time_fairness;
+mod gandiva;
 mod isolated;
 mod lp;
 mod max_min_fairness;
+mod max_min_fairness_packed;
 mod max_sum_throughput;
 mod max_sum_throughput_normalized_by_cost;
 pub mod mechanism;
@@ -33,8 +35,10 @@ use serde::{Deserialize, Serialize};
 pub use allox::allox;
 pub use fifo_perf::fifo_perf;
 pub use finish_time_fairness::{finish_time_fairness, finish_time_fairness_perf};
+pub use gandiva::Gandiva;
 pub use isolated::isolated;
 pub use max_min_fairness::{max_min_fairness, max_min_fairness_perf};
+pub use max_min_fairness_packed::max_min_fairness_packed;
 pub use max_sum_throughput::max_sum_throughput_perf;
 pub use max_sum_throughput_normalized_by_cost::max_sum_throughput_normalized_by_cost_perf;
 pub use min_total_duration::{min_total_duration, min_total_duration_perf};
@@ -65,16 +69,79 @@ pub struct AllocationProblem {
     /// Seconds from now to each job's deadline (cost-normalised policies).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub slos: BTreeMap<ProblemJobId, f64>,
+    /// Each job's type (its model), for the space-sharing policies: jobs
+    /// of one type behave the same beside any other job.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub job_types: BTreeMap<ProblemJobId, String>,
+    /// Steps per second of two job types sharing GPUs (space-sharing
+    /// policies; a pair without figures is never packed).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pair_throughputs: PairThroughputs,
 }
 
 /// Fractions of time by job, then GPU type.
 pub type Allocation = BTreeMap<ProblemJobId, BTreeMap<String, f64>>;
+
+/// Job type → other job type → GPU type → `[job type's, other's]` steps
+/// per second when one job of each shares the same GPUs.
+pub type PairThroughputs = BTreeMap<String, BTreeMap<String, BTreeMap<String, [f64; 2]>>>;
+
+/// Fractions of time two jobs (smaller id first) share GPUs, by GPU type.
+pub type PairAllocation = BTreeMap<(ProblemJobId, ProblemJobId), BTreeMap<String, f64>>;
+
+/// Pair allocations in JSON: a list of `{"jobs": [a, b], "allocation":
+/// {type: fraction}}` (JSON object keys cannot be pairs).
+mod pair_allocation_json {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use super::{PairAllocation, ProblemJobId};
+
+    #[derive(Serialize, Deserialize)]
+    struct Entry {
+        jobs: [ProblemJobId; 2],
+        allocation: BTreeMap<String, f64>,
+    }
+
+    pub fn serialize<S: Serializer>(pairs: &PairAllocation, s: S) -> Result<S::Ok, S::Error> {
+        let entries: Vec<Entry> = pairs
+            .iter()
+            .map(|((a, b), row)| Entry {
+                jobs: [*a, *b],
+                allocation: row.clone(),
+            })
+            .collect();
+        entries.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PairAllocation, D::Error> {
+        let entries = Vec::<Entry>::deserialize(d)?;
+        Ok(entries
+            .into_iter()
+            .map(|e| {
+                let [a, b] = e.jobs;
+                ((a.min(b), a.max(b)), e.allocation)
+            })
+            .collect())
+    }
+}
 
 /// A policy's answer: the allocation, each job's effective throughput and
 /// the objective's value where the policy has one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyResult {
     pub allocation: Allocation,
+    /// Space-sharing policies: the time pairs of jobs share GPUs (only
+    /// pairs with some time are listed).
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        with = "pair_allocation_json"
+    )]
+    pub pair_allocation: PairAllocation,
+    /// A job's steps per second over time: alone, plus beside its
+    /// partners.
     pub effective_throughput: BTreeMap<ProblemJobId, f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub objective: Option<f64>,
@@ -94,6 +161,25 @@ pub enum AllocationError {
 pub const JOBS_MAX: usize = 20_000;
 /// Most GPU types in one problem.
 pub const TYPES_MAX: usize = 64;
+/// Most pair figures (type pairs × GPU types) in one problem.
+pub const PAIR_FIGURES_MAX: usize = 200_000;
+
+/// `[a's, b's]` figures of job types `a` and `b` sharing `gpu_type`, read
+/// either way round.
+fn pair_figures(pairs: &PairThroughputs, a: &str, b: &str, gpu_type: &str) -> Option<[f64; 2]> {
+    if let Some(f) = pairs
+        .get(a)
+        .and_then(|o| o.get(b))
+        .and_then(|g| g.get(gpu_type))
+    {
+        return Some(*f);
+    }
+    pairs
+        .get(b)
+        .and_then(|o| o.get(a))
+        .and_then(|g| g.get(gpu_type))
+        .map(|[x, y]| [*y, *x])
+}
 
 /// The policies [`solve`] knows.
 pub const GAVEL_POLICY_NAMES: &[&str] = &[
@@ -108,7 +194,63 @@ pub const GAVEL_POLICY_NAMES: &[&str] = &[
     "max_sum_throughput_normalized_by_cost_perf",
     "fifo_perf",
     "allox",
+    "gandiva",
+    "max_min_fairness_packed",
 ];
+
+/// The policies that may put two jobs on the same GPUs (space sharing):
+/// their results have pair allocations, and they need pair throughputs.
+pub const SPACE_SHARING_POLICY_NAMES: &[&str] = &["gandiva", "max_min_fairness_packed"];
+
+/// Whether the policy `name` may put two jobs on the same GPUs.
+pub fn shares_gpus(name: &str) -> bool {
+    SPACE_SHARING_POLICY_NAMES.contains(&name)
+}
+
+/// A policy solved again and again, as the round simulator and the live
+/// scheduler use it: carries what a policy keeps between solves
+/// (Gandiva's pairs and random stream; AlloX reads the last allocation,
+/// which the caller passes).
+#[derive(Debug, Clone)]
+pub struct PolicyRun {
+    name: &'static str,
+    gandiva: Option<Gandiva>,
+}
+
+impl PolicyRun {
+    /// The policy `name`; `seed` seeds Gandiva's draws (Gavel passes its
+    /// run's seed).
+    pub fn new(name: &str, seed: u32) -> Result<PolicyRun, AllocationError> {
+        let Some(name) = GAVEL_POLICY_NAMES.iter().find(|n| **n == name) else {
+            return Err(AllocationError::UnknownPolicy {
+                name: name.to_string(),
+            });
+        };
+        Ok(PolicyRun {
+            name,
+            gandiva: (*name == "gandiva").then(|| Gandiva::new(seed)),
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The next solve, `previous` being the allocation in force.
+    pub fn solve(
+        &mut self,
+        problem: &AllocationProblem,
+        previous: &Allocation,
+    ) -> Result<PolicyResult, AllocationError> {
+        match &mut self.gandiva {
+            Some(gandiva) => {
+                problem.validate()?;
+                Ok(gandiva.allocate(problem))
+            }
+            None => solve_after(self.name, problem, previous),
+        }
+    }
+}
 
 /// Runs the policy `name` on `problem` (a first solve: policies that
 /// keep earlier decisions start from none; see [`solve_after`]).
@@ -139,6 +281,9 @@ pub fn solve_after(
             max_sum_throughput_normalized_by_cost_perf(problem)
         }
         "fifo_perf" => Ok(fifo_perf(problem)),
+        // A first solve: fresh pairs, Gavel's seed 0.
+        "gandiva" => Ok(Gandiva::new(0).allocate(problem)),
+        "max_min_fairness_packed" => max_min_fairness_packed(problem),
         _ => Err(AllocationError::UnknownPolicy {
             name: name.to_string(),
         }),
@@ -157,7 +302,26 @@ impl AllocationProblem {
             num_steps_remaining: BTreeMap::new(),
             instance_costs: BTreeMap::new(),
             slos: BTreeMap::new(),
+            job_types: BTreeMap::new(),
+            pair_throughputs: BTreeMap::new(),
         }
+    }
+
+    /// `[a's, b's]` steps per second when jobs `a` and `b` share GPUs of
+    /// `gpu_type`: `None` unless both have a type, the same scale factor
+    /// and figures for the pair.
+    pub fn pair_throughput(
+        &self,
+        a: ProblemJobId,
+        b: ProblemJobId,
+        gpu_type: &str,
+    ) -> Option<[f64; 2]> {
+        if a == b || self.scale_factor(a) != self.scale_factor(b) {
+            return None;
+        }
+        let ta = self.job_types.get(&a)?;
+        let tb = self.job_types.get(&b)?;
+        pair_figures(&self.pair_throughputs, ta, tb, gpu_type)
     }
 
     /// The GPU types, in name order.
@@ -232,6 +396,38 @@ impl AllocationProblem {
                 ));
             }
         }
+        if self.job_types.len() > JOBS_MAX {
+            return Err(invalid(
+                "job_types",
+                format!("{} jobs; the limit is {JOBS_MAX}", self.job_types.len()),
+            ));
+        }
+        let pair_figures: usize = self
+            .pair_throughputs
+            .values()
+            .flat_map(|others| others.values())
+            .map(BTreeMap::len)
+            .sum();
+        if pair_figures > PAIR_FIGURES_MAX {
+            return Err(invalid(
+                "pair_throughputs",
+                format!("{pair_figures} figures; the limit is {PAIR_FIGURES_MAX}"),
+            ));
+        }
+        for (ta, others) in &self.pair_throughputs {
+            for (tb, by_gpu) in others {
+                for (gpu, figures) in by_gpu {
+                    if figures.iter().any(|v| !(v.is_finite() && *v >= 0.0)) {
+                        return Err(invalid(
+                            "pair_throughputs",
+                            format!(
+                                "{ta} beside {tb} on {gpu}: {figures:?} are not finite numbers ≥ 0"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
         for (job, w) in &self.priority_weights {
             if !(w.is_finite() && *w > 0.0) {
                 return Err(invalid(
@@ -245,21 +441,42 @@ impl AllocationProblem {
 
     /// The result for `allocation`: clipped to [0, 1], with effective
     /// throughputs.
-    pub fn result(&self, mut allocation: Allocation, objective: Option<f64>) -> PolicyResult {
-        for row in allocation.values_mut() {
+    pub fn result(&self, allocation: Allocation, objective: Option<f64>) -> PolicyResult {
+        self.result_with_pairs(allocation, PairAllocation::new(), objective)
+    }
+
+    /// The result for an allocation with pairs sharing GPUs: clipped to
+    /// [0, 1], pairs with no time dropped, each job's effective throughput
+    /// counting its time alone and beside each partner.
+    pub fn result_with_pairs(
+        &self,
+        mut allocation: Allocation,
+        mut pair_allocation: PairAllocation,
+        objective: Option<f64>,
+    ) -> PolicyResult {
+        for row in allocation.values_mut().chain(pair_allocation.values_mut()) {
             for x in row.values_mut() {
                 *x = x.clamp(0.0, 1.0);
             }
         }
-        let effective_throughput = allocation
+        pair_allocation.retain(|_, row| row.values().any(|x| *x > 0.0));
+        let mut effective_throughput: BTreeMap<ProblemJobId, f64> = allocation
             .iter()
             .map(|(job, row)| {
                 let e = row.iter().map(|(t, x)| self.throughput(*job, t) * x).sum();
                 (*job, e)
             })
             .collect();
+        for ((a, b), row) in &pair_allocation {
+            for (t, x) in row {
+                let [ta, tb] = self.pair_throughput(*a, *b, t).unwrap_or([0.0, 0.0]);
+                *effective_throughput.entry(*a).or_default() += ta * x;
+                *effective_throughput.entry(*b).or_default() += tb * x;
+            }
+        }
         PolicyResult {
             allocation,
+            pair_allocation,
             effective_throughput,
             objective,
         }

@@ -30,7 +30,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use crate::gavel::mechanism::{Mechanism, MechanismConfig, TypeServers, WorkerId};
+use crate::gavel::mechanism::{Combo, Mechanism, MechanismConfig, TypeServers, WorkerId};
 use crate::gavel::{self, AllocationProblem, ProblemJobId};
 use crate::model::{GpuRef, JobId, NodeState};
 use crate::perf::JobPerf;
@@ -281,7 +281,7 @@ impl Policy for GavelRounds {
             if let Some(start) = rounds.round_started_s {
                 let ran_s = (now_s - start).max(0.0);
                 for (job, ti) in &rounds.placed_on {
-                    rounds.mechanism.record_run(*job, *ti, ran_s);
+                    rounds.mechanism.record_run(Combo::single(*job), *ti, ran_s);
                 }
             }
             // The job set: unfinished jobs in, ended ones out.
@@ -319,7 +319,12 @@ impl Policy for GavelRounds {
             let placements = rounds.mechanism.plan_round();
             rounds.plan.clear();
             rounds.placed_on.clear();
-            for (job_id, placement) in placements {
+            for (combo, placement) in placements {
+                // The live scheduler adds no pairs: every entry is a job
+                // alone (space sharing runs in `keel sim` only).
+                let Some(job_id) = combo.as_single() else {
+                    continue;
+                };
                 let gpus: Vec<GpuRef> = placement
                     .workers
                     .iter()

@@ -170,7 +170,7 @@ pub fn by_name_with(name: &str, options: &PolicyOptions) -> Result<Box<dyn Polic
         "optimus" => Ok(Box::new(Optimus)),
         _ => match crate::gavel::GAVEL_POLICY_NAMES
             .iter()
-            .find(|n| **n == name)
+            .find(|n| **n == name && !crate::gavel::shares_gpus(n))
         {
             Some(name) => Ok(Box::new(GavelRounds::new(name, options.gavel.clone()))),
             None => Err(UnknownPolicy {
@@ -181,13 +181,30 @@ pub fn by_name_with(name: &str, options: &PolicyOptions) -> Result<Box<dyn Polic
 }
 
 /// Every name [`by_name_with`] knows: Keel's policies, then the
-/// heterogeneity-aware ones.
+/// heterogeneity-aware ones the live scheduler runs (all but the
+/// space-sharing ones: the cluster state places one job per GPU).
 pub fn all_policy_names() -> Vec<&'static str> {
     POLICY_NAMES
         .iter()
         .chain(crate::gavel::GAVEL_POLICY_NAMES)
+        .filter(|n| !crate::gavel::shares_gpus(n))
         .copied()
         .collect()
+}
+
+/// Why the live scheduler cannot run a policy named `name`.
+pub fn unknown_policy_reason(name: &str) -> String {
+    if crate::gavel::shares_gpus(name) {
+        format!(
+            "policy {name:?} puts two jobs on the same GPUs, and the live scheduler places \
+             one job per GPU: run it with `keel sim` or `keel policy eval`"
+        )
+    } else {
+        format!(
+            "unknown policy {name:?}; known policies: {}",
+            all_policy_names().join(", ")
+        )
+    }
 }
 
 /// Keel's own policy names (see [`all_policy_names`] for every name
@@ -211,6 +228,33 @@ mod tests {
     use crate::command::LogEntry;
     use crate::fixtures::job_spec;
     use crate::model::Gpu;
+
+    #[test]
+    fn space_sharing_policies_are_refused_live_with_the_reason() {
+        for name in crate::gavel::SPACE_SHARING_POLICY_NAMES {
+            let Err(e) = by_name(name, QueueOptions::default()) else {
+                panic!("{name} must not run live");
+            };
+            assert!(e.to_string().contains("same GPUs"), "{e}");
+            assert!(!all_policy_names().contains(name));
+        }
+        let mut state = ClusterState::new();
+        let refused = state.apply(
+            1,
+            &LogEntry {
+                at_ms: 0,
+                command: Command::SetPolicy {
+                    name: "gandiva".into(),
+                },
+            },
+        );
+        assert!(
+            matches!(&refused, Err(crate::state::ApplyError::Invalid { field, reason })
+                if field == "policy" && reason.contains("same GPUs")),
+            "{refused:?}"
+        );
+        assert!(by_name("max_min_fairness_perf", QueueOptions::default()).is_ok());
+    }
 
     #[test]
     fn a_round_proposes_only_changes_based_on_the_index_it_read() {
@@ -268,7 +312,7 @@ mod tests {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown policy {name:?}; known policies: {}", all_policy_names().join(", "))]
+#[error("{}", unknown_policy_reason(.name))]
 pub struct UnknownPolicy {
     pub name: String,
 }

@@ -140,6 +140,8 @@ pub struct SimReport {
     /// mechanism's lease extensions).
     pub lease_extensions: u64,
     pub lease_extension_opportunities: u64,
+    /// Placements of two jobs sharing GPUs (space-sharing policies).
+    pub pairs_placed: u64,
     /// The final state's hash (empty where no state machine ran).
     pub state_hash: String,
     pub samples: Vec<Sample>,
@@ -176,6 +178,7 @@ impl SimReport {
             solves: 0,
             lease_extensions: 0,
             lease_extension_opportunities: 0,
+            pairs_placed: 0,
             state_hash: String::new(),
             samples: Vec::new(),
         }

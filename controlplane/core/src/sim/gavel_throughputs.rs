@@ -1,16 +1,23 @@
 //! Gavel's throughput table (`simulation_throughputs.json`): steps per
 //! second by GPU type, then by `('job type', scale factor)`, alone
 //! (`"null"`) or beside another job. The simulator uses the "alone" figure
-//! for jobs whose job type and size the table holds.
+//! for jobs whose job type and size the table holds, and the pair figures
+//! for the space-sharing policies (two jobs of one size on the same GPUs).
 
 use std::collections::BTreeMap;
 
 use serde_json::Value;
 
+/// A job type at a scale factor: `('ResNet-18 (batch size 16)', 1)`.
+type JobKey = (String, u32);
+
 /// Steps per second by (job type, scale factor), then GPU type.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ThroughputTable {
     rates: BTreeMap<(String, u32), BTreeMap<String, f64>>,
+    /// (job, other job) → GPU type → [job's, other's] steps per second
+    /// when the two share the GPUs.
+    pairs: BTreeMap<(JobKey, JobKey), BTreeMap<String, [f64; 2]>>,
 }
 
 /// A table that cannot be read, naming what is wrong.
@@ -56,11 +63,33 @@ impl ThroughputTable {
                 if !(alone.is_finite() && alone >= 0.0) {
                     return Err(invalid(format!("{gpu_type}: {key}: {alone} steps/s")));
                 }
-                table
-                    .rates
-                    .entry(job)
-                    .or_default()
-                    .insert(gpu_type.to_ascii_lowercase(), alone);
+                let gpu = gpu_type.to_ascii_lowercase();
+                for (other_key, pair) in figures.as_object().into_iter().flatten() {
+                    if other_key == "null" {
+                        continue;
+                    }
+                    let other = parse_key(other_key).ok_or_else(|| {
+                        invalid(format!(
+                            "{gpu_type}: {key}: {other_key:?} is not ('job type', scale factor)"
+                        ))
+                    })?;
+                    let figures = pair
+                        .as_array()
+                        .filter(|a| a.len() == 2)
+                        .and_then(|a| Some([a[0].as_f64()?, a[1].as_f64()?]))
+                        .filter(|f| f.iter().all(|v| v.is_finite() && *v >= 0.0))
+                        .ok_or_else(|| {
+                            invalid(format!(
+                                "{gpu_type}: {key}: beside {other_key}: not two steps/s figures ≥ 0"
+                            ))
+                        })?;
+                    table
+                        .pairs
+                        .entry((job.clone(), other))
+                        .or_default()
+                        .insert(gpu.clone(), figures);
+                }
+                table.rates.entry(job).or_default().insert(gpu, alone);
             }
         }
         if table.rates.is_empty() {
@@ -75,6 +104,30 @@ impl ThroughputTable {
             .get(&(job_type.to_string(), scale_factor))?
             .get(gpu_type)
             .copied()
+    }
+
+    /// Steps per second of `job_type` and `other_type`, both at
+    /// `scale_factor` GPUs, sharing the same GPUs of `gpu_type`: `[job's,
+    /// other's]`.
+    pub fn pair_steps_per_s(
+        &self,
+        job_type: &str,
+        other_type: &str,
+        scale_factor: u32,
+        gpu_type: &str,
+    ) -> Option<[f64; 2]> {
+        let key = |t: &str| (t.to_string(), scale_factor);
+        if let Some(f) = self
+            .pairs
+            .get(&(key(job_type), key(other_type)))
+            .and_then(|g| g.get(gpu_type))
+        {
+            return Some(*f);
+        }
+        self.pairs
+            .get(&(key(other_type), key(job_type)))
+            .and_then(|g| g.get(gpu_type))
+            .map(|[a, b]| [*b, *a])
     }
 
     /// How many (job type, scale factor) rows the table has.
@@ -117,6 +170,23 @@ mod tests {
             table.steps_per_s("Transformer (batch size 16)", 1, "v100"),
             None
         );
+        assert_eq!(
+            table.pair_steps_per_s("ResNet-18 (batch size 16)", "A3C", 1, "v100"),
+            Some([1.0, 2.0])
+        );
+        assert_eq!(
+            table.pair_steps_per_s("A3C", "ResNet-18 (batch size 16)", 1, "v100"),
+            Some([2.0, 1.0]),
+            "the other order reads the figures the other way round"
+        );
+        assert_eq!(
+            table.pair_steps_per_s("ResNet-18 (batch size 16)", "A3C", 1, "k80"),
+            None
+        );
+        assert!(ThroughputTable::from_gavel_json(
+            r#"{"v100": {"('A', 1)": {"null": 1.0, "('B', 1)": [1.0]}}}"#
+        )
+        .is_err());
         assert!(ThroughputTable::from_gavel_json("{\"v100\": {\"bad\": {\"null\": 1}}}").is_err());
         assert!(ThroughputTable::from_gavel_json("[]").is_err());
     }

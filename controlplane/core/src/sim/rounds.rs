@@ -18,8 +18,11 @@
 
 use std::collections::BTreeMap;
 
-use crate::gavel::mechanism::{Mechanism, MechanismConfig, TypeServers};
-use crate::gavel::{self, Allocation, AllocationError, AllocationProblem, ProblemJobId};
+use crate::gavel::mechanism::{Combo, Mechanism, MechanismConfig, TypeServers};
+use crate::gavel::{
+    self, AllocationError, AllocationProblem, PairThroughputs, PolicyResult, PolicyRun,
+    ProblemJobId,
+};
 use crate::throughput;
 
 use super::engine::{JobResult, Sample, SimNode, SimReport};
@@ -106,15 +109,23 @@ struct Active {
     steps_done: f64,
 }
 
-/// A micro-task of the current round.
+/// A micro-task of the current round: a job alone, or a pair sharing
+/// GPUs (each running its own steps; the task ends with the later).
 #[derive(Debug, Clone)]
 struct MicroTask {
-    job: ProblemJobId,
+    combo: Combo,
     type_index: usize,
     gpus: u32,
-    steps: f64,
+    /// (job, steps it runs).
+    parts: Vec<(ProblemJobId, f64)>,
     start_s: f64,
     finish_s: f64,
+}
+
+/// The name a job's type has in an [`AllocationProblem`]: Gavel's job
+/// type and size (pair figures exist between jobs of one size only).
+fn problem_job_type(job_type: &str, scale_factor: u32) -> String {
+    format!("{job_type} x{scale_factor}")
 }
 
 /// Runs `policy` (one of [`gavel::GAVEL_POLICY_NAMES`]) on `config`.
@@ -166,6 +177,30 @@ pub fn simulate_rounds(
         360.0
     };
     let mut mechanism = Mechanism::new(mechanism_config, types);
+    let mut run = PolicyRun::new(
+        policy,
+        u32::try_from(config.seed & 0xFFFF_FFFF).unwrap_or(0),
+    )?;
+    let packs = gavel::shares_gpus(policy);
+    // Pairs' steps per second by type index, `[smaller id's, larger's]`.
+    let mut pair_speeds: BTreeMap<(ProblemJobId, ProblemJobId), Vec<[f64; 2]>> = BTreeMap::new();
+    let pair_figures = |a: &SimJob, b: &SimJob| -> BTreeMap<String, [f64; 2]> {
+        let scale = a.workers_min * a.gpus_per_worker;
+        if scale != b.workers_min * b.gpus_per_worker {
+            return BTreeMap::new();
+        }
+        let (Some(table), Some(ta), Some(tb)) = (
+            config.throughputs.as_ref(),
+            a.job_type.as_deref(),
+            b.job_type.as_deref(),
+        ) else {
+            return BTreeMap::new();
+        };
+        cluster_spec
+            .keys()
+            .filter_map(|t| Some((t.clone(), table.pair_steps_per_s(ta, tb, scale, t)?)))
+            .collect()
+    };
 
     let mut order: Vec<usize> = (0..config.jobs.len()).collect();
     order.sort_by(|a, b| {
@@ -242,21 +277,26 @@ pub fn simulate_rounds(
         // Credit the round's micro-tasks.
         for task in std::mem::take(&mut running) {
             let ran_s = task.finish_s - round_start_s;
-            mechanism.record_run(task.job, task.type_index, ran_s);
+            mechanism.record_run(task.combo, task.type_index, ran_s);
             busy_gpu_s += f64::from(task.gpus) * (task.finish_s - task.start_s);
-            let Some(a) = active.get_mut(&task.job) else {
-                continue;
-            };
-            a.steps_done += task.steps;
-            let total = config.jobs[a.position].total_steps as f64;
-            if total - a.steps_done <= 0.0 {
-                mechanism.remove_job(task.job);
-                active.remove(&task.job);
-                finished += 1;
-                if let Some(r) = result_of.get(&task.job).and_then(|i| results.get_mut(*i)) {
-                    r.finish_s = Some(task.finish_s);
-                    if in_window(r.id) {
-                        window_left = window_left.saturating_sub(1);
+            for (job, steps) in task.parts {
+                let Some(a) = active.get_mut(&job) else {
+                    continue;
+                };
+                a.steps_done += steps;
+                let total = config.jobs[a.position].total_steps as f64;
+                if total - a.steps_done <= 0.0 {
+                    mechanism.remove_job(job);
+                    active.remove(&job);
+                    if packs {
+                        pair_speeds.retain(|(x, y), _| *x != job && *y != job);
+                    }
+                    finished += 1;
+                    if let Some(r) = result_of.get(&job).and_then(|i| results.get_mut(*i)) {
+                        r.finish_s = Some(task.finish_s);
+                        if in_window(r.id) {
+                            window_left = window_left.saturating_sub(1);
+                        }
                     }
                 }
             }
@@ -270,6 +310,32 @@ pub fn simulate_rounds(
             }
             let throughputs = speeds(job);
             mechanism.add_job(job.id, job.workers_min * job.gpus_per_worker, &throughputs);
+            if packs {
+                // As in Gavel: a pair with every job already here of the
+                // same size whose pair figures the table has.
+                for (other_id, other) in &active {
+                    let figures = pair_figures(&config.jobs[other.position], job);
+                    if figures.is_empty() {
+                        continue;
+                    }
+                    let ((a, b), figures) = if *other_id < job.id {
+                        ((*other_id, job.id), figures)
+                    } else {
+                        let swapped = figures.into_iter().map(|(t, [x, y])| (t, [y, x])).collect();
+                        ((job.id, *other_id), swapped)
+                    };
+                    mechanism.add_pair(a, b, &figures);
+                    let by_index = (0..cluster_spec.len())
+                        .map(|ti| {
+                            figures
+                                .get(mechanism.type_name(ti))
+                                .copied()
+                                .unwrap_or([0.0, 0.0])
+                        })
+                        .collect();
+                    pair_speeds.insert((a, b), by_index);
+                }
+            }
             let speed = (0..cluster_spec.len())
                 .map(|ti| {
                     throughputs
@@ -306,7 +372,7 @@ pub fn simulate_rounds(
 
         // Re-solve when due, then plan the round.
         if mechanism.needs_solve(now_s) {
-            let problem = AllocationProblem {
+            let mut problem = AllocationProblem {
                 cluster_spec: cluster_spec.clone(),
                 throughputs: active
                     .iter()
@@ -336,15 +402,19 @@ pub fn simulate_rounds(
                     .collect(),
                 instance_costs: config.instance_costs.clone(),
                 slos: BTreeMap::new(),
+                job_types: BTreeMap::new(),
+                pair_throughputs: BTreeMap::new(),
             };
-            let allocation: Allocation =
-                match gavel::solve_after(policy, &problem, mechanism.allocation()) {
-                    Ok(result) => result.allocation,
-                    // A solver failure must not stop the cluster: fall back to
-                    // equal shares until the next solve.
-                    Err(_) => gavel::isolated(&problem).allocation,
-                };
-            mechanism.install(now_s, allocation);
+            if packs {
+                add_pair_figures(&mut problem, &active, config);
+            }
+            let result: PolicyResult = match run.solve(&problem, mechanism.allocation()) {
+                Ok(result) => result,
+                // A solver failure must not stop the cluster: fall back to
+                // equal shares until the next solve.
+                Err(_) => gavel::isolated(&problem),
+            };
+            mechanism.install_with_pairs(now_s, result.allocation, &result.pair_allocation);
         }
         let plan = mechanism.plan_round();
         report.rounds += 1;
@@ -353,31 +423,60 @@ pub fn simulate_rounds(
             report.decisions += 1;
         }
         placed_last_round = plan.len();
-        for (job, placement) in plan {
-            let Some(a) = active.get(&job) else {
-                continue;
+        for (combo, placement) in plan {
+            let ti = placement.type_index;
+            // (job, steps per second here) for each job of the entry.
+            let members: Vec<(ProblemJobId, f64)> = match combo.as_pair() {
+                None => combo
+                    .jobs()
+                    .map(|j| {
+                        let speed = active
+                            .get(&j)
+                            .and_then(|a| a.speed.get(ti).copied())
+                            .unwrap_or(0.0);
+                        (j, speed)
+                    })
+                    .collect(),
+                Some((a, b)) => {
+                    let [sa, sb] = pair_speeds
+                        .get(&(a, b))
+                        .and_then(|v| v.get(ti).copied())
+                        .unwrap_or([0.0, 0.0]);
+                    vec![(a, sa), (b, sb)]
+                }
             };
-            let speed = a.speed.get(placement.type_index).copied().unwrap_or(0.0);
-            if speed <= 0.0 {
-                continue;
-            }
-            let remaining = config.jobs[a.position].total_steps as f64 - a.steps_done;
-            let steps = (speed * round_s).trunc().min(remaining);
-            if let Some(r) = result_of.get(&job).and_then(|i| results.get_mut(*i)) {
-                if r.first_start_s.is_none() {
-                    r.first_start_s = Some(now_s);
-                } else if !placement.extended {
-                    r.restarts += 1;
-                    report.preemptions += 1;
+            let mut parts = Vec::with_capacity(members.len());
+            let mut finish_s = now_s;
+            for (job, speed) in members {
+                let Some(a) = active.get(&job) else {
+                    continue;
+                };
+                if speed <= 0.0 {
+                    continue;
+                }
+                let remaining = config.jobs[a.position].total_steps as f64 - a.steps_done;
+                let steps = (speed * round_s).trunc().min(remaining);
+                finish_s = finish_s.max(now_s + steps / speed);
+                parts.push((job, steps));
+                if let Some(r) = result_of.get(&job).and_then(|i| results.get_mut(*i)) {
+                    if r.first_start_s.is_none() {
+                        r.first_start_s = Some(now_s);
+                    } else if !placement.extended {
+                        r.restarts += 1;
+                        report.preemptions += 1;
+                    }
                 }
             }
+            if parts.is_empty() {
+                continue;
+            }
             running.push(MicroTask {
-                job,
-                type_index: placement.type_index,
+                combo,
+                type_index: ti,
                 gpus: u32::try_from(placement.workers.len()).unwrap_or(u32::MAX),
-                steps,
+                parts,
                 start_s: now_s,
-                finish_s: now_s + steps / speed,
+                finish_s,
             });
         }
         let busy_gpus = running.iter().map(|m| m.gpus).sum();
@@ -409,5 +508,50 @@ pub fn simulate_rounds(
     report.solves = stats.solves;
     report.lease_extensions = stats.lease_extensions;
     report.lease_extension_opportunities = stats.lease_extension_opportunities;
+    report.pairs_placed = stats.pairs_placed;
     Ok(report)
+}
+
+/// The active jobs' types and the pair figures among them (space-sharing
+/// policies).
+fn add_pair_figures(
+    problem: &mut AllocationProblem,
+    active: &BTreeMap<ProblemJobId, Active>,
+    config: &RoundSimConfig,
+) {
+    let Some(table) = config.throughputs.as_ref() else {
+        return;
+    };
+    // Problem type name → (Gavel job type, size).
+    let mut kinds: BTreeMap<String, (&str, u32)> = BTreeMap::new();
+    for (id, a) in active {
+        let job = &config.jobs[a.position];
+        let Some(job_type) = job.job_type.as_deref() else {
+            continue;
+        };
+        let scale = job.workers_min * job.gpus_per_worker;
+        let name = problem_job_type(job_type, scale);
+        problem.job_types.insert(*id, name.clone());
+        kinds.insert(name, (job_type, scale));
+    }
+    let mut pairs = PairThroughputs::new();
+    for (na, (ta, sa)) in &kinds {
+        for (nb, (tb, sb)) in kinds.range(na.clone()..) {
+            if sa != sb {
+                continue;
+            }
+            let by_gpu: BTreeMap<String, [f64; 2]> = problem
+                .cluster_spec
+                .keys()
+                .filter_map(|t| Some((t.clone(), table.pair_steps_per_s(ta, tb, *sa, t)?)))
+                .collect();
+            if !by_gpu.is_empty() {
+                pairs
+                    .entry(na.clone())
+                    .or_default()
+                    .insert(nb.clone(), by_gpu);
+            }
+        }
+    }
+    problem.pair_throughputs = pairs;
 }
