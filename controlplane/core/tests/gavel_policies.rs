@@ -564,3 +564,33 @@ fn priority_weights_divide_the_share() {
         );
     }
 }
+
+/// Finish-time fairness carries Gavel's accumulator between solves: the
+/// progress a job made since the last solve counts as the isolated time it
+/// stands for, so a job that ran at its isolated speed stays at ρ ≈ 1
+/// where a first solve would see it as late.
+#[test]
+fn finish_time_fairness_credits_isolated_time_between_solves() {
+    let mut problem = AllocationProblem::new([("v100".to_string(), 1)].into_iter().collect());
+    problem
+        .throughputs
+        .insert(0, [("v100".to_string(), 2.0)].into_iter().collect());
+    problem.scale_factors.insert(0, 1);
+    problem.num_steps_remaining.insert(0, 1000.0);
+    problem.times_since_start.insert(0, 0.0);
+    let mut memory = keel_core::gavel::FinishTimeMemory::default();
+    let first = memory.solve(&problem, false).expect("solves");
+    assert!((first.objective.expect("ρ") - 1.0).abs() < 1e-4);
+    // 400 steps in 250 s (200 s at the isolated 2 steps/s, 50 s waiting).
+    problem.num_steps_remaining.insert(0, 600.0);
+    problem.times_since_start.insert(0, 250.0);
+    let second = memory.solve(&problem, false).expect("solves");
+    // (250 + 600/2) / (200 + 600/2)
+    assert!(
+        (second.objective.expect("ρ") - 1.1).abs() < 1e-4,
+        "{second:?}"
+    );
+    let fresh = solve("finish_time_fairness_perf", &problem).expect("solves");
+    // (250 + 300) / 300 without the credit.
+    assert!((fresh.objective.expect("ρ") - 550.0 / 300.0).abs() < 1e-4);
+}

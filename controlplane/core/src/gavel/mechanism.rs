@@ -187,6 +187,8 @@ pub struct Mechanism {
     books: BTreeMap<Combo, Book>,
     /// Each job's pair partners.
     partners: BTreeMap<ProblemJobId, BTreeSet<ProblemJobId>>,
+    /// [`Mechanism::member_positions`], kept until the entries change.
+    members: Option<(Vec<[Option<u32>; 2]>, usize)>,
     /// Σ over entries of time received per type since the last reset.
     type_time_s: Vec<f64>,
     allocation: Allocation,
@@ -211,6 +213,7 @@ impl Mechanism {
             types,
             books: BTreeMap::new(),
             partners: BTreeMap::new(),
+            members: None,
             allocation: Allocation::new(),
             last_reset_s: 0.0,
             job_set_changed: false,
@@ -272,6 +275,7 @@ impl Mechanism {
                 x: None,
             },
         );
+        self.members = None;
         self.job_set_changed = true;
     }
 
@@ -313,18 +317,21 @@ impl Mechanism {
         );
         self.partners.entry(a).or_default().insert(b);
         self.partners.entry(b).or_default().insert(a);
+        self.members = None;
     }
 
     /// A job ended (finished, cancelled or failed), and with it its pairs.
     pub fn remove_job(&mut self, job: ProblemJobId) {
         if self.books.remove(&Combo::single(job)).is_some() {
             self.job_set_changed = true;
+            self.members = None;
         }
         for partner in self.partners.remove(&job).unwrap_or_default() {
             self.books.remove(&Combo::pair(job, partner));
             if let Some(p) = self.partners.get_mut(&partner) {
                 p.remove(&job);
             }
+            self.members = None;
         }
     }
 
@@ -445,23 +452,20 @@ impl Mechanism {
         order
     }
 
-    /// The placements of the next round. Call [`Mechanism::install`] first
-    /// when [`Mechanism::needs_solve`] says so. Never places more GPUs of a
-    /// type than it has, a GPU twice, or a job twice (alone or in a pair).
-    pub fn plan_round(&mut self) -> BTreeMap<Combo, Placement> {
-        self.stats.rounds += 1;
-        let order = self.round_types();
-        let books: Vec<(Combo, &Book)> = self.books.iter().map(|(c, b)| (*c, b)).collect();
-        // Each entry's jobs as positions among the jobs alone.
-        let single_position: BTreeMap<ProblemJobId, u32> = books
-            .iter()
-            .filter_map(|(c, _)| c.as_single())
+    /// Each entry's jobs (in entry order) as positions among the jobs
+    /// alone, and how many jobs there are.
+    fn member_positions(&self) -> (Vec<[Option<u32>; 2]>, usize) {
+        let single_position: BTreeMap<ProblemJobId, u32> = self
+            .books
+            .keys()
+            .filter_map(Combo::as_single)
             .enumerate()
             .map(|(i, job)| (job, u32::try_from(i).unwrap_or(u32::MAX)))
             .collect();
-        let members: Vec<[Option<u32>; 2]> = books
-            .iter()
-            .map(|(c, _)| {
+        let members = self
+            .books
+            .keys()
+            .map(|c| {
                 let position = |j: ProblemJobId| single_position.get(&j).copied();
                 match c.as_pair() {
                     None => [position(c.newer), None],
@@ -469,7 +473,23 @@ impl Mechanism {
                 }
             })
             .collect();
-        let jobs = single_position.len();
+        (members, single_position.len())
+    }
+
+    /// The placements of the next round. Call [`Mechanism::install`] first
+    /// when [`Mechanism::needs_solve`] says so. Never places more GPUs of a
+    /// type than it has, a GPU twice, or a job twice (alone or in a pair).
+    pub fn plan_round(&mut self) -> BTreeMap<Combo, Placement> {
+        self.stats.rounds += 1;
+        let order = self.round_types();
+        if self.members.is_none() {
+            self.members = Some(self.member_positions());
+        }
+        let (members, jobs) = match &self.members {
+            Some((m, n)) => (m.as_slice(), *n),
+            None => (&[][..], 0),
+        };
+        let books: Vec<(Combo, &Book)> = self.books.iter().map(|(c, b)| (*c, b)).collect();
         let mut left: Vec<u32> = self.types.iter().map(TypeServers::gpus).collect();
         let mut chosen = vec![false; jobs];
         let mut chosen_count = 0usize;
@@ -486,55 +506,76 @@ impl Mechanism {
                 .then(a.0.cmp(&b.0))
         };
         let mut entries: Vec<Entry> = Vec::with_capacity(books.len());
+        let mut tail: Vec<Entry> = Vec::with_capacity(books.len());
         for &ti in &order {
             if left[ti] == 0 || chosen_count == jobs {
                 continue;
             }
+            // Only entries that could be placed here are listed (the walk
+            // would skip the others): runnable on this type, no job
+            // already chosen, not ruled out by the FIFO rule. Entries with
+            // priority 0 come after every other; they are sorted only if
+            // GPUs are left once the others are walked.
             entries.clear();
-            entries.extend(books.iter().enumerate().map(|(i, (_, book))| {
-                let x = book.x.as_ref().map_or(0.0, |x| x[ti]);
-                (
-                    u32::try_from(i).unwrap_or(u32::MAX),
-                    self.priority(book, ti),
-                    book.deficit_s[ti],
-                    x,
-                )
-            }));
-            // Only the head of the order is usually walked: sort it in
-            // growing chunks as the walk reaches them.
-            let mut sorted = 0usize;
-            let mut at = 0;
-            while at < entries.len() && left[ti] > 0 && chosen_count < jobs {
-                if at == sorted {
-                    let chunk = (left[ti] as usize + 16).max(sorted);
-                    let end = (sorted + chunk).min(entries.len());
-                    let rest = &mut entries[sorted..];
-                    if end - sorted < rest.len() {
-                        rest.select_nth_unstable_by(end - sorted, order_of);
-                    }
-                    rest[..end - sorted].sort_unstable_by(order_of);
-                    sorted = end;
-                }
-                let (i, priority, _, _) = entries[at];
-                at += 1;
-                let i = i as usize;
-                let (combo, book) = books[i];
-                let taken = |m: Option<u32>| m.is_none_or(|m| chosen[m as usize]);
+            tail.clear();
+            let taken = |chosen: &[bool], m: Option<u32>| m.is_none_or(|m| chosen[m as usize]);
+            for (i, (combo, book)) in books.iter().enumerate() {
                 let [first, second] = members[i];
-                if taken(first)
-                    || (combo.older.is_some() && taken(second))
-                    || book.speed[ti] <= 0.0
-                    || (self.config.skip_zero_priority && priority <= 0.0)
-                    || book.scale_factor > left[ti]
+                if book.speed[ti] <= 0.0
+                    || taken(&chosen, first)
+                    || (combo.older.is_some() && taken(&chosen, second))
                 {
                     continue;
                 }
-                left[ti] -= book.scale_factor;
-                for m in [first, second].into_iter().flatten() {
-                    chosen[m as usize] = true;
-                    chosen_count += 1;
+                let priority = self.priority(book, ti);
+                if self.config.skip_zero_priority && priority <= 0.0 {
+                    continue;
                 }
-                per_type[ti].push((combo, book.scale_factor, book.x.is_some()));
+                let entry = (
+                    u32::try_from(i).unwrap_or(u32::MAX),
+                    priority,
+                    book.deficit_s[ti],
+                    book.x.as_ref().map_or(0.0, |x| x[ti]),
+                );
+                if priority > 0.0 {
+                    entries.push(entry);
+                } else {
+                    tail.push(entry);
+                }
+            }
+            for list in [&mut entries, &mut tail] {
+                // Only the head of the order is usually walked: sort it in
+                // growing chunks as the walk reaches them.
+                let mut sorted = 0usize;
+                let mut at = 0;
+                while at < list.len() && left[ti] > 0 && chosen_count < jobs {
+                    if at == sorted {
+                        let chunk = (left[ti] as usize + 16).max(sorted);
+                        let end = (sorted + chunk).min(list.len());
+                        let rest = &mut list[sorted..];
+                        if end - sorted < rest.len() {
+                            rest.select_nth_unstable_by(end - sorted, order_of);
+                        }
+                        rest[..end - sorted].sort_unstable_by(order_of);
+                        sorted = end;
+                    }
+                    let i = list[at].0 as usize;
+                    at += 1;
+                    let (combo, book) = books[i];
+                    let [first, second] = members[i];
+                    if taken(&chosen, first)
+                        || (combo.older.is_some() && taken(&chosen, second))
+                        || book.scale_factor > left[ti]
+                    {
+                        continue;
+                    }
+                    left[ti] -= book.scale_factor;
+                    for m in [first, second].into_iter().flatten() {
+                        chosen[m as usize] = true;
+                        chosen_count += 1;
+                    }
+                    per_type[ti].push((combo, book.scale_factor, book.x.is_some()));
+                }
             }
         }
         let placements = self.assign(&order, per_type);

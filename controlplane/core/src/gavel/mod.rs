@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 pub use allox::allox;
 pub use fifo_perf::fifo_perf;
-pub use finish_time_fairness::{finish_time_fairness, finish_time_fairness_perf};
+pub use finish_time_fairness::{finish_time_fairness, finish_time_fairness_perf, FinishTimeMemory};
 pub use gandiva::Gandiva;
 pub use isolated::isolated;
 pub use max_min_fairness::{max_min_fairness, max_min_fairness_perf};
@@ -209,12 +209,14 @@ pub fn shares_gpus(name: &str) -> bool {
 
 /// A policy solved again and again, as the round simulator and the live
 /// scheduler use it: carries what a policy keeps between solves
-/// (Gandiva's pairs and random stream; AlloX reads the last allocation,
-/// which the caller passes).
+/// (Gandiva's pairs and random stream, finish-time fairness's credited
+/// isolated time; AlloX reads the last allocation, which the caller
+/// passes).
 #[derive(Debug, Clone)]
 pub struct PolicyRun {
     name: &'static str,
     gandiva: Option<Gandiva>,
+    finish_time: FinishTimeMemory,
 }
 
 impl PolicyRun {
@@ -229,6 +231,7 @@ impl PolicyRun {
         Ok(PolicyRun {
             name,
             gandiva: (*name == "gandiva").then(|| Gandiva::new(seed)),
+            finish_time: FinishTimeMemory::default(),
         })
     }
 
@@ -242,12 +245,17 @@ impl PolicyRun {
         problem: &AllocationProblem,
         previous: &Allocation,
     ) -> Result<PolicyResult, AllocationError> {
-        match &mut self.gandiva {
-            Some(gandiva) => {
+        if let Some(gandiva) = &mut self.gandiva {
+            problem.validate()?;
+            return Ok(gandiva.allocate(problem));
+        }
+        match self.name {
+            "finish_time_fairness" | "finish_time_fairness_perf" => {
                 problem.validate()?;
-                Ok(gandiva.allocate(problem))
+                self.finish_time
+                    .solve(problem, self.name == "finish_time_fairness")
             }
-            None => solve_after(self.name, problem, previous),
+            _ => solve_after(self.name, problem, previous),
         }
     }
 }

@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use crate::gavel::mechanism::{Combo, Mechanism, MechanismConfig, TypeServers, WorkerId};
-use crate::gavel::{self, AllocationProblem, ProblemJobId};
+use crate::gavel::{self, AllocationProblem, PolicyRun, ProblemJobId};
 use crate::model::{GpuRef, JobId, NodeState};
 use crate::perf::JobPerf;
 use crate::state::ClusterState;
@@ -132,6 +132,9 @@ impl Layout {
 struct Rounds {
     layout: Layout,
     mechanism: Mechanism,
+    /// What the policy keeps between solves (finish-time fairness's
+    /// credited isolated time).
+    run: PolicyRun,
     /// When the current round began; `None` before the first.
     round_started_s: Option<f64>,
     /// The current round's plan.
@@ -261,8 +264,12 @@ impl Policy for GavelRounds {
         };
         let layout = Layout::of(state);
         if guard.as_ref().is_none_or(|r| r.layout != layout) {
+            let Ok(run) = PolicyRun::new(self.name, 0) else {
+                return Plan::default();
+            };
             *guard = Some(Rounds {
                 mechanism: Mechanism::new(self.mechanism_config(), layout.types.clone()),
+                run,
                 layout,
                 round_started_s: None,
                 plan: BTreeMap::new(),
@@ -311,7 +318,9 @@ impl Policy for GavelRounds {
                 let p = problem(state, &self.options, &rounds.layout, &jobs, input.now_ms);
                 // A failed solve must not stop the cluster: equal shares
                 // until the next solve.
-                let allocation = gavel::solve_after(self.name, &p, rounds.mechanism.allocation())
+                let allocation = rounds
+                    .run
+                    .solve(&p, rounds.mechanism.allocation())
                     .map(|r| r.allocation)
                     .unwrap_or_else(|_| gavel::isolated(&p).allocation);
                 rounds.mechanism.install(now_s, allocation);

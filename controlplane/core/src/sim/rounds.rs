@@ -107,6 +107,8 @@ struct Active {
     /// Steps per second by the mechanism's type index.
     speed: Vec<f64>,
     steps_done: f64,
+    /// Its kind's name in the allocation problem (space-sharing policies).
+    kind: Option<String>,
 }
 
 /// A micro-task of the current round: a job alone, or a pair sharing
@@ -116,8 +118,8 @@ struct MicroTask {
     combo: Combo,
     type_index: usize,
     gpus: u32,
-    /// (job, steps it runs).
-    parts: Vec<(ProblemJobId, f64)>,
+    /// (job, steps it runs), one or two.
+    parts: [Option<(ProblemJobId, f64)>; 2],
     start_s: f64,
     finish_s: f64,
 }
@@ -184,22 +186,49 @@ pub fn simulate_rounds(
     let packs = gavel::shares_gpus(policy);
     // Pairs' steps per second by type index, `[smaller id's, larger's]`.
     let mut pair_speeds: BTreeMap<(ProblemJobId, ProblemJobId), Vec<[f64; 2]>> = BTreeMap::new();
-    let pair_figures = |a: &SimJob, b: &SimJob| -> BTreeMap<String, [f64; 2]> {
-        let scale = a.workers_min * a.gpus_per_worker;
-        if scale != b.workers_min * b.gpus_per_worker {
-            return BTreeMap::new();
-        }
-        let (Some(table), Some(ta), Some(tb)) = (
+    // Each job's kind (job type and size, numbered), so pair figures are
+    // read from the table once per pair of kinds.
+    let mut kinds: BTreeMap<(&str, u32), usize> = BTreeMap::new();
+    let job_kind: Vec<Option<usize>> = config
+        .jobs
+        .iter()
+        .map(|j| {
+            let t = j.job_type.as_deref()?;
+            let next = kinds.len();
+            Some(
+                *kinds
+                    .entry((t, j.workers_min * j.gpus_per_worker))
+                    .or_insert(next),
+            )
+        })
+        .collect();
+    let mut pair_cache: BTreeMap<(usize, usize), BTreeMap<String, [f64; 2]>> = BTreeMap::new();
+    let mut kind_pairs = KindPairs::default();
+    let gpu_types: Vec<String> = cluster_spec.keys().cloned().collect();
+    let mut pair_figures = |a: usize, b: usize| -> BTreeMap<String, [f64; 2]> {
+        let (ja, jb) = (&config.jobs[a], &config.jobs[b]);
+        let scale = ja.workers_min * ja.gpus_per_worker;
+        let (Some(table), Some(ta), Some(tb), Some(ka), Some(kb)) = (
             config.throughputs.as_ref(),
-            a.job_type.as_deref(),
-            b.job_type.as_deref(),
+            ja.job_type.as_deref(),
+            jb.job_type.as_deref(),
+            job_kind[a],
+            job_kind[b],
         ) else {
             return BTreeMap::new();
         };
-        cluster_spec
-            .keys()
-            .filter_map(|t| Some((t.clone(), table.pair_steps_per_s(ta, tb, scale, t)?)))
-            .collect()
+        if scale != jb.workers_min * jb.gpus_per_worker {
+            return BTreeMap::new();
+        }
+        pair_cache
+            .entry((ka, kb))
+            .or_insert_with(|| {
+                cluster_spec
+                    .keys()
+                    .filter_map(|t| Some((t.clone(), table.pair_steps_per_s(ta, tb, scale, t)?)))
+                    .collect()
+            })
+            .clone()
     };
 
     let mut order: Vec<usize> = (0..config.jobs.len()).collect();
@@ -279,7 +308,7 @@ pub fn simulate_rounds(
             let ran_s = task.finish_s - round_start_s;
             mechanism.record_run(task.combo, task.type_index, ran_s);
             busy_gpu_s += f64::from(task.gpus) * (task.finish_s - task.start_s);
-            for (job, steps) in task.parts {
+            for (job, steps) in task.parts.into_iter().flatten() {
                 let Some(a) = active.get_mut(&job) else {
                     continue;
                 };
@@ -310,11 +339,15 @@ pub fn simulate_rounds(
             }
             let throughputs = speeds(job);
             mechanism.add_job(job.id, job.workers_min * job.gpus_per_worker, &throughputs);
+            let kind = match (packs, config.throughputs.as_ref()) {
+                (true, Some(table)) => kind_pairs.note(job, table, &gpu_types),
+                _ => None,
+            };
             if packs {
                 // As in Gavel: a pair with every job already here of the
                 // same size whose pair figures the table has.
                 for (other_id, other) in &active {
-                    let figures = pair_figures(&config.jobs[other.position], job);
+                    let figures = pair_figures(other.position, *i);
                     if figures.is_empty() {
                         continue;
                     }
@@ -351,6 +384,7 @@ pub fn simulate_rounds(
                     throughputs,
                     speed,
                     steps_done: 0.0,
+                    kind,
                 },
             );
             result_of.insert(job.id, results.len());
@@ -406,7 +440,11 @@ pub fn simulate_rounds(
                 pair_throughputs: BTreeMap::new(),
             };
             if packs {
-                add_pair_figures(&mut problem, &active, config);
+                problem.job_types = active
+                    .iter()
+                    .filter_map(|(id, a)| Some((*id, a.kind.clone()?)))
+                    .collect();
+                problem.pair_throughputs = kind_pairs.figures.clone();
             }
             let result: PolicyResult = match run.solve(&problem, mechanism.allocation()) {
                 Ok(result) => result,
@@ -426,28 +464,25 @@ pub fn simulate_rounds(
         for (combo, placement) in plan {
             let ti = placement.type_index;
             // (job, steps per second here) for each job of the entry.
-            let members: Vec<(ProblemJobId, f64)> = match combo.as_pair() {
-                None => combo
-                    .jobs()
-                    .map(|j| {
-                        let speed = active
-                            .get(&j)
-                            .and_then(|a| a.speed.get(ti).copied())
-                            .unwrap_or(0.0);
-                        (j, speed)
-                    })
-                    .collect(),
+            let members: [Option<(ProblemJobId, f64)>; 2] = match combo.as_pair() {
+                None => combo.as_single().map_or([None, None], |j| {
+                    let speed = active
+                        .get(&j)
+                        .and_then(|a| a.speed.get(ti).copied())
+                        .unwrap_or(0.0);
+                    [Some((j, speed)), None]
+                }),
                 Some((a, b)) => {
                     let [sa, sb] = pair_speeds
                         .get(&(a, b))
                         .and_then(|v| v.get(ti).copied())
                         .unwrap_or([0.0, 0.0]);
-                    vec![(a, sa), (b, sb)]
+                    [Some((a, sa)), Some((b, sb))]
                 }
             };
-            let mut parts = Vec::with_capacity(members.len());
+            let mut parts = [None, None];
             let mut finish_s = now_s;
-            for (job, speed) in members {
+            for (slot, (job, speed)) in members.into_iter().flatten().enumerate() {
                 let Some(a) = active.get(&job) else {
                     continue;
                 };
@@ -457,7 +492,7 @@ pub fn simulate_rounds(
                 let remaining = config.jobs[a.position].total_steps as f64 - a.steps_done;
                 let steps = (speed * round_s).trunc().min(remaining);
                 finish_s = finish_s.max(now_s + steps / speed);
-                parts.push((job, steps));
+                parts[slot] = Some((job, steps));
                 if let Some(r) = result_of.get(&job).and_then(|i| results.get_mut(*i)) {
                     if r.first_start_s.is_none() {
                         r.first_start_s = Some(now_s);
@@ -467,7 +502,7 @@ pub fn simulate_rounds(
                     }
                 }
             }
-            if parts.is_empty() {
+            if parts.iter().all(Option::is_none) {
                 continue;
             }
             running.push(MicroTask {
@@ -512,46 +547,53 @@ pub fn simulate_rounds(
     Ok(report)
 }
 
-/// The active jobs' types and the pair figures among them (space-sharing
-/// policies).
-fn add_pair_figures(
-    problem: &mut AllocationProblem,
-    active: &BTreeMap<ProblemJobId, Active>,
-    config: &RoundSimConfig,
-) {
-    let Some(table) = config.throughputs.as_ref() else {
-        return;
-    };
-    // Problem type name → (Gavel job type, size).
-    let mut kinds: BTreeMap<String, (&str, u32)> = BTreeMap::new();
-    for (id, a) in active {
-        let job = &config.jobs[a.position];
-        let Some(job_type) = job.job_type.as_deref() else {
-            continue;
-        };
+/// The pair figures among the kinds of job (type and size) seen so far,
+/// named as in [`problem_job_type`]: grown as new kinds arrive, so each
+/// pair of kinds is read from the table once.
+#[derive(Debug, Default)]
+struct KindPairs {
+    /// Kind name → (Gavel job type, size).
+    seen: BTreeMap<String, (String, u32)>,
+    figures: PairThroughputs,
+}
+
+impl KindPairs {
+    /// Records the kind of `job`, reading its pair figures with every kind
+    /// of its size seen before (and itself); returns the kind's name.
+    fn note(
+        &mut self,
+        job: &SimJob,
+        table: &ThroughputTable,
+        gpu_types: &[String],
+    ) -> Option<String> {
+        let job_type = job.job_type.as_deref()?;
         let scale = job.workers_min * job.gpus_per_worker;
         let name = problem_job_type(job_type, scale);
-        problem.job_types.insert(*id, name.clone());
-        kinds.insert(name, (job_type, scale));
-    }
-    let mut pairs = PairThroughputs::new();
-    for (na, (ta, sa)) in &kinds {
-        for (nb, (tb, sb)) in kinds.range(na.clone()..) {
-            if sa != sb {
+        if self.seen.contains_key(&name) {
+            return Some(name);
+        }
+        self.seen
+            .insert(name.clone(), (job_type.to_string(), scale));
+        for (other_name, (other_type, other_scale)) in &self.seen {
+            if *other_scale != scale {
                 continue;
             }
-            let by_gpu: BTreeMap<String, [f64; 2]> = problem
-                .cluster_spec
-                .keys()
-                .filter_map(|t| Some((t.clone(), table.pair_steps_per_s(ta, tb, *sa, t)?)))
+            let by_gpu: BTreeMap<String, [f64; 2]> = gpu_types
+                .iter()
+                .filter_map(|t| {
+                    Some((
+                        t.clone(),
+                        table.pair_steps_per_s(job_type, other_type, scale, t)?,
+                    ))
+                })
                 .collect();
             if !by_gpu.is_empty() {
-                pairs
-                    .entry(na.clone())
+                self.figures
+                    .entry(name.clone())
                     .or_default()
-                    .insert(nb.clone(), by_gpu);
+                    .insert(other_name.clone(), by_gpu);
             }
         }
+        Some(name)
     }
-    problem.pair_throughputs = pairs;
 }
