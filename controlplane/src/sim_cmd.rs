@@ -45,6 +45,12 @@ pub struct SimArgs {
     /// Generate this many jobs with Gavel's distributions.
     #[arg(long, group = "workload")]
     generate: Option<usize>,
+    /// Draw this many jobs from Gavel's own generator for `--seed`, draw
+    /// for draw (the stream of `jobs_seed=S.csv`, and beyond it); steps
+    /// from the `--throughputs` table's v100 figures; `--multi-gpu` keeps
+    /// the drawn scale factors.
+    #[arg(long, group = "workload", requires = "throughputs")]
+    gavel_generate: Option<usize>,
     /// Arrivals per hour for `--generate` (Poisson; 0: all at once) and
     /// `--generated-csv`.
     #[arg(long, default_value_t = 3.2)]
@@ -157,8 +163,26 @@ fn workload(args: &SimArgs) -> anyhow::Result<Vec<SimJob>> {
         return sim::workload::parse_gavel_generated_csv(&read_text(path)?, args.rate)
             .with_context(|| format!("in {}", path.display()));
     }
+    if let Some(jobs) = args.gavel_generate {
+        let path = args
+            .throughputs
+            .as_ref()
+            .context("--gavel-generate needs --throughputs")?;
+        let table = sim::ThroughputTable::from_gavel_json(&read_text(path)?)
+            .with_context(|| format!("in {}", path.display()))?;
+        let seed = u32::try_from(args.seed)
+            .map_err(|_| anyhow::anyhow!("--seed {}: must be below 2^32", args.seed))?;
+        return Ok(sim::GavelGenerator {
+            jobs,
+            rate_per_hour: args.rate,
+            seed,
+            multi_gpu: args.multi_gpu,
+        }
+        .generate(&table)?);
+    }
     let jobs = args.generate.context(
-        "give a workload: --trace FILE, --gavel-trace FILE, --generated-csv FILE or --generate N",
+        "give a workload: --trace FILE, --gavel-trace FILE, --generated-csv FILE, --generate N \
+         or --gavel-generate N",
     )?;
     Ok(sim::Generator {
         jobs,

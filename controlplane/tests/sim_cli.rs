@@ -376,3 +376,67 @@ fn gavel_compat_runs_the_generated_stream_through_the_round_mechanism() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--rate"));
 }
+
+/// `--gavel-generate N` draws Gavel's own stream (steps from the table's
+/// v100 figures): every job is one of Gavel's templates, arrivals rise,
+/// the space-sharing policies run on it and place pairs, and a table
+/// without a drawn job type is refused, naming `--throughputs`.
+#[test]
+fn gavel_generate_draws_gavels_stream_for_the_round_simulator() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let table = dir.path().join("throughputs.json");
+    let templates = keel_core::sim::gavel_generator::GAVEL_JOB_TABLE;
+    let mut v100 = serde_json::Map::new();
+    for (model, _) in templates {
+        let mut figures = serde_json::Map::new();
+        figures.insert("null".into(), serde_json::json!(10.0));
+        for (other, _) in templates {
+            figures.insert(format!("('{other}', 1)"), serde_json::json!([8.0, 8.0]));
+        }
+        v100.insert(
+            format!("('{model}', 1)"),
+            serde_json::Value::Object(figures),
+        );
+    }
+    std::fs::write(&table, serde_json::json!({ "v100": v100 }).to_string()).expect("table");
+    let run = |policy: &str, table: &std::path::Path| {
+        sim(&[
+            "--gavel-generate",
+            "40",
+            "--rate",
+            "20",
+            "--throughputs",
+            table.to_str().expect("utf-8"),
+            "--cluster",
+            "4:0:0",
+            "--gavel-compat",
+            "--policy",
+            policy,
+            "-o",
+            "json",
+        ])
+    };
+    for policy in [
+        "max_min_fairness_perf",
+        "max_min_fairness_packed",
+        "gandiva",
+    ] {
+        let out = run(policy, &table);
+        assert!(
+            out.status.success(),
+            "{policy}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(s["jobs"], 40, "{s}");
+        assert_eq!(s["finished"], 40, "{s}");
+        if policy != "max_min_fairness_perf" {
+            assert!(s["pairs_placed"].as_u64() > Some(0), "{policy}: {s}");
+        }
+    }
+    let small = dir.path().join("small.json");
+    std::fs::write(&small, r#"{"v100": {"('A3C', 1)": {"null": 1.0}}}"#).expect("table");
+    let out = run("max_min_fairness_perf", &small);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--throughputs"));
+}

@@ -594,3 +594,40 @@ fn finish_time_fairness_credits_isolated_time_between_solves() {
     // (250 + 300) / 300 without the credit.
     assert!((fresh.objective.expect("ρ") - 550.0 / 300.0).abs() < 1e-4);
 }
+
+/// AlloX as Gavel runs it: a job given a GPU keeps it from one solve to
+/// the next; a job left without one is matched again at the next solve,
+/// with the newcomers, oldest first.
+#[test]
+fn allox_keeps_held_gpus_and_matches_the_waiting_jobs_again() {
+    let mut problem = AllocationProblem::new([("v100".to_string(), 1)].into_iter().collect());
+    let add = |problem: &mut AllocationProblem, job: u64, rem: f64, since: f64| {
+        problem
+            .throughputs
+            .insert(job, [("v100".to_string(), 1.0)].into_iter().collect());
+        problem.scale_factors.insert(job, 1);
+        problem.num_steps_remaining.insert(job, rem);
+        problem.times_since_start.insert(job, since);
+    };
+    add(&mut problem, 0, 100.0, 50.0);
+    add(&mut problem, 1, 1000.0, 40.0);
+    let first = solve("allox", &problem).expect("solves");
+    // One GPU: the short job first (cost 2·100 + 50 + 1·1000 + 40 beats
+    // the other order).
+    assert_eq!(first.allocation[&0]["v100"], 1.0);
+    assert_eq!(first.allocation[&1]["v100"], 0.0);
+    // A newcomer while job 0 holds the GPU: nothing moves.
+    add(&mut problem, 2, 5000.0, 0.0);
+    let second =
+        keel_core::gavel::solve_after("allox", &problem, &first.allocation).expect("solves");
+    assert_eq!(second.allocation[&0]["v100"], 1.0);
+    assert_eq!(second.allocation[&1]["v100"], 0.0);
+    assert_eq!(second.allocation[&2]["v100"], 0.0);
+    // Job 0 finishes: the waiting jobs are matched again; the shorter job
+    // 1 gets the GPU before the longer newcomer.
+    problem.throughputs.remove(&0);
+    let third =
+        keel_core::gavel::solve_after("allox", &problem, &second.allocation).expect("solves");
+    assert_eq!(third.allocation[&1]["v100"], 1.0);
+    assert_eq!(third.allocation[&2]["v100"], 0.0);
+}

@@ -1,22 +1,28 @@
-//! `allox` (AlloX, as Gavel implements it): single-GPU jobs matched to
-//! GPUs by a min-cost bipartite matching.
+//! `allox` (AlloX, as Gavel implements and runs it): single-GPU jobs
+//! matched to GPUs by a min-cost bipartite matching.
 //!
-//! Jobs that already hold a whole GPU keep it. The others, oldest first
-//! (at most `max(free GPUs, α·waiting)` of them, α = 0.3), are matched to
-//! slots (GPU `g`, position `k` from the end of its queue) at cost
-//! `k·remaining/T[i][type(g)] + time_since_start_i`: a job `k`-th from the
-//! end delays `k − 1` others by its run time. Each GPU's first job gets
-//! `X = 1` on its type; the rest wait for a later solve. Solved exactly by
-//! Kuhn–Munkres (the `pathfinding` crate) on costs in milliseconds.
+//! Jobs that hold a whole GPU in the last solve's allocation keep it. The
+//! others, oldest first, are matched to slots (a free GPU `g`, position
+//! `k` from the end of its queue) at cost `k·remaining/T[i][type(g)] +
+//! time_since_start_i`: a job `k`-th from the end delays `k − 1` others by
+//! its run time. Each GPU's first job gets `X = 1` on its type; the rest
+//! wait for a later solve. Gavel runs AlloX with α = 1: every waiting job
+//! is matched (α < 1 would look at only that share of them, and at least
+//! as many as there are free GPUs). Solved exactly by Kuhn–Munkres (the
+//! `pathfinding` crate) on costs in milliseconds.
 
 use pathfinding::kuhn_munkres::kuhn_munkres_min;
 use pathfinding::matrix::Matrix;
 
 use super::{Allocation, AllocationError, AllocationProblem, PolicyResult, ProblemJobId};
 
-/// The share of waiting jobs looked at per solve (when more than the free
-/// GPUs), in the interest of fairness.
-const ALPHA: f64 = 0.3;
+/// The share of waiting jobs matched per solve (when more than the free
+/// GPUs); Gavel's `get_policy('allox')` sets 1.
+const ALPHA: f64 = 1.0;
+
+/// Most cost-matrix entries (`jobs² × free GPUs`) one solve builds; past
+/// it, only the oldest waiting jobs are matched.
+const MATRIX_MAX: usize = 20_000_000;
 
 /// A cost no real slot reaches (a type the job cannot run on).
 const UNREACHABLE_MS: i64 = i64::MAX / 1_000_000;
@@ -44,19 +50,22 @@ pub fn allox(
     let mut free: Vec<u32> = types.iter().map(|t| problem.cluster_spec[*t]).collect();
     let mut waiting: Vec<ProblemJobId> = Vec::new();
     for job in problem.throughputs.keys() {
-        let kept = previous.get(job).and_then(|row| {
-            types
-                .iter()
-                .position(|t| row.get(*t).is_some_and(|x| *x >= 1.0 - 1e-9))
-        });
-        match kept {
-            Some(ti) if free[ti] > 0 => {
-                free[ti] -= 1;
-                if let Some(x) = allocation.get_mut(job).and_then(|r| r.get_mut(types[ti])) {
-                    *x = 1.0;
-                }
+        // Gavel's test: the row sums to a whole GPU.
+        let held = previous
+            .get(job)
+            .filter(|row| (row.values().sum::<f64>() - 1.0).abs() < 1e-9);
+        let Some(row) = held else {
+            waiting.push(*job);
+            continue;
+        };
+        for (ti, t) in types.iter().enumerate() {
+            let x = row.get(*t).copied().unwrap_or(0.0);
+            if x >= 1.0 - 1e-9 {
+                free[ti] = free[ti].saturating_sub(1);
             }
-            _ => waiting.push(*job),
+            if let Some(slot) = allocation.get_mut(job).and_then(|r| r.get_mut(*t)) {
+                *slot = x.clamp(0.0, 1.0);
+            }
         }
     }
     // One column per free GPU, by type.
@@ -72,9 +81,12 @@ pub fn allox(
     // Oldest first (a stable sort: ties in id order).
     let since = |job: &ProblemJobId| problem.times_since_start.get(job).copied().unwrap_or(0.0);
     waiting.sort_by(|a, b| since(b).total_cmp(&since(a)));
-    let m = n
+    let mut m = n
         .max((ALPHA * waiting.len() as f64) as usize)
         .min(waiting.len());
+    while m > 1 && m * m * n > MATRIX_MAX {
+        m -= 1;
+    }
     waiting.truncate(m);
     let cost = |row: usize, column: usize| -> i64 {
         let job = waiting[row];

@@ -11,11 +11,13 @@
 //! text), no clock, no threads, seeded randomness only.
 
 mod engine;
+pub mod gavel_generator;
 pub mod gavel_throughputs;
 pub mod rounds;
 pub mod workload;
 
 pub use engine::{simulate, JctSummary, JobResult, Sample, SimConfig, SimNode, SimReport};
+pub use gavel_generator::GavelGenerator;
 pub use gavel_throughputs::{ThroughputTable, ThroughputTableError};
 pub use rounds::{simulate_rounds, RoundSimConfig};
 pub use workload::{Generator, SimJob, WorkloadError};
