@@ -77,6 +77,8 @@ pub struct KeelApi {
     heartbeats: Arc<HeartbeatInbox>,
     /// The server's configured policy (rounds use it until `SetPolicy`).
     default_policy: &'static str,
+    /// The running policy's counters, kept by the scheduling loop.
+    policy_counters: crate::leader::PolicyCounters,
     /// A channel to the current leader (its address, the client), reused
     /// while the leader stays the same.
     leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
@@ -132,6 +134,7 @@ impl KeelApi {
         logs: LogReader,
         heartbeats: Arc<HeartbeatInbox>,
         default_policy: &'static str,
+        policy_counters: crate::leader::PolicyCounters,
     ) -> Self {
         KeelApi {
             node,
@@ -139,6 +142,7 @@ impl KeelApi {
             logs,
             heartbeats,
             default_policy,
+            policy_counters,
             leader: tokio::sync::Mutex::new(None),
         }
     }
@@ -435,6 +439,10 @@ impl Keel for KeelApi {
             leader_id: metrics.current_leader,
             cluster_id: self.node.identity.get().unwrap_or_default(),
             policy,
+            policy_counters: match self.policy_counters.read() {
+                Ok(c) => c.clone(),
+                Err(poisoned) => poisoned.into_inner().clone(),
+            },
             voters: metrics.membership_config.membership().voter_ids().collect(),
             members: {
                 let membership = metrics.membership_config.membership();

@@ -106,7 +106,22 @@ impl LeaderGate {
     }
 }
 
+/// The running policy's counters ([`Policy::counters`]) as the leader's
+/// scheduling loop last read them; empty on a replica that is not leading.
+pub type PolicyCounters = Arc<std::sync::RwLock<std::collections::BTreeMap<String, u64>>>;
+
+/// Replaces what `counters` holds (a poisoned lock is taken over: the map
+/// is rewritten whole).
+fn publish(counters: &PolicyCounters, values: std::collections::BTreeMap<String, u64>) {
+    let mut guard = match counters.write() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    *guard = values;
+}
+
 /// The scheduling loop. Returns when `stop` turns true.
+#[allow(clippy::too_many_arguments)]
 pub async fn scheduling_loop(
     node: Arc<RaftNode>,
     proposer: Proposer,
@@ -114,6 +129,7 @@ pub async fn scheduling_loop(
     options: PolicyOptions,
     clock: Clock,
     settings: LoopSettings,
+    counters: PolicyCounters,
     mut stop: watch::Receiver<bool>,
 ) {
     let shared = node.state_machine.shared();
@@ -162,6 +178,7 @@ pub async fn scheduling_loop(
         }
         if !gate.ready(&node).await {
             seen_version = None;
+            publish(&counters, Default::default());
             continue;
         }
         // Read one consistent state at applied index i and plan on it. The
@@ -189,6 +206,14 @@ pub async fn scheduling_loop(
         };
         seen_version = Some(version);
         next_tick = tokio::time::Instant::now() + settings.round;
+        publish(
+            &counters,
+            policy
+                .counters()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+        );
         if let Some(command) = command {
             if let Command::DecideAllocation {
                 based_on,

@@ -702,6 +702,14 @@ pub fn cluster_status(
             if !contacted.policy.is_empty() {
                 println!("policy {}", contacted.policy);
             }
+            if !contacted.policy_counters.is_empty() {
+                let counters: Vec<String> = contacted
+                    .policy_counters
+                    .iter()
+                    .map(|(k, v)| format!("{k} {v}"))
+                    .collect();
+                println!("policy counters: {}", counters.join(", "));
+            }
             for v in &views {
                 if let Some(other) = v
                     .cluster_id

@@ -149,6 +149,7 @@ impl Server {
             self.config.loops.clone(),
             stop_rx.clone(),
         ));
+        let counters = crate::leader::PolicyCounters::default();
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
             proposer.clone(),
@@ -156,6 +157,7 @@ impl Server {
             self.config.policy_options.clone(),
             self.clock.clone(),
             self.config.loops.clone(),
+            counters.clone(),
             stop_rx.clone(),
         ));
         let reconciling = tokio::spawn(crate::leader::reconcile_loop(
@@ -178,6 +180,7 @@ impl Server {
             logs,
             heartbeats,
             self.config.policy.name(),
+            counters,
         ));
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),

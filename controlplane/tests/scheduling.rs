@@ -716,5 +716,15 @@ fn gavel_rounds_time_share_one_gpu_by_checkpoint_and_relaunch() {
     assert!(check_no_gpu_double_booked(&events) > 0);
     let decisions = server.cli_ok(&["events"]);
     assert!(decisions.contains("max_min_fairness_perf"), "{decisions}");
+    // The mechanism's counters, from the leader: it solved and ran rounds.
+    let status: serde_json::Value =
+        serde_json::from_str(&server.cli_ok(&["cluster", "status", "-o", "json"])).expect("json");
+    let counters = &status["policy_counters"];
+    assert!(counters["solves"].as_u64() >= Some(1), "{status}");
+    assert!(counters["rounds"].as_u64() >= Some(2), "{status}");
+    assert!(
+        counters["lease_extension_opportunities"].is_u64(),
+        "{status}"
+    );
     server.terminate();
 }

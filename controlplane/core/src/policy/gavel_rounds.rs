@@ -250,6 +250,29 @@ impl Policy for GavelRounds {
         self.name
     }
 
+    /// The mechanism's counters since its memory last started afresh.
+    fn counters(&self) -> BTreeMap<&'static str, u64> {
+        let guard = match self.rounds.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let Some(rounds) = guard.as_ref() else {
+            return BTreeMap::new();
+        };
+        let stats = rounds.mechanism.stats();
+        [
+            ("solves", stats.solves),
+            ("rounds", stats.rounds),
+            ("lease_extensions", stats.lease_extensions),
+            (
+                "lease_extension_opportunities",
+                stats.lease_extension_opportunities,
+            ),
+        ]
+        .into_iter()
+        .collect()
+    }
+
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
         let state = input.state;
         let now_s = input.now_ms as f64 / 1000.0;

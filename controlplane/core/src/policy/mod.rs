@@ -109,6 +109,11 @@ pub trait Policy: std::fmt::Debug + Send + Sync {
     /// The name used in configuration and recorded in every decision.
     fn name(&self) -> &'static str;
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan;
+    /// What the policy counts for operators (empty for most): read after
+    /// each plan and shown by `keel cluster status`.
+    fn counters(&self) -> BTreeMap<&'static str, u64> {
+        BTreeMap::new()
+    }
 }
 
 /// One scheduling round: runs `policy` on `state` and returns the entry to
