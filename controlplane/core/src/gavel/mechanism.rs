@@ -79,10 +79,6 @@ impl Combo {
     pub fn jobs(&self) -> impl Iterator<Item = ProblemJobId> {
         self.older.into_iter().chain(std::iter::once(self.newer))
     }
-
-    pub fn contains(&self, job: ProblemJobId) -> bool {
-        self.newer == job || self.older == Some(job)
-    }
 }
 
 /// The mechanism's constants.
@@ -244,11 +240,6 @@ impl Mechanism {
 
     pub fn contains(&self, job: ProblemJobId) -> bool {
         self.books.contains_key(&Combo::single(job))
-    }
-
-    /// How many pairs may share GPUs.
-    pub fn pair_count(&self) -> usize {
-        self.books.keys().filter(|c| c.older.is_some()).count()
     }
 
     /// A job arrived: credited on every type, no allocation until the next
