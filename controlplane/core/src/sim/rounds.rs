@@ -107,8 +107,8 @@ struct Active {
     /// Steps per second by the mechanism's type index.
     speed: Vec<f64>,
     steps_done: f64,
-    /// Its kind's name in the allocation problem (space-sharing policies).
-    kind: Option<String>,
+    /// Its kind's number in [`KindPairs`] (space-sharing policies).
+    kind: Option<usize>,
 }
 
 /// A micro-task of the current round: a job alone, or a pair sharing
@@ -186,50 +186,8 @@ pub fn simulate_rounds(
     let packs = gavel::shares_gpus(policy);
     // Pairs' steps per second by type index, `[smaller id's, larger's]`.
     let mut pair_speeds: BTreeMap<(ProblemJobId, ProblemJobId), Vec<[f64; 2]>> = BTreeMap::new();
-    // Each job's kind (job type and size, numbered), so pair figures are
-    // read from the table once per pair of kinds.
-    let mut kinds: BTreeMap<(&str, u32), usize> = BTreeMap::new();
-    let job_kind: Vec<Option<usize>> = config
-        .jobs
-        .iter()
-        .map(|j| {
-            let t = j.job_type.as_deref()?;
-            let next = kinds.len();
-            Some(
-                *kinds
-                    .entry((t, j.workers_min * j.gpus_per_worker))
-                    .or_insert(next),
-            )
-        })
-        .collect();
-    let mut pair_cache: BTreeMap<(usize, usize), BTreeMap<String, [f64; 2]>> = BTreeMap::new();
     let mut kind_pairs = KindPairs::default();
     let gpu_types: Vec<String> = cluster_spec.keys().cloned().collect();
-    let mut pair_figures = |a: usize, b: usize| -> BTreeMap<String, [f64; 2]> {
-        let (ja, jb) = (&config.jobs[a], &config.jobs[b]);
-        let scale = ja.workers_min * ja.gpus_per_worker;
-        let (Some(table), Some(ta), Some(tb), Some(ka), Some(kb)) = (
-            config.throughputs.as_ref(),
-            ja.job_type.as_deref(),
-            jb.job_type.as_deref(),
-            job_kind[a],
-            job_kind[b],
-        ) else {
-            return BTreeMap::new();
-        };
-        if scale != jb.workers_min * jb.gpus_per_worker {
-            return BTreeMap::new();
-        }
-        pair_cache
-            .entry((ka, kb))
-            .or_insert_with(|| {
-                cluster_spec
-                    .keys()
-                    .filter_map(|t| Some((t.clone(), table.pair_steps_per_s(ta, tb, scale, t)?)))
-                    .collect()
-            })
-            .clone()
-    };
 
     let mut order: Vec<usize> = (0..config.jobs.len()).collect();
     order.sort_by(|a, b| {
@@ -347,7 +305,10 @@ pub fn simulate_rounds(
                 // As in Gavel: a pair with every job already here of the
                 // same size whose pair figures the table has.
                 for (other_id, other) in &active {
-                    let figures = pair_figures(other.position, *i);
+                    let (Some(mine), Some(theirs)) = (kind, other.kind) else {
+                        continue;
+                    };
+                    let figures = kind_pairs.between(theirs, mine);
                     if figures.is_empty() {
                         continue;
                     }
@@ -442,7 +403,7 @@ pub fn simulate_rounds(
             if packs {
                 problem.job_types = active
                     .iter()
-                    .filter_map(|(id, a)| Some((*id, a.kind.clone()?)))
+                    .filter_map(|(id, a)| Some((*id, kind_pairs.name(a.kind?)?.to_string())))
                     .collect();
                 problem.pair_throughputs = kind_pairs.figures.clone();
             }
@@ -547,34 +508,42 @@ pub fn simulate_rounds(
     Ok(report)
 }
 
-/// The pair figures among the kinds of job (type and size) seen so far,
-/// named as in [`problem_job_type`]: grown as new kinds arrive, so each
-/// pair of kinds is read from the table once.
+/// The pair figures among the kinds of job (type and size) seen so far:
+/// grown as new kinds arrive, so each pair of kinds is read from the table
+/// once. Kinds are numbered in the order seen; the allocation problem names
+/// them as in [`problem_job_type`].
 #[derive(Debug, Default)]
 struct KindPairs {
-    /// Kind name → (Gavel job type, size).
-    seen: BTreeMap<String, (String, u32)>,
+    /// Kind name → its number.
+    numbers: BTreeMap<String, usize>,
+    /// By number: (name, Gavel job type, size).
+    kinds: Vec<(String, String, u32)>,
+    /// (later kind, earlier or same kind) → GPU type → `[later's,
+    /// earlier's]`.
+    by_number: BTreeMap<(usize, usize), BTreeMap<String, [f64; 2]>>,
+    /// The same figures by name, for the allocation problem.
     figures: PairThroughputs,
 }
 
 impl KindPairs {
     /// Records the kind of `job`, reading its pair figures with every kind
-    /// of its size seen before (and itself); returns the kind's name.
+    /// of its size seen before (and itself); returns the kind's number.
     fn note(
         &mut self,
         job: &SimJob,
         table: &ThroughputTable,
         gpu_types: &[String],
-    ) -> Option<String> {
+    ) -> Option<usize> {
         let job_type = job.job_type.as_deref()?;
         let scale = job.workers_min * job.gpus_per_worker;
         let name = problem_job_type(job_type, scale);
-        if self.seen.contains_key(&name) {
-            return Some(name);
+        if let Some(n) = self.numbers.get(&name) {
+            return Some(*n);
         }
-        self.seen
-            .insert(name.clone(), (job_type.to_string(), scale));
-        for (other_name, (other_type, other_scale)) in &self.seen {
+        let number = self.kinds.len();
+        self.numbers.insert(name.clone(), number);
+        self.kinds.push((name.clone(), job_type.to_string(), scale));
+        for (other, (other_name, other_type, other_scale)) in self.kinds.iter().enumerate() {
             if *other_scale != scale {
                 continue;
             }
@@ -591,9 +560,32 @@ impl KindPairs {
                 self.figures
                     .entry(name.clone())
                     .or_default()
-                    .insert(other_name.clone(), by_gpu);
+                    .insert(other_name.clone(), by_gpu.clone());
+                self.by_number.insert((number, other), by_gpu);
             }
         }
-        Some(name)
+        Some(number)
+    }
+
+    /// The name of kind `number` in the allocation problem.
+    fn name(&self, number: usize) -> Option<&str> {
+        self.kinds.get(number).map(|(name, _, _)| name.as_str())
+    }
+
+    /// The figures of kinds `a` and `b` side by side, by GPU type: `[a's,
+    /// b's]` (empty when the table has none for the pair).
+    fn between(&self, a: usize, b: usize) -> BTreeMap<String, [f64; 2]> {
+        if let Some(by_gpu) = self.by_number.get(&(a, b)) {
+            return by_gpu.clone();
+        }
+        self.by_number
+            .get(&(b, a))
+            .map(|by_gpu| {
+                by_gpu
+                    .iter()
+                    .map(|(t, [x, y])| (t.clone(), [*y, *x]))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 }
