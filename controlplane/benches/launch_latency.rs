@@ -10,44 +10,13 @@
 #![allow(clippy::print_stdout)]
 
 use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+// The end-to-end tests' server process and bounded waits.
+#[path = "../tests/support/mod.rs"]
+mod support;
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn cli(addr: &str, args: &[&str]) -> String {
-    let out = Command::new(KEEL)
-        .args(args)
-        .env("KEEL_ADDR", addr)
-        .output()
-        .expect("run keel");
-    assert!(
-        out.status.success(),
-        "keel {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
+use support::{wait_for, ServerProcess};
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -60,44 +29,21 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
     let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let _server = Server(
-        Command::new(KEEL)
-            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(&data)
-            .args(["--simulated-gpus", "8xv100"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn keel server"),
-    );
-    let addr = wait_for("the server's address", || {
-        std::fs::read_to_string(data.join("server.addr")).ok()
-    });
-    wait_for("a leader", || {
-        let out = Command::new(KEEL)
-            .args(["cluster", "status", "-o", "json"])
-            .env("KEEL_ADDR", &addr)
-            .output()
-            .ok()?;
-        String::from_utf8_lossy(&out.stdout)
-            .contains("\"leader\"")
-            .then_some(())
-    });
+    let server = ServerProcess::start(&dir.path().join("data"), &["--simulated-gpus", "8xv100"]);
     let spec = dir.path().join("job.yaml");
     std::fs::write(&spec, "name: launch\ncommand: [sleep, \"0.3\"]\ngpus: 1\n").expect("spec");
     let spec = spec.to_str().expect("utf-8");
     let started = Instant::now();
     for _ in 0..jobs {
-        cli(&addr, &["submit", "-f", spec]);
+        server.cli_ok(&["submit", "-f", spec]);
     }
     wait_for("every job to finish", || {
-        let out = cli(&addr, &["jobs", "--state", "succeeded", "-o", "json"]);
+        let out = server.cli_ok(&["jobs", "--state", "succeeded", "-o", "json"]);
         let done: serde_json::Value = serde_json::from_str(&out).ok()?;
         (done.as_array()?.len() >= jobs).then_some(())
     });
     let wall = started.elapsed();
-    let (allocated, running) = entry_times(&addr);
+    let (allocated, running) = entry_times(&server);
     let mut latencies: Vec<u64> = running
         .iter()
         .filter_map(|(job, at)| Some(at.saturating_sub(*allocated.get(job)?)))
@@ -116,10 +62,10 @@ fn main() {
 
 /// Per job: the time of the entry that first allocated it, and of the
 /// entry that first recorded its worker running.
-fn entry_times(addr: &str) -> (BTreeMap<u64, u64>, BTreeMap<u64, u64>) {
+fn entry_times(server: &ServerProcess) -> (BTreeMap<u64, u64>, BTreeMap<u64, u64>) {
     let mut allocated = BTreeMap::new();
     let mut running = BTreeMap::new();
-    for line in cli(addr, &["events", "-o", "json"]).lines() {
+    for line in server.cli_ok(&["events", "-o", "json"]).lines() {
         let record: serde_json::Value =
             serde_json::from_str(line).expect("one JSON object per line");
         let at = record["at_ms"].as_u64().unwrap_or(0);

@@ -1,5 +1,7 @@
 //! Seeded randomness, the only kind the core allows.
 
+use rand_mt::Mt19937GenRand32;
+
 /// A small seeded pseudo-random generator (SplitMix64): no I/O, no global state.
 #[derive(Debug, Clone)]
 pub struct SplitMix64(u64);
@@ -25,5 +27,118 @@ impl SplitMix64 {
     /// Uniform in `[0, 1)`.
     pub fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// CPython's `random.Random` (Mersenne Twister seeded by `init_by_array`),
+/// for the draws Gavel makes — its type shuffle, Gandiva's pairs, its job
+/// generator — so Keel's runs follow Gavel's draw for draw.
+#[derive(Debug, Clone)]
+pub struct PyRandom(Mt19937GenRand32);
+
+impl PyRandom {
+    /// `random.Random(seed)` for a seed below 2³².
+    pub fn new(seed: u32) -> PyRandom {
+        PyRandom(Mt19937GenRand32::new_with_key([seed]))
+    }
+
+    /// `getrandbits(32)`.
+    pub fn next_u32(&mut self) -> u32 {
+        self.0.next_u32()
+    }
+
+    /// `random()`: 53 random bits from two 32-bit draws.
+    pub fn random(&mut self) -> f64 {
+        let a = f64::from(self.0.next_u32() >> 5);
+        let b = f64::from(self.0.next_u32() >> 6);
+        (a * 67_108_864.0 + b) * (1.0 / 9_007_199_254_740_992.0)
+    }
+
+    /// `uniform(a, b)`.
+    pub fn uniform(&mut self, a: f64, b: f64) -> f64 {
+        a + (b - a) * self.random()
+    }
+
+    /// `_randbelow(n)` for `0 < n < 2³²`: `getrandbits` of n's bit length,
+    /// by rejection.
+    pub fn below(&mut self, n: u32) -> u32 {
+        let n = n.max(1);
+        let bits = 32 - n.leading_zeros();
+        loop {
+            let r = self.0.next_u32() >> (32 - bits);
+            if r < n {
+                return r;
+            }
+        }
+    }
+
+    /// `shuffle(items)`: Fisher–Yates from the end.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = self.below(u32::try_from(i + 1).unwrap_or(u32::MAX)) as usize;
+            items.swap(i, j);
+        }
+    }
+
+    /// `sample(population, 2)` (`population.len() ≥ 2`): CPython draws
+    /// from a copied pool for populations of at most 21 and by rejection
+    /// from a set of picked indices for larger ones.
+    pub fn sample_two<T: Copy>(&mut self, population: &[T]) -> [T; 2] {
+        let n = population.len();
+        let below =
+            |r: &mut PyRandom, k: usize| r.below(u32::try_from(k).unwrap_or(u32::MAX)) as usize;
+        const SMALL_SET: usize = 21;
+        if n <= SMALL_SET {
+            let mut pool = population.to_vec();
+            let first = below(self, n);
+            let a = pool[first];
+            pool[first] = pool[n - 1];
+            let second = below(self, n - 1);
+            [a, pool[second]]
+        } else {
+            let first = below(self, n);
+            let mut second = below(self, n);
+            while second == first {
+                second = below(self, n);
+            }
+            [population[first], population[second]]
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Against CPython 3.11.
+    #[test]
+    fn py_random_follows_cpython() {
+        // random.Random(5).getrandbits(32), three times.
+        let mut r = PyRandom::new(5);
+        assert_eq!(
+            [r.next_u32(), r.next_u32(), r.next_u32()],
+            [2675342405, 1097127993, 3185950873]
+        );
+        // r = random.Random(2); [r.random() for _ in range(3)],
+        // r.uniform(1.5, 3), r.choice(range(26)).
+        let mut r = PyRandom::new(2);
+        let got = [r.random(), r.random(), r.random()];
+        assert_eq!(
+            got,
+            [0.9560342718892494, 0.9478274870593494, 0.05655136772680869]
+        );
+        assert_eq!(r.uniform(1.5, 3.0), 1.6273079927383824);
+        assert_eq!(r.below(26), 5);
+        // random.Random(0).sample(list(range(10)), 2) three times, then
+        // random.Random(0).sample(list(range(30)), 2) twice (30 > 21 takes
+        // the set-of-indices branch).
+        let mut r = PyRandom::new(0);
+        let small: Vec<u64> = (0..10).collect();
+        let got: Vec<[u64; 2]> = (0..3).map(|_| r.sample_two(&small)).collect();
+        assert_eq!(got, vec![[6, 9], [0, 4], [8, 7]]);
+        let mut r = PyRandom::new(0);
+        let large: Vec<u64> = (0..30).collect();
+        let got: Vec<[u64; 2]> = (0..2).map(|_| r.sample_two(&large)).collect();
+        assert_eq!(got, vec![[27, 12], [24, 28]]);
     }
 }

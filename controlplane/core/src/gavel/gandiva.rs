@@ -16,22 +16,21 @@
 //!   sum to at most 1.
 //!
 //! The draws follow Python's `random.Random(seed).sample(jobs, 2)`
-//! exactly (Mersenne Twister, `_randbelow` by rejection), so a run follows
+//! exactly ([`PyRandom`]), so a run follows
 //! Gavel's simulator pair for pair. Pure: the random stream is the only
 //! state besides the pairs, both carried in [`Gandiva`].
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rand_mt::Mt19937GenRand32;
-
 use super::{Allocation, AllocationProblem, PairAllocation, PolicyResult, ProblemJobId};
+use crate::rng::PyRandom;
 
 /// Gandiva's memory between solves.
 #[derive(Debug, Clone)]
 pub struct Gandiva {
     /// Kept pairs, each job mapped to its partner.
     pairs: BTreeMap<ProblemJobId, ProblemJobId>,
-    rng: Mt19937GenRand32,
+    rng: PyRandom,
 }
 
 impl Gandiva {
@@ -39,44 +38,7 @@ impl Gandiva {
     pub fn new(seed: u32) -> Gandiva {
         Gandiva {
             pairs: BTreeMap::new(),
-            rng: Mt19937GenRand32::new_with_key([seed]),
-        }
-    }
-
-    /// Python's `Random._randbelow(n)` for `0 < n < 2³²`.
-    fn below(&mut self, n: usize) -> usize {
-        let n = u32::try_from(n).unwrap_or(u32::MAX).max(1);
-        let bits = 32 - n.leading_zeros();
-        loop {
-            let r = self.rng.next_u32() >> (32 - bits);
-            if r < n {
-                return r as usize;
-            }
-        }
-    }
-
-    /// Python's `Random.sample(population, 2)` (`population.len() ≥ 2`).
-    fn sample_two(&mut self, population: &[ProblemJobId]) -> [ProblemJobId; 2] {
-        let n = population.len();
-        // CPython draws from a copied pool for small populations and by
-        // rejection from a set of picked indices for larger ones.
-        const SMALL_SET: usize = 21;
-        if n <= SMALL_SET {
-            let mut pool = population.to_vec();
-            let mut out = [0; 2];
-            for (i, slot) in out.iter_mut().enumerate() {
-                let j = self.below(n - i);
-                *slot = pool[j];
-                pool[j] = pool[n - i - 1];
-            }
-            out
-        } else {
-            let first = self.below(n);
-            let mut second = self.below(n);
-            while second == first {
-                second = self.below(n);
-            }
-            [population[first], population[second]]
+            rng: PyRandom::new(seed),
         }
     }
 
@@ -137,7 +99,7 @@ impl Gandiva {
             let mut drawn = 0;
             while unpaired.len() > 1 && drawn < draws {
                 drawn += 1;
-                let [a, b] = self.sample_two(&unpaired);
+                let [a, b] = self.rng.sample_two(&unpaired);
                 if problem.scale_factor(a) != problem.scale_factor(b) {
                     continue;
                 }
@@ -186,25 +148,5 @@ impl Gandiva {
             .map(|(a, b)| ((*a, *b), share(problem.scale_factor(*a))))
             .collect();
         problem.result_with_pairs(allocation, pair_allocation, None)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn draws_follow_python_random_sample() {
-        // random.Random(0).sample(list(range(10)), 2) three times, then
-        // random.Random(0).sample(list(range(30)), 2) twice (CPython 3.11;
-        // 30 > 21 takes the set-of-indices branch).
-        let mut g = Gandiva::new(0);
-        let small: Vec<u64> = (0..10).collect();
-        let got: Vec<[u64; 2]> = (0..3).map(|_| g.sample_two(&small)).collect();
-        assert_eq!(got, vec![[6, 9], [0, 4], [8, 7]]);
-        let mut g = Gandiva::new(0);
-        let large: Vec<u64> = (0..30).collect();
-        let got: Vec<[u64; 2]> = (0..2).map(|_| g.sample_two(&large)).collect();
-        assert_eq!(got, vec![[27, 12], [24, 28]]);
     }
 }

@@ -36,9 +36,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rand_mt::Mt19937GenRand32;
-
 use super::{Allocation, PairAllocation, ProblemJobId};
+use crate::rng::PyRandom;
 
 /// What a round places: one job alone, or two jobs sharing GPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -192,7 +191,7 @@ pub struct Mechanism {
     job_set_changed: bool,
     /// Last round's placements: type index and GPUs.
     current: BTreeMap<Combo, (usize, Vec<WorkerId>)>,
-    shuffler: Option<Mt19937GenRand32>,
+    shuffler: Option<PyRandom>,
     stats: MechanismStats,
 }
 
@@ -200,9 +199,7 @@ impl Mechanism {
     /// A mechanism over `types` (their order is the order of the per-type
     /// lists when the policy does not shuffle).
     pub fn new(config: MechanismConfig, types: Vec<TypeServers>) -> Mechanism {
-        let shuffler = config
-            .shuffle_seed
-            .map(|seed| Mt19937GenRand32::new_with_key([seed]));
+        let shuffler = config.shuffle_seed.map(PyRandom::new);
         Mechanism {
             config,
             type_time_s: vec![0.0; types.len()],
@@ -426,19 +423,7 @@ impl Mechanism {
     fn round_types(&mut self) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.types.len()).collect();
         if let Some(rng) = &mut self.shuffler {
-            // Python's `random.shuffle` (Fisher–Yates from the end, with
-            // `_randbelow` by rejection on `getrandbits`).
-            for i in (1..order.len()).rev() {
-                let n = (i + 1) as u32;
-                let bits = 32 - n.leading_zeros();
-                let j = loop {
-                    let r = rng.next_u32() >> (32 - bits);
-                    if r < n {
-                        break r as usize;
-                    }
-                };
-                order.swap(i, j);
-            }
+            rng.shuffle(&mut order);
         }
         order
     }
@@ -703,12 +688,6 @@ mod tests {
 
     #[test]
     fn shuffle_follows_python_random() {
-        // random.Random(5).getrandbits(32), three times (CPython 3.11).
-        let mut rng = Mt19937GenRand32::new_with_key([5u32]);
-        assert_eq!(
-            [rng.next_u32(), rng.next_u32(), rng.next_u32()],
-            [2675342405, 1097127993, 3185950873]
-        );
         // r = random.Random(5); r.shuffle(['v100', 'p100', 'k80']) eight
         // times on fresh lists.
         let expected = [

@@ -11,17 +11,14 @@
 //! 3)` s), then templates by `choice` from its 26-row job table until one
 //! fits the scale factor (multi-GPU jobs need a distributed template) —
 //! and inter-arrival gaps `−ln(1 − random())` (in units of 1/rate hours)
-//! from `Random(seed + 3)`. [`PyRandom`] is CPython's generator (Mersenne
-//! Twister seeded by `init_by_array`, 53-bit `random()`, `_randbelow` by
-//! rejection on `getrandbits`). A job's steps are its duration times its
+//! from `Random(seed + 3)`, on [`PyRandom`], CPython's generator. A job's steps are its duration times its
 //! v100 speed alone in Gavel's throughput table.
 //!
 //! Pure: the seed is the only source of randomness.
 
-use rand_mt::Mt19937GenRand32;
-
 use super::gavel_throughputs::ThroughputTable;
 use super::workload::{model_for_gavel_job_type, SimJob, WorkloadError, JOBS_MAX};
+use crate::rng::PyRandom;
 
 /// Gavel's job table (`job_table.json`): each template's job type and
 /// whether it runs on several GPUs, in Gavel's order (the order `choice`
@@ -54,41 +51,6 @@ pub const GAVEL_JOB_TABLE: [(&str, bool); 26] = [
     ("A3C", false),
     ("CycleGAN", false),
 ];
-
-/// CPython's `random.Random`, for the draws Gavel's generator makes.
-#[derive(Debug, Clone)]
-pub struct PyRandom(Mt19937GenRand32);
-
-impl PyRandom {
-    /// `random.Random(seed)` for a seed below 2³².
-    pub fn new(seed: u32) -> PyRandom {
-        PyRandom(Mt19937GenRand32::new_with_key([seed]))
-    }
-
-    /// `random()`: 53 random bits from two 32-bit draws.
-    pub fn random(&mut self) -> f64 {
-        let a = f64::from(self.0.next_u32() >> 5);
-        let b = f64::from(self.0.next_u32() >> 6);
-        (a * 67_108_864.0 + b) * (1.0 / 9_007_199_254_740_992.0)
-    }
-
-    /// `uniform(a, b)`.
-    pub fn uniform(&mut self, a: f64, b: f64) -> f64 {
-        a + (b - a) * self.random()
-    }
-
-    /// `_randbelow(n)` for `0 < n < 2³²`.
-    pub fn below(&mut self, n: u32) -> u32 {
-        let n = n.max(1);
-        let bits = 32 - n.leading_zeros();
-        loop {
-            let r = self.0.next_u32() >> (32 - bits);
-            if r < n {
-                return r;
-            }
-        }
-    }
-}
 
 /// Gavel's generator for one seed.
 #[derive(Debug, Clone, PartialEq)]
@@ -314,19 +276,5 @@ mod tests {
         assert!(missing
             .generate(&empty)
             .is_err_and(|e| e.to_string().contains("--throughputs")));
-    }
-
-    #[test]
-    fn draws_follow_python_random() {
-        // CPython 3.11: r = random.Random(2); [r.random() for _ in range(3)],
-        // r.uniform(1.5, 3), r.choice(range(26)).
-        let mut r = PyRandom::new(2);
-        let got = [r.random(), r.random(), r.random()];
-        assert_eq!(
-            got,
-            [0.9560342718892494, 0.9478274870593494, 0.05655136772680869]
-        );
-        assert_eq!(r.uniform(1.5, 3.0), 1.6273079927383824);
-        assert_eq!(r.below(26), 5);
     }
 }
