@@ -20,6 +20,10 @@ pub const PROGRESS_MARKER: &str = "KEEL_PROGRESS ";
 /// The longest progress line read (longer lines are ordinary log output).
 pub const PROGRESS_LINE_MAX_LEN: usize = 4096;
 
+/// Progress samples an executor buffers per job before the reconcile loop
+/// takes them; older ones are dropped beyond this (the latest matter most).
+pub const PROGRESS_BUFFER_MAX: usize = 1024;
+
 /// Exit code a worker uses when it stopped on SIGTERM after checkpointing.
 pub const EXIT_STOPPED: i32 = 143;
 
@@ -129,6 +133,45 @@ pub fn parse_progress_line(line: &str, at_ms: u64) -> Option<ProgressSample> {
     })
 }
 
+/// Splits a worker's output, read in chunks, into progress samples: keeps
+/// the partial last line between chunks, and skips lines too long to be
+/// progress lines without buffering them (its memory stays bounded).
+#[derive(Debug, Default)]
+pub struct ProgressLines {
+    partial: Vec<u8>,
+    /// Inside an over-long line: skip to its end.
+    skipping: bool,
+}
+
+impl ProgressLines {
+    /// The progress samples among the complete lines of `chunk` (with what
+    /// earlier chunks left), stamped `at_ms`.
+    pub fn push(&mut self, chunk: &[u8], at_ms: u64) -> Vec<ProgressSample> {
+        let mut out = Vec::new();
+        self.partial.extend_from_slice(chunk);
+        let mut consumed = 0;
+        while let Some(nl) = self.partial[consumed..].iter().position(|b| *b == b'\n') {
+            let line = &self.partial[consumed..consumed + nl];
+            consumed += nl + 1;
+            if std::mem::take(&mut self.skipping) {
+                continue;
+            }
+            if let Some(sample) = std::str::from_utf8(line)
+                .ok()
+                .and_then(|s| parse_progress_line(s, at_ms))
+            {
+                out.push(sample);
+            }
+        }
+        self.partial.drain(..consumed);
+        if self.partial.len() > PROGRESS_LINE_MAX_LEN {
+            self.partial.clear();
+            self.skipping = true;
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +190,21 @@ mod tests {
         assert_eq!(parse_progress_line("epoch 1 done", 7), None);
         assert_eq!(parse_progress_line("KEEL_PROGRESS {not json", 7), None);
         assert_eq!(parse_progress_line(r#"KEEL_PROGRESS {"loss": 1}"#, 7), None);
+    }
+
+    #[test]
+    fn progress_lines_survive_chunk_boundaries_and_skip_long_lines() {
+        let mut lines = ProgressLines::default();
+        assert!(lines.push(b"KEEL_PROGRESS {\"st", 1).is_empty());
+        let got = lines.push(b"ep\": 4}\nnoise\nKEEL_PROGRESS {\"step\": 5}\n", 2);
+        assert_eq!(got.iter().map(|s| s.step).collect::<Vec<_>>(), vec![4, 5]);
+        // A line longer than the limit is dropped, even if it looks like one,
+        // and the next line still counts.
+        let mut long = b"KEEL_PROGRESS {\"step\": 6, \"pad\": \"".to_vec();
+        long.extend(std::iter::repeat_n(b'x', PROGRESS_LINE_MAX_LEN + 10));
+        assert!(lines.push(&long, 3).is_empty());
+        let got = lines.push(b"\"}\nKEEL_PROGRESS {\"step\": 7}\n", 4);
+        assert_eq!(got.iter().map(|s| s.step).collect::<Vec<_>>(), vec![7]);
     }
 
     #[test]

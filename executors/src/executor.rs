@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
+use keel_core::liveness::NodeReport;
 use keel_core::{JobId, ProgressSample};
 
 use crate::contract::WorkerLaunch;
@@ -32,6 +33,16 @@ pub struct WorkerLog {
     pub content: Vec<u8>,
     /// The log's whole length, to say how much was left out.
     pub total_bytes: u64,
+}
+
+/// What an executor learned about one of its nodes by reaching it (the SSH
+/// and Kubernetes executors' probes stand in for a node's heartbeat).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeProbe {
+    /// The node answered, with its inventory.
+    Answered(NodeReport),
+    /// The node could not be reached or cannot run workers, and why.
+    Unreachable { name: String, reason: String },
 }
 
 /// Runs workers. Every method is idempotent: launching a worker that runs
@@ -81,6 +92,13 @@ pub trait Executor: Send + Sync + 'static {
     /// This server stopped leading: stop watching every worker without
     /// touching it (the next leader takes them over) and forget them.
     fn release(&self) -> impl Future<Output = ()> + Send;
+
+    /// What the executor's probes learned about its nodes since the last
+    /// call, newest per node. Executors whose nodes report through the
+    /// servers' heartbeats (the local one) have none.
+    fn take_node_probes(&self) -> impl Future<Output = Vec<NodeProbe>> + Send {
+        async { Vec::new() }
+    }
 
     /// Stops every worker and waits (at most `grace` plus a little) for them
     /// to exit. Used when the server shuts down.

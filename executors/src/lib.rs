@@ -6,6 +6,8 @@
 //!   workers + observed workers → actions);
 //! - [`executor`]: the [`Executor`] trait the leader's reconcile loop drives;
 //! - [`local`]: workers as local child processes (the embedded default);
+//! - [`ssh`]: workers on hosts reached over SSH, under a shell supervisor
+//!   that outlives the connection;
 //! - [`supervisor`]: `keel supervise`, the parent that lets a worker outlive
 //!   its server and keeps its exit status;
 //! - [`discovery`]: GPU inventory from `nvidia-smi`, or simulated;
@@ -19,14 +21,16 @@ pub mod discovery;
 pub mod executor;
 pub mod local;
 pub mod reconcile;
+pub mod ssh;
 pub mod supervisor;
 pub mod trainer;
 
 use keel_core::JobId;
 
-pub use executor::{Executor, ExecutorError, WorkerLog};
+pub use executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
 pub use local::{LocalConfig, LocalExecutor};
 pub use reconcile::{Action, Observed};
+pub use ssh::{SshConfig, SshExecutor};
 /// A worker's identity. Reconciling twice launches nothing twice: an
 /// executor that already runs a worker with this identity leaves it alone,
 /// and a new allocation epoch is a new identity.

@@ -32,7 +32,7 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;
 
-use crate::contract::{checkpoint_dir_name, environment, parse_progress_line, WorkerLaunch};
+use crate::contract::{checkpoint_dir_name, environment, WorkerLaunch, PROGRESS_BUFFER_MAX};
 use crate::executor::{Executor, ExecutorError, WorkerLog};
 use crate::reconcile::Observed;
 use crate::supervisor::{read_exit, ExitRecord};
@@ -89,9 +89,6 @@ pub struct LocalExecutor {
     inner: Arc<Mutex<Inner>>,
 }
 
-/// Progress samples buffered per job before the reconcile loop takes them;
-/// older ones are dropped beyond this (the latest matter most).
-const PROGRESS_BUFFER_MAX: usize = 1024;
 
 /// How often a re-adopted worker (not our child: no wait) is checked.
 const ADOPTED_POLL: Duration = Duration::from_millis(200);
@@ -490,9 +487,7 @@ impl LocalExecutor {
         mut done: tokio::sync::oneshot::Receiver<()>,
         generation: u64,
     ) {
-        let mut partial: Vec<u8> = Vec::new();
-        // Inside an over-long line: skip to its end.
-        let mut skipping = false;
+        let mut lines = crate::contract::ProgressLines::default();
         loop {
             let finished = tokio::select! {
                 _ = &mut done => true,
@@ -500,35 +495,19 @@ impl LocalExecutor {
             };
             let chunk = read_from(&path, offset).await;
             offset += chunk.len() as u64;
-            partial.extend_from_slice(&chunk);
-            // Complete lines only; a line longer than the progress limit
-            // cannot be a progress line, so the buffer stays bounded.
-            let mut consumed = 0;
-            while let Some(nl) = partial[consumed..].iter().position(|b| *b == b'\n') {
-                let line = &partial[consumed..consumed + nl];
-                consumed += nl + 1;
-                if std::mem::take(&mut skipping) {
-                    continue;
+            let samples = lines.push(&chunk, now_ms());
+            if !samples.is_empty() {
+                let mut inner = self.lock();
+                if inner.generation != generation {
+                    return;
                 }
-                let sample = std::str::from_utf8(line)
-                    .ok()
-                    .and_then(|s| parse_progress_line(s, now_ms()));
-                if let Some(sample) = sample {
-                    let mut inner = self.lock();
-                    if inner.generation != generation {
-                        return;
-                    }
-                    let buf = inner.progress.entry(id.job_id).or_default();
+                let buf = inner.progress.entry(id.job_id).or_default();
+                for sample in samples {
                     if buf.len() >= PROGRESS_BUFFER_MAX {
                         buf.remove(0);
                     }
                     buf.push(sample);
                 }
-            }
-            partial.drain(..consumed);
-            if partial.len() > crate::contract::PROGRESS_LINE_MAX_LEN {
-                partial.clear();
-                skipping = true;
             }
             if finished {
                 return;

@@ -1,0 +1,225 @@
+# keel-node.sh: the worker host's side of Keel's SSH executor (POSIX sh).
+#
+# The executor installs this file under its work directory on each host as
+# keel-node-<hash>.sh (so hosts may hold several Keel versions' copies while
+# old supervisors finish) and runs it over SSH:
+#
+#   sh keel-node-<hash>.sh COMMAND ARGS...
+#
+# Each worker has a base path WORKERS/job-J/eE-rR (job, allocation epoch,
+# rank: the worker's identity) and these files:
+#   .log   the worker's stdout and stderr (the executor reads progress lines
+#          and `keel logs` from it);
+#   .pid   "PID START PORT GPUS": the supervisor, which leads the worker's
+#          process group and session; its kernel start time (so a reused pid
+#          is never taken for it); the job's rendezvous port; its GPUs;
+#   .exit  "CODE REASON", written by the supervisor when the worker ends.
+# The supervisor runs in its own session (setsid), with no pipe to SSH, so
+# the worker survives the SSH connection and the server that opened it.
+set -u
+
+# Sets st to the kernel start time of process $1, or fails when it does not
+# run (a zombie does not). Builtins only: the poll runs this per worker.
+start_time() {
+    st=
+    read -r st < "/proc/$1/stat" 2> /dev/null || return 1
+    st=${st##*) }
+    # shellcheck disable=SC2086
+    set -- $st
+    [ "$1" != Z ] && [ "$1" != X ] || return 1
+    shift 19
+    st=$1
+}
+
+# Whether the supervisor recorded in $1.pid still runs.
+alive() {
+    [ -f "$1.pid" ] || return 1
+    read -r a_pid a_start _ < "$1.pid" || return 1
+    start_time "$a_pid" && [ "$st" = "$a_start" ]
+}
+
+# supervise BASE PORT GPUS CMD...: run CMD, record its end in BASE.exit.
+supervise() {
+    base=$1 port=$2 gpus=$3
+    shift 3
+    # The group's SIGTERM is for the worker (checkpoint and exit); the
+    # supervisor stays to record the exit.
+    trap ':' TERM
+    start_time $$ || st=0
+    printf '%s %s %s %s\n' $$ "$st" "$port" "$gpus" > "$base.pid.tmp" &&
+        mv -f "$base.pid.tmp" "$base.pid"
+    if ! command -v "$1" > /dev/null 2>&1; then
+        echo "keel: could not start \"$1\": not found" >&2
+        printf '127 could not start "%s": not found\n' "$1" > "$base.exit.tmp"
+        mv -f "$base.exit.tmp" "$base.exit"
+        exit 127
+    fi
+    "$@" &
+    child=$!
+    while :; do
+        wait "$child"
+        code=$?
+        # A signal to the supervisor interrupts wait; the worker goes on.
+        kill -0 "$child" 2> /dev/null || break
+    done
+    if [ "$code" -gt 128 ] && name=$(kill -l "$((code - 128))" 2> /dev/null); then
+        reason="killed by SIG$name (status $code)"
+    else
+        reason="exited with code $code"
+    fi
+    printf '%s %s\n' "$code" "$reason" > "$base.exit.tmp"
+    mv -f "$base.exit.tmp" "$base.exit"
+    exit "$code"
+}
+
+# launch BASE CHECKPOINT_DIR PORT GPUS CMD...: start CMD under a supervisor
+# in a new session, unless the worker already runs; prints the log's size
+# before the start and returns once the supervisor has written its pid file
+# (or its exit).
+launch() {
+    base=$1 ckpt=$2
+    shift 2
+    mkdir -p "${base%/*}" "$ckpt" || exit 1
+    # Where the follower of this run's progress starts.
+    size=$(wc -c < "$base.log" 2> /dev/null) || size=0
+    echo "$((size))"
+    if alive "$base"; then
+        exit 0
+    fi
+    rm -f "$base.exit" "$base.pid"
+    command -v setsid > /dev/null 2>&1 || {
+        echo "setsid is not installed on this host (util-linux)" >&2
+        exit 3
+    }
+    setsid sh "$0" supervise "$base" "$@" < /dev/null >> "$base.log" 2>&1 &
+    i=0
+    while [ ! -f "$base.pid" ] && [ ! -f "$base.exit" ]; do
+        i=$((i + 1))
+        if [ "$i" -gt 1000 ]; then
+            echo "the supervisor did not start within 10 s" >&2
+            exit 1
+        fi
+        sleep 0.01
+    done
+}
+
+# poll WORKERS [F:BASE | BASE:OFFSET | BASE:end]...: first forgets each
+# F:BASE (its exit and pid records: the exit is in the log), then prints
+# one line per worker found ("R BASE PORT GPUS" running, "X BASE CODE
+# REASON" exited, "G BASE" gone without an exit record), then for each
+# BASE:OFFSET the log's bytes from OFFSET (at most 256 KiB): "P BASE OFFSET
+# LEN" followed by exactly LEN bytes; BASE:end gives "P BASE SIZE 0", where
+# a follower that starts now starts. "END" last. Listing forks nothing.
+poll() {
+    cd "$1" 2> /dev/null || {
+        echo END
+        exit 0
+    }
+    shift
+    for req in "$@"; do
+        case $req in
+            F:*) rm -f "${req#F:}.exit" "${req#F:}.pid" ;;
+        esac
+    done
+    last=
+    for f in job-*/e*-r*.*; do
+        case $f in
+            *.pid | *.exit) ;;
+            *) continue ;;
+        esac
+        b=${f%.*}
+        [ "$b" = "$last" ] && continue
+        last=$b
+        # Running first, then the exit record: a supervisor found gone has
+        # written its record, if it wrote one, before this looks for it.
+        if alive "$b"; then
+            read -r _ _ port gpus < "$b.pid"
+            echo "R $b $port $gpus"
+        elif [ -f "$b.exit" ]; then
+            IFS= read -r rec < "$b.exit"
+            echo "X $b $rec"
+        elif [ -f "$b.pid" ]; then
+            echo "G $b"
+        fi
+    done
+    for req in "$@"; do
+        case $req in
+            F:*) continue ;;
+        esac
+        b=${req%:*}
+        off=${req##*:}
+        [ -f "$b.log" ] || continue
+        size=$(wc -c < "$b.log")
+        if [ "$off" = end ]; then
+            echo "P $b $((size)) 0"
+            continue
+        fi
+        n=$((size - off))
+        [ "$n" -gt 262144 ] && n=262144
+        [ "$n" -gt 0 ] || continue
+        echo "P $b $off $n"
+        tail -c "+$((off + 1))" "$b.log" | head -c "$n"
+    done
+    echo END
+}
+
+# signal SIGNAL BASE: signal the worker's process group, if it runs. KILL
+# spares the supervisor, so that it records the worker's end; the group's
+# members are found in /proc (no procps needed).
+signal() {
+    alive "$2" || exit 0
+    read -r s_pid _ < "$2.pid"
+    if [ "$1" = KILL ]; then
+        for d in /proc/[0-9]*; do
+            p=${d#/proc/}
+            [ "$p" = "$s_pid" ] && continue
+            s=$(cat "$d/stat" 2> /dev/null) || continue
+            s=${s##*) }
+            # shellcheck disable=SC2086
+            set -- $s
+            [ "$3" = "$s_pid" ] && kill -s KILL "$p" 2> /dev/null
+        done
+        return 0
+    fi
+    kill -s "$1" -- "-$s_pid" 2> /dev/null || kill -s "$1" "$s_pid" 2> /dev/null || true
+}
+
+# logs WORKERS JOB TAIL_BYTES: "L NAME SIZE LEN" then exactly LEN bytes (the
+# log's end) for each log of the job on this host.
+logs() {
+    cd "$1/$2" 2> /dev/null || exit 0
+    for f in e*-r*.log; do
+        [ -f "$f" ] || continue
+        size=$(wc -c < "$f")
+        n=$3
+        [ "$size" -lt "$n" ] && n=$size
+        echo "L $f $size $n"
+        tail -c "$n" "$f" | head -c "$n"
+    done
+}
+
+# probe: what a node needs, and its GPUs when asked ("probe gpus").
+probe() {
+    command -v setsid > /dev/null 2>&1 || {
+        echo "setsid is not installed on this host (util-linux)" >&2
+        exit 3
+    }
+    if [ "${1:-}" = gpus ]; then
+        command -v nvidia-smi > /dev/null 2>&1 || {
+            echo "nvidia-smi is not installed on this host: declare the node's gpus in the nodes file" >&2
+            exit 3
+        }
+        nvidia-smi --query-gpu=index,name --format=csv,noheader
+    fi
+}
+
+cmd=$1
+shift
+case $cmd in
+    supervise | launch | poll | signal | logs | probe) "$cmd" "$@" ;;
+    forget) rm -f "$1.exit" "$1.pid" ;;
+    *)
+        echo "keel-node.sh: unknown command $cmd" >&2
+        exit 2
+        ;;
+esac

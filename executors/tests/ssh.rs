@@ -1,0 +1,487 @@
+//! The SSH executor against a real OpenSSH server on 127.0.0.1.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use keel_executors::contract::WorkerLaunch;
+use keel_executors::{Executor, NodeProbe, Observed, SshExecutor, WorkerId};
+use support::sshd::{free_port, Proxy, Sshd};
+
+fn launch(node: &str, job_id: u64, rank: u32, script: &str) -> WorkerLaunch {
+    WorkerLaunch {
+        id: WorkerId {
+            job_id,
+            epoch: 1,
+            rank,
+        },
+        job_name: format!("job{job_id}"),
+        command: vec!["sh".into(), "-c".into(), script.into()],
+        env: BTreeMap::from([("MINE".to_string(), "it's mine".to_string())]),
+        node: node.into(),
+        gpus: vec![rank * 2, rank * 2 + 1],
+        gpu_type: "v100".into(),
+        world_size: 2,
+        local_rank: rank,
+        local_world_size: 2,
+        rendezvous_addr: "127.0.0.1".into(),
+        model: None,
+        total_steps: Some(10),
+    }
+}
+
+async fn wait_for<T>(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(t) = f().await {
+            return t;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn wait_exit(exec: &SshExecutor, id: &WorkerId) -> (Option<i32>, String) {
+    wait_for(&format!("{id} to exit"), Duration::from_secs(30), async || {
+        match exec.observe().await.expect("observe").get(id) {
+            Some(Observed::Exited { exit_code, reason }) => Some((*exit_code, reason.clone())),
+            _ => None,
+        }
+    })
+    .await
+}
+
+async fn wait_log(exec: &SshExecutor, job_id: u64, needle: &str) -> String {
+    wait_for(
+        &format!("job {job_id}'s log to say {needle:?}"),
+        Duration::from_secs(30),
+        async || {
+            let logs = exec.logs(job_id, 1 << 16).await.ok()?;
+            let text: String = logs
+                .iter()
+                .map(|l| String::from_utf8_lossy(&l.content).to_string())
+                .collect();
+            text.contains(needle).then_some(text)
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_runs_over_ssh_with_the_contract_and_reports_progress_logs_and_exit() {
+    support::sshd::init_tracing();
+    let sshd = Sshd::start();
+    let exec = SshExecutor::new(sshd.config(vec![sshd.node("a", sshd.port, Some("4xv100"))]))
+        .expect("executor");
+    exec.take_over().await;
+    let l = launch(
+        "a",
+        7,
+        1,
+        "echo \"gpus=$CUDA_VISIBLE_DEVICES rank=$RANK world=$WORLD_SIZE port=$MASTER_PORT mine=$MINE\"; \
+         echo \"ckpt=$KEEL_CHECKPOINT_DIR\"; echo oops >&2; \
+         for s in 1 2 3; do echo \"KEEL_PROGRESS {\\\"step\\\": $s, \\\"total_steps\\\": 3}\"; done; exit 4",
+    );
+    // Rank 1 does not report progress; rank 0 does.
+    let mut l0 = launch(
+        "a",
+        7,
+        0,
+        "for s in 1 2 3; do echo \"KEEL_PROGRESS {\\\"step\\\": $s, \\\"total_steps\\\": 3}\"; done",
+    );
+    l0.gpus = vec![0];
+    let id = l.id.clone();
+    exec.launch(l.clone()).await.expect("launch");
+    exec.launch(l0.clone()).await.expect("launch");
+    exec.launch(l).await.expect("a second launch is a no-op");
+    assert_eq!(
+        wait_exit(&exec, &id).await,
+        (Some(4), "exited with code 4".to_string())
+    );
+    assert_eq!(wait_exit(&exec, &l0.id).await.0, Some(0));
+    let text = wait_log(&exec, 7, "oops").await;
+    assert!(
+        text.contains("gpus=2,3 rank=1 world=2 port=29500 mine=it's mine"),
+        "{text}"
+    );
+    assert!(text.contains("/work-a/checkpoints/job-7"), "{text}");
+    let logs = exec.logs(7, 1 << 16).await.expect("logs");
+    assert_eq!(logs.len(), 2, "both ranks' logs");
+    let steps: Vec<u64> = exec
+        .take_progress()
+        .await
+        .remove(&7)
+        .unwrap_or_default()
+        .iter()
+        .map(|s| s.step)
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3], "rank 0's progress, once each");
+    // The node answered, with its declared GPUs.
+    let probes = exec.take_node_probes().await;
+    match probes.as_slice() {
+        [NodeProbe::Answered(r)] => assert_eq!(r.gpus.len(), 4),
+        other => panic!("{other:?}"),
+    }
+    exec.forget(&id).await;
+    assert!(!exec.observe().await.expect("observe").contains_key(&id));
+    // Its exit record goes from the host with the next poll, and a new
+    // executor does not report it again.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    exec.release().await;
+    let next = SshExecutor::new(sshd.config(vec![sshd.node("a", sshd.port, Some("4xv100"))]))
+        .expect("executor");
+    next.take_over().await;
+    let seen = wait_for("the unforgotten exit", Duration::from_secs(20), async || {
+        let seen = next.observe().await.expect("observe");
+        seen.contains_key(&l0.id).then_some(seen)
+    })
+    .await;
+    assert!(!seen.contains_key(&id), "a forgotten exit came back: {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_sends_sigterm_then_sigkill_and_a_killed_worker_is_reported() {
+    support::sshd::init_tracing();
+    let sshd = Sshd::start();
+    let exec = SshExecutor::new(sshd.config(vec![sshd.node("a", sshd.port, Some("8xv100"))]))
+        .expect("executor");
+    exec.take_over().await;
+    let polite = launch(
+        "a",
+        1,
+        0,
+        "trap 'echo checkpointed; exit 143' TERM; echo ready; while true; do sleep 0.05; done",
+    );
+    let stubborn = launch(
+        "a",
+        2,
+        0,
+        "trap '' TERM; echo ready; while true; do sleep 0.05; done",
+    );
+    let victim = launch(
+        "a",
+        3,
+        0,
+        "echo \"pid=$$\"; while true; do sleep 0.05; done",
+    );
+    for l in [&polite, &stubborn, &victim] {
+        exec.launch(l.clone()).await.expect("launch");
+    }
+    wait_log(&exec, 1, "ready").await;
+    wait_log(&exec, 2, "ready").await;
+    let text = wait_log(&exec, 3, "pid=").await;
+    exec.stop(&polite.id, Duration::from_secs(30))
+        .await
+        .expect("stop");
+    exec.stop(&stubborn.id, Duration::from_millis(500))
+        .await
+        .expect("stop");
+    let (code, reason) = wait_exit(&exec, &polite.id).await;
+    assert_eq!(code, Some(143));
+    assert!(reason.contains("stopped by keel"), "{reason}");
+    wait_log(&exec, 1, "checkpointed").await;
+    let (code, reason) = wait_exit(&exec, &stubborn.id).await;
+    assert_eq!(code, Some(137));
+    assert!(reason.contains("SIGKILL"), "{reason}");
+    // kill -9 of the worker itself (not its supervisor).
+    let pid: i32 = text
+        .split("pid=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .expect("the worker's pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    let (code, reason) = wait_exit(&exec, &victim.id).await;
+    assert_eq!(code, Some(137));
+    assert!(reason.contains("killed by SIGKILL"), "{reason}");
+    assert!(!reason.contains("stopped by keel"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_network_drop_mid_run_loses_no_progress_and_the_worker_runs_on() {
+    support::sshd::init_tracing();
+    let sshd = Sshd::start();
+    let proxy = Proxy::start(sshd.port).await;
+    let exec = SshExecutor::new(sshd.config(vec![sshd.node("a", proxy.port, Some("2xv100"))]))
+        .expect("executor");
+    exec.take_over().await;
+    // 40 steps over ~4 s, then exit 0; the network is down for 2 s of it.
+    let l = launch(
+        "a",
+        1,
+        0,
+        "echo \"pid=$$\"; for s in $(seq 1 40); do echo \"KEEL_PROGRESS {\\\"step\\\": $s}\"; sleep 0.1; done",
+    );
+    exec.launch(l.clone()).await.expect("launch");
+    let mut steps = Vec::new();
+    let first = wait_for("the first progress", Duration::from_secs(20), async || {
+        let p = exec.take_progress().await.remove(&1)?;
+        Some(p)
+    })
+    .await;
+    steps.extend(first.iter().map(|s| s.step));
+    proxy.cut();
+    let cut_at = Instant::now();
+    let mut unreachable = None;
+    while cut_at.elapsed() < Duration::from_secs(2) {
+        if let Some(p) = exec.take_progress().await.remove(&1) {
+            steps.extend(p.iter().map(|s| s.step));
+        }
+        for probe in exec.take_node_probes().await {
+            if let NodeProbe::Unreachable { reason, .. } = probe {
+                unreachable = Some(reason);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let during_cut = steps.len();
+    let reason = unreachable.expect("the node was reported unreachable during the drop");
+    assert!(!reason.is_empty());
+    assert!(
+        matches!(
+            exec.observe().await.expect("observe").get(&l.id),
+            Some(Observed::Running { .. })
+        ),
+        "a network drop is not an exit"
+    );
+    proxy.heal();
+    let (code, reason) = wait_exit(&exec, &l.id).await;
+    assert_eq!(code, Some(0), "{reason}");
+    if let Some(p) = exec.take_progress().await.remove(&1) {
+        steps.extend(p.iter().map(|s| s.step));
+    }
+    assert_eq!(
+        steps,
+        (1..=40).collect::<Vec<u64>>(),
+        "every step once, in order ({during_cut} before the network came back)"
+    );
+    // One worker ran: a single pid line in the log.
+    let text = wait_log(&exec, 1, "pid=").await;
+    assert_eq!(text.matches("pid=").count(), 1, "{text}");
+    let back = wait_for("the node to answer again", Duration::from_secs(20), async || {
+        exec.take_node_probes()
+            .await
+            .into_iter()
+            .find(|p| matches!(p, NodeProbe::Answered(_)))
+    })
+    .await;
+    assert!(matches!(back, NodeProbe::Answered(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_re_adopts_running_workers_and_reports_missed_exits() {
+    support::sshd::init_tracing();
+    let sshd = Sshd::start();
+    let config = sshd.config(vec![sshd.node("a", sshd.port, Some("4xv100"))]);
+    let first = SshExecutor::new(config.clone()).expect("executor");
+    first.take_over().await;
+    let long = launch(
+        "a",
+        1,
+        0,
+        "echo \"pid=$$\"; i=0; while [ $i -lt 400 ]; do i=$((i+1)); sleep 0.05; \
+         echo \"KEEL_PROGRESS {\\\"step\\\": $i}\"; done",
+    );
+    let short = launch("a", 2, 0, "sleep 0.5; exit 3");
+    first.launch(long.clone()).await.expect("launch");
+    first.launch(short.clone()).await.expect("launch");
+    wait_log(&first, 1, "pid=").await;
+    // This server stops leading: it lets go without touching anything.
+    first.release().await;
+    assert!(first.observe().await.expect("observe").is_empty());
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let next = SshExecutor::new(config).expect("executor");
+    next.take_over().await;
+    let seen = wait_for("the workers to be found", Duration::from_secs(20), async || {
+        let seen = next.observe().await.expect("observe");
+        (seen.len() == 2).then_some(seen)
+    })
+    .await;
+    match &seen[&long.id] {
+        Observed::Running { gpus } => {
+            assert_eq!(gpus.iter().map(|g| g.index).collect::<Vec<_>>(), vec![0, 1]);
+        }
+        o => panic!("{o:?}"),
+    }
+    assert_eq!(
+        seen[&short.id],
+        Observed::Exited {
+            exit_code: Some(3),
+            reason: "exited with code 3".into()
+        }
+    );
+    // Launching the adopted worker again does nothing; its progress is
+    // followed from where the new leader found it.
+    next.launch(long.clone()).await.expect("launch");
+    let p = wait_for("progress after adoption", Duration::from_secs(20), async || {
+        next.take_progress().await.remove(&1)
+    })
+    .await;
+    assert!(p[0].step > 1, "read from where it was found: {:?}", p[0]);
+    next.stop(&long.id, Duration::from_millis(200))
+        .await
+        .expect("stop");
+    let (_, reason) = wait_exit(&next, &long.id).await;
+    assert!(reason.contains("stopped by keel"), "{reason}");
+    let text = wait_log(&next, 1, "pid=").await;
+    assert_eq!(text.matches("pid=").count(), 1, "launched once: {text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_hosts_wrong_keys_and_missing_nvidia_smi_are_clear_reasons() {
+    support::sshd::init_tracing();
+    let sshd = Sshd::start();
+    let mut refused = sshd.node("refused", free_port(), Some("1xv100"));
+    refused.work_dir = "x".into();
+    let mut wrong_key = sshd.node("wrong-key", sshd.port, Some("1xv100"));
+    wrong_key.key = Some(sshd.wrong_key.clone());
+    // No GPUs declared: discovery needs nvidia-smi, which this host lacks
+    // (a PATH without it is forced so the test means the same everywhere).
+    let no_smi = sshd.node("no-smi", sshd.port, None);
+    let exec = SshExecutor::new(sshd.config(vec![refused, wrong_key, no_smi])).expect("executor");
+    exec.take_over().await;
+    let reasons = wait_for("three probes", Duration::from_secs(30), async || {
+        let mut got = BTreeMap::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while got.len() < 3 && Instant::now() < deadline {
+            for p in exec.take_node_probes().await {
+                match p {
+                    NodeProbe::Unreachable { name, reason } => {
+                        got.insert(name, reason);
+                    }
+                    NodeProbe::Answered(r) => {
+                        // Only a host with nvidia-smi answers for no-smi.
+                        assert_eq!(r.name, "no-smi", "{r:?}");
+                        assert!(which_nvidia_smi_exists(), "answered without nvidia-smi");
+                        got.insert(r.name, "answered".into());
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        (got.len() == 3).then_some(got)
+    })
+    .await;
+    assert!(reasons["refused"].contains("Connection refused"), "{reasons:?}");
+    assert!(reasons["wrong-key"].contains("Permission denied"), "{reasons:?}");
+    if !which_nvidia_smi_exists() {
+        assert!(
+            reasons["no-smi"].contains("nvidia-smi is not installed"),
+            "{reasons:?}"
+        );
+    }
+    // A worker sent to an unreachable node exits with the reason, at once.
+    let l = launch("refused", 9, 0, "true");
+    exec.launch(l.clone()).await.expect("launch");
+    let (code, reason) = wait_exit(&exec, &l.id).await;
+    assert_eq!(code, None);
+    assert!(reason.contains("could not reach node refused"), "{reason}");
+    // And to a node not in the file.
+    let l = launch("elsewhere", 10, 0, "true");
+    exec.launch(l.clone()).await.expect("launch");
+    let (_, reason) = wait_exit(&exec, &l.id).await;
+    assert!(reason.contains("not in the SSH nodes file"), "{reason}");
+    // A command that does not exist on the host.
+    let exec2 = SshExecutor::new(sshd.config(vec![sshd.node("a", sshd.port, Some("1xv100"))]))
+        .expect("executor");
+    exec2.take_over().await;
+    let mut l = launch("a", 11, 0, "");
+    l.command = vec!["/no/such/trainer".into()];
+    exec2.launch(l.clone()).await.expect("launch");
+    let (code, reason) = wait_exit(&exec2, &l.id).await;
+    assert_eq!(code, Some(127));
+    assert!(reason.contains("could not start"), "{reason}");
+}
+
+fn which_nvidia_smi_exists() -> bool {
+    std::process::Command::new("sh")
+        .args(["-c", "command -v nvidia-smi"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// The issue's figure: 100 concurrent workers on loopback hosts, no lost
+/// progress sample or exit code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_concurrent_workers_lose_no_progress_sample_or_exit_code() {
+    const WORKERS: u64 = 100;
+    const STEPS: u64 = 20;
+    support::sshd::init_tracing();
+    let sshd = Sshd::start();
+    let nodes: Vec<_> = (0..4)
+        .map(|i| sshd.node(&format!("host-{i}"), sshd.port, Some("32xv100")))
+        .collect();
+    let mut config = sshd.config(nodes);
+    // The default poll interval, as a production server would run.
+    config.poll_interval = Duration::from_secs(1);
+    let exec = SshExecutor::new(config).expect("executor");
+    exec.take_over().await;
+    let mut ids = Vec::new();
+    let started = Instant::now();
+    for job in 0..WORKERS {
+        let mut l = launch(
+            &format!("host-{}", job % 4),
+            job + 1,
+            0,
+            &format!(
+                "for s in $(seq 1 {STEPS}); do echo \"KEEL_PROGRESS {{\\\"step\\\": $s}}\"; sleep 0.1; done; exit {}",
+                job % 7
+            ),
+        );
+        l.gpus = vec![(job / 4) as u32];
+        ids.push(l.id.clone());
+        exec.launch(l).await.expect("launch");
+    }
+    eprintln!("{WORKERS} launched in {:?}", started.elapsed());
+    let mut steps: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        for (job, samples) in exec.take_progress().await {
+            steps
+                .entry(job)
+                .or_default()
+                .extend(samples.iter().map(|s| s.step));
+        }
+        let observed = exec.observe().await.expect("observe");
+        let exited = observed
+            .values()
+            .filter(|o| matches!(o, Observed::Exited { .. }))
+            .count();
+        if exited == ids.len() {
+            for (job, samples) in exec.take_progress().await {
+                steps
+                    .entry(job)
+                    .or_default()
+                    .extend(samples.iter().map(|s| s.step));
+            }
+            for id in &ids {
+                match &observed[id] {
+                    Observed::Exited { exit_code, .. } => {
+                        assert_eq!(*exit_code, Some(((id.job_id - 1) % 7) as i32), "{id}")
+                    }
+                    o => panic!("{id}: {o:?}"),
+                }
+            }
+            eprintln!("all exits recorded after {:?}", started.elapsed());
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{exited} of {WORKERS} exited in 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for job in 1..=WORKERS {
+        assert_eq!(
+            steps.get(&job).cloned().unwrap_or_default(),
+            (1..=STEPS).collect::<Vec<_>>(),
+            "job {job}"
+        );
+    }
+}
