@@ -178,6 +178,7 @@ fn main() {
             // figure is the write path's.
             nodes: Vec::new(),
             executor_dir: None,
+            ssh: None,
             policy: std::sync::Arc::new(keel_core::policy::Fifo::default()),
             policy_options: Default::default(),
             loops: keel::leader::LoopSettings::default(),

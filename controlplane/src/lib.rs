@@ -14,6 +14,7 @@
 
 pub mod api;
 pub mod convert;
+pub mod executors;
 pub mod grpc_status;
 pub mod inventory;
 pub mod leader;

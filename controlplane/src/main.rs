@@ -98,6 +98,12 @@ enum Cmd {
         /// last leader started instead of launching them again.
         #[arg(long)]
         executor_dir: Option<PathBuf>,
+        /// Run workers on the SSH hosts this YAML file declares (host, port,
+        /// user, key, GPUs or discovery with nvidia-smi), instead of local
+        /// processes; no local node is registered. See the README's "SSH
+        /// executor".
+        #[arg(long, conflicts_with_all = ["simulated_gpus", "simulated_nodes", "node_name", "executor_dir"])]
+        ssh_nodes: Option<PathBuf>,
         /// Seconds without a heartbeat after which the leader marks a node
         /// lost (its jobs go back to the queue).
         #[arg(long, default_value_t = 10.0)]
@@ -408,6 +414,26 @@ fn init_tracing() {
         .init();
 }
 
+/// Reads and checks an SSH nodes file.
+fn read_ssh_nodes(path: &std::path::Path) -> anyhow::Result<keel_executors::SshConfig> {
+    use keel_executors::ssh::{parse_nodes_file, NODES_FILE_MAX_BYTES};
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("--ssh-nodes {}", path.display()))?
+        .len();
+    if len > NODES_FILE_MAX_BYTES as u64 {
+        anyhow::bail!(
+            "--ssh-nodes {}: {len} bytes, more than {NODES_FILE_MAX_BYTES}",
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--ssh-nodes {}", path.display()))?;
+    // Control sockets need a short path (at most 107 bytes).
+    let control_dir = std::env::temp_dir().join("keel-ssh");
+    Ok(parse_nodes_file(&text, control_dir)
+        .with_context(|| format!("--ssh-nodes {}", path.display()))?)
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
@@ -438,6 +464,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             simulated_nodes,
             node_name,
             executor_dir,
+            ssh_nodes,
             node_timeout_s,
             no_local_node,
             policy,
@@ -471,12 +498,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     keep_log_after_snapshot: keep_log_entries,
                     ..RaftSettings::default()
                 },
-                nodes: if no_local_node {
+                nodes: if no_local_node || ssh_nodes.is_some() {
                     Vec::new()
                 } else {
                     inventory(simulated_gpus, simulated_nodes, node_name)?
                 },
                 executor_dir,
+                ssh: ssh_nodes.as_deref().map(read_ssh_nodes).transpose()?,
                 policy: policy.into(),
                 policy_options,
                 loops: LoopSettings {

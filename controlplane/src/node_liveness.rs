@@ -5,6 +5,9 @@
 //!   through the `NodeHeartbeat` RPC, which a follower forwards to the
 //!   leader. They are not log entries; the leader keeps them in a
 //!   [`HeartbeatInbox`].
+//! - **Probes** (the leader's executor, for nodes it reaches itself: SSH
+//!   hosts): answers are recorded as heartbeats, failures with their
+//!   reason ([`HeartbeatInbox::record_probes`]).
 //! - **Liveness** (leader only, after the term's first entry is applied):
 //!   a [`NodeLiveness`] created when this replica starts to lead takes the
 //!   reports and proposes what they mean: registrations, `MarkNodeLost` for
@@ -38,6 +41,8 @@ pub const HEARTBEAT_NODES_MAX: usize = 4096;
 pub struct HeartbeatInbox {
     clock: Clock,
     reports: Mutex<BTreeMap<String, (u64, NodeReport)>>,
+    /// Failed probes of the executor's nodes: when, and why.
+    failures: Mutex<BTreeMap<String, (u64, String)>>,
 }
 
 impl std::fmt::Debug for HeartbeatInbox {
@@ -51,7 +56,31 @@ impl HeartbeatInbox {
         HeartbeatInbox {
             clock,
             reports: Mutex::new(BTreeMap::new()),
+            failures: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// Records what the executor's probes found now: answers count as
+    /// heartbeats, failures keep their reason.
+    pub fn record_probes(&self, probes: Vec<keel_executors::NodeProbe>) {
+        let at_ms = (self.clock)();
+        let mut reports = Vec::new();
+        {
+            let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            for probe in probes {
+                match probe {
+                    keel_executors::NodeProbe::Answered(r) => reports.push(r),
+                    keel_executors::NodeProbe::Unreachable { name, reason } => {
+                        failures.insert(name, (at_ms, reason));
+                    }
+                }
+            }
+        }
+        self.record(reports);
+    }
+
+    fn take_failures(&self) -> BTreeMap<String, (u64, String)> {
+        std::mem::take(&mut *self.failures.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Records reports received now.
@@ -168,6 +197,9 @@ pub async fn liveness_loop(
         };
         for (_, (at_ms, report)) in inbox.take() {
             liveness.heard(report, at_ms);
+        }
+        for (name, (at_ms, reason)) in inbox.take_failures() {
+            liveness.unreachable(&name, &reason, at_ms);
         }
         let due = {
             let shared = node.state_machine.shared();

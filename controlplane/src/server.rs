@@ -11,9 +11,10 @@ use keel_storage::DataDir;
 use tokio::net::TcpListener;
 
 use keel_core::policy::Policy;
-use keel_executors::{LocalConfig, LocalExecutor};
+use keel_executors::{LocalConfig, LocalExecutor, SshConfig, SshExecutor};
 
 use crate::api::{Clock, KeelApi, LogReader};
+use crate::executors::AnyExecutor;
 use crate::inventory::NodeInventory;
 use crate::leader::LoopSettings;
 use crate::node_liveness::HeartbeatInbox;
@@ -38,6 +39,9 @@ pub struct ServerConfig {
     /// that share one let a new leader re-adopt the workers the last one
     /// started.
     pub executor_dir: Option<PathBuf>,
+    /// Run workers on these SSH hosts instead of local processes (the
+    /// leader's executor probes them: they need no heartbeats).
+    pub ssh: Option<SshConfig>,
     /// The scheduling policy, until an operator switches it at run time
     /// (`SetPolicy`, logged).
     pub policy: Arc<dyn Policy>,
@@ -70,7 +74,7 @@ pub struct Server {
     listener: TcpListener,
     clock: Clock,
     config: ServerConfig,
-    executor: Arc<LocalExecutor>,
+    executor: Arc<AnyExecutor>,
 }
 
 impl std::fmt::Debug for Server {
@@ -111,14 +115,17 @@ impl Server {
             .executor_dir
             .clone()
             .unwrap_or_else(|| data_dir.root().to_path_buf());
-        let executor = LocalExecutor::new(LocalConfig {
-            workers_dir: executor_dir.join("workers"),
-            checkpoints_dir: executor_dir.join("checkpoints"),
-            path_prepend: exe.as_ref().and_then(|p| p.parent().map(PathBuf::from)),
-            // Workers run under `keel supervise`, so they outlive this
-            // process and a restarted server re-adopts them.
-            supervisor: exe,
-        })?;
+        let executor = match &config.ssh {
+            Some(ssh) => AnyExecutor::Ssh(SshExecutor::new(ssh.clone())?),
+            None => AnyExecutor::Local(LocalExecutor::new(LocalConfig {
+                workers_dir: executor_dir.join("workers"),
+                checkpoints_dir: executor_dir.join("checkpoints"),
+                path_prepend: exe.as_ref().and_then(|p| p.parent().map(PathBuf::from)),
+                // Workers run under `keel supervise`, so they outlive this
+                // process and a restarted server re-adopts them.
+                supervisor: exe,
+            })?),
+        };
         let advertise = config
             .peers
             .get(&config.id)
@@ -147,6 +154,11 @@ impl Server {
             heartbeats.clone(),
             self.clock.clone(),
             self.config.loops.clone(),
+            stop_rx.clone(),
+        ));
+        let probing = tokio::spawn(forward_probes(
+            self.executor.clone(),
+            heartbeats.clone(),
             stop_rx.clone(),
         ));
         let counters = crate::leader::PolicyCounters::default();
@@ -222,9 +234,33 @@ impl Server {
         let _ = reconciling.await;
         let _ = liveness.await;
         let _ = beating.await;
+        let _ = probing.await;
         self.node.shutdown().await?;
         result?;
         Ok(())
+    }
+}
+
+/// Hands what the executor's probes learned (SSH hosts answering or not) to
+/// the liveness loop, as heartbeats. The executor probes only while this
+/// server leads, so a follower forwards nothing.
+async fn forward_probes(
+    executor: Arc<AnyExecutor>,
+    inbox: Arc<HeartbeatInbox>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+        let probes = keel_executors::Executor::take_node_probes(executor.as_ref()).await;
+        if !probes.is_empty() {
+            inbox.record_probes(probes);
+        }
     }
 }
 

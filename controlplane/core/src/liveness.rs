@@ -12,7 +12,11 @@
 //! - a node heard with an inventory that differs from the state's (or not in
 //!   the state at all) is registered;
 //! - a node that this mechanism marked lost and that reports again is marked
-//!   recovered. A node an operator marked lost stays lost until the operator
+//!   recovered;
+//! - a node that an executor's probe could not reach ([`NodeLiveness::unreachable`])
+//!   is lost after the same timeout, with the probe's reason in the entry;
+//!   a declared node that was never reached is registered without GPUs and
+//!   marked lost at once, so `keel nodes` shows it and why. A node an operator marked lost stays lost until the operator
 //!   says otherwise (`keel node alive`).
 //!
 //! Pure: time comes in as arguments, maps are ordered.
@@ -26,6 +30,9 @@ use crate::state::{validate_node, ApplyError, ClusterState};
 /// The start of the reason recorded when liveness marks a node lost; how a
 /// later leader knows that a returning node may be marked recovered.
 pub const LOST_BY_LIVENESS: &str = "no heartbeat";
+
+/// The longest probe failure kept (it goes into a `MarkNodeLost` reason).
+pub const UNREACHABLE_REASON_MAX_LEN: usize = 1024;
 
 /// What a node's agent reports about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +58,8 @@ pub struct NodeLiveness {
     /// counted from here.
     leading_since_ms: u64,
     heard: BTreeMap<String, (u64, NodeReport)>,
+    /// The latest failed probe per node: when, and why.
+    failed: BTreeMap<String, (u64, String)>,
 }
 
 impl NodeLiveness {
@@ -59,6 +68,35 @@ impl NodeLiveness {
             timeout_ms,
             leading_since_ms,
             heard: BTreeMap::new(),
+            failed: BTreeMap::new(),
+        }
+    }
+
+    /// Records that a probe could not reach node `name` at `at_ms`.
+    pub fn unreachable(&mut self, name: &str, reason: &str, at_ms: u64) {
+        let mut reason = reason.to_string();
+        if reason.len() > UNREACHABLE_REASON_MAX_LEN {
+            let mut end = UNREACHABLE_REASON_MAX_LEN;
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            reason.truncate(end);
+        }
+        match self.failed.get(name) {
+            Some((last, _)) if *last > at_ms => {}
+            _ => {
+                self.failed.insert(name.to_string(), (at_ms, reason));
+            }
+        }
+    }
+
+    /// Why node `name` did not answer, if its latest probe failed after its
+    /// latest report.
+    fn failure(&self, name: &str) -> Option<&(u64, String)> {
+        let failed = self.failed.get(name)?;
+        match self.heard.get(name) {
+            Some((at, _)) if *at >= failed.0 => None,
+            _ => Some(failed),
         }
     }
 
@@ -91,14 +129,36 @@ impl NodeLiveness {
                     (*at).max(self.leading_since_ms)
                 });
             if !self.fresh(last, now_ms) {
+                let why = self
+                    .failure(name)
+                    .map(|(_, reason)| format!(": {reason}"))
+                    .unwrap_or_default();
                 out.push(Command::MarkNodeLost {
                     name: name.clone(),
                     reason: format!(
-                        "{LOST_BY_LIVENESS} for {:.1} s",
+                        "{LOST_BY_LIVENESS} for {:.1} s{why}",
                         now_ms.saturating_sub(last) as f64 / 1000.0
                     ),
                 });
             }
+        }
+        // Declared nodes that were never reached: shown, lost, with why.
+        for (name, (at_ms, reason)) in &self.failed {
+            if state.nodes().contains_key(name)
+                || self.heard.contains_key(name)
+                || !self.fresh(*at_ms, now_ms)
+            {
+                continue;
+            }
+            out.push(Command::RegisterNode {
+                name: name.clone(),
+                address: String::new(),
+                gpus: Vec::new(),
+            });
+            out.push(Command::MarkNodeLost {
+                name: name.clone(),
+                reason: format!("{LOST_BY_LIVENESS} since it was declared: {reason}"),
+            });
         }
         for (name, (at_ms, report)) in &self.heard {
             if !self.fresh(*at_ms, now_ms) {
@@ -223,6 +283,37 @@ mod tests {
         l.heard(report("b", 1), 12_000);
         assert_eq!(w.settle(&l, 12_000), vec!["mark_node_recovered"]);
         assert_eq!(w.node_state("b"), NodeState::Alive);
+    }
+
+    #[test]
+    fn an_unreachable_node_is_lost_with_the_reason_and_a_never_reached_one_is_shown() {
+        let mut w = World::new();
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 2), 0);
+        w.settle(&l, 0);
+        l.unreachable("a", "ssh 10.0.0.1:22: Connection refused", 3_000);
+        assert!(w.settle(&l, 5_000).is_empty(), "a blip is not a loss");
+        assert_eq!(w.settle(&l, TIMEOUT_MS + 1), vec!["mark_node_lost"]);
+        let message = &w.state.nodes()["a"].message;
+        assert!(message.starts_with(LOST_BY_LIVENESS), "{message}");
+        assert!(message.ends_with(": ssh 10.0.0.1:22: Connection refused"), "{message}");
+        l.heard(report("a", 2), 12_000);
+        assert_eq!(w.settle(&l, 12_000), vec!["mark_node_recovered"]);
+        // Declared, never reached: registered without GPUs and lost at once.
+        l.unreachable("b", "Permission denied (publickey)", 13_000);
+        assert_eq!(
+            w.settle(&l, 13_000),
+            vec!["register_node", "mark_node_lost"]
+        );
+        let b = &w.state.nodes()["b"];
+        assert_eq!((b.state, b.gpus.len()), (NodeState::Lost, 0));
+        assert!(b.message.contains("Permission denied"), "{}", b.message);
+        assert!(w.settle(&l, 14_000).is_empty(), "shown once");
+        // Reached at last: registered with its GPUs, alive.
+        l.heard(report("b", 4), 15_000);
+        assert_eq!(w.settle(&l, 15_000), vec!["register_node"]);
+        assert_eq!(w.node_state("b"), NodeState::Alive);
+        assert_eq!(w.state.nodes()["b"].gpus.len(), 4);
     }
 
     #[test]

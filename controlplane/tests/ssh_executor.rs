@@ -1,0 +1,135 @@
+//! `keel server --ssh-nodes FILE` end to end, against a real OpenSSH server
+//! on 127.0.0.1: nodes registered from their probes (and shown lost, with
+//! the reason, when they cannot be reached), a two-worker job run over SSH
+//! with its progress and logs, and a server killed with SIGKILL whose
+//! restart re-adopts the remote workers instead of launching them again.
+
+mod support;
+
+#[path = "../../executors/tests/support/sshd.rs"]
+#[allow(dead_code)]
+mod sshd;
+
+use serde_json::Value;
+
+use sshd::{free_port, Sshd};
+use support::{wait_for, ServerProcess, KEEL};
+
+fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
+    let node = |name: &str, port: u16, key: &std::path::Path| {
+        format!(
+            "  - name: {name}\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 2xv100\n    work_dir: {work}\n",
+            user = sshd.user,
+            key = key.display(),
+            work = dir.join(format!("work-{name}")).display(),
+        )
+    };
+    let text = format!(
+        "known_hosts: accept\nknown_hosts_file: {kh}\nconnect_timeout_s: 2\npoll_interval_s: 0.2\nnodes:\n{}{}{}{}",
+        node("a", sshd.port, &sshd.key),
+        node("b", sshd.port, &sshd.key),
+        node("down", free_port(), &sshd.key),
+        node("wrong-key", sshd.port, &sshd.wrong_key),
+        kh = dir.join("known_hosts").display(),
+    );
+    let path = dir.join("nodes.yaml");
+    std::fs::write(&path, text).expect("nodes file");
+    path
+}
+
+fn node<'a>(nodes: &'a Value, name: &str) -> Option<&'a Value> {
+    nodes
+        .as_array()?
+        .iter()
+        .find(|n| n["name"] == name)
+}
+
+#[test]
+fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
+    let sshd = Sshd::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = nodes_file(&sshd, dir.path());
+    let data = dir.path().join("data");
+    let args = [
+        "--ssh-nodes",
+        nodes.to_str().expect("utf-8"),
+        "--node-timeout-s",
+        "3",
+        "--progress-interval-s",
+        "0.2",
+        "--round-s",
+        "0.5",
+    ];
+    let server = ServerProcess::start(&data, &args);
+    // The two good hosts register with their GPUs; the others are shown
+    // lost, with why.
+    let listed = wait_for("the nodes to be registered and shown", || {
+        let nodes = server.json(&["nodes"]);
+        let ready = ["a", "b"]
+            .iter()
+            .all(|n| node(&nodes, n).is_some_and(|v| v["state"] == "alive"))
+            && ["down", "wrong-key"]
+                .iter()
+                .all(|n| node(&nodes, n).is_some_and(|v| v["state"] == "lost"));
+        ready.then_some(nodes)
+    });
+    let message = |n: &str| node(&listed, n).map(|v| v["message"].to_string()).unwrap_or_default();
+    assert!(message("down").contains("Connection refused"), "{listed}");
+    assert!(message("wrong-key").contains("Permission denied"), "{listed}");
+    assert_eq!(
+        node(&listed, "a").map(|v| v["gpus"].as_array().map_or(0, Vec::len)),
+        Some(2)
+    );
+
+    // A two-worker job of two GPUs each: one worker per host.
+    let spec = format!(
+        "name: over-ssh\ncommand: [\"{KEEL}\", trainer, --speedup, \"4\", --report-every-s, \"0.1\"]\n\
+         gpus: 2\nworkers: 2\nmodel: resnet50\ntotal_steps: 3000\n"
+    );
+    let spec_path = dir.path().join("job.yaml");
+    std::fs::write(&spec_path, spec).expect("spec");
+    let id = server.json(&["submit", "-f", spec_path.to_str().expect("utf-8")])["id"]
+        .as_u64()
+        .expect("job id");
+    let job = |server: &ServerProcess| server.json(&["job", &id.to_string()]);
+    let running = wait_for("the job to run and report progress", || {
+        let view = job(&server);
+        assert_ne!(view["state"], "failed", "{view}");
+        let step = view["progress"]["step"].as_u64().unwrap_or(0);
+        (view["state"] == "running" && step > 0).then_some(view)
+    });
+    let hosts: std::collections::BTreeSet<String> = running["workers"]
+        .as_array()
+        .expect("workers")
+        .iter()
+        .filter_map(|w| w["node"].as_str().map(String::from))
+        .collect();
+    assert_eq!(hosts.len(), 2, "one worker per host: {running}");
+
+    // kill -9 of the server: the workers run on; the restarted server
+    // finds them on the hosts and relaunches nothing.
+    let step_at_kill = running["progress"]["step"].as_u64().unwrap_or(0);
+    assert!(step_at_kill < 2000, "too fast to kill mid-run: {running}");
+    server.kill9();
+    let server = ServerProcess::start(&data, &args);
+    let done = wait_for("the job to succeed after the restart", || {
+        let view = job(&server);
+        assert_ne!(view["state"], "failed", "{view}");
+        (view["state"] == "succeeded").then_some(view)
+    });
+    assert_eq!(done["progress"]["step"], 3000, "{done}");
+    let epochs: Vec<u64> = done["workers"]
+        .as_array()
+        .expect("workers")
+        .iter()
+        .filter_map(|w| w["epoch"].as_u64())
+        .collect();
+    assert!(epochs.iter().all(|e| *e == 1), "relaunched: {done}");
+    let logs = server.cli_ok(&["logs", &id.to_string()]);
+    assert_eq!(
+        logs.matches("keel trainer: resnet50").count(),
+        1,
+        "rank 0 started once, over SSH:\n{logs}"
+    );
+    server.terminate();
+}
