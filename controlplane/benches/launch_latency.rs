@@ -1,11 +1,15 @@
-//! Launch latency of the local executor: from the entry that allocates a
-//! job (`JobAllocated`) to the entry that records its worker running
+//! Launch latency per executor: from the entry that allocates a job
+//! (`JobAllocated`) to the entry that records its worker running
 //! (`WorkerStarted`), both stamped by the leader's clock, over N one-GPU
-//! jobs (`sleep 0.3` workers under `keel supervise`) on a real
-//! `keel server` with 8 simulated GPUs, read back from `keel events`.
+//! jobs (`sleep 2` workers) on a real `keel server` with 8 GPUs, read
+//! back from `keel events`. Executors, in one run:
+//!
+//! - local: workers under `keel supervise`, 8 simulated GPUs;
+//! - SSH on loopback: a real sshd on 127.0.0.1 (the tests' fixture), one
+//!   node of 8 declared GPUs, workers under the helper's shell supervisor.
 //!
 //! Run: `cargo bench -p keel --bench launch_latency`
-//! (`KEEL_LAUNCH_JOBS` sets N; default 100.)
+//! (`KEEL_LAUNCH_JOBS` sets N; default 100. Needs `sshd`.)
 
 #![allow(clippy::print_stdout)]
 
@@ -18,6 +22,10 @@ mod support;
 
 use support::{wait_for, ServerProcess};
 
+#[path = "../../executors/tests/support/sshd.rs"]
+#[allow(dead_code)]
+mod sshd;
+
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted.get(i).copied().unwrap_or(0)
@@ -28,10 +36,37 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
+    measure("local executor", jobs, |_| {
+        vec!["--simulated-gpus".to_string(), "8xv100".to_string()]
+    });
+    let sshd = sshd::Sshd::start();
+    measure("SSH executor, loopback", jobs, |dir| {
+        let nodes = dir.join("nodes.yaml");
+        std::fs::write(
+            &nodes,
+            format!(
+                "known_hosts: accept\nknown_hosts_file: {kh}\nnodes:\n  - name: lo\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 8xv100\n    work_dir: {work}\n",
+                kh = dir.join("known_hosts").display(),
+                port = sshd.port,
+                user = sshd.user,
+                key = sshd.key.display(),
+                work = dir.join("work").display(),
+            ),
+        )
+        .expect("nodes file");
+        vec!["--ssh-nodes".to_string(), nodes.display().to_string()]
+    });
+}
+
+/// Runs `jobs` one-GPU jobs on a server started with `args(dir)` and prints
+/// the latencies.
+fn measure(executor: &str, jobs: usize, args: impl Fn(&std::path::Path) -> Vec<String>) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(&dir.path().join("data"), &["--simulated-gpus", "8xv100"]);
+    let args = args(dir.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let server = ServerProcess::start(&dir.path().join("data"), &args);
     let spec = dir.path().join("job.yaml");
-    std::fs::write(&spec, "name: launch\ncommand: [sleep, \"0.3\"]\ngpus: 1\n").expect("spec");
+    std::fs::write(&spec, "name: launch\ncommand: [sleep, \"2\"]\ngpus: 1\n").expect("spec");
     let spec = spec.to_str().expect("utf-8");
     let started = Instant::now();
     for _ in 0..jobs {
@@ -51,13 +86,14 @@ fn main() {
     latencies.sort_unstable();
     assert_eq!(latencies.len(), jobs, "a latency per job");
     println!(
-        "launch_latency (local executor): {} jobs, allocated -> worker running: p50 {} ms, p99 {} ms, max {} ms ({:.1} s in all)",
+        "launch_latency ({executor}): {} jobs, allocated -> worker running: p50 {} ms, p99 {} ms, max {} ms ({:.1} s in all)",
         latencies.len(),
         percentile(&latencies, 0.5),
         percentile(&latencies, 0.99),
         latencies.last().copied().unwrap_or(0),
         wall.as_secs_f64()
     );
+    server.terminate();
 }
 
 /// Per job: the time of the entry that first allocated it, and of the

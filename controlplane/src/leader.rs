@@ -339,15 +339,12 @@ async fn reconcile_pass<E: Executor>(
         )
     };
     record_exits(proposer, executor, &actions).await;
-    let mut launched = 0;
+    let mut launches = Vec::new();
     let mut starts = Vec::new();
     for action in actions {
         match action {
             Action::Stop { id } => executor.stop(&id, settings.stop_grace).await?,
-            Action::Launch(launch) => {
-                executor.launch(*launch).await?;
-                launched += 1;
-            }
+            Action::Launch(launch) => launches.push(executor.launch(*launch)),
             Action::RecordStart { id, node } => {
                 starts.push(proposer.propose(Command::RecordWorkerStarted {
                     job_id: id.job_id,
@@ -359,11 +356,16 @@ async fn reconcile_pass<E: Executor>(
             Action::RecordExit { .. } => {}
         }
     }
+    // Launches run together: each may be a round trip to another host
+    // (the SSH executor bounds how many go to one host at once).
+    let launched = launches.len();
+    let launch_results = futures::future::join_all(launches).await;
     for outcome in futures::future::join_all(starts).await {
         if let Err(e) = outcome {
             tracing::debug!(error = %e, "worker start not recorded");
         }
     }
+    launch_results.into_iter().collect::<Result<Vec<()>, _>>()?;
     Ok(launched)
 }
 

@@ -1,11 +1,14 @@
 //! The SSH executor: workers on hosts reached over SSH.
 //!
 //! Each host declared in the nodes file ([`nodes_file`]) gets one OpenSSH
-//! connection (the `openssh` crate over a ControlMaster socket; every
-//! command is a channel on it). On connecting, the executor installs its
-//! helper, `keel-node.sh` (POSIX sh, in this module's directory), under the
-//! host's work directory, and discovers the GPUs with `nvidia-smi` unless
-//! the file declares them. Everything on the host goes through the helper:
+//! connection (the `openssh` crate over a ControlMaster socket). On
+//! connecting, the executor installs its helper, `keel-node.sh` (POSIX sh,
+//! in this module's directory), under the host's work directory, starts it
+//! as a long-lived agent (`keel-node.sh serve`: requests on its stdin,
+//! length-framed answers on its stdout, so a request costs a fork on the
+//! host instead of a login shell), and discovers the GPUs with
+//! `nvidia-smi` unless the file declares them. Everything on the host goes
+//! through the agent:
 //!
 //! - **launch**: the worker runs under a shell supervisor in its own
 //!   session (`setsid`), with the worker contract in its environment and its
@@ -25,20 +28,22 @@
 //! A worker ended by signal N is recorded with status 128 + N and the
 //! signal's name (a shell cannot tell it from `exit 128+N`).
 //!
-//! Connections that fail are dropped and made again on the next command;
-//! an unreachable host is retried with a backoff of up to
-//! [`RECONNECT_BACKOFF_MAX`]. At most [`HOST_COMMANDS_MAX`] commands run at
-//! once per host (sshd's `MaxSessions` is 10 by default).
+//! Connections that fail (the agent's stream ends, a request times out) are
+//! dropped and made again on the next request; an unreachable host is
+//! retried with a backoff of up to [`RECONNECT_BACKOFF_MAX`]. The agent
+//! runs one request at a time, in the order sent.
 
 mod nodes_file;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use keel_core::liveness::NodeReport;
 use keel_core::{Gpu, GpuRef, JobId, ProgressSample};
-use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder};
+use openssh::{ChildStdin, ControlPersist, KnownHosts, Session, SessionBuilder, Stdio};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 pub use nodes_file::{
     parse_nodes_file, HostKeyCheck, NodesFileError, SshConfig, SshNode, FIELD_MAX_LEN,
@@ -55,9 +60,6 @@ use crate::WorkerId;
 
 /// The helper run on every host.
 pub const HELPER_SCRIPT: &str = include_str!("ssh/keel-node.sh");
-
-/// Commands in flight at once on one host's connection.
-pub const HOST_COMMANDS_MAX: usize = 8;
 
 /// The longest wait between attempts to reach a host that does not answer.
 pub const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
@@ -139,17 +141,16 @@ fn parse_gpus(csv: &str) -> Vec<u32> {
 /// An established connection and what was learned on making it.
 #[derive(Debug)]
 struct Connection {
-    session: Session,
+    /// The master connection, closed (`ssh -O exit`) when the last
+    /// reference goes.
+    _session: Arc<Session>,
+    agent: Agent,
     /// The work directory's absolute path on the host.
     work_dir: String,
     gpus: Vec<Gpu>,
 }
 
 impl Connection {
-    fn helper(&self) -> String {
-        format!("{}/{}", self.work_dir, helper_name())
-    }
-
     fn workers_dir(&self) -> String {
         format!("{}/workers", self.work_dir)
     }
@@ -159,11 +160,165 @@ impl Connection {
     }
 }
 
+/// What the agent answered to one request.
+#[derive(Debug)]
+struct Reply {
+    status: i32,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+/// The helper running as `serve` on the host, over one SSH channel.
+#[derive(Debug)]
+struct Agent {
+    stdin: tokio::sync::Mutex<ChildStdin>,
+    pending: Arc<Mutex<BTreeMap<u64, tokio::sync::oneshot::Sender<Reply>>>>,
+    next_id: AtomicU64,
+    /// Set when its answers stopped (the channel or connection ended).
+    dead: Arc<AtomicBool>,
+    /// Keeps the channel's local `ssh` process.
+    _child: openssh::Child<Arc<Session>>,
+}
+
+/// Quotes `arg` for the agent's `eval`: single quotes, and a newline as
+/// `$nl` (a request is one line).
+fn quote_for_agent(arg: &str) -> String {
+    let mut out = String::with_capacity(arg.len() + 2);
+    out.push('\'');
+    for c in arg.chars() {
+        match c {
+            '\'' => out.push_str("'\\''"),
+            '\n' => out.push_str("'\"$nl\"'"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
+}
+
+impl Agent {
+    /// Starts `sh HELPER serve` on `session` and the task reading its
+    /// answers.
+    async fn start(session: &Arc<Session>, helper: &str) -> Result<Agent, RunError> {
+        let mut child = session
+            .clone()
+            .arc_command("sh")
+            .arg(helper)
+            .arg("serve")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .await
+            .map_err(|e| RunError::Unreachable(describe_error(&e)))?;
+        let (Some(stdin), Some(stdout)) = (child.stdin().take(), child.stdout().take()) else {
+            return Err(RunError::Failed("the agent's pipes are missing".into()));
+        };
+        let pending: Arc<Mutex<BTreeMap<u64, tokio::sync::oneshot::Sender<Reply>>>> =
+            Arc::default();
+        let dead = Arc::new(AtomicBool::new(false));
+        let (reader_pending, reader_dead) = (pending.clone(), dead.clone());
+        tokio::spawn(async move {
+            let mut reader = tokio::io::BufReader::new(stdout);
+            let mut header = String::new();
+            loop {
+                header.clear();
+                match reader.read_line(&mut header).await {
+                    Ok(n) if n > 0 => {}
+                    _ => break,
+                }
+                let f: Vec<&str> = header.trim_end().split(' ').collect();
+                let parsed = match f.as_slice() {
+                    ["@@", id, status, out_len, err_len] => (|| {
+                        Some((
+                            id.parse::<u64>().ok()?,
+                            status.parse::<i32>().ok()?,
+                            out_len.parse::<usize>().ok()?,
+                            err_len.parse::<usize>().ok()?,
+                        ))
+                    })(),
+                    _ => None,
+                };
+                let Some((id, status, out_len, err_len)) = parsed else {
+                    tracing::warn!(header = %header.trim_end(), "the agent answered out of frame");
+                    break;
+                };
+                let mut stdout = vec![0; out_len];
+                let mut stderr = vec![0; err_len];
+                if reader.read_exact(&mut stdout).await.is_err()
+                    || reader.read_exact(&mut stderr).await.is_err()
+                {
+                    break;
+                }
+                let waiter = reader_pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id);
+                if let Some(w) = waiter {
+                    let _ = w.send(Reply {
+                        status,
+                        stdout,
+                        stderr,
+                    });
+                }
+            }
+            reader_dead.store(true, Ordering::SeqCst);
+            // Waiters see their sender dropped: the connection is gone.
+            reader_pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
+        });
+        Ok(Agent {
+            stdin: tokio::sync::Mutex::new(stdin),
+            pending,
+            next_id: AtomicU64::new(1),
+            dead,
+            _child: child,
+        })
+    }
+
+    fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+
+    /// Sends one request and waits for its answer.
+    async fn request(&self, argv: &[String]) -> Result<Reply, RunError> {
+        if argv.iter().any(|a| a.contains('\0')) {
+            return Err(RunError::Failed(
+                "an argument or environment value contains a NUL byte".into(),
+            ));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let mut line = id.to_string();
+        for a in argv {
+            line.push(' ');
+            line.push_str(&quote_for_agent(a));
+        }
+        line.push('\n');
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+        let lost = || RunError::Unreachable("the connection to the host's agent ended".into());
+        if self.is_dead() {
+            return Err(lost());
+        }
+        {
+            let mut stdin = self.stdin.lock().await;
+            if stdin.write_all(line.as_bytes()).await.is_err() || stdin.flush().await.is_err() {
+                return Err(lost());
+            }
+        }
+        rx.await.map_err(|_| lost())
+    }
+}
+
 #[derive(Debug)]
 struct Host {
     node: SshNode,
     connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
-    permits: tokio::sync::Semaphore,
 }
 
 /// Why a command on a host did not do its job.
@@ -241,7 +396,6 @@ impl SshExecutor {
                     Arc::new(Host {
                         node: n.clone(),
                         connection: tokio::sync::Mutex::new(None),
-                        permits: tokio::sync::Semaphore::new(HOST_COMMANDS_MAX),
                     }),
                 )
             })
@@ -274,7 +428,12 @@ impl SshExecutor {
     async fn connect(&self, host: &Host) -> Result<Arc<Connection>, RunError> {
         let mut slot = host.connection.lock().await;
         if let Some(c) = slot.as_ref() {
-            return Ok(c.clone());
+            if !c.agent.is_dead() {
+                return Ok(c.clone());
+            }
+            if let Some(c) = slot.take() {
+                tokio::task::spawn_blocking(move || drop(c));
+            }
         }
         let node = &host.node;
         let config = &self.shared.config;
@@ -348,27 +507,30 @@ impl SshExecutor {
             )));
         }
         let work_dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        let mut connection = Connection {
-            session,
-            work_dir,
-            gpus: node.gpus.clone().unwrap_or_default(),
-        };
-        let mut probe = connection.session.command("sh");
-        probe.arg(connection.helper()).arg("probe");
+        let session = Arc::new(session);
+        let helper = format!("{work_dir}/{}", helper_name());
+        let agent = Agent::start(&session, &helper).await?;
+        let mut probe = vec!["probe".to_string()];
         if node.gpus.is_none() {
-            probe.arg("gpus");
+            probe.push("gpus".into());
         }
-        let out = probe
-            .output()
+        let reply = tokio::time::timeout(config.connect_timeout + Duration::from_secs(10), agent.request(&probe))
             .await
-            .map_err(|e| RunError::Unreachable(describe_error(&e)))?;
-        if !out.status.success() {
-            return Err(RunError::Failed(clip(&String::from_utf8_lossy(&out.stderr))));
+            .map_err(|_| RunError::Unreachable(format!("no answer from {}'s agent", node.host)))??;
+        if reply.status != 0 {
+            return Err(RunError::Failed(clip(&String::from_utf8_lossy(&reply.stderr))));
         }
-        if node.gpus.is_none() {
-            connection.gpus = parse_nvidia_smi(&String::from_utf8_lossy(&out.stdout))
-                .map_err(|e| RunError::Failed(e.to_string()))?;
-        }
+        let gpus = match &node.gpus {
+            Some(declared) => declared.clone(),
+            None => parse_nvidia_smi(&String::from_utf8_lossy(&reply.stdout))
+                .map_err(|e| RunError::Failed(e.to_string()))?,
+        };
+        let connection = Connection {
+            _session: session,
+            agent,
+            work_dir,
+            gpus,
+        };
         tracing::info!(node = %node.name, host = %node.host, work_dir = %connection.work_dir, gpus = connection.gpus.len(), "connected over SSH");
         let connection = Arc::new(connection);
         *slot = Some(connection.clone());
@@ -386,8 +548,9 @@ impl SshExecutor {
         }
     }
 
-    /// Runs `argv` on `host` (connecting first if needed) and returns its
-    /// stdout. A broken connection is dropped.
+    /// Runs `argv` (a helper command and its arguments) on `host`'s agent,
+    /// connecting first if needed, and returns its stdout. A broken or
+    /// silent connection is dropped.
     async fn run(
         &self,
         host: &Host,
@@ -395,14 +558,7 @@ impl SshExecutor {
         timeout: Duration,
     ) -> Result<(Arc<Connection>, Vec<u8>), RunError> {
         let connection = self.connect(host).await?;
-        let _permit = host.permits.acquire().await;
-        let Some((program, args)) = argv.split_first() else {
-            return Err(RunError::Failed("empty command".into()));
-        };
-        let mut cmd = connection.session.command(program.as_str());
-        cmd.args(args);
-        let result = tokio::time::timeout(timeout, cmd.output()).await;
-        match result {
+        match tokio::time::timeout(timeout, connection.agent.request(&argv)).await {
             Err(_) => {
                 self.disconnect(host, &connection).await;
                 Err(RunError::Unreachable(format!(
@@ -413,24 +569,14 @@ impl SshExecutor {
             }
             Ok(Err(e)) => {
                 self.disconnect(host, &connection).await;
-                Err(RunError::Unreachable(describe_error(&e)))
+                Err(e)
             }
-            Ok(Ok(out)) if out.status.success() => Ok((connection, out.stdout)),
-            Ok(Ok(out)) => {
-                // ssh itself exits 255 when the connection is gone.
-                if out.status.code() == Some(255) && connection.session.check().await.is_err() {
-                    self.disconnect(host, &connection).await;
-                    return Err(RunError::Unreachable(format!(
-                        "the connection to {} was lost",
-                        host.node.host
-                    )));
-                }
-                Err(RunError::Failed(format!(
-                    "{}: {}",
-                    out.status,
-                    clip(&String::from_utf8_lossy(&out.stderr))
-                )))
-            }
+            Ok(Ok(reply)) if reply.status == 0 => Ok((connection, reply.stdout)),
+            Ok(Ok(reply)) => Err(RunError::Failed(format!(
+                "exit status {}: {}",
+                reply.status,
+                clip(&String::from_utf8_lossy(&reply.stderr))
+            ))),
         }
     }
 
@@ -536,17 +682,15 @@ impl SshExecutor {
                         .collect::<Vec<_>>()
                         .join(",")
                 };
-                let mut argv = vec!["env".to_string()];
-                argv.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
-                argv.extend([
-                    "sh".to_string(),
-                    connection.helper(),
-                    "launch".into(),
+                let mut argv = vec![
+                    "launch".to_string(),
                     connection.base(&id),
                     checkpoint,
                     port.to_string(),
                     gpus,
-                ]);
+                    env.len().to_string(),
+                ];
+                argv.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
                 argv.extend(launch.command.iter().cloned());
                 self.run(&host, argv, self.command_timeout()).await
             }
@@ -628,8 +772,6 @@ impl SshExecutor {
                 }
             };
             let argv = vec![
-                "sh".into(),
-                connection.helper(),
                 "signal".into(),
                 signal.into(),
                 connection.base(id),
@@ -705,12 +847,7 @@ impl SshExecutor {
             (forgets, reads)
         };
         let connection = self.connect(host).await?;
-        let mut argv = vec![
-            "sh".to_string(),
-            connection.helper(),
-            "poll".into(),
-            connection.workers_dir(),
-        ];
+        let mut argv = vec!["poll".to_string(), connection.workers_dir()];
         argv.extend(forgets.iter().map(|id| format!("F:{}", relative_base(id))));
         argv.extend(reads.iter().map(|(id, offset)| match offset {
             Some(o) => format!("{}:{o}", relative_base(id)),
@@ -1043,9 +1180,7 @@ impl Executor for SshExecutor {
             tasks.spawn(async move {
                 let connection = this.connect(&host).await?;
                 let argv = vec![
-                    "sh".to_string(),
-                    connection.helper(),
-                    "logs".into(),
+                    "logs".to_string(),
                     connection.workers_dir(),
                     format!("job-{job_id}"),
                     tail_bytes.to_string(),
@@ -1132,12 +1267,7 @@ impl Executor for SshExecutor {
             let Ok(connection) = self.connect(host).await else {
                 continue;
             };
-            let mut argv = vec![
-                "sh".to_string(),
-                connection.helper(),
-                "poll".into(),
-                connection.workers_dir(),
-            ];
+            let mut argv = vec!["poll".to_string(), connection.workers_dir()];
             argv.extend(ids.iter().map(|id| format!("F:{}", relative_base(id))));
             let _ = self.run(host, argv, self.command_timeout()).await;
         }
@@ -1161,6 +1291,14 @@ mod tests {
         assert_eq!(parse_base(&relative_base(&id)), Some(id));
         assert_eq!(parse_base("job-x/e1-r0"), None);
         assert!(helper_name().starts_with("keel-node-"));
+    }
+
+    #[test]
+    fn agent_words_quote_quotes_and_newlines() {
+        assert_eq!(quote_for_agent("a b"), "'a b'");
+        assert_eq!(quote_for_agent("it's"), "'it'\\''s'");
+        assert_eq!(quote_for_agent("x\ny"), "'x'\"$nl\"'y'");
+        assert_eq!(quote_for_agent(""), "''");
     }
 
     #[test]

@@ -2,9 +2,13 @@
 #
 # The executor installs this file under its work directory on each host as
 # keel-node-<hash>.sh (so hosts may hold several Keel versions' copies while
-# old supervisors finish) and runs it over SSH:
+# old supervisors finish) and runs it over SSH, once per connection:
 #
-#   sh keel-node-<hash>.sh COMMAND ARGS...
+#   sh keel-node-<hash>.sh serve
+#
+# which then runs the executor's requests (see serve below), so a request
+# costs a fork, not a login. `sh keel-node-<hash>.sh COMMAND ARGS...` runs
+# one command directly.
 #
 # Each worker has a base path WORKERS/job-J/eE-rR (job, allocation epoch,
 # rank: the worker's identity) and these files:
@@ -22,7 +26,7 @@ set -u
 # run (a zombie does not). Builtins only: the poll runs this per worker.
 start_time() {
     st=
-    read -r st < "/proc/$1/stat" 2> /dev/null || return 1
+    { read -r st < "/proc/$1/stat"; } 2> /dev/null || return 1
     st=${st##*) }
     # shellcheck disable=SC2086
     set -- $st
@@ -72,16 +76,23 @@ supervise() {
     exit "$code"
 }
 
-# launch BASE CHECKPOINT_DIR PORT GPUS CMD...: start CMD under a supervisor
-# in a new session, unless the worker already runs; prints the log's size
-# before the start and returns once the supervisor has written its pid file
-# (or its exit).
+# launch BASE CHECKPOINT_DIR PORT GPUS N NAME=VALUE... CMD...: start CMD,
+# with the N variables in its environment, under a supervisor in a new
+# session, unless the worker already runs; prints the log's size before the
+# start and returns once the supervisor has written its pid file (or its
+# exit).
 launch() {
-    base=$1 ckpt=$2
-    shift 2
+    base=$1 ckpt=$2 l_port=$3 l_gpus=$4 n=$5
+    shift 5
+    while [ "$n" -gt 0 ]; do
+        export "$1"
+        shift
+        n=$((n - 1))
+    done
+    set -- "$l_port" "$l_gpus" "$@"
     mkdir -p "${base%/*}" "$ckpt" || exit 1
     # Where the follower of this run's progress starts.
-    size=$(wc -c < "$base.log" 2> /dev/null) || size=0
+    size=$({ wc -c < "$base.log"; } 2> /dev/null) || size=0
     echo "$((size))"
     if alive "$base"; then
         exit 0
@@ -173,7 +184,7 @@ signal() {
         for d in /proc/[0-9]*; do
             p=${d#/proc/}
             [ "$p" = "$s_pid" ] && continue
-            s=$(cat "$d/stat" 2> /dev/null) || continue
+            { read -r s < "$d/stat"; } 2> /dev/null || continue
             s=${s##*) }
             # shellcheck disable=SC2086
             set -- $s
@@ -213,13 +224,40 @@ probe() {
     fi
 }
 
-cmd=$1
-shift
-case $cmd in
-    supervise | launch | poll | signal | logs | probe) "$cmd" "$@" ;;
-    forget) rm -f "$1.exit" "$1.pid" ;;
-    *)
-        echo "keel-node.sh: unknown command $cmd" >&2
-        exit 2
-        ;;
-esac
+# serve: runs requests read from stdin, one per line: "ID WORDS", where
+# WORDS are a command and its arguments quoted for the shell (a newline
+# inside an argument is written '"$nl"'). Each is answered with a line
+# "@@ ID STATUS OUT_LEN ERR_LEN" followed by exactly OUT_LEN bytes of its
+# stdout and ERR_LEN bytes of its stderr. Ends at the end of its input.
+serve() {
+    # shellcheck disable=SC2034
+    nl='
+'
+    tmp=${TMPDIR:-/tmp}/keel-node.$$
+    trap 'rm -f "$tmp.out" "$tmp.err"' EXIT
+    while IFS= read -r line; do
+        id=${line%% *}
+        words=${line#* }
+        (eval "set -- $words" && dispatch "$@") < /dev/null > "$tmp.out" 2> "$tmp.err"
+        rc=$?
+        o=$(wc -c < "$tmp.out")
+        e=$(wc -c < "$tmp.err")
+        echo "@@ $id $rc $((o)) $((e))"
+        cat "$tmp.out" "$tmp.err"
+    done
+}
+
+dispatch() {
+    cmd=$1
+    shift
+    case $cmd in
+        supervise | launch | poll | signal | logs | probe | serve) "$cmd" "$@" ;;
+        forget) rm -f "$1.exit" "$1.pid" ;;
+        *)
+            echo "keel-node.sh: unknown command $cmd" >&2
+            exit 2
+            ;;
+    esac
+}
+
+dispatch "$@"
