@@ -61,6 +61,9 @@ use crate::WorkerId;
 /// The helper run on every host.
 pub const HELPER_SCRIPT: &str = include_str!("ssh/keel-node.sh");
 
+/// Agents (remote shells serving requests) per host connection.
+pub const AGENTS_PER_HOST: usize = 4;
+
 /// The longest wait between attempts to reach a host that does not answer.
 pub const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
 
@@ -144,13 +147,26 @@ struct Connection {
     /// The master connection, closed (`ssh -O exit`) when the last
     /// reference goes.
     _session: Arc<Session>,
-    agent: Agent,
+    /// [`AGENTS_PER_HOST`] agents, taken in turn: requests to one host run
+    /// that many at a time.
+    agents: Vec<Agent>,
+    next_agent: AtomicU64,
     /// The work directory's absolute path on the host.
     work_dir: String,
     gpus: Vec<Gpu>,
 }
 
 impl Connection {
+    fn is_dead(&self) -> bool {
+        self.agents.iter().any(Agent::is_dead)
+    }
+
+    fn agent(&self) -> Option<&Agent> {
+        let n = self.next_agent.fetch_add(1, Ordering::Relaxed);
+        self.agents
+            .get(usize::try_from(n).unwrap_or(0) % self.agents.len().max(1))
+    }
+
     fn workers_dir(&self) -> String {
         format!("{}/workers", self.work_dir)
     }
@@ -428,7 +444,7 @@ impl SshExecutor {
     async fn connect(&self, host: &Host) -> Result<Arc<Connection>, RunError> {
         let mut slot = host.connection.lock().await;
         if let Some(c) = slot.as_ref() {
-            if !c.agent.is_dead() {
+            if !c.is_dead() {
                 return Ok(c.clone());
             }
             if let Some(c) = slot.take() {
@@ -509,7 +525,11 @@ impl SshExecutor {
         let work_dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
         let session = Arc::new(session);
         let helper = format!("{work_dir}/{}", helper_name());
-        let agent = Agent::start(&session, &helper).await?;
+        let mut agents = Vec::with_capacity(AGENTS_PER_HOST);
+        for _ in 0..AGENTS_PER_HOST {
+            agents.push(Agent::start(&session, &helper).await?);
+        }
+        let agent = &agents[0];
         let mut probe = vec!["probe".to_string()];
         if node.gpus.is_none() {
             probe.push("gpus".into());
@@ -527,7 +547,8 @@ impl SshExecutor {
         };
         let connection = Connection {
             _session: session,
-            agent,
+            agents,
+            next_agent: AtomicU64::new(0),
             work_dir,
             gpus,
         };
@@ -558,7 +579,10 @@ impl SshExecutor {
         timeout: Duration,
     ) -> Result<(Arc<Connection>, Vec<u8>), RunError> {
         let connection = self.connect(host).await?;
-        match tokio::time::timeout(timeout, connection.agent.request(&argv)).await {
+        let Some(agent) = connection.agent() else {
+            return Err(RunError::Failed("no agent".into()));
+        };
+        match tokio::time::timeout(timeout, agent.request(&argv)).await {
             Err(_) => {
                 self.disconnect(host, &connection).await;
                 Err(RunError::Unreachable(format!(
