@@ -23,7 +23,6 @@ mod support;
 use support::{wait_for, ServerProcess};
 
 #[path = "../../executors/tests/support/sshd.rs"]
-#[allow(dead_code)]
 mod sshd;
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {

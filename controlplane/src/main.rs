@@ -426,12 +426,11 @@ fn read_ssh_nodes(path: &std::path::Path) -> anyhow::Result<keel_executors::SshC
             path.display()
         );
     }
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("--ssh-nodes {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--ssh-nodes {}", path.display()))?;
     // Control sockets need a short path (at most 107 bytes).
     let control_dir = std::env::temp_dir().join("keel-ssh");
-    Ok(parse_nodes_file(&text, control_dir)
-        .with_context(|| format!("--ssh-nodes {}", path.display()))?)
+    parse_nodes_file(&text, control_dir).with_context(|| format!("--ssh-nodes {}", path.display()))
 }
 
 #[tokio::main]

@@ -7,7 +7,6 @@
 mod support;
 
 #[path = "../../executors/tests/support/sshd.rs"]
-#[allow(dead_code)]
 mod sshd;
 
 use serde_json::Value;
@@ -38,10 +37,7 @@ fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
 }
 
 fn node<'a>(nodes: &'a Value, name: &str) -> Option<&'a Value> {
-    nodes
-        .as_array()?
-        .iter()
-        .find(|n| n["name"] == name)
+    nodes.as_array()?.iter().find(|n| n["name"] == name)
 }
 
 #[test]
@@ -73,9 +69,16 @@ fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
                 .all(|n| node(&nodes, n).is_some_and(|v| v["state"] == "lost"));
         ready.then_some(nodes)
     });
-    let message = |n: &str| node(&listed, n).map(|v| v["message"].to_string()).unwrap_or_default();
+    let message = |n: &str| {
+        node(&listed, n)
+            .map(|v| v["message"].to_string())
+            .unwrap_or_default()
+    };
     assert!(message("down").contains("Connection refused"), "{listed}");
-    assert!(message("wrong-key").contains("Permission denied"), "{listed}");
+    assert!(
+        message("wrong-key").contains("Permission denied"),
+        "{listed}"
+    );
     assert_eq!(
         node(&listed, "a").map(|v| v["gpus"].as_array().map_or(0, Vec::len)),
         Some(2)

@@ -89,7 +89,6 @@ pub struct LocalExecutor {
     inner: Arc<Mutex<Inner>>,
 }
 
-
 /// How often a re-adopted worker (not our child: no wait) is checked.
 const ADOPTED_POLL: Duration = Duration::from_millis(200);
 

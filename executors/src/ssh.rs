@@ -534,11 +534,16 @@ impl SshExecutor {
         if node.gpus.is_none() {
             probe.push("gpus".into());
         }
-        let reply = tokio::time::timeout(config.connect_timeout + Duration::from_secs(10), agent.request(&probe))
-            .await
-            .map_err(|_| RunError::Unreachable(format!("no answer from {}'s agent", node.host)))??;
+        let reply = tokio::time::timeout(
+            config.connect_timeout + Duration::from_secs(10),
+            agent.request(&probe),
+        )
+        .await
+        .map_err(|_| RunError::Unreachable(format!("no answer from {}'s agent", node.host)))??;
         if reply.status != 0 {
-            return Err(RunError::Failed(clip(&String::from_utf8_lossy(&reply.stderr))));
+            return Err(RunError::Failed(clip(&String::from_utf8_lossy(
+                &reply.stderr,
+            ))));
         }
         let gpus = match &node.gpus {
             Some(declared) => declared.clone(),
@@ -795,11 +800,7 @@ impl SshExecutor {
                     continue;
                 }
             };
-            let argv = vec![
-                "signal".into(),
-                signal.into(),
-                connection.base(id),
-            ];
+            let argv = vec!["signal".into(), signal.into(), connection.base(id)];
             match self.run(&host, argv, self.command_timeout()).await {
                 Ok(_) => return,
                 Err(e) => {
@@ -893,10 +894,7 @@ impl SshExecutor {
         // in these chunks (read after its state was). A rank 0 whose log
         // was not read to its end in this poll has its exit recorded by a
         // later one, so no progress line is lost.
-        let mut drained: BTreeSet<WorkerId> = reads
-            .iter()
-            .map(|(id, _)| id.clone())
-            .collect();
+        let mut drained: BTreeSet<WorkerId> = reads.iter().map(|(id, _)| id.clone()).collect();
         for (id, offset, chunk) in report.chunks {
             if chunk.len() >= POLL_CHUNK_MAX {
                 drained.remove(&id);
@@ -1025,10 +1023,7 @@ fn unknown_exited(node: &str) -> Entry {
 #[derive(Debug, PartialEq, Eq)]
 enum WorkerState {
     Running { port: u16, gpus: Vec<u32> },
-    Exited {
-        code: Option<i32>,
-        reason: String,
-    },
+    Exited { code: Option<i32>, reason: String },
     Gone,
 }
 
@@ -1064,7 +1059,9 @@ fn parse_poll(mut out: &[u8]) -> Result<PollReport, String> {
                 let f: Vec<&str> = rest.split(' ').collect();
                 let port = f.first().and_then(|p| p.parse().ok()).unwrap_or(0);
                 let gpus = f.get(1).map(|g| parse_gpus(g)).unwrap_or_default();
-                report.workers.push((id, WorkerState::Running { port, gpus }));
+                report
+                    .workers
+                    .push((id, WorkerState::Running { port, gpus }));
             }
             "X" => {
                 let (code, reason) = rest.split_once(' ').unwrap_or((rest, ""));
@@ -1100,7 +1097,8 @@ fn parse_logs(job_id: JobId, mut out: &[u8]) -> Vec<WorkerLog> {
     let mut logs = Vec::new();
     while let Some((line, rest)) = next_line(out) {
         let f: Vec<&str> = line.split(' ').collect();
-        let (Some(&"L"), Some(name), Some(total), Some(len)) = (f.first(), f.get(1), f.get(2), f.get(3))
+        let (Some(&"L"), Some(name), Some(total), Some(len)) =
+            (f.first(), f.get(1), f.get(2), f.get(3))
         else {
             break;
         };
@@ -1391,6 +1389,10 @@ mod tests {
         add(3, 1, 0, 29502, true);
         let inner = inner;
         assert_eq!(SshExecutor::port_for(&inner, 1, 1), 29500, "same epoch");
-        assert_eq!(SshExecutor::port_for(&inner, 4, 1), 29502, "freed by an exit");
+        assert_eq!(
+            SshExecutor::port_for(&inner, 4, 1),
+            29502,
+            "freed by an exit"
+        );
     }
 }

@@ -43,12 +43,14 @@ async fn wait_for<T>(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> 
 }
 
 async fn wait_exit(exec: &SshExecutor, id: &WorkerId) -> (Option<i32>, String) {
-    wait_for(&format!("{id} to exit"), Duration::from_secs(30), async || {
-        match exec.observe().await.expect("observe").get(id) {
+    wait_for(
+        &format!("{id} to exit"),
+        Duration::from_secs(30),
+        async || match exec.observe().await.expect("observe").get(id) {
             Some(Observed::Exited { exit_code, reason }) => Some((*exit_code, reason.clone())),
             _ => None,
-        }
-    })
+        },
+    )
     .await
 }
 
@@ -132,12 +134,19 @@ async fn a_worker_runs_over_ssh_with_the_contract_and_reports_progress_logs_and_
     let next = SshExecutor::new(sshd.config(vec![sshd.node("a", sshd.port, Some("4xv100"))]))
         .expect("executor");
     next.take_over().await;
-    let seen = wait_for("the unforgotten exit", Duration::from_secs(20), async || {
-        let seen = next.observe().await.expect("observe");
-        seen.contains_key(&l0.id).then_some(seen)
-    })
+    let seen = wait_for(
+        "the unforgotten exit",
+        Duration::from_secs(20),
+        async || {
+            let seen = next.observe().await.expect("observe");
+            seen.contains_key(&l0.id).then_some(seen)
+        },
+    )
     .await;
-    assert!(!seen.contains_key(&id), "a forgotten exit came back: {seen:?}");
+    assert!(
+        !seen.contains_key(&id),
+        "a forgotten exit came back: {seen:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,12 +272,16 @@ async fn a_network_drop_mid_run_loses_no_progress_and_the_worker_runs_on() {
     // One worker ran: a single pid line in the log.
     let text = wait_log(&exec, 1, "pid=").await;
     assert_eq!(text.matches("pid=").count(), 1, "{text}");
-    let back = wait_for("the node to answer again", Duration::from_secs(20), async || {
-        exec.take_node_probes()
-            .await
-            .into_iter()
-            .find(|p| matches!(p, NodeProbe::Answered(_)))
-    })
+    let back = wait_for(
+        "the node to answer again",
+        Duration::from_secs(20),
+        async || {
+            exec.take_node_probes()
+                .await
+                .into_iter()
+                .find(|p| matches!(p, NodeProbe::Answered(_)))
+        },
+    )
     .await;
     assert!(matches!(back, NodeProbe::Answered(_)));
 }
@@ -297,10 +310,14 @@ async fn a_new_leader_re_adopts_running_workers_and_reports_missed_exits() {
     tokio::time::sleep(Duration::from_millis(800)).await;
     let next = SshExecutor::new(config).expect("executor");
     next.take_over().await;
-    let seen = wait_for("the workers to be found", Duration::from_secs(20), async || {
-        let seen = next.observe().await.expect("observe");
-        (seen.len() == 2).then_some(seen)
-    })
+    let seen = wait_for(
+        "the workers to be found",
+        Duration::from_secs(20),
+        async || {
+            let seen = next.observe().await.expect("observe");
+            (seen.len() == 2).then_some(seen)
+        },
+    )
     .await;
     match &seen[&long.id] {
         Observed::Running { gpus } => {
@@ -318,9 +335,11 @@ async fn a_new_leader_re_adopts_running_workers_and_reports_missed_exits() {
     // Launching the adopted worker again does nothing; its progress is
     // followed from where the new leader found it.
     next.launch(long.clone()).await.expect("launch");
-    let p = wait_for("progress after adoption", Duration::from_secs(20), async || {
-        next.take_progress().await.remove(&1)
-    })
+    let p = wait_for(
+        "progress after adoption",
+        Duration::from_secs(20),
+        async || next.take_progress().await.remove(&1),
+    )
     .await;
     assert!(p[0].step > 1, "read from where it was found: {:?}", p[0]);
     next.stop(&long.id, Duration::from_millis(200))
@@ -367,8 +386,14 @@ async fn unreachable_hosts_wrong_keys_and_missing_nvidia_smi_are_clear_reasons()
         (got.len() == 3).then_some(got)
     })
     .await;
-    assert!(reasons["refused"].contains("Connection refused"), "{reasons:?}");
-    assert!(reasons["wrong-key"].contains("Permission denied"), "{reasons:?}");
+    assert!(
+        reasons["refused"].contains("Connection refused"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons["wrong-key"].contains("Permission denied"),
+        "{reasons:?}"
+    );
     if !which_nvidia_smi_exists() {
         assert!(
             reasons["no-smi"].contains("nvidia-smi is not installed"),
@@ -407,7 +432,9 @@ fn which_nvidia_smi_exists() -> bool {
 }
 
 /// The figure: 100 concurrent workers on loopback hosts, no lost
-/// progress sample or exit code.
+/// progress sample or exit code (the times go to BENCHMARKS.md; run with
+/// `--nocapture` to see them).
+#[allow(clippy::print_stderr)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_concurrent_workers_lose_no_progress_sample_or_exit_code() {
     const WORKERS: u64 = 100;

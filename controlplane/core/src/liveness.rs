@@ -296,7 +296,10 @@ mod tests {
         assert_eq!(w.settle(&l, TIMEOUT_MS + 1), vec!["mark_node_lost"]);
         let message = &w.state.nodes()["a"].message;
         assert!(message.starts_with(LOST_BY_LIVENESS), "{message}");
-        assert!(message.ends_with(": ssh 10.0.0.1:22: Connection refused"), "{message}");
+        assert!(
+            message.ends_with(": ssh 10.0.0.1:22: Connection refused"),
+            "{message}"
+        );
         l.heard(report("a", 2), 12_000);
         assert_eq!(w.settle(&l, 12_000), vec!["mark_node_recovered"]);
         // Declared, never reached: registered without GPUs and lost at once.

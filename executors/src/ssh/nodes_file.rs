@@ -211,7 +211,10 @@ pub fn parse_nodes_file(text: &str, control_dir: PathBuf) -> Result<SshConfig, N
             ));
         }
         if nodes.iter().any(|m| m.name == n.name) {
-            return Err(invalid(at("name"), format!("{:?} is declared twice", n.name)));
+            return Err(invalid(
+                at("name"),
+                format!("{:?} is declared twice", n.name),
+            ));
         }
         check_word(&at("host"), &n.host)?;
         if let Some(user) = &n.user {
@@ -307,16 +310,43 @@ mod tests {
     fn bad_nodes_files_name_the_field() {
         let cases = [
             ("nodes: []\n", "nodes: no nodes declared"),
-            ("nodes:\n  - name: a\n    host: -oProxyCommand=x\n", "nodes[0].host"),
-            ("nodes:\n  - name: a\n    host: h\n  - name: a\n    host: h\n", "nodes[1].name"),
-            ("nodes:\n  - name: a\n    host: h\n    gpus: lots\n", "nodes[0].gpus"),
-            ("nodes:\n  - name: a\n    host: h\n    key: /no/such/key\n", "nodes[0].key"),
-            ("nodes:\n  - name: a\n    host: h\n    user: a@b\n", "nodes[0].user"),
-            ("nodes:\n  - name: a\n    host: h\n    port: 0\n", "nodes[0].port"),
+            (
+                "nodes:\n  - name: a\n    host: -oProxyCommand=x\n",
+                "nodes[0].host",
+            ),
+            (
+                "nodes:\n  - name: a\n    host: h\n  - name: a\n    host: h\n",
+                "nodes[1].name",
+            ),
+            (
+                "nodes:\n  - name: a\n    host: h\n    gpus: lots\n",
+                "nodes[0].gpus",
+            ),
+            (
+                "nodes:\n  - name: a\n    host: h\n    key: /no/such/key\n",
+                "nodes[0].key",
+            ),
+            (
+                "nodes:\n  - name: a\n    host: h\n    user: a@b\n",
+                "nodes[0].user",
+            ),
+            (
+                "nodes:\n  - name: a\n    host: h\n    port: 0\n",
+                "nodes[0].port",
+            ),
             ("nodes:\n  - name: a\n    host: 'h h'\n", "nodes[0].host"),
-            ("known_hosts: yes\nnodes:\n  - name: a\n    host: h\n", "known_hosts"),
-            ("poll_interval_s: 0\nnodes:\n  - name: a\n    host: h\n", "poll_interval_s"),
-            ("nodes:\n  - name: a\n    host: h\n    colour: red\n", "unknown field"),
+            (
+                "known_hosts: yes\nnodes:\n  - name: a\n    host: h\n",
+                "known_hosts",
+            ),
+            (
+                "poll_interval_s: 0\nnodes:\n  - name: a\n    host: h\n",
+                "poll_interval_s",
+            ),
+            (
+                "nodes:\n  - name: a\n    host: h\n    colour: red\n",
+                "unknown field",
+            ),
         ];
         for (text, needle) in cases {
             let e = parse(text).expect_err(text).to_string();

@@ -78,8 +78,11 @@ impl Sshd {
         keygen(&host_key);
         keygen(&key);
         keygen(&wrong_key);
-        std::fs::copy(key.with_extension("pub"), dir.path().join("authorized_keys"))
-            .expect("authorized_keys");
+        std::fs::copy(
+            key.with_extension("pub"),
+            dir.path().join("authorized_keys"),
+        )
+        .expect("authorized_keys");
         let user = String::from_utf8(
             Command::new("id")
                 .arg("-un")
@@ -90,6 +93,7 @@ impl Sshd {
         .expect("utf-8")
         .trim()
         .to_string();
+        let mut failures = String::new();
         for attempt in 0..5 {
             let port = free_port();
             let config = dir.path().join("sshd_config");
@@ -128,12 +132,12 @@ impl Sshd {
             let mut child = child;
             let _ = child.kill();
             let _ = child.wait();
-            eprintln!(
-                "sshd attempt {attempt} did not listen: {}",
+            failures.push_str(&format!(
+                "attempt {attempt}: {}\n",
                 std::fs::read_to_string(dir.path().join("sshd.log")).unwrap_or_default()
-            );
+            ));
         }
-        panic!("sshd did not start");
+        panic!("sshd did not start:\n{failures}");
     }
 
     /// A node on this sshd, reached through `port` (the sshd's own, or a
@@ -160,7 +164,12 @@ impl Sshd {
                 out
             }),
             address: "127.0.0.1".into(),
-            work_dir: self.dir.path().join(format!("work-{name}")).display().to_string(),
+            work_dir: self
+                .dir
+                .path()
+                .join(format!("work-{name}"))
+                .display()
+                .to_string(),
         }
     }
 
