@@ -32,8 +32,11 @@ pub const EXIT_STOPPED: i32 = 143;
 pub struct WorkerLaunch {
     pub id: WorkerId,
     pub job_name: String,
-    /// argv of the worker.
+    /// argv of the worker (for a container: its command, replacing the
+    /// image's entrypoint when not empty).
     pub command: Vec<String>,
+    /// The container image, for executors that run containers.
+    pub image: Option<String>,
     /// The user's environment from the spec (the contract's variables win).
     pub env: BTreeMap<String, String>,
     pub node: String,
@@ -217,6 +220,7 @@ mod tests {
             },
             job_name: "bert".into(),
             command: vec!["train".into()],
+            image: None,
             env: [
                 ("RANK".to_string(), "99".to_string()),
                 ("MINE".into(), "x".into()),

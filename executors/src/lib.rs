@@ -8,6 +8,7 @@
 //! - [`local`]: workers as local child processes (the embedded default);
 //! - [`ssh`]: workers on hosts reached over SSH, under a shell supervisor
 //!   that outlives the connection;
+//! - [`kubernetes`]: one Pod per worker through the API server (kube);
 //! - [`supervisor`]: `keel supervise`, the parent that lets a worker outlive
 //!   its server and keeps its exit status;
 //! - [`discovery`]: GPU inventory from `nvidia-smi`, or simulated;
@@ -19,6 +20,7 @@
 pub mod contract;
 pub mod discovery;
 pub mod executor;
+pub mod kubernetes;
 pub mod local;
 pub mod reconcile;
 pub mod ssh;
@@ -30,6 +32,7 @@ use keel_core::JobId;
 pub use executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
 pub use local::{LocalConfig, LocalExecutor};
 pub use reconcile::{Action, Observed};
+pub use kubernetes::{KubeConfig, KubeExecutor};
 pub use ssh::{SshConfig, SshExecutor};
 /// A worker's identity. Reconciling twice launches nothing twice: an
 /// executor that already runs a worker with this identity leaves it alone,

@@ -730,6 +730,7 @@ mod tests {
             },
             job_name: "t".into(),
             command: command.iter().map(|s| s.to_string()).collect(),
+            image: None,
             env: BTreeMap::new(),
             node: "local".into(),
             gpus: vec![1, 3],

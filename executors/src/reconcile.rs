@@ -102,6 +102,7 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
                     id,
                     job_name: job.spec.name.clone(),
                     command: job.spec.command.clone(),
+                    image: job.spec.image.clone().filter(|i| !i.is_empty()),
                     env: job.spec.env.clone(),
                     node: first.node.clone(),
                     gpus: gpus.iter().map(|g| g.index).collect(),

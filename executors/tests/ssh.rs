@@ -18,6 +18,7 @@ fn launch(node: &str, job_id: u64, rank: u32, script: &str) -> WorkerLaunch {
         },
         job_name: format!("job{job_id}"),
         command: vec!["sh".into(), "-c".into(), script.into()],
+        image: None,
         env: BTreeMap::from([("MINE".to_string(), "it's mine".to_string())]),
         node: node.into(),
         gpus: vec![rank * 2, rank * 2 + 1],

@@ -1,1 +1,2 @@
+pub mod kube_standin;
 pub mod sshd;
