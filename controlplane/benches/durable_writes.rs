@@ -179,6 +179,7 @@ fn main() {
             nodes: Vec::new(),
             executor_dir: None,
             ssh: None,
+            kubernetes: None,
             policy: std::sync::Arc::new(keel_core::policy::Fifo::default()),
             policy_options: Default::default(),
             loops: keel::leader::LoopSettings::default(),

@@ -1,5 +1,6 @@
 //! The executor a server runs workers with: local processes (the embedded
-//! default) or hosts reached over SSH (`keel server --ssh-nodes FILE`).
+//! default), hosts reached over SSH (`keel server --ssh-nodes FILE`), or
+//! Pods on Kubernetes (`keel server --kubernetes`).
 //!
 //! `Executor` returns `impl Future`s, so it is not object-safe; this enum
 //! hands each call to the executor chosen at start.
@@ -10,7 +11,8 @@ use std::time::Duration;
 use keel_core::{JobId, ProgressSample};
 use keel_executors::contract::WorkerLaunch;
 use keel_executors::{
-    Executor, ExecutorError, LocalExecutor, NodeProbe, Observed, SshExecutor, WorkerId, WorkerLog,
+    Executor, ExecutorError, KubeExecutor, LocalExecutor, NodeProbe, Observed, SshExecutor,
+    WorkerId, WorkerLog,
 };
 
 /// One of Keel's executors.
@@ -18,6 +20,7 @@ use keel_executors::{
 pub enum AnyExecutor {
     Local(LocalExecutor),
     Ssh(SshExecutor),
+    Kube(KubeExecutor),
 }
 
 macro_rules! each {
@@ -25,6 +28,7 @@ macro_rules! each {
         match $self {
             AnyExecutor::Local($e) => $body,
             AnyExecutor::Ssh($e) => $body,
+            AnyExecutor::Kube($e) => $body,
         }
     };
 }

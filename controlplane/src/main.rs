@@ -104,6 +104,8 @@ enum Cmd {
         /// executor".
         #[arg(long, conflicts_with_all = ["simulated_gpus", "simulated_nodes", "node_name", "executor_dir"])]
         ssh_nodes: Option<PathBuf>,
+        #[command(flatten)]
+        kubernetes: KubernetesArgs,
         /// Seconds without a heartbeat after which the leader marks a node
         /// lost (its jobs go back to the queue).
         #[arg(long, default_value_t = 10.0)]
@@ -414,6 +416,67 @@ fn init_tracing() {
         .init();
 }
 
+/// The Kubernetes executor's flags.
+#[derive(Debug, clap::Args)]
+struct KubernetesArgs {
+    /// Run workers as Pods on a Kubernetes cluster (the kubeconfig, or the
+    /// in-cluster service account) instead of local processes; its Nodes
+    /// with GPUs are Keel's nodes. See the README's "Kubernetes executor".
+    #[arg(long, conflicts_with_all = ["ssh_nodes", "simulated_gpus", "simulated_nodes", "node_name", "executor_dir"])]
+    kubernetes: bool,
+    /// The namespace Keel's Pods and Services go in.
+    #[arg(long, default_value = "default", requires = "kubernetes")]
+    k8s_namespace: String,
+    /// The image for jobs that give a command and no image.
+    #[arg(long, requires = "kubernetes")]
+    k8s_default_image: Option<String>,
+    /// A PersistentVolumeClaim for checkpoints (each job in its own
+    /// directory); without one, checkpoints are lost with the Pod.
+    #[arg(long, requires = "kubernetes")]
+    k8s_checkpoint_claim: Option<String>,
+    /// Seconds a Pod may stay Pending before its worker is reported as not
+    /// started.
+    #[arg(long, default_value_t = 300.0, requires = "kubernetes")]
+    k8s_pending_timeout_s: f64,
+    /// Talk to this API server URL without credentials (e.g. `kubectl
+    /// proxy`'s `http://127.0.0.1:8001`) instead of the kubeconfig.
+    #[arg(long, requires = "kubernetes")]
+    k8s_api_url: Option<String>,
+}
+
+impl KubernetesArgs {
+    fn target(&self) -> anyhow::Result<Option<keel::server::KubernetesTarget>> {
+        if !self.kubernetes {
+            return Ok(None);
+        }
+        let s = self.k8s_pending_timeout_s;
+        if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
+            anyhow::bail!("--k8s-pending-timeout-s must be between 0 and 86400 seconds, not {s}");
+        }
+        let namespace = &self.k8s_namespace;
+        let dns_label = !namespace.is_empty()
+            && namespace.len() <= 63
+            && namespace
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && !namespace.starts_with('-')
+            && !namespace.ends_with('-');
+        if !dns_label {
+            anyhow::bail!(
+                "--k8s-namespace {namespace:?} is not a DNS label (lower-case letters, digits and '-', at most 63)"
+            );
+        }
+        let mut config = keel_executors::KubeConfig::new(namespace);
+        config.default_image = self.k8s_default_image.clone();
+        config.checkpoint_claim = self.k8s_checkpoint_claim.clone();
+        config.pending_timeout = Duration::from_secs_f64(s);
+        Ok(Some(keel::server::KubernetesTarget {
+            api_url: self.k8s_api_url.clone(),
+            config,
+        }))
+    }
+}
+
 /// Reads and checks an SSH nodes file.
 fn read_ssh_nodes(path: &std::path::Path) -> anyhow::Result<keel_executors::SshConfig> {
     use keel_executors::ssh::{parse_nodes_file, NODES_FILE_MAX_BYTES};
@@ -464,6 +527,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             node_name,
             executor_dir,
             ssh_nodes,
+            kubernetes,
             node_timeout_s,
             no_local_node,
             policy,
@@ -497,13 +561,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     keep_log_after_snapshot: keep_log_entries,
                     ..RaftSettings::default()
                 },
-                nodes: if no_local_node || ssh_nodes.is_some() {
+                nodes: if no_local_node || ssh_nodes.is_some() || kubernetes.kubernetes {
                     Vec::new()
                 } else {
                     inventory(simulated_gpus, simulated_nodes, node_name)?
                 },
                 executor_dir,
                 ssh: ssh_nodes.as_deref().map(read_ssh_nodes).transpose()?,
+                kubernetes: kubernetes.target()?,
                 policy: policy.into(),
                 policy_options,
                 loops: LoopSettings {

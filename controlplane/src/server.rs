@@ -11,7 +11,7 @@ use keel_storage::DataDir;
 use tokio::net::TcpListener;
 
 use keel_core::policy::Policy;
-use keel_executors::{LocalConfig, LocalExecutor, SshConfig, SshExecutor};
+use keel_executors::{KubeConfig, KubeExecutor, LocalConfig, LocalExecutor, SshConfig, SshExecutor};
 
 use crate::api::{Clock, KeelApi, LogReader};
 use crate::executors::AnyExecutor;
@@ -42,12 +42,25 @@ pub struct ServerConfig {
     /// Run workers on these SSH hosts instead of local processes (the
     /// leader's executor probes them: they need no heartbeats).
     pub ssh: Option<SshConfig>,
+    /// Run workers as Pods on this Kubernetes cluster instead (its Nodes
+    /// with GPUs are probed by the leader's executor).
+    pub kubernetes: Option<KubernetesTarget>,
     /// The scheduling policy, until an operator switches it at run time
     /// (`SetPolicy`, logged).
     pub policy: Arc<dyn Policy>,
     /// Options for the policies switched to at run time.
     pub policy_options: keel_core::policy::PolicyOptions,
     pub loops: LoopSettings,
+}
+
+/// Where the Kubernetes executor finds its API server, and its settings.
+#[derive(Debug, Clone)]
+pub struct KubernetesTarget {
+    /// `None`: the kubeconfig (`KUBECONFIG`, `~/.kube/config`) or the
+    /// in-cluster service account; a URL: that API server, unauthenticated
+    /// (a local proxy, `kubectl proxy`, or a test's stand-in).
+    pub api_url: Option<String>,
+    pub config: KubeConfig,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +78,8 @@ pub enum ServerError {
     Serve(#[from] tonic::transport::Error),
     #[error("the executor: {0}")]
     Executor(#[from] keel_executors::ExecutorError),
+    #[error("the Kubernetes client: {0}")]
+    Kubernetes(String),
 }
 
 /// A started server: its bound address and the Raft node behind it.
@@ -115,9 +130,24 @@ impl Server {
             .executor_dir
             .clone()
             .unwrap_or_else(|| data_dir.root().to_path_buf());
-        let executor = match &config.ssh {
-            Some(ssh) => AnyExecutor::Ssh(SshExecutor::new(ssh.clone())?),
-            None => AnyExecutor::Local(LocalExecutor::new(LocalConfig {
+        let executor = match (&config.ssh, &config.kubernetes) {
+            (_, Some(k8s)) => {
+                let client = match &k8s.api_url {
+                    Some(url) => {
+                        let uri = url.parse().map_err(|e| {
+                            ServerError::Kubernetes(format!("--k8s-api-url {url}: {e}"))
+                        })?;
+                        let mut c = kube::Config::new(uri);
+                        c.default_namespace = k8s.config.namespace.clone();
+                        kube::Client::try_from(c)
+                    }
+                    None => kube::Client::try_default().await,
+                }
+                .map_err(|e| ServerError::Kubernetes(e.to_string()))?;
+                AnyExecutor::Kube(KubeExecutor::new(client, k8s.config.clone()))
+            }
+            (Some(ssh), None) => AnyExecutor::Ssh(SshExecutor::new(ssh.clone())?),
+            (None, None) => AnyExecutor::Local(LocalExecutor::new(LocalConfig {
                 workers_dir: executor_dir.join("workers"),
                 checkpoints_dir: executor_dir.join("checkpoints"),
                 path_prepend: exe.as_ref().and_then(|p| p.parent().map(PathBuf::from)),

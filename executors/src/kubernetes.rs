@@ -190,6 +190,9 @@ struct Entry {
     /// When the Pod was first seen not running yet (for the pending timeout).
     pending_since: Option<Instant>,
     following: bool,
+    /// Rank 0's exit, held until its log has been read to the end (the
+    /// follower records it), so the last progress lines count.
+    pending_exit: Option<(Option<i32>, String)>,
     /// The highest step reported (a restarted log stream skips up to it).
     last_step: Option<u64>,
 }
@@ -276,6 +279,7 @@ impl KubeExecutor {
                 stopping: false,
                 pending_since: None,
                 following: false,
+                pending_exit: None,
                 last_step: None,
             },
         );
@@ -443,6 +447,7 @@ impl KubeExecutor {
                 stopping: false,
                 pending_since: Some(Instant::now()),
                 following: false,
+                pending_exit: None,
                 last_step: None,
             },
         );
@@ -514,6 +519,7 @@ impl KubeExecutor {
                     stopping: false,
                     pending_since: Some(Instant::now()),
                     following: false,
+                    pending_exit: None,
                     last_step: None,
                 }
             });
@@ -540,7 +546,13 @@ impl KubeExecutor {
                     }
                 }
                 PodState::Stuck(reason) => give_up = Some(reason.clone()),
-                PodState::Exited { .. } => {}
+                PodState::Exited { code, reason } => {
+                    if entry.following {
+                        // The follower records it once the log is read.
+                        entry.pending_exit = Some((*code, reason.clone()));
+                        return;
+                    }
+                }
             }
         }
         match state {
@@ -565,8 +577,15 @@ impl KubeExecutor {
         let Some(id) = worker_of(pod) else {
             return;
         };
-        match pod_state(pod) {
-            PodState::Exited { code, reason } => self.record_exit(&id, code, reason),
+        let pending = self
+            .lock()
+            .workers
+            .get_mut(&id)
+            .and_then(|e| e.pending_exit.take());
+        match (pending, pod_state(pod)) {
+            (Some((code, reason)), _) | (None, PodState::Exited { code, reason }) => {
+                self.record_exit(&id, code, reason)
+            }
             _ => self.record_exit(&id, None, "its pod was deleted".into()),
         }
     }
@@ -609,13 +628,24 @@ impl KubeExecutor {
                 }
                 Err(e) => tracing::debug!(worker = %id, error = %api_error(e), "log stream not opened"),
             }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let inner = self.lock();
-            let done = inner.generation != generation
-                || inner.workers.get(&id).is_none_or(|e| e.exited.is_some());
-            if done {
+            // The stream ends when the container does: an exit the watch
+            // saw meanwhile is recorded now, after the last lines.
+            let pending = {
+                let mut inner = self.lock();
+                if inner.generation != generation {
+                    return;
+                }
+                match inner.workers.get_mut(&id) {
+                    None => return,
+                    Some(e) if e.exited.is_some() => return,
+                    Some(e) => e.pending_exit.take(),
+                }
+            };
+            if let Some((code, reason)) = pending {
+                self.record_exit(&id, code, reason);
                 return;
             }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
 

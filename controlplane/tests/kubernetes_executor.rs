@@ -1,0 +1,97 @@
+//! `keel server --kubernetes` end to end, against the stand-in API server
+//! (the real core/v1 paths and shapes) with the test as the kubelet: GPU
+//! Nodes registered from their objects (a NotReady one shown lost, with
+//! why), a job's worker created as a Pod pinned to the chosen node, its
+//! progress read from the Pod's log, and its exit code from the Pod's
+//! status.
+
+mod support;
+
+#[path = "../../executors/tests/support/kube_standin.rs"]
+mod kube_standin;
+
+use serde_json::Value;
+
+use kube_standin::StandIn;
+use support::{wait_for, ServerProcess};
+
+fn node<'a>(nodes: &'a Value, name: &str) -> Option<&'a Value> {
+    nodes.as_array()?.iter().find(|n| n["name"] == name)
+}
+
+#[test]
+fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let api = rt.block_on(StandIn::start());
+    api.add_node("gpu-a", 4, "NVIDIA-A100-SXM4-80GB", true);
+    api.add_node("gpu-b", 2, "Tesla-V100-SXM2-16GB", false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--kubernetes",
+            "--k8s-api-url",
+            &api.url,
+            "--k8s-namespace",
+            "train",
+            "--k8s-default-image",
+            "registry.example/train:1",
+            "--node-timeout-s",
+            "3",
+            "--progress-interval-s",
+            "0.2",
+            "--round-s",
+            "0.5",
+        ],
+    );
+    let nodes = wait_for("the GPU nodes to be shown", || {
+        let nodes = server.json(&["nodes"]);
+        let ready = node(&nodes, "gpu-a").is_some_and(|n| n["state"] == "alive")
+            && node(&nodes, "gpu-b").is_some_and(|n| n["state"] == "lost");
+        ready.then_some(nodes)
+    });
+    assert_eq!(
+        node(&nodes, "gpu-a").map(|n| n["gpus"].as_array().map_or(0, Vec::len)),
+        Some(4)
+    );
+    let message = node(&nodes, "gpu-b").map(|n| n["message"].to_string()).unwrap_or_default();
+    assert!(message.contains("not Ready"), "{nodes}");
+
+    let spec = dir.path().join("job.yaml");
+    std::fs::write(
+        &spec,
+        "name: on-k8s\ncommand: [python3, train.py]\ngpus: 2\nworkers: 1\ntotal_steps: 100\n",
+    )
+    .expect("spec");
+    let id = server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+        .as_u64()
+        .expect("job id");
+    let pod_name = format!("keel-j{id}-e1-r0");
+    let pod = wait_for("the worker's pod", || api.pod(&pod_name));
+    assert_eq!(pod["spec"]["nodeName"], "gpu-a");
+    assert_eq!(
+        pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "2"
+    );
+    assert_eq!(pod["spec"]["containers"][0]["image"], "registry.example/train:1");
+    api.run(&pod_name);
+    api.log(&pod_name, "KEEL_PROGRESS {\"step\": 40, \"total_steps\": 100}\n");
+    wait_for("progress from the pod's log", || {
+        let view = server.json(&["job", &id.to_string()]);
+        (view["progress"]["step"] == 40 && view["state"] == "running").then_some(())
+    });
+    api.log(&pod_name, "KEEL_PROGRESS {\"step\": 100, \"total_steps\": 100}\ndone\n");
+    // The container ends right after its last line: the exit is recorded
+    // only once the log has been read to its end.
+    api.exit(&pod_name, 0);
+    let done = wait_for("the job to succeed", || {
+        let view = server.json(&["job", &id.to_string()]);
+        assert_ne!(view["state"], "failed", "{view}");
+        (view["state"] == "succeeded").then_some(view)
+    });
+    assert_eq!(done["progress"]["step"], 100, "{done}");
+    // The finished pod is deleted once its exit is in the log.
+    wait_for("the pod to be cleaned up", || api.pod(&pod_name).is_none().then_some(()));
+    server.terminate();
+    drop(rt);
+}
