@@ -11,7 +11,9 @@ use keel_storage::DataDir;
 use tokio::net::TcpListener;
 
 use keel_core::policy::Policy;
-use keel_executors::{KubeConfig, KubeExecutor, LocalConfig, LocalExecutor, SshConfig, SshExecutor};
+use keel_executors::{
+    KubeConfig, KubeExecutor, LocalConfig, LocalExecutor, SshConfig, SshExecutor,
+};
 
 use crate::api::{Clock, KeelApi, LogReader};
 use crate::executors::AnyExecutor;

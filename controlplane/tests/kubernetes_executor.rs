@@ -54,7 +54,9 @@ fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
         node(&nodes, "gpu-a").map(|n| n["gpus"].as_array().map_or(0, Vec::len)),
         Some(4)
     );
-    let message = node(&nodes, "gpu-b").map(|n| n["message"].to_string()).unwrap_or_default();
+    let message = node(&nodes, "gpu-b")
+        .map(|n| n["message"].to_string())
+        .unwrap_or_default();
     assert!(message.contains("not Ready"), "{nodes}");
 
     let spec = dir.path().join("job.yaml");
@@ -73,14 +75,23 @@ fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
         pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
         "2"
     );
-    assert_eq!(pod["spec"]["containers"][0]["image"], "registry.example/train:1");
+    assert_eq!(
+        pod["spec"]["containers"][0]["image"],
+        "registry.example/train:1"
+    );
     api.run(&pod_name);
-    api.log(&pod_name, "KEEL_PROGRESS {\"step\": 40, \"total_steps\": 100}\n");
+    api.log(
+        &pod_name,
+        "KEEL_PROGRESS {\"step\": 40, \"total_steps\": 100}\n",
+    );
     wait_for("progress from the pod's log", || {
         let view = server.json(&["job", &id.to_string()]);
         (view["progress"]["step"] == 40 && view["state"] == "running").then_some(())
     });
-    api.log(&pod_name, "KEEL_PROGRESS {\"step\": 100, \"total_steps\": 100}\ndone\n");
+    api.log(
+        &pod_name,
+        "KEEL_PROGRESS {\"step\": 100, \"total_steps\": 100}\ndone\n",
+    );
     // The container ends right after its last line: the exit is recorded
     // only once the log has been read to its end.
     api.exit(&pod_name, 0);
@@ -91,7 +102,9 @@ fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
     });
     assert_eq!(done["progress"]["step"], 100, "{done}");
     // The finished pod is deleted once its exit is in the log.
-    wait_for("the pod to be cleaned up", || api.pod(&pod_name).is_none().then_some(()));
+    wait_for("the pod to be cleaned up", || {
+        api.pod(&pod_name).is_none().then_some(())
+    });
     server.terminate();
     drop(rt);
 }

@@ -29,8 +29,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::{AsyncBufReadExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{
-    Container, EnvVar, Node, Pod, PodSpec, ResourceRequirements, Service, ServicePort,
-    ServiceSpec, Volume, VolumeMount,
+    Container, EnvVar, Node, Pod, PodSpec, ResourceRequirements, Service, ServicePort, ServiceSpec,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -125,7 +125,10 @@ fn worker_of(pod: &Pod) -> Option<WorkerId> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum PodState {
     Running,
-    Exited { code: Option<i32>, reason: String },
+    Exited {
+        code: Option<i32>,
+        reason: String,
+    },
     /// Cannot start (an image that cannot be pulled, a bad spec): delete it
     /// and report this.
     Stuck(String),
@@ -146,7 +149,9 @@ fn pod_state(pod: &Pod) -> PodState {
                 Some(t) => (
                     Some(t.exit_code),
                     match (&t.reason, &t.message) {
-                        (Some(r), Some(m)) => format!("exited with code {} ({r}: {m})", t.exit_code),
+                        (Some(r), Some(m)) => {
+                            format!("exited with code {} ({r}: {m})", t.exit_code)
+                        }
                         (Some(r), None) => format!("exited with code {} ({r})", t.exit_code),
                         _ => format!("exited with code {}", t.exit_code),
                     },
@@ -170,8 +175,11 @@ fn pod_state(pod: &Pod) -> PodState {
                 .and_then(|s| s.waiting.as_ref());
             match waiting.and_then(|w| w.reason.as_deref()) {
                 Some(
-                    r @ ("ErrImagePull" | "ImagePullBackOff" | "InvalidImageName"
-                    | "CreateContainerConfigError" | "CreateContainerError"),
+                    r @ ("ErrImagePull"
+                    | "ImagePullBackOff"
+                    | "InvalidImageName"
+                    | "CreateContainerConfigError"
+                    | "CreateContainerError"),
                 ) => PodState::Stuck(format!(
                     "{r}: {}",
                     waiting.and_then(|w| w.message.clone()).unwrap_or_default()
@@ -455,12 +463,17 @@ impl KubeExecutor {
             let services: Api<Service> =
                 Api::namespaced(self.client.clone(), &self.config.namespace);
             match services
-                .create(&PostParams::default(), &self.service_for(id.job_id, id.epoch))
+                .create(
+                    &PostParams::default(),
+                    &self.service_for(id.job_id, id.epoch),
+                )
                 .await
             {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 409 => {}
-                Err(e) => tracing::warn!(worker = %id, error = %api_error(e), "rendezvous service not created"),
+                Err(e) => {
+                    tracing::warn!(worker = %id, error = %api_error(e), "rendezvous service not created")
+                }
             }
         }
         match self.pods().create(&PostParams::default(), &pod).await {
@@ -626,7 +639,9 @@ impl KubeExecutor {
                         buf.push(sample);
                     }
                 }
-                Err(e) => tracing::debug!(worker = %id, error = %api_error(e), "log stream not opened"),
+                Err(e) => {
+                    tracing::debug!(worker = %id, error = %api_error(e), "log stream not opened")
+                }
             }
             // The stream ends when the container does: an exit the watch
             // saw meanwhile is recorded now, after the last lines.
@@ -693,9 +708,8 @@ impl KubeExecutor {
                             .iter()
                             .filter(|(id, e)| {
                                 e.exited.is_none()
-                                    && e.pending_since.is_none_or(|t| {
-                                        t.elapsed() > Duration::from_secs(5)
-                                    })
+                                    && e.pending_since
+                                        .is_none_or(|t| t.elapsed() > Duration::from_secs(5))
                                     && !listed.contains(id)
                             })
                             .map(|(id, _)| id.clone())
@@ -722,7 +736,9 @@ impl KubeExecutor {
             .lock()
             .workers
             .iter()
-            .filter(|(_, e)| e.exited.is_none() && e.pending_since.is_some_and(|t| t.elapsed() > timeout))
+            .filter(|(_, e)| {
+                e.exited.is_none() && e.pending_since.is_some_and(|t| t.elapsed() > timeout)
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in stuck {
@@ -930,10 +946,10 @@ impl Executor for KubeExecutor {
     async fn logs(&self, job_id: JobId, tail_bytes: u64) -> Result<Vec<WorkerLog>, ExecutorError> {
         let list = self
             .pods()
-            .list(&ListParams::default().labels(&format!(
-                "{},{LABEL_JOB}={job_id}",
-                Self::selector()
-            )))
+            .list(
+                &ListParams::default()
+                    .labels(&format!("{},{LABEL_JOB}={job_id}", Self::selector())),
+            )
             .await
             .map_err(|e| ExecutorError::Other(api_error(e)))?;
         let mut out = Vec::new();
@@ -1010,8 +1026,7 @@ impl Executor for KubeExecutor {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
-        ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus,
-        PodStatus,
+        ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus, PodStatus,
     };
 
     fn pod_with(phase: &str, state: ContainerState) -> Pod {
@@ -1060,7 +1075,10 @@ mod tests {
             },
         );
         match pod_state(&pull) {
-            PodState::Stuck(r) => assert!(r.contains("ImagePullBackOff") && r.contains("nope:1"), "{r}"),
+            PodState::Stuck(r) => assert!(
+                r.contains("ImagePullBackOff") && r.contains("nope:1"),
+                "{r}"
+            ),
             s => panic!("{s:?}"),
         }
         assert_eq!(pod_state(&Pod::default()), PodState::Running, "pending");

@@ -30,9 +30,9 @@ pub mod trainer;
 use keel_core::JobId;
 
 pub use executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
+pub use kubernetes::{KubeConfig, KubeExecutor};
 pub use local::{LocalConfig, LocalExecutor};
 pub use reconcile::{Action, Observed};
-pub use kubernetes::{KubeConfig, KubeExecutor};
 pub use ssh::{SshConfig, SshExecutor};
 /// A worker's identity. Reconciling twice launches nothing twice: an
 /// executor that already runs a worker with this identity leaves it alone,

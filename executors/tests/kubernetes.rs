@@ -57,9 +57,11 @@ async fn observed(exec: &KubeExecutor, id: &WorkerId) -> Option<Observed> {
 }
 
 async fn wait_exit(exec: &KubeExecutor, id: &WorkerId) -> (Option<i32>, String) {
-    wait_for(&format!("{id} to exit"), async || match observed(exec, id).await {
-        Some(Observed::Exited { exit_code, reason }) => Some((exit_code, reason)),
-        _ => None,
+    wait_for(&format!("{id} to exit"), async || {
+        match observed(exec, id).await {
+            Some(Observed::Exited { exit_code, reason }) => Some((exit_code, reason)),
+            _ => None,
+        }
     })
     .await
 }
@@ -69,7 +71,12 @@ fn env_of(pod: &serde_json::Value) -> BTreeMap<String, String> {
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|e| Some((e["name"].as_str()?.to_string(), e["value"].as_str()?.to_string())))
+        .filter_map(|e| {
+            Some((
+                e["name"].as_str()?.to_string(),
+                e["value"].as_str()?.to_string(),
+            ))
+        })
         .collect()
 }
 
@@ -82,7 +89,9 @@ async fn workers_run_as_pinned_pods_with_gpus_labels_the_contract_and_a_rendezvo
     let (r0, r1) = (launch(7, 2, 0, 2), launch(7, 2, 1, 2));
     exec.launch(r0.clone()).await.expect("launch");
     exec.launch(r1.clone()).await.expect("launch");
-    exec.launch(r0.clone()).await.expect("a second launch is a no-op");
+    exec.launch(r0.clone())
+        .await
+        .expect("a second launch is a no-op");
     let pod = api.pod("keel-j7-e2-r0").expect("rank 0's pod");
     assert_eq!(pod["spec"]["nodeName"], "gpu-0");
     assert_eq!(pod["spec"]["restartPolicy"], "Never");
@@ -90,10 +99,17 @@ async fn workers_run_as_pinned_pods_with_gpus_labels_the_contract_and_a_rendezvo
         pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
         "2"
     );
-    assert_eq!(pod["spec"]["containers"][0]["image"], "registry.example/train:1");
+    assert_eq!(
+        pod["spec"]["containers"][0]["image"],
+        "registry.example/train:1"
+    );
     let labels = &pod["metadata"]["labels"];
     assert_eq!(
-        (&labels["keel.dev/job"], &labels["keel.dev/epoch"], &labels["keel.dev/rank"]),
+        (
+            &labels["keel.dev/job"],
+            &labels["keel.dev/epoch"],
+            &labels["keel.dev/rank"]
+        ),
         (&"7".into(), &"2".into(), &"0".into())
     );
     let env = env_of(&pod);
@@ -103,8 +119,14 @@ async fn workers_run_as_pinned_pods_with_gpus_labels_the_contract_and_a_rendezvo
     assert_eq!(env["MASTER_ADDR"], "keel-j7-e2.train.svc");
     assert_eq!(env["MASTER_PORT"], "29500");
     assert_eq!(env["KEEL_CHECKPOINT_DIR"], "/keel/checkpoints/job-7");
-    assert!(!env.contains_key("CUDA_VISIBLE_DEVICES"), "the device plugin sets it");
-    assert_eq!(env_of(&api.pod("keel-j7-e2-r1").expect("rank 1"))["RANK"], "1");
+    assert!(
+        !env.contains_key("CUDA_VISIBLE_DEVICES"),
+        "the device plugin sets it"
+    );
+    assert_eq!(
+        env_of(&api.pod("keel-j7-e2-r1").expect("rank 1"))["RANK"],
+        "1"
+    );
     let svc = api.service("keel-j7-e2").expect("headless service");
     assert_eq!(svc["spec"]["clusterIP"], "None");
     assert_eq!(svc["spec"]["selector"]["keel.dev/rank"], "0");
@@ -112,12 +134,19 @@ async fn workers_run_as_pinned_pods_with_gpus_labels_the_contract_and_a_rendezvo
     // Pending, then running: both are "running" to the reconciler.
     let name = pod_name(&r0.id);
     wait_for("the watch to see the pod", async || {
-        matches!(observed(&exec, &r0.id).await, Some(Observed::Running { .. })).then_some(())
+        matches!(
+            observed(&exec, &r0.id).await,
+            Some(Observed::Running { .. })
+        )
+        .then_some(())
     })
     .await;
     api.run(&name);
     api.run(&pod_name(&r1.id));
-    api.log(&name, "starting\nKEEL_PROGRESS {\"step\": 10, \"total_steps\": 100}\n");
+    api.log(
+        &name,
+        "starting\nKEEL_PROGRESS {\"step\": 10, \"total_steps\": 100}\n",
+    );
     api.log(&name, "KEEL_PROGRESS {\"step\": 20}\nnoise\n");
     let steps = wait_for("progress from rank 0's log", async || {
         let p = exec.take_progress().await.remove(&7)?;
@@ -156,15 +185,23 @@ async fn stop_deletes_with_the_grace_period_and_bad_pods_become_exits_with_reaso
     exec.launch(running.clone()).await.expect("launch");
     api.run(&pod_name(&running.id));
     wait_for("running", async || {
-        matches!(observed(&exec, &running.id).await, Some(Observed::Running { .. })).then_some(())
+        matches!(
+            observed(&exec, &running.id).await,
+            Some(Observed::Running { .. })
+        )
+        .then_some(())
     })
     .await;
-    exec.stop(&running.id, Duration::from_secs(7)).await.expect("stop");
+    exec.stop(&running.id, Duration::from_secs(7))
+        .await
+        .expect("stop");
     let (code, reason) = wait_exit(&exec, &running.id).await;
     assert_eq!(code, Some(143));
     assert!(reason.contains("stopped by keel"), "{reason}");
     assert!(
-        api.requests().iter().any(|r| r == "DELETE pods keel-j1-e1-r0 grace=7"),
+        api.requests()
+            .iter()
+            .any(|r| r == "DELETE pods keel-j1-e1-r0 grace=7"),
         "{:?}",
         api.requests()
     );
@@ -179,7 +216,10 @@ async fn stop_deletes_with_the_grace_period_and_bad_pods_become_exits_with_reaso
     );
     let (code, reason) = wait_exit(&exec, &bad_image.id).await;
     assert_eq!(code, Some(127));
-    assert!(reason.contains("ErrImagePull") && reason.contains("not found"), "{reason}");
+    assert!(
+        reason.contains("ErrImagePull") && reason.contains("not found"),
+        "{reason}"
+    );
     wait_for("the stuck pod to be deleted", async || {
         api.pod(&pod_name(&bad_image.id)).is_none().then_some(())
     })
@@ -222,16 +262,34 @@ async fn a_new_leader_re_adopts_pods_by_label_and_reports_what_ended_meanwhile()
     .await;
     match &seen[&long.id] {
         Observed::Running { gpus } => {
-            assert_eq!(gpus.iter().map(|g| (g.node.as_str(), g.index)).collect::<Vec<_>>(), vec![("gpu-0", 0), ("gpu-0", 1)]);
+            assert_eq!(
+                gpus.iter()
+                    .map(|g| (g.node.as_str(), g.index))
+                    .collect::<Vec<_>>(),
+                vec![("gpu-0", 0), ("gpu-0", 1)]
+            );
         }
         o => panic!("{o:?}"),
     }
-    assert!(matches!(&seen[&short.id], Observed::Exited { exit_code: Some(5), .. }));
+    assert!(matches!(
+        &seen[&short.id],
+        Observed::Exited {
+            exit_code: Some(5),
+            ..
+        }
+    ));
     // Launching the adopted worker creates nothing.
-    let posts = api.requests().iter().filter(|r| r.starts_with("POST pods")).count();
+    let posts = api
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("POST pods"))
+        .count();
     next.launch(long.clone()).await.expect("launch");
     assert_eq!(
-        api.requests().iter().filter(|r| r.starts_with("POST pods")).count(),
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("POST pods"))
+            .count(),
         posts
     );
     // A pod deleted behind Keel's back is an exit.
@@ -262,10 +320,73 @@ async fn gpu_nodes_are_probed_from_node_objects() {
             }
             NodeProbe::Unreachable { name, reason } => {
                 assert_eq!(name, "gpu-b");
-                assert!(reason.contains("not Ready") && reason.contains("runtime is down"), "{reason}");
+                assert!(
+                    reason.contains("not Ready") && reason.contains("runtime is down"),
+                    "{reason}"
+                );
             }
         }
     }
+}
+
+/// The RBAC manifest grants exactly the (resource, verb) pairs the executor
+/// uses: every call of a run that launches a two-worker job, follows its
+/// log, reads its logs, stops one worker, forgets both and lists Nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rbac_manifest_grants_exactly_what_the_executor_calls() {
+    let api = StandIn::start().await;
+    api.add_node("gpu-0", 2, "NVIDIA-A100-SXM4-80GB", true);
+    let exec = KubeExecutor::new(api.client("train"), config());
+    exec.take_over().await;
+    let (r0, r1) = (launch(1, 1, 0, 2), launch(1, 1, 1, 2));
+    exec.launch(r0.clone()).await.expect("launch");
+    exec.launch(r1.clone()).await.expect("launch");
+    api.run(&pod_name(&r0.id));
+    api.run(&pod_name(&r1.id));
+    wait_for("a node probe", async || {
+        (!exec.take_node_probes().await.is_empty()).then_some(())
+    })
+    .await;
+    wait_for("the log follower", async || {
+        api.requests()
+            .iter()
+            .any(|r| r.starts_with("LOG"))
+            .then_some(())
+    })
+    .await;
+    exec.logs(1, 1024).await.expect("logs");
+    exec.stop(&r1.id, Duration::from_secs(1))
+        .await
+        .expect("stop");
+    api.exit(&pod_name(&r0.id), 0);
+    wait_exit(&exec, &r0.id).await;
+    wait_exit(&exec, &r1.id).await;
+    exec.forget(&r0.id).await;
+    exec.forget(&r1.id).await;
+    let used = api.rbac_uses();
+
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/rbac.yaml"),
+    )
+    .expect("deploy/kubernetes/rbac.yaml");
+    let mut granted = std::collections::BTreeSet::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let doc: serde_yaml::Value = serde::Deserialize::deserialize(doc).expect("yaml");
+        if !matches!(doc["kind"].as_str(), Some("Role" | "ClusterRole")) {
+            continue;
+        }
+        for rule in doc["rules"].as_sequence().into_iter().flatten() {
+            for resource in rule["resources"].as_sequence().into_iter().flatten() {
+                for verb in rule["verbs"].as_sequence().into_iter().flatten() {
+                    granted.insert((
+                        resource.as_str().unwrap_or("").to_string(),
+                        verb.as_str().unwrap_or("").to_string(),
+                    ));
+                }
+            }
+        }
+    }
+    assert_eq!(granted, used, "granted vs used");
 }
 
 /// Opt-in: `KEEL_K8S_LIVE=1` with a kubeconfig (or in a cluster) runs one
@@ -278,7 +399,9 @@ async fn live_cluster_runs_a_worker_when_asked() {
         return;
     }
     let namespace = std::env::var("KEEL_K8S_NAMESPACE").unwrap_or_else(|_| "default".into());
-    let client = kube::Client::try_default().await.expect("a kubeconfig or in-cluster config");
+    let client = kube::Client::try_default()
+        .await
+        .expect("a kubeconfig or in-cluster config");
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
     let node = nodes
         .list(&Default::default())
@@ -305,7 +428,10 @@ async fn live_cluster_runs_a_worker_when_asked() {
         if let Some(Observed::Exited { exit_code, reason }) = observed(&exec, &l.id).await {
             break (exit_code, reason);
         }
-        assert!(Instant::now() < deadline, "the live pod did not finish in 5 minutes");
+        assert!(
+            Instant::now() < deadline,
+            "the live pod did not finish in 5 minutes"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     assert_eq!(code, Some(0), "{reason}");

@@ -32,7 +32,8 @@ struct World {
     nodes: BTreeMap<String, Value>,
     /// Every Pod change: (resource version, type, object).
     events: Vec<(u64, &'static str, Value)>,
-    /// Requests seen, "METHOD path" (for assertions on what was called).
+    /// Requests seen, "VERB resource name" (for assertions on what was
+    /// called: WATCH, LIST, POST, DELETE, LOG).
     requests: Vec<String>,
 }
 
@@ -96,7 +97,11 @@ async fn list_or_watch_pods(
             .and_then(|v| v.parse().ok())
             .unwrap_or(290)
             .min(30);
-        world.lock().expect("world").requests.push(format!("WATCH pods {ns}"));
+        world
+            .lock()
+            .expect("world")
+            .requests
+            .push(format!("WATCH pods {ns}"));
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(64);
         tokio::spawn(async move {
             let mut seen = from;
@@ -127,10 +132,13 @@ async fn list_or_watch_pods(
         });
         return Response::builder()
             .header("content-type", "application/json")
-            .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+            .body(Body::from_stream(
+                tokio_stream::wrappers::ReceiverStream::new(rx),
+            ))
             .unwrap_or_else(|_| status(500, "InternalError", "body"));
     }
-    let w = world.lock().expect("world");
+    let mut w = world.lock().expect("world");
+    w.requests.push(format!("LIST pods {ns}"));
     let items: Vec<Value> = w
         .pods
         .values()
@@ -188,7 +196,11 @@ async fn delete_pod(
     let grace = q
         .get("gracePeriodSeconds")
         .cloned()
-        .or_else(|| options["gracePeriodSeconds"].as_u64().map(|g| g.to_string()))
+        .or_else(|| {
+            options["gracePeriodSeconds"]
+                .as_u64()
+                .map(|g| g.to_string())
+        })
         .unwrap_or_default();
     let mut w = world.lock().expect("world");
     w.requests.push(format!("DELETE pods {name} grace={grace}"));
@@ -256,7 +268,9 @@ async fn pod_log(
     });
     Response::builder()
         .header("content-type", "text/plain")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        .body(Body::from_stream(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
         .unwrap_or_else(|_| status(500, "InternalError", "body"))
 }
 
@@ -271,7 +285,11 @@ async fn create_service(
     };
     w.requests.push(format!("POST services {name}"));
     if w.services.contains_key(&name) {
-        return status(409, "AlreadyExists", &format!("services \"{name}\" already exists"));
+        return status(
+            409,
+            "AlreadyExists",
+            &format!("services \"{name}\" already exists"),
+        );
     }
     svc["apiVersion"] = json!("v1");
     svc["kind"] = json!("Service");
@@ -293,7 +311,8 @@ async fn delete_service(
 }
 
 async fn list_nodes(State(world): State<Shared>) -> Response {
-    let w = world.lock().expect("world");
+    let mut w = world.lock().expect("world");
+    w.requests.push("LIST nodes".into());
     Json(json!({
         "kind": "NodeList", "apiVersion": "v1",
         "metadata": {"resourceVersion": w.resource_version.to_string()},
@@ -365,11 +384,41 @@ impl StandIn {
     }
 
     pub fn pod_names(&self) -> Vec<String> {
-        self.world.lock().expect("world").pods.keys().cloned().collect()
+        self.world
+            .lock()
+            .expect("world")
+            .pods
+            .keys()
+            .cloned()
+            .collect()
     }
 
     pub fn service(&self, name: &str) -> Option<Value> {
-        self.world.lock().expect("world").services.get(name).cloned()
+        self.world
+            .lock()
+            .expect("world")
+            .services
+            .get(name)
+            .cloned()
+    }
+
+    /// The (resource, RBAC verb) pairs of every request seen.
+    pub fn rbac_uses(&self) -> std::collections::BTreeSet<(String, String)> {
+        self.requests()
+            .iter()
+            .filter_map(|r| {
+                let mut words = r.split(' ');
+                let (verb, resource) = (words.next()?, words.next().unwrap_or(""));
+                Some(match verb {
+                    "WATCH" => (resource.to_string(), "watch".to_string()),
+                    "LIST" => (resource.to_string(), "list".to_string()),
+                    "POST" => (resource.to_string(), "create".to_string()),
+                    "DELETE" => (resource.to_string(), "delete".to_string()),
+                    "LOG" => ("pods/log".to_string(), "get".to_string()),
+                    _ => return None,
+                })
+            })
+            .collect()
     }
 
     pub fn requests(&self) -> Vec<String> {
