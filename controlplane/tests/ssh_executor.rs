@@ -136,3 +136,98 @@ fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
     );
     server.terminate();
 }
+
+/// A host that stops answering (its network cut) is marked lost with the
+/// reason and its job goes back to the queue; when it answers again it is
+/// marked alive, the old worker (still running there) is stopped, and the
+/// job runs again from its checkpoint.
+#[test]
+fn a_host_cut_off_is_lost_and_its_job_resumes_when_it_comes_back() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let sshd = Sshd::start();
+    let proxy = rt.block_on(sshd::Proxy::start(sshd.port));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = dir.path().join("nodes.yaml");
+    std::fs::write(
+        &nodes,
+        format!(
+            "known_hosts: accept\nknown_hosts_file: {kh}\nconnect_timeout_s: 1\npoll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 1xv100\n    work_dir: {work}\n",
+            kh = dir.path().join("known_hosts").display(),
+            port = proxy.port,
+            user = sshd.user,
+            key = sshd.key.display(),
+            work = dir.path().join("work").display(),
+        ),
+    )
+    .expect("nodes file");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--ssh-nodes",
+            nodes.to_str().expect("utf-8"),
+            "--node-timeout-s",
+            "2",
+            "--progress-interval-s",
+            "0.2",
+            "--round-s",
+            "0.5",
+            "--stop-grace-s",
+            "10",
+        ],
+    );
+    let spec = dir.path().join("job.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "name: cut-off\ncommand: [\"{KEEL}\", trainer, --speedup, \"20\", --report-every-s, \"0.1\"]\n\
+             gpus: 1\nworkers: 1\nmodel: resnet50\ntotal_steps: 5000\n"
+        ),
+    )
+    .expect("spec");
+    let id = server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+        .as_u64()
+        .expect("job id");
+    let job = || server.json(&["job", &id.to_string()]);
+    wait_for("the job to run", || {
+        let view = job();
+        (view["state"] == "running" && view["progress"]["step"].as_u64().unwrap_or(0) > 0)
+            .then_some(())
+    });
+    proxy.cut();
+    let lost = wait_for("the host to be lost and the job requeued", || {
+        let nodes = server.json(&["nodes"]);
+        let view = job();
+        let requeued = view["state"] == "preempted" || view["state"] == "pending";
+        (node(&nodes, "a").is_some_and(|n| n["state"] == "lost") && requeued).then_some(nodes)
+    });
+    let message = node(&lost, "a")
+        .map(|n| n["message"].to_string())
+        .unwrap_or_default();
+    assert!(message.contains("no heartbeat"), "{lost}");
+    proxy.heal();
+    let done = wait_for("the job to succeed after the host came back", || {
+        let view = job();
+        assert_ne!(view["state"], "failed", "{view}");
+        (view["state"] == "succeeded").then_some(view)
+    });
+    let nodes = server.json(&["nodes"]);
+    assert!(
+        node(&nodes, "a").is_some_and(|n| n["state"] == "alive"),
+        "{nodes}"
+    );
+    let epoch = done["workers"][0]["epoch"].as_u64().unwrap_or(0);
+    assert!(epoch >= 2, "relaunched in a new epoch: {done}");
+    let logs = server.cli_ok(&["logs", &id.to_string()]);
+    assert!(
+        logs.contains("SIGTERM at step"),
+        "the first worker, still running on the host, was stopped and checkpointed:\n{logs}"
+    );
+    let resumed = logs
+        .lines()
+        .filter_map(|l| l.split("from step ").nth(1))
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .any(|step| step > 0);
+    assert!(resumed, "resumed from its checkpoint:\n{logs}");
+    server.terminate();
+    drop(rt);
+}

@@ -9,6 +9,20 @@ use std::time::{Duration, Instant};
 
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
+/// Where a server's log goes: the file `KEEL_TEST_SERVER_LOG` names
+/// (appended to; for debugging a test), else nowhere.
+fn server_log() -> Stdio {
+    std::env::var_os("KEEL_TEST_SERVER_LOG")
+        .and_then(|path| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .ok()
+        })
+        .map_or_else(Stdio::null, Stdio::from)
+}
+
 /// A `keel server` child process on a free port, killed when dropped.
 pub struct ServerProcess {
     child: Child,
@@ -25,7 +39,7 @@ impl ServerProcess {
             .arg(data_dir)
             .args(args)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(server_log())
             .spawn()
             .expect("spawn keel server");
         let addr = wait_for("the server's address", || {
