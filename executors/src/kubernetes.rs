@@ -476,14 +476,65 @@ impl KubeExecutor {
                 }
             }
         }
-        match self.pods().create(&PostParams::default(), &pod).await {
-            Ok(_) => tracing::info!(worker = %id, node = %launch.node, "pod created"),
-            // Already there (a launch retried after a lost answer): the watch
-            // reports it.
-            Err(kube::Error::Api(s)) if s.code == 409 => {}
+        let generation = self.lock().generation;
+        if self.create_pod(&id, &pod).await {
+            return;
+        }
+        // The API server did not answer (or is overloaded): keep trying in
+        // the background until it takes the Pod, or the worker is stopped.
+        let this = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                {
+                    let mut inner = this.lock();
+                    if inner.generation != generation {
+                        return;
+                    }
+                    let Some(e) = inner.workers.get_mut(&id) else {
+                        return;
+                    };
+                    if e.exited.is_some() {
+                        return;
+                    }
+                    if e.stopping {
+                        e.exited = Some((
+                            None,
+                            "stopped before it started: the API server did not take its pod".into(),
+                        ));
+                        return;
+                    }
+                }
+                if this.create_pod(&id, &pod).await {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// One attempt at creating a worker's Pod. False when it may succeed
+    /// later (no answer, 5xx, 429); a refusal is recorded as the worker's
+    /// exit.
+    async fn create_pod(&self, id: &WorkerId, pod: &Pod) -> bool {
+        match self.pods().create(&PostParams::default(), pod).await {
+            Ok(_) => {
+                tracing::info!(worker = %id, "pod created");
+                true
+            }
+            // Already there (a launch retried after a lost answer): the
+            // watch reports it.
+            Err(kube::Error::Api(s)) if s.code == 409 => true,
+            Err(kube::Error::Api(s)) if s.code < 500 && s.code != 429 => {
+                let reason = format!(
+                    "the API server refused the pod: {} ({})",
+                    s.message, s.reason
+                );
+                self.record_exit(id, Some(127), reason);
+                true
+            }
             Err(e) => {
-                let reason = format!("the API server refused the pod: {}", api_error(e));
-                self.record_exit(&id, Some(127), reason);
+                tracing::warn!(worker = %id, error = %api_error(e), "pod not created yet; will retry");
+                false
             }
         }
     }

@@ -691,16 +691,68 @@ impl SshExecutor {
             );
             inner.generation
         };
-        let result = match self.connect(&host).await {
+        if self.attempt_launch(&host, &launch, generation).await {
+            return;
+        }
+        // The host did not answer: keep trying in the background (the
+        // reconcile pass is not held up). If it stays away, its node is
+        // marked lost, the worker is no longer wanted, and `stop` ends the
+        // attempts.
+        let this = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(
+                    this.shared
+                        .config
+                        .poll_interval
+                        .max(Duration::from_millis(500)),
+                )
+                .await;
+                {
+                    let mut inner = this.lock();
+                    if inner.generation != generation {
+                        return;
+                    }
+                    let Some(e) = inner.workers.get_mut(&launch.id) else {
+                        return;
+                    };
+                    if e.exited.is_some() || e.settled.is_some() {
+                        return;
+                    }
+                    if e.stopping {
+                        e.exited = Some((
+                            None,
+                            format!(
+                                "stopped before it started: node {} could not be reached",
+                                launch.node
+                            ),
+                        ));
+                        e.settled = Some(Instant::now());
+                        return;
+                    }
+                }
+                if this.attempt_launch(&host, &launch, generation).await {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// One attempt at starting `launch` on `host`. Returns false when the
+    /// host could not be reached (try again); a launch that ran, or failed
+    /// on the host, is settled.
+    async fn attempt_launch(&self, host: &Host, launch: &WorkerLaunch, generation: u64) -> bool {
+        let id = &launch.id;
+        let result = match self.connect(host).await {
             Err(e) => Err(e),
             Ok(connection) => {
-                let port = self.lock().workers.get(&id).map_or(0, |e| e.port);
+                let port = self.lock().workers.get(id).map_or(0, |e| e.port);
                 let checkpoint = format!(
                     "{}/checkpoints/{}",
                     connection.work_dir,
                     checkpoint_dir_name(id.job_id)
                 );
-                let env = environment(&launch, port, &checkpoint);
+                let env = environment(launch, port, &checkpoint);
                 let gpus = if launch.gpus.is_empty() {
                     "-".to_string()
                 } else {
@@ -713,7 +765,7 @@ impl SshExecutor {
                 };
                 let mut argv = vec![
                     "launch".to_string(),
-                    connection.base(&id),
+                    connection.base(id),
                     checkpoint,
                     port.to_string(),
                     gpus,
@@ -721,12 +773,12 @@ impl SshExecutor {
                 ];
                 argv.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
                 argv.extend(launch.command.iter().cloned());
-                self.run(&host, argv, self.command_timeout()).await
+                self.run(host, argv, self.command_timeout()).await
             }
         };
         let mut inner = self.lock();
         if inner.generation != generation {
-            return;
+            return true;
         }
         match result {
             Ok((_, stdout)) => {
@@ -735,24 +787,26 @@ impl SshExecutor {
                     .next()
                     .and_then(|l| l.trim().parse().ok())
                     .unwrap_or(0);
-                if let Some(e) = inner.workers.get_mut(&id) {
+                if let Some(e) = inner.workers.get_mut(id) {
                     e.offset = Some(offset);
                     e.settled = Some(Instant::now());
                 }
                 tracing::info!(worker = %id, node = %launch.node, gpus = ?launch.gpus, "worker started over SSH");
+                true
             }
-            Err(e) => {
+            Err(RunError::Unreachable(reason)) => {
+                tracing::warn!(worker = %id, node = %launch.node, %reason, "cannot reach the node to launch; will retry");
+                false
+            }
+            Err(e @ RunError::Failed(_)) => {
                 drop(inner);
-                let (code, what) = match e {
-                    RunError::Unreachable(_) => (None, "could not reach"),
-                    RunError::Failed(_) => (Some(127), "could not launch on"),
-                };
-                let reason = format!("{what} node {}: {e}", launch.node);
+                let reason = format!("could not launch on node {}: {e}", launch.node);
                 tracing::warn!(worker = %id, %reason, "worker did not start");
-                self.record_exit(&id, code, reason);
-                if let Some(w) = self.lock().workers.get_mut(&id) {
+                self.record_exit(id, Some(127), reason);
+                if let Some(w) = self.lock().workers.get_mut(id) {
                     w.settled = Some(Instant::now());
                 }
+                true
             }
         }
     }

@@ -231,6 +231,28 @@ async fn stop_deletes_with_the_grace_period_and_bad_pods_become_exits_with_reaso
     let (_, reason) = wait_exit(&exec, &stuck.id).await;
     assert!(reason.contains("pending for more than"), "{reason}");
 
+    // An API server that is briefly unavailable: the pod is created once it
+    // answers; one that forbids it (a quota): an exit with its message.
+    api.refuse_creates(&[503, 503]);
+    let retried = launch(5, 1, 0, 1);
+    exec.launch(retried.clone())
+        .await
+        .expect("launch returns at once");
+    wait_for("the pod after two refusals", async || {
+        api.pod(&pod_name(&retried.id))
+    })
+    .await;
+    assert!(matches!(
+        observed(&exec, &retried.id).await,
+        Some(Observed::Running { .. })
+    ));
+    api.refuse_creates(&[403]);
+    let forbidden = launch(6, 1, 0, 1);
+    exec.launch(forbidden.clone()).await.expect("launch");
+    let (code, reason) = wait_exit(&exec, &forbidden.id).await;
+    assert_eq!(code, Some(127));
+    assert!(reason.contains("exceeded quota"), "{reason}");
+
     // No image and no default image.
     let mut no_image = launch(4, 1, 0, 1);
     no_image.image = None;

@@ -288,6 +288,34 @@ async fn a_network_drop_mid_run_loses_no_progress_and_the_worker_runs_on() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_during_a_network_drop_starts_when_the_host_answers_again() {
+    support::sshd::init_tracing();
+    let sshd = Sshd::start();
+    let proxy = Proxy::start(sshd.port).await;
+    let exec = SshExecutor::new(sshd.config(vec![sshd.node("a", proxy.port, Some("2xv100"))]))
+        .expect("executor");
+    exec.take_over().await;
+    proxy.cut();
+    let l = launch("a", 1, 0, "echo \"KEEL_PROGRESS {\\\"step\\\": 1}\"");
+    exec.launch(l.clone())
+        .await
+        .expect("launch returns at once");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        matches!(
+            exec.observe().await.expect("observe").get(&l.id),
+            Some(Observed::Running { .. })
+        ),
+        "waiting for the host, not failed"
+    );
+    proxy.heal();
+    let (code, reason) = wait_exit(&exec, &l.id).await;
+    assert_eq!(code, Some(0), "{reason}");
+    let steps = exec.take_progress().await.remove(&1).unwrap_or_default();
+    assert_eq!(steps.iter().map(|s| s.step).collect::<Vec<_>>(), vec![1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_leader_re_adopts_running_workers_and_reports_missed_exits() {
     support::sshd::init_tracing();
     let sshd = Sshd::start();
@@ -401,12 +429,26 @@ async fn unreachable_hosts_wrong_keys_and_missing_nvidia_smi_are_clear_reasons()
             "{reasons:?}"
         );
     }
-    // A worker sent to an unreachable node exits with the reason, at once.
+    // A worker sent to an unreachable node waits for it (a blip must not
+    // fail the job); stopped meanwhile, it ends with the reason.
     let l = launch("refused", 9, 0, "true");
-    exec.launch(l.clone()).await.expect("launch");
+    exec.launch(l.clone())
+        .await
+        .expect("launch returns at once");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        exec.observe().await.expect("observe").get(&l.id),
+        Some(Observed::Running { .. })
+    ));
+    exec.stop(&l.id, Duration::from_millis(100))
+        .await
+        .expect("stop");
     let (code, reason) = wait_exit(&exec, &l.id).await;
     assert_eq!(code, None);
-    assert!(reason.contains("could not reach node refused"), "{reason}");
+    assert!(
+        reason.contains("stopped before it started: node refused could not be reached"),
+        "{reason}"
+    );
     // And to a node not in the file.
     let l = launch("elsewhere", 10, 0, "true");
     exec.launch(l.clone()).await.expect("launch");

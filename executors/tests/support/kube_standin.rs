@@ -32,6 +32,8 @@ struct World {
     nodes: BTreeMap<String, Value>,
     /// Every Pod change: (resource version, type, object).
     events: Vec<(u64, &'static str, Value)>,
+    /// The next pod creations to refuse, with this status code.
+    refuse_creates: Vec<u16>,
     /// Requests seen, "VERB resource name" (for assertions on what was
     /// called: WATCH, LIST, POST, DELETE, LOG).
     requests: Vec<String>,
@@ -166,6 +168,17 @@ async fn create_pod(
         return status(422, "Invalid", "metadata.name: Required value");
     };
     w.requests.push(format!("POST pods {name}"));
+    if !w.refuse_creates.is_empty() {
+        let code = w.refuse_creates.remove(0);
+        return match code {
+            403 => status(
+                403,
+                "Forbidden",
+                &format!("pods \"{name}\" is forbidden: exceeded quota: gpu-quota"),
+            ),
+            _ => status(code, "ServiceUnavailable", "etcdserver: request timed out"),
+        };
+    }
     if w.pods.contains_key(&name) {
         return status(
             409,
@@ -377,6 +390,12 @@ impl StandIn {
                 }
             }),
         );
+    }
+
+    /// Refuses the next pod creations with these status codes, in order
+    /// (503: try again; 403: a quota).
+    pub fn refuse_creates(&self, codes: &[u16]) {
+        self.world.lock().expect("world").refuse_creates = codes.to_vec();
     }
 
     pub fn pod(&self, name: &str) -> Option<Value> {
