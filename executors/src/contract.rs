@@ -24,6 +24,21 @@ pub const PROGRESS_LINE_MAX_LEN: usize = 4096;
 /// takes them; older ones are dropped beyond this (the latest matter most).
 pub const PROGRESS_BUFFER_MAX: usize = 1024;
 
+/// Adds a job's new progress samples to an executor's buffer, dropping the
+/// oldest beyond [`PROGRESS_BUFFER_MAX`].
+pub fn buffer_progress(
+    buffers: &mut BTreeMap<JobId, Vec<ProgressSample>>,
+    job_id: JobId,
+    samples: impl IntoIterator<Item = ProgressSample>,
+) {
+    let buf = buffers.entry(job_id).or_default();
+    buf.extend(samples);
+    if buf.len() > PROGRESS_BUFFER_MAX {
+        let excess = buf.len() - PROGRESS_BUFFER_MAX;
+        buf.drain(..excess);
+    }
+}
+
 /// Exit code a worker uses when it stopped on SIGTERM after checkpointing.
 pub const EXIT_STOPPED: i32 = 143;
 
@@ -193,6 +208,23 @@ mod tests {
         assert_eq!(parse_progress_line("epoch 1 done", 7), None);
         assert_eq!(parse_progress_line("KEEL_PROGRESS {not json", 7), None);
         assert_eq!(parse_progress_line(r#"KEEL_PROGRESS {"loss": 1}"#, 7), None);
+    }
+
+    #[test]
+    fn progress_buffers_keep_the_latest_samples() {
+        let sample = |step| ProgressSample {
+            step,
+            total_steps: 0,
+            loss: None,
+            samples_per_s: 0.0,
+            at_ms: 0,
+        };
+        let mut buffers = BTreeMap::new();
+        buffer_progress(&mut buffers, 1, (0..PROGRESS_BUFFER_MAX as u64).map(sample));
+        buffer_progress(&mut buffers, 1, [sample(5000), sample(5001)]);
+        let buf = &buffers[&1];
+        assert_eq!(buf.len(), PROGRESS_BUFFER_MAX);
+        assert_eq!((buf[0].step, buf[buf.len() - 1].step), (2, 5001));
     }
 
     #[test]

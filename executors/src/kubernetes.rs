@@ -40,7 +40,7 @@ use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use kube::runtime::watcher;
 
 use crate::contract::{
-    checkpoint_dir_name, environment, parse_progress_line, WorkerLaunch, PROGRESS_BUFFER_MAX,
+    buffer_progress, checkpoint_dir_name, environment, parse_progress_line, WorkerLaunch,
 };
 use crate::discovery::gpu_type_of;
 use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
@@ -266,11 +266,7 @@ impl KubeExecutor {
             if e.exited.is_some() {
                 return;
             }
-            let reason = if e.stopping && !reason.contains("stopped") {
-                format!("{reason} (stopped by keel)")
-            } else {
-                reason
-            };
+            let reason = crate::reconcile::exit_reason(e.stopping, reason);
             tracing::info!(worker = %id, ?code, %reason, "pod ended");
             e.exited = Some((code, reason));
         }
@@ -683,11 +679,7 @@ impl KubeExecutor {
                             continue;
                         }
                         e.last_step = Some(sample.step);
-                        let buf = inner.progress.entry(id.job_id).or_default();
-                        if buf.len() >= PROGRESS_BUFFER_MAX {
-                            buf.remove(0);
-                        }
-                        buf.push(sample);
+                        buffer_progress(&mut inner.progress, id.job_id, [sample]);
                     }
                 }
                 Err(e) => {
@@ -950,18 +942,7 @@ impl Executor for KubeExecutor {
             .lock()
             .workers
             .iter()
-            .map(|(id, e)| {
-                let o = match &e.exited {
-                    Some((exit_code, reason)) => Observed::Exited {
-                        exit_code: *exit_code,
-                        reason: reason.clone(),
-                    },
-                    None => Observed::Running {
-                        gpus: e.gpus.clone(),
-                    },
-                };
-                (id.clone(), o)
-            })
+            .map(|(id, e)| (id.clone(), Observed::of(&e.exited, &e.gpus)))
             .collect())
     }
 

@@ -32,7 +32,7 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;
 
-use crate::contract::{checkpoint_dir_name, environment, WorkerLaunch, PROGRESS_BUFFER_MAX};
+use crate::contract::{buffer_progress, checkpoint_dir_name, environment, WorkerLaunch};
 use crate::executor::{Executor, ExecutorError, WorkerLog};
 use crate::reconcile::Observed;
 use crate::supervisor::{read_exit, ExitRecord};
@@ -348,11 +348,7 @@ impl LocalExecutor {
     fn record_exit(&self, id: &WorkerId, exit_code: Option<i32>, reason: String) {
         let mut inner = self.lock();
         if let Some(e) = inner.workers.get_mut(id) {
-            let reason = if e.stopping && !reason.contains("stopped") {
-                format!("{reason} (stopped by keel)")
-            } else {
-                reason
-            };
+            let reason = crate::reconcile::exit_reason(e.stopping, reason);
             e.exited = Some((exit_code, reason));
         }
     }
@@ -500,13 +496,7 @@ impl LocalExecutor {
                 if inner.generation != generation {
                     return;
                 }
-                let buf = inner.progress.entry(id.job_id).or_default();
-                for sample in samples {
-                    if buf.len() >= PROGRESS_BUFFER_MAX {
-                        buf.remove(0);
-                    }
-                    buf.push(sample);
-                }
+                buffer_progress(&mut inner.progress, id.job_id, samples);
             }
             if finished {
                 return;
@@ -608,18 +598,7 @@ impl Executor for LocalExecutor {
             .lock()
             .workers
             .iter()
-            .map(|(id, e)| {
-                let o = match &e.exited {
-                    Some((exit_code, reason)) => Observed::Exited {
-                        exit_code: *exit_code,
-                        reason: reason.clone(),
-                    },
-                    None => Observed::Running {
-                        gpus: e.gpus.clone(),
-                    },
-                };
-                (id.clone(), o)
-            })
+            .map(|(id, e)| (id.clone(), Observed::of(&e.exited, &e.gpus)))
             .collect())
     }
 

@@ -26,6 +26,31 @@ pub enum Observed {
     },
 }
 
+impl Observed {
+    /// What an executor's record of a worker says: exited (code, reason),
+    /// or running on `gpus`.
+    pub fn of(exited: &Option<(Option<i32>, String)>, gpus: &[GpuRef]) -> Observed {
+        match exited {
+            Some((exit_code, reason)) => Observed::Exited {
+                exit_code: *exit_code,
+                reason: reason.clone(),
+            },
+            None => Observed::Running {
+                gpus: gpus.to_vec(),
+            },
+        }
+    }
+}
+
+/// How an exit is reported: a worker Keel was stopping says so.
+pub fn exit_reason(stopping: bool, reason: String) -> String {
+    if stopping && !reason.contains("stopped") {
+        format!("{reason} (stopped by keel)")
+    } else {
+        reason
+    }
+}
+
 /// One step the reconciler asks for.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {

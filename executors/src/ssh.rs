@@ -51,7 +51,7 @@ pub use nodes_file::{
 };
 
 use crate::contract::{
-    checkpoint_dir_name, environment, ProgressLines, WorkerLaunch, PROGRESS_BUFFER_MAX,
+    buffer_progress, checkpoint_dir_name, environment, ProgressLines, WorkerLaunch,
 };
 use crate::discovery::parse_nvidia_smi;
 use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
@@ -619,11 +619,7 @@ impl SshExecutor {
             if e.exited.is_some() {
                 return;
             }
-            let reason = if e.stopping && !reason.contains("stopped") {
-                format!("{reason} (stopped by keel)")
-            } else {
-                reason
-            };
+            let reason = crate::reconcile::exit_reason(e.stopping, reason);
             tracing::info!(worker = %id, code = ?exit_code, %reason, "worker exited");
             e.exited = Some((exit_code, reason));
         }
@@ -966,13 +962,7 @@ impl SshExecutor {
             }
             let samples = e.lines.push(&chunk, at_ms);
             if !samples.is_empty() {
-                let buf = inner.progress.entry(id.job_id).or_default();
-                for sample in samples {
-                    if buf.len() >= PROGRESS_BUFFER_MAX {
-                        buf.remove(0);
-                    }
-                    buf.push(sample);
-                }
+                buffer_progress(&mut inner.progress, id.job_id, samples);
             }
         }
         let mut seen = BTreeSet::new();
@@ -1213,18 +1203,7 @@ impl Executor for SshExecutor {
             .lock()
             .workers
             .iter()
-            .map(|(id, e)| {
-                let o = match &e.exited {
-                    Some((exit_code, reason)) => Observed::Exited {
-                        exit_code: *exit_code,
-                        reason: reason.clone(),
-                    },
-                    None => Observed::Running {
-                        gpus: e.gpus.clone(),
-                    },
-                };
-                (id.clone(), o)
-            })
+            .map(|(id, e)| (id.clone(), Observed::of(&e.exited, &e.gpus)))
             .collect())
     }
 
