@@ -728,3 +728,39 @@ fn gavel_rounds_time_share_one_gpu_by_checkpoint_and_relaunch() {
     );
     server.terminate();
 }
+
+/// A worker that ignores SIGTERM is killed after the grace period, and its
+/// supervisor, spared, records how it ended: even when the server that
+/// kills it is not its parent (a restarted server that re-adopted it).
+#[test]
+fn a_worker_killed_after_the_grace_period_has_its_end_recorded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let args = ["--simulated-gpus", "1xv100", "--stop-grace-s", "0.5"];
+    let server = ServerProcess::start(&data, &args);
+    let id = server.submit(
+        dir.path(),
+        "stubborn",
+        "name: stubborn\ncommand: [sh, -c, \"trap '' TERM; echo ready; while true; do sleep 0.05; done\"]\ngpus: 1\n",
+    );
+    wait_for("the worker to run", || {
+        let logs = server.cli_ok(&["logs", &id.to_string()]);
+        logs.contains("ready").then_some(())
+    });
+    server.kill9();
+    let server = ServerProcess::start(&data, &args);
+    wait_for("the worker to be re-adopted", || {
+        let job = server.job(id);
+        (job["state"] == "running").then_some(())
+    });
+    server.cli_ok(&["cancel", &id.to_string()]);
+    let history = wait_for("the worker's end to be recorded", || {
+        let history = server.job(id)["history"].to_string();
+        history.contains("worker_exited").then_some(history)
+    });
+    assert!(
+        history.contains("killed by SIGKILL"),
+        "the supervisor recorded the kill: {history}"
+    );
+    server.terminate();
+}

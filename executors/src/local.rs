@@ -6,7 +6,8 @@
 //! the server, so a worker never dies of a broken pipe when the server
 //! does); the executor follows rank 0's log for progress lines and buffers
 //! them until the reconcile loop takes them. Stop = SIGTERM to the group,
-//! then SIGKILL after the grace period.
+//! then SIGKILL after the grace period (under a supervisor, to every process
+//! of the group but the supervisor, which then records the exit).
 //!
 //! With a supervisor (`keel supervise`, see [`crate::supervisor`]), each
 //! worker runs under a small parent that outlives the server and records the
@@ -537,6 +538,14 @@ impl LocalExecutor {
                 _ => return,
             }
         };
+        if signal == Signal::SIGKILL && self.config.supervisor.is_some() {
+            // Spare the supervisor (the group's leader), so that it records
+            // the worker's end; it exits right after.
+            for member in group_members(pid).into_iter().filter(|m| *m != pid) {
+                let _ = nix::sys::signal::kill(Pid::from_raw(member as i32), Signal::SIGKILL);
+            }
+            return;
+        }
         if let Err(e) = killpg(Pid::from_raw(pid as i32), signal) {
             tracing::debug!(worker = %id, %signal, error = %e, "signal not delivered");
         }
@@ -550,6 +559,27 @@ impl LocalExecutor {
             .map(|(id, _)| id.clone())
             .collect()
     }
+}
+
+/// The processes in process group `pgid` (from `/proc`).
+fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // After "pid (comm) ": state, ppid, pgrp.
+                    let rest = &stat[stat.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(2)?.parse::<u32>().ok()
+                })
+                == Some(pgid)
+        })
+        .collect()
 }
 
 fn pid_path(log_path: &Path) -> PathBuf {
