@@ -8,8 +8,10 @@
 //! waits for the worker and writes its exit status to `F` before exiting
 //! with the same code. A server that restarts finds the supervisor still
 //! running (its pid file) and re-adopts the worker, or finds `F` and
-//! records the exit it missed. SIGKILL to the group ends both, with no
-//! exit file: the executor then reports the kill.
+//! records the exit it missed. After the grace period the executor sends
+//! SIGKILL to every process of the group but the supervisor, which then
+//! records the kill; a SIGKILL that reaches the supervisor too (an operator
+//! killing the group) leaves no exit file, and the executor reports that.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
