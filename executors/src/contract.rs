@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use keel_core::{JobId, ProgressSample};
+use keel_core::{GpuRef, JobId, ProgressSample};
 use serde::Deserialize;
 
 use crate::WorkerId;
@@ -67,6 +67,17 @@ pub struct WorkerLaunch {
     pub rendezvous_addr: String,
     pub model: Option<String>,
     pub total_steps: Option<u64>,
+}
+
+/// GPUs `indexes` of `node`, as the reconciler compares them.
+pub fn gpu_refs(node: &str, indexes: impl IntoIterator<Item = u32>) -> Vec<GpuRef> {
+    indexes
+        .into_iter()
+        .map(|index| GpuRef {
+            node: node.to_string(),
+            index,
+        })
+        .collect()
 }
 
 /// The job's checkpoint directory name under an executor's checkpoint root.

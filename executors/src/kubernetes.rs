@@ -40,7 +40,7 @@ use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use kube::runtime::watcher;
 
 use crate::contract::{
-    buffer_progress, checkpoint_dir_name, environment, parse_progress_line, WorkerLaunch,
+    buffer_progress, checkpoint_dir_name, environment, gpu_refs, parse_progress_line, WorkerLaunch,
 };
 use crate::discovery::gpu_type_of;
 use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
@@ -272,9 +272,8 @@ impl KubeExecutor {
         }
     }
 
-    fn insert_exited(&self, id: &WorkerId, node: &str, code: Option<i32>, reason: String) {
+    fn insert_exited(&self, id: &WorkerId, code: Option<i32>, reason: String) {
         tracing::warn!(worker = %id, %reason, "worker did not start");
-        let _ = node;
         self.lock().workers.insert(
             id.clone(),
             Entry {
@@ -432,21 +431,14 @@ impl KubeExecutor {
         let pod = match self.pod_for(&launch) {
             Ok(p) => p,
             Err(reason) => {
-                self.insert_exited(&id, &launch.node, Some(127), reason);
+                self.insert_exited(&id, Some(127), reason);
                 return;
             }
         };
         self.lock().workers.insert(
             id.clone(),
             Entry {
-                gpus: launch
-                    .gpus
-                    .iter()
-                    .map(|index| GpuRef {
-                        node: launch.node.clone(),
-                        index: *index,
-                    })
-                    .collect(),
+                gpus: gpu_refs(&launch.node, launch.gpus.iter().copied()),
                 exited: None,
                 stopping: false,
                 pending_since: Some(Instant::now()),
@@ -553,7 +545,6 @@ impl KubeExecutor {
             if inner.generation != generation {
                 return;
             }
-            let pending_timeout = self.config.pending_timeout;
             let entry = inner.workers.entry(id.clone()).or_insert_with(|| {
                 // Found by the watch: an earlier leader's (re-adopted or
                 // reported), or ours after a restart of the watch.
@@ -563,15 +554,7 @@ impl KubeExecutor {
                     .annotations
                     .as_ref()
                     .and_then(|a| a.get(ANNOTATION_GPUS))
-                    .map(|csv| {
-                        csv.split(',')
-                            .filter_map(|g| g.parse().ok())
-                            .map(|index| GpuRef {
-                                node: node.clone(),
-                                index,
-                            })
-                            .collect()
-                    })
+                    .map(|csv| gpu_refs(&node, csv.split(',').filter_map(|g| g.parse().ok())))
                     .unwrap_or_default();
                 Entry {
                     gpus,
@@ -588,17 +571,10 @@ impl KubeExecutor {
             }
             let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
             match &state {
+                // A Pod still Pending is timed by `give_up_on_pending`.
                 PodState::Running => {
                     if running {
                         entry.pending_since = None;
-                    } else if entry
-                        .pending_since
-                        .is_some_and(|t| t.elapsed() > pending_timeout)
-                    {
-                        give_up = Some(format!(
-                            "pending for more than {:.0} s",
-                            pending_timeout.as_secs_f64()
-                        ));
                     }
                     if running && id.rank == 0 && !entry.following {
                         entry.following = true;
@@ -619,12 +595,7 @@ impl KubeExecutor {
             PodState::Exited { code, reason } => self.record_exit(&id, code, reason),
             PodState::Stuck(_) | PodState::Running => {
                 if let Some(reason) = give_up {
-                    self.record_exit(&id, Some(127), format!("could not start: {reason}"));
-                    let this = self.clone();
-                    let name = pod_name(&id);
-                    tokio::spawn(async move {
-                        let _ = this.pods().delete(&name, &DeleteParams::default()).await;
-                    });
+                    self.abandon(&id, &reason);
                 } else if follow {
                     tokio::spawn(self.clone().follow_progress(id, generation));
                 }
@@ -784,23 +755,21 @@ impl KubeExecutor {
             })
             .map(|(id, _)| id.clone())
             .collect();
+        let reason = format!("pending for more than {:.0} s", timeout.as_secs_f64());
         for id in stuck {
-            self.record_exit(
-                &id,
-                Some(127),
-                format!(
-                    "could not start: pending for more than {:.0} s",
-                    timeout.as_secs_f64()
-                ),
-            );
-            let this = self.clone();
-            tokio::spawn(async move {
-                let _ = this
-                    .pods()
-                    .delete(&pod_name(&id), &DeleteParams::default())
-                    .await;
-            });
+            self.abandon(&id, &reason);
         }
+    }
+
+    /// A worker whose Pod cannot start: reported as not started, with why,
+    /// and its Pod deleted.
+    fn abandon(&self, id: &WorkerId, reason: &str) {
+        self.record_exit(id, Some(127), format!("could not start: {reason}"));
+        let this = self.clone();
+        let name = pod_name(id);
+        tokio::spawn(async move {
+            let _ = this.pods().delete(&name, &DeleteParams::default()).await;
+        });
     }
 
     /// Lists Nodes every `node_poll_interval` as their probes, until this

@@ -33,7 +33,7 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;
 
-use crate::contract::{buffer_progress, checkpoint_dir_name, environment, WorkerLaunch};
+use crate::contract::{buffer_progress, checkpoint_dir_name, environment, gpu_refs, WorkerLaunch};
 use crate::executor::{Executor, ExecutorError, WorkerLog};
 use crate::reconcile::Observed;
 use crate::supervisor::{read_exit, ExitRecord};
@@ -214,14 +214,7 @@ impl LocalExecutor {
                     id.clone(),
                     Entry {
                         pid: Some(p.pid),
-                        gpus: p
-                            .gpus
-                            .iter()
-                            .map(|index| GpuRef {
-                                node: p.node.clone(),
-                                index: *index,
-                            })
-                            .collect(),
+                        gpus: gpu_refs(&p.node, p.gpus.iter().copied()),
                         exited: None,
                         stopping: false,
                     },
@@ -449,14 +442,7 @@ impl LocalExecutor {
             id.clone(),
             Entry {
                 pid,
-                gpus: launch
-                    .gpus
-                    .iter()
-                    .map(|index| GpuRef {
-                        node: launch.node.clone(),
-                        index: *index,
-                    })
-                    .collect(),
+                gpus: gpu_refs(&launch.node, launch.gpus.iter().copied()),
                 exited: None,
                 stopping: false,
             },

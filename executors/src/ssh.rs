@@ -51,7 +51,7 @@ pub use nodes_file::{
 };
 
 use crate::contract::{
-    buffer_progress, checkpoint_dir_name, environment, ProgressLines, WorkerLaunch,
+    buffer_progress, checkpoint_dir_name, environment, gpu_refs, ProgressLines, WorkerLaunch,
 };
 use crate::discovery::parse_nvidia_smi;
 use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
@@ -669,14 +669,7 @@ impl SshExecutor {
                 id.clone(),
                 Entry {
                     node: launch.node.clone(),
-                    gpus: launch
-                        .gpus
-                        .iter()
-                        .map(|index| GpuRef {
-                            node: launch.node.clone(),
-                            index: *index,
-                        })
-                        .collect(),
+                    gpus: gpu_refs(&launch.node, launch.gpus.iter().copied()),
                     port,
                     exited: None,
                     stopping: false,
@@ -982,13 +975,7 @@ impl SshExecutor {
                         id.clone(),
                         Entry {
                             node: name.clone(),
-                            gpus: gpus
-                                .iter()
-                                .map(|index| GpuRef {
-                                    node: name.clone(),
-                                    index: *index,
-                                })
-                                .collect(),
+                            gpus: gpu_refs(name, gpus),
                             port,
                             exited: None,
                             stopping: false,
