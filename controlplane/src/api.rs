@@ -70,6 +70,9 @@ const FORWARDED_HEADER: &str = "keel-forwarded";
 /// linearizable read index (`keel --stale`).
 pub const READ_HEADER: &str = "keel-read";
 
+/// The longest a request forwarded to the leader may take.
+pub const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 pub struct KeelApi {
     node: Arc<RaftNode>,
     proposer: Proposer,
@@ -79,6 +82,8 @@ pub struct KeelApi {
     default_policy: &'static str,
     /// The running policy's counters, kept by the scheduling loop.
     policy_counters: crate::leader::PolicyCounters,
+    /// Why this server's executor cannot run the space-sharing policies.
+    cannot_share_gpus: Option<&'static str>,
     /// A channel to the current leader (its address, the client), reused
     /// while the leader stays the same.
     leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
@@ -135,6 +140,7 @@ impl KeelApi {
         heartbeats: Arc<HeartbeatInbox>,
         default_policy: &'static str,
         policy_counters: crate::leader::PolicyCounters,
+        cannot_share_gpus: Option<&'static str>,
     ) -> Self {
         KeelApi {
             node,
@@ -143,6 +149,7 @@ impl KeelApi {
             heartbeats,
             default_policy,
             policy_counters,
+            cannot_share_gpus,
             leader: tokio::sync::Mutex::new(None),
         }
     }
@@ -202,7 +209,14 @@ impl KeelApi {
         }
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| ApiError::Unavailable(format!("leader address {addr:?}: {e}")))?
+            .local_address(self.node.peer_source_ip)
             .connect_timeout(std::time::Duration::from_secs(1))
+            // A forwarded request never waits forever on a connection whose
+            // answer was lost (a half-open connection after a partition):
+            // keep-alive pings find it dead, and every call has a deadline.
+            .http2_keep_alive_interval(std::time::Duration::from_secs(1))
+            .keep_alive_timeout(std::time::Duration::from_secs(2))
+            .timeout(FORWARD_TIMEOUT)
             .tcp_nodelay(true)
             .connect_lazy();
         let client = KeelClient::new(channel)
@@ -601,6 +615,12 @@ impl Keel for KeelApi {
                 message: e.to_string(),
             }
         })?;
+        if let Some(why) = self
+            .cannot_share_gpus
+            .filter(|_| keel_core::gavel::shares_gpus(&name))
+        {
+            return Err(ApiError::Unsupported(format!("policy {name:?}: {why}")).into());
+        }
         let (index, _) = self.propose(Command::SetPolicy { name }).await?;
         Ok(Response::new(api::SetPolicyResponse { index }))
     }

@@ -18,6 +18,7 @@ pub fn job_to_proto(job: &Job) -> api::Job {
             based_on: a.based_on,
             policy: a.policy.clone(),
             decided_at_ms: a.decided_at_ms,
+            shared_with: a.shared_with,
         }),
         progress: job.progress.as_ref().map(sample_to_proto),
         workers: job
@@ -57,8 +58,12 @@ pub fn estimate_to_proto(e: &keel_core::perf::Estimate) -> api::JobEstimate {
 
 pub fn node_to_proto<'a>(
     node: &Node,
-    holders: impl Iterator<Item = (&'a keel_core::GpuRef, &'a u64)>,
+    holders: impl Iterator<Item = (&'a keel_core::GpuRef, &'a keel_core::GpuHolders)>,
 ) -> api::Node {
+    let here: Vec<(u32, keel_core::GpuHolders)> = holders
+        .filter(|(g, _)| g.node == node.name)
+        .map(|(g, h)| (g.index, *h))
+        .collect();
     api::Node {
         name: node.name.clone(),
         address: node.address.clone(),
@@ -73,9 +78,10 @@ pub fn node_to_proto<'a>(
                 })
             })
             .collect(),
-        gpu_holders: holders
-            .filter(|(g, _)| g.node == node.name)
-            .map(|(g, j)| (g.index, *j))
+        gpu_holders: here.iter().map(|(i, h)| (*i, h.job)).collect(),
+        gpu_sharers: here
+            .iter()
+            .filter_map(|(i, h)| Some((*i, h.sharer?)))
             .collect(),
         message: node.message.clone(),
     }

@@ -58,6 +58,10 @@ impl Executor for AnyExecutor {
         each!(self, e => e.logs(job_id, tail_bytes).await)
     }
 
+    fn cannot_share_gpus(&self) -> Option<&'static str> {
+        each!(self, e => e.cannot_share_gpus())
+    }
+
     async fn take_over(&self) {
         each!(self, e => e.take_over().await)
     }

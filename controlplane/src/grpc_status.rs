@@ -25,6 +25,9 @@ pub enum ApiError {
     Unavailable(String),
     #[error("storage failed: {0}")]
     Storage(String),
+    /// The request is valid but this server cannot carry it out.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl From<RaftError<u64, ClientWriteError<u64, BasicNode>>> for ApiError {
@@ -63,6 +66,7 @@ impl From<ApiError> for Status {
             },
             ApiError::NotLeader { .. } | ApiError::Unavailable(_) => Code::Unavailable,
             ApiError::Storage(_) => Code::Internal,
+            ApiError::Unsupported(_) => Code::FailedPrecondition,
         };
         Status::new(code, e.to_string())
     }

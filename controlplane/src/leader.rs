@@ -78,12 +78,21 @@ fn is_leader(node: &RaftNode) -> bool {
 /// applied everything up to its term's first entry (so it decides on the
 /// whole history, not on what a previous leader had not yet replicated to
 /// it).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct LeaderGate {
+    /// The loop this gate lets act, for the log.
+    name: &'static str,
     ready_term: Option<u64>,
 }
 
 impl LeaderGate {
+    pub(crate) fn new(name: &'static str) -> LeaderGate {
+        LeaderGate {
+            name,
+            ready_term: None,
+        }
+    }
+
     pub(crate) async fn ready(&mut self, node: &RaftNode) -> bool {
         if !is_leader(node) {
             self.ready_term = None;
@@ -97,7 +106,11 @@ impl LeaderGate {
         // entry before it returns.
         match tokio::time::timeout(Duration::from_secs(5), node.raft.ensure_linearizable()).await {
             Ok(Ok(_)) => {
-                tracing::info!(term, "leading: the leader loops act from now on");
+                tracing::info!(
+                    term,
+                    leader_loop = self.name,
+                    "leading: this loop acts from now on"
+                );
                 self.ready_term = Some(term);
                 true
             }
@@ -127,6 +140,7 @@ pub async fn scheduling_loop(
     proposer: Proposer,
     default_policy: Arc<dyn Policy>,
     options: PolicyOptions,
+    cannot_share_gpus: Option<&'static str>,
     clock: Clock,
     settings: LoopSettings,
     counters: PolicyCounters,
@@ -136,7 +150,7 @@ pub async fn scheduling_loop(
     let mut policy = default_policy.clone();
     let mut applied = shared.subscribe();
     let mut seen_version = None;
-    let mut gate = LeaderGate::default();
+    let mut gate = LeaderGate::new("scheduling");
     // The next tick is a deadline, not a fresh wait after every applied
     // entry: progress reports arrive more often than the round length and
     // would otherwise postpone time-driven rounds (Tiresias's demotions,
@@ -190,6 +204,22 @@ pub async fn scheduling_loop(
             // The policy an operator chose at run time (a logged entry),
             // else the configured one.
             let wanted = state.policy().unwrap_or(default_policy.name());
+            // A space-sharing policy logged where the executor cannot share
+            // GPUs (the API refuses it; an older log may hold it): keep the
+            // configured one.
+            let wanted = match cannot_share_gpus {
+                Some(why) if keel_core::gavel::shares_gpus(wanted) => {
+                    if policy.name() != default_policy.name() {
+                        tracing::warn!(
+                            policy = wanted,
+                            reason = why,
+                            "not running the logged policy"
+                        );
+                    }
+                    default_policy.name()
+                }
+                _ => wanted,
+            };
             if policy.name() != wanted {
                 match by_name_with(wanted, &options) {
                     Ok(p) => {
@@ -248,7 +278,7 @@ pub async fn reconcile_loop<E: Executor>(
     let shared = node.state_machine.shared();
     let mut applied = shared.subscribe();
     let mut last_progress = tokio::time::Instant::now();
-    let mut gate = LeaderGate::default();
+    let mut gate = LeaderGate::new("reconcile");
     // Whether the executor holds the workers (taken over at the start of
     // this replica's leadership, released when it ends).
     let mut holding = false;

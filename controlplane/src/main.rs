@@ -75,6 +75,10 @@ enum Cmd {
         /// Build a snapshot and compact the log every this many entries.
         #[arg(long, default_value_t = 10_000)]
         snapshot_every: u64,
+        /// The local IP this replica's connections to its peers bind to (a
+        /// fault-injecting proxy tells replicas apart by it; keel-chaos).
+        #[arg(long)]
+        peer_source_ip: Option<std::net::IpAddr>,
         /// Log entries kept behind a snapshot (a follower further behind
         /// catches up by installing the snapshot).
         #[arg(long, default_value_t = 1000)]
@@ -410,8 +414,10 @@ fn init_tracing() {
             "info,openraft=warn,sled=warn,chunked_wal=warn,raft_log=warn",
         )
     });
+    // Colour only on a terminal: a log redirected to a file stays plain text.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }
@@ -498,6 +504,9 @@ fn read_ssh_nodes(path: &std::path::Path) -> anyhow::Result<keel_executors::SshC
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // Chaos builds: failpoints from the FAILPOINTS environment variable.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let args = Args::parse();
     match run(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -521,6 +530,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             id,
             peers,
             snapshot_every,
+            peer_source_ip,
             keep_log_entries,
             simulated_gpus,
             simulated_nodes,
@@ -551,6 +561,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 gavel: gavel.options()?,
             };
             let policy = keel_core::policy::by_name_with(&policy, &policy_options)?;
+            if kubernetes.kubernetes && keel_core::gavel::shares_gpus(policy.name()) {
+                anyhow::bail!(
+                    "--policy {}: {}",
+                    policy.name(),
+                    keel_executors::kubernetes::CANNOT_SHARE_GPUS
+                );
+            }
             let config = ServerConfig {
                 id,
                 data_dir,
@@ -559,6 +576,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 raft: RaftSettings {
                     snapshot_every_entries: snapshot_every,
                     keep_log_after_snapshot: keep_log_entries,
+                    peer_source_ip,
                     ..RaftSettings::default()
                 },
                 nodes: if no_local_node || ssh_nodes.is_some() || kubernetes.kubernetes {
@@ -744,6 +762,9 @@ async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
         gpus: u32::try_from(per_worker.saturating_mul(world)).unwrap_or(u32::MAX),
         rank: u32::try_from(env_num("KEEL_RANK")?.unwrap_or(0)).unwrap_or(u32::MAX),
         checkpoint_dir: env("KEEL_CHECKPOINT_DIR").map(PathBuf::from),
+        shared_with_model: env("KEEL_SHARED_WITH_MODEL").or_else(|| {
+            env("KEEL_SHARED_WITH_JOB").map(|_| keel_core::throughput::GENERIC_MODEL.into())
+        }),
         seed: env_num("KEEL_JOB_ID")?.unwrap_or(0),
     };
     let mut stdout = std::io::stdout();

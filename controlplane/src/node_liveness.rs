@@ -135,15 +135,21 @@ pub async fn heartbeat_loop(
             })
             .collect(),
     };
+    // A beat that is not answered in time is abandoned: the next one goes
+    // out on time (a beat stuck on a dead connection must not silence the
+    // node for good).
+    let deadline = settings.heartbeat_every.max(Duration::from_secs(1)) * 2;
     loop {
-        let wait = match api
-            .node_heartbeat(tonic::Request::new(request.clone()))
-            .await
-        {
-            Ok(_) => settings.heartbeat_every,
-            Err(status) => {
+        let beat = api.node_heartbeat(tonic::Request::new(request.clone()));
+        let wait = match tokio::time::timeout(deadline, beat).await {
+            Ok(Ok(_)) => settings.heartbeat_every,
+            Ok(Err(status)) => {
                 // No leader yet, or an election: try again soon.
                 tracing::debug!(error = %status.message(), "heartbeat not delivered");
+                settings.heartbeat_every.min(Duration::from_millis(200))
+            }
+            Err(_) => {
+                tracing::debug!(?deadline, "heartbeat not answered in time");
                 settings.heartbeat_every.min(Duration::from_millis(200))
             }
         };
@@ -166,7 +172,7 @@ pub async fn liveness_loop(
     settings: LoopSettings,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut gate = LeaderGate::default();
+    let mut gate = LeaderGate::new("node liveness");
     // The term these timers were started in, and the timers.
     let mut timers: Option<(u64, NodeLiveness)> = None;
     // Cheap when nothing is due (one pass over the nodes), and a new node

@@ -160,11 +160,16 @@ impl ClusterIdentity {
 #[derive(Debug, Clone)]
 pub struct GrpcNetwork {
     identity: Arc<ClusterIdentity>,
+    source_ip: Option<std::net::IpAddr>,
 }
 
 impl GrpcNetwork {
-    pub fn new(identity: Arc<ClusterIdentity>) -> GrpcNetwork {
-        GrpcNetwork { identity }
+    /// Connections to peers bind to `source_ip` when given.
+    pub fn new(identity: Arc<ClusterIdentity>, source_ip: Option<std::net::IpAddr>) -> GrpcNetwork {
+        GrpcNetwork {
+            identity,
+            source_ip,
+        }
     }
 }
 
@@ -172,7 +177,9 @@ impl RaftNetworkFactory<TypeConfig> for GrpcNetwork {
     type Network = GrpcPeer;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> GrpcPeer {
-        GrpcPeer::new(target, &node.addr, self.identity.clone())
+        let mut peer = GrpcPeer::new(target, &node.addr, self.identity.clone());
+        peer.source_ip = self.source_ip;
+        peer
     }
 }
 
@@ -183,6 +190,7 @@ pub struct GrpcPeer {
     addr: String,
     client: Option<RaftClient<Channel>>,
     identity: Arc<ClusterIdentity>,
+    source_ip: Option<std::net::IpAddr>,
 }
 
 impl GrpcPeer {
@@ -192,6 +200,7 @@ impl GrpcPeer {
             addr: addr.to_string(),
             client: None,
             identity,
+            source_ip: None,
         }
     }
 
@@ -205,6 +214,7 @@ impl GrpcPeer {
             format!("http://{}", self.addr)
         };
         let channel = Endpoint::from_shared(url)?
+            .local_address(self.source_ip)
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))

@@ -93,6 +93,8 @@ pub struct RaftNode {
     pub log: LogStore,
     /// Held for the life of the node: the data directory's lock.
     pub data_dir: DataDir,
+    /// See [`RaftSettings::peer_source_ip`].
+    pub peer_source_ip: Option<std::net::IpAddr>,
 }
 
 /// Raft timing and compaction settings.
@@ -106,6 +108,11 @@ pub struct RaftSettings {
     /// Log entries kept behind a snapshot, so a briefly absent follower
     /// catches up from the log rather than by a snapshot install.
     pub keep_log_after_snapshot: u64,
+    /// The local address this replica's connections to its peers (Raft,
+    /// forwarded requests) bind to; `None`: the system's choice. A
+    /// fault-injecting proxy in front of a peer tells the replicas apart by
+    /// it (`keel-chaos` gives each 127.0.0.x its own).
+    pub peer_source_ip: Option<std::net::IpAddr>,
 }
 
 impl Default for RaftSettings {
@@ -122,7 +129,30 @@ impl Default for RaftSettings {
             election_timeout_max_ms: 300,
             snapshot_every_entries: 10_000,
             keep_log_after_snapshot: 1000,
+            peer_source_ip: None,
         }
+    }
+}
+
+impl RaftSettings {
+    /// openraft's configuration for these settings: what every replica
+    /// runs with (and the deterministic simulation of the Raft layer too).
+    pub fn openraft_config(&self) -> Result<Config, RaftNodeError> {
+        Config {
+            cluster_name: "keel".into(),
+            heartbeat_interval: self.heartbeat_interval_ms,
+            election_timeout_min: self.election_timeout_min_ms,
+            election_timeout_max: self.election_timeout_max_ms,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(self.snapshot_every_entries),
+            max_in_snapshot_log_to_keep: self.keep_log_after_snapshot,
+            // Proposals are at most 4 MiB; keep one replication message
+            // well under the transport's limit.
+            max_payload_entries: 32,
+            snapshot_max_chunk_size: 1024 * 1024,
+            ..Default::default()
+        }
+        .validate()
+        .map_err(|e| RaftNodeError::Config(e.to_string()))
     }
 }
 
@@ -170,25 +200,11 @@ impl RaftNode {
         };
         let identity =
             Arc::new(ClusterIdentity::load(identity_path.clone()).map_err(identity_error)?);
-        let config = Config {
-            cluster_name: "keel".into(),
-            heartbeat_interval: settings.heartbeat_interval_ms,
-            election_timeout_min: settings.election_timeout_min_ms,
-            election_timeout_max: settings.election_timeout_max_ms,
-            snapshot_policy: SnapshotPolicy::LogsSinceLast(settings.snapshot_every_entries),
-            max_in_snapshot_log_to_keep: settings.keep_log_after_snapshot,
-            // Proposals are at most 4 MiB; keep one replication message
-            // well under the transport's limit.
-            max_payload_entries: 32,
-            snapshot_max_chunk_size: 1024 * 1024,
-            ..Default::default()
-        }
-        .validate()
-        .map_err(|e| RaftNodeError::Config(e.to_string()))?;
+        let config = settings.openraft_config()?;
         let raft = Raft::new(
             id,
             Arc::new(config),
-            GrpcNetwork::new(identity.clone()),
+            GrpcNetwork::new(identity.clone(), settings.peer_source_ip),
             log.clone(),
             state_machine.clone(),
         )
@@ -252,6 +268,7 @@ impl RaftNode {
             state_machine,
             log,
             data_dir,
+            peer_source_ip: settings.peer_source_ip,
         })
     }
 

@@ -66,6 +66,9 @@ struct AllocationView {
     policy: String,
     based_on: u64,
     decided_at_ms: u64,
+    /// The job sharing these GPUs (space sharing), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shared_with: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -147,6 +150,7 @@ fn job_view(job: &api::Job) -> JobView {
             policy: a.policy.clone(),
             based_on: a.based_on,
             decided_at_ms: a.decided_at_ms,
+            shared_with: a.shared_with,
         }),
         progress: job.progress.as_ref().map(|p| ProgressView {
             step: p.step,
@@ -197,7 +201,10 @@ fn job_row(v: &JobView) -> Vec<String> {
         format!("{}x{}", workers, v.gpus),
         v.allocation
             .as_ref()
-            .map(|a| a.gpus.join(","))
+            .map(|a| match a.shared_with {
+                Some(p) => format!("{} (shared with {p})", a.gpus.join(",")),
+                None => a.gpus.join(","),
+            })
             .unwrap_or_else(|| "-".into()),
         v.progress
             .as_ref()
@@ -543,9 +550,12 @@ fn describe_event(e: &pb::Event) -> String {
         Some(K::JobSubmitted(x)) => format!("job {} submitted: {} by {}", x.job_id, x.name, x.user),
         Some(K::JobCancelled(x)) => format!("job {} cancelled: {}", x.job_id, x.reason),
         Some(K::JobAllocated(x)) => format!(
-            "job {} allocated {} (epoch {}, {} round {}, based on {})",
+            "job {} allocated {}{} (epoch {}, {} round {}, based on {})",
             x.job_id,
             x.gpus.iter().map(gpu_ref).collect::<Vec<_>>().join(","),
+            x.shared_with
+                .map(|p| format!(" shared with job {p}"))
+                .unwrap_or_default(),
             x.epoch,
             x.policy,
             x.round,

@@ -78,6 +78,8 @@ pub enum ServerError {
     },
     #[error("the gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("Raft stopped on a fatal error: {0}")]
+    RaftStopped(String),
     #[error("the executor: {0}")]
     Executor(#[from] keel_executors::ExecutorError),
     #[error("the Kubernetes client: {0}")]
@@ -121,12 +123,17 @@ impl Server {
                 addr: config.listen,
                 source,
             })?;
-        // Tools and tests that start a server on port 0 learn its address here.
+        // Tools and tests that start a server on port 0 learn its address
+        // here. Written whole or not at all (a temporary file renamed over
+        // it): a reader polling for the file never sees it half written.
         let addr_file = data_dir.root().join("server.addr");
-        std::fs::write(&addr_file, addr.to_string()).map_err(|source| ServerError::Listen {
-            addr: config.listen,
-            source,
-        })?;
+        let partial = data_dir.root().join("server.addr.partial");
+        std::fs::write(&partial, addr.to_string())
+            .and_then(|()| std::fs::rename(&partial, &addr_file))
+            .map_err(|source| ServerError::Listen {
+                addr: config.listen,
+                source,
+            })?;
         let exe = std::env::current_exe().ok();
         let executor_dir = config
             .executor_dir
@@ -199,6 +206,7 @@ impl Server {
             proposer.clone(),
             self.config.policy.clone(),
             self.config.policy_options.clone(),
+            keel_executors::Executor::cannot_share_gpus(self.executor.as_ref()),
             self.clock.clone(),
             self.config.loops.clone(),
             counters.clone(),
@@ -225,6 +233,7 @@ impl Server {
             heartbeats,
             self.config.policy.name(),
             counters,
+            keel_executors::Executor::cannot_share_gpus(self.executor.as_ref()),
         ));
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),
@@ -253,10 +262,38 @@ impl Server {
         ))
         .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);
+        // Fail-stop: if Raft's core stops (a storage error: a full or
+        // failing disk), the process ends with the cause instead of serving
+        // on as a replica that can no longer vote or apply. What it had
+        // made durable is recovered by the next start.
+        let mut metrics = self.node.raft.metrics();
+        let raft_failed = async move {
+            loop {
+                if let Err(fatal) = &metrics.borrow().running_state {
+                    return fatal.to_string();
+                }
+                if metrics.changed().await.is_err() {
+                    return "Raft's core stopped".to_string();
+                }
+            }
+        };
+        let fatal = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+        let noted = fatal.clone();
+        let stop_serving = async move {
+            tokio::select! {
+                _ = shutdown => {}
+                cause = raft_failed => {
+                    tracing::error!(cause = %cause, "Raft stopped: shutting down");
+                    if let Ok(mut f) = noted.lock() {
+                        *f = Some(cause);
+                    }
+                }
+            }
+        };
         let result = tonic::transport::Server::builder()
             .add_service(service)
             .add_service(raft_service)
-            .serve_with_incoming_shutdown(incoming, shutdown)
+            .serve_with_incoming_shutdown(incoming, stop_serving)
             .await;
         tracing::info!("shutting down");
         // Workers stop (SIGTERM, grace, SIGKILL) while Raft still runs, so
@@ -267,6 +304,11 @@ impl Server {
         let _ = liveness.await;
         let _ = beating.await;
         let _ = probing.await;
+        let fatal = fatal.lock().ok().and_then(|mut f| f.take());
+        if let Some(cause) = fatal {
+            let _ = self.node.shutdown().await;
+            return Err(ServerError::RaftStopped(cause));
+        }
         self.node.shutdown().await?;
         result?;
         Ok(())

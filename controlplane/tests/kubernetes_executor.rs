@@ -3,7 +3,7 @@
 //! Nodes registered from their objects (a NotReady one shown lost, with
 //! why), a job's worker created as a Pod pinned to the chosen node, its
 //! progress read from the Pod's log, and its exit code from the Pod's
-//! status.
+//! status; the space-sharing policies refused with the reason.
 
 mod support;
 
@@ -105,6 +105,16 @@ fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
     wait_for("the pod to be cleaned up", || {
         api.pod(&pod_name).is_none().then_some(())
     });
+    // Pods cannot share GPUs: the space-sharing policies are refused, with
+    // the reason, and nothing is logged.
+    let refused = server.cli(&["policy", "set", "max_min_fairness_packed"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        stderr.contains("cannot put two Pods on the same GPUs"),
+        "{stderr}"
+    );
+    assert!(!server.cli_ok(&["events"]).contains("policy changed"));
     server.terminate();
     drop(rt);
 }

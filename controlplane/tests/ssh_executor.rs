@@ -42,6 +42,7 @@ fn node<'a>(nodes: &'a Value, name: &str) -> Option<&'a Value> {
 
 #[test]
 fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
+    const TOTAL_STEPS: u64 = 5000;
     let sshd = Sshd::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let nodes = nodes_file(&sshd, dir.path());
@@ -84,10 +85,13 @@ fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
         Some(2)
     );
 
-    // A two-worker job of two GPUs each: one worker per host.
+    // A two-worker job of two GPUs each: one worker per host. About 28 s
+    // at full speed (180 steps/s on four v100s at x4), so that it is still
+    // running when the server is killed even if this machine is slow to
+    // show its first progress (CI once saw it past step 2,000 there).
     let spec = format!(
         "name: over-ssh\ncommand: [\"{KEEL}\", trainer, --speedup, \"4\", --report-every-s, \"0.1\"]\n\
-         gpus: 2\nworkers: 2\nmodel: resnet50\ntotal_steps: 3000\n"
+         gpus: 2\nworkers: 2\nmodel: resnet50\ntotal_steps: {TOTAL_STEPS}\n"
     );
     let spec_path = dir.path().join("job.yaml");
     std::fs::write(&spec_path, spec).expect("spec");
@@ -112,7 +116,7 @@ fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
     // kill -9 of the server: the workers run on; the restarted server
     // finds them on the hosts and relaunches nothing.
     let step_at_kill = running["progress"]["step"].as_u64().unwrap_or(0);
-    assert!(step_at_kill < 2000, "too fast to kill mid-run: {running}");
+    assert!(step_at_kill < TOTAL_STEPS, "not killed mid-run: {running}");
     server.kill9();
     let server = ServerProcess::start(&data, &args);
     let done = wait_for("the job to succeed after the restart", || {
@@ -120,7 +124,7 @@ fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
         assert_ne!(view["state"], "failed", "{view}");
         (view["state"] == "succeeded").then_some(view)
     });
-    assert_eq!(done["progress"]["step"], 3000, "{done}");
+    assert_eq!(done["progress"]["step"], TOTAL_STEPS, "{done}");
     let epochs: Vec<u64> = done["workers"]
         .as_array()
         .expect("workers")

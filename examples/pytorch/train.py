@@ -24,6 +24,9 @@ def main():
     parser.add_argument("--steps", type=int, default=None,
                         help="steps to train (default: KEEL_TOTAL_STEPS, else 1000)")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="width of the hidden layers (larger keeps a GPU busier)")
+    parser.add_argument("--layers", type=int, default=1, help="hidden layers")
     parser.add_argument("--report-every", type=int, default=10)
     args = parser.parse_args()
 
@@ -34,7 +37,10 @@ def main():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
+    hidden = [nn.Linear(32, args.hidden), nn.ReLU()]
+    for _ in range(args.layers - 1):
+        hidden += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+    model = nn.Sequential(*hidden, nn.Linear(args.hidden, 4)).to(device)
     if ctx.world_size > 1:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -67,6 +67,16 @@ pub struct WorkerLaunch {
     pub rendezvous_addr: String,
     pub model: Option<String>,
     pub total_steps: Option<u64>,
+    /// Space sharing: the job whose workers run on the same GPUs at the
+    /// same time, and its model.
+    pub shared_with: Option<SharedWith>,
+}
+
+/// The partner of a worker whose GPUs are shared (space sharing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedWith {
+    pub job_id: JobId,
+    pub model: Option<String>,
 }
 
 /// GPUs `indexes` of `node`, as the reconciler compares them.
@@ -122,6 +132,12 @@ pub fn environment(
     }
     if let Some(steps) = launch.total_steps {
         set("KEEL_TOTAL_STEPS", steps.to_string());
+    }
+    if let Some(partner) = &launch.shared_with {
+        set("KEEL_SHARED_WITH_JOB", partner.job_id.to_string());
+        if let Some(model) = &partner.model {
+            set("KEEL_SHARED_WITH_MODEL", model.clone());
+        }
     }
     // The names torch.distributed's env:// rendezvous and torchrun use.
     set("RANK", id.rank.to_string());
@@ -279,6 +295,7 @@ mod tests {
             rendezvous_addr: "10.0.0.1".into(),
             model: None,
             total_steps: Some(100),
+            shared_with: None,
         };
         let env = environment(&launch, 29500, "/ckpt/job-4");
         assert_eq!(env["RANK"], "1");

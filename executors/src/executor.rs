@@ -100,6 +100,13 @@ pub trait Executor: Send + Sync + 'static {
         async { Vec::new() }
     }
 
+    /// Whether two workers of a declared pair can run on the same GPUs
+    /// (space sharing). `None`: they can; `Some(why)`: they cannot, and
+    /// the space-sharing policies must not run.
+    fn cannot_share_gpus(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Stops every worker and waits (at most `grace` plus a little) for them
     /// to exit. Used when the server shuts down.
     fn shutdown(&self, grace: Duration) -> impl Future<Output = ()> + Send;

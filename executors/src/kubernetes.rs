@@ -291,6 +291,9 @@ impl KubeExecutor {
     /// The Pod for `launch`.
     fn pod_for(&self, launch: &WorkerLaunch) -> Result<Pod, String> {
         let id = &launch.id;
+        if launch.shared_with.is_some() {
+            return Err(CANNOT_SHARE_GPUS.into());
+        }
         let image = match launch.image.clone().or(self.config.default_image.clone()) {
             Some(i) => i,
             None => {
@@ -868,7 +871,17 @@ impl KubeExecutor {
     }
 }
 
+/// Why the Kubernetes executor runs no space-sharing policy.
+pub const CANNOT_SHARE_GPUS: &str =
+    "the Kubernetes executor cannot put two Pods on the same GPUs: \
+     the device plugin hands each Pod whole GPUs of its own choosing (time-slicing and MPS \
+     replicas are not pinned to a device either); use a policy without space sharing";
+
 impl Executor for KubeExecutor {
+    fn cannot_share_gpus(&self) -> Option<&'static str> {
+        Some(CANNOT_SHARE_GPUS)
+    }
+
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
         if self.lock().workers.contains_key(&launch.id) {
             return Ok(());

@@ -68,6 +68,7 @@ mod tests {
             policy: "fifo".into(),
             round: 1,
             decided_at_ms: 0,
+            shared_with: None,
         };
         let r = allocation.ranks(2);
         assert_eq!(r.len(), 2);

@@ -736,6 +736,7 @@ mod tests {
             rendezvous_addr: "127.0.0.1".into(),
             model: None,
             total_steps: None,
+            shared_with: None,
         }
     }
 

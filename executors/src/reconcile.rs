@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use keel_core::{ClusterState, GpuRef, JobState, WorkerState};
 
-use crate::contract::WorkerLaunch;
+use crate::contract::{SharedWith, WorkerLaunch};
 use crate::WorkerId;
 
 /// What the executor reports about a worker it runs or ran.
@@ -121,6 +121,10 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
                 .and_then(|n| n.gpus.get(&first.index))
                 .cloned()
                 .unwrap_or_default();
+            let shared_with = alloc.shared_with.map(|partner| SharedWith {
+                job_id: partner,
+                model: state.job(partner).and_then(|p| p.spec.model.clone()),
+            });
             out.insert(
                 id.clone(),
                 WorkerLaunch {
@@ -138,6 +142,7 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
                     rendezvous_addr: rendezvous_addr.clone(),
                     model: job.spec.model.clone(),
                     total_steps: job.spec.total_steps,
+                    shared_with,
                 },
             );
         }
@@ -165,14 +170,16 @@ pub fn recorded_running(state: &ClusterState) -> BTreeSet<WorkerId> {
 /// The actions that bring what runs towards what is wanted, in the order to
 /// take them: exits are recorded first, unwanted workers stopped, then
 /// wanted ones launched (only on GPUs no other live process uses: a stopped
-/// worker keeps its GPUs until it has exited), then starts recorded.
+/// worker keeps its GPUs until it has exited; the one exception is a
+/// wanted worker of the launch's declared partner, which shares them),
+/// then starts recorded.
 pub fn reconcile(
     desired: &BTreeMap<WorkerId, WorkerLaunch>,
     observed: &BTreeMap<WorkerId, Observed>,
     recorded_running: &BTreeSet<WorkerId>,
 ) -> Vec<Action> {
     let mut actions = Vec::new();
-    let mut busy: BTreeSet<&GpuRef> = BTreeSet::new();
+    let mut busy: BTreeMap<&GpuRef, Vec<&WorkerId>> = BTreeMap::new();
     for (id, o) in observed {
         match o {
             Observed::Exited { exit_code, reason } => actions.push(Action::RecordExit {
@@ -181,7 +188,9 @@ pub fn reconcile(
                 reason: reason.clone(),
             }),
             Observed::Running { gpus } => {
-                busy.extend(gpus.iter());
+                for g in gpus {
+                    busy.entry(g).or_default().push(id);
+                }
                 if !desired.contains_key(id) {
                     actions.push(Action::Stop { id: id.clone() });
                 }
@@ -192,10 +201,16 @@ pub fn reconcile(
         if observed.contains_key(id) {
             continue;
         }
+        let partner = launch.shared_with.as_ref().map(|p| p.job_id);
         let blocked = launch.gpus.iter().any(|index| {
-            busy.contains(&GpuRef {
+            let gpu = GpuRef {
                 node: launch.node.clone(),
                 index: *index,
+            };
+            busy.get(&gpu).is_some_and(|holders| {
+                holders
+                    .iter()
+                    .any(|h| Some(h.job_id) != partner || !desired.contains_key(*h))
             })
         });
         if !blocked {
@@ -258,6 +273,7 @@ mod tests {
                 placements: vec![JobPlacement {
                     job_id,
                     gpus: gpus.iter().map(|i| gpu(*i)).collect(),
+                    share_with: None,
                 }],
             });
         }
@@ -358,10 +374,12 @@ mod tests {
                 JobPlacement {
                     job_id: 1,
                     gpus: vec![],
+                    share_with: None,
                 },
                 JobPlacement {
                     job_id: 2,
                     gpus: vec![gpu(0)],
+                    share_with: None,
                 },
             ],
         });
@@ -382,6 +400,61 @@ mod tests {
         assert!(matches!(&actions[0], Action::RecordExit { id, .. } if *id == wid(1, 1, 0)));
         assert!(matches!(&actions[1], Action::Launch(l) if l.id == wid(2, 1, 0)));
         assert_eq!(actions.len(), 2);
+    }
+
+    #[test]
+    fn a_declared_partner_launches_beside_a_running_worker_and_no_one_else_does() {
+        let mut w = World::new();
+        for name in ["a", "b", "c"] {
+            w.apply(Command::SubmitJob {
+                spec: job_spec(name, 1, 1),
+            });
+        }
+        w.place(3, &[0]);
+        // Job 3 leaves GPU 0 to the pair of jobs 1 and 2.
+        let pair = |a: u64, b: u64| JobPlacement {
+            job_id: a,
+            gpus: vec![gpu(0)],
+            share_with: Some(b),
+        };
+        w.apply(Command::DecideAllocation {
+            based_on: w.index,
+            policy: "test".into(),
+            round: 2,
+            placements: vec![JobPlacement::alone(3, vec![]), pair(1, 2), pair(2, 1)],
+        });
+        // Job 3's worker still runs: neither member may start.
+        let mut observed: BTreeMap<_, _> = [(wid(3, 1, 0), running(&[0]))].into_iter().collect();
+        assert_eq!(
+            w.actions(&observed),
+            vec![Action::Stop { id: wid(3, 1, 0) }]
+        );
+        // Job 3 exited; job 1's worker is up: job 2's starts beside it, told
+        // whom it shares with.
+        observed.remove(&wid(3, 1, 0));
+        observed.insert(wid(1, 1, 0), running(&[0]));
+        let actions = w.actions(&observed);
+        let launch = actions.iter().find_map(|a| match a {
+            Action::Launch(l) => Some(l.as_ref()),
+            _ => None,
+        });
+        let launch = launch.expect("job 2 launches");
+        assert_eq!(launch.id, wid(2, 1, 0));
+        assert_eq!(launch.gpus, vec![0]);
+        assert_eq!(launch.shared_with.as_ref().map(|p| p.job_id), Some(1));
+        let env = crate::contract::environment(launch, 29500, "/tmp/c");
+        assert_eq!(
+            env.get("KEEL_SHARED_WITH_JOB").map(String::as_str),
+            Some("1")
+        );
+        assert_eq!(
+            env.get("KEEL_SHARED_WITH_MODEL").map(String::as_str),
+            Some("resnet50")
+        );
+        assert_eq!(
+            env.get("CUDA_VISIBLE_DEVICES").map(String::as_str),
+            Some("0")
+        );
     }
 
     #[test]

@@ -44,6 +44,10 @@ pub struct TrainerOptions {
     pub rank: u32,
     pub checkpoint_dir: Option<PathBuf>,
     pub seed: u64,
+    /// Space sharing: the model of the job on the same GPUs. A simulated
+    /// GPU is shared as the table's interference model says
+    /// ([`keel_core::throughput::ModelProfile::shared_fraction`]).
+    pub shared_with_model: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,8 +127,11 @@ pub async fn run(opts: TrainerOptions, out: &mut (dyn Write + Send)) -> Result<i
     };
     let profile = profile(&opts.model);
     let gpus = opts.gpus.max(1);
-    let steps_per_wall_s = profile.steps_per_s(&opts.gpu_type, gpus) * opts.speedup;
-    let samples_per_s = profile.samples_per_s(&opts.gpu_type, gpus);
+    let shared = opts.shared_with_model.as_deref().map_or(1.0, |m| {
+        profile.shared_fraction(keel_core::throughput::profile(m))
+    });
+    let steps_per_wall_s = profile.steps_per_s(&opts.gpu_type, gpus) * shared * opts.speedup;
+    let samples_per_s = profile.samples_per_s(&opts.gpu_type, gpus) * shared;
     let curve = LossCurve::for_run(2.5, 0.1, opts.total_steps);
     let mut rng = SplitMix64::new(opts.seed);
     let mut noise = move |amplitude: f64| 1.0 + amplitude * (2.0 * rng.unit() - 1.0);
@@ -223,6 +230,7 @@ mod tests {
             rank: 0,
             checkpoint_dir: Some(dir.to_path_buf()),
             seed: 1,
+            shared_with_model: None,
         }
     }
 

@@ -32,6 +32,7 @@ fn launch(job_id: u64, epoch: u64, rank: u32, world_size: u32) -> WorkerLaunch {
         rendezvous_addr: "ignored".into(),
         model: None,
         total_steps: Some(100),
+        shared_with: None,
     }
 }
 

@@ -29,6 +29,7 @@ fn launch(node: &str, job_id: u64, rank: u32, script: &str) -> WorkerLaunch {
         rendezvous_addr: "127.0.0.1".into(),
         model: None,
         total_steps: Some(10),
+        shared_with: None,
     }
 }
 

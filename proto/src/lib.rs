@@ -25,4 +25,13 @@ pub mod raft {
 }
 
 /// The highest log-entry format version this build reads and writes.
-pub const ENTRY_FORMAT_VERSION: u32 = 1;
+///
+/// - 1: the first format.
+/// - 2: `JobPlacement.share_with` (space sharing). Only an entry that uses
+///   it is written as 2, so a build that reads version 1 only refuses
+///   exactly the entries it would misread (an unknown protobuf field would
+///   otherwise be dropped silently) and reads every other.
+pub const ENTRY_FORMAT_VERSION: u32 = 2;
+
+/// The version of an entry that uses nothing newer than the first format.
+pub const ENTRY_FORMAT_VERSION_FIRST: u32 = 1;

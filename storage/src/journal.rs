@@ -59,6 +59,9 @@ pub(crate) struct JournalApplied {
     pub(crate) entries: u64,
     pub(crate) refused: u64,
     pub(crate) last_index: Option<u64>,
+    /// With `check`: the first index after which
+    /// [`ClusterState::check_invariants`] failed, and how.
+    pub(crate) first_violation: Option<(u64, String)>,
 }
 
 type DecodedPage = Result<Vec<(u64, pb::LogEntry)>, ReplayError>;
@@ -101,6 +104,7 @@ pub(crate) fn apply_journal(
     state: &mut ClusterState,
     from: u64,
     until: u64,
+    check: bool,
 ) -> Result<JournalApplied, ReplayError> {
     let mut out = JournalApplied::default();
     std::thread::scope(|scope| -> Result<(), ReplayError> {
@@ -117,6 +121,11 @@ pub(crate) fn apply_journal(
                     .map_err(|source| ReplayError::Decode { index, source })?;
                 if state.apply(index, &entry).is_err() {
                     out.refused += 1;
+                }
+                if check && out.first_violation.is_none() {
+                    if let Err(broken) = state.check_invariants() {
+                        out.first_violation = Some((index, broken));
+                    }
                 }
                 out.entries += 1;
                 out.last_index = Some(index);

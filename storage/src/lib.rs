@@ -9,6 +9,8 @@
 //!   the last applied log id and membership, and snapshots. The journal is
 //!   never purged by log compaction, so history can always be replayed.
 //! - [`replay`]: rebuilds the state offline from a data directory's journal.
+//! - [`KeelRuntime`]: the async runtime openraft runs on (Tokio, with election
+//!   timeouts drawn from a generator a simulation can seed).
 //!
 //! Layout of a data directory:
 //!
@@ -25,6 +27,7 @@ mod journal;
 mod journal_writer;
 mod log_store;
 mod replay;
+mod runtime;
 mod state_machine;
 
 use std::io::Cursor;
@@ -36,7 +39,11 @@ use serde::{Deserialize, Serialize};
 pub use data_dir::{DataDir, DataDirError};
 pub use error::StoreError;
 pub use log_store::LogStore;
-pub use replay::{replay, replay_data_dir, replay_until, ReplayError, ReplaySummary, Until};
+pub use replay::{
+    replay, replay_data_dir, replay_data_dir_checked, replay_until, replay_until_checked,
+    ReplayError, ReplaySummary, Until,
+};
+pub use runtime::{seed_thread_rng, KeelRuntime, RaftRng};
 pub use state_machine::{Applied, SharedState, StateMachineStore};
 
 /// The result of applying one Raft entry: the outcome of each command in its
@@ -56,7 +63,7 @@ openraft::declare_raft_types!(
         Node = BasicNode,
         Entry = openraft::Entry<TypeConfig>,
         SnapshotData = Cursor<Vec<u8>>,
-        AsyncRuntime = openraft::TokioRuntime,
+        AsyncRuntime = crate::KeelRuntime,
 );
 
 /// A Raft log id, as openraft names it for this type config.

@@ -297,6 +297,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(self.lock().log_state().committed().map(from_wal_id))
     }
 
+    // The failpoint's closure returns openraft's StorageError, as every
+    // method here does.
+    #[cfg_attr(feature = "failpoints", allow(clippy::result_large_err))]
     async fn append<I>(
         &mut self,
         entries: I,
@@ -321,6 +324,18 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 .map_err(|err| err.into_raft(ErrorSubject::Log(e.log_id), ErrorVerb::Write))?;
             records.push((to_wal_id(&e.log_id), payload));
         }
+        // Chaos builds: a slow disk (`sleep(ms)`) or a full one (`return`).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("wal-append", |_| {
+            Err(io_err(
+                ErrorSubject::Logs,
+                ErrorVerb::Write,
+                io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    "no space left on device (failpoint)",
+                ),
+            ))
+        });
         wal.append(records)
             .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))?;
         // openraft learns the entries are durable only once fdatasync returned.

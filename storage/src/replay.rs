@@ -43,6 +43,10 @@ pub struct ReplaySummary {
     /// tail, which a restart rebuilds from the log).
     pub from_log: u64,
     pub state_hash: StateHash,
+    /// Only from [`replay_data_dir_checked`]: the first index after which
+    /// the state broke an invariant (`ClusterState::check_invariants`), and
+    /// how.
+    pub invariant_violation: Option<(u64, String)>,
     pub jobs_by_state: BTreeMap<String, u64>,
     pub nodes: u64,
     pub state: ClusterState,
@@ -71,7 +75,25 @@ pub enum Until {
 /// Replays a data directory up to `until`: its journal, then the committed
 /// entries of its Raft log that the journal had not recorded yet.
 pub fn replay_data_dir(dir: &crate::DataDir, until: Until) -> Result<ReplaySummary, ReplayError> {
-    let journaled = replay_until(&dir.state_dir(), until)?;
+    replay_dir(dir, until, false)
+}
+
+/// [`replay_data_dir`], checking the state's invariants after
+/// every entry (no GPU held by two jobs outside a declared pair, indexes
+/// agreeing with the jobs, ...): what a chaos run holds every replica to.
+pub fn replay_data_dir_checked(
+    dir: &crate::DataDir,
+    until: Until,
+) -> Result<ReplaySummary, ReplayError> {
+    replay_dir(dir, until, true)
+}
+
+fn replay_dir(
+    dir: &crate::DataDir,
+    until: Until,
+    check: bool,
+) -> Result<ReplaySummary, ReplayError> {
+    let journaled = replay_tree_at(&dir.state_dir(), until, check)?;
     let log_dir = dir.raft_log_dir();
     if !log_dir.exists() {
         return Ok(journaled);
@@ -101,6 +123,7 @@ pub fn replay_data_dir(dir: &crate::DataDir, until: Until) -> Result<ReplaySumma
         started_after,
         mut last_index,
         mut state,
+        mut invariant_violation,
         ..
     } = journaled;
     let mut from_log = 0;
@@ -117,20 +140,20 @@ pub fn replay_data_dir(dir: &crate::DataDir, until: Until) -> Result<ReplaySumma
                 if state.apply(index, e).is_err() {
                     refused += 1;
                 }
+                if check && invariant_violation.is_none() {
+                    if let Err(broken) = state.check_invariants() {
+                        invariant_violation = Some((index, broken));
+                    }
+                }
                 entries += 1;
                 from_log += 1;
                 last_index = index;
             }
         }
     }
-    Ok(summarise(
-        state,
-        entries,
-        refused,
-        started_after,
-        last_index,
-        from_log,
-    ))
+    let mut summary = summarise(state, entries, refused, started_after, last_index, from_log);
+    summary.invariant_violation = invariant_violation;
+    Ok(summary)
 }
 
 fn summarise(
@@ -152,6 +175,7 @@ fn summarise(
         last_index,
         from_log,
         state_hash: state.state_hash(),
+        invariant_violation: None,
         jobs_by_state,
         nodes: state.nodes().len() as u64,
         state,
@@ -160,6 +184,21 @@ fn summarise(
 
 /// Replays the journal in a state directory up to `until`.
 pub fn replay_until(state_dir: &Path, until: Until) -> Result<ReplaySummary, ReplayError> {
+    replay_tree_at(state_dir, until, false)
+}
+
+/// [`replay_until`], checking the state's invariants after every entry
+/// (the journal alone: for a state directory without a Raft log, as the
+/// deterministic simulation's replicas have).
+pub fn replay_until_checked(state_dir: &Path, until: Until) -> Result<ReplaySummary, ReplayError> {
+    replay_tree_at(state_dir, until, true)
+}
+
+fn replay_tree_at(
+    state_dir: &Path,
+    until: Until,
+    check: bool,
+) -> Result<ReplaySummary, ReplayError> {
     let db = crate::state_machine::open_sled(state_dir).map_err(|e| ReplayError::Open {
         path: state_dir.display().to_string(),
         message: e.to_string(),
@@ -172,7 +211,7 @@ pub fn replay_until(state_dir: &Path, until: Until) -> Result<ReplaySummary, Rep
         Until::Index(i) => i,
         Until::Time(at_ms) => index_at_time(&tree, at_ms)?,
     };
-    replay_tree(&tree, index)
+    replay_tree(&tree, index, check)
 }
 
 /// The last journaled index whose entry was stamped at or before `at_ms`
@@ -208,7 +247,11 @@ fn index_at_time(tree: &sled::Tree, at_ms: u64) -> Result<u64, ReplayError> {
     Ok(best)
 }
 
-pub(crate) fn replay_tree(tree: &sled::Tree, until: u64) -> Result<ReplaySummary, ReplayError> {
+pub(crate) fn replay_tree(
+    tree: &sled::Tree,
+    until: u64,
+    check: bool,
+) -> Result<ReplaySummary, ReplayError> {
     let read = |e: sled::Error| ReplayError::Read(e.to_string());
     // Start from the last installed checkpoint at or before `until`, if any:
     // the journal has a gap before it.
@@ -227,14 +270,16 @@ pub(crate) fn replay_tree(tree: &sled::Tree, until: u64) -> Result<ReplaySummary
         None => (ClusterState::new(), 0),
     };
     let start = started_after.saturating_add(u64::from(started_after > 0));
-    let applied = apply_journal(tree, &mut state, start, until)?;
+    let applied = apply_journal(tree, &mut state, start, until, check)?;
     let last_index = applied.last_index.unwrap_or(started_after);
-    Ok(summarise(
+    let mut summary = summarise(
         state,
         applied.entries,
         applied.refused,
         started_after,
         last_index,
         0,
-    ))
+    );
+    summary.invariant_violation = applied.first_violation;
+    Ok(summary)
 }

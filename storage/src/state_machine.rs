@@ -46,7 +46,8 @@ const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
 /// 2: `ClusterState` gained the supply/demand version, the last round and
 /// per-job retries. 3: jobs gained their attained service and queueing
 /// time. 4: jobs gained their performance history (loss points, speeds).
-const SNAPSHOT_FORMAT_VERSION: u32 = 4;
+/// 5: allocations name a sharing partner; the GPU-holder index holds pairs.
+const SNAPSHOT_FORMAT_VERSION: u32 = 5;
 
 pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -207,7 +208,7 @@ impl StateMachineStore {
         let until = last_applied.map_or(0, |l| l.index);
         if until >= from {
             // Refusals were recorded when first applied; the state is the same.
-            crate::journal::apply_journal(&tree, &mut state, from, until)
+            crate::journal::apply_journal(&tree, &mut state, from, until, false)
                 .map_err(|e| StoreError::corrupt("the journal", e))?;
         }
         let (applied_index, _) = watch::channel(until);

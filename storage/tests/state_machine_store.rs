@@ -85,6 +85,7 @@ async fn state_survives_reopen_and_matches_offline_replay() {
                         node: "n1".into(),
                         index: 0,
                     }],
+                    share_with: None,
                 }],
             },
         );

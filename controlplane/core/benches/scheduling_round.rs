@@ -78,6 +78,7 @@ fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
                         index,
                     })
                     .collect(),
+                share_with: None,
             }
         })
         .collect();

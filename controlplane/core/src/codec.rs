@@ -6,7 +6,7 @@
 //! leaves for an unknown field), is a [`DecodeError`], never skipped.
 
 use keel_proto::entry as pb;
-use keel_proto::ENTRY_FORMAT_VERSION;
+use keel_proto::{ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST};
 use prost::Message;
 
 use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
@@ -112,6 +112,7 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
                 .map(|p| pb::JobPlacement {
                     job_id: p.job_id,
                     gpus: p.gpus.iter().map(gpu_ref_to_proto).collect(),
+                    share_with: p.share_with,
                 })
                 .collect(),
         }),
@@ -158,8 +159,14 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
         Command::RemoveJob { job_id } => C::RemoveJob(pb::RemoveJob { job_id: *job_id }),
         Command::SetPolicy { name } => C::SetPolicy(pb::SetPolicy { name: name.clone() }),
     };
+    let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
+        if placements.iter().any(|p| p.share_with.is_some()));
     pb::LogEntry {
-        format_version: ENTRY_FORMAT_VERSION,
+        format_version: if shares_gpus {
+            ENTRY_FORMAT_VERSION
+        } else {
+            ENTRY_FORMAT_VERSION_FIRST
+        },
         at_ms: entry.at_ms,
         command: Some(command),
     }
@@ -206,6 +213,7 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
                 .map(|p| JobPlacement {
                     job_id: p.job_id,
                     gpus: p.gpus.into_iter().map(gpu_ref_from_proto).collect(),
+                    share_with: p.share_with,
                 })
                 .collect(),
         },
@@ -378,6 +386,7 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             based_on,
             policy,
             round,
+            shared_with,
         } => K::JobAllocated(pb::JobAllocated {
             job_id: *job_id,
             epoch: *epoch,
@@ -385,6 +394,7 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             based_on: *based_on,
             policy: policy.clone(),
             round: *round,
+            shared_with: *shared_with,
         }),
         Event::JobPreempted { job_id, reason } => K::JobPreempted(pb::JobPreempted {
             job_id: *job_id,
@@ -519,5 +529,39 @@ mod tests {
             decode_entry(&[0xff, 0xff, 0xff]),
             Err(DecodeError::Protobuf(_))
         ));
+    }
+
+    #[test]
+    fn only_an_entry_that_shares_gpus_is_written_in_format_version_2() {
+        let gpu = GpuRef {
+            node: "n0".into(),
+            index: 0,
+        };
+        let decision = |share: bool| LogEntry {
+            at_ms: 5,
+            command: Command::DecideAllocation {
+                based_on: 3,
+                policy: "max_min_fairness_packed".into(),
+                round: 1,
+                placements: vec![
+                    JobPlacement {
+                        job_id: 1,
+                        gpus: vec![gpu.clone()],
+                        share_with: share.then_some(2),
+                    },
+                    JobPlacement {
+                        job_id: 2,
+                        gpus: vec![gpu.clone()],
+                        share_with: share.then_some(1),
+                    },
+                ],
+            },
+        };
+        for (share, version) in [(false, 1), (true, 2)] {
+            let entry = decision(share);
+            assert_eq!(entry_to_proto(&entry).format_version, version);
+            let bytes = encode_entry(&entry);
+            assert_eq!(decode_entry(&bytes), Ok(entry), "round trip");
+        }
     }
 }

@@ -37,6 +37,21 @@ pub struct JobPlacement {
     pub job_id: JobId,
     /// Empty: release the job's GPUs (preempt it).
     pub gpus: Vec<GpuRef>,
+    /// Space sharing: the job that runs on the same GPUs at the same time.
+    /// The partner must be placed in the same decision on the identical
+    /// GPUs, naming this job; otherwise both placements are refused.
+    pub share_with: Option<JobId>,
+}
+
+impl JobPlacement {
+    /// A placement on GPUs the job holds alone.
+    pub fn alone(job_id: JobId, gpus: Vec<GpuRef>) -> JobPlacement {
+        JobPlacement {
+            job_id,
+            gpus,
+            share_with: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -33,6 +33,8 @@ pub enum Event {
         based_on: u64,
         policy: String,
         round: u64,
+        /// The job sharing these GPUs (space sharing), if any.
+        shared_with: Option<JobId>,
     },
     JobPreempted {
         job_id: JobId,

@@ -86,7 +86,7 @@ impl TestCluster {
             based_on: self.index,
             policy: "test".into(),
             round: self.state.last_round() + 1,
-            placements: vec![JobPlacement { job_id, gpus }],
+            placements: vec![JobPlacement::alone(job_id, gpus)],
         });
     }
 }
@@ -176,10 +176,7 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
                 based_on: out.len() as u64,
                 policy: "fifo".into(),
                 round: out.len() as u64,
-                placements: vec![JobPlacement {
-                    job_id: job.id,
-                    gpus,
-                }],
+                placements: vec![JobPlacement::alone(job.id, gpus)],
             }
         } else if roll < 22 {
             let job_id = running[rng.below(running.len() as u64) as usize];

@@ -29,8 +29,8 @@ pub mod topology;
 pub use command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 pub use event::Event;
 pub use model::{
-    Allocation, Gpu, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample, Worker,
-    WorkerState,
+    Allocation, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample,
+    Worker, WorkerState,
 };
 pub use spec::{JobSpec, SpecError};
 pub use state::{ApplyError, ClusterState, StateHash};

@@ -101,6 +101,10 @@ pub struct Allocation {
     pub policy: String,
     pub round: u64,
     pub decided_at_ms: u64,
+    /// The job that shares these GPUs (space sharing): its allocation names
+    /// this job and lists the same GPUs. `None`: the GPUs are this job's
+    /// alone. Cleared when the partner lets go of them.
+    pub shared_with: Option<JobId>,
 }
 
 impl Allocation {
@@ -115,6 +119,62 @@ impl Allocation {
     pub fn service_until(&self, now_ms: u64) -> u64 {
         let gpus = u64::try_from(self.gpus.len()).unwrap_or(u64::MAX);
         gpus.saturating_mul(now_ms.saturating_sub(self.decided_at_ms))
+    }
+}
+
+/// The jobs holding one GPU: one job, or a declared pair (space sharing),
+/// smaller id first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GpuHolders {
+    pub job: JobId,
+    /// The second job of a declared pair.
+    pub sharer: Option<JobId>,
+}
+
+impl GpuHolders {
+    /// One job alone.
+    pub fn one(job: JobId) -> GpuHolders {
+        GpuHolders { job, sharer: None }
+    }
+
+    pub fn contains(&self, job: JobId) -> bool {
+        self.job == job || self.sharer == Some(job)
+    }
+
+    /// The holding jobs, smaller id first.
+    pub fn jobs(&self) -> impl Iterator<Item = JobId> {
+        std::iter::once(self.job).chain(self.sharer)
+    }
+
+    /// These holders and `job` (a GPU held by two already keeps its two).
+    pub fn with(self, job: JobId) -> GpuHolders {
+        match self.sharer {
+            _ if self.contains(job) => self,
+            None => GpuHolders {
+                job: self.job.min(job),
+                sharer: Some(self.job.max(job)),
+            },
+            Some(_) => self,
+        }
+    }
+
+    /// These holders without `job`; `None` when none is left.
+    pub fn without(self, job: JobId) -> Option<GpuHolders> {
+        match self.sharer {
+            Some(s) if self.job == job => Some(GpuHolders::one(s)),
+            Some(s) if s == job => Some(GpuHolders::one(self.job)),
+            _ if self.job == job => None,
+            _ => Some(self),
+        }
+    }
+}
+
+impl fmt::Display for GpuHolders {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.sharer {
+            Some(s) => write!(f, "jobs {} and {s}", self.job),
+            None => write!(f, "job {}", self.job),
+        }
     }
 }
 

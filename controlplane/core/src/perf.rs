@@ -66,6 +66,10 @@ pub struct RunningOn<'a> {
     /// when [`PerfHistory::knows_epoch`]).
     pub gpu_type: &'a str,
     pub gpus: u32,
+    /// Space sharing: the model of the job sharing these GPUs (`None`:
+    /// alone). Samples taken while sharing never count as the job's alone
+    /// speed.
+    pub partner_model: Option<&'a str>,
 }
 
 /// What the state remembers of a job's progress for the models.
@@ -87,6 +91,12 @@ pub struct PerfHistory {
     pub last_sample: Option<(u64, u64, u64)>,
     /// The GPU type of the last sample's epoch.
     pub epoch_gpu_type: String,
+    /// The partner's model while the current epoch shares its GPUs (space
+    /// sharing); its measurements fold into `shared_speeds`.
+    pub epoch_partner: Option<String>,
+    /// Measured speed while sharing GPUs: by the partner's model, then GPU
+    /// type, then GPU count.
+    pub shared_speeds: BTreeMap<String, BTreeMap<String, BTreeMap<u32, SpeedStat>>>,
 }
 
 impl PerfHistory {
@@ -97,11 +107,19 @@ impl PerfHistory {
             epoch,
             gpu_type,
             gpus,
+            partner_model,
         } = *on;
         if !self.knows_epoch(epoch) {
             self.fold_epoch();
             gpu_type.clone_into(&mut self.epoch_gpu_type);
             self.epoch_gpus = gpus;
+            self.epoch_partner = partner_model.map(str::to_string);
+        } else if self.epoch_partner.as_deref() != partner_model {
+            // The partner left mid-epoch: what follows is a new
+            // measurement, and the gap across the change is no speed.
+            self.fold_epoch();
+            self.epoch_partner = partner_model.map(str::to_string);
+            self.last_sample = None;
         }
         if let Some(loss) = loss.filter(|l| l.is_finite() && *l >= 0.0) {
             let newer = self.loss_points.last().is_none_or(|(s, _)| step > *s);
@@ -142,9 +160,13 @@ impl PerfHistory {
             return;
         }
         let gpu_type = self.epoch_gpu_type.as_str();
-        let by_size = match self.speeds.get_mut(gpu_type) {
+        let by_type = match &self.epoch_partner {
+            None => &mut self.speeds,
+            Some(partner) => self.shared_speeds.entry(partner.clone()).or_default(),
+        };
+        let by_size = match by_type.get_mut(gpu_type) {
             Some(m) => m,
-            None => self.speeds.entry(gpu_type.to_string()).or_default(),
+            None => by_type.entry(gpu_type.to_string()).or_default(),
         };
         let o = by_size.entry(self.epoch_gpus).or_default();
         o.sum_steps_per_s += stat.sum_steps_per_s;
@@ -160,12 +182,14 @@ impl PerfHistory {
     /// a v100 by the table's relative speed of that type for `model`.
     pub fn speeds_v100(&self, model: &str) -> BTreeMap<u32, SpeedStat> {
         let mut out: BTreeMap<u32, SpeedStat> = BTreeMap::new();
-        let current = (self.epoch_speed.count > 0 && self.epoch_gpus > 0).then(|| {
-            (
-                self.epoch_gpu_type.clone(),
-                BTreeMap::from([(self.epoch_gpus, self.epoch_speed)]),
-            )
-        });
+        let current =
+            (self.epoch_speed.count > 0 && self.epoch_gpus > 0 && self.epoch_partner.is_none())
+                .then(|| {
+                    (
+                        self.epoch_gpu_type.clone(),
+                        BTreeMap::from([(self.epoch_gpus, self.epoch_speed)]),
+                    )
+                });
         for (gpu_type, by_size) in self
             .speeds
             .iter()
@@ -182,6 +206,40 @@ impl PerfHistory {
             }
         }
         out
+    }
+}
+
+impl PerfHistory {
+    /// Whether the current epoch's samples are taken beside `partner_model`
+    /// (`None`: alone).
+    pub fn knows_partner(&self, partner_model: Option<&str>) -> bool {
+        self.epoch_partner.as_deref() == partner_model
+    }
+
+    /// Measured steps per second while sharing `gpus` GPUs of `gpu_type`
+    /// with a job of `partner_model`, the current epoch included; `None`
+    /// before any measurement.
+    pub fn shared_steps_per_s(
+        &self,
+        partner_model: &str,
+        gpu_type: &str,
+        gpus: u32,
+    ) -> Option<f64> {
+        let mut stat = self
+            .shared_speeds
+            .get(partner_model)
+            .and_then(|m| m.get(gpu_type))
+            .and_then(|m| m.get(&gpus))
+            .copied()
+            .unwrap_or_default();
+        if self.epoch_partner.as_deref() == Some(partner_model)
+            && self.epoch_gpu_type == gpu_type
+            && self.epoch_gpus == gpus
+        {
+            stat.sum_steps_per_s += self.epoch_speed.sum_steps_per_s;
+            stat.count = stat.count.saturating_add(self.epoch_speed.count);
+        }
+        (stat.count > 0).then(|| stat.mean())
     }
 }
 
@@ -878,6 +936,7 @@ mod tests {
             epoch,
             gpu_type: "v100",
             gpus,
+            partner_model: None,
         };
         let mut h = PerfHistory::default();
         // Epoch 1 on 2 v100s: 10 steps/s.
@@ -903,5 +962,32 @@ mod tests {
             Some(399),
             "and the latest"
         );
+    }
+
+    #[test]
+    fn samples_taken_while_sharing_are_kept_apart_from_the_alone_speed() {
+        let on = |epoch, partner_model| RunningOn {
+            epoch,
+            gpu_type: "v100",
+            gpus: 1,
+            partner_model,
+        };
+        let mut h = PerfHistory::default();
+        // Epoch 1 alone: 10 steps/s.
+        h.record(&on(1, None), 0, None, 0);
+        h.record(&on(1, None), 100, None, 10_000);
+        // Epoch 2 beside a resnet18: 4 steps/s.
+        h.record(&on(2, Some("resnet18")), 100, None, 20_000);
+        h.record(&on(2, Some("resnet18")), 140, None, 30_000);
+        assert_eq!(h.shared_steps_per_s("resnet18", "v100", 1), Some(4.0));
+        assert_eq!(h.shared_steps_per_s("vgg16", "v100", 1), None);
+        // The partner leaves mid-epoch: 8 steps/s alone from then on; the
+        // gap across the change counts for neither.
+        h.record(&on(2, None), 150, None, 40_000);
+        h.record(&on(2, None), 230, None, 50_000);
+        let alone = h.speeds_v100("generic");
+        assert_eq!(alone.get(&1).map(|s| s.count), Some(2));
+        assert_eq!(alone.get(&1).map(SpeedStat::mean), Some(9.0));
+        assert_eq!(h.shared_steps_per_s("resnet18", "v100", 1), Some(4.0));
     }
 }

@@ -36,9 +36,9 @@ impl FreeGpus {
 
     /// Every GPU on a live node of `nodes` that no job holds, worked out
     /// afresh.
-    pub(crate) fn of_holders(
+    pub(crate) fn of_holders<H>(
         nodes: &BTreeMap<String, crate::model::Node>,
-        holders: &BTreeMap<GpuRef, crate::model::JobId>,
+        holders: &BTreeMap<GpuRef, H>,
     ) -> FreeGpus {
         let mut free = FreeGpus::default();
         for (name, node) in nodes {

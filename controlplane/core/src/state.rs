@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
 use crate::event::Event;
 use crate::model::{
-    Allocation, Gpu, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample, Worker,
-    WorkerState,
+    Allocation, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample,
+    Worker, WorkerState,
 };
 use crate::placement::FreeGpus;
 use crate::spec::SpecError;
@@ -93,9 +93,10 @@ pub struct ClusterState {
     next_job_id: JobId,
     jobs: BTreeMap<JobId, Job>,
     nodes: BTreeMap<String, Node>,
-    /// Which job holds each GPU. Derived from the jobs' allocations, kept as
-    /// an index; [`ClusterState::check_invariants`] proves the two agree.
-    gpu_holders: BTreeMap<GpuRef, JobId>,
+    /// Which job (or declared pair of jobs) holds each GPU. Derived from
+    /// the jobs' allocations, kept as an index;
+    /// [`ClusterState::check_invariants`] proves the two agree.
+    gpu_holders: BTreeMap<GpuRef, GpuHolders>,
     /// Index of the last log entry applied, refused or not.
     last_index: u64,
     /// Bumped by every applied entry that changes what the scheduler must
@@ -201,7 +202,7 @@ struct EncodedClusterState {
     next_job_id: JobId,
     jobs: BTreeMap<JobId, Job>,
     nodes: BTreeMap<String, Node>,
-    gpu_holders: BTreeMap<GpuRef, JobId>,
+    gpu_holders: BTreeMap<GpuRef, GpuHolders>,
     last_index: u64,
     supply_demand_version: u64,
     last_round: u64,
@@ -334,7 +335,7 @@ impl ClusterState {
         &self.nodes
     }
 
-    pub fn gpu_holders(&self) -> &BTreeMap<GpuRef, JobId> {
+    pub fn gpu_holders(&self) -> &BTreeMap<GpuRef, GpuHolders> {
         &self.gpu_holders
     }
 
@@ -685,15 +686,70 @@ impl ClusterState {
         }
     }
 
-    /// Drops `job_id`'s hold on the GPUs of `allocation`. A GPU that the
-    /// same decision already handed to another job keeps its new holder.
+    /// Drops `job_id`'s hold on the GPUs of `allocation` (which the job no
+    /// longer carries). A GPU that the same decision already handed to
+    /// another job keeps its new holder; one left without holders is free
+    /// again. A partner that shared these GPUs runs on alone.
     fn release(&mut self, job_id: JobId, allocation: Option<Allocation>) {
-        if let Some(a) = allocation {
-            for gpu in &a.gpus {
-                if self.gpu_holders.get(gpu) == Some(&job_id) {
+        let Some(a) = allocation else {
+            return;
+        };
+        self.drop_holds(job_id, &a.gpus);
+        if let Some(partner) = a.shared_with {
+            self.unpair_if_left(partner);
+        }
+    }
+
+    /// Removes `job_id` from the holders of `gpus`.
+    fn drop_holds(&mut self, job_id: JobId, gpus: &[GpuRef]) {
+        for gpu in gpus {
+            let Some(holders) = self.gpu_holders.get(gpu).copied() else {
+                continue;
+            };
+            if !holders.contains(job_id) {
+                continue;
+            }
+            match holders.without(job_id) {
+                Some(rest) => {
+                    self.gpu_holders.insert(gpu.clone(), rest);
+                }
+                None => {
                     self.gpu_holders.remove(gpu);
                     self.give_back(gpu);
                 }
+            }
+        }
+    }
+
+    /// Clears `job_id`'s partner when the partner no longer shares its GPUs
+    /// (it ended, was preempted or moved): the job runs on alone, in the
+    /// same epoch.
+    fn unpair_if_left(&mut self, job_id: JobId) {
+        let Some(partner) = self
+            .jobs
+            .get(&job_id)
+            .and_then(|j| j.allocation.as_ref())
+            .and_then(|a| a.shared_with)
+        else {
+            return;
+        };
+        let mine = self
+            .jobs
+            .get(&job_id)
+            .and_then(|j| j.allocation.as_ref())
+            .map(|a| &a.gpus);
+        let still_shared = self
+            .jobs
+            .get(&partner)
+            .and_then(|p| p.allocation.as_ref())
+            .is_some_and(|a| a.shared_with == Some(job_id) && Some(&a.gpus) == mine);
+        if !still_shared {
+            if let Some(a) = self
+                .jobs
+                .get_mut(&job_id)
+                .and_then(|j| j.allocation.as_mut())
+            {
+                a.shared_with = None;
             }
         }
     }
@@ -729,6 +785,7 @@ impl ClusterState {
         }])
     }
 
+    /// Every (GPU, holding job) on `node`; a shared GPU appears once per job.
     fn gpus_held_on(&self, node: &str) -> Vec<(GpuRef, JobId)> {
         let from = GpuRef {
             node: node.to_string(),
@@ -737,7 +794,7 @@ impl ClusterState {
         self.gpu_holders
             .range(from..)
             .take_while(|(g, _)| g.node == node)
-            .map(|(g, j)| (g.clone(), *j))
+            .flat_map(|(g, h)| h.jobs().map(move |j| (g.clone(), j)))
             .collect()
     }
 
@@ -891,6 +948,20 @@ impl ClusterState {
                 limit: limits::PROGRESS_SAMPLES_MAX,
             });
         }
+        // The partner's model, when the job shares its GPUs: its samples
+        // are then no measure of its speed alone.
+        let partner_model: Option<&str> = self
+            .jobs
+            .get(&job_id)
+            .and_then(|j| j.allocation.as_ref()?.shared_with)
+            .and_then(|p| self.jobs.get(&p))
+            .map(|p| {
+                p.spec
+                    .model
+                    .as_deref()
+                    .unwrap_or(crate::throughput::GENERIC_MODEL)
+            });
+        let partner_model = partner_model.map(str::to_string);
         let job = self
             .jobs
             .get_mut(&job_id)
@@ -919,7 +990,9 @@ impl ClusterState {
         if let Some(a) = &job.allocation {
             // The type is looked up only when the epoch is new to the
             // history (a node lookup per progress entry is not free).
-            let gpu_type = if job.perf.knows_epoch(a.epoch) {
+            let gpu_type = if job.perf.knows_epoch(a.epoch)
+                && job.perf.knows_partner(partner_model.as_deref())
+            {
                 ""
             } else {
                 a.gpus
@@ -932,6 +1005,7 @@ impl ClusterState {
                 epoch: a.epoch,
                 gpu_type,
                 gpus,
+                partner_model: partner_model.as_deref(),
             };
             // One point per entry, its latest sample: speed is measured
             // between entries (a longer interval than within a batch), and
@@ -963,6 +1037,16 @@ impl ClusterState {
         gpus.sort();
         if gpus.windows(2).any(|w| w[0] == w[1]) {
             return Err("the plan lists a GPU twice".into());
+        }
+        if let Some(partner) = p.share_with {
+            if partner == p.job_id {
+                return Err("share_with names the job itself".into());
+            }
+            if gpus.is_empty() {
+                return Err(format!(
+                    "share_with names job {partner} but the placement holds no GPUs"
+                ));
+            }
         }
         if gpus.is_empty() {
             return Ok(gpus);
@@ -1022,7 +1106,7 @@ impl ClusterState {
     ) -> Vec<Event> {
         let mut events = Vec::new();
         // Pass 1: each placement on its own.
-        let mut accepted: BTreeMap<JobId, Vec<GpuRef>> = BTreeMap::new();
+        let mut accepted: BTreeMap<JobId, (Vec<GpuRef>, Option<JobId>)> = BTreeMap::new();
         for p in placements {
             if accepted.contains_key(&p.job_id) {
                 events.push(Event::PlacementRefused {
@@ -1033,7 +1117,7 @@ impl ClusterState {
             }
             match self.check_placement(p) {
                 Ok(gpus) => {
-                    accepted.insert(p.job_id, gpus);
+                    accepted.insert(p.job_id, (gpus, p.share_with));
                 }
                 Err(reason) => events.push(Event::PlacementRefused {
                     job_id: p.job_id,
@@ -1041,66 +1125,103 @@ impl ClusterState {
                 }),
             }
         }
+        // Pass 1b: a pair is placed whole or not at all. Both placements
+        // name each other and list the same GPUs; the check is symmetric,
+        // so both members of a broken pair are refused.
+        let unpaired: Vec<(JobId, String)> = accepted
+            .iter()
+            .filter_map(|(job_id, (gpus, partner))| {
+                let partner = (*partner)?;
+                let matched = accepted
+                    .get(&partner)
+                    .is_some_and(|(g, p)| g == gpus && *p == Some(*job_id));
+                (!matched).then(|| {
+                    (
+                        *job_id,
+                        format!(
+                            "it shares GPUs with job {partner}, which this plan does not place \
+                             on the same GPUs sharing with it"
+                        ),
+                    )
+                })
+            })
+            .collect();
+        for (job_id, reason) in unpaired {
+            accepted.remove(&job_id);
+            events.push(Event::PlacementRefused { job_id, reason });
+        }
         // Pass 2: conflicts. GPUs held by jobs in the plan are free for the
-        // plan to hand out; a job whose placement is refused keeps what it had.
-        // `claimed` holds only this plan's grants, so a decision costs
-        // O(GPUs in the plan), not O(GPUs in the cluster).
-        let mut claimed: BTreeMap<GpuRef, JobId> = BTreeMap::new();
-        let mut granted: Vec<(JobId, Vec<GpuRef>)> = Vec::new();
+        // plan to hand out; a job whose placement is refused keeps what it
+        // had. `granted_gpus` holds only this plan's grants, so a decision
+        // costs O(GPUs in the plan), not O(GPUs in the cluster). A pair is
+        // one unit, handled at its smaller id.
+        let mut granted_gpus: BTreeMap<GpuRef, JobId> = BTreeMap::new();
+        let mut granted: Vec<(JobId, Vec<GpuRef>, Option<JobId>)> = Vec::new();
         let mut refused: Vec<JobId> = Vec::new();
-        for (job_id, gpus) in &accepted {
+        for (job_id, (gpus, partner)) in &accepted {
+            if partner.is_some_and(|p| p < *job_id) {
+                continue;
+            }
+            let unit: Vec<JobId> = std::iter::once(*job_id).chain(*partner).collect();
             let conflict = gpus.iter().find_map(|g| {
-                if let Some(h) = claimed.get(g) {
-                    return Some((g.clone(), *h));
+                if let Some(h) = granted_gpus.get(g) {
+                    return Some(format!("GPU {g} is held by job {h}"));
                 }
-                match self.gpu_holders.get(g) {
-                    Some(h) if !accepted.contains_key(h) => Some((g.clone(), *h)),
-                    _ => None,
-                }
+                let holders = self.gpu_holders.get(g)?;
+                holders
+                    .jobs()
+                    .find(|h| !accepted.contains_key(h))
+                    .map(|h| format!("GPU {g} is held by job {h}"))
             });
-            if let Some((gpu, holder)) = conflict {
-                events.push(Event::PlacementRefused {
-                    job_id: *job_id,
-                    reason: format!("GPU {gpu} is held by job {holder}"),
-                });
-                refused.push(*job_id);
+            if let Some(reason) = conflict {
+                for job_id in unit {
+                    events.push(Event::PlacementRefused {
+                        job_id,
+                        reason: reason.clone(),
+                    });
+                    refused.push(job_id);
+                }
                 continue;
             }
             for g in gpus {
-                claimed.insert(g.clone(), *job_id);
+                granted_gpus.insert(g.clone(), *job_id);
             }
-            granted.push((*job_id, gpus.clone()));
+            granted.push((*job_id, gpus.clone(), *partner));
+            if let Some(p) = partner {
+                granted.push((*p, gpus.clone(), Some(*job_id)));
+            }
         }
         // A refused job keeps its old GPUs unless a granted job took one;
         // then it loses all of them (gang semantics) and is preempted.
         for job_id in refused {
-            let old = self
+            let taken = self
                 .jobs
                 .get(&job_id)
                 .and_then(|j| j.allocation.as_ref())
-                .map(|a| a.gpus.clone())
-                .unwrap_or_default();
-            let taken = old
-                .iter()
-                .any(|g| claimed.get(g).is_some_and(|h| *h != job_id));
+                .is_some_and(|a| a.gpus.iter().any(|g| granted_gpus.contains_key(g)));
             if taken {
                 self.preempt(job_id, "its GPUs went to another job", at_ms);
                 events.push(Event::JobPreempted {
                     job_id,
                     reason: "its GPUs went to another job".into(),
                 });
-            } else {
-                for g in old {
-                    claimed.insert(g, job_id);
-                }
             }
         }
-        // Commit the granted placements.
-        for (job_id, gpus) in granted {
+        // Commit the granted placements: first every old hold is dropped,
+        // then the new ones are taken, so a GPU that moves within the plan
+        // (or a pair that forms on one member's old GPUs) is never counted
+        // twice.
+        granted.sort_by_key(|(job_id, _, _)| *job_id);
+        let mut changed: Vec<(JobId, Vec<GpuRef>, Option<JobId>)> = Vec::new();
+        let mut old_partners: Vec<JobId> = Vec::new();
+        for (job_id, gpus, partner) in granted {
             let Some(job) = self.jobs.get_mut(&job_id) else {
                 continue;
             };
-            let unchanged = job.allocation.as_ref().map(|a| &a.gpus) == Some(&gpus)
+            let unchanged = job
+                .allocation
+                .as_ref()
+                .is_some_and(|a| a.gpus == gpus && a.shared_with == partner)
                 || (job.allocation.is_none() && gpus.is_empty());
             if unchanged {
                 continue;
@@ -1114,6 +1235,16 @@ impl ClusterState {
                 events.push(Event::JobPreempted { job_id, reason });
                 continue;
             }
+            if let Some(old) = old {
+                old_partners.extend(old.shared_with);
+                self.drop_holds(job_id, &old.gpus);
+            }
+            changed.push((job_id, gpus, partner));
+        }
+        for (job_id, gpus, partner) in changed {
+            let Some(job) = self.jobs.get_mut(&job_id) else {
+                continue;
+            };
             job.last_epoch += 1;
             let epoch = job.last_epoch;
             job.state = JobState::Running;
@@ -1127,17 +1258,14 @@ impl ClusterState {
                 policy: policy.to_string(),
                 round,
                 decided_at_ms: at_ms,
+                shared_with: partner,
             });
-            if let Some(old) = old {
-                for g in old.gpus {
-                    if self.gpu_holders.get(&g) == Some(&job_id) {
-                        self.gpu_holders.remove(&g);
-                        self.give_back(&g);
-                    }
-                }
-            }
             for g in &gpus {
-                self.gpu_holders.insert(g.clone(), job_id);
+                let holders = match self.gpu_holders.get(g) {
+                    Some(h) => h.with(job_id),
+                    None => GpuHolders::one(job_id),
+                };
+                self.gpu_holders.insert(g.clone(), holders);
             }
             if let Some(free) = self.free.0.get_mut() {
                 free.remove(&gpus);
@@ -1149,7 +1277,12 @@ impl ClusterState {
                 based_on,
                 policy: policy.to_string(),
                 round,
+                shared_with: partner,
             });
+        }
+        // Partners left behind by a job that moved run on alone.
+        for job_id in old_partners {
+            self.unpair_if_left(job_id);
         }
         events
     }
@@ -1168,7 +1301,7 @@ impl ClusterState {
         {
             return Err("the free-GPU index does not match the holders".into());
         }
-        let mut from_jobs: BTreeMap<&GpuRef, JobId> = BTreeMap::new();
+        let mut from_jobs: BTreeMap<&GpuRef, GpuHolders> = BTreeMap::new();
         for (id, job) in &self.jobs {
             if *id != job.id {
                 return Err(format!("job {id} is stored under another id"));
@@ -1182,16 +1315,33 @@ impl ClusterState {
                     job.state, job.allocation
                 ));
             }
-            if let Some(a) = &job.allocation {
-                for g in &a.gpus {
-                    if let Some(other) = from_jobs.insert(g, *id) {
-                        return Err(format!("GPU {g} is held by jobs {other} and {id}"));
-                    }
+            let Some(a) = &job.allocation else {
+                continue;
+            };
+            // A partner is mutual, on the identical GPUs.
+            if let Some(p) = a.shared_with {
+                let mutual = self
+                    .jobs
+                    .get(&p)
+                    .and_then(|j| j.allocation.as_ref())
+                    .is_some_and(|pa| pa.shared_with == Some(*id) && pa.gpus == a.gpus);
+                if p == *id || !mutual {
+                    return Err(format!(
+                        "job {id} names job {p} as its partner, which does not share its GPUs"
+                    ));
                 }
             }
+            for g in &a.gpus {
+                let holders = match from_jobs.get(g) {
+                    None => GpuHolders::one(*id),
+                    Some(h) if h.sharer.is_none() && a.shared_with == Some(h.job) => h.with(*id),
+                    Some(h) => return Err(format!("GPU {g} is held by {h} and job {id}")),
+                };
+                from_jobs.insert(g, holders);
+            }
         }
-        let index: BTreeMap<&GpuRef, JobId> =
-            self.gpu_holders.iter().map(|(g, j)| (g, *j)).collect();
+        let index: BTreeMap<&GpuRef, GpuHolders> =
+            self.gpu_holders.iter().map(|(g, h)| (g, *h)).collect();
         if index != from_jobs {
             return Err("the GPU holder index disagrees with the jobs' allocations".into());
         }

@@ -19,6 +19,10 @@ pub struct ModelProfile {
     /// Fraction of linear speed-up kept each time the GPU count doubles
     /// (1.0: perfect scaling).
     pub efficiency_per_doubling: f64,
+    /// Fraction of a GPU's compute the model keeps busy when it runs alone
+    /// (space sharing: two models that together need less than the whole
+    /// GPU barely slow each other; see [`ModelProfile::shared_fraction`]).
+    pub gpu_busy: f64,
 }
 
 /// Speed of the types a model row does not list, relative to a v100.
@@ -40,50 +44,61 @@ pub const PROFILES: &[ModelProfile] = &[
         batch_size: 32,
         steps_per_s: &[("v100", 11.0), ("p100", 6.5), ("k80", 2.4)],
         efficiency_per_doubling: 0.92,
+        gpu_busy: 0.85,
     },
     ModelProfile {
         model: "resnet18",
         batch_size: 64,
         steps_per_s: &[("v100", 14.0), ("p100", 9.0), ("k80", 3.6)],
         efficiency_per_doubling: 0.9,
+        gpu_busy: 0.5,
     },
     ModelProfile {
         model: "vgg16",
         batch_size: 32,
         steps_per_s: &[("v100", 7.5), ("p100", 4.2), ("k80", 1.5)],
         efficiency_per_doubling: 0.8,
+        gpu_busy: 0.9,
     },
     ModelProfile {
         model: "transformer",
         batch_size: 64,
         steps_per_s: &[("v100", 8.0), ("p100", 4.5), ("k80", 1.3)],
         efficiency_per_doubling: 0.88,
+        gpu_busy: 0.8,
     },
     ModelProfile {
         model: "lstm",
         batch_size: 20,
         steps_per_s: &[("v100", 16.0), ("p100", 10.0), ("k80", 5.0)],
         efficiency_per_doubling: 0.85,
+        gpu_busy: 0.45,
     },
     ModelProfile {
         model: "recommendation",
         batch_size: 512,
         steps_per_s: &[("v100", 40.0), ("p100", 30.0), ("k80", 15.0)],
         efficiency_per_doubling: 0.7,
+        gpu_busy: 0.35,
     },
     ModelProfile {
         model: "cyclegan",
         batch_size: 1,
         steps_per_s: &[("v100", 6.0), ("p100", 3.5), ("k80", 1.2)],
         efficiency_per_doubling: 0.75,
+        gpu_busy: 0.7,
     },
     ModelProfile {
         model: "generic",
         batch_size: 32,
         steps_per_s: &[("v100", 10.0)],
         efficiency_per_doubling: 0.9,
+        gpu_busy: 0.8,
     },
 ];
+
+/// The model name of a job that names none.
+pub const GENERIC_MODEL: &str = "generic";
 
 /// The profile of `model`, or the `generic` one.
 pub fn profile(model: &str) -> &'static ModelProfile {
@@ -127,6 +142,17 @@ impl ModelProfile {
     /// more GPUs finish the same steps sooner, sub-linearly.
     pub fn steps_per_s(&self, gpu_type: &str, gpus: u32) -> f64 {
         self.single_gpu_steps_per_s(gpu_type) * self.speedup(gpus)
+    }
+
+    /// Fraction of its alone speed this model keeps when it shares its GPUs
+    /// with `other` (space sharing): all of it, less a 5 % context-switch
+    /// cost, while the two keep less than the whole GPU busy, and its share
+    /// of the GPU when they need more (`1 / (busy + other's busy)`). An
+    /// illustrative model in the spirit of the table, not a measurement:
+    /// measured pair speeds replace it ([`crate::perf::PerfHistory`]).
+    pub fn shared_fraction(&self, other: &ModelProfile) -> f64 {
+        let demand = self.gpu_busy + other.gpu_busy;
+        0.95 * (1.0 / demand.max(1e-9)).min(1.0)
     }
 
     /// Samples per second on `gpus` GPUs of `gpu_type`.
@@ -173,6 +199,20 @@ mod tests {
         let s1 = p.samples_per_s("v100", 1);
         assert!(s4 > 3.0 * s1 && s4 < 4.0 * s1, "{s1} {s4}");
         assert_eq!(profile("no-such-model").model, "generic");
+    }
+
+    #[test]
+    fn light_models_share_a_gpu_well_and_heavy_ones_take_turns_in_effect() {
+        let light = profile("resnet18");
+        let heavy = profile("vgg16");
+        // Two light models: each keeps most of its speed.
+        assert!(light.shared_fraction(light) > 0.9);
+        // Two heavy ones: together hardly more than one alone.
+        let pair = 2.0 * heavy.shared_fraction(heavy);
+        assert!(pair > 0.95 && pair < 1.1, "{pair}");
+        // The lighter partner of a mixed pair keeps the same fraction as the
+        // heavier: the GPU is shared in proportion to demand.
+        assert!((light.shared_fraction(heavy) - heavy.shared_fraction(light)).abs() < 1e-12);
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Property tests over every policy: plans are deterministic, never
-//! over-allocate a GPU, respect each job's shape and allowed types, are
-//! accepted whole by `apply`, and are stable (a second round proposes
-//! nothing).
+//! over-allocate a GPU (two jobs share one only as a declared pair on the
+//! same GPUs), respect each job's shape and allowed types, are accepted
+//! whole by `apply`, and are stable (a second round proposes nothing).
+//! Keel's policies and the space-sharing ones run here; the other
+//! heterogeneity-aware ones have their own tests.
 
 use std::collections::BTreeSet;
 
@@ -81,7 +83,7 @@ proptest! {
         jobs in prop::collection::vec(job_shape(), 1..30),
         backfill in any::<bool>(),
     ) {
-        for name in POLICY_NAMES {
+        for name in POLICY_NAMES.iter().chain(gavel::SPACE_SHARING_POLICY_NAMES) {
             let policy = by_name(name, QueueOptions { backfill }).expect("known policy");
             let (mut state, mut index) = world(&nodes, &jobs);
             let input = SchedulingInput { state: &state, now_ms: index };
@@ -103,6 +105,15 @@ proptest! {
                 let workers = gpus.len() as u32 / job.spec.gpus;
                 prop_assert_eq!(gpus.len() as u32 % job.spec.gpus, 0);
                 prop_assert!(workers >= job.spec.workers.min && workers <= job.spec.workers.max);
+                let partner = plan.partners.get(job_id);
+                if let Some(p) = partner {
+                    prop_assert_eq!(plan.partners.get(p), Some(job_id), "pairs are mutual");
+                    prop_assert_eq!(plan.placements.get(p), Some(gpus), "a pair shares its GPUs");
+                }
+                // A pair's GPUs are counted at its smaller id.
+                if partner.is_some_and(|p| p < job_id) {
+                    continue;
+                }
                 for g in gpus {
                     prop_assert!(seen.insert(g.clone()), "GPU {} planned twice", g);
                 }

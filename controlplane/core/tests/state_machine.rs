@@ -86,11 +86,219 @@ impl Harness {
             round: 1,
             placements: placements
                 .into_iter()
-                .map(|(job_id, gpus)| JobPlacement { job_id, gpus })
+                .map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus))
                 .collect(),
         })
         .expect("plans are applied per job")
     }
+}
+
+impl Harness {
+    /// Places `a` and `b` together on `gpus` (space sharing).
+    fn pair(&mut self, a: JobId, b: JobId, gpus: Vec<GpuRef>) -> Vec<Event> {
+        self.decide(vec![
+            placed(a, gpus.clone(), Some(b)),
+            placed(b, gpus, Some(a)),
+        ])
+    }
+
+    fn partner(&self, job: JobId) -> Option<JobId> {
+        self.state
+            .job(job)
+            .and_then(|j| j.allocation.as_ref())
+            .and_then(|a| a.shared_with)
+    }
+}
+
+/// A placement of `job` on `gpus`, sharing them with `partner` if given.
+fn placed(job_id: JobId, gpus: Vec<GpuRef>, share_with: Option<JobId>) -> JobPlacement {
+    JobPlacement {
+        job_id,
+        gpus,
+        share_with,
+    }
+}
+
+impl Harness {
+    /// One decision with these placements.
+    fn decide(&mut self, placements: Vec<JobPlacement>) -> Vec<Event> {
+        self.apply(Command::DecideAllocation {
+            based_on: self.index,
+            policy: "p".into(),
+            round: 1,
+            placements,
+        })
+        .expect("applied per job")
+    }
+}
+
+fn refused(events: &[Event]) -> Vec<(JobId, String)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::PlacementRefused { job_id, reason } => Some((*job_id, reason.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_declared_pair_shares_its_gpus_and_the_survivor_runs_on_alone() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    let c = h.submit(spec("c", 1, 1));
+    let events = h.pair(a, b, vec![gpu("n0", 0)]);
+    assert!(refused(&events).is_empty(), "{events:?}");
+    assert!(events.iter().any(|e| matches!(e,
+        Event::JobAllocated { job_id, shared_with: Some(p), .. } if *job_id == a && *p == b)));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)),
+        Some(&GpuHolders {
+            job: a,
+            sharer: Some(b)
+        })
+    );
+    assert_eq!((h.partner(a), h.partner(b)), (Some(b), Some(a)));
+    // The shared GPU is not free; the other one is.
+    assert_eq!(h.state.free_gpus().total(), 1);
+    // A third job may not join the pair's GPU, alone or as a pair.
+    let events = h.place(vec![(c, vec![gpu("n0", 0)])]);
+    assert!(
+        matches!(refused(&events).as_slice(), [(j, r)] if *j == c && r.contains("held by job")),
+        "{events:?}"
+    );
+    // The pair's first member finishes; the other runs on alone, same epoch.
+    let epoch_b = h
+        .state
+        .job(b)
+        .and_then(|j| j.allocation.as_ref())
+        .map(|x| x.epoch);
+    h.apply(Command::FinishJob {
+        job_id: a,
+        outcome: JobOutcome::Succeeded,
+        reason: String::new(),
+    })
+    .expect("finish");
+    assert_eq!(h.partner(b), None);
+    assert_eq!(
+        h.state
+            .job(b)
+            .and_then(|j| j.allocation.as_ref())
+            .map(|x| x.epoch),
+        epoch_b
+    );
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)),
+        Some(&GpuHolders::one(b))
+    );
+    // b finishes too: the GPU is free again.
+    h.apply(Command::FinishJob {
+        job_id: b,
+        outcome: JobOutcome::Succeeded,
+        reason: String::new(),
+    })
+    .expect("finish");
+    assert!(h.state.gpu_holders().is_empty());
+    assert_eq!(h.state.free_gpus().total(), 2);
+}
+
+#[test]
+fn a_pair_forms_on_one_members_gpus_and_moves_whole() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)]), (b, vec![gpu("n0", 1)])]);
+    // b joins a on GPU 0: both get a new epoch; GPU 1 is free.
+    let events = h.pair(a, b, vec![gpu("n0", 0)]);
+    assert!(refused(&events).is_empty(), "{events:?}");
+    assert_eq!(
+        h.state
+            .job(a)
+            .and_then(|j| j.allocation.as_ref())
+            .map(|x| x.epoch),
+        Some(2)
+    );
+    assert!(!h.state.gpu_holders().contains_key(&gpu("n0", 1)));
+    // The same pair again changes nothing.
+    let events = h.pair(a, b, vec![gpu("n0", 0)]);
+    assert!(events.is_empty(), "{events:?}");
+    // The pair moves to GPU 1 whole.
+    h.pair(a, b, vec![gpu("n0", 1)]);
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 1)),
+        Some(&GpuHolders {
+            job: a,
+            sharer: Some(b)
+        })
+    );
+    assert!(!h.state.gpu_holders().contains_key(&gpu("n0", 0)));
+    // a is moved away alone: b stays on GPU 1 and runs alone.
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    assert_eq!((h.partner(a), h.partner(b)), (None, None));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 1)),
+        Some(&GpuHolders::one(b))
+    );
+}
+
+#[test]
+fn a_pair_is_placed_whole_or_not_at_all() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    let c = h.submit(spec("c", 1, 1));
+    // Not mutual.
+    let events = h.decide(vec![
+        placed(a, vec![gpu("n0", 0)], Some(b)),
+        JobPlacement::alone(b, vec![gpu("n0", 0)]),
+    ]);
+    // a is refused; b asked for the GPU alone and gets it.
+    let r = refused(&events);
+    assert!(
+        matches!(r.as_slice(), [(j, reason)] if *j == a && reason.contains("shares GPUs with job")),
+        "{r:?}"
+    );
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)),
+        Some(&GpuHolders::one(b))
+    );
+    assert_eq!(h.partner(b), None);
+    // Not the same GPUs.
+    let events = h.decide(vec![
+        placed(a, vec![gpu("n0", 0)], Some(b)),
+        placed(b, vec![gpu("n0", 1)], Some(a)),
+    ]);
+    assert_eq!(refused(&events).len(), 2, "{events:?}");
+    // Itself, or with no GPUs.
+    let events = h.decide(vec![placed(a, vec![gpu("n0", 0)], Some(a))]);
+    assert!(refused(&events)[0].1.contains("itself"), "{events:?}");
+    // One member's GPU is held by another job: both are refused and
+    // neither takes anything.
+    h.place(vec![(c, vec![gpu("n0", 1)])]);
+    let events = h.decide(vec![
+        placed(a, vec![gpu("n0", 1)], Some(b)),
+        placed(b, vec![gpu("n0", 1)], Some(a)),
+    ]);
+    assert_eq!(refused(&events).len(), 2, "{events:?}");
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 1)),
+        Some(&GpuHolders::one(c))
+    );
+    // A lost node preempts both members.
+    h.pair(a, b, vec![gpu("n0", 0)]);
+    h.apply(Command::MarkNodeLost {
+        name: "n0".into(),
+        reason: "gone".into(),
+    })
+    .expect("lost");
+    for j in [a, b, c] {
+        assert_eq!(h.state.job(j).map(|x| x.state), Some(JobState::Preempted));
+    }
+    assert!(h.state.gpu_holders().is_empty());
 }
 
 #[test]
@@ -266,7 +474,7 @@ fn the_supply_demand_version_moves_on_scheduling_changes_only() {
 
 #[test]
 fn a_decision_that_preempts_a_job_and_hands_its_gpu_to_an_older_one_keeps_the_index() {
-    // Found by `no_gpu_is_ever_held_by_two_jobs`: job 2's release ran after
+    // Found by `no_gpu_is_held_by_two_jobs_outside_a_declared_pair`: job 2's release ran after
     // job 1 was granted job 2's GPU, and dropped job 1's hold on it.
     let mut h = Harness::new();
     h.node("n0", 2);
@@ -274,7 +482,10 @@ fn a_decision_that_preempts_a_job_and_hands_its_gpu_to_an_older_one_keeps_the_in
     let younger = h.submit(spec("younger", 2, 1));
     h.place(vec![(younger, vec![gpu("n0", 0), gpu("n0", 1)])]);
     h.place(vec![(younger, vec![]), (older, vec![gpu("n0", 0)])]);
-    assert_eq!(h.state.gpu_holders().get(&gpu("n0", 0)), Some(&older));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)).map(|h| h.job),
+        Some(older)
+    );
     assert_eq!(h.state.gpu_holders().len(), 1);
 }
 
@@ -324,7 +535,10 @@ fn allocation_of_a_gpu_in_use_is_refused_for_that_job_only() {
         reason: "GPU n0/0 is held by job 1".into()
     }));
     assert!(matches!(ev.last(), Some(Event::JobAllocated { job_id, .. }) if *job_id == c));
-    assert_eq!(h.state.gpu_holders().get(&gpu("n0", 0)), Some(&a));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)).map(|h| h.job),
+        Some(a)
+    );
     assert_eq!(h.state.job(b).map(|j| j.state), Some(JobState::Pending));
 }
 
@@ -338,7 +552,10 @@ fn a_plan_can_move_gpus_between_jobs() {
     let ev = h.place(vec![(a, vec![]), (b, vec![gpu("n0", 0)])]);
     assert_eq!(ev.len(), 2, "{ev:?}");
     assert_eq!(h.state.job(a).map(|j| j.state), Some(JobState::Preempted));
-    assert_eq!(h.state.gpu_holders().get(&gpu("n0", 0)), Some(&b));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)).map(|h| h.job),
+        Some(b)
+    );
 }
 
 #[test]
@@ -502,7 +719,26 @@ fn arb_command() -> impl Strategy<Value = Command> {
                 based_on: 0,
                 policy: "p".into(),
                 round: 0,
-                placements: ps.into_iter().map(|(job_id, gpus)| JobPlacement { job_id, gpus }).collect(),
+                placements: ps.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)).collect(),
+            }),
+        // Space sharing: a pair, sometimes flawed (not on the same GPUs,
+        // not mutual, one member missing), beside placements alone.
+        3 => (job.clone(), job.clone(), proptest::collection::vec(arb_gpu(), 0..3), 0u8..5,
+              proptest::collection::vec((job.clone(), proptest::collection::vec(arb_gpu(), 0..3)), 0..2))
+            .prop_map(|(a, b, gpus, flaw, alone)| {
+                let mut other = gpus.clone();
+                if flaw == 1 {
+                    other.pop();
+                }
+                let mut placements = vec![
+                    JobPlacement { job_id: a, gpus, share_with: Some(b) },
+                    JobPlacement { job_id: b, gpus: other, share_with: (flaw != 2).then_some(a) },
+                ];
+                if flaw == 3 {
+                    placements.pop();
+                }
+                placements.extend(alone.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)));
+                Command::DecideAllocation { based_on: 0, policy: "p".into(), round: 0, placements }
             }),
         1 => (job.clone(), 0u64..4, 0u32..3).prop_map(|(job_id, epoch, rank)| Command::RecordWorkerStarted {
             job_id, epoch, rank, node: "n0".into()
@@ -606,6 +842,7 @@ fn progress_reports_build_the_performance_history() {
                         index,
                     })
                     .collect(),
+                share_with: None,
             }],
         })
         .expect("placed");
@@ -659,7 +896,7 @@ proptest! {
     }
 
     #[test]
-    fn no_gpu_is_ever_held_by_two_jobs(commands in proptest::collection::vec(arb_command(), 0..80)) {
+    fn no_gpu_is_held_by_two_jobs_outside_a_declared_pair(commands in proptest::collection::vec(arb_command(), 0..80)) {
         let mut state = ClusterState::new();
         for (i, c) in commands.iter().enumerate() {
             let _ = state.apply(i as u64 + 1, &LogEntry { at_ms: i as u64, command: c.clone() });

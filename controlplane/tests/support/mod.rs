@@ -9,24 +9,37 @@ use std::time::{Duration, Instant};
 
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
-/// Where a server's log goes: the file `KEEL_TEST_SERVER_LOG` names
-/// (appended to; for debugging a test), else nowhere.
-fn server_log() -> Stdio {
-    std::env::var_os("KEEL_TEST_SERVER_LOG")
-        .and_then(|path| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .ok()
-        })
-        .map_or_else(Stdio::null, Stdio::from)
+/// Where a server's log goes: the file `KEEL_TEST_SERVER_LOG` names, else
+/// `DATA_DIR/test-server.log` (removed with the test's temporary
+/// directory). Appended to, so a restarted server's log follows the killed
+/// one's; its end is printed when a test fails.
+fn server_log(data_dir: &Path) -> (std::path::PathBuf, Stdio) {
+    let path = std::env::var_os("KEEL_TEST_SERVER_LOG")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let _ = std::fs::create_dir_all(data_dir);
+            data_dir.join("test-server.log")
+        });
+    let stdio = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_or_else(|_| Stdio::null(), Stdio::from);
+    (path, stdio)
+}
+
+/// The last `lines` lines of the file at `path` (empty if unreadable).
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 /// A `keel server` child process on a free port, killed when dropped.
 pub struct ServerProcess {
     child: Child,
     pub addr: String,
+    log: std::path::PathBuf,
 }
 
 impl ServerProcess {
@@ -34,18 +47,28 @@ impl ServerProcess {
     /// waits until it has a leader and answers.
     pub fn start(data_dir: &Path, args: &[&str]) -> ServerProcess {
         let _ = std::fs::remove_file(data_dir.join("server.addr"));
+        let (log, stderr) = server_log(data_dir);
         let child = Command::new(KEEL)
             .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(args)
             .stdout(Stdio::null())
-            .stderr(server_log())
+            .env(
+                "KEEL_LOG",
+                std::env::var("KEEL_LOG")
+                    .unwrap_or_else(|_| "info,keel_executors=debug,openraft=warn,sled=warn,chunked_wal=warn,raft_log=warn".into()),
+            )
+            .stderr(stderr)
             .spawn()
             .expect("spawn keel server");
+        // Only a whole address: a file read while an older server wrote it
+        // could hold part of one.
         let addr = wait_for("the server's address", || {
-            std::fs::read_to_string(data_dir.join("server.addr")).ok()
+            std::fs::read_to_string(data_dir.join("server.addr"))
+                .ok()
+                .filter(|a| a.parse::<std::net::SocketAddr>().is_ok())
         });
-        let server = ServerProcess { child, addr };
+        let server = ServerProcess { child, addr, log };
         wait_for("a leader", || {
             let out = server.cli(&["cluster", "status", "-o", "json"]);
             (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
@@ -108,9 +131,19 @@ impl ServerProcess {
 }
 
 impl Drop for ServerProcess {
+    /// Kills the server; when the test is failing, prints the end of its
+    /// log (and of the servers before it on the same data directory).
+    #[allow(clippy::print_stderr)]
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- the end of the server log {} ---\n{}\n---",
+                self.log.display(),
+                tail(&self.log, 120)
+            );
+        }
     }
 }
 

@@ -81,6 +81,8 @@ class Context:
     rendezvous_port: Optional[int]
     model: Optional[str]
     total_steps: Optional[int]
+    # Space sharing: the job on the same GPUs at the same time (None: alone).
+    shared_with_job: Optional[int] = None
 
     @property
     def under_keel(self) -> bool:
@@ -154,6 +156,7 @@ def init(env=None, handle_sigterm: bool = True) -> Context:
         rendezvous_port=_int(env, "KEEL_RENDEZVOUS_PORT", _int(env, "MASTER_PORT", None)),
         model=env.get("KEEL_MODEL") or None,
         total_steps=_int(env, "KEEL_TOTAL_STEPS", None),
+        shared_with_job=_int(env, "KEEL_SHARED_WITH_JOB", None),
     )
     _context = ctx
     _stop_requested = False

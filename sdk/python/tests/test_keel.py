@@ -52,7 +52,10 @@ class ContractTest(unittest.TestCase):
         self.assertEqual((ctx.gpu_type, ctx.gpus_per_worker, ctx.visible_gpus), ("v100", 2, "2,3"))
         self.assertEqual((ctx.rendezvous_addr, ctx.rendezvous_port), ("10.0.0.1", 29500))
         self.assertEqual(ctx.total_steps, 100)
+        self.assertEqual(ctx.shared_with_job, None)
         self.assertTrue(ctx.is_chief)
+        shared = keel.init(contract(self.tmp, KEEL_SHARED_WITH_JOB="9"), handle_sigterm=False)
+        self.assertEqual(shared.shared_with_job, 9)
 
     def test_standalone_is_rank_0_of_1(self):
         ctx = keel.init({}, handle_sigterm=False)

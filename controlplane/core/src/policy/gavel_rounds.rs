@@ -20,6 +20,16 @@
 //! table), 0 on types its spec does not allow, its remaining steps, its
 //! time since submission and its priority as the weight.
 //!
+//! Space sharing (`max_min_fairness_packed`, `gandiva`): a job arriving
+//! is paired with every known job of its size; the pair's speeds (each
+//! job's steps per second beside the other, by GPU type) come from what
+//! jobs of the two models measured while sharing
+//! ([`crate::perf::PerfHistory::shared_steps_per_s`]), else from the
+//! table's illustrative interference model
+//! ([`crate::throughput::ModelProfile::shared_fraction`]) applied to each
+//! job's alone speed. A pair the mechanism places becomes two placements
+//! on the same GPUs naming each other (`JobPlacement::share_with`).
+//!
 //! The one policy with memory: the mechanism's times received, deficits
 //! and current allocation live in the leader's memory, behind a mutex. It
 //! is soft state: a new leader (or a changed cluster) starts it afresh —
@@ -31,10 +41,11 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use crate::gavel::mechanism::{Combo, Mechanism, MechanismConfig, TypeServers, WorkerId};
-use crate::gavel::{self, AllocationProblem, PolicyRun, ProblemJobId};
-use crate::model::{GpuRef, JobId, NodeState};
+use crate::gavel::{self, AllocationProblem, PairThroughputs, PolicyRun, ProblemJobId};
+use crate::model::{GpuRef, Job, JobId, NodeState};
 use crate::perf::JobPerf;
 use crate::state::ClusterState;
+use crate::throughput::{self, GENERIC_MODEL};
 
 use super::{Plan, Policy, SchedulingInput};
 
@@ -139,8 +150,10 @@ struct Rounds {
     round_started_s: Option<f64>,
     /// The current round's plan.
     plan: BTreeMap<JobId, Vec<GpuRef>>,
-    /// The current round's type index per placed job.
-    placed_on: BTreeMap<JobId, usize>,
+    /// The current round's pairs, both ways.
+    partners: BTreeMap<JobId, JobId>,
+    /// The current round's type index per placed entry (job or pair).
+    placed_on: BTreeMap<Combo, usize>,
 }
 
 /// A heterogeneity-aware policy run in rounds.
@@ -210,6 +223,117 @@ fn problem(
         }
     }
     p
+}
+
+/// A job's type for space sharing: its model and size (only jobs of one
+/// size are paired, and a pair's speeds depend on both).
+fn job_type(job: &Job) -> String {
+    format!("{}x{}", model_of(job), scale_factor(job))
+}
+
+fn model_of(job: &Job) -> &str {
+    job.spec.model.as_deref().unwrap_or(GENERIC_MODEL)
+}
+
+/// Steps per second of `job` beside a job of `partner` on each type where
+/// both may run: the mean of what jobs of `job`'s type measured beside
+/// that model, else `job`'s alone speed times the table's shared fraction.
+fn shared_speeds(
+    job: &Job,
+    alone: &BTreeMap<String, f64>,
+    partner: &Job,
+    partner_alone: &BTreeMap<String, f64>,
+    measured: &BTreeMap<(String, String, String), f64>,
+) -> BTreeMap<String, f64> {
+    let fraction =
+        throughput::profile(model_of(job)).shared_fraction(throughput::profile(model_of(partner)));
+    alone
+        .iter()
+        .filter(|(t, speed)| **speed > 0.0 && partner_alone.get(*t).is_some_and(|s| *s > 0.0))
+        .map(|(t, speed)| {
+            let key = (job_type(job), model_of(partner).to_string(), t.clone());
+            let figure = measured.get(&key).copied().unwrap_or(speed * fraction);
+            (t.clone(), figure)
+        })
+        .collect()
+}
+
+/// Mean measured speed beside each partner model, by (job type, partner
+/// model, GPU type), over `jobs`.
+fn measured_shared_speeds<'a>(
+    jobs: impl Iterator<Item = &'a Job>,
+    layout: &Layout,
+) -> BTreeMap<(String, String, String), f64> {
+    let mut sums: BTreeMap<(String, String, String), (f64, u32)> = BTreeMap::new();
+    for job in jobs {
+        let gpus = scale_factor(job);
+        let partners: Vec<&String> = job
+            .perf
+            .shared_speeds
+            .keys()
+            .chain(&job.perf.epoch_partner)
+            .collect();
+        for partner in partners {
+            for t in &layout.types {
+                if let Some(speed) = job.perf.shared_steps_per_s(partner, &t.gpu_type, gpus) {
+                    let o = sums
+                        .entry((job_type(job), partner.clone(), t.gpu_type.clone()))
+                        .or_default();
+                    o.0 += speed;
+                    o.1 += 1;
+                }
+            }
+        }
+    }
+    sums.into_iter()
+        .map(|(k, (sum, n))| (k, sum / f64::from(n.max(1))))
+        .collect()
+}
+
+/// Steps per second of two jobs beside each other, by the GPU types both
+/// may run on: `[a's, b's]`.
+fn pair_figures(
+    (job_a, alone_a): (&Job, &BTreeMap<String, f64>),
+    (job_b, alone_b): (&Job, &BTreeMap<String, f64>),
+    measured: &BTreeMap<(String, String, String), f64>,
+) -> BTreeMap<String, [f64; 2]> {
+    let sa = shared_speeds(job_a, alone_a, job_b, alone_b, measured);
+    let sb = shared_speeds(job_b, alone_b, job_a, alone_a, measured);
+    sa.iter()
+        .filter_map(|(t, x)| Some((t.clone(), [*x, *sb.get(t)?])))
+        .collect()
+}
+
+/// The pair figures of the jobs the mechanism knows: job type → other
+/// type → GPU type → `[job type's, other's]` steps per second.
+fn pair_throughputs(
+    jobs: &BTreeMap<JobId, (&Job, BTreeMap<String, f64>)>,
+    measured: &BTreeMap<(String, String, String), f64>,
+) -> PairThroughputs {
+    let mut out = PairThroughputs::new();
+    for (a, (job_a, alone_a)) in jobs {
+        for (_, (job_b, alone_b)) in jobs.range(a..) {
+            if scale_factor(job_a) != scale_factor(job_b) {
+                continue;
+            }
+            let (ta, tb) = (job_type(job_a), job_type(job_b));
+            let known = out.get(&ta).is_some_and(|m| m.contains_key(&tb));
+            if known {
+                continue;
+            }
+            let row = pair_figures((job_a, alone_a), (job_b, alone_b), measured);
+            if row.is_empty() {
+                continue;
+            }
+            let swapped = row
+                .iter()
+                .map(|(t, [x, y])| (t.clone(), [*y, *x]))
+                .collect();
+            out.entry(ta.clone()).or_default().insert(tb.clone(), row);
+            out.entry(tb).or_default().insert(ta, swapped);
+        }
+    }
+    out
 }
 
 fn scale_factor(job: &crate::model::Job) -> u32 {
@@ -296,6 +420,7 @@ impl Policy for GavelRounds {
                 layout,
                 round_started_s: None,
                 plan: BTreeMap::new(),
+                partners: BTreeMap::new(),
                 placed_on: BTreeMap::new(),
             });
         }
@@ -310,8 +435,8 @@ impl Policy for GavelRounds {
             // Credit the round that ended.
             if let Some(start) = rounds.round_started_s {
                 let ran_s = (now_s - start).max(0.0);
-                for (job, ti) in &rounds.placed_on {
-                    rounds.mechanism.record_run(Combo::single(*job), *ti, ran_s);
+                for (combo, ti) in &rounds.placed_on {
+                    rounds.mechanism.record_run(*combo, *ti, ran_s);
                 }
             }
             // The job set: unfinished jobs in, ended ones out.
@@ -323,63 +448,110 @@ impl Policy for GavelRounds {
                     rounds.mechanism.remove_job(id);
                 }
             }
+            let packs = gavel::shares_gpus(self.name);
+            let measured = if packs {
+                measured_shared_speeds(unfinished.values().copied(), &rounds.layout)
+            } else {
+                BTreeMap::new()
+            };
             for (id, job) in &unfinished {
-                if !rounds.mechanism.contains(*id) && !job.backing_off(input.now_ms) {
-                    let speeds = speeds(job, &rounds.layout);
-                    rounds.mechanism.add_job(*id, scale_factor(job), &speeds);
+                if rounds.mechanism.contains(*id) || job.backing_off(input.now_ms) {
+                    continue;
+                }
+                let alone = speeds(job, &rounds.layout);
+                rounds.mechanism.add_job(*id, scale_factor(job), &alone);
+                if !packs {
+                    continue;
+                }
+                // As in Gavel: a pair with every job already known of the
+                // same size that can share a type with it.
+                let others: Vec<JobId> = rounds.mechanism.job_ids().filter(|o| o != id).collect();
+                for other_id in others {
+                    let Some(other) = unfinished.get(&other_id) else {
+                        continue;
+                    };
+                    if scale_factor(other) != scale_factor(job) {
+                        continue;
+                    }
+                    let other_alone = speeds(other, &rounds.layout);
+                    // The mechanism's pairs are smaller id first.
+                    let (a, b, figures) = if other_id < *id {
+                        let f = pair_figures((other, &other_alone), (job, &alone), &measured);
+                        (other_id, *id, f)
+                    } else {
+                        let f = pair_figures((job, &alone), (other, &other_alone), &measured);
+                        (*id, other_id, f)
+                    };
+                    if !figures.is_empty() {
+                        rounds.mechanism.add_pair(a, b, &figures);
+                    }
                 }
             }
             if rounds.mechanism.needs_solve(now_s) {
-                let jobs: BTreeMap<JobId, BTreeMap<String, f64>> = rounds
+                let jobs: BTreeMap<JobId, (&Job, BTreeMap<String, f64>)> = rounds
                     .mechanism
                     .job_ids()
                     .filter_map(|id| {
                         let job = state.job(id)?;
-                        Some((id, speeds(job, &rounds.layout)))
+                        Some((id, (job, speeds(job, &rounds.layout))))
                     })
                     .collect();
-                let p = problem(state, &self.options, &rounds.layout, &jobs, input.now_ms);
+                let alone: BTreeMap<JobId, BTreeMap<String, f64>> =
+                    jobs.iter().map(|(id, (_, s))| (*id, s.clone())).collect();
+                let mut p = problem(state, &self.options, &rounds.layout, &alone, input.now_ms);
+                if packs {
+                    p.job_types = jobs.iter().map(|(id, (j, _))| (*id, job_type(j))).collect();
+                    p.pair_throughputs = pair_throughputs(&jobs, &measured);
+                }
                 // A failed solve must not stop the cluster: equal shares
                 // until the next solve.
-                let allocation = rounds
-                    .run
-                    .solve(&p, rounds.mechanism.allocation())
-                    .map(|r| r.allocation)
-                    .unwrap_or_else(|_| gavel::isolated(&p).allocation);
-                rounds.mechanism.install(now_s, allocation);
+                let (allocation, pairs) = match rounds.run.solve(&p, rounds.mechanism.allocation())
+                {
+                    Ok(r) => (r.allocation, r.pair_allocation),
+                    Err(_) => (gavel::isolated(&p).allocation, Default::default()),
+                };
+                rounds
+                    .mechanism
+                    .install_with_pairs(now_s, allocation, &pairs);
             }
             let placements = rounds.mechanism.plan_round();
             rounds.plan.clear();
+            rounds.partners.clear();
             rounds.placed_on.clear();
             for (combo, placement) in placements {
-                // The live scheduler adds no pairs: every entry is a job
-                // alone (space sharing runs in `keel sim` only).
-                let Some(job_id) = combo.as_single() else {
-                    continue;
-                };
                 let gpus: Vec<GpuRef> = placement
                     .workers
                     .iter()
                     .filter_map(|w| rounds.layout.gpus.get(*w as usize).cloned())
                     .collect();
-                let Some(job) = state.job(job_id) else {
-                    continue;
-                };
-                // A worker's GPUs must share a node.
-                let per = job.spec.gpus.max(1) as usize;
-                let whole_workers = gpus
-                    .chunks(per)
-                    .all(|rank| rank.iter().all(|g| g.node == rank[0].node));
-                if gpus.len() != placement.workers.len() || !whole_workers {
+                let jobs: Vec<&Job> = combo.jobs().filter_map(|id| state.job(id)).collect();
+                // Every job of the entry known, and each worker's GPUs on
+                // one node.
+                let whole_workers = jobs.iter().all(|job| {
+                    let per = job.spec.gpus.max(1) as usize;
+                    gpus.chunks(per)
+                        .all(|rank| rank.iter().all(|g| g.node == rank[0].node))
+                });
+                if gpus.len() != placement.workers.len()
+                    || !whole_workers
+                    || jobs.len() != combo.jobs().count()
+                {
                     continue;
                 }
-                rounds.placed_on.insert(job_id, placement.type_index);
-                rounds.plan.insert(job_id, gpus);
+                rounds.placed_on.insert(combo, placement.type_index);
+                for job in &jobs {
+                    rounds.plan.insert(job.id, gpus.clone());
+                }
+                if let Some((a, b)) = combo.as_pair() {
+                    rounds.partners.insert(a, b);
+                    rounds.partners.insert(b, a);
+                }
             }
             rounds.round_started_s = Some(now_s);
         }
         // Between boundaries: the current round's plan, for the jobs still
         // unfinished and not waiting out a retry backoff.
+        // A pair whose partner left runs on alone until the next round.
         let mut plan = Plan::default();
         for (job_id, gpus) in &rounds.plan {
             if state
@@ -387,6 +559,11 @@ impl Policy for GavelRounds {
                 .is_some_and(|j| !j.state.is_terminal() && !j.backing_off(input.now_ms))
             {
                 plan.placements.insert(*job_id, gpus.clone());
+            }
+        }
+        for (a, b) in &rounds.partners {
+            if plan.placements.contains_key(a) && plan.placements.contains_key(b) {
+                plan.partners.insert(*a, *b);
             }
         }
         plan
@@ -398,6 +575,19 @@ mod tests {
     use super::*;
     use crate::fixtures::{job_spec, TestCluster};
     use crate::policy::decide;
+
+    /// `name` with one-minute rounds and a solve whenever the job set
+    /// changes.
+    fn minute_rounds(name: &'static str) -> GavelRounds {
+        GavelRounds::new(
+            name,
+            GavelOptions {
+                round_s: 60.0,
+                min_resolve_interval_s: 0.0,
+                ..GavelOptions::default()
+            },
+        )
+    }
 
     fn run_round(
         policy: &GavelRounds,
@@ -419,14 +609,7 @@ mod tests {
         let mut cluster = TestCluster::v100_nodes(&[1]);
         let a = cluster.submit(job_spec("a", 1, 1));
         let b = cluster.submit(job_spec("b", 1, 1));
-        let policy = GavelRounds::new(
-            "max_min_fairness_perf",
-            GavelOptions {
-                round_s: 60.0,
-                min_resolve_interval_s: 0.0,
-                ..GavelOptions::default()
-            },
-        );
+        let policy = minute_rounds("max_min_fairness_perf");
         let mut ran = BTreeMap::<JobId, u32>::new();
         let mut last = BTreeMap::new();
         for round in 0..8u64 {
@@ -475,5 +658,118 @@ mod tests {
         }
         .validate()
         .is_err());
+    }
+
+    fn partners(cluster: &TestCluster) -> BTreeMap<JobId, JobId> {
+        cluster
+            .state
+            .allocated_jobs()
+            .filter_map(|j| Some((j.id, j.allocation.as_ref()?.shared_with?)))
+            .collect()
+    }
+
+    #[test]
+    fn the_packed_policy_puts_two_light_jobs_on_one_gpu_live() {
+        let mut cluster = TestCluster::v100_nodes(&[1]);
+        let light = |name: &str| {
+            let mut spec = job_spec(name, 1, 1);
+            spec.model = Some("resnet18".into());
+            spec
+        };
+        let a = cluster.submit(light("a"));
+        let b = cluster.submit(light("b"));
+        let policy = minute_rounds("max_min_fairness_packed");
+        for round in 0..4u64 {
+            let held = run_round(&policy, &mut cluster, round * 60_000 + 1);
+            cluster.state.check_invariants().expect("invariants");
+            // Both run on the one GPU, each naming the other.
+            assert_eq!(held.len(), 2, "round {round}: {held:?}");
+            assert_eq!(held.get(&a), held.get(&b));
+            assert_eq!(partners(&cluster), BTreeMap::from([(a, b), (b, a)]));
+            assert_eq!(
+                decide(&policy, &cluster.state, round * 60_000 + 30_000),
+                None
+            );
+        }
+        // The pair kept its GPU: one allocation each, no relaunch.
+        for j in [a, b] {
+            let epoch = cluster
+                .state
+                .job(j)
+                .and_then(|x| x.allocation.as_ref())
+                .map(|x| x.epoch);
+            assert_eq!(epoch, Some(1), "job {j}");
+        }
+        // a finishes: b runs on alone and the next round keeps it there.
+        cluster.apply(crate::command::Command::FinishJob {
+            job_id: a,
+            outcome: crate::command::JobOutcome::Succeeded,
+            reason: String::new(),
+        });
+        assert!(partners(&cluster).is_empty());
+        assert_eq!(
+            decide(&policy, &cluster.state, 4 * 60_000 - 1),
+            None,
+            "mid-round"
+        );
+        let held = run_round(&policy, &mut cluster, 4 * 60_000 + 1);
+        assert_eq!(held.keys().copied().collect::<Vec<_>>(), vec![b]);
+    }
+
+    #[test]
+    fn measured_pair_speeds_replace_the_tables_and_stop_a_pair_that_does_not_pay() {
+        let mut cluster = TestCluster::v100_nodes(&[1]);
+        let a = cluster.submit(job_spec("a", 1, 1));
+        let b = cluster.submit(job_spec("b", 1, 1));
+        let gpu = GpuRef {
+            node: "n0".into(),
+            index: 0,
+        };
+        // The two resnet50s shared the GPU and measured a crawl: 0.5 steps/s
+        // each, against 11 alone.
+        cluster.apply(crate::command::Command::DecideAllocation {
+            based_on: cluster.index,
+            policy: "test".into(),
+            round: 1,
+            placements: vec![
+                crate::command::JobPlacement {
+                    job_id: a,
+                    gpus: vec![gpu.clone()],
+                    share_with: Some(b),
+                },
+                crate::command::JobPlacement {
+                    job_id: b,
+                    gpus: vec![gpu.clone()],
+                    share_with: Some(a),
+                },
+            ],
+        });
+        for (i, step) in [(0u64, 0u64), (1, 10), (2, 20)] {
+            for j in [a, b] {
+                cluster.apply(crate::command::Command::ReportProgress {
+                    job_id: j,
+                    samples: vec![crate::model::ProgressSample {
+                        step,
+                        total_steps: 10_000,
+                        loss: None,
+                        samples_per_s: 1.0,
+                        at_ms: i * 20_000,
+                    }],
+                });
+            }
+        }
+        let measured =
+            measured_shared_speeds(cluster.state.unfinished_jobs(), &Layout::of(&cluster.state));
+        assert_eq!(
+            measured.get(&("resnet50x1".into(), "resnet50".into(), "v100".into())),
+            Some(&0.5)
+        );
+        // The packed policy now takes turns instead of pairing them.
+        let policy = minute_rounds("max_min_fairness_packed");
+        for round in 0..3u64 {
+            let held = run_round(&policy, &mut cluster, 100_000 + round * 60_000);
+            assert_eq!(held.len(), 1, "round {round}: {held:?}");
+            assert!(partners(&cluster).is_empty());
+        }
     }
 }

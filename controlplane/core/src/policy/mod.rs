@@ -52,6 +52,9 @@ pub struct SchedulingInput<'a> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     pub placements: BTreeMap<JobId, Vec<GpuRef>>,
+    /// Space sharing: each job of a pair, mapped to the other (both
+    /// directions). Both are in `placements` with the same GPUs.
+    pub partners: BTreeMap<JobId, JobId>,
 }
 
 impl Plan {
@@ -79,22 +82,24 @@ impl Plan {
             let Some(job) = job else {
                 continue;
             };
-            let job_id = &job.id;
-            let current = job.allocation.as_ref().map(|a| a.gpus.as_slice());
+            let job_id = job.id;
+            let current = job
+                .allocation
+                .as_ref()
+                .map(|a| (a.gpus.as_slice(), a.shared_with));
+            let partner = self.partners.get(&job_id).copied();
             match (current, plan) {
-                (Some(now), Some(planned)) if now == planned.as_slice() => {}
+                (Some(now), Some(planned)) if now == (planned.as_slice(), partner) => {}
                 (None, None) => {}
-                (Some(_), None) => out.push(JobPlacement {
-                    job_id: *job_id,
-                    gpus: Vec::new(),
-                }),
+                (Some(_), None) => out.push(JobPlacement::alone(job_id, Vec::new())),
                 (_, Some(planned)) => {
                     if planned.is_empty() && current.is_none() {
                         continue;
                     }
                     out.push(JobPlacement {
-                        job_id: *job_id,
+                        job_id,
                         gpus: planned.clone(),
+                        share_with: partner.filter(|_| !planned.is_empty()),
                     })
                 }
             }
@@ -175,7 +180,7 @@ pub fn by_name_with(name: &str, options: &PolicyOptions) -> Result<Box<dyn Polic
         "optimus" => Ok(Box::new(Optimus)),
         _ => match crate::gavel::GAVEL_POLICY_NAMES
             .iter()
-            .find(|n| **n == name && !crate::gavel::shares_gpus(n))
+            .find(|n| **n == name)
         {
             Some(name) => Ok(Box::new(GavelRounds::new(name, options.gavel.clone()))),
             None => Err(UnknownPolicy {
@@ -186,30 +191,21 @@ pub fn by_name_with(name: &str, options: &PolicyOptions) -> Result<Box<dyn Polic
 }
 
 /// Every name [`by_name_with`] knows: Keel's policies, then the
-/// heterogeneity-aware ones the live scheduler runs (all but the
-/// space-sharing ones: the cluster state places one job per GPU).
+/// heterogeneity-aware ones (the space-sharing ones among them).
 pub fn all_policy_names() -> Vec<&'static str> {
     POLICY_NAMES
         .iter()
         .chain(crate::gavel::GAVEL_POLICY_NAMES)
-        .filter(|n| !crate::gavel::shares_gpus(n))
         .copied()
         .collect()
 }
 
 /// Why the live scheduler cannot run a policy named `name`.
 pub fn unknown_policy_reason(name: &str) -> String {
-    if crate::gavel::shares_gpus(name) {
-        format!(
-            "policy {name:?} puts two jobs on the same GPUs, and the live scheduler places \
-             one job per GPU: run it with `keel sim` or `keel policy eval`"
-        )
-    } else {
-        format!(
-            "unknown policy {name:?}; known policies: {}",
-            all_policy_names().join(", ")
-        )
-    }
+    format!(
+        "unknown policy {name:?}; known policies: {}",
+        all_policy_names().join(", ")
+    )
 }
 
 /// Keel's own policy names (see [`all_policy_names`] for every name
@@ -235,30 +231,38 @@ mod tests {
     use crate::model::Gpu;
 
     #[test]
-    fn space_sharing_policies_are_refused_live_with_the_reason() {
+    fn space_sharing_policies_run_live_and_unknown_names_are_refused() {
         for name in crate::gavel::SPACE_SHARING_POLICY_NAMES {
-            let Err(e) = by_name(name, QueueOptions::default()) else {
-                panic!("{name} must not run live");
-            };
-            assert!(e.to_string().contains("same GPUs"), "{e}");
-            assert!(!all_policy_names().contains(name));
+            let policy = by_name(name, QueueOptions::default()).expect("runs live");
+            assert_eq!(policy.name(), *name);
+            assert!(all_policy_names().contains(name));
         }
         let mut state = ClusterState::new();
+        state
+            .apply(
+                1,
+                &LogEntry {
+                    at_ms: 0,
+                    command: Command::SetPolicy {
+                        name: "gandiva".into(),
+                    },
+                },
+            )
+            .expect("a known policy");
         let refused = state.apply(
-            1,
+            2,
             &LogEntry {
                 at_ms: 0,
                 command: Command::SetPolicy {
-                    name: "gandiva".into(),
+                    name: "gandiva_plus".into(),
                 },
             },
         );
         assert!(
             matches!(&refused, Err(crate::state::ApplyError::Invalid { field, reason })
-                if field == "policy" && reason.contains("same GPUs")),
+                if field == "policy" && reason.contains("max_min_fairness_packed")),
             "{refused:?}"
         );
-        assert!(by_name("max_min_fairness_perf", QueueOptions::default()).is_ok());
     }
 
     #[test]
@@ -293,13 +297,13 @@ mod tests {
                 based_on: 3,
                 policy: "fifo".into(),
                 round: 1,
-                placements: vec![JobPlacement {
-                    job_id: 1,
-                    gpus: vec![GpuRef {
+                placements: vec![JobPlacement::alone(
+                    1,
+                    vec![GpuRef {
                         node: "n0".into(),
                         index: 0
-                    }],
-                }],
+                    }]
+                )],
             }
         );
         state

@@ -1,0 +1,875 @@
+//! One simulated run: start, workload and faults, heal, check, report.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keel::raft_node::RaftSettings;
+use keel_core::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
+use keel_core::fixtures::{job_spec, SplitMix64};
+use keel_core::model::{Gpu, GpuRef, JobState};
+use keel_core::ClusterState;
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{BasicNode, ServerState};
+use serde::Serialize;
+use tokio::sync::watch;
+
+use super::net::{Net, Raft};
+use super::replica::{Leaders, Replica, Trace};
+use super::DstError;
+
+/// How a simulated run goes.
+#[derive(Debug, Clone)]
+pub struct DstConfig {
+    pub seed: u64,
+    /// 3 or 5.
+    pub replicas: u64,
+    /// Fault rounds (each: calm, inject, hold, heal).
+    pub rounds: u32,
+    pub clients: u32,
+    /// Virtual time the cluster may take to commit and converge after the
+    /// final heal.
+    pub liveness_bound: Duration,
+    /// A check of the checker: every disk acknowledges appends before they
+    /// are durable, so a crash can lose committed entries, and runs with
+    /// crashes must then fail.
+    pub lying_disk: bool,
+    /// The fault kinds dealt (all by default).
+    pub faults: Vec<Fault>,
+    /// Every disk slow (50–200 ms flushes) all the time.
+    pub slow_disks: bool,
+}
+
+impl DstConfig {
+    pub fn new(seed: u64) -> DstConfig {
+        DstConfig {
+            seed,
+            replicas: 3,
+            rounds: 12,
+            clients: 3,
+            liveness_bound: Duration::from_secs(20),
+            lying_disk: false,
+            faults: Fault::ALL.to_vec(),
+            slow_disks: false,
+        }
+    }
+}
+
+/// What one run did and found.
+#[derive(Debug, Clone, Serialize)]
+pub struct DstReport {
+    pub seed: u64,
+    pub replicas: u64,
+    pub rounds: u32,
+    /// Simulated (virtual) seconds.
+    pub virtual_s: f64,
+    /// Real seconds the simulation took.
+    pub wall_s: f64,
+    pub messages_delivered: u64,
+    pub messages_lost: u64,
+    pub faults: BTreeMap<String, u64>,
+    /// By operation, then outcome: `committed`, `refused_by_state`,
+    /// `not_leader`, `indeterminate`.
+    pub operations: BTreeMap<String, BTreeMap<String, u64>>,
+    pub terms_with_a_leader: usize,
+    /// Terms two candidates both won, with different leader ids (openraft's
+    /// default mode allows it; see `replica::Leaders`).
+    pub terms_with_two_leaders: usize,
+    /// Leaderships a restarted replica resumed under its old leader id
+    /// (openraft restores a leader whose committed vote is its own).
+    pub restored_leaderships: usize,
+    pub final_index: u64,
+    pub state_hash: String,
+    /// Failed checks; empty when the run passed.
+    pub violations: Vec<String>,
+    /// blake3 of the run's trace (virtual times, faults, leaders, every
+    /// operation and its outcome) and final state: the same seed gives the
+    /// same digest.
+    pub digest: String,
+    /// The trace itself (left out of the JSON report).
+    #[serde(skip)]
+    pub trace: Vec<String>,
+    pub passed: bool,
+}
+
+impl DstReport {
+    /// One line for a person.
+    pub fn line(&self) -> String {
+        let ops: u64 = self.operations.values().flat_map(|m| m.values()).sum();
+        format!(
+            "seed {}: {} — {} replicas, {} rounds, {:.0} s simulated in {:.2} s, {} ops, {} messages ({} lost), {} terms led, index {}, digest {}",
+            self.seed,
+            if self.passed { "ok" } else { "FAILED" },
+            self.replicas,
+            self.rounds,
+            self.virtual_s,
+            self.wall_s,
+            ops,
+            self.messages_delivered + self.messages_lost,
+            self.messages_lost,
+            self.terms_with_a_leader,
+            self.final_index,
+            &self.digest[..16.min(self.digest.len())],
+        )
+    }
+}
+
+/// Runs one seed to its report, on a single-threaded runtime with a
+/// virtual clock (this thread's Raft randomness seeded for the run).
+pub fn run_seed(config: &DstConfig) -> Result<DstReport, DstError> {
+    let started = std::time::Instant::now();
+    keel_storage::seed_thread_rng(Some(config.seed));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| DstError::Setup(e.to_string()))?;
+    let result = runtime.block_on(simulate(config));
+    drop(runtime);
+    keel_storage::seed_thread_rng(None);
+    let mut report = result?;
+    report.wall_s = started.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+#[derive(Debug, Clone)]
+enum Outcome {
+    Committed {
+        index: u64,
+        accepted: bool,
+    },
+    /// Not the leader: never appended.
+    NotLeader,
+    Indeterminate,
+}
+
+#[derive(Debug, Clone)]
+struct Op {
+    kind: &'static str,
+    /// Submissions: the job's unique name.
+    name: Option<String>,
+    outcome: Outcome,
+}
+
+type History = Arc<Mutex<Vec<Op>>>;
+
+fn record(history: &History, op: Op) {
+    history.lock().unwrap_or_else(|p| p.into_inner()).push(op);
+}
+
+/// Stamps of the entries: a fixed epoch plus virtual time.
+const EPOCH_MS: u64 = 1_700_000_000_000;
+
+/// Proposes one command on `raft`: the outcome, and the leader it named if
+/// it was not the leader.
+async fn write(raft: &Raft, command: Command, at_ms: u64) -> (Outcome, Option<u64>) {
+    let proposal = Proposal {
+        entries: vec![LogEntry {
+            at_ms: EPOCH_MS + at_ms,
+            command,
+        }],
+    };
+    match tokio::time::timeout(Duration::from_secs(3), raft.client_write(proposal)).await {
+        Err(_) => (Outcome::Indeterminate, None),
+        Ok(Ok(r)) => (
+            Outcome::Committed {
+                index: r.log_id.index,
+                accepted: r.data.outcomes.first().is_some_and(|o| o.is_ok()),
+            },
+            None,
+        ),
+        Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
+            (Outcome::NotLeader, f.leader_id)
+        }
+        Ok(Err(_)) => (Outcome::Indeterminate, None),
+    }
+}
+
+/// A plan for the oldest pending job on free GPUs of one node, decided on
+/// `state` as of `based_on` (possibly stale by the time it commits).
+fn plan(state: &ClusterState, based_on: u64) -> Option<Command> {
+    let job = state
+        .jobs()
+        .values()
+        .find(|j| j.state == JobState::Pending)?;
+    let want = job.spec.gpus as usize;
+    state.nodes().iter().find_map(|(name, node)| {
+        let free: Vec<GpuRef> = node
+            .gpus
+            .keys()
+            .map(|index| GpuRef {
+                node: name.clone(),
+                index: *index,
+            })
+            .filter(|g| !state.gpu_holders().contains_key(g))
+            .take(want)
+            .collect();
+        (free.len() == want).then(|| Command::DecideAllocation {
+            based_on,
+            policy: "dst".into(),
+            round: state.last_round() + 1,
+            placements: vec![JobPlacement::alone(job.id, free)],
+        })
+    })
+}
+
+/// A job in one of `states`, picked by `roll`.
+fn pick_job(state: &ClusterState, states: &[JobState], roll: u64) -> Option<u64> {
+    let jobs: Vec<u64> = state
+        .jobs()
+        .values()
+        .filter(|j| states.contains(&j.state))
+        .map(|j| j.id)
+        .collect();
+    (!jobs.is_empty()).then(|| jobs[(roll % jobs.len() as u64) as usize])
+}
+
+struct Client {
+    id: u32,
+    net: Arc<Net>,
+    history: History,
+    trace: Trace,
+    rng: SplitMix64,
+    stop: watch::Receiver<bool>,
+}
+
+impl Client {
+    /// Submits, places, finishes and cancels jobs until told to stop, each
+    /// against the replica it believes leads (or, now and then, any).
+    async fn run(mut self) {
+        let mut guess = 1u64;
+        let mut submitted = 0u64;
+        while !*self.stop.borrow() {
+            tokio::time::sleep(Duration::from_millis(20 + self.rng.below(280))).await;
+            let running = self.net.running();
+            if running.is_empty() {
+                continue;
+            }
+            let target = if running.contains(&guess) && self.rng.below(8) > 0 {
+                guess
+            } else {
+                running[(self.rng.below(running.len() as u64)) as usize]
+            };
+            let (Some(raft), Some(shared)) = (self.net.raft(target), self.net.shared(target))
+            else {
+                continue;
+            };
+            let roll = self.rng.below(100);
+            let pick = self.rng.next_u64();
+            let (kind, name, command) = if roll < 55 {
+                submitted += 1;
+                let name = format!("c{}-{submitted}", self.id);
+                let gpus = 1 + u32::from(pick.is_multiple_of(2));
+                (
+                    "submit",
+                    Some(name.clone()),
+                    Command::SubmitJob {
+                        spec: job_spec(&name, gpus, 1),
+                    },
+                )
+            } else {
+                let command = {
+                    let applied = shared.read();
+                    let state = &applied.state;
+                    let index = applied.last_applied.map_or(0, |l| l.index);
+                    if roll < 80 {
+                        plan(state, index).map(|c| ("place", c))
+                    } else if roll < 92 {
+                        pick_job(state, &[JobState::Running], pick).map(|job_id| {
+                            (
+                                "finish",
+                                Command::FinishJob {
+                                    job_id,
+                                    outcome: JobOutcome::Succeeded,
+                                    reason: "dst".into(),
+                                },
+                            )
+                        })
+                    } else {
+                        pick_job(state, &[JobState::Pending, JobState::Running], pick).map(
+                            |job_id| {
+                                (
+                                    "cancel",
+                                    Command::CancelJob {
+                                        job_id,
+                                        reason: "dst".into(),
+                                    },
+                                )
+                            },
+                        )
+                    }
+                };
+                let Some((kind, command)) = command else {
+                    continue;
+                };
+                (kind, None, command)
+            };
+            let (outcome, leader) = write(&raft, command, self.trace.now_ms()).await;
+            if let Some(l) = leader {
+                guess = l;
+            } else if !matches!(outcome, Outcome::Committed { .. }) {
+                guess = running[(pick % running.len() as u64) as usize];
+            }
+            self.trace.note(format_args!(
+                "c{} {kind} {} on {target}: {outcome:?}",
+                self.id,
+                name.as_deref().unwrap_or("-")
+            ));
+            record(
+                &self.history,
+                Op {
+                    kind,
+                    name,
+                    outcome,
+                },
+            );
+        }
+    }
+}
+
+/// The fault kinds of a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    CrashLeader,
+    /// The leader crashes and its supervisor restarts it at once (10–200 ms).
+    RestartLeader,
+    CrashFollower,
+    CrashMajority,
+    IsolateLeader,
+    IsolateFollower,
+    Partition,
+    LeaderCannotSend,
+    LeaderCannotHear,
+    MessageLoss,
+    SlowDisk,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 11] = [
+        Fault::CrashLeader,
+        Fault::RestartLeader,
+        Fault::CrashFollower,
+        Fault::CrashMajority,
+        Fault::IsolateLeader,
+        Fault::IsolateFollower,
+        Fault::Partition,
+        Fault::LeaderCannotSend,
+        Fault::LeaderCannotHear,
+        Fault::MessageLoss,
+        Fault::SlowDisk,
+    ];
+
+    /// The kind named `name` (as in the report).
+    pub fn parse(name: &str) -> Option<Fault> {
+        Fault::ALL.into_iter().find(|f| f.name() == name)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::CrashLeader => "crash_leader",
+            Fault::RestartLeader => "restart_leader",
+            Fault::CrashFollower => "crash_follower",
+            Fault::CrashMajority => "crash_majority",
+            Fault::IsolateLeader => "isolate_leader",
+            Fault::IsolateFollower => "isolate_follower",
+            Fault::Partition => "partition",
+            Fault::LeaderCannotSend => "leader_cannot_send",
+            Fault::LeaderCannotHear => "leader_cannot_hear",
+            Fault::MessageLoss => "message_loss",
+            Fault::SlowDisk => "slow_disk",
+        }
+    }
+}
+
+/// The leader with the highest term among the running replicas.
+fn leader_of(replicas: &[Replica]) -> Option<u64> {
+    replicas
+        .iter()
+        .filter_map(|r| {
+            let raft = r.raft()?;
+            let m = raft.metrics();
+            let m = m.borrow();
+            (m.state == ServerState::Leader).then_some((m.current_term, r.id))
+        })
+        .max()
+        .map(|(_, id)| id)
+}
+
+/// Commits a submission of `name` within `bound`, trying the leader the
+/// replicas name; records it. Whether it committed.
+async fn probe(
+    net: &Net,
+    replicas: &[Replica],
+    history: &History,
+    trace: &Trace,
+    name: &str,
+    bound: Duration,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + bound;
+    let mut attempt = 0u32;
+    while tokio::time::Instant::now() < deadline {
+        let target = leader_of(replicas).or_else(|| net.running().first().copied());
+        if let Some(raft) = target.and_then(|t| net.raft(t)) {
+            attempt += 1;
+            // Each attempt its own job: one that timed out may still commit.
+            let name = format!("{name}-{attempt}");
+            let command = Command::SubmitJob {
+                spec: job_spec(&name, 1, 1),
+            };
+            let (outcome, _) = write(&raft, command, trace.now_ms()).await;
+            trace.note(format_args!("probe {name}: {outcome:?}"));
+            let committed = matches!(outcome, Outcome::Committed { accepted: true, .. });
+            let definite = matches!(outcome, Outcome::NotLeader);
+            record(
+                history,
+                Op {
+                    kind: "submit",
+                    name: Some(name),
+                    outcome,
+                },
+            );
+            if committed {
+                return true;
+            }
+            if !definite {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// Raft's log matching: two replicas' entries with the same log id are the
+/// same entry. A violation names the first index where they differ.
+fn log_matching(replicas: &[Replica]) -> Vec<String> {
+    let logs: Vec<(u64, BTreeMap<u64, keel_storage::Entry>)> =
+        replicas.iter().map(|r| (r.id, r.disk.entries())).collect();
+    let mut out = Vec::new();
+    for (i, (a, log_a)) in logs.iter().enumerate() {
+        for (b, log_b) in &logs[i + 1..] {
+            let differs = log_a.iter().find(|(index, e)| {
+                log_b
+                    .get(index)
+                    .is_some_and(|f| f.log_id == e.log_id && f.payload != e.payload)
+            });
+            if let Some((index, e)) = differs {
+                out.push(format!(
+                    "log matching: replicas {a} and {b} hold different entries under log id {} (index {index})",
+                    e.log_id
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// openraft restores a restarted replica whose committed vote is its own
+/// as leader under the same leader id. That is safe only if its log holds
+/// every entry it sent under that id: one a follower holds beyond the
+/// restored log would be written again, differently, under the same log
+/// id. A gap found is named.
+fn restored_leader_gaps(replicas: &[Replica], id: u64) -> Vec<String> {
+    let Some(raft) = replicas[(id - 1) as usize].raft() else {
+        return Vec::new();
+    };
+    let vote = raft.metrics().borrow().vote;
+    if !(vote.is_committed() && vote.leader_id().voted_for() == Some(id)) {
+        return Vec::new();
+    }
+    let term = vote.leader_id().term;
+    let own_last = replicas[(id - 1) as usize]
+        .disk
+        .entries()
+        .keys()
+        .next_back()
+        .copied()
+        .unwrap_or(0);
+    replicas
+        .iter()
+        .filter(|r| r.id != id)
+        .filter_map(|r| {
+            let held = r
+                .disk
+                .entries()
+                .into_iter()
+                .find(|(index, e)| {
+                    *index > own_last
+                        && e.log_id.leader_id.term == term
+                        && e.log_id.leader_id.node_id == id
+                })?;
+            Some(format!(
+                "restored leader {id} (term {term}) lacks entry {} that replica {} holds under its leader id",
+                held.0, r.id
+            ))
+        })
+        .collect()
+}
+
+async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
+    let dir = tempfile::tempdir().map_err(|e| DstError::Setup(e.to_string()))?;
+    let trace = Trace::new();
+    let leaders = Leaders::default();
+    let history: History = Arc::default();
+    let net = Net::new(config.seed ^ 0x6e65_7477_6f72_6b00);
+    let mut rng = SplitMix64::new(config.seed);
+    let settings = RaftSettings {
+        // Small, so that snapshots are built, purge the log and are sent to
+        // replicas that fell behind.
+        snapshot_every_entries: 100,
+        keep_log_after_snapshot: 20,
+        ..RaftSettings::default()
+    };
+    let raft_config = Arc::new(
+        settings
+            .openraft_config()
+            .map_err(|e| DstError::Setup(e.to_string()))?,
+    );
+    let mut replicas: Vec<Replica> = (1..=config.replicas)
+        .map(|id| {
+            Replica::new(
+                id,
+                dir.path().join(format!("r{id}")),
+                config.seed.wrapping_mul(31).wrapping_add(id),
+                config.lying_disk,
+            )
+        })
+        .collect();
+    for r in &mut replicas {
+        r.disk.set_slow(config.slow_disks);
+        r.start(&net, &raft_config, &leaders, &trace).await?;
+    }
+    let members: BTreeMap<u64, BasicNode> = (1..=config.replicas)
+        .map(|id| {
+            (
+                id,
+                BasicNode {
+                    addr: format!("sim-{id}"),
+                },
+            )
+        })
+        .collect();
+    if let Some(raft) = replicas[0].raft() {
+        raft.initialize(members)
+            .await
+            .map_err(|e| DstError::Raft(e.to_string()))?;
+    }
+    let mut violations = Vec::new();
+    // Two GPU nodes for the jobs to land on.
+    for n in 0..2u32 {
+        let command = Command::RegisterNode {
+            name: format!("n{n}"),
+            address: format!("10.0.0.{n}:7070"),
+            gpus: (0..4)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: "v100".into(),
+                })
+                .collect(),
+        };
+        let deadline = tokio::time::Instant::now() + config.liveness_bound;
+        loop {
+            let target = leader_of(&replicas);
+            if let Some(raft) = target.and_then(|t| net.raft(t)) {
+                let (outcome, _) = write(&raft, command.clone(), trace.now_ms()).await;
+                trace.note(format_args!("register n{n}: {outcome:?}"));
+                if matches!(outcome, Outcome::Committed { .. }) {
+                    break;
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(DstError::Setup(
+                    "the cluster never committed its first entries".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..config.clients)
+        .map(|id| {
+            tokio::spawn(
+                Client {
+                    id,
+                    net: net.clone(),
+                    history: history.clone(),
+                    trace: trace.clone(),
+                    rng: SplitMix64::new(config.seed.wrapping_add(1000 + u64::from(id))),
+                    stop: stop_rx.clone(),
+                }
+                .run(),
+            )
+        })
+        .collect();
+
+    let mut faults: BTreeMap<String, u64> = BTreeMap::new();
+    for round in 0..config.rounds {
+        tokio::time::sleep(Duration::from_millis(300 + rng.below(2_700))).await;
+        let Some(&fault) = config
+            .faults
+            .get((rng.below(config.faults.len().max(1) as u64)) as usize)
+        else {
+            break;
+        };
+        *faults.entry(fault.name().to_string()).or_default() += 1;
+        let everyone: Vec<u64> = (1..=config.replicas).collect();
+        let running: Vec<u64> = replicas
+            .iter()
+            .filter(|r| r.is_running())
+            .map(|r| r.id)
+            .collect();
+        let leader =
+            leader_of(&replicas).unwrap_or(running[(rng.below(running.len() as u64)) as usize]);
+        let others: Vec<u64> = everyone.iter().copied().filter(|r| *r != leader).collect();
+        let follower = others[(rng.below(others.len() as u64)) as usize];
+        let mut victims = Vec::new();
+        match fault {
+            Fault::CrashLeader => victims.push(leader),
+            Fault::RestartLeader => {
+                // Half the time its disk stalls first (a watchdog's
+                // restart after a stuck fsync): its followers then hold
+                // entries its own disk has not made durable.
+                let r = &mut replicas[(leader - 1) as usize];
+                if rng.below(2) == 0 {
+                    r.disk.set_slow(true);
+                    tokio::time::sleep(Duration::from_millis(200 + rng.below(800))).await;
+                }
+                r.crash(&net, &trace).await;
+                r.disk.set_slow(config.slow_disks);
+                tokio::time::sleep(Duration::from_millis(10 + rng.below(190))).await;
+                r.start(&net, &raft_config, &leaders, &trace).await?;
+                violations.extend(restored_leader_gaps(&replicas, leader));
+            }
+            Fault::CrashFollower => victims.push(follower),
+            Fault::CrashMajority => {
+                victims.push(leader);
+                victims.extend(others.iter().take((config.replicas / 2) as usize));
+            }
+            Fault::IsolateLeader => net.partition(&[leader], &others),
+            Fault::IsolateFollower => {
+                let rest: Vec<u64> = everyone
+                    .iter()
+                    .copied()
+                    .filter(|r| *r != follower)
+                    .collect();
+                net.partition(&[follower], &rest);
+            }
+            Fault::Partition => {
+                let size = 1 + rng.below(config.replicas / 2) as usize;
+                let mut shuffled = everyone.clone();
+                for i in (1..shuffled.len()).rev() {
+                    shuffled.swap(i, (rng.below(i as u64 + 1)) as usize);
+                }
+                let (a, b) = shuffled.split_at(size);
+                net.partition(a, b);
+            }
+            Fault::LeaderCannotSend => {
+                for o in &others {
+                    net.cut(leader, *o);
+                }
+            }
+            Fault::LeaderCannotHear => {
+                for o in &others {
+                    net.cut(*o, leader);
+                }
+            }
+            Fault::MessageLoss => net.set_loss_per_mille(50 + rng.below(250)),
+            Fault::SlowDisk => {
+                let v = if rng.below(2) == 0 { leader } else { follower };
+                replicas[(v - 1) as usize].disk.set_slow(true);
+            }
+        }
+        for v in &victims {
+            replicas[(*v - 1) as usize].crash(&net, &trace).await;
+        }
+        trace.note(format_args!(
+            "round {round}: {} (leader {leader}, crashed {victims:?})",
+            fault.name()
+        ));
+        tokio::time::sleep(Duration::from_millis(500 + rng.below(4_500))).await;
+        net.heal();
+        for r in &mut replicas {
+            r.disk.set_slow(config.slow_disks);
+            r.start(&net, &raft_config, &leaders, &trace).await?;
+        }
+        trace.note(format_args!("round {round}: healed"));
+        for v in log_matching(&replicas) {
+            trace.note(&v);
+            violations.push(format!("round {round}: {v}"));
+        }
+    }
+    let _ = stop_tx.send(true);
+    for c in clients {
+        let _ = c.await;
+    }
+
+    // Liveness: a write commits, and every replica gets to the same state.
+    if !probe(
+        &net,
+        &replicas,
+        &history,
+        &trace,
+        "probe-final",
+        config.liveness_bound,
+    )
+    .await
+    {
+        violations.push(format!(
+            "liveness: no write committed within {:?} of the heal",
+            config.liveness_bound
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + config.liveness_bound;
+    let mut converged: Option<(u64, String)> = None;
+    let mut last_seen = Vec::new();
+    while tokio::time::Instant::now() < deadline {
+        last_seen = replicas
+            .iter()
+            .filter_map(|r| {
+                let shared = r.shared()?;
+                let applied = shared.read();
+                Some((
+                    applied.last_applied.map_or(0, |l| l.index),
+                    applied.state.state_hash().to_string(),
+                ))
+            })
+            .collect();
+        if last_seen.len() == replicas.len() && last_seen.iter().all(|s| *s == last_seen[0]) {
+            converged = Some(last_seen[0].clone());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (final_index, state_hash) = match converged {
+        Some(c) => c,
+        None => {
+            violations.push(format!(
+                "divergent: the replicas did not reach one (index, hash) within {:?}: {last_seen:?}",
+                config.liveness_bound
+            ));
+            last_seen.first().cloned().unwrap_or_default()
+        }
+    };
+
+    violations.extend(log_matching(&replicas));
+    // Leaders, as openraft defines them (see `Leaders`): a leader id led by
+    // two starts of its node is a leadership restored after a restart,
+    // which openraft does by design; log matching above is what makes it
+    // safe or not.
+    let by_leader_id = leaders.by_leader_id();
+    let restored_leaderships = by_leader_id.values().filter(|s| s.len() > 1).count();
+    let mut leaders_per_term: BTreeMap<u64, usize> = BTreeMap::new();
+    for (term, _) in by_leader_id.keys() {
+        *leaders_per_term.entry(*term).or_default() += 1;
+    }
+
+    // Exactly once, on the final state.
+    let ops = history.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(shared) = replicas[0].shared() {
+        let applied = shared.read();
+        let mut count: BTreeMap<&str, usize> = BTreeMap::new();
+        for job in applied.state.jobs().values() {
+            *count.entry(job.spec.name.as_str()).or_default() += 1;
+        }
+        for (name, c) in &count {
+            if *c > 1 {
+                violations.push(format!("duplicated: job {name} is there {c} times"));
+            }
+        }
+        for op in &ops {
+            let Some(name) = &op.name else { continue };
+            let c = count.get(name.as_str()).copied().unwrap_or(0);
+            match op.outcome {
+                Outcome::Committed {
+                    index,
+                    accepted: true,
+                } if c != 1 => violations.push(format!(
+                    "lost: submission {name}, acknowledged at index {index}, is there {c} times"
+                )),
+                Outcome::Committed {
+                    accepted: false, ..
+                } if c != 0 => violations.push(format!(
+                    "submission {name} was refused by the state machine yet is there"
+                )),
+                Outcome::NotLeader if c != 0 => violations.push(format!(
+                    "submission {name} was refused (not the leader) yet was committed"
+                )),
+                _ => {}
+            }
+        }
+    }
+
+    // Stop every replica cleanly and replay each journal offline, checking
+    // the invariants after every entry.
+    let (messages_delivered, messages_lost) = net.counts();
+    for r in &mut replicas {
+        r.stop(&net).await?;
+    }
+    for r in &replicas {
+        match keel_storage::replay_until_checked(
+            &r.state_dir,
+            keel_storage::Until::Index(final_index),
+        ) {
+            Ok(s) => {
+                if let Some((index, broken)) = s.invariant_violation {
+                    violations.push(format!(
+                        "invariant: replica {} after index {index}: {broken}",
+                        r.id
+                    ));
+                }
+                if s.state_hash.to_string() != state_hash {
+                    violations.push(format!(
+                        "divergent: replica {}'s journal replays to {} at index {}, the live state was {state_hash} at {final_index}",
+                        r.id, s.state_hash, s.last_index
+                    ));
+                }
+            }
+            Err(e) => violations.push(format!("replica {}: replay failed: {e}", r.id)),
+        }
+    }
+
+    let mut operations: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    for op in &ops {
+        let outcome = match op.outcome {
+            Outcome::Committed { accepted: true, .. } => "committed",
+            Outcome::Committed {
+                accepted: false, ..
+            } => "refused_by_state",
+            Outcome::NotLeader => "not_leader",
+            Outcome::Indeterminate => "indeterminate",
+        };
+        *operations
+            .entry(op.kind.to_string())
+            .or_default()
+            .entry(outcome.to_string())
+            .or_default() += 1;
+    }
+    let lines = trace.lines();
+    let mut hasher = blake3::Hasher::new();
+    for line in &lines {
+        hasher.update(line.as_bytes());
+        hasher.update(b"\n");
+    }
+    hasher.update(format!("{final_index} {state_hash}").as_bytes());
+    Ok(DstReport {
+        seed: config.seed,
+        replicas: config.replicas,
+        rounds: config.rounds,
+        virtual_s: trace.now_ms() as f64 / 1000.0,
+        wall_s: 0.0,
+        messages_delivered,
+        messages_lost,
+        faults,
+        operations,
+        terms_with_a_leader: leaders_per_term.len(),
+        terms_with_two_leaders: leaders_per_term.values().filter(|n| **n > 1).count(),
+        restored_leaderships,
+        final_index,
+        state_hash,
+        passed: violations.is_empty(),
+        violations,
+        digest: hasher.finalize().to_hex().to_string(),
+        trace: lines,
+    })
+}
