@@ -214,9 +214,25 @@ impl RaftNode {
             .is_initialized()
             .await
             .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
-        if initialized {
+        let stored: Vec<u64> = raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .collect();
+        if initialized && stored.is_empty() {
+            // openraft counts a replica as initialised once it has voted,
+            // even if no entry (so no membership) has reached it: a member
+            // wiped and started again, stopped before the leader's snapshot
+            // arrived. It is in the cluster already and initialises
+            // nothing; the leader brings it up to date.
+            tracing::info!(
+                id,
+                "voted in the cluster but holds no membership yet; waiting for the leader to reach this replica"
+            );
+        } else if initialized {
             let membership = raft.metrics().borrow().membership_config.clone();
-            let stored: Vec<u64> = membership.membership().voter_ids().collect();
             // Only a membership that never changed since bootstrap (its log
             // id is the initial one) is held against --peers.
             let never_changed = membership.log_id().is_none_or(|l| l.index == 0);
@@ -280,5 +296,49 @@ impl RaftNode {
             .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
         self.state_machine.flush()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openraft::storage::RaftLogStorage;
+
+    /// A member wiped and started again votes for the leader before the
+    /// leader's snapshot reaches it; killed then, its directory holds a vote
+    /// and no membership. It must start again and wait for the leader, not
+    /// refuse its own `--peers` as another cluster's.
+    #[tokio::test]
+    async fn a_replica_that_voted_but_holds_no_membership_starts_and_waits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("r3");
+        {
+            let data = DataDir::open(&root).expect("data dir");
+            let mut log = LogStore::open(&data.raft_log_dir()).expect("log");
+            log.save_vote(&openraft::Vote::new(7, 1))
+                .await
+                .expect("vote");
+        }
+        let peers: Peers = (1..=3).map(|i| (i, format!("127.0.0.1:{i}"))).collect();
+        let node = RaftNode::start(
+            3,
+            "127.0.0.1:3",
+            &peers,
+            DataDir::open(&root).expect("data dir"),
+            &RaftSettings::default(),
+        )
+        .await
+        .expect("a replica that only voted starts");
+        assert!(node.raft.is_initialized().await.expect("state"));
+        let voters: Vec<u64> = node
+            .raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .collect();
+        assert!(voters.is_empty(), "no membership was made up: {voters:?}");
+        node.shutdown().await.expect("shutdown");
     }
 }

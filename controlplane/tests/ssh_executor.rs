@@ -184,7 +184,7 @@ fn a_host_cut_off_is_lost_and_its_job_resumes_when_it_comes_back() {
         &spec,
         format!(
             "name: cut-off\ncommand: [\"{KEEL}\", trainer, --speedup, \"20\", --report-every-s, \"0.1\"]\n\
-             gpus: 1\nworkers: 1\nmodel: resnet50\ntotal_steps: 5000\n"
+             gpus: 1\nworkers: 1\nmodel: resnet50\ntotal_steps: 8000\n"
         ),
     )
     .expect("spec");
@@ -201,6 +201,8 @@ fn a_host_cut_off_is_lost_and_its_job_resumes_when_it_comes_back() {
     let lost = wait_for("the host to be lost and the job requeued", || {
         let nodes = server.json(&["nodes"]);
         let view = job();
+        // About 36 s at ×20: still running when the host is cut off.
+        assert_ne!(view["state"], "succeeded", "ended before the cut: {view}");
         let requeued = view["state"] == "preempted" || view["state"] == "pending";
         (node(&nodes, "a").is_some_and(|n| n["state"] == "lost") && requeued).then_some(nodes)
     });
