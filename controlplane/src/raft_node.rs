@@ -3,11 +3,13 @@
 //!
 //! Bootstrap happens exactly once per cluster. Without `--peers`, a replica
 //! forms a one-member cluster of itself. With `--peers`, only the member
-//! with the lowest id initialises, and only after asking the other peers
-//! whether a cluster already exists (a wiped member that comes back must
-//! rejoin, not found a second cluster); the others wait for the leader to
-//! replicate the membership to them. A data directory initialised with one
-//! member set refuses a different `--peers` until the membership changes.
+//! with the lowest id initialises, in the background while its API serves,
+//! once a majority of the members (itself included) has answered that it
+//! holds no cluster and none that it does: a wiped member that comes back
+//! must rejoin, not found a second cluster, even while its peers are out of
+//! reach. The others wait for the leader to replicate the membership to
+//! them. A data directory initialised with one member set refuses a
+//! different `--peers` until the membership changes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -58,11 +60,61 @@ fn show(ids: impl IntoIterator<Item = u64>) -> String {
     format!("{{{}}}", ids.join(","))
 }
 
-/// Asks every other peer whether it belongs to an initialised cluster;
-/// returns the id of one that does. Unreachable peers count as "no".
-async fn existing_cluster(id: u64, peers: &Peers) -> Option<u64> {
+/// What one peer said when asked, at bootstrap, whether a cluster exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PeerAnswer {
+    /// It belongs to an initialised cluster (it knows voters).
+    Initialised,
+    /// It answered and holds no cluster yet.
+    Uninitialised,
+    /// No answer (down, partitioned, not started yet).
+    Unreachable,
+}
+
+/// What the lowest-id replica does at bootstrap, given the other peers'
+/// answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Bootstrap {
+    /// A cluster exists (this peer said so): wait for its leader.
+    Join { peer: u64 },
+    /// A majority of the members, this replica included, holds no cluster
+    /// and none said otherwise: initialise.
+    Initialise,
+    /// Too few answers to tell a first start from a wiped member whose
+    /// cluster is out of reach: ask again.
+    AskAgain { uninitialised: usize, needed: usize },
+}
+
+/// The bootstrap rule, pure. Initialising needs a majority of the members
+/// (this replica counts) to have answered "no cluster": a cluster that
+/// exists holds a majority of members that know it, so at least one of any
+/// majority would have said so. Initialising on silence instead would let a
+/// wiped member whose peers are unreachable found a second cluster.
+fn bootstrap(members: usize, answers: &BTreeMap<u64, PeerAnswer>) -> Bootstrap {
+    if let Some((peer, _)) = answers.iter().find(|(_, a)| **a == PeerAnswer::Initialised) {
+        return Bootstrap::Join { peer: *peer };
+    }
+    let uninitialised = 1 + answers
+        .values()
+        .filter(|a| **a == PeerAnswer::Uninitialised)
+        .count();
+    let needed = members / 2 + 1;
+    if uninitialised >= needed {
+        Bootstrap::Initialise
+    } else {
+        Bootstrap::AskAgain {
+            uninitialised,
+            needed,
+        }
+    }
+}
+
+/// Asks every other peer whether it belongs to an initialised cluster.
+async fn ask_peers(id: u64, peers: &Peers) -> BTreeMap<u64, PeerAnswer> {
     use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest};
+    let mut answers = BTreeMap::new();
     for (peer, addr) in peers.iter().filter(|(p, _)| **p != id) {
+        answers.insert(*peer, PeerAnswer::Unreachable);
         let url = format!("http://{addr}");
         let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url) else {
             continue;
@@ -75,12 +127,99 @@ async fn existing_cluster(id: u64, peers: &Peers) -> Option<u64> {
         };
         let mut client = KeelClient::new(channel);
         if let Ok(status) = client.cluster_status(ClusterStatusRequest::default()).await {
-            if !status.into_inner().voters.is_empty() {
-                return Some(*peer);
-            }
+            let answer = if status.into_inner().voters.is_empty() {
+                PeerAnswer::Uninitialised
+            } else {
+                PeerAnswer::Initialised
+            };
+            answers.insert(*peer, answer);
         }
     }
-    None
+    answers
+}
+
+/// How long the lowest id waits between rounds of asking its peers.
+const ASK_AGAIN_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The lowest id's bootstrap: asks its peers every [`ASK_AGAIN_INTERVAL`]
+/// until it joins the cluster they hold or initialises one with them (see
+/// [`bootstrap`]). Ends then, or when Raft stops, or when a leader reached
+/// this replica first.
+async fn bootstrap_when_a_majority_answers(
+    id: u64,
+    peers: Peers,
+    raft: Raft,
+    identity: Arc<ClusterIdentity>,
+) {
+    let mut rounds = 0u64;
+    loop {
+        match raft.is_initialized().await {
+            Ok(false) => {}
+            Ok(true) => {
+                tracing::info!(id, "reached by the cluster's leader");
+                return;
+            }
+            // Raft stopped; the server reports why.
+            Err(_) => return,
+        }
+        match bootstrap(peers.len(), &ask_peers(id, &peers).await) {
+            Bootstrap::Join { peer } => {
+                tracing::info!(
+                    id,
+                    peer,
+                    "a cluster already exists; waiting for its leader to add this replica"
+                );
+                return;
+            }
+            Bootstrap::Initialise => {
+                let members: BTreeMap<u64, BasicNode> = peers
+                    .iter()
+                    .map(|(i, addr)| (*i, BasicNode { addr: addr.clone() }))
+                    .collect();
+                // An id kept already is this replica's own from an earlier
+                // round (or adopted from a leader that got here first).
+                let kept = match identity.get() {
+                    Some(_) => Ok(()),
+                    None => identity.create(id).map(drop),
+                };
+                match kept {
+                    Err(e) => tracing::error!(
+                        id,
+                        error = %e,
+                        "cannot keep the new cluster id in the data directory; trying again"
+                    ),
+                    Ok(_) => match raft.initialize(members).await {
+                        Ok(()) => {
+                            tracing::info!(id, members = %show(peers.keys().copied()), "initialised the cluster");
+                            return;
+                        }
+                        // Already initialised (a leader got here first) or
+                        // stopped: the next round sees which.
+                        Err(e) => {
+                            tracing::warn!(id, error = %e, "could not initialise the cluster")
+                        }
+                    },
+                }
+            }
+            Bootstrap::AskAgain {
+                uninitialised,
+                needed,
+            } => {
+                // Every 10 s, not every round: the wait can be long.
+                if rounds.is_multiple_of(20) {
+                    tracing::info!(
+                        id,
+                        uninitialised,
+                        needed,
+                        "waiting for a majority of --peers to answer before initialising \
+                         (a peer that is down may hold this cluster already)"
+                    );
+                }
+            }
+        }
+        rounds += 1;
+        tokio::time::sleep(ASK_AGAIN_INTERVAL).await;
+    }
 }
 
 /// A running Raft replica and the stores behind it.
@@ -257,23 +396,14 @@ impl RaftNode {
                 .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
             tracing::info!(id, "initialised a one-member cluster");
         } else if peers.keys().next() == Some(&id) {
-            if let Some(existing) = existing_cluster(id, peers).await {
-                tracing::info!(
-                    id,
-                    peer = existing,
-                    "a cluster already exists; waiting for its leader to add this replica"
-                );
-            } else {
-                let members: BTreeMap<u64, BasicNode> = peers
-                    .iter()
-                    .map(|(i, addr)| (*i, BasicNode { addr: addr.clone() }))
-                    .collect();
-                identity.create(id).map_err(identity_error)?;
-                raft.initialize(members)
-                    .await
-                    .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
-                tracing::info!(id, members = %show(peers.keys().copied()), "initialised the cluster");
-            }
+            // In the background, so the API answers (cluster status, the
+            // peers' own bootstrap questions) while this replica waits.
+            tokio::spawn(bootstrap_when_a_majority_answers(
+                id,
+                peers.clone(),
+                raft.clone(),
+                identity.clone(),
+            ));
         } else {
             tracing::info!(id, "waiting for the cluster's leader to reach this replica");
         }
@@ -303,6 +433,70 @@ impl RaftNode {
 mod tests {
     use super::*;
     use openraft::storage::RaftLogStorage;
+
+    fn answers(list: &[(u64, PeerAnswer)]) -> BTreeMap<u64, PeerAnswer> {
+        list.iter().copied().collect()
+    }
+
+    #[test]
+    fn bootstrap_initialises_only_with_a_majority_that_holds_no_cluster() {
+        use PeerAnswer::*;
+        // Three members: this one and one more that holds nothing make a majority.
+        assert_eq!(
+            bootstrap(3, &answers(&[(2, Uninitialised), (3, Unreachable)])),
+            Bootstrap::Initialise
+        );
+        // Both others silent: a first start, or a wiped member whose
+        // cluster is out of reach. Ask again.
+        assert_eq!(
+            bootstrap(3, &answers(&[(2, Unreachable), (3, Unreachable)])),
+            Bootstrap::AskAgain {
+                uninitialised: 1,
+                needed: 2
+            }
+        );
+        // Any member that knows a cluster wins over any count of empty ones.
+        assert_eq!(
+            bootstrap(3, &answers(&[(2, Uninitialised), (3, Initialised)])),
+            Bootstrap::Join { peer: 3 }
+        );
+        // Five members need three.
+        assert_eq!(
+            bootstrap(
+                5,
+                &answers(&[
+                    (2, Uninitialised),
+                    (3, Unreachable),
+                    (4, Unreachable),
+                    (5, Unreachable)
+                ])
+            ),
+            Bootstrap::AskAgain {
+                uninitialised: 2,
+                needed: 3
+            }
+        );
+        assert_eq!(
+            bootstrap(
+                5,
+                &answers(&[
+                    (2, Uninitialised),
+                    (3, Unreachable),
+                    (4, Uninitialised),
+                    (5, Unreachable)
+                ])
+            ),
+            Bootstrap::Initialise
+        );
+        // Two members: both must hold nothing.
+        assert_eq!(
+            bootstrap(2, &answers(&[(2, Unreachable)])),
+            Bootstrap::AskAgain {
+                uninitialised: 1,
+                needed: 2
+            }
+        );
+    }
 
     /// A member wiped and started again votes for the leader before the
     /// leader's snapshot reaches it; killed then, its directory holds a vote

@@ -416,6 +416,59 @@ fn a_wiped_member_rejoins_through_a_snapshot() {
     );
 }
 
+/// The lowest id, wiped and started while the rest of its cluster is down,
+/// must not found a cluster of its own: it waits for a majority of its
+/// peers to answer, finds the cluster there and rejoins it.
+#[test]
+fn a_wiped_first_member_waits_for_its_peers_instead_of_founding_a_cluster() {
+    let mut cluster = Cluster::start(&[]);
+    let leader = cluster.leader();
+    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
+    let job = cluster
+        .submit(&leader_addr, "before")
+        .expect("acknowledged");
+    cluster.converged();
+    let cluster_id = cluster.status(1).expect("status")["cluster_id"].clone();
+    for id in 1..=3 {
+        cluster.terminate(id);
+    }
+    std::fs::remove_dir_all(&cluster.replicas[0].data).expect("wipe");
+    // Replica 1's log files (one per start).
+    let logs_of_1 = |dir: &Path| -> BTreeSet<PathBuf> {
+        std::fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("r1.log"))
+                    .map(|e| e.path())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let before = logs_of_1(cluster._dir.path());
+    cluster.spawn(1, &[]);
+    let restarted = || -> String {
+        logs_of_1(cluster._dir.path())
+            .difference(&before)
+            .filter_map(|p| std::fs::read_to_string(p).ok())
+            .collect()
+    };
+    wait_for("replica 1 to wait for a majority of its peers", || {
+        restarted()
+            .contains("waiting for a majority of --peers to answer")
+            .then_some(())
+    });
+    assert!(
+        !restarted().contains("initialised the cluster"),
+        "replica 1 founded a cluster alone"
+    );
+    cluster.spawn(2, &[]);
+    cluster.spawn(3, &[]);
+    cluster.converged();
+    assert_eq!(cluster.status(1).expect("status")["cluster_id"], cluster_id);
+    assert!(cluster.jobs_on(1).contains(&job));
+}
+
 #[test]
 fn members_are_added_as_learners_promoted_and_removed() {
     let mut cluster = Cluster::start(&[]);
