@@ -104,14 +104,13 @@ impl ClusterIdentity {
         Ok(id)
     }
 
-    /// Keeps `id` (written to a temporary file, synced, renamed).
+    /// Keeps `id`, whole or not at all, durably (a synced temporary file
+    /// renamed over it, the directory synced).
     fn set(&self, id: &str) -> std::io::Result<()> {
         use std::io::Write;
-        let tmp = self.path.with_extension("tmp");
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(id.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)?;
+        let mut file = atomic_write_file::AtomicWriteFile::open(&self.path)?;
+        file.write_all(id.as_bytes())?;
+        file.commit()?;
         *self.id.lock().unwrap_or_else(|e| e.into_inner()) = Some(id.to_string());
         Ok(())
     }

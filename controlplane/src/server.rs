@@ -127,9 +127,12 @@ impl Server {
         // here. Written whole or not at all (a temporary file renamed over
         // it): a reader polling for the file never sees it half written.
         let addr_file = data_dir.root().join("server.addr");
-        let partial = data_dir.root().join("server.addr.partial");
-        std::fs::write(&partial, addr.to_string())
-            .and_then(|()| std::fs::rename(&partial, &addr_file))
+        atomic_write_file::AtomicWriteFile::open(&addr_file)
+            .and_then(|mut file| {
+                use std::io::Write;
+                file.write_all(addr.to_string().as_bytes())?;
+                file.commit()
+            })
             .map_err(|source| ServerError::Listen {
                 addr: config.listen,
                 source,

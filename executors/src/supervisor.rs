@@ -25,14 +25,13 @@ pub struct ExitRecord {
     pub reason: String,
 }
 
-/// Writes `record` to `path` atomically (temp file, then rename).
+/// Writes `record` to `path` whole or not at all, durably (a synced
+/// temporary file renamed over it, the directory synced).
 pub fn write_exit(path: &Path, record: &ExitRecord) -> std::io::Result<()> {
-    let tmp = path.with_extension("exit.tmp");
     let body = serde_json::to_vec(record).map_err(std::io::Error::other)?;
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&body)?;
-    f.sync_data()?;
-    std::fs::rename(&tmp, path)
+    let mut file = atomic_write_file::AtomicWriteFile::open(path)?;
+    file.write_all(&body)?;
+    file.commit()
 }
 
 /// The exit recorded at `path`, if there is a readable one.

@@ -90,7 +90,6 @@ fn read_checkpoint(dir: &Path) -> Result<u64, TrainerError> {
 
 fn write_checkpoint(dir: &Path, step: u64, model: &str) -> Result<(), TrainerError> {
     let path = dir.join(CHECKPOINT_FILE);
-    let tmp = dir.join(format!("{CHECKPOINT_FILE}.tmp"));
     let err = |source| TrainerError::Checkpoint {
         path: path.clone(),
         source,
@@ -100,10 +99,11 @@ fn write_checkpoint(dir: &Path, step: u64, model: &str) -> Result<(), TrainerErr
         model: model.to_string(),
     })
     .map_err(|e| err(std::io::Error::other(e)))?;
-    let mut f = std::fs::File::create(&tmp).map_err(err)?;
-    f.write_all(&body).map_err(err)?;
-    f.sync_data().map_err(err)?;
-    std::fs::rename(&tmp, &path).map_err(err)
+    // Whole or not at all, durably: a synced temporary file renamed over
+    // the last checkpoint, the directory synced.
+    let mut file = atomic_write_file::AtomicWriteFile::open(&path).map_err(err)?;
+    file.write_all(&body).map_err(err)?;
+    file.commit().map_err(err)
 }
 
 /// Runs the trainer to its end. Returns the process exit code.
