@@ -171,36 +171,16 @@ async fn bootstrap_when_a_majority_answers(
                 );
                 return;
             }
-            Bootstrap::Initialise => {
-                let members: BTreeMap<u64, BasicNode> = peers
-                    .iter()
-                    .map(|(i, addr)| (*i, BasicNode { addr: addr.clone() }))
-                    .collect();
-                // An id kept already is this replica's own from an earlier
-                // round (or adopted from a leader that got here first).
-                let kept = match identity.get() {
-                    Some(_) => Ok(()),
-                    None => identity.create(id).map(drop),
-                };
-                match kept {
-                    Err(e) => tracing::error!(
-                        id,
-                        error = %e,
-                        "cannot keep the new cluster id in the data directory; trying again"
-                    ),
-                    Ok(_) => match raft.initialize(members).await {
-                        Ok(()) => {
-                            tracing::info!(id, members = %show(peers.keys().copied()), "initialised the cluster");
-                            return;
-                        }
-                        // Already initialised (a leader got here first) or
-                        // stopped: the next round sees which.
-                        Err(e) => {
-                            tracing::warn!(id, error = %e, "could not initialise the cluster")
-                        }
-                    },
+            Bootstrap::Initialise => match initialise(id, &peers, &raft, &identity).await {
+                Ok(()) => {
+                    tracing::info!(id, members = %show(peers.keys().copied()), "initialised the cluster");
+                    return;
                 }
-            }
+                // Already initialised (a leader got here first), stopped
+                // (the next round sees which), or the data directory
+                // refused the id (tried again).
+                Err(e) => tracing::warn!(id, error = %e, "could not initialise the cluster"),
+            },
             Bootstrap::AskAgain {
                 uninitialised,
                 needed,
@@ -220,6 +200,27 @@ async fn bootstrap_when_a_majority_answers(
         rounds += 1;
         tokio::time::sleep(ASK_AGAIN_INTERVAL).await;
     }
+}
+
+/// Initialises the cluster of `peers`, keeping its id first. An id kept
+/// already is this replica's own from an earlier round (or adopted from a
+/// leader that got here first).
+async fn initialise(
+    id: u64,
+    peers: &Peers,
+    raft: &Raft,
+    identity: &ClusterIdentity,
+) -> Result<(), String> {
+    if identity.get().is_none() {
+        identity
+            .create(id)
+            .map_err(|e| format!("cannot keep the new cluster id in the data directory: {e}"))?;
+    }
+    let members: BTreeMap<u64, BasicNode> = peers
+        .iter()
+        .map(|(i, addr)| (*i, BasicNode { addr: addr.clone() }))
+        .collect();
+    raft.initialize(members).await.map_err(|e| e.to_string())
 }
 
 /// A running Raft replica and the stores behind it.
