@@ -382,6 +382,52 @@ impl Cluster {
         best.map(|(_, id)| id)
     }
 
+    /// Whether the leader's membership names every replica as a voter under
+    /// the incarnation the replica reports, and nothing else: no member
+    /// that lost its disk is still being re-admitted. `Err` says what is
+    /// missing.
+    pub async fn members_current(&self) -> Result<(), String> {
+        let leader = self.leader().await.ok_or("no leader")?;
+        let status = self
+            .status(leader, Duration::from_secs(1))
+            .await
+            .ok_or("the leader did not answer")?;
+        let mut recorded: Vec<(u64, u64, bool)> = status
+            .members
+            .iter()
+            .map(|m| (m.id, m.incarnation, m.voter))
+            .collect();
+        recorded.sort();
+        let mut expected = Vec::new();
+        for r in &self.replicas {
+            let own = self
+                .status(r.id, Duration::from_secs(1))
+                .await
+                .ok_or_else(|| format!("replica {} did not answer", r.id))?;
+            expected.push((r.id, own.incarnation, true));
+        }
+        expected.sort();
+        if recorded == expected {
+            Ok(())
+        } else {
+            Err(format!(
+                "the leader's membership (id, incarnation, voter) is {recorded:?}; the replicas are {expected:?}"
+            ))
+        }
+    }
+
+    /// Waits up to `bound` for [`Cluster::members_current`].
+    pub async fn wait_members_current(&self, bound: Duration) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + bound;
+        loop {
+            let result = self.members_current().await;
+            if result.is_ok() || std::time::Instant::now() >= deadline {
+                return result;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Waits up to `bound` for a leader (an election may be under way).
     pub async fn wait_leader(&self, bound: Duration) -> Option<u64> {
         let deadline = std::time::Instant::now() + bound;

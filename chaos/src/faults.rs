@@ -30,6 +30,13 @@ pub enum FaultKind {
     LeaderCannotHear,
     /// SIGKILL a follower, delete its data directory, start it empty.
     WipeFollower,
+    /// A lost disk with one more fault before the wiped member has caught
+    /// up: SIGSTOP half the other followers (they fall behind while the
+    /// leader commits), SIGSTOP the leader, wipe the follower that holds
+    /// the new entries and start it empty, SIGCONT the lagging ones; the
+    /// leader wakes at the heal. The empty member and the lagging ones are
+    /// a majority that lacks acknowledged entries.
+    WipeFollowerThenPauseLeader,
     /// Restart a follower whose WAL appends each take 150 ms longer (a
     /// failpoint: `keel` built with `--features failpoints`).
     SlowDiskFollower,
@@ -39,7 +46,7 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 9] = [
+    pub const ALL: [FaultKind; 10] = [
         FaultKind::KillLeader,
         FaultKind::KillFollower,
         FaultKind::KillMajority,
@@ -49,6 +56,7 @@ impl FaultKind {
         FaultKind::LeaderCannotSend,
         FaultKind::LeaderCannotHear,
         FaultKind::WipeFollower,
+        FaultKind::WipeFollowerThenPauseLeader,
     ];
 
     /// The disk faults: they need a `keel` built with failpoints.
@@ -65,6 +73,7 @@ impl FaultKind {
             FaultKind::LeaderCannotSend => "leader_cannot_send",
             FaultKind::LeaderCannotHear => "leader_cannot_hear",
             FaultKind::WipeFollower => "wipe_follower",
+            FaultKind::WipeFollowerThenPauseLeader => "wipe_follower_then_pause_leader",
             FaultKind::SlowDiskFollower => "slow_disk_follower",
             FaultKind::FullDiskFollower => "full_disk_follower",
         }
@@ -87,6 +96,7 @@ impl FaultKind {
                 | FaultKind::IsolateLeader
                 | FaultKind::LeaderCannotHear
                 | FaultKind::LeaderCannotSend
+                | FaultKind::WipeFollowerThenPauseLeader
         )
     }
 }
@@ -131,8 +141,8 @@ mod tests {
 
     #[test]
     fn the_schedule_is_seeded_and_deals_every_kind_evenly() {
-        let a = schedule(7, 18, &FaultKind::ALL);
-        let b = schedule(7, 18, &FaultKind::ALL);
+        let a = schedule(7, 20, &FaultKind::ALL);
+        let b = schedule(7, 20, &FaultKind::ALL);
         assert_eq!(
             a.iter().map(|r| (r.kind, r.hold_ms)).collect::<Vec<_>>(),
             b.iter().map(|r| (r.kind, r.hold_ms)).collect::<Vec<_>>()
@@ -142,7 +152,7 @@ mod tests {
             assert_eq!(FaultKind::parse(kind.as_str()), Some(kind));
         }
         assert!(a.iter().all(|r| (1000..=3000).contains(&r.hold_ms)));
-        let c = schedule(8, 18, &FaultKind::ALL);
+        let c = schedule(8, 20, &FaultKind::ALL);
         assert_ne!(
             a.iter().map(|r| r.kind).collect::<Vec<_>>(),
             c.iter().map(|r| r.kind).collect::<Vec<_>>()

@@ -371,6 +371,17 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
             &mut crashes,
             &format!("before round {}", rounds.len()),
         )?;
+        // A member that lost its disk is re-admitted (a learner, caught
+        // up, then a voter) within the liveness bound, before the next
+        // fault: until then it is one member down, and one more fault
+        // would be two.
+        if let Err(e) = cluster.wait_members_current(config.liveness_bound).await {
+            probes.liveness.push(format!(
+                "round {}: the membership is not every replica as a voter within {:?}: {e}",
+                rounds.len(),
+                config.liveness_bound
+            ));
+        }
         let Some(leader) = cluster.wait_leader(config.liveness_bound).await else {
             probes.liveness.push(format!(
                 "round {}: no leader within {:?} before injecting",
@@ -447,6 +458,27 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
             FaultKind::WipeFollower => {
                 cluster.wipe(follower)?;
                 vec![follower]
+            }
+            FaultKind::WipeFollowerThenPauseLeader => {
+                let lagging: Vec<u64> = others
+                    .iter()
+                    .copied()
+                    .filter(|r| *r != follower)
+                    .take((config.replicas / 2) as usize)
+                    .collect();
+                for id in &lagging {
+                    cluster.pause(*id);
+                }
+                // The leader commits with the others meanwhile.
+                tokio::time::sleep(Duration::from_millis(round.hold_ms / 3)).await;
+                cluster.pause(leader);
+                cluster.wipe(follower)?;
+                for id in &lagging {
+                    cluster.resume(*id);
+                }
+                let mut v = vec![leader, follower];
+                v.extend(lagging);
+                v
             }
             FaultKind::SlowDiskFollower => {
                 cluster.restart_with(follower, &[("FAILPOINTS", "wal-append=sleep(150)")])?;
@@ -548,6 +580,12 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
         probes.liveness.push(format!("after the faults: {e}"));
     }
     let statuses = converged(&cluster, Duration::from_secs(90)).await;
+    if let Err(e) = cluster.wait_members_current(config.liveness_bound).await {
+        probes.liveness.push(format!(
+            "after the faults: a wiped member was not re-admitted within {:?}: {e}",
+            config.liveness_bound
+        ));
+    }
     let mut replicas_final = Vec::new();
     match &statuses {
         None => probes

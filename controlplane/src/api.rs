@@ -158,9 +158,17 @@ impl KeelApi {
         let m = self.node.raft.metrics();
         let m = m.borrow();
         let membership = m.membership_config.membership();
+        let members = |ids: &mut dyn Iterator<Item = u64>| -> Vec<u64> {
+            ids.map(crate::membership::member_of)
+                .collect::<std::collections::BTreeSet<u64>>()
+                .into_iter()
+                .collect()
+        };
+        let voters = members(&mut membership.voter_ids());
+        let learners = members(&mut membership.learner_ids());
         api::MembershipResponse {
-            voters: membership.voter_ids().collect(),
-            learners: membership.learner_ids().collect(),
+            voters,
+            learners,
             index,
         }
     }
@@ -443,28 +451,38 @@ impl Keel for KeelApi {
                     .to_string(),
             )
         };
+        use crate::membership::{incarnation_of, member_of};
         Ok(Response::new(api::ClusterStatusResponse {
-            member_id: metrics.id,
+            member_id: member_of(metrics.id),
+            incarnation: incarnation_of(metrics.id),
             role: role.to_string(),
             term: metrics.current_term,
             last_log_index: metrics.last_log_index.unwrap_or(0),
             last_applied_index,
             state_hash,
-            leader_id: metrics.current_leader,
+            leader_id: metrics.current_leader.map(member_of),
             cluster_id: self.node.identity.get().unwrap_or_default(),
             policy,
             policy_counters: match self.policy_counters.read() {
                 Ok(c) => c.clone(),
                 Err(poisoned) => poisoned.into_inner().clone(),
             },
-            voters: metrics.membership_config.membership().voter_ids().collect(),
+            voters: metrics
+                .membership_config
+                .membership()
+                .voter_ids()
+                .map(member_of)
+                .collect::<std::collections::BTreeSet<u64>>()
+                .into_iter()
+                .collect(),
             members: {
                 let membership = metrics.membership_config.membership();
                 let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
                 membership
                     .nodes()
                     .map(|(id, node)| api::Member {
-                        id: *id,
+                        id: member_of(*id),
+                        incarnation: incarnation_of(*id),
                         address: node.addr.clone(),
                         voter: voters.contains(id),
                         matched_index: metrics.replication.as_ref().and_then(|r| {
@@ -669,6 +687,62 @@ impl Keel for KeelApi {
             }
             .into());
         }
+        if req.id > crate::membership::MEMBER_ID_MAX {
+            return Err(ApiError::InvalidArgument {
+                field: "id",
+                message: format!(
+                    "{} is more than the largest member id, {}",
+                    req.id,
+                    crate::membership::MEMBER_ID_MAX
+                ),
+            }
+            .into());
+        }
+        // The new member's Raft id: its member id and the incarnation of its
+        // data directory, as it says itself.
+        let status = crate::raft_node::status_of(&req.address)
+            .await
+            .map_err(|e| {
+                ApiError::Unavailable(format!(
+                    "cannot ask the replica at {} who it is (start it first, with --id {}): {e}",
+                    req.address, req.id
+                ))
+            })?;
+        if status.member_id != req.id {
+            return Err(ApiError::InvalidArgument {
+                field: "id",
+                message: format!(
+                    "the replica at {} is member {}, not {}",
+                    req.address, status.member_id, req.id
+                ),
+            }
+            .into());
+        }
+        let raft_id = crate::membership::raft_id(req.id, status.incarnation);
+        let other = self
+            .node
+            .raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(id, _)| *id)
+            .find(|id| crate::membership::member_of(*id) == req.id && *id != raft_id);
+        if let Some(other) = other {
+            return Err(ApiError::InvalidArgument {
+                field: "id",
+                message: format!(
+                    "member {} is in the cluster already as {} (the replica at {} is {}); \
+                     remove it first, or let the leader re-admit it",
+                    req.id,
+                    crate::membership::show(other),
+                    req.address,
+                    crate::membership::show(raft_id)
+                ),
+            }
+            .into());
+        }
         let node = openraft::BasicNode {
             addr: req.address.clone(),
         };
@@ -677,7 +751,7 @@ impl Keel for KeelApi {
         // stays a learner and can be removed).
         tokio::time::timeout(
             std::time::Duration::from_secs(60),
-            self.node.raft.add_learner(req.id, node, true),
+            self.node.raft.add_learner(raft_id, node, true),
         )
         .await
         .map_err(|_| {
@@ -698,7 +772,7 @@ impl Keel for KeelApi {
                 .membership()
                 .voter_ids()
                 .collect();
-            if voters.insert(req.id) {
+            if voters.insert(raft_id) {
                 let resp = self
                     .node
                     .raft
@@ -716,8 +790,8 @@ impl Keel for KeelApi {
         request: Request<api::RemoveMemberRequest>,
     ) -> Result<Response<api::MembershipResponse>, Status> {
         route!(self, request, remove_member, true);
-        let id = request.into_inner().id;
-        let (mut voters, learners) = {
+        let member = request.into_inner().id;
+        let (voters, learners) = {
             let m = self.node.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -725,40 +799,48 @@ impl Keel for KeelApi {
             let learners: std::collections::BTreeSet<u64> = membership.learner_ids().collect();
             (voters, learners)
         };
-        if !voters.contains(&id) && !learners.contains(&id) {
+        // Every incarnation of the member (two while one is re-admitted).
+        let of_member = |ids: &std::collections::BTreeSet<u64>| -> std::collections::BTreeSet<u64> {
+            ids.iter()
+                .copied()
+                .filter(|id| crate::membership::member_of(*id) == member)
+                .collect()
+        };
+        let (gone_voters, gone_learners) = (of_member(&voters), of_member(&learners));
+        if gone_voters.is_empty() && gone_learners.is_empty() {
             return Err(ApiError::InvalidArgument {
                 field: "id",
-                message: format!("{id} is not a member"),
+                message: format!("{member} is not a member"),
             }
             .into());
         }
-        let index;
-        if voters.remove(&id) {
-            if voters.is_empty() {
+        let mut index = 0;
+        if !gone_voters.is_empty() {
+            let remaining: std::collections::BTreeSet<u64> =
+                voters.difference(&gone_voters).copied().collect();
+            if remaining.is_empty() {
                 return Err(ApiError::InvalidArgument {
                     field: "id",
-                    message: format!("{id} is the last voter; a cluster cannot remove it"),
+                    message: format!("{member} is the last voter; a cluster cannot remove it"),
                 }
                 .into());
             }
             let resp = self
                 .node
                 .raft
-                .change_membership(voters, false)
+                .change_membership(remaining, false)
                 .await
-                .map_err(|e| ApiError::Unavailable(format!("removing {id}: {e}")))?;
+                .map_err(|e| ApiError::Unavailable(format!("removing {member}: {e}")))?;
             // Not retained as a learner: it leaves the membership.
             index = resp.log_id.index;
-        } else {
+        }
+        if !gone_learners.is_empty() {
             let resp = self
                 .node
                 .raft
-                .change_membership(
-                    openraft::ChangeMembers::RemoveNodes(std::collections::BTreeSet::from([id])),
-                    false,
-                )
+                .change_membership(openraft::ChangeMembers::RemoveNodes(gone_learners), false)
                 .await
-                .map_err(|e| ApiError::Unavailable(format!("removing {id}: {e}")))?;
+                .map_err(|e| ApiError::Unavailable(format!("removing {member}: {e}")))?;
             index = resp.log_id.index;
         }
         Ok(Response::new(self.membership(index)))

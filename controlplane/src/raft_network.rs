@@ -11,7 +11,12 @@
 //! Every message carries the sender's cluster id ([`ClusterIdentity`]); a
 //! replica refuses messages from another cluster, so a member restarted
 //! with the wrong `--peers` or at a reused address never mixes two
-//! clusters' logs.
+//! clusters' logs. Every message also names the Raft id it is for (a
+//! member id and an incarnation, `membership`): a replica refuses messages
+//! for another incarnation of itself, answering with its own Raft id, which
+//! the sender keeps in [`Strangers`] for the leader's repair. A replica that
+//! lost its disk therefore neither votes nor acknowledges entries until it
+//! has been re-admitted.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -35,6 +40,7 @@ use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
+use crate::membership::{self, Strangers};
 use crate::raft_node::Raft;
 
 /// Largest Raft message accepted or sent: a batch of entries
@@ -52,6 +58,12 @@ fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, postcard::Error> {
 
 /// Metadata naming the sender's cluster on every Raft message.
 const CLUSTER_ID_HEADER: &str = "keel-cluster-id";
+
+/// Metadata naming the Raft id a message is for.
+const TO_HEADER: &str = "keel-to";
+
+/// Metadata of a refusal naming the refusing replica's Raft id.
+const REFUSED_BY_HEADER: &str = "keel-raft-id";
 
 /// Longest cluster id accepted from a peer.
 const CLUSTER_ID_MAX_LEN: usize = 64;
@@ -123,22 +135,19 @@ impl ClusterIdentity {
         }
     }
 
-    /// Checks a received message's cluster id; adopts it when this replica
-    /// has none yet and the message comes from a leader.
-    fn check<T>(&self, request: &Request<T>, from_leader: bool) -> Result<(), Status> {
+    /// Checks a received message's cluster id: refused if it is another
+    /// cluster's; `Some(id)` if this replica has none yet and the message
+    /// comes from a leader (to [`ClusterIdentity::adopt`] once the message
+    /// is known to be for this replica).
+    fn check<T>(&self, request: &Request<T>, from_leader: bool) -> Result<Option<String>, Status> {
         let theirs = request
             .metadata()
             .get(CLUSTER_ID_HEADER)
             .and_then(|v| v.to_str().ok())
             .filter(|v| v.len() <= CLUSTER_ID_MAX_LEN);
         match self.admit(theirs, from_leader) {
-            Admission::Accept => Ok(()),
-            Admission::Adopt => {
-                let theirs = theirs.unwrap_or_default();
-                tracing::info!(cluster_id = theirs, "joined cluster");
-                self.set(theirs)
-                    .map_err(|e| Status::internal(format!("cannot keep the cluster id: {e}")))
-            }
+            Admission::Accept => Ok(None),
+            Admission::Adopt => Ok(Some(theirs.unwrap_or_default().to_string())),
             Admission::Refuse { mine } => {
                 let theirs = theirs.unwrap_or_default();
                 tracing::warn!(
@@ -153,6 +162,13 @@ impl ClusterIdentity {
             }
         }
     }
+
+    /// Belongs to cluster `id` from now on.
+    fn adopt(&self, id: &str) -> Result<(), Status> {
+        tracing::info!(cluster_id = id, "joined cluster");
+        self.set(id)
+            .map_err(|e| Status::internal(format!("cannot keep the cluster id: {e}")))
+    }
 }
 
 /// Makes a [`GrpcPeer`] for each peer openraft replicates to.
@@ -160,14 +176,21 @@ impl ClusterIdentity {
 pub struct GrpcNetwork {
     identity: Arc<ClusterIdentity>,
     source_ip: Option<std::net::IpAddr>,
+    strangers: Strangers,
 }
 
 impl GrpcNetwork {
-    /// Connections to peers bind to `source_ip` when given.
-    pub fn new(identity: Arc<ClusterIdentity>, source_ip: Option<std::net::IpAddr>) -> GrpcNetwork {
+    /// Connections to peers bind to `source_ip` when given; peers that
+    /// answer as another incarnation are kept in `strangers`.
+    pub fn new(
+        identity: Arc<ClusterIdentity>,
+        source_ip: Option<std::net::IpAddr>,
+        strangers: Strangers,
+    ) -> GrpcNetwork {
         GrpcNetwork {
             identity,
             source_ip,
+            strangers,
         }
     }
 }
@@ -178,6 +201,7 @@ impl RaftNetworkFactory<TypeConfig> for GrpcNetwork {
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> GrpcPeer {
         let mut peer = GrpcPeer::new(target, &node.addr, self.identity.clone());
         peer.source_ip = self.source_ip;
+        peer.strangers = self.strangers.clone();
         peer
     }
 }
@@ -190,6 +214,7 @@ pub struct GrpcPeer {
     client: Option<RaftClient<Channel>>,
     identity: Arc<ClusterIdentity>,
     source_ip: Option<std::net::IpAddr>,
+    strangers: Strangers,
 }
 
 impl GrpcPeer {
@@ -200,6 +225,7 @@ impl GrpcPeer {
             client: None,
             identity,
             source_ip: None,
+            strangers: Strangers::default(),
         }
     }
 
@@ -254,6 +280,8 @@ impl GrpcPeer {
         {
             req.metadata_mut().insert(CLUSTER_ID_HEADER, id);
         }
+        req.metadata_mut()
+            .insert(TO_HEADER, tonic::metadata::MetadataValue::from(self.target));
         let call = async {
             match kind {
                 RpcKind::AppendEntries => client.append_entries(req).await,
@@ -271,6 +299,14 @@ impl GrpcPeer {
                 }))
             }
             Ok(Err(status)) => {
+                // Another incarnation of the member answered: it takes no
+                // part until the leader re-admits it (`membership`).
+                if let Some(found) = refused_by(&status) {
+                    self.strangers.saw(self.target, found);
+                    return Err(RPCError::Unreachable(Unreachable::new(
+                        &std::io::Error::other(status.message().to_string()),
+                    )));
+                }
                 // A peer that is down or not listening: drop the channel so
                 // the next call reconnects, and let openraft back off.
                 if matches!(
@@ -337,11 +373,56 @@ impl RaftNetwork<TypeConfig> for GrpcPeer {
     }
 }
 
+/// The Raft id a refusal names: the refusing replica is another
+/// incarnation of the member the message was for.
+fn refused_by(status: &Status) -> Option<u64> {
+    if status.code() != tonic::Code::FailedPrecondition {
+        return None;
+    }
+    status
+        .metadata()
+        .get(REFUSED_BY_HEADER)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Refuses a message that is not for `me` (its `keel-to` names another
+/// incarnation of this member, or nothing), naming `me` in the answer.
+fn check_addressed_to<T>(me: u64, request: &Request<T>) -> Result<(), Status> {
+    let to = request
+        .metadata()
+        .get(TO_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if to == Some(me) {
+        return Ok(());
+    }
+    let mut status = Status::failed_precondition(format!(
+        "this replica is Raft member {}, the message was for {}: a member whose data \
+         directory is new takes no part in votes or quorums until the leader re-admits it",
+        membership::show(me),
+        to.map_or_else(
+            || "no member (a sender older than incarnations)".into(),
+            membership::show
+        ),
+    ));
+    status
+        .metadata_mut()
+        .insert(REFUSED_BY_HEADER, tonic::metadata::MetadataValue::from(me));
+    Err(status)
+}
+
 /// The receiving side: hands each message to the local Raft.
 #[derive(Clone)]
 pub struct RaftService {
     raft: Raft,
+    /// This replica's Raft id: messages for any other are refused.
+    me: u64,
     identity: Arc<ClusterIdentity>,
+    /// The other Raft ids messages came for (each logged once).
+    refused: Arc<Mutex<std::collections::BTreeSet<Option<u64>>>>,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -351,8 +432,32 @@ impl std::fmt::Debug for RaftService {
 }
 
 impl RaftService {
-    pub fn new(raft: Raft, identity: Arc<ClusterIdentity>) -> RaftService {
-        RaftService { raft, identity }
+    pub fn new(raft: Raft, me: u64, identity: Arc<ClusterIdentity>) -> RaftService {
+        RaftService {
+            raft,
+            me,
+            identity,
+            refused: Arc::default(),
+        }
+    }
+
+    /// [`check_addressed_to`], logging the first refusal for each Raft id.
+    fn addressed_to_me<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        check_addressed_to(self.me, request).inspect_err(|status| {
+            let to = request
+                .metadata()
+                .get(TO_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            let first = self
+                .refused
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(to);
+            if first {
+                tracing::warn!("{}", status.message());
+            }
+        })
     }
 }
 
@@ -371,14 +476,22 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        self.identity.check(&request, true)?;
+        let adopt = self.identity.check(&request, true)?;
+        self.addressed_to_me(&request)?;
+        if let Some(id) = adopt {
+            self.identity.adopt(&id)?;
+        }
         let req: AppendEntriesRequest<TypeConfig> =
             decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.append_entries(req).await)
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        self.identity.check(&request, false)?;
+        let adopt = self.identity.check(&request, false)?;
+        self.addressed_to_me(&request)?;
+        if let Some(id) = adopt {
+            self.identity.adopt(&id)?;
+        }
         let req: VoteRequest<u64> = decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.vote(req).await)
     }
@@ -387,7 +500,11 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        self.identity.check(&request, true)?;
+        let adopt = self.identity.check(&request, true)?;
+        self.addressed_to_me(&request)?;
+        if let Some(id) = adopt {
+            self.identity.adopt(&id)?;
+        }
         let req: InstallSnapshotRequest<TypeConfig> =
             decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.install_snapshot(req).await)
@@ -397,6 +514,24 @@ impl RaftRpc for RaftService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_for_another_incarnation_is_refused_naming_this_one() {
+        let me = membership::raft_id(3, 9);
+        let request = |to: Option<u64>| {
+            let mut r = Request::new(());
+            if let Some(to) = to {
+                r.metadata_mut()
+                    .insert(TO_HEADER, tonic::metadata::MetadataValue::from(to));
+            }
+            r
+        };
+        assert!(check_addressed_to(me, &request(Some(me))).is_ok());
+        for to in [Some(membership::raft_id(3, 4)), Some(3), None] {
+            let refused = check_addressed_to(me, &request(to)).expect_err("refused");
+            assert_eq!(refused_by(&refused), Some(me), "{to:?}");
+        }
+    }
 
     #[test]
     fn a_replica_refuses_another_cluster_and_adopts_only_from_a_leader() {

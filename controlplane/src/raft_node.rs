@@ -10,6 +10,11 @@
 //! reach. The others wait for the leader to replicate the membership to
 //! them. A data directory initialised with one member set refuses a
 //! different `--peers` until the membership changes.
+//!
+//! Raft knows each member by a Raft id made of its member id and the
+//! incarnation of its data directory (`membership`): the cluster is
+//! initialised with the Raft ids the peers answered with, and a member that
+//! did not answer is named by its member id alone until it joins.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -17,6 +22,7 @@ use std::sync::Arc;
 use keel_storage::{DataDir, LogStore, StateMachineStore, TypeConfig};
 use openraft::{BasicNode, Config, SnapshotPolicy};
 
+use crate::membership::{self, Strangers};
 use crate::raft_network::{ClusterIdentity, GrpcNetwork};
 
 pub type Raft = openraft::Raft<TypeConfig>;
@@ -43,6 +49,10 @@ pub enum RaftNodeError {
     Raft(String),
     #[error("--peers must name this replica's id {id} with its address (got {peers})")]
     NotInPeers { id: u64, peers: String },
+    #[error("--id {id} is out of range: member ids are 1 to {max}")]
+    MemberIdOutOfRange { id: u64, max: u64 },
+    #[error(transparent)]
+    Incarnation(#[from] membership::IncarnationError),
     #[error(
         "this data directory belongs to a cluster of members {stored}; --peers says {given}. \
          Refusing to start: initialising a cluster twice with different members could split it. \
@@ -65,8 +75,8 @@ fn show(ids: impl IntoIterator<Item = u64>) -> String {
 enum PeerAnswer {
     /// It belongs to an initialised cluster (it knows voters).
     Initialised,
-    /// It answered and holds no cluster yet.
-    Uninitialised,
+    /// It answered and holds no cluster yet; its Raft id.
+    Uninitialised { raft_id: u64 },
     /// No answer (down, partitioned, not started yet).
     Unreachable,
 }
@@ -96,7 +106,7 @@ fn bootstrap(members: usize, answers: &BTreeMap<u64, PeerAnswer>) -> Bootstrap {
     }
     let uninitialised = 1 + answers
         .values()
-        .filter(|a| **a == PeerAnswer::Uninitialised)
+        .filter(|a| matches!(a, PeerAnswer::Uninitialised { .. }))
         .count();
     let needed = members / 2 + 1;
     if uninitialised >= needed {
@@ -109,31 +119,50 @@ fn bootstrap(members: usize, answers: &BTreeMap<u64, PeerAnswer>) -> Bootstrap {
     }
 }
 
+/// What the replica at `addr` says of itself (`ClusterStatus`), within a
+/// second.
+pub(crate) async fn status_of(
+    addr: &str,
+) -> Result<keel_proto::api::ClusterStatusResponse, String> {
+    use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest};
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(std::time::Duration::from_millis(500))
+        .timeout(std::time::Duration::from_secs(1));
+    let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
+    let mut client = KeelClient::new(channel);
+    client
+        .cluster_status(ClusterStatusRequest::default())
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|e| e.message().to_string())
+}
+
 /// Asks every other peer whether it belongs to an initialised cluster.
 async fn ask_peers(id: u64, peers: &Peers) -> BTreeMap<u64, PeerAnswer> {
-    use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest};
     let mut answers = BTreeMap::new();
     for (peer, addr) in peers.iter().filter(|(p, _)| **p != id) {
         answers.insert(*peer, PeerAnswer::Unreachable);
-        let url = format!("http://{addr}");
-        let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url) else {
+        let Ok(status) = status_of(addr).await else {
             continue;
         };
-        let endpoint = endpoint
-            .connect_timeout(std::time::Duration::from_millis(500))
-            .timeout(std::time::Duration::from_secs(1));
-        let Ok(channel) = endpoint.connect().await else {
+        if status.member_id != *peer {
+            tracing::warn!(
+                peer,
+                addr,
+                answered_as = status.member_id,
+                "a peer's address answers as another member; check --peers"
+            );
             continue;
-        };
-        let mut client = KeelClient::new(channel);
-        if let Ok(status) = client.cluster_status(ClusterStatusRequest::default()).await {
-            let answer = if status.into_inner().voters.is_empty() {
-                PeerAnswer::Uninitialised
-            } else {
-                PeerAnswer::Initialised
-            };
-            answers.insert(*peer, answer);
         }
+        let answer = if status.voters.is_empty() {
+            PeerAnswer::Uninitialised {
+                raft_id: membership::raft_id(*peer, status.incarnation),
+            }
+        } else {
+            PeerAnswer::Initialised
+        };
+        answers.insert(*peer, answer);
     }
     answers
 }
@@ -147,6 +176,7 @@ const ASK_AGAIN_INTERVAL: std::time::Duration = std::time::Duration::from_millis
 /// this replica first.
 async fn bootstrap_when_a_majority_answers(
     id: u64,
+    raft_id: u64,
     peers: Peers,
     raft: Raft,
     identity: Arc<ClusterIdentity>,
@@ -162,7 +192,8 @@ async fn bootstrap_when_a_majority_answers(
             // Raft stopped; the server reports why.
             Err(_) => return,
         }
-        match bootstrap(peers.len(), &ask_peers(id, &peers).await) {
+        let answers = ask_peers(id, &peers).await;
+        match bootstrap(peers.len(), &answers) {
             Bootstrap::Join { peer } => {
                 tracing::info!(
                     id,
@@ -171,7 +202,14 @@ async fn bootstrap_when_a_majority_answers(
                 );
                 return;
             }
-            Bootstrap::Initialise => match initialise(id, &peers, &raft, &identity).await {
+            Bootstrap::Initialise => match initialise(
+                raft_id,
+                &initial_members(raft_id, &peers, &answers),
+                &raft,
+                &identity,
+            )
+            .await
+            {
                 Ok(()) => {
                     tracing::info!(id, members = %show(peers.keys().copied()), "initialised the cluster");
                     return;
@@ -202,30 +240,61 @@ async fn bootstrap_when_a_majority_answers(
     }
 }
 
-/// Initialises the cluster of `peers`, keeping its id first. An id kept
+/// The first membership: Raft id → address, each peer under the Raft id
+/// it answered with (this replica under its own), a peer that did not
+/// answer under its member id alone (it joins as a new incarnation when it
+/// answers, `membership`).
+fn initial_members(
+    raft_id: u64,
+    peers: &Peers,
+    answers: &BTreeMap<u64, PeerAnswer>,
+) -> BTreeMap<u64, BasicNode> {
+    peers
+        .iter()
+        .map(|(member, addr)| {
+            let id = if *member == membership::member_of(raft_id) {
+                raft_id
+            } else {
+                match answers.get(member) {
+                    Some(PeerAnswer::Uninitialised { raft_id }) => *raft_id,
+                    _ => *member,
+                }
+            };
+            (id, BasicNode { addr: addr.clone() })
+        })
+        .collect()
+}
+
+/// Initialises the cluster of `members`, keeping its id first. An id kept
 /// already is this replica's own from an earlier round (or adopted from a
 /// leader that got here first).
 async fn initialise(
-    id: u64,
-    peers: &Peers,
+    raft_id: u64,
+    members: &BTreeMap<u64, BasicNode>,
     raft: &Raft,
     identity: &ClusterIdentity,
 ) -> Result<(), String> {
     if identity.get().is_none() {
         identity
-            .create(id)
+            .create(membership::member_of(raft_id))
             .map_err(|e| format!("cannot keep the new cluster id in the data directory: {e}"))?;
     }
-    let members: BTreeMap<u64, BasicNode> = peers
-        .iter()
-        .map(|(i, addr)| (*i, BasicNode { addr: addr.clone() }))
-        .collect();
-    raft.initialize(members).await.map_err(|e| e.to_string())
+    raft.initialize(members.clone())
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// A running Raft replica and the stores behind it.
 pub struct RaftNode {
+    /// Its Raft id: member id and incarnation (`membership::raft_id`).
     pub id: u64,
+    /// Its member id (`--id`).
+    pub member: u64,
+    /// Its data directory's incarnation.
+    pub incarnation: u64,
+    /// Peers that answered as another incarnation (the leader's repair
+    /// reads them).
+    pub strangers: Strangers,
     pub raft: Raft,
     /// The cluster this replica belongs to (checked on every Raft message).
     pub identity: Arc<ClusterIdentity>,
@@ -299,7 +368,7 @@ impl RaftSettings {
 impl std::fmt::Debug for RaftNode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RaftNode")
-            .field("id", &self.id)
+            .field("id", &membership::show(self.id))
             .field("data_dir", &self.data_dir)
             .finish_non_exhaustive()
     }
@@ -311,12 +380,28 @@ impl RaftNode {
     /// one-member cluster with itself; on later starts membership comes from
     /// the log.
     pub async fn start(
-        id: u64,
+        member: u64,
         advertise_addr: &str,
         peers: &Peers,
         data_dir: DataDir,
         settings: &RaftSettings,
     ) -> Result<RaftNode, RaftNodeError> {
+        let id = member;
+        if id == 0 || id > membership::MEMBER_ID_MAX {
+            return Err(RaftNodeError::MemberIdOutOfRange {
+                id,
+                max: membership::MEMBER_ID_MAX,
+            });
+        }
+        if let Some(bad) = peers
+            .keys()
+            .find(|p| **p == 0 || **p > membership::MEMBER_ID_MAX)
+        {
+            return Err(RaftNodeError::MemberIdOutOfRange {
+                id: *bad,
+                max: membership::MEMBER_ID_MAX,
+            });
+        }
         if !peers.is_empty() && !peers.contains_key(&id) {
             return Err(RaftNodeError::NotInPeers {
                 id,
@@ -328,10 +413,28 @@ impl RaftNode {
             });
         }
         let log_dir = data_dir.raft_log_dir();
-        let log = LogStore::open(&log_dir).map_err(|source| RaftNodeError::Log {
+        let mut log = LogStore::open(&log_dir).map_err(|source| RaftNodeError::Log {
             path: log_dir.display().to_string(),
             source,
         })?;
+        // The incarnation is made before anything is voted or appended, so
+        // a directory with Raft state always has one (or predates them).
+        let fresh = {
+            use openraft::storage::RaftLogStorage;
+            let state = log
+                .get_log_state()
+                .await
+                .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
+            let vote = log
+                .read_vote()
+                .await
+                .map_err(|e| RaftNodeError::Raft(e.to_string()))?;
+            state.last_log_id.is_none() && state.last_purged_log_id.is_none() && vote.is_none()
+        };
+        let incarnation =
+            membership::load_or_create_incarnation(&data_dir.root().join("incarnation"), fresh)?;
+        let raft_id = membership::raft_id(member, incarnation);
+        let strangers = Strangers::default();
         let state_machine = StateMachineStore::open(&data_dir.state_dir())?;
         let identity_path = data_dir.root().join("cluster-id");
         let identity_error = |source| RaftNodeError::ClusterId {
@@ -342,9 +445,9 @@ impl RaftNode {
             Arc::new(ClusterIdentity::load(identity_path.clone()).map_err(identity_error)?);
         let config = settings.openraft_config()?;
         let raft = Raft::new(
-            id,
+            raft_id,
             Arc::new(config),
-            GrpcNetwork::new(identity.clone(), settings.peer_source_ip),
+            GrpcNetwork::new(identity.clone(), settings.peer_source_ip, strangers.clone()),
             log.clone(),
             state_machine.clone(),
         )
@@ -372,11 +475,13 @@ impl RaftNode {
                 "voted in the cluster but holds no membership yet; waiting for the leader to reach this replica"
             );
         } else if initialized {
-            let membership = raft.metrics().borrow().membership_config.clone();
+            let config = raft.metrics().borrow().membership_config.clone();
             // Only a membership that never changed since bootstrap (its log
-            // id is the initial one) is held against --peers.
-            let never_changed = membership.log_id().is_none_or(|l| l.index == 0);
-            let given: Vec<u64> = peers.keys().copied().collect();
+            // id is the initial one) is held against --peers, by member id.
+            let never_changed = config.log_id().is_none_or(|l| l.index == 0);
+            let stored: std::collections::BTreeSet<u64> =
+                stored.iter().map(|r| membership::member_of(*r)).collect();
+            let given: std::collections::BTreeSet<u64> = peers.keys().copied().collect();
             if !peers.is_empty() && never_changed && stored != given {
                 return Err(RaftNodeError::PeersMismatch {
                     stored: show(stored),
@@ -386,7 +491,7 @@ impl RaftNode {
             tracing::info!(id, voters = %show(stored), "recovered from the data directory");
         } else if peers.is_empty() {
             let members = BTreeMap::from([(
-                id,
+                raft_id,
                 BasicNode {
                     addr: advertise_addr.to_string(),
                 },
@@ -401,15 +506,24 @@ impl RaftNode {
             // peers' own bootstrap questions) while this replica waits.
             tokio::spawn(bootstrap_when_a_majority_answers(
                 id,
+                raft_id,
                 peers.clone(),
                 raft.clone(),
                 identity.clone(),
             ));
         } else {
-            tracing::info!(id, "waiting for the cluster's leader to reach this replica");
+            tracing::info!(
+                id,
+                incarnation = %format!("{incarnation:012x}"),
+                "waiting for the cluster's leader to reach this replica (a member whose data \
+                 directory is new joins as a learner first)"
+            );
         }
         Ok(RaftNode {
-            id,
+            id: raft_id,
+            member,
+            incarnation,
+            strangers,
             raft,
             identity,
             state_machine,
@@ -435,6 +549,8 @@ mod tests {
     use super::*;
     use openraft::storage::RaftLogStorage;
 
+    const FREE: PeerAnswer = PeerAnswer::Uninitialised { raft_id: 0 };
+
     fn answers(list: &[(u64, PeerAnswer)]) -> BTreeMap<u64, PeerAnswer> {
         list.iter().copied().collect()
     }
@@ -444,7 +560,7 @@ mod tests {
         use PeerAnswer::*;
         // Three members: this one and one more that holds nothing make a majority.
         assert_eq!(
-            bootstrap(3, &answers(&[(2, Uninitialised), (3, Unreachable)])),
+            bootstrap(3, &answers(&[(2, FREE), (3, Unreachable)])),
             Bootstrap::Initialise
         );
         // Both others silent: a first start, or a wiped member whose
@@ -458,7 +574,7 @@ mod tests {
         );
         // Any member that knows a cluster wins over any count of empty ones.
         assert_eq!(
-            bootstrap(3, &answers(&[(2, Uninitialised), (3, Initialised)])),
+            bootstrap(3, &answers(&[(2, FREE), (3, Initialised)])),
             Bootstrap::Join { peer: 3 }
         );
         // Five members need three.
@@ -466,7 +582,7 @@ mod tests {
             bootstrap(
                 5,
                 &answers(&[
-                    (2, Uninitialised),
+                    (2, FREE),
                     (3, Unreachable),
                     (4, Unreachable),
                     (5, Unreachable)
@@ -480,12 +596,7 @@ mod tests {
         assert_eq!(
             bootstrap(
                 5,
-                &answers(&[
-                    (2, Uninitialised),
-                    (3, Unreachable),
-                    (4, Uninitialised),
-                    (5, Unreachable)
-                ])
+                &answers(&[(2, FREE), (3, Unreachable), (4, FREE), (5, Unreachable)])
             ),
             Bootstrap::Initialise
         );

@@ -649,6 +649,12 @@ pub fn membership(m: &api::MembershipResponse, out: Output) -> anyhow::Result<()
 #[derive(Serialize)]
 struct MemberView {
     id: u64,
+    /// The incarnation the membership records (hexadecimal; `-`: named by
+    /// its member id alone).
+    incarnation: String,
+    /// The incarnation that answers at the address, when it is another one
+    /// (the member lost its data directory and is being re-admitted).
+    answered_as: Option<String>,
     address: String,
     voter: bool,
     reachable: bool,
@@ -682,12 +688,28 @@ pub fn cluster_status(
                 let matched = l
                     .members
                     .iter()
-                    .find(|x| x.id == m.id)
+                    .find(|x| x.id == m.id && x.incarnation == m.incarnation)
                     .and_then(|x| x.matched_index)?;
                 Some(l.last_log_index.saturating_sub(matched))
             });
+            let incarnation = |i: u64| {
+                if i == 0 {
+                    "-".to_string()
+                } else {
+                    format!("{i:012x}")
+                }
+            };
+            // What answers at the address is this incarnation, or another
+            // (then its view is not this member's).
+            let answered_as = s
+                .as_ref()
+                .filter(|s| m.incarnation != 0 && s.incarnation != m.incarnation)
+                .map(|s| incarnation(s.incarnation));
+            let s = &s.as_ref().filter(|_| answered_as.is_none()).cloned();
             MemberView {
                 id: m.id,
+                incarnation: incarnation(m.incarnation),
+                answered_as,
                 address: m.address.clone(),
                 voter: m.voter,
                 reachable: s.is_some(),
@@ -734,9 +756,14 @@ pub fn cluster_status(
                 .map(|v| {
                     vec![
                         v.id.to_string(),
+                        v.incarnation.clone(),
                         v.address.clone(),
                         if v.voter { "voter" } else { "learner" }.to_string(),
-                        v.role.clone().unwrap_or_else(|| "unreachable".into()),
+                        match (&v.role, &v.answered_as) {
+                            (_, Some(other)) => format!("replaced by {other}"),
+                            (Some(role), None) => role.clone(),
+                            (None, None) => "unreachable".into(),
+                        },
                         opt(v.term),
                         opt(v.last_log_index),
                         opt(v.last_applied_index),
@@ -748,6 +775,7 @@ pub fn cluster_status(
             print_table(
                 &[
                     "ID",
+                    "INCARNATION",
                     "ADDRESS",
                     "MEMBER",
                     "ROLE",

@@ -203,6 +203,7 @@ impl Server {
             heartbeats.clone(),
             stop_rx.clone(),
         ));
+        let repairing = tokio::spawn(membership_repair_loop(self.node.clone(), stop_rx.clone()));
         let counters = crate::leader::PolicyCounters::default();
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
@@ -261,6 +262,7 @@ impl Server {
         );
         let raft_service = keel_proto::raft::raft_server::RaftServer::new(RaftService::new(
             self.node.raft.clone(),
+            self.node.id,
             self.node.identity.clone(),
         ))
         .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
@@ -307,6 +309,7 @@ impl Server {
         let _ = liveness.await;
         let _ = beating.await;
         let _ = probing.await;
+        let _ = repairing.await;
         let fatal = fatal.lock().ok().and_then(|mut f| f.take());
         if let Some(cause) = fatal {
             let _ = self.node.shutdown().await;
@@ -315,6 +318,25 @@ impl Server {
         self.node.shutdown().await?;
         result?;
         Ok(())
+    }
+}
+
+/// How often the leader looks for a member to re-admit.
+const MEMBERSHIP_REPAIR_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// On the leader: re-admits members that came back with a new data
+/// directory, one membership change at a time (`membership::repair_once`).
+async fn membership_repair_loop(node: Arc<RaftNode>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(MEMBERSHIP_REPAIR_INTERVAL) => {}
+        }
+        match crate::membership::repair_once(&node.raft, &node.strangers).await {
+            Ok(Some(step)) => tracing::info!(?step, "membership repair step committed"),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "membership repair step failed; trying again"),
+        }
     }
 }
 

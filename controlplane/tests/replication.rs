@@ -139,6 +139,33 @@ impl Cluster {
         }
     }
 
+    /// SIGSTOP or SIGCONT.
+    fn signal(&self, id: u64, signal: &str) {
+        let c = self.replicas[id as usize - 1]
+            .child
+            .as_ref()
+            .expect("a running replica");
+        let status = Command::new("kill")
+            .args([signal, &c.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    /// Everything replica `id` has logged so far (all its starts).
+    fn logs(&self, id: u64) -> String {
+        let prefix = format!("r{id}.log");
+        std::fs::read_dir(self._dir.path())
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     fn kill9(&mut self, id: u64) {
         if let Some(mut c) = self.replicas[id as usize - 1].child.take() {
             c.kill().expect("SIGKILL");
@@ -414,6 +441,89 @@ fn a_wiped_member_rejoins_through_a_snapshot() {
         cluster.status(victim).expect("status")["state_hash"],
         hash.as_str()
     );
+}
+
+/// Issue 28's reproduction: an acknowledged job must survive a member that
+/// lost its disk meeting a member that fell behind while the leader is
+/// paused. The empty member is a new incarnation: it refuses to vote, so
+/// the two cannot elect a leader that lacks the job; when the old leader
+/// wakes, it re-admits the empty member (a learner, then a voter) and
+/// every replica holds the job.
+#[test]
+fn a_member_that_lost_its_disk_cannot_elect_a_leader_that_lacks_acknowledged_jobs() {
+    let mut cluster = Cluster::start(&[]);
+    let leader = cluster.leader();
+    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
+    let followers: Vec<u64> = (1..=3).filter(|r| *r != leader).collect();
+    let (lagging, wiped) = (followers[0], followers[1]);
+    let before = cluster
+        .submit(&leader_addr, "before")
+        .expect("acknowledged");
+    cluster.converged();
+    let old_incarnation = cluster.status(wiped).expect("status")["incarnation"].clone();
+    // One follower falls behind; the leader commits X with the other.
+    cluster.signal(lagging, "-STOP");
+    let x = cluster.submit(&leader_addr, "x").expect("acknowledged");
+    // The leader freezes; the follower that holds X loses its disk.
+    cluster.signal(leader, "-STOP");
+    cluster.kill9(wiped);
+    std::fs::remove_dir_all(&cluster.replicas[wiped as usize - 1].data).expect("wipe");
+    cluster.spawn(wiped, &[]);
+    cluster.signal(lagging, "-CONT");
+    // The lagging member asks the empty one for its vote: refused, or (were
+    // there no incarnations) granted, and the two elect a leader without X.
+    wait_for(
+        "the lagging member to ask the empty one for its vote",
+        || {
+            let refused = cluster
+                .logs(wiped)
+                .contains("a member whose data directory is new takes no part");
+            let elected = [lagging, wiped]
+                .iter()
+                .any(|r| cluster.status(*r).is_some_and(|s| s["role"] == "leader"));
+            (refused || elected).then_some(())
+        },
+    );
+    // The old leader wakes, leads (or steps down to the one with its log)
+    // and re-admits the empty member.
+    cluster.signal(leader, "-CONT");
+    let (_, hash) = cluster.converged();
+    for r in 1..=3 {
+        let jobs = cluster.jobs_on(r);
+        assert!(
+            jobs.contains(&before) && jobs.contains(&x),
+            "replica {r} holds {jobs:?}, not the acknowledged {before} and {x}"
+        );
+        assert_eq!(
+            cluster.status(r).expect("status")["state_hash"],
+            hash.as_str()
+        );
+    }
+    let new_incarnation = cluster.status(wiped).expect("status")["incarnation"].clone();
+    assert_ne!(
+        new_incarnation, old_incarnation,
+        "a new data directory, a new incarnation"
+    );
+    wait_for(
+        "the empty member to be a voter under its new incarnation",
+        || {
+            let status = json(&cluster.all_addrs(), &["cluster", "status"])?;
+            let members = status["members"].as_array()?;
+            (members.len() == 3
+                && members.iter().any(|m| {
+                    m["id"] == wiped && m["incarnation"] == new_incarnation && m["voter"] == true
+                }))
+            .then_some(())
+        },
+    );
+    // And the cluster goes on with all three.
+    let after = cluster
+        .submit(&cluster.all_addrs(), "after")
+        .expect("acknowledged");
+    cluster.converged();
+    for r in 1..=3 {
+        assert!(cluster.jobs_on(r).contains(&after));
+    }
 }
 
 /// The lowest id, wiped and started while the rest of its cluster is down,

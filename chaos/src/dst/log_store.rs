@@ -81,6 +81,11 @@ impl SimDisk {
         lost
     }
 
+    /// A lost disk: everything on it gone (the replica must be down).
+    pub fn wipe(&self) {
+        *self.lock() = Disk::default();
+    }
+
     /// The entries on this disk now (durable or not), by index.
     pub fn entries(&self) -> BTreeMap<u64, Entry> {
         self.lock()

@@ -12,6 +12,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use keel::membership::{member_of, Strangers};
 use keel_core::fixtures::SplitMix64;
 use keel_storage::{SharedState, TypeConfig};
 use openraft::error::{
@@ -29,9 +30,20 @@ use serde::Serialize;
 /// openraft's handle on a replica, for this type config.
 pub type Raft = openraft::Raft<TypeConfig>;
 
+/// A running replica on the network.
+#[derive(Clone)]
+struct Member {
+    /// Its Raft id (member id and incarnation): messages for another
+    /// incarnation of the member are refused.
+    raft_id: u64,
+    raft: Raft,
+    state: Arc<SharedState>,
+    strangers: Strangers,
+}
+
 struct NetState {
-    /// The running replicas: their Raft and their applied state.
-    rafts: BTreeMap<u64, (Raft, Arc<SharedState>)>,
+    /// The running replicas by member id.
+    rafts: BTreeMap<u64, Member>,
     /// Each replica's incarnation: a message is sent only by the current
     /// one (a crashed process sends nothing more; what it sent before may
     /// still arrive).
@@ -106,9 +118,25 @@ impl Net {
         *epoch
     }
 
-    /// Replica `id` runs and answers.
-    pub fn join(&self, id: u64, raft: Raft, state: Arc<SharedState>) {
-        self.lock().rafts.insert(id, (raft, state));
+    /// Replica `id` runs and answers, as Raft id `raft_id`; what its
+    /// network learns of other incarnations goes to `strangers`.
+    pub fn join(
+        &self,
+        id: u64,
+        raft_id: u64,
+        raft: Raft,
+        state: Arc<SharedState>,
+        strangers: Strangers,
+    ) {
+        self.lock().rafts.insert(
+            id,
+            Member {
+                raft_id,
+                raft,
+                state,
+                strangers,
+            },
+        );
     }
 
     /// Replica `id` is down: messages to it are refused.
@@ -118,12 +146,29 @@ impl Net {
 
     /// The running replica `id`.
     pub fn raft(&self, id: u64) -> Option<Raft> {
-        self.lock().rafts.get(&id).map(|(r, _)| r.clone())
+        self.lock().rafts.get(&id).map(|m| m.raft.clone())
+    }
+
+    /// The running replica `id`'s record of other members' incarnations.
+    pub fn strangers(&self, id: u64) -> Option<Strangers> {
+        self.lock().rafts.get(&id).map(|m| m.strangers.clone())
+    }
+
+    /// The running replica of member `member_of(raft_id)`: its Raft if it
+    /// is that incarnation, else the Raft id it is.
+    fn addressed(&self, raft_id: u64) -> Option<Result<Raft, u64>> {
+        self.lock().rafts.get(&member_of(raft_id)).map(|m| {
+            if m.raft_id == raft_id {
+                Ok(m.raft.clone())
+            } else {
+                Err(m.raft_id)
+            }
+        })
     }
 
     /// The running replica `id`'s applied state.
     pub fn shared(&self, id: u64) -> Option<Arc<SharedState>> {
-        self.lock().rafts.get(&id).map(|(_, s)| s.clone())
+        self.lock().rafts.get(&id).map(|m| m.state.clone())
     }
 
     /// The replicas that run.
@@ -189,9 +234,12 @@ impl Net {
 #[derive(Debug, Clone)]
 pub struct SimNetwork {
     pub net: Arc<Net>,
+    /// The sender's member id.
     pub from: u64,
-    /// The incarnation of `from` ([`Net::begin`]).
+    /// The start of `from` ([`Net::begin`]).
     pub epoch: u64,
+    /// Where peers that answer as another incarnation are kept.
+    pub strangers: Strangers,
 }
 
 impl RaftNetworkFactory<TypeConfig> for SimNetwork {
@@ -202,7 +250,9 @@ impl RaftNetworkFactory<TypeConfig> for SimNetwork {
             net: self.net.clone(),
             from: self.from,
             epoch: self.epoch,
-            to: target,
+            to: member_of(target),
+            target,
+            strangers: self.strangers.clone(),
         }
     }
 }
@@ -211,9 +261,13 @@ impl RaftNetworkFactory<TypeConfig> for SimNetwork {
 #[derive(Debug)]
 pub struct SimPeer {
     net: Arc<Net>,
+    /// Member ids.
     from: u64,
     epoch: u64,
     to: u64,
+    /// The Raft id messages are for.
+    target: u64,
+    strangers: Strangers,
 }
 
 /// A value as the other side decodes it.
@@ -242,7 +296,7 @@ impl SimPeer {
             RPCError::Timeout(Timeout {
                 action,
                 id: self.from,
-                target: self.to,
+                target: self.target,
                 timeout: ttl,
             })
         };
@@ -257,10 +311,26 @@ impl SimPeer {
             tokio::time::sleep(ttl.saturating_sub(started.elapsed())).await;
             return Err(timeout());
         }
-        let Some(raft) = self.net.raft(self.to) else {
-            return Err(RPCError::Unreachable(Unreachable::new(
-                &std::io::Error::other("connection refused"),
-            )));
+        let raft = match self.net.addressed(self.target) {
+            None => {
+                return Err(RPCError::Unreachable(Unreachable::new(
+                    &std::io::Error::other("connection refused"),
+                )))
+            }
+            // Another incarnation answers (as `raft_network` refuses): the
+            // refusal travels back and names it.
+            Some(Err(found)) => {
+                if let Some(back) = self.net.reply(self.to, self.from) {
+                    tokio::time::sleep(back).await;
+                    if self.net.link_up(self.to, self.from) {
+                        self.strangers.saw(self.target, found);
+                    }
+                }
+                return Err(RPCError::Unreachable(Unreachable::new(
+                    &std::io::Error::other("another incarnation of the member"),
+                )));
+            }
+            Some(Ok(raft)) => raft,
         };
         let request = wire(&request).map_err(broken)?;
         let left = ttl.saturating_sub(started.elapsed());
@@ -277,7 +347,7 @@ impl SimPeer {
             return Err(timeout());
         }
         let result = wire(&result).map_err(broken)?;
-        result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.to, e)))
+        result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
 }
 

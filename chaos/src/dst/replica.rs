@@ -95,7 +95,12 @@ struct Running {
 
 /// One replica, running or down.
 pub struct Replica {
+    /// Its member id.
     pub id: u64,
+    /// Its Raft id: the member id and the incarnation of its disk (a new
+    /// one after each wipe, drawn from `incarnations`).
+    pub raft_id: u64,
+    incarnations: keel_core::fixtures::SplitMix64,
     pub disk: SimDisk,
     pub state_dir: PathBuf,
     running: Option<Running>,
@@ -115,8 +120,11 @@ impl std::fmt::Debug for Replica {
 impl Replica {
     /// `lying_disk`: see [`super::DstConfig`].
     pub fn new(id: u64, state_dir: PathBuf, disk_seed: u64, lying_disk: bool) -> Replica {
+        let mut incarnations = keel_core::fixtures::SplitMix64::new(disk_seed ^ 0x1ca7);
         Replica {
             id,
+            raft_id: keel::membership::raft_id(id, 1 + incarnations.below(1 << 40)),
+            incarnations,
             disk: SimDisk::new(disk_seed, lying_disk),
             state_dir,
             running: None,
@@ -151,13 +159,15 @@ impl Replica {
         let state_machine = StateMachineStore::open(&self.state_dir)?;
         let (log, flusher) = SimLogStore::open(self.disk.clone());
         let epoch = net.begin(self.id);
+        let strangers = keel::membership::Strangers::default();
         let raft = Raft::new(
-            self.id,
+            self.raft_id,
             config.clone(),
             SimNetwork {
                 net: net.clone(),
                 from: self.id,
                 epoch,
+                strangers: strangers.clone(),
             },
             log,
             state_machine.clone(),
@@ -184,7 +194,13 @@ impl Replica {
                 }
             }
         });
-        net.join(self.id, raft.clone(), state_machine.shared());
+        net.join(
+            self.id,
+            self.raft_id,
+            raft.clone(),
+            state_machine.shared(),
+            strangers.clone(),
+        );
         self.running = Some(Running {
             raft,
             state_machine,
@@ -218,6 +234,25 @@ impl Replica {
         drop(running.state_machine);
         drop(running.raft);
         settle().await;
+    }
+
+    /// A lost disk: the replica crashes, and its log, vote and state
+    /// directory are gone; it starts again empty (at its next `start`).
+    pub async fn wipe(&mut self, net: &Net, trace: &Trace) -> Result<(), DstError> {
+        self.crash(net, trace).await;
+        self.disk.wipe();
+        self.raft_id = keel::membership::raft_id(self.id, 1 + self.incarnations.below(1 << 40));
+        match std::fs::remove_dir_all(&self.state_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(DstError::Setup(format!("wiping replica {}: {e}", self.id))),
+        }
+        trace.note(format_args!(
+            "replica {} lost its disk; it comes back as {}",
+            self.id,
+            keel::membership::show(self.raft_id)
+        ));
+        Ok(())
     }
 
     /// A clean stop: Raft stopped and the state machine flushed, so the

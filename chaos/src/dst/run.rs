@@ -306,7 +306,7 @@ impl Client {
             };
             let (outcome, leader) = write(&raft, command, self.trace.now_ms()).await;
             if let Some(l) = leader {
-                guess = l;
+                guess = keel::membership::member_of(l);
             } else if !matches!(outcome, Outcome::Committed { .. }) {
                 guess = running[(pick % running.len() as u64) as usize];
             }
@@ -342,10 +342,19 @@ pub enum Fault {
     LeaderCannotHear,
     MessageLoss,
     SlowDisk,
+    /// A follower loses its disk and starts again empty.
+    WipeFollower,
+    /// The composite fault of a lost disk: some followers fall behind (cut
+    /// off) while the leader commits with the others, the leader crashes,
+    /// one follower that holds the new entries loses its disk and starts
+    /// again empty, and the lagging followers come back; the leader stays
+    /// down until the round heals. The empty replica and the lagging ones
+    /// make a majority that lacks committed entries.
+    WipeFollowerThenCrashLeader,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 13] = [
         Fault::CrashLeader,
         Fault::RestartLeader,
         Fault::CrashFollower,
@@ -357,6 +366,8 @@ impl Fault {
         Fault::LeaderCannotHear,
         Fault::MessageLoss,
         Fault::SlowDisk,
+        Fault::WipeFollower,
+        Fault::WipeFollowerThenCrashLeader,
     ];
 
     /// The kind named `name` (as in the report).
@@ -377,8 +388,52 @@ impl Fault {
             Fault::LeaderCannotHear => "leader_cannot_hear",
             Fault::MessageLoss => "message_loss",
             Fault::SlowDisk => "slow_disk",
+            Fault::WipeFollower => "wipe_follower",
+            Fault::WipeFollowerThenCrashLeader => "wipe_follower_then_crash_leader",
         }
     }
+}
+
+/// The server's membership repair (`keel::membership::repair_once`), run
+/// on every replica every 200 ms (it acts only on the leader) until told
+/// to stop.
+async fn repair(net: Arc<Net>, trace: Trace, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+        for member in net.running() {
+            let (Some(raft), Some(strangers)) = (net.raft(member), net.strangers(member)) else {
+                continue;
+            };
+            match keel::membership::repair_once(&raft, &strangers).await {
+                Ok(Some(step)) => trace.note(format_args!("repair by {member}: {step:?}")),
+                Ok(None) => {}
+                Err(e) => trace.note(format_args!("repair by {member} failed: {e}")),
+            }
+        }
+    }
+}
+
+/// Whether a member that lost its disk is still being re-admitted: the
+/// newest membership any running replica holds does not name every
+/// replica's current Raft id as a voter (or is joint). A second lost disk
+/// then could leave fewer than a majority of voters with their data, which
+/// no Raft cluster survives without an operator, so the faults deal one
+/// lost disk at a time.
+fn readmission_pending(replicas: &[Replica]) -> bool {
+    let newest = replicas
+        .iter()
+        .filter_map(|r| r.raft())
+        .map(|raft| raft.metrics().borrow().membership_config.clone())
+        .max_by_key(|m| *m.log_id());
+    let Some(newest) = newest else {
+        return true;
+    };
+    let membership = newest.membership();
+    let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
+    membership.get_joint_config().len() > 1 || replicas.iter().any(|r| !voters.contains(&r.raft_id))
 }
 
 /// The leader with the highest term among the running replicas.
@@ -469,16 +524,17 @@ fn log_matching(replicas: &[Replica]) -> Vec<String> {
 /// every entry it sent under that id: one a follower holds beyond the
 /// restored log would be written again, differently, under the same log
 /// id. A gap found is named.
-fn restored_leader_gaps(replicas: &[Replica], id: u64) -> Vec<String> {
-    let Some(raft) = replicas[(id - 1) as usize].raft() else {
+fn restored_leader_gaps(replicas: &[Replica], member: u64) -> Vec<String> {
+    let Some(raft) = replicas[(member - 1) as usize].raft() else {
         return Vec::new();
     };
+    let id = replicas[(member - 1) as usize].raft_id;
     let vote = raft.metrics().borrow().vote;
     if !(vote.is_committed() && vote.leader_id().voted_for() == Some(id)) {
         return Vec::new();
     }
     let term = vote.leader_id().term;
-    let own_last = replicas[(id - 1) as usize]
+    let own_last = replicas[(member - 1) as usize]
         .disk
         .entries()
         .keys()
@@ -487,7 +543,7 @@ fn restored_leader_gaps(replicas: &[Replica], id: u64) -> Vec<String> {
         .unwrap_or(0);
     replicas
         .iter()
-        .filter(|r| r.id != id)
+        .filter(|r| r.id != member)
         .filter_map(|r| {
             let held = r
                 .disk
@@ -499,7 +555,7 @@ fn restored_leader_gaps(replicas: &[Replica], id: u64) -> Vec<String> {
                         && e.log_id.leader_id.node_id == id
                 })?;
             Some(format!(
-                "restored leader {id} (term {term}) lacks entry {} that replica {} holds under its leader id",
+                "restored leader {member} (term {term}) lacks entry {} that replica {} holds under its leader id",
                 held.0, r.id
             ))
         })
@@ -539,12 +595,13 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         r.disk.set_slow(config.slow_disks);
         r.start(&net, &raft_config, &leaders, &trace).await?;
     }
-    let members: BTreeMap<u64, BasicNode> = (1..=config.replicas)
-        .map(|id| {
+    let members: BTreeMap<u64, BasicNode> = replicas
+        .iter()
+        .map(|r| {
             (
-                id,
+                r.raft_id,
                 BasicNode {
-                    addr: format!("sim-{id}"),
+                    addr: format!("sim-{}", r.id),
                 },
             )
         })
@@ -587,6 +644,10 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
     }
 
     let (stop_tx, stop_rx) = watch::channel(false);
+    // The repair runs to the end: a wiped member is re-admitted only by
+    // it, also while the cluster converges after the last round.
+    let (repair_stop_tx, repair_stop_rx) = watch::channel(false);
+    let repairing = tokio::spawn(repair(net.clone(), trace.clone(), repair_stop_rx));
     let clients: Vec<_> = (0..config.clients)
         .map(|id| {
             tokio::spawn(
@@ -611,6 +672,20 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
             .get((rng.below(config.faults.len().max(1) as u64)) as usize)
         else {
             break;
+        };
+        // One lost disk at a time (see `readmission_pending`): while one is
+        // re-admitted, a wipe is dealt as a crash of the same follower.
+        let fault = match fault {
+            Fault::WipeFollower | Fault::WipeFollowerThenCrashLeader
+                if readmission_pending(&replicas) =>
+            {
+                trace.note(format_args!(
+                    "round {round}: {} dealt as crash_follower: a member is being re-admitted",
+                    fault.name()
+                ));
+                Fault::CrashFollower
+            }
+            f => f,
         };
         *faults.entry(fault.name().to_string()).or_default() += 1;
         let everyone: Vec<u64> = (1..=config.replicas).collect();
@@ -678,6 +753,36 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
             Fault::SlowDisk => {
                 let v = if rng.below(2) == 0 { leader } else { follower };
                 replicas[(v - 1) as usize].disk.set_slow(true);
+            }
+            Fault::WipeFollower => {
+                let r = &mut replicas[(follower - 1) as usize];
+                r.wipe(&net, &trace).await?;
+                tokio::time::sleep(Duration::from_millis(10 + rng.below(490))).await;
+                r.start(&net, &raft_config, &leaders, &trace).await?;
+            }
+            Fault::WipeFollowerThenCrashLeader => {
+                // `follower` loses its disk; half the followers besides it
+                // lag behind, cut off from everyone.
+                let lagging: Vec<u64> = others
+                    .iter()
+                    .copied()
+                    .filter(|r| *r != follower)
+                    .take((config.replicas / 2) as usize)
+                    .collect();
+                let rest: Vec<u64> = everyone
+                    .iter()
+                    .copied()
+                    .filter(|r| !lagging.contains(r))
+                    .collect();
+                net.partition(&lagging, &rest);
+                tokio::time::sleep(Duration::from_millis(300 + rng.below(1_200))).await;
+                replicas[(leader - 1) as usize].crash(&net, &trace).await;
+                let r = &mut replicas[(follower - 1) as usize];
+                r.wipe(&net, &trace).await?;
+                tokio::time::sleep(Duration::from_millis(10 + rng.below(190))).await;
+                r.start(&net, &raft_config, &leaders, &trace).await?;
+                net.heal();
+                victims.push(leader);
             }
         }
         for v in &victims {
@@ -752,6 +857,18 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         }
     };
 
+    // Every member that lost its disk was re-admitted: the membership is
+    // uniform and names each replica's current Raft id as a voter.
+    let deadline = tokio::time::Instant::now() + config.liveness_bound;
+    while readmission_pending(&replicas) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if readmission_pending(&replicas) {
+        violations.push(format!(
+            "liveness: the membership does not name every replica's current incarnation as a voter within {:?} (a wiped member not re-admitted, or a joint change left half done)",
+            config.liveness_bound
+        ));
+    }
     violations.extend(log_matching(&replicas));
     // Leaders, as openraft defines them (see `Leaders`): a leader id led by
     // two starts of its node is a leadership restored after a restart,
@@ -798,6 +915,11 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
                 _ => {}
             }
         }
+    }
+
+    let _ = repair_stop_tx.send(true);
+    if let Err(e) = repairing.await {
+        violations.push(format!("the membership repair task failed: {e}"));
     }
 
     // Stop every replica cleanly and replay each journal offline, checking
