@@ -5,7 +5,7 @@
 //! acknowledges before it is durable is caught. Thousands of seeds:
 //! `keel-dst --seeds 2000` (RELIABILITY.md).
 
-use keel_chaos::dst::{run_seed, DstConfig};
+use keel_chaos::dst::{run_seed, DstConfig, Fault};
 
 #[test]
 fn fixed_seeds_pass_every_check() {
@@ -22,6 +22,42 @@ fn fixed_seeds_pass_every_check() {
             "the faults moved the leadership"
         );
         assert!(report.messages_lost > 0, "the faults dropped messages");
+    }
+}
+
+/// A replica whose log conflicts with a new leader's (an isolated old
+/// leader's uncommitted suffix) truncates it and rejoins: the runs truncate
+/// entries and still pass every check.
+#[test]
+fn conflicting_suffixes_are_truncated_and_the_replicas_rejoin() {
+    let truncated: u64 = (0..4)
+        .map(|seed| {
+            let mut config = DstConfig::new(seed);
+            config.faults = vec![Fault::IsolateLeader, Fault::LeaderCannotSend];
+            let report = run_seed(&config).expect("the simulation runs");
+            assert!(report.passed, "{}\n{:#?}", report.line(), report.violations);
+            report.entries_truncated
+        })
+        .sum();
+    assert!(truncated > 0, "no run truncated a conflicting suffix");
+}
+
+/// A lost disk, alone and with the leader lost before the empty member has
+/// caught up: nothing acknowledged is lost and the member is re-admitted
+/// under its new incarnation (the final checks). Before incarnations, the
+/// composite fault lost acknowledged entries in every seed.
+#[test]
+fn a_lost_disk_loses_nothing_and_the_member_is_re_admitted() {
+    for seed in 0..4 {
+        let mut config = DstConfig::new(seed);
+        config.faults = vec![Fault::WipeFollower, Fault::WipeFollowerThenCrashLeader];
+        let report = run_seed(&config).expect("the simulation runs");
+        assert!(report.passed, "{}\n{:#?}", report.line(), report.violations);
+        let wipes: u64 = ["wipe_follower", "wipe_follower_then_crash_leader"]
+            .iter()
+            .filter_map(|k| report.faults.get(*k))
+            .sum();
+        assert!(wipes >= 4, "disks were lost: {:?}", report.faults);
     }
 }
 

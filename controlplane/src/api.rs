@@ -702,11 +702,10 @@ impl Keel for KeelApi {
         // data directory, as it says itself.
         let status = crate::raft_node::status_of(&req.address)
             .await
-            .map_err(|e| {
-                ApiError::Unavailable(format!(
-                    "cannot ask the replica at {} who it is (start it first, with --id {}): {e}",
-                    req.address, req.id
-                ))
+            .map_err(|reason| ApiError::NewMemberUnreachable {
+                id: req.id,
+                address: req.address.clone(),
+                reason,
             })?;
         if status.member_id != req.id {
             return Err(ApiError::InvalidArgument {

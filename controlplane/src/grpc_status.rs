@@ -28,6 +28,14 @@ pub enum ApiError {
     /// The request is valid but this server cannot carry it out.
     #[error("{0}")]
     Unsupported(String),
+    /// A member to add does not answer at its address, so its identity
+    /// (member id and incarnation) cannot be learnt.
+    #[error("cannot ask the replica at {address} who it is (start it first, with --id {id} and --peers): {reason}")]
+    NewMemberUnreachable {
+        id: u64,
+        address: String,
+        reason: String,
+    },
 }
 
 impl From<RaftError<u64, ClientWriteError<u64, BasicNode>>> for ApiError {
@@ -66,7 +74,9 @@ impl From<ApiError> for Status {
             },
             ApiError::NotLeader { .. } | ApiError::Unavailable(_) => Code::Unavailable,
             ApiError::Storage(_) => Code::Internal,
-            ApiError::Unsupported(_) => Code::FailedPrecondition,
+            ApiError::Unsupported(_) | ApiError::NewMemberUnreachable { .. } => {
+                Code::FailedPrecondition
+            }
         };
         Status::new(code, e.to_string())
     }

@@ -13,7 +13,7 @@
 //! entries (openraft's FAQ, "Can I wipe out the data of ONE node").
 //!
 //! The refusal names the new incarnation, and the sender keeps it in
-//! [`Strangers`]. The leader's repair ([`plan`], run by [`repair_once`])
+//! [`Strangers`]. The leader's repair ([`plan`], run by [`Repairer`])
 //! then replaces the old incarnation by the new one, each step a
 //! membership entry in the log: the new incarnation joins as a learner,
 //! and once it has caught up one joint change retires the old voter and
@@ -23,7 +23,7 @@
 //! start) are named by their member id alone (incarnation 0) until they
 //! answer, and join the same way.
 //!
-//! Everything here but [`repair_once`] and the incarnation file is pure.
+//! Everything here but [`Repairer::step`] and the incarnation file is pure.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -140,6 +140,11 @@ impl Strangers {
         }
     }
 
+    /// Whether `other` is this very record (a clone of it).
+    pub fn same(&self, other: &Strangers) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     pub fn snapshot(&self) -> BTreeMap<u64, u64> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -170,6 +175,11 @@ pub struct MembershipView {
     /// Whether the membership is in a joint configuration (a change is
     /// under way; openraft takes one at a time).
     pub joint: bool,
+    /// The log index of the membership in effect.
+    pub membership_index: Option<u64>,
+    /// Whether the joint configuration is one an earlier pass saw already
+    /// (so no change in flight on this leader is about to finish it).
+    pub joint_seen_before: bool,
 }
 
 impl MembershipView {
@@ -200,6 +210,8 @@ impl MembershipView {
             matched,
             last_index: m.last_log_index.unwrap_or(0),
             joint: membership.get_joint_config().len() > 1,
+            membership_index: m.membership_config.log_id().map(|l| l.index),
+            joint_seen_before: false,
         })
     }
 }
@@ -235,12 +247,13 @@ pub enum Repair {
     FinishJoint { voters: BTreeSet<u64> },
 }
 
-/// The next repair step, if any (pure): a joint change left half done is
-/// finished first, then promotions, stale learners, new incarnations; one
-/// step at a time.
+/// The next repair step, if any (pure): a joint change left half done (seen
+/// by an earlier pass already, so not one whose second step is on its way)
+/// is finished first, then promotions, stale learners, new incarnations;
+/// one step at a time, none while a joint change may still finish itself.
 pub fn plan(view: &MembershipView, strangers: &BTreeMap<u64, u64>) -> Option<Repair> {
     if view.joint {
-        return Some(Repair::FinishJoint {
+        return view.joint_seen_before.then(|| Repair::FinishJoint {
             voters: view.goal.clone(),
         });
     }
@@ -300,15 +313,45 @@ pub fn plan(view: &MembershipView, strangers: &BTreeMap<u64, u64>) -> Option<Rep
 /// How long one repair step may take before the next pass tries again.
 const REPAIR_STEP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Plans and takes one repair step on `raft` if it leads (a membership
-/// change through openraft, so it is an entry in the log). Returns the step
-/// taken.
-pub async fn repair_once(raft: &Raft, strangers: &Strangers) -> Result<Option<Repair>, String> {
-    let Some(view) = MembershipView::of(&raft.metrics().borrow()) else {
-        return Ok(None);
-    };
+/// The leader's repair: what the network learnt of other incarnations, and
+/// what the last pass saw.
+#[derive(Debug, Default)]
+pub struct Repairer {
+    pub strangers: Strangers,
+    /// The index of the joint membership the last pass saw, if any.
+    joint_seen: Option<u64>,
+}
+
+impl Repairer {
+    pub fn new(strangers: Strangers) -> Repairer {
+        Repairer {
+            strangers,
+            joint_seen: None,
+        }
+    }
+
+    /// Plans and takes one repair step on `raft` if it leads.
+    pub async fn step(&mut self, raft: &Raft) -> Result<Option<Repair>, String> {
+        let Some(mut view) = MembershipView::of(&raft.metrics().borrow()) else {
+            self.joint_seen = None;
+            return Ok(None);
+        };
+        view.joint_seen_before = view.joint && self.joint_seen == view.membership_index;
+        self.joint_seen = view.membership_index.filter(|_| view.joint);
+        repair_once(raft, &self.strangers, &view).await
+    }
+}
+
+/// Takes the step [`plan`] names for `view` (the leader's, read just now)
+/// on `raft`: a membership change through openraft, so it is an entry in
+/// the log. Returns the step taken.
+async fn repair_once(
+    raft: &Raft,
+    strangers: &Strangers,
+    view: &MembershipView,
+) -> Result<Option<Repair>, String> {
     strangers.forget_outside(&view.nodes);
-    let Some(step) = plan(&view, &strangers.snapshot()) else {
+    let Some(step) = plan(view, &strangers.snapshot()) else {
         return Ok(None);
     };
     let change = async {
@@ -394,6 +437,8 @@ mod tests {
             matched: matched.iter().copied().collect(),
             last_index: last,
             joint: false,
+            membership_index: Some(1),
+            joint_seen_before: false,
         }
     }
 
@@ -450,6 +495,12 @@ mod tests {
         let mut v = view(&[one, two, old3, new3], &[], &[(new3, 100)], 100);
         v.goal = BTreeSet::from([one, two, new3]);
         v.joint = true;
+        assert_eq!(
+            plan(&v, &strangers),
+            None,
+            "first seen: its own leader's second step may be on its way"
+        );
+        v.joint_seen_before = true;
         assert_eq!(
             plan(&v, &strangers),
             Some(Repair::FinishJoint {

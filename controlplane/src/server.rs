@@ -325,14 +325,15 @@ impl Server {
 const MEMBERSHIP_REPAIR_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// On the leader: re-admits members that came back with a new data
-/// directory, one membership change at a time (`membership::repair_once`).
+/// directory, one membership change at a time (`membership::Repairer`).
 async fn membership_repair_loop(node: Arc<RaftNode>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut repairer = crate::membership::Repairer::new(node.strangers.clone());
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             _ = tokio::time::sleep(MEMBERSHIP_REPAIR_INTERVAL) => {}
         }
-        match crate::membership::repair_once(&node.raft, &node.strangers).await {
+        match repairer.step(&node.raft).await {
             Ok(Some(step)) => tracing::info!(?step, "membership repair step committed"),
             Ok(None) => {}
             Err(e) => tracing::warn!(error = %e, "membership repair step failed; trying again"),

@@ -643,6 +643,36 @@ fn members_are_added_as_learners_promoted_and_removed() {
         .all(|m| m["replication_lag"].as_u64().is_some()));
 }
 
+/// Issue 19's one-call wedge: a member added at an address where nothing
+/// answers used to become a voter nobody could reach (every later write
+/// timed out). The leader now asks the address who it is first (its member
+/// id and incarnation), so the call fails at once and the membership and
+/// the cluster's writes are as before.
+#[test]
+fn adding_a_member_where_nothing_answers_changes_nothing() {
+    let cluster = Cluster::start(&[]);
+    cluster.leader();
+    let all = cluster.all_addrs();
+    let dead = format!("127.0.0.1:{}", free_port());
+    for extra in [&[][..], &["--learner-only"][..]] {
+        let mut args = vec!["cluster", "add", "--id", "4", "--member-addr", &dead];
+        args.extend(extra);
+        let out = cli(&all, &args);
+        assert!(!out.status.success(), "added a member nobody runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("who it is"), "{err}");
+    }
+    let status = json(&all, &["cluster", "status"]).expect("status");
+    assert_eq!(
+        status["members"].as_array().map(Vec::len),
+        Some(3),
+        "{status}"
+    );
+    cluster
+        .submit(&all, "after")
+        .expect("the cluster still commits");
+}
+
 #[test]
 fn a_snapshot_of_tens_of_megabytes_installs() {
     let args = ["--snapshot-every", "8", "--keep-log-entries", "0"];

@@ -33,6 +33,9 @@ struct Disk {
     /// The committed id as of the last flush that covered it.
     durable_committed: Option<LogId>,
     purged: Option<LogId>,
+    /// Entries removed by truncations (a conflicting suffix the leader
+    /// overwrote).
+    truncated: u64,
     /// Writes numbered up to this are durable.
     durable_seq: u64,
     next_seq: u64,
@@ -81,9 +84,18 @@ impl SimDisk {
         lost
     }
 
-    /// A lost disk: everything on it gone (the replica must be down).
+    /// A lost disk: everything on it gone (the replica must be down). The
+    /// count of truncated entries is the run's, not the disk's: it stays.
     pub fn wipe(&self) {
-        *self.lock() = Disk::default();
+        let mut d = self.lock();
+        let truncated = d.truncated;
+        *d = Disk::default();
+        d.truncated = truncated;
+    }
+
+    /// Entries removed by truncations so far.
+    pub fn truncated(&self) -> u64 {
+        self.lock().truncated
     }
 
     /// The entries on this disk now (durable or not), by index.
@@ -247,7 +259,9 @@ impl RaftLogStorage<TypeConfig> for SimLogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        self.disk.lock().entries.split_off(&log_id.index);
+        let mut d = self.disk.lock();
+        let gone = d.entries.split_off(&log_id.index);
+        d.truncated += gone.len() as u64;
         Ok(())
     }
 

@@ -80,6 +80,13 @@ pub struct DstReport {
     pub restored_leaderships: usize,
     pub final_index: u64,
     pub state_hash: String,
+    /// Log entries replicas truncated: uncommitted suffixes a new leader
+    /// overwrote (the replica then rejoined; the checks say it agrees).
+    pub entries_truncated: u64,
+    /// Replicas whose Raft core stopped on its own (a server fails stop
+    /// then, and its supervisor restarts it; so does the simulation), with
+    /// openraft's reason.
+    pub core_stops: Vec<String>,
     /// Failed checks; empty when the run passed.
     pub violations: Vec<String>,
     /// blake3 of the run's trace (virtual times, faults, leaders, every
@@ -97,7 +104,7 @@ impl DstReport {
     pub fn line(&self) -> String {
         let ops: u64 = self.operations.values().flat_map(|m| m.values()).sum();
         format!(
-            "seed {}: {} — {} replicas, {} rounds, {:.0} s simulated in {:.2} s, {} ops, {} messages ({} lost), {} terms led, index {}, digest {}",
+            "seed {}: {} — {} replicas, {} rounds, {:.0} s simulated in {:.2} s, {} ops, {} messages ({} lost), {} terms led, index {}, {} entries truncated, {} Raft cores stopped and restarted, digest {}",
             self.seed,
             if self.passed { "ok" } else { "FAILED" },
             self.replicas,
@@ -109,6 +116,8 @@ impl DstReport {
             self.messages_lost,
             self.terms_with_a_leader,
             self.final_index,
+            self.entries_truncated,
+            self.core_stops.len(),
             &self.digest[..16.min(self.digest.len())],
         )
     }
@@ -394,10 +403,13 @@ impl Fault {
     }
 }
 
-/// The server's membership repair (`keel::membership::repair_once`), run
+/// The server's membership repair (`keel::membership::Repairer`), run
 /// on every replica every 200 ms (it acts only on the leader) until told
 /// to stop.
 async fn repair(net: Arc<Net>, trace: Trace, mut stop: watch::Receiver<bool>) {
+    // One repairer per running start of each member (a restart gets a new
+    // one, as a restarted server does).
+    let mut repairers: BTreeMap<u64, keel::membership::Repairer> = BTreeMap::new();
     loop {
         tokio::select! {
             _ = stop.changed() => return,
@@ -407,7 +419,13 @@ async fn repair(net: Arc<Net>, trace: Trace, mut stop: watch::Receiver<bool>) {
             let (Some(raft), Some(strangers)) = (net.raft(member), net.strangers(member)) else {
                 continue;
             };
-            match keel::membership::repair_once(&raft, &strangers).await {
+            let repairer = repairers
+                .entry(member)
+                .or_insert_with(|| keel::membership::Repairer::new(strangers.clone()));
+            if !repairer.strangers.same(&strangers) {
+                *repairer = keel::membership::Repairer::new(strangers);
+            }
+            match repairer.step(&raft).await {
                 Ok(Some(step)) => trace.note(format_args!("repair by {member}: {step:?}")),
                 Ok(None) => {}
                 Err(e) => trace.note(format_args!("repair by {member} failed: {e}")),
@@ -434,6 +452,36 @@ fn readmission_pending(replicas: &[Replica]) -> bool {
     let membership = newest.membership();
     let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
     membership.get_joint_config().len() > 1 || replicas.iter().any(|r| !voters.contains(&r.raft_id))
+}
+
+/// Restarts every replica whose Raft core stopped on its own, as a
+/// server's supervisor restarts a server that failed stop (`keel server`
+/// exits when its core stops). Returns what stopped them.
+async fn restart_stopped(
+    replicas: &mut [Replica],
+    net: &Arc<Net>,
+    config: &Arc<openraft::Config>,
+    leaders: &Leaders,
+    trace: &Trace,
+) -> Result<Vec<String>, DstError> {
+    let mut stops = Vec::new();
+    for r in replicas.iter_mut() {
+        let Some(raft) = r.raft() else { continue };
+        let stopped = match &raft.metrics().borrow().running_state {
+            Ok(()) => None,
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(why) = stopped {
+            trace.note(format_args!(
+                "replica {}'s Raft stopped ({why}); restarted",
+                r.id
+            ));
+            stops.push(format!("replica {} at {} ms: {why}", r.id, trace.now_ms()));
+            r.crash(net, trace).await;
+            r.start(net, config, leaders, trace).await?;
+        }
+    }
+    Ok(stops)
 }
 
 /// The leader with the highest term among the running replicas.
@@ -665,6 +713,7 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         .collect();
 
     let mut faults: BTreeMap<String, u64> = BTreeMap::new();
+    let mut core_stops = Vec::new();
     for round in 0..config.rounds {
         tokio::time::sleep(Duration::from_millis(300 + rng.below(2_700))).await;
         let Some(&fault) = config
@@ -798,6 +847,8 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
             r.disk.set_slow(config.slow_disks);
             r.start(&net, &raft_config, &leaders, &trace).await?;
         }
+        core_stops
+            .extend(restart_stopped(&mut replicas, &net, &raft_config, &leaders, &trace).await?);
         trace.note(format_args!("round {round}: healed"));
         for v in log_matching(&replicas) {
             trace.note(&v);
@@ -829,6 +880,8 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
     let mut converged: Option<(u64, String)> = None;
     let mut last_seen = Vec::new();
     while tokio::time::Instant::now() < deadline {
+        core_stops
+            .extend(restart_stopped(&mut replicas, &net, &raft_config, &leaders, &trace).await?);
         last_seen = replicas
             .iter()
             .filter_map(|r| {
@@ -849,9 +902,30 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
     let (final_index, state_hash) = match converged {
         Some(c) => c,
         None => {
+            // What each replica's Raft says of itself.
+            let states: Vec<String> = replicas
+                .iter()
+                .filter_map(|r| {
+                    let m = r.raft()?.metrics().borrow().clone();
+                    Some(format!(
+                        "{}: {:?} term {} leader {:?} last log {:?} applied {:?} {}",
+                        r.id,
+                        m.state,
+                        m.current_term,
+                        m.current_leader.map(keel::membership::show),
+                        m.last_log_index,
+                        m.last_applied.map(|l| l.index),
+                        match &m.running_state {
+                            Ok(()) => "running".to_string(),
+                            Err(e) => format!("stopped: {e}"),
+                        }
+                    ))
+                })
+                .collect();
             violations.push(format!(
-                "divergent: the replicas did not reach one (index, hash) within {:?}: {last_seen:?}",
-                config.liveness_bound
+                "divergent: the replicas did not reach one (index, hash) within {:?}: {last_seen:?}; {}",
+                config.liveness_bound,
+                states.join("; ")
             ));
             last_seen.first().cloned().unwrap_or_default()
         }
@@ -989,6 +1063,8 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         restored_leaderships,
         final_index,
         state_hash,
+        entries_truncated: replicas.iter().map(|r| r.disk.truncated()).sum(),
+        core_stops,
         passed: violations.is_empty(),
         violations,
         digest: hasher.finalize().to_hex().to_string(),
