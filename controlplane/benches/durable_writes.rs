@@ -90,7 +90,7 @@ fn spec(i: usize) -> JobSpec {
         min_workers: 1,
         max_workers: 1,
         model: "resnet50".into(),
-        total_steps: 1000,
+        total_steps: Some(1000),
         ..Default::default()
     }
 }

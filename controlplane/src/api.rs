@@ -748,7 +748,7 @@ impl Keel for KeelApi {
         // Blocks until the learner has caught up with the leader's log (a
         // learner that never answers fails the call after a minute; it
         // stays a learner and can be removed).
-        tokio::time::timeout(
+        let added = tokio::time::timeout(
             std::time::Duration::from_secs(60),
             self.node.raft.add_learner(raft_id, node, true),
         )
@@ -760,7 +760,9 @@ impl Keel for KeelApi {
             ))
         })?
         .map_err(|e| ApiError::Unavailable(format!("adding learner {}: {e}", req.id)))?;
-        let mut index = 0;
+        // The learner's membership entry (issue 19, item 13: a learner-only
+        // call answered no index).
+        let mut index = added.log_id.index;
         if !req.learner_only {
             let mut voters: std::collections::BTreeSet<u64> = self
                 .node

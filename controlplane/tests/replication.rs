@@ -604,6 +604,31 @@ fn members_are_added_as_learners_promoted_and_removed() {
     )
     .expect("added");
     assert_eq!(added["voters"], serde_json::json!([1, 2, 3, 4]));
+    // A learner only: it answers with the index of its membership entry.
+    let addr5 = format!("127.0.0.1:{}", free_port());
+    cluster.peers = format!("{},5={addr5}", cluster.peers);
+    cluster.replicas.push(Replica {
+        id: 5,
+        addr: addr5.clone(),
+        data: cluster._dir.path().join("r5"),
+        child: None,
+    });
+    cluster.spawn(5, &[]);
+    let learner = json(
+        &cluster.all_addrs(),
+        &[
+            "cluster",
+            "add",
+            "--id",
+            "5",
+            "--member-addr",
+            &addr5,
+            "--learner-only",
+        ],
+    )
+    .expect("added as a learner");
+    assert_eq!(learner["learners"], serde_json::json!([5]), "{learner}");
+    assert!(learner["index"].as_u64() > Some(0), "{learner}");
     cluster
         .submit(&addr4, "through-the-new-member")
         .expect("acknowledged");

@@ -270,15 +270,17 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
         gpu_types_allowed: s.gpu_types.allowed.clone(),
         gpu_types_preferred: s.gpu_types.preferred.clone(),
         model: s.model.clone().unwrap_or_default(),
-        total_steps: s.total_steps.unwrap_or(0),
-        epochs: s.epochs.unwrap_or(0),
+        total_steps: s.total_steps,
+        epochs: s.epochs,
         priority: s.priority,
         max_retries: s.max_retries,
         retry_backoff_s: Some(s.retry_backoff_s),
     }
 }
 
-/// The proto form uses zero/empty for "absent"; validation happens in
+/// The proto form uses empty strings for "absent", and presence for the
+/// optional numbers (an explicit 0 stays 0, for validation to refuse);
+/// validation happens in
 /// [`JobSpec::validate`], not here.
 pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
     fn non_empty(s: String) -> Option<String> {
@@ -300,8 +302,8 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
             preferred: s.gpu_types_preferred,
         },
         model: non_empty(s.model),
-        total_steps: (s.total_steps != 0).then_some(s.total_steps),
-        epochs: (s.epochs != 0).then_some(s.epochs),
+        total_steps: s.total_steps,
+        epochs: s.epochs,
         priority: s.priority,
         max_retries: s.max_retries,
         retry_backoff_s: s
@@ -489,6 +491,29 @@ pub fn applied_entry_to_proto(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 19, item 9: an explicit `total_steps: 0` (or `epochs: 0`) from
+    /// a client is refused with the field and its range, not stored as
+    /// "unknown"; absent stays absent, and a value round-trips.
+    #[test]
+    fn an_explicit_zero_for_an_optional_number_is_refused_not_dropped() {
+        let spec = || crate::spec::JobSpec {
+            total_steps: None,
+            ..crate::fixtures::job_spec("j", 1, 1)
+        };
+        let mut p = spec_to_proto(&spec());
+        assert_eq!(spec_from_proto(p.clone()).total_steps, None);
+        p.total_steps = Some(0);
+        let err = spec_from_proto(p.clone()).validate().expect_err("refused");
+        assert!(err.to_string().contains("total_steps"), "{err}");
+        p.total_steps = None;
+        p.epochs = Some(0);
+        let err = spec_from_proto(p.clone()).validate().expect_err("refused");
+        assert!(err.to_string().contains("epochs"), "{err}");
+        let mut with = spec();
+        with.total_steps = Some(500);
+        assert_eq!(spec_from_proto(spec_to_proto(&with)), with);
+    }
 
     #[test]
     fn unknown_command_is_an_error_not_a_skip() {

@@ -44,9 +44,35 @@ pub struct NodeReport {
 }
 
 impl NodeReport {
-    /// Checks the report against the same limits as a node's registration.
+    /// Checks the report against the same limits as a node's registration,
+    /// and its names against the rules of a job spec's (a node name is a
+    /// name, a GPU type a GPU type name). Only reports are held to the
+    /// naming rules: entries already in a log replay as they were.
     pub fn validate(&self) -> Result<(), ApplyError> {
-        validate_node(&self.name, &self.address, &self.gpus).map(|_| ())
+        validate_node(&self.name, &self.address, &self.gpus)?;
+        if !crate::spec::is_valid_name(&self.name) {
+            return Err(ApplyError::Invalid {
+                field: "node name".into(),
+                reason: format!(
+                    "{:?}: only letters, digits, '-', '_' and '.' are allowed, not first '.'",
+                    self.name
+                ),
+            });
+        }
+        if let Some(gpu) = self
+            .gpus
+            .iter()
+            .find(|g| !crate::spec::is_valid_gpu_type(&g.gpu_type))
+        {
+            return Err(ApplyError::Invalid {
+                field: format!("node {} gpu {} type", self.name, gpu.index),
+                reason: format!(
+                    "{:?} is not a lower-case GPU type name such as \"v100\"",
+                    gpu.gpu_type
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -211,6 +237,20 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+
+    /// Issue 19, item 6: a heartbeat's names follow the job spec's rules.
+    #[test]
+    fn a_report_with_a_path_for_a_name_or_a_shouted_gpu_type_is_refused() {
+        assert!(report("gpu-a_1.rack2", 2).validate().is_ok());
+        for bad in ["../../x", "a/b", ".hidden", "", "a b"] {
+            let err = report(bad, 1).validate().expect_err(bad);
+            assert!(err.to_string().contains("node name"), "{bad}: {err}");
+        }
+        let mut shouted = report("n", 1);
+        shouted.gpus[0].gpu_type = "V100!".into();
+        let err = shouted.validate().expect_err("refused");
+        assert!(err.to_string().contains("V100!"), "{err}");
     }
 
     struct World {

@@ -220,17 +220,30 @@ fn check_range(field: &str, value: i64, min: i64, max: i64) -> Result<(), SpecEr
     Ok(())
 }
 
+/// Whether `name` follows the rule for names (jobs, nodes): letters,
+/// digits, '-', '_' and '.', not starting with '.'.
+pub fn is_valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+/// Whether `t` is a GPU type name: lower-case letters, digits, '-', '_'.
+pub fn is_valid_gpu_type(t: &str) -> bool {
+    !t.is_empty()
+        && t.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
 fn check_gpu_types(field: &str, types: &[String]) -> Result<(), SpecError> {
     use limits::*;
     check_count(field, types.len(), GPU_TYPES_MAX)?;
     for (i, t) in types.iter().enumerate() {
         let f = format!("{field}[{i}]");
         check_len(&f, t, GPU_TYPE_MAX_LEN)?;
-        if t.is_empty()
-            || !t
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-        {
+        if !is_valid_gpu_type(t) {
             return Err(SpecError::Invalid {
                 field: f,
                 reason: format!("{t:?} is not a lower-case GPU type name such as \"v100\""),

@@ -73,7 +73,7 @@ pub enum ApplyError {
     NodeLost(String),
     #[error("node {0:?} is not lost")]
     NodeNotLost(String),
-    #[error("{field} is {len} long; the limit is {limit}")]
+    #[error("{field} is {len} {}; the limit is {limit}", size_unit(field))]
     TooLarge {
         field: String,
         len: usize,
@@ -227,6 +227,15 @@ impl<'de> Deserialize<'de> for ClusterState {
             capacity,
             free: FreeCache::default(),
         })
+    }
+}
+
+/// How a [`ApplyError::TooLarge`] size is counted: the lists are counted
+/// in entries, every other field is a string counted in bytes.
+fn size_unit(field: &str) -> &'static str {
+    match field {
+        "node gpus" | "progress samples" => "entries",
+        _ => "bytes long",
     }
 }
 

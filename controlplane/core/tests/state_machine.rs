@@ -489,6 +489,41 @@ fn a_decision_that_preempts_a_job_and_hands_its_gpu_to_an_older_one_keeps_the_in
     assert_eq!(h.state.gpu_holders().len(), 1);
 }
 
+/// Issue 19, item 13: a size refusal names its unit (bytes for strings,
+/// entries for lists).
+#[test]
+fn a_size_refusal_names_its_unit() {
+    let mut h = Harness::new();
+    let j = h.submit(spec("a", 1, 1));
+    let err = h
+        .apply(Command::CancelJob {
+            job_id: j,
+            reason: "x".repeat(100_000),
+        })
+        .expect_err("too long");
+    assert!(
+        err.to_string()
+            .starts_with("reason is 100000 bytes long; the limit is"),
+        "{err}"
+    );
+    let err = h
+        .apply(Command::RegisterNode {
+            name: "n".into(),
+            address: "a:1".into(),
+            gpus: (0..10_000)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: "v100".into(),
+                })
+                .collect(),
+        })
+        .expect_err("too many");
+    assert!(
+        err.to_string().contains("10000 entries; the limit is"),
+        "{err}"
+    );
+}
+
 #[test]
 fn cancel_of_a_finished_job_is_refused() {
     let mut h = Harness::new();
