@@ -43,6 +43,46 @@ const NOT_IN_GAVELS_GOLDEN_FILE: &[&str] = &[
     "max_min_fairness_packed",
 ];
 
+/// Issue 19, item 12: a case of Gavel's `policy_golden.json` is read as it
+/// is: its `job_types` is a list of `[model, scale factor]` by job position
+/// (or `null`), and its other fields (`name`, `results`) are ignored.
+#[test]
+fn a_case_in_gavels_own_shape_is_read_as_it_is() {
+    let case = r#"{
+        "name": "oracle_2jobs",
+        "cluster_spec": {"v100": 1, "p100": 1, "k80": 1},
+        "job_types": [["ResNet-50 (batch size 64)", 1], ["A3C", 2]],
+        "throughputs": {"0": {"v100": 4.0, "p100": 2.0, "k80": 1.0},
+                        "1": {"v100": 3.0, "p100": 2.0, "k80": 1.0}},
+        "scale_factors": {"0": 1, "1": 2},
+        "priority_weights": {"0": 1.0, "1": 1.0},
+        "times_since_start": {"0": 0.0, "1": 0.0},
+        "num_steps_remaining": {"0": 300, "1": 500},
+        "results": {}
+    }"#;
+    let problem: AllocationProblem = serde_json::from_str(case).expect("Gavel's shape");
+    assert_eq!(
+        problem.job_types,
+        BTreeMap::from([
+            (0, "ResNet-50 (batch size 64)".to_string()),
+            (1, "A3C x2".to_string())
+        ])
+    );
+    let null = case.replace(r#"[["ResNet-50 (batch size 64)", 1], ["A3C", 2]]"#, "null");
+    let problem: AllocationProblem = serde_json::from_str(&null).expect("null job types");
+    assert!(problem.job_types.is_empty());
+    let keel = case.replace(
+        r#"[["ResNet-50 (batch size 64)", 1], ["A3C", 2]]"#,
+        r#"{"0": "resnet50", "1": "a3c"}"#,
+    );
+    let problem: AllocationProblem = serde_json::from_str(&keel).expect("Keel's shape");
+    assert_eq!(problem.job_types[&1], "a3c");
+    // And every case of the golden file parses as it stands.
+    for case in golden()["cases"].as_array().expect("cases") {
+        serde_json::from_value::<AllocationProblem>(case.clone()).expect("a golden case parses");
+    }
+}
+
 #[test]
 fn the_golden_vectors_match_gavel_to_1e_3() {
     let golden = golden();

@@ -70,8 +70,15 @@ pub struct AllocationProblem {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub slos: BTreeMap<ProblemJobId, f64>,
     /// Each job's type (its model), for the space-sharing policies: jobs
-    /// of one type behave the same beside any other job.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    /// of one type behave the same beside any other job. Read as Keel's map
+    /// (job → type), or as Gavel's list of `[model, scale factor]` by job
+    /// position (the type is the model, `model x{N}` for a scale factor N
+    /// above 1), or `null`.
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "job_types_json::deserialize"
+    )]
     pub job_types: BTreeMap<ProblemJobId, String>,
     /// Steps per second of two job types sharing GPUs (space-sharing
     /// policies; a pair without figures is never packed).
@@ -88,6 +95,53 @@ pub type PairThroughputs = BTreeMap<String, BTreeMap<String, BTreeMap<String, [f
 
 /// Fractions of time two jobs (smaller id first) share GPUs, by GPU type.
 pub type PairAllocation = BTreeMap<(ProblemJobId, ProblemJobId), BTreeMap<String, f64>>;
+
+/// `job_types` in either shape (see [`AllocationProblem::job_types`]).
+mod job_types_json {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer};
+
+    use super::ProblemJobId;
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Shape {
+        // Keys as text: an untagged enum sees JSON object keys as strings.
+        Keel(BTreeMap<String, String>),
+        Gavel(Vec<(String, u32)>),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<ProblemJobId, String>, D::Error> {
+        Ok(match Option::<Shape>::deserialize(d)? {
+            None => BTreeMap::new(),
+            Some(Shape::Keel(map)) => map
+                .into_iter()
+                .map(|(job, kind)| {
+                    job.parse::<ProblemJobId>()
+                        .map(|job| (job, kind))
+                        .map_err(|_| {
+                            serde::de::Error::custom(format!("job_types: {job:?} is not a job id"))
+                        })
+                })
+                .collect::<Result<_, _>>()?,
+            Some(Shape::Gavel(list)) => list
+                .into_iter()
+                .enumerate()
+                .map(|(i, (model, scale_factor))| {
+                    let kind = if scale_factor > 1 {
+                        format!("{model} x{scale_factor}")
+                    } else {
+                        model
+                    };
+                    (i as ProblemJobId, kind)
+                })
+                .collect(),
+        })
+    }
+}
 
 /// Pair allocations in JSON: a list of `{"jobs": [a, b], "allocation":
 /// {type: fraction}}` (JSON object keys cannot be pairs).
