@@ -305,6 +305,9 @@ impl Keel for KeelApi {
             .job(job_id)
             .ok_or(ApiError::JobNotFound(job_id))?;
         let mut reply = crate::convert::job_to_proto(job);
+        if let Some(why) = never_fits(&applied.state, job) {
+            reply.message = why;
+        }
         reply.estimate = keel_core::perf::estimate(&applied.state, job)
             .as_ref()
             .map(crate::convert::estimate_to_proto);
@@ -346,13 +349,32 @@ impl Keel for KeelApi {
         }
         let shared = self.node.state_machine.shared();
         let applied = shared.read();
+        let mut why_by_shape: std::collections::BTreeMap<(u32, u32, &Vec<String>), Option<String>> =
+            std::collections::BTreeMap::new();
         let jobs = applied
             .state
             .jobs()
             .values()
             .filter(|j| state.is_none_or(|s| j.state == s))
             .filter(|j| req.user.is_empty() || j.spec.user == req.user)
-            .map(crate::convert::job_to_proto)
+            .map(|j| {
+                let mut reply = crate::convert::job_to_proto(j);
+                // One answer per job shape: thousands of waiting jobs cost
+                // one look at the nodes each shape.
+                let shape = (j.spec.gpus, j.spec.workers.min, &j.spec.gpu_types.allowed);
+                let verdict = if waiting(j) {
+                    why_by_shape
+                        .entry(shape)
+                        .or_insert_with(|| never_fits(&applied.state, j))
+                        .clone()
+                } else {
+                    None
+                };
+                if let Some(why) = verdict {
+                    reply.message = why;
+                }
+                reply
+            })
             .collect();
         Ok(Response::new(api::ListJobsResponse { jobs }))
     }
@@ -700,13 +722,23 @@ impl Keel for KeelApi {
         }
         // The new member's Raft id: its member id and the incarnation of its
         // data directory, as it says itself.
-        let status = crate::raft_node::status_of(&req.address)
-            .await
-            .map_err(|reason| ApiError::NewMemberUnreachable {
-                id: req.id,
-                address: req.address.clone(),
-                reason,
-            })?;
+        // Asked for up to NEW_MEMBER_ANSWER_WAIT: a replica started just
+        // before the call may not listen yet.
+        let deadline = tokio::time::Instant::now() + NEW_MEMBER_ANSWER_WAIT;
+        let status = loop {
+            match crate::raft_node::status_of(&req.address).await {
+                Ok(status) => break status,
+                Err(reason) if tokio::time::Instant::now() >= deadline => {
+                    return Err(ApiError::NewMemberUnreachable {
+                        id: req.id,
+                        address: req.address.clone(),
+                        reason,
+                    }
+                    .into())
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            }
+        };
         if status.member_id != req.id {
             return Err(ApiError::InvalidArgument {
                 field: "id",
@@ -847,3 +879,23 @@ impl Keel for KeelApi {
         Ok(Response::new(self.membership(index)))
     }
 }
+
+/// Why a waiting job can run on no node of the cluster as it is (issue 19,
+/// item 8), for `keel job` and `keel jobs`: `None` for a job that is not
+/// waiting, that has a message of its own, or that some node could run.
+fn never_fits(state: &keel_core::ClusterState, job: &keel_core::Job) -> Option<String> {
+    if !waiting(job) {
+        return None;
+    }
+    keel_core::placement::never_fits(state, &job.spec)
+        .map(|why| format!("waiting: {why} (nodes may still join)"))
+}
+
+/// A job waiting for GPUs with no message of its own.
+fn waiting(job: &keel_core::Job) -> bool {
+    matches!(job.state, JobState::Pending | JobState::Preempted) && job.message.is_empty()
+}
+
+/// How long `AddMember` keeps asking a new member who it is before it
+/// gives up (the replica may have been started just before the call).
+const NEW_MEMBER_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);

@@ -142,7 +142,26 @@ pub async fn submit(addr: &str, file: &Path, out: Output) -> anyhow::Result<()> 
         }
     })
     .await?;
-    render::submitted(&resp, out)
+    render::submitted(&resp, out)?;
+    // A job no node can run is accepted (nodes may join later), but the
+    // submitter hears why it will wait.
+    if let Ok(mut client) = connect(addr).await {
+        if let Ok(job) = client
+            .get_job(api::GetJobRequest {
+                job_id: resp.job_id,
+            })
+            .await
+        {
+            let job = job.into_inner();
+            if job.message.starts_with("waiting: ") {
+                #[allow(clippy::print_stderr)]
+                {
+                    eprintln!("warning: job {} is {}", job.id, job.message);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 pub async fn jobs(

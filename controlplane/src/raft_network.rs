@@ -361,6 +361,18 @@ impl RaftNetwork<TypeConfig> for GrpcPeer {
         InstallSnapshotResponse<u64>,
         RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
     > {
+        // A snapshot chunk (up to a MiB) is not sent to an address known to
+        // answer as another incarnation: it would be refused after the
+        // transfer. Heartbeats still go, and keep the record fresh.
+        if let Some(found) = self.strangers.snapshot().get(&self.target) {
+            return Err(RPCError::Unreachable(Unreachable::new(
+                &std::io::Error::other(format!(
+                    "{} answers at this address now, not {}",
+                    crate::membership::show(*found),
+                    crate::membership::show(self.target)
+                )),
+            )));
+        }
         self.call(RpcKind::InstallSnapshot, &rpc, &option).await
     }
 

@@ -299,6 +299,71 @@ impl FreeGpus {
     }
 }
 
+/// Why no node of `state`, however free, could run `spec`: none has an
+/// allowed GPU type, none has a worker's GPUs of one type, or all of them
+/// together cannot hold the minimum workers. `None` when some placement
+/// exists once GPUs are free. Every registered node counts (a lost one may
+/// come back); nodes that join later may change the answer, so the job
+/// waits rather than being refused.
+pub fn never_fits(state: &ClusterState, spec: &JobSpec) -> Option<String> {
+    // GPU type → GPUs of that type on each node.
+    let mut by_type: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    for node in state.nodes().values() {
+        let mut counts: BTreeMap<&str, u32> = BTreeMap::new();
+        for t in node.gpus.values() {
+            *counts.entry(t.as_str()).or_default() += 1;
+        }
+        for (t, c) in counts {
+            by_type.entry(t).or_default().push(c);
+        }
+    }
+    let allowed: Vec<&str> = if spec.gpu_types.allowed.is_empty() {
+        by_type.keys().copied().collect()
+    } else {
+        spec.gpu_types
+            .allowed
+            .iter()
+            .map(String::as_str)
+            .filter(|t| by_type.contains_key(t))
+            .collect()
+    };
+    if allowed.is_empty() {
+        return Some(if spec.gpu_types.allowed.is_empty() {
+            "no node has GPUs".to_string()
+        } else {
+            format!(
+                "no node has GPU type {}",
+                spec.gpu_types.allowed.join(" or ")
+            )
+        });
+    }
+    let gpus = spec.gpus.max(1);
+    let largest = allowed
+        .iter()
+        .flat_map(|t| by_type[t].iter().copied())
+        .max()
+        .unwrap_or(0);
+    if largest < gpus {
+        return Some(format!(
+            "no node has {gpus} GPUs of type {} (the most on one node is {largest})",
+            allowed.join(" or ")
+        ));
+    }
+    let most_workers = allowed
+        .iter()
+        .map(|t| by_type[t].iter().map(|c| c / gpus).sum::<u32>())
+        .max()
+        .unwrap_or(0);
+    (most_workers < spec.workers.min).then(|| {
+        format!(
+            "the nodes hold at most {most_workers} workers of {gpus} GPU{} of one type ({}); the job needs at least {}",
+            if gpus == 1 { "" } else { "s" },
+            allowed.join(" or "),
+            spec.workers.min
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,6 +398,42 @@ mod tests {
             node: node.into(),
             index,
         }
+    }
+
+    /// Issue 19, item 8: a job no node can ever run says why it waits.
+    #[test]
+    fn a_job_no_node_can_run_says_why() {
+        let s = cluster(&[
+            ("a", &[(0, "v100"), (1, "v100"), (2, "k80")]),
+            ("b", &[(0, "v100"), (1, "v100")]),
+        ]);
+        let spec = |gpus, workers, allowed: &[&str]| {
+            let mut spec = job_spec("j", gpus, workers);
+            spec.gpu_types.allowed = allowed.iter().map(|t| t.to_string()).collect();
+            spec
+        };
+        assert_eq!(never_fits(&s, &spec(2, 2, &["v100"])), None);
+        assert_eq!(never_fits(&s, &spec(1, 4, &[])), None, "four v100s");
+        assert_eq!(
+            never_fits(&s, &spec(1, 5, &[])).as_deref(),
+            Some("the nodes hold at most 4 workers of 1 GPU of one type (k80 or v100); the job needs at least 5")
+        );
+        assert_eq!(
+            never_fits(&s, &spec(1, 1, &["h100x"])).as_deref(),
+            Some("no node has GPU type h100x")
+        );
+        assert_eq!(
+            never_fits(&s, &spec(16, 1, &[])).as_deref(),
+            Some("no node has 16 GPUs of type k80 or v100 (the most on one node is 2)")
+        );
+        assert_eq!(
+            never_fits(&s, &spec(2, 3, &["v100"])).as_deref(),
+            Some("the nodes hold at most 2 workers of 2 GPUs of one type (v100); the job needs at least 3")
+        );
+        assert_eq!(
+            never_fits(&ClusterState::new(), &spec(1, 1, &[])).as_deref(),
+            Some("no node has GPUs")
+        );
     }
 
     #[test]
