@@ -140,6 +140,15 @@ impl Strangers {
         }
     }
 
+    /// `addressed` answered as itself: whatever was seen at its address
+    /// before no longer holds.
+    pub fn answered(&self, addressed: u64) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if !map.is_empty() {
+            map.remove(&addressed);
+        }
+    }
+
     /// Whether `other` is this very record (a clone of it).
     pub fn same(&self, other: &Strangers) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
@@ -558,6 +567,9 @@ mod tests {
         assert!(strangers.snapshot().is_empty());
         strangers.saw(raft_id(3, 1), raft_id(3, 2));
         assert_eq!(strangers.snapshot().len(), 1);
+        // The addressed incarnation answers as itself again: forgotten.
+        strangers.answered(raft_id(3, 1));
+        assert!(strangers.snapshot().is_empty());
     }
 
     #[test]

@@ -320,7 +320,10 @@ impl GrpcPeer {
                 }
                 return Err(network(&status));
             }
-            Ok(Ok(reply)) => reply.into_inner(),
+            Ok(Ok(reply)) => {
+                self.strangers.answered(self.target);
+                reply.into_inner()
+            }
         };
         let result: Result<Resp, E> = decode(&reply.payload).map_err(|e| network(&e))?;
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))

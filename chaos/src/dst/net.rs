@@ -347,6 +347,7 @@ impl SimPeer {
             return Err(timeout());
         }
         let result = wire(&result).map_err(broken)?;
+        self.strangers.answered(self.target);
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
 }
