@@ -101,6 +101,19 @@ impl FaultKind {
     }
 }
 
+/// The followers that lag behind in a lost-disk composite fault: half the
+/// cluster's followers (`others`, every member but the leader), leaving out
+/// `wiped`, the one that loses its disk. With the wiped member they make a
+/// majority that lacks what the leader commits meanwhile.
+pub fn lagging_followers(others: &[u64], wiped: u64, replicas: u64) -> Vec<u64> {
+    others
+        .iter()
+        .copied()
+        .filter(|r| *r != wiped)
+        .take((replicas / 2) as usize)
+        .collect()
+}
+
 /// One round of the schedule.
 #[derive(Debug, Clone, Serialize)]
 pub struct Round {
@@ -153,6 +166,8 @@ mod tests {
         }
         assert!(a.iter().all(|r| (1000..=3000).contains(&r.hold_ms)));
         let c = schedule(8, 20, &FaultKind::ALL);
+        assert_eq!(lagging_followers(&[2, 3], 3, 3), vec![2]);
+        assert_eq!(lagging_followers(&[1, 2, 4, 5], 2, 5), vec![1, 4]);
         assert_ne!(
             a.iter().map(|r| r.kind).collect::<Vec<_>>(),
             c.iter().map(|r| r.kind).collect::<Vec<_>>()

@@ -460,12 +460,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
                 vec![follower]
             }
             FaultKind::WipeFollowerThenPauseLeader => {
-                let lagging: Vec<u64> = others
-                    .iter()
-                    .copied()
-                    .filter(|r| *r != follower)
-                    .take((config.replicas / 2) as usize)
-                    .collect();
+                let lagging = crate::faults::lagging_followers(&others, follower, config.replicas);
                 for id in &lagging {
                     cluster.pause(*id);
                 }

@@ -158,17 +158,9 @@ impl KeelApi {
         let m = self.node.raft.metrics();
         let m = m.borrow();
         let membership = m.membership_config.membership();
-        let members = |ids: &mut dyn Iterator<Item = u64>| -> Vec<u64> {
-            ids.map(crate::membership::member_of)
-                .collect::<std::collections::BTreeSet<u64>>()
-                .into_iter()
-                .collect()
-        };
-        let voters = members(&mut membership.voter_ids());
-        let learners = members(&mut membership.learner_ids());
         api::MembershipResponse {
-            voters,
-            learners,
+            voters: crate::membership::member_ids(membership.voter_ids()),
+            learners: crate::membership::member_ids(membership.learner_ids()),
             index,
         }
     }
@@ -305,7 +297,10 @@ impl Keel for KeelApi {
             .job(job_id)
             .ok_or(ApiError::JobNotFound(job_id))?;
         let mut reply = crate::convert::job_to_proto(job);
-        if let Some(why) = never_fits(&applied.state, job) {
+        if let Some(why) = waiting(job)
+            .then(|| never_fits(&applied.state, &job.spec))
+            .flatten()
+        {
             reply.message = why;
         }
         reply.estimate = keel_core::perf::estimate(&applied.state, job)
@@ -362,15 +357,13 @@ impl Keel for KeelApi {
                 // One answer per job shape: thousands of waiting jobs cost
                 // one look at the nodes each shape.
                 let shape = (j.spec.gpus, j.spec.workers.min, &j.spec.gpu_types.allowed);
-                let verdict = if waiting(j) {
+                let why = waiting(j).then(|| {
                     why_by_shape
                         .entry(shape)
-                        .or_insert_with(|| never_fits(&applied.state, j))
+                        .or_insert_with(|| never_fits(&applied.state, &j.spec))
                         .clone()
-                } else {
-                    None
-                };
-                if let Some(why) = verdict {
+                });
+                if let Some(why) = why.flatten() {
                     reply.message = why;
                 }
                 reply
@@ -489,14 +482,9 @@ impl Keel for KeelApi {
                 Ok(c) => c.clone(),
                 Err(poisoned) => poisoned.into_inner().clone(),
             },
-            voters: metrics
-                .membership_config
-                .membership()
-                .voter_ids()
-                .map(member_of)
-                .collect::<std::collections::BTreeSet<u64>>()
-                .into_iter()
-                .collect(),
+            voters: crate::membership::member_ids(
+                metrics.membership_config.membership().voter_ids(),
+            ),
             members: {
                 let membership = metrics.membership_config.membership();
                 let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
@@ -880,14 +868,11 @@ impl Keel for KeelApi {
     }
 }
 
-/// Why a waiting job can run on no node of the cluster as it is (issue 19,
-/// item 8), for `keel job` and `keel jobs`: `None` for a job that is not
-/// waiting, that has a message of its own, or that some node could run.
-fn never_fits(state: &keel_core::ClusterState, job: &keel_core::Job) -> Option<String> {
-    if !waiting(job) {
-        return None;
-    }
-    keel_core::placement::never_fits(state, &job.spec)
+/// Why no node of the cluster as it is can run `spec` (issue 19, item 8),
+/// as `keel job` and `keel jobs` show it for a [`waiting`] job; `None` when
+/// some node could.
+fn never_fits(state: &keel_core::ClusterState, spec: &keel_core::JobSpec) -> Option<String> {
+    keel_core::placement::never_fits(state, spec)
         .map(|why| format!("waiting: {why} (nodes may still join)"))
 }
 

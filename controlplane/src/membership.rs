@@ -55,6 +55,17 @@ pub fn incarnation_of(raft_id: u64) -> u64 {
     raft_id >> INCARNATION_SHIFT
 }
 
+/// The member ids of `raft_ids`, each once, in order (two incarnations of
+/// a member are listed together while it is re-admitted).
+pub fn member_ids(raft_ids: impl IntoIterator<Item = u64>) -> Vec<u64> {
+    raft_ids
+        .into_iter()
+        .map(member_of)
+        .collect::<BTreeSet<u64>>()
+        .into_iter()
+        .collect()
+}
+
 /// A Raft id for people: `3` or `3.9f2c41a0b7d5`.
 pub fn show(raft_id: u64) -> String {
     match incarnation_of(raft_id) {
@@ -143,10 +154,10 @@ impl Strangers {
     /// `addressed` answered as itself: whatever was seen at its address
     /// before no longer holds.
     pub fn answered(&self, addressed: u64) {
-        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if !map.is_empty() {
-            map.remove(&addressed);
-        }
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&addressed);
     }
 
     /// Whether `other` is this very record (a clone of it).
@@ -363,63 +374,27 @@ async fn repair_once(
     let Some(step) = plan(view, &strangers.snapshot()) else {
         return Ok(None);
     };
+    announce(&step);
     let change = async {
         match &step {
-            Repair::AddLearner {
-                raft_id,
-                addr,
-                replacing,
-            } => {
-                tracing::info!(
-                    new = %show(*raft_id),
-                    old = %show(*replacing),
-                    addr,
-                    "re-admitting a member with a new data directory: adding it as a learner"
-                );
+            Repair::AddLearner { raft_id, addr, .. } => {
                 raft.add_learner(*raft_id, BasicNode { addr: addr.clone() }, false)
                     .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
             }
-            Repair::Replace {
-                retired,
-                by,
-                voters,
-            } => {
-                tracing::info!(
-                    new = %show(*by),
-                    old = %show(*retired),
-                    "the new incarnation has caught up: it replaces the old one as a voter"
-                );
+            Repair::Replace { voters, .. } | Repair::FinishJoint { voters } => {
                 raft.change_membership(ChangeMembers::ReplaceAllVoters(voters.clone()), false)
                     .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            }
-            Repair::FinishJoint { voters } => {
-                tracing::info!(
-                    voters = %voters.iter().map(|v| show(*v)).collect::<Vec<_>>().join(","),
-                    "finishing a joint membership change"
-                );
-                raft.change_membership(ChangeMembers::ReplaceAllVoters(voters.clone()), false)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
             }
             Repair::RemoveLearner { raft_id } => {
-                tracing::info!(
-                    learner = %show(*raft_id),
-                    "removing a learner whose member came back with another incarnation"
-                );
                 raft.change_membership(
                     ChangeMembers::RemoveNodes(BTreeSet::from([*raft_id])),
                     false,
                 )
                 .await
-                .map(|_| ())
-                .map_err(|e| e.to_string())
             }
         }
+        .map(|_| ())
+        .map_err(|e| e.to_string())
     };
     match tokio::time::timeout(REPAIR_STEP_TIMEOUT, change).await {
         Err(_) => Err(format!(
@@ -427,6 +402,35 @@ async fn repair_once(
         )),
         Ok(Err(e)) => Err(format!("{step:?}: {e}")),
         Ok(Ok(())) => Ok(Some(step)),
+    }
+}
+
+/// Logs a repair step as it is taken, for the operator.
+fn announce(step: &Repair) {
+    match step {
+        Repair::AddLearner {
+            raft_id,
+            addr,
+            replacing,
+        } => tracing::info!(
+            new = %show(*raft_id),
+            old = %show(*replacing),
+            addr,
+            "re-admitting a member with a new data directory: adding it as a learner"
+        ),
+        Repair::Replace { retired, by, .. } => tracing::info!(
+            new = %show(*by),
+            old = %show(*retired),
+            "the new incarnation has caught up: it replaces the old one as a voter"
+        ),
+        Repair::FinishJoint { voters } => tracing::info!(
+            voters = %voters.iter().map(|v| show(*v)).collect::<Vec<_>>().join(","),
+            "finishing a joint membership change"
+        ),
+        Repair::RemoveLearner { raft_id } => tracing::info!(
+            learner = %show(*raft_id),
+            "removing a learner whose member came back with another incarnation"
+        ),
     }
 }
 

@@ -403,14 +403,19 @@ fn refused_by(status: &Status) -> Option<u64> {
         .ok()
 }
 
-/// Refuses a message that is not for `me` (its `keel-to` names another
-/// incarnation of this member, or nothing), naming `me` in the answer.
-fn check_addressed_to<T>(me: u64, request: &Request<T>) -> Result<(), Status> {
-    let to = request
+/// The Raft id a received message names as its addressee, if any.
+fn addressee<T>(request: &Request<T>) -> Option<u64> {
+    request
         .metadata()
         .get(TO_HEADER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// Refuses a message that is not for `me` (its `keel-to` names another
+/// incarnation of this member, or nothing), naming `me` in the answer.
+fn check_addressed_to<T>(me: u64, request: &Request<T>) -> Result<(), Status> {
+    let to = addressee(request);
     if to == Some(me) {
         return Ok(());
     }
@@ -436,8 +441,9 @@ pub struct RaftService {
     /// This replica's Raft id: messages for any other are refused.
     me: u64,
     identity: Arc<ClusterIdentity>,
-    /// The other Raft ids messages came for (each logged once).
-    refused: Arc<Mutex<std::collections::BTreeSet<Option<u64>>>>,
+    /// The addressee of the last message refused as not for this replica
+    /// (a refusal is logged when it names another than the last).
+    last_refused: Arc<Mutex<Option<Option<u64>>>>,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -452,27 +458,28 @@ impl RaftService {
             raft,
             me,
             identity,
-            refused: Arc::default(),
+            last_refused: Arc::default(),
         }
     }
 
-    /// [`check_addressed_to`], logging the first refusal for each Raft id.
-    fn addressed_to_me<T>(&self, request: &Request<T>) -> Result<(), Status> {
+    /// Admits a received message: refused if it comes from another cluster
+    /// or is for another incarnation of this member (logged when the
+    /// addressee changes); a replica without a cluster id adopts the one a
+    /// leader's message carries, once the message is known to be for it.
+    fn admit<T>(&self, request: &Request<T>, from_leader: bool) -> Result<(), Status> {
+        let adopt = self.identity.check(request, from_leader)?;
         check_addressed_to(self.me, request).inspect_err(|status| {
-            let to = request
-                .metadata()
-                .get(TO_HEADER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok());
-            let first = self
-                .refused
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(to);
-            if first {
+            let to = Some(addressee(request));
+            let mut last = self.last_refused.lock().unwrap_or_else(|p| p.into_inner());
+            if *last != to {
+                *last = to;
                 tracing::warn!("{}", status.message());
             }
-        })
+        })?;
+        match adopt {
+            Some(id) => self.identity.adopt(&id),
+            None => Ok(()),
+        }
     }
 }
 
@@ -491,22 +498,14 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let adopt = self.identity.check(&request, true)?;
-        self.addressed_to_me(&request)?;
-        if let Some(id) = adopt {
-            self.identity.adopt(&id)?;
-        }
+        self.admit(&request, true)?;
         let req: AppendEntriesRequest<TypeConfig> =
             decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.append_entries(req).await)
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let adopt = self.identity.check(&request, false)?;
-        self.addressed_to_me(&request)?;
-        if let Some(id) = adopt {
-            self.identity.adopt(&id)?;
-        }
+        self.admit(&request, false)?;
         let req: VoteRequest<u64> = decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.vote(req).await)
     }
@@ -515,11 +514,7 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let adopt = self.identity.check(&request, true)?;
-        self.addressed_to_me(&request)?;
-        if let Some(id) = adopt {
-            self.identity.adopt(&id)?;
-        }
+        self.admit(&request, true)?;
         let req: InstallSnapshotRequest<TypeConfig> =
             decode(&request.into_inner().payload).map_err(bad_payload)?;
         reply(&self.raft.install_snapshot(req).await)

@@ -286,12 +286,9 @@ async fn initialise(
 
 /// A running Raft replica and the stores behind it.
 pub struct RaftNode {
-    /// Its Raft id: member id and incarnation (`membership::raft_id`).
+    /// Its Raft id: member id and incarnation (`membership::raft_id`;
+    /// `membership::member_of` and `incarnation_of` take it apart).
     pub id: u64,
-    /// Its member id (`--id`).
-    pub member: u64,
-    /// Its data directory's incarnation.
-    pub incarnation: u64,
     /// Peers that answered as another incarnation (the leader's repair
     /// reads them).
     pub strangers: Strangers,
@@ -521,8 +518,6 @@ impl RaftNode {
         }
         Ok(RaftNode {
             id: raft_id,
-            member,
-            incarnation,
             strangers,
             raft,
             identity,
@@ -608,6 +603,26 @@ mod tests {
                 needed: 2
             }
         );
+    }
+
+    #[tokio::test]
+    async fn a_member_id_outside_16_bits_is_refused_at_start() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for id in [0, 70_000] {
+            let err = RaftNode::start(
+                id,
+                "127.0.0.1:1",
+                &Peers::new(),
+                DataDir::open(dir.path().join(format!("r{id}"))).expect("data dir"),
+                &RaftSettings::default(),
+            )
+            .await
+            .expect_err("refused");
+            assert_eq!(
+                err.to_string(),
+                format!("--id {id} is out of range: member ids are 1 to 65535")
+            );
+        }
     }
 
     /// A member wiped and started again votes for the leader before the

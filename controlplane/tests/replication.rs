@@ -687,6 +687,17 @@ fn adding_a_member_where_nothing_answers_changes_nothing() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("who it is"), "{err}");
     }
+    // A member id beyond the 16 bits a Raft id keeps for it.
+    let out = cli(
+        &all,
+        &["cluster", "add", "--id", "70000", "--member-addr", &dead],
+    );
+    assert!(!out.status.success(), "added member 70000");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("id: 70000 is more than the largest member id, 65535"),
+        "{err}"
+    );
     let status = json(&all, &["cluster", "status"]).expect("status");
     assert_eq!(
         status["members"].as_array().map(Vec::len),

@@ -812,12 +812,7 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
             Fault::WipeFollowerThenCrashLeader => {
                 // `follower` loses its disk; half the followers besides it
                 // lag behind, cut off from everyone.
-                let lagging: Vec<u64> = others
-                    .iter()
-                    .copied()
-                    .filter(|r| *r != follower)
-                    .take((config.replicas / 2) as usize)
-                    .collect();
+                let lagging = crate::faults::lagging_followers(&others, follower, config.replicas);
                 let rest: Vec<u64> = everyone
                     .iter()
                     .copied()
