@@ -29,6 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         tonic_prost_build::configure()
             .btree_map(".")
             .type_attribute(".", SERDE)
+            .codec_path("crate::grpc_codec::KeelCodec")
             .extern_path(".keel.entry.v1", "crate::entry")
             .out_dir(&api_dir)
             .compile_fds(api_fds)?;

@@ -2,9 +2,9 @@
 //!
 //! - **Lost**: an acknowledged submission missing (or under another id) on
 //!   any replica after healing.
-//! - **Duplicated**: a job name present more than once on a replica
-//!   (clients never retry, so only Keel could have doubled it), or a
-//!   refused submission that took effect.
+//! - **Duplicated**: a job name present more than once on a replica (a
+//!   client sends a submission again only under its request id, so only
+//!   Keel could have doubled it), or a refused submission that took effect.
 //! - **Divergent**: replicas at different applied indexes or state hashes
 //!   after convergence, or a replica whose offline replay (journal, then
 //!   the Raft log's committed tail) gives another hash than it serves.
@@ -313,6 +313,7 @@ mod tests {
         Op {
             client: 0,
             replica: 1,
+            attempts: 1,
             request,
             invoked_ms,
             completed_ms,

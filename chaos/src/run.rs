@@ -133,6 +133,7 @@ impl Probes {
                     spec: Some(keel_core::codec::spec_to_proto(&workload::job_spec(
                         &name, false,
                     ))),
+                    request_id: name.clone(),
                 });
                 let outcome = match tokio::time::timeout(Duration::from_millis(2000), call).await {
                     Ok(Ok(r)) => {
@@ -153,6 +154,7 @@ impl Probes {
                 history.push(Op {
                     client: u32::MAX,
                     replica,
+                    attempts: 1,
                     request: Request::Submit { name },
                     invoked_ms,
                     completed_ms,
@@ -248,6 +250,7 @@ async fn schedules(cluster: &Cluster, bound: Duration) -> Result<(), String> {
                 name: format!("r{i}-0"),
                 state: "alive".into(),
                 reason: String::new(),
+                request_id: String::new(),
             });
             match tokio::time::timeout(Duration::from_secs(2), call).await {
                 Ok(Ok(_)) => break,
@@ -261,6 +264,8 @@ async fn schedules(cluster: &Cluster, bound: Duration) -> Result<(), String> {
             spec: Some(keel_core::codec::spec_to_proto(&workload::job_spec(
                 "liveness", true,
             ))),
+            // Sent until acknowledged: one request id makes it one job.
+            request_id: "liveness".into(),
         });
         if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(1), call).await {
             break r.into_inner().job_id;

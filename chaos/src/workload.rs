@@ -8,8 +8,11 @@
 //! (milliseconds since the run began) and its outcome: acknowledged (with
 //! the log index and the job id), failed (a definite refusal: it did not
 //! happen) or indeterminate (a timeout or a lost connection: it may have).
-//! Clients never retry a write, so a name appearing twice is a duplicate
-//! Keel made.
+//! A submission in doubt (and one in ten whose first answer the client
+//! drops on purpose) is sent again with the same request id, up to
+//! [`SUBMIT_ATTEMPTS`] times, and recorded as one operation from the first
+//! send to the last answer; Keel must apply it once, so a name appearing
+//! twice is a duplicate Keel made.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -62,7 +65,11 @@ pub enum Outcome {
 #[derive(Debug, Clone, Serialize)]
 pub struct Op {
     pub client: u32,
+    /// The replica of the last attempt.
     pub replica: u64,
+    /// How often it was sent (a submission in doubt is sent again, with
+    /// the same request id).
+    pub attempts: u32,
     pub request: Request,
     pub invoked_ms: u64,
     pub completed_ms: u64,
@@ -136,6 +143,9 @@ impl RunClock {
         u64::try_from(self.0.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 }
+
+/// Most sends of one submission.
+pub const SUBMIT_ATTEMPTS: u32 = 3;
 
 /// The GPU type no node has: a job that allows only it waits forever.
 pub const NO_SUCH_GPU_TYPE: &str = "chaos-none";
@@ -212,7 +222,7 @@ pub async fn client(
     let mut mine: Vec<u64> = Vec::new();
     let mut n = 0u64;
     while !*stop.borrow() {
-        let (replica, mut c) = clients[rng.below(clients.len() as u64) as usize].clone();
+        let (mut replica, mut c) = clients[rng.below(clients.len() as u64) as usize].clone();
         let roll = rng.below(100);
         let runnable = rng.below(5) == 0;
         let known = history.acknowledged_jobs();
@@ -245,31 +255,67 @@ pub async fn client(
             Request::Get { job_id: ids[i] }
         };
         let invoked_ms = clock.now_ms();
+        let mut attempts = 0u32;
         let outcome = match &request {
             Request::Submit { name } => {
-                let call = c.submit_job(api::SubmitJobRequest {
-                    spec: Some(keel_core::codec::spec_to_proto(&job_spec(name, runnable))),
-                });
-                match tokio::time::timeout(config.timeout, call).await {
-                    Ok(Ok(r)) => {
-                        let r = r.into_inner();
-                        mine.push(r.job_id);
-                        Outcome::Ok {
-                            index: Some(r.index),
-                            job_id: Some(r.job_id),
-                            state: None,
+                // One request id (the unique name) for every attempt: the
+                // server applies the submission once however often it
+                // arrives. A lost answer is retried at another replica, and
+                // one submission in ten loses its first answer on purpose
+                // (the client never sees it and retries).
+                let spec = keel_core::codec::spec_to_proto(&job_spec(name, runnable));
+                let lose_first_answer = rng.below(10) == 0;
+                let mut in_doubt = false;
+                let outcome = loop {
+                    attempts += 1;
+                    let call = c.submit_job(api::SubmitJobRequest {
+                        spec: Some(spec.clone()),
+                        request_id: name.clone(),
+                    });
+                    let outcome = match tokio::time::timeout(config.timeout, call).await {
+                        Ok(Ok(r)) => {
+                            let r = r.into_inner();
+                            Outcome::Ok {
+                                index: Some(r.index),
+                                job_id: Some(r.job_id),
+                                state: None,
+                            }
                         }
+                        Ok(Err(status)) => outcome_of_error(&status),
+                        Err(_) => Outcome::Indeterminate {
+                            reason: "timed out".into(),
+                        },
+                    };
+                    let lost = attempts == 1 && lose_first_answer;
+                    let retry = lost || matches!(outcome, Outcome::Indeterminate { .. });
+                    if !retry || attempts >= SUBMIT_ATTEMPTS || *stop.borrow() {
+                        break match outcome {
+                            // A refusal after an attempt in doubt proves
+                            // nothing about that attempt.
+                            Outcome::Failed { reason } if in_doubt => Outcome::Indeterminate {
+                                reason: format!("{reason} (after an attempt in doubt)"),
+                            },
+                            outcome => outcome,
+                        };
                     }
-                    Ok(Err(status)) => outcome_of_error(&status),
-                    Err(_) => Outcome::Indeterminate {
-                        reason: "timed out".into(),
-                    },
+                    in_doubt = true;
+                    (replica, c) = clients[rng.below(clients.len() as u64) as usize].clone();
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                if let Outcome::Ok {
+                    job_id: Some(id), ..
+                } = &outcome
+                {
+                    mine.push(*id);
                 }
+                outcome
             }
             Request::Cancel { job_id } => {
+                attempts = 1;
                 let call = c.cancel_job(api::CancelJobRequest {
                     job_id: *job_id,
                     reason: "chaos".into(),
+                    request_id: format!("c{id}-cancel-{invoked_ms}-{job_id}"),
                 });
                 match tokio::time::timeout(config.timeout, call).await {
                     Ok(Ok(r)) => Outcome::Ok {
@@ -284,10 +330,12 @@ pub async fn client(
                 }
             }
             Request::SetNode { node, state } => {
+                attempts = 1;
                 let call = c.set_node_state(api::SetNodeStateRequest {
                     name: node.clone(),
                     state: state.clone(),
                     reason: "chaos".into(),
+                    request_id: String::new(),
                 });
                 match tokio::time::timeout(config.timeout, call).await {
                     Ok(Ok(r)) => Outcome::Ok {
@@ -302,6 +350,7 @@ pub async fn client(
                 }
             }
             Request::Get { job_id } => {
+                attempts = 1;
                 let mut request = tonic::Request::new(api::GetJobRequest { job_id: *job_id });
                 if config.stale_reads {
                     if let Ok(v) = "stale".parse() {
@@ -333,6 +382,7 @@ pub async fn client(
         history.push(Op {
             client: id,
             replica,
+            attempts,
             request,
             invoked_ms,
             completed_ms: clock.now_ms(),

@@ -109,6 +109,7 @@ async fn submissions(addr: &str, clients: usize, secs: f64) -> Row {
                 client
                     .submit_job(SubmitJobRequest {
                         spec: Some(spec(i)),
+                        request_id: String::new(),
                     })
                     .await
                     .expect("submit");
@@ -198,6 +199,7 @@ fn main() {
         while client
             .submit_job(SubmitJobRequest {
                 spec: Some(spec(0)),
+                request_id: String::new(),
             })
             .await
             .is_err()

@@ -167,7 +167,7 @@ fn main() {
                     let Some(c) = current.as_mut() else { continue };
                     i += 1;
                     let sent = epoch.elapsed().as_millis() as u64;
-                    match c.submit_job(SubmitJobRequest { spec: Some(spec(i)) }).await {
+                    match c.submit_job(SubmitJobRequest { spec: Some(spec(i)), request_id: String::new() }).await {
                         Ok(_) => {
                             acks.fetch_add(1, Ordering::SeqCst);
                             if sent >= killed_at.load(Ordering::SeqCst) {

@@ -139,6 +139,7 @@ fn padded_spec(i: usize) -> JobSpec {
     };
     let base = SubmitJobRequest {
         spec: Some(spec.clone()),
+        request_id: String::new(),
     }
     .encoded_len();
     spec.command[1] = "x".repeat(VALUE_BYTES.saturating_sub(base));
@@ -305,6 +306,7 @@ async fn keel_submit(ch: Channel, i: usize) -> bool {
     KeelClient::new(ch)
         .submit_job(SubmitJobRequest {
             spec: Some(padded_spec(i)),
+            request_id: String::new(),
         })
         .await
         .is_ok()

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use futures::Stream;
 use keel_core::codec::spec_from_proto;
 use keel_core::{Command, JobState};
+use keel_executors::Executor;
 use keel_proto::api::{self, keel_client::KeelClient, keel_server::Keel};
 use keel_proto::entry::AppliedEntry;
 use openraft::ServerState;
@@ -39,24 +40,6 @@ const WATCH_BATCH: usize = 512;
 /// Longest user filter accepted by ListJobs.
 const USER_FILTER_MAX_LEN: usize = keel_core::spec::limits::USER_MAX_LEN;
 
-/// Reads a job's worker logs (from the executor that ran them).
-pub type LogReader = Arc<
-    dyn Fn(
-            u64,
-            u64,
-        ) -> Pin<
-            Box<
-                dyn std::future::Future<
-                        Output = Result<
-                            Vec<keel_executors::WorkerLog>,
-                            keel_executors::ExecutorError,
-                        >,
-                    > + Send,
-            >,
-        > + Send
-        + Sync,
->;
-
 /// Default and largest tail of each worker log that GetLogs returns.
 const LOG_TAIL_DEFAULT_BYTES: u64 = 64 * 1024;
 const LOG_TAIL_MAX_BYTES: u64 = 4 * 1024 * 1024;
@@ -76,14 +59,14 @@ pub const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 pub struct KeelApi {
     node: Arc<RaftNode>,
     proposer: Proposer,
-    logs: LogReader,
+    /// The executor this server runs workers with (when it leads): worker
+    /// logs, which nodes it owns, whether it can share GPUs.
+    executor: Arc<crate::executors::AnyExecutor>,
     heartbeats: Arc<HeartbeatInbox>,
     /// The server's configured policy (rounds use it until `SetPolicy`).
     default_policy: &'static str,
     /// The running policy's counters, kept by the scheduling loop.
     policy_counters: crate::leader::PolicyCounters,
-    /// Why this server's executor cannot run the space-sharing policies.
-    cannot_share_gpus: Option<&'static str>,
     /// A channel to the current leader (its address, the client), reused
     /// while the leader stays the same.
     leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
@@ -136,20 +119,18 @@ impl KeelApi {
     pub fn new(
         node: Arc<RaftNode>,
         proposer: Proposer,
-        logs: LogReader,
+        executor: Arc<crate::executors::AnyExecutor>,
         heartbeats: Arc<HeartbeatInbox>,
         default_policy: &'static str,
         policy_counters: crate::leader::PolicyCounters,
-        cannot_share_gpus: Option<&'static str>,
     ) -> Self {
         KeelApi {
             node,
             proposer,
-            logs,
+            executor,
             heartbeats,
             default_policy,
             policy_counters,
-            cannot_share_gpus,
             leader: tokio::sync::Mutex::new(None),
         }
     }
@@ -229,8 +210,32 @@ impl KeelApi {
     /// Proposes a command (stamped with the leader's clock, group-committed
     /// with concurrent ones) and waits until it is applied. A refusal by the
     /// state machine is an error.
-    async fn propose(&self, command: Command) -> Result<(u64, Vec<keel_core::Event>), ApiError> {
-        self.proposer.propose(command).await
+    /// Proposes a client's write under its request id (empty: none), checked
+    /// here so a bad one is refused before anything is logged.
+    async fn propose_request(
+        &self,
+        command: Command,
+        request_id: String,
+    ) -> Result<(u64, Vec<keel_core::Event>), ApiError> {
+        let request_id = Some(request_id).filter(|id| !id.is_empty());
+        if let Some(id) = &request_id {
+            keel_core::requests::validate_request_id(id)?;
+        }
+        self.proposer.propose_request(command, request_id).await
+    }
+
+    /// Why a job's workers are not launched although it holds GPUs: a node
+    /// of its allocation is one this server's executor does not own.
+    fn not_launched(&self, job: &keel_core::Job) -> Option<String> {
+        let allocation = job.allocation.as_ref()?;
+        let node = allocation
+            .gpus
+            .iter()
+            .map(|g| g.node.as_str())
+            .find(|n| !self.executor.owns(n))?;
+        Some(format!(
+            "not launched: no executor runs workers on node {node} (it is known from heartbeats only)"
+        ))
     }
 
     async fn linearizable(&self) -> Result<(), ApiError> {
@@ -248,13 +253,16 @@ impl Keel for KeelApi {
         request: Request<api::SubmitJobRequest>,
     ) -> Result<Response<api::SubmitJobResponse>, Status> {
         route!(self, request, submit_job, true);
-        let spec = request.into_inner().spec.ok_or(ApiError::InvalidArgument {
+        let req = request.into_inner();
+        let spec = req.spec.ok_or(ApiError::InvalidArgument {
             field: "spec",
             message: "is required".into(),
         })?;
         let spec = spec_from_proto(spec);
         spec.validate().map_err(ApiError::from)?;
-        let (index, events) = self.propose(Command::SubmitJob { spec }).await?;
+        let (index, events) = self
+            .propose_request(Command::SubmitJob { spec }, req.request_id)
+            .await?;
         let job_id = events
             .iter()
             .find_map(|e| match e {
@@ -272,10 +280,13 @@ impl Keel for KeelApi {
         route!(self, request, cancel_job, true);
         let req = request.into_inner();
         let (index, _) = self
-            .propose(Command::CancelJob {
-                job_id: req.job_id,
-                reason: req.reason,
-            })
+            .propose_request(
+                Command::CancelJob {
+                    job_id: req.job_id,
+                    reason: req.reason,
+                },
+                req.request_id,
+            )
             .await?;
         Ok(Response::new(api::CancelJobResponse { index }))
     }
@@ -301,6 +312,9 @@ impl Keel for KeelApi {
             .then(|| never_fits(&applied.state, &job.spec))
             .flatten()
         {
+            reply.message = why;
+        }
+        if let Some(why) = self.not_launched(job) {
             reply.message = why;
         }
         reply.estimate = keel_core::perf::estimate(&applied.state, job)
@@ -363,7 +377,7 @@ impl Keel for KeelApi {
                         .or_insert_with(|| never_fits(&applied.state, &j.spec))
                         .clone()
                 });
-                if let Some(why) = why.flatten() {
+                if let Some(why) = why.flatten().or_else(|| self.not_launched(j)) {
                     reply.message = why;
                 }
                 reply
@@ -388,7 +402,7 @@ impl Keel for KeelApi {
             .state
             .nodes()
             .values()
-            .map(|n| crate::convert::node_to_proto(n, holders.iter()))
+            .map(|n| crate::convert::node_to_proto(n, holders.iter(), self.executor.owns(&n.name)))
             .collect();
         Ok(Response::new(api::ListNodesResponse { nodes }))
     }
@@ -585,7 +599,9 @@ impl Keel for KeelApi {
         if !known {
             return Err(ApiError::JobNotFound(req.job_id).into());
         }
-        let logs = (self.logs)(req.job_id, tail)
+        let logs = self
+            .executor
+            .logs(req.job_id, tail)
             .await
             .map_err(|e| ApiError::Storage(e.to_string()))?;
         Ok(Response::new(api::GetLogsResponse {
@@ -625,8 +641,35 @@ impl Keel for KeelApi {
                 .into())
             }
         };
-        let (index, _) = self.propose(command).await?;
+        let (index, _) = self.propose_request(command, req.request_id).await?;
         Ok(Response::new(api::SetNodeStateResponse { index }))
+    }
+
+    async fn remove_node(
+        &self,
+        request: Request<api::RemoveNodeRequest>,
+    ) -> Result<Response<api::RemoveNodeResponse>, Status> {
+        route!(self, request, remove_node, true);
+        let req = request.into_inner();
+        let name = req.name.clone();
+        let (index, events) = self
+            .propose_request(
+                Command::RemoveNode {
+                    name: req.name,
+                    force: req.force,
+                },
+                req.request_id,
+            )
+            .await?;
+        let requeued = events
+            .iter()
+            .filter_map(|e| match e {
+                keel_core::Event::JobPreempted { job_id, .. } => Some(*job_id),
+                _ => None,
+            })
+            .collect::<Vec<_>>();
+        tracing::info!(node = %name, index, ?requeued, "node removed");
+        Ok(Response::new(api::RemoveNodeResponse { index, requeued }))
     }
 
     async fn set_policy(
@@ -634,7 +677,7 @@ impl Keel for KeelApi {
         request: Request<api::SetPolicyRequest>,
     ) -> Result<Response<api::SetPolicyResponse>, Status> {
         route!(self, request, set_policy, true);
-        let name = request.into_inner().name;
+        let api::SetPolicyRequest { name, request_id } = request.into_inner();
         // Checked here for a clear error before anything is logged; `apply`
         // checks again (the log is the authority).
         keel_core::policy::by_name(&name, Default::default()).map_err(|e| {
@@ -644,12 +687,15 @@ impl Keel for KeelApi {
             }
         })?;
         if let Some(why) = self
-            .cannot_share_gpus
+            .executor
+            .cannot_share_gpus()
             .filter(|_| keel_core::gavel::shares_gpus(&name))
         {
             return Err(ApiError::Unsupported(format!("policy {name:?}: {why}")).into());
         }
-        let (index, _) = self.propose(Command::SetPolicy { name }).await?;
+        let (index, _) = self
+            .propose_request(Command::SetPolicy { name }, request_id)
+            .await?;
         Ok(Response::new(api::SetPolicyResponse { index }))
     }
 

@@ -71,16 +71,64 @@ async fn connect(addrs: &str) -> anyhow::Result<Client> {
         )))
 }
 
-/// Whether a write can be sent again safely: it was refused before it
-/// reached the log (no leader, or not the leader).
+/// How long the CLI keeps sending a write that got no answer.
+const WRITE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Whether a write's failure leaves it in doubt or undone, so that it is
+/// sent again (with the same request id, so it applies at most once): no
+/// leader, not the leader, a lost connection, a deadline.
 fn retryable(status: &tonic::Status) -> bool {
-    status.code() == tonic::Code::Unavailable
-        && (status.message().contains("not the leader") || status.message().contains("no leader"))
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+            | tonic::Code::Aborted
+            | tonic::Code::Unknown
+    )
 }
 
-/// Runs a write, retrying (reconnecting, for at most 10 s) while the
-/// cluster has no leader to take it.
+/// A new request id: this command's, for all its sends.
+pub fn new_request_id() -> String {
+    format!("cli-{:032x}", rand::random::<u128>())
+}
+
+/// Runs a write under one request id (see `keel_core::requests`),
+/// sending it again (reconnecting, for at most [`WRITE_RETRY_FOR`]) while
+/// there is no leader to take it or its answer was lost: the server
+/// applies it once and answers a repeat with the first outcome.
 async fn write<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<T>
+where
+    F: FnMut(Client, String) -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let request_id = new_request_id();
+    let deadline = std::time::Instant::now() + WRITE_RETRY_FOR;
+    let mut sent = false;
+    loop {
+        match connect(addrs).await {
+            Ok(client) => {
+                sent = true;
+                match call(client, request_id.clone()).await {
+                    Ok(resp) => return Ok(resp.into_inner()),
+                    Err(status) if retryable(&status) && std::time::Instant::now() < deadline => {
+                        tracing::debug!(%request_id, %status, "write in doubt; sending it again");
+                    }
+                    Err(status) => return Err(status_error(status)),
+                }
+            }
+            // Nothing answers: fail at once, unless a send is in doubt.
+            Err(e) if !sent || std::time::Instant::now() >= deadline => return Err(e),
+            Err(e) => tracing::debug!(%request_id, "cannot reconnect: {e:#}"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// Runs a write the state machine does not deduplicate (a membership
+/// change), sending it again only while it was refused before reaching the
+/// log (no leader, or not the leader), for at most 10 s.
+async fn write_once<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<T>
 where
     F: FnMut(Client) -> Fut,
     Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -90,7 +138,12 @@ where
         let client = connect(addrs).await?;
         match call(client).await {
             Ok(resp) => return Ok(resp.into_inner()),
-            Err(status) if retryable(&status) && std::time::Instant::now() < deadline => {
+            Err(status)
+                if status.code() == tonic::Code::Unavailable
+                    && (status.message().contains("not the leader")
+                        || status.message().contains("no leader"))
+                    && std::time::Instant::now() < deadline =>
+            {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
             Err(status) => return Err(status_error(status)),
@@ -133,11 +186,14 @@ pub fn read_spec(file: &Path) -> anyhow::Result<JobSpec> {
 
 pub async fn submit(addr: &str, file: &Path, out: Output) -> anyhow::Result<()> {
     let spec = spec_to_proto(&read_spec(file)?);
-    let resp = write(addr, |mut client| {
+    let resp = write(addr, |mut client, request_id| {
         let spec = spec.clone();
         async move {
             client
-                .submit_job(api::SubmitJobRequest { spec: Some(spec) })
+                .submit_job(api::SubmitJobRequest {
+                    spec: Some(spec),
+                    request_id,
+                })
                 .await
         }
     })
@@ -261,26 +317,41 @@ pub async fn set_node_state(
     reason: String,
     out: Output,
 ) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let resp = client
-        .set_node_state(api::SetNodeStateRequest {
+    let resp = write(addr, |mut client, request_id| {
+        let request = api::SetNodeStateRequest {
             name: name.clone(),
             state: state.to_string(),
-            reason,
-        })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+            reason: reason.clone(),
+            request_id,
+        };
+        async move { client.set_node_state(request).await }
+    })
+    .await?;
     render::node_state_set(&name, state, resp.index, out)
 }
 
+pub async fn remove_node(addr: &str, name: String, force: bool, out: Output) -> anyhow::Result<()> {
+    let resp = write(addr, |mut client, request_id| {
+        let request = api::RemoveNodeRequest {
+            name: name.clone(),
+            force,
+            request_id,
+        };
+        async move { client.remove_node(request).await }
+    })
+    .await?;
+    render::node_removed(&name, &resp, out)
+}
+
 pub async fn set_policy(addr: &str, name: String, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let resp = client
-        .set_policy(api::SetPolicyRequest { name: name.clone() })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let resp = write(addr, |mut client, request_id| {
+        let request = api::SetPolicyRequest {
+            name: name.clone(),
+            request_id,
+        };
+        async move { client.set_policy(request).await }
+    })
+    .await?;
     render::policy_set(&name, resp.index, out)
 }
 
@@ -295,11 +366,15 @@ pub async fn show_policy(addr: &str, out: Output) -> anyhow::Result<()> {
 }
 
 pub async fn cancel(addr: &str, id: u64, reason: String, out: Output) -> anyhow::Result<()> {
-    let resp = write(addr, |mut client| {
+    let resp = write(addr, |mut client, request_id| {
         let reason = reason.clone();
         async move {
             client
-                .cancel_job(api::CancelJobRequest { job_id: id, reason })
+                .cancel_job(api::CancelJobRequest {
+                    job_id: id,
+                    reason,
+                    request_id,
+                })
                 .await
         }
     })
@@ -368,7 +443,7 @@ pub async fn add_member(
     learner_only: bool,
     out: Output,
 ) -> anyhow::Result<()> {
-    let resp = write(addr, |mut client| {
+    let resp = write_once(addr, |mut client| {
         let address = member_addr.clone();
         async move {
             client
@@ -385,7 +460,7 @@ pub async fn add_member(
 }
 
 pub async fn remove_member(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
-    let resp = write(addr, |mut client| async move {
+    let resp = write_once(addr, |mut client| async move {
         client.remove_member(api::RemoveMemberRequest { id }).await
     })
     .await?;

@@ -59,6 +59,7 @@ pub fn estimate_to_proto(e: &keel_core::perf::Estimate) -> api::JobEstimate {
 pub fn node_to_proto<'a>(
     node: &Node,
     holders: impl Iterator<Item = (&'a keel_core::GpuRef, &'a keel_core::GpuHolders)>,
+    owned: bool,
 ) -> api::Node {
     let here: Vec<(u32, keel_core::GpuHolders)> = holders
         .filter(|(g, _)| g.node == node.name)
@@ -83,6 +84,7 @@ pub fn node_to_proto<'a>(
             .iter()
             .filter_map(|(i, h)| Some((*i, h.sharer?)))
             .collect(),
+        unowned: !owned,
         message: node.message.clone(),
     }
 }

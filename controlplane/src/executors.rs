@@ -62,6 +62,10 @@ impl Executor for AnyExecutor {
         each!(self, e => e.cannot_share_gpus())
     }
 
+    fn owns(&self, node: &str) -> bool {
+        each!(self, e => e.owns(node))
+    }
+
     async fn take_over(&self) {
         each!(self, e => e.take_over().await)
     }

@@ -70,7 +70,9 @@ impl From<ApiError> for Status {
                 | ApplyError::StaleEpoch { .. }
                 | ApplyError::GpuInUse { .. }
                 | ApplyError::NodeLost(_)
-                | ApplyError::NodeNotLost(_) => Code::FailedPrecondition,
+                | ApplyError::NodeNotLost(_)
+                | ApplyError::NodeInUse { .. } => Code::FailedPrecondition,
+                ApplyError::RequestIdReused { .. } => Code::AlreadyExists,
             },
             ApiError::NotLeader { .. } | ApiError::Unavailable(_) => Code::Unavailable,
             ApiError::Storage(_) => Code::Internal,
@@ -100,5 +102,62 @@ impl From<RaftError<u64, openraft::error::CheckIsLeaderError<u64, BasicNode>>> f
 impl From<keel_storage::StoreError> for ApiError {
     fn from(e: keel_storage::StoreError) -> Self {
         ApiError::Storage(e.to_string())
+    }
+}
+
+/// Wraps the API service so that a request over the size limit is
+/// `RESOURCE_EXHAUSTED`, the conventional code for a message too large.
+/// tonic's framing refuses it before any handler runs, as `OUT_OF_RANGE`
+/// (with the size and the limit in bytes, which stay in the message).
+#[derive(Debug, Clone)]
+pub struct TooLargeIsResourceExhausted<S>(pub S);
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService
+    for TooLargeIsResourceExhausted<S>
+{
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>>
+    for TooLargeIsResourceExhausted<S>
+where
+    S: tonic::codegen::Service<
+        tonic::codegen::http::Request<tonic::body::Body>,
+        Response = tonic::codegen::http::Response<tonic::body::Body>,
+        Error = std::convert::Infallible,
+    >,
+    S::Future: Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+        let answer = self.0.call(request);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            let headers = response.headers_mut();
+            let out_of_range = headers
+                .get("grpc-status")
+                .is_some_and(|v| v.as_bytes() == b"11");
+            // tonic's words, percent-encoded in the header.
+            let too_large = headers
+                .get("grpc-message")
+                .is_some_and(|m| m.as_bytes().windows(9).any(|w| w == b"too%20lar"));
+            if out_of_range && too_large {
+                headers.insert(
+                    "grpc-status",
+                    tonic::codegen::http::HeaderValue::from_static("8"),
+                );
+            }
+            Ok(response)
+        })
     }
 }

@@ -17,7 +17,7 @@
 //!   ones and records their start. Progress samples are batched: at most
 //!   one `ReportProgress` per job per progress interval.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -282,6 +282,8 @@ pub async fn reconcile_loop<E: Executor>(
     // Whether the executor holds the workers (taken over at the start of
     // this replica's leadership, released when it ends).
     let mut holding = false;
+    // Nodes with workers the executor does not own, as last warned about.
+    let mut unowned = BTreeSet::new();
     loop {
         tokio::select! {
             _ = applied.changed() => {
@@ -310,7 +312,8 @@ pub async fn reconcile_loop<E: Executor>(
         }
         // Launches are recorded on the next pass; take it at once.
         for _ in 0..3 {
-            match reconcile_pass(&node, &proposer, executor.as_ref(), &settings).await {
+            match reconcile_pass(&node, &proposer, executor.as_ref(), &settings, &mut unowned).await
+            {
                 Ok(launched) if launched > 0 => continue,
                 Ok(_) => break,
                 Err(e) => {
@@ -351,12 +354,15 @@ pub async fn reconcile_loop<E: Executor>(
     executor.shutdown(settings.stop_grace).await;
 }
 
-/// One reconcile pass; returns how many workers it launched.
+/// One reconcile pass; returns how many workers it launched. A worker
+/// wanted on a node the executor does not own is not launched (warned
+/// about once while it stays so; `unowned` holds those nodes).
 async fn reconcile_pass<E: Executor>(
     node: &RaftNode,
     proposer: &Proposer,
     executor: &E,
     settings: &LoopSettings,
+    unowned: &mut BTreeSet<String>,
 ) -> Result<usize, keel_executors::ExecutorError> {
     let observed = executor.observe().await?;
     let actions = {
@@ -371,9 +377,21 @@ async fn reconcile_pass<E: Executor>(
     record_exits(proposer, executor, &actions).await;
     let mut launches = Vec::new();
     let mut starts = Vec::new();
+    let mut unowned_now = BTreeSet::new();
     for action in actions {
         match action {
             Action::Stop { id } => executor.stop(&id, settings.stop_grace).await?,
+            Action::Launch(launch) if !executor.owns(&launch.node) => {
+                if !unowned.contains(&launch.node) {
+                    tracing::warn!(
+                        worker = %launch.id,
+                        node = %launch.node,
+                        "not launched: no executor of this server owns the node \
+                         (it is known from heartbeats only)"
+                    );
+                }
+                unowned_now.insert(launch.node.clone());
+            }
             Action::Launch(launch) => launches.push(executor.launch(*launch)),
             Action::RecordStart { id, node } => {
                 starts.push(proposer.propose(Command::RecordWorkerStarted {
@@ -386,6 +404,7 @@ async fn reconcile_pass<E: Executor>(
             Action::RecordExit { .. } => {}
         }
     }
+    *unowned = unowned_now;
     // Launches run together: each may be a round trip to another host
     // (the SSH executor bounds how many go to one host at once).
     let launched = launches.len();

@@ -239,6 +239,17 @@ enum NodeCmd {
     },
     /// Mark a lost node alive again.
     Alive { name: String },
+    /// Forget a node (retired, or registered by mistake). Refused while
+    /// jobs hold its GPUs, unless --force. A node whose agent still reports
+    /// is registered again by its next report: stop the agent (or take the
+    /// host out of the nodes file) first.
+    Remove {
+        name: String,
+        /// Remove it even though jobs hold its GPUs: they go back to the
+        /// queue.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 /// Tiresias's knobs (`tiresias`, `elastic_tiresias`).
@@ -661,6 +672,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Node {
             command: NodeCmd::Alive { name },
         } => cli::set_node_state(&args.addr, name, "alive", String::new(), out).await,
+        Cmd::Node {
+            command: NodeCmd::Remove { name, force },
+        } => cli::remove_node(&args.addr, name, force, out).await,
         Cmd::Policy {
             command: PolicyCmd::Show,
         } => cli::show_policy(&args.addr, out).await,

@@ -210,6 +210,7 @@ pub async fn liveness_loop(
         let due = {
             let shared = node.state_machine.shared();
             let applied = shared.read();
+            liveness.forget_removed(&applied.state);
             liveness.due(&applied.state, clock())
         };
         for command in due {

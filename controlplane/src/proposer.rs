@@ -29,6 +29,7 @@ pub type Committed = Result<(u64, Vec<Event>), ApiError>;
 
 struct Pending {
     command: Command,
+    request_id: Option<String>,
     reply: oneshot::Sender<Committed>,
 }
 
@@ -48,9 +49,19 @@ impl Proposer {
 
     /// Proposes a command and waits until it is applied (or refused).
     pub async fn propose(&self, command: Command) -> Committed {
+        self.propose_request(command, None).await
+    }
+
+    /// Proposes a client's command under its request id (see
+    /// `keel_core::requests`): a repeat is answered with the first outcome.
+    pub async fn propose_request(&self, command: Command, request_id: Option<String>) -> Committed {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Pending { command, reply })
+            .send(Pending {
+                command,
+                request_id,
+                reply,
+            })
             .await
             .map_err(|_| ApiError::Unavailable("the server is shutting down".into()))?;
         rx.await
@@ -77,11 +88,13 @@ async fn run(raft: Raft, clock: Clock, mut rx: mpsc::Receiver<Pending>) {
             let entry = LogEntry {
                 at_ms,
                 command: p.command,
+                request_id: p.request_id,
             };
             let size = entry_to_proto(&entry).encoded_len();
             if !entries.is_empty() && bytes + size > PROPOSAL_MAX_BYTES {
                 carried = Some(Pending {
                     command: entry.command,
+                    request_id: entry.request_id,
                     reply: p.reply,
                 });
                 break;

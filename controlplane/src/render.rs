@@ -372,7 +372,12 @@ fn event_job_id(e: &pb::Event) -> Option<u64> {
         K::JobFinished(x) => Some(x.job_id),
         K::JobRequeued(x) => Some(x.job_id),
         K::JobRemoved(x) => Some(x.job_id),
-        K::NodeRegistered(_) | K::NodeLost(_) | K::NodeRecovered(_) | K::PolicyChanged(_) => None,
+        K::NodeRegistered(_)
+        | K::NodeLost(_)
+        | K::NodeRecovered(_)
+        | K::NodeRemoved(_)
+        | K::PolicyChanged(_)
+        | K::RequestRepeated(_) => None,
     }
 }
 
@@ -454,6 +459,24 @@ pub fn node_state_set(name: &str, state: &str, index: u64, out: Output) -> anyho
     }
 }
 
+pub fn node_removed(name: &str, resp: &api::RemoveNodeResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(&serde_json::json!({
+            "node": name,
+            "index": resp.index,
+            "requeued": resp.requeued,
+        })),
+        Output::Table => {
+            println!("node {name} removed (log index {})", resp.index);
+            if !resp.requeued.is_empty() {
+                let ids: Vec<String> = resp.requeued.iter().map(u64::to_string).collect();
+                println!("jobs back in the queue: {}", ids.join(", "));
+            }
+            Ok(())
+        }
+    }
+}
+
 pub fn policy_set(name: &str, index: u64, out: Output) -> anyhow::Result<()> {
     match out {
         Output::Json => print_json(&serde_json::json!({"policy": name, "index": index})),
@@ -517,7 +540,14 @@ pub fn nodes(nodes: &[api::Node], out: Output) -> anyhow::Result<()> {
                             .join(","),
                         format!("{}/{}", n.gpu_holders.len(), n.gpus.len()),
                         n.address.clone(),
-                        n.message.clone(),
+                        if n.unowned {
+                            format!(
+                                "unowned: no executor runs workers here (known from heartbeats only){}",
+                                if n.message.is_empty() { String::new() } else { format!("; {}", n.message) }
+                            )
+                        } else {
+                            n.message.clone()
+                        },
                     ]
                 })
                 .collect();
@@ -538,6 +568,11 @@ fn describe_event(e: &pb::Event) -> String {
         }
         Some(K::NodeLost(x)) => format!("node {} lost: {}", x.name, x.reason),
         Some(K::NodeRecovered(x)) => format!("node {} recovered", x.name),
+        Some(K::NodeRemoved(x)) => format!("node {} removed", x.name),
+        Some(K::RequestRepeated(x)) => format!(
+            "request {} repeated (a retry): nothing changed; answered as at index {}",
+            x.request_id, x.first_index
+        ),
         Some(K::PolicyChanged(x)) => format!(
             "policy changed from {} to {}",
             if x.from.is_empty() {

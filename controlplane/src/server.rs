@@ -15,7 +15,7 @@ use keel_executors::{
     KubeConfig, KubeExecutor, LocalConfig, LocalExecutor, SshConfig, SshExecutor,
 };
 
-use crate::api::{Clock, KeelApi, LogReader};
+use crate::api::{Clock, KeelApi};
 use crate::executors::AnyExecutor;
 use crate::inventory::NodeInventory;
 use crate::leader::LoopSettings;
@@ -159,14 +159,21 @@ impl Server {
                 AnyExecutor::Kube(KubeExecutor::new(client, k8s.config.clone()))
             }
             (Some(ssh), None) => AnyExecutor::Ssh(SshExecutor::new(ssh.clone())?),
-            (None, None) => AnyExecutor::Local(LocalExecutor::new(LocalConfig {
-                workers_dir: executor_dir.join("workers"),
-                checkpoints_dir: executor_dir.join("checkpoints"),
-                path_prepend: exe.as_ref().and_then(|p| p.parent().map(PathBuf::from)),
-                // Workers run under `keel supervise`, so they outlive this
-                // process and a restarted server re-adopts them.
-                supervisor: exe,
-            })?),
+            (None, None) => {
+                let local = LocalExecutor::new(LocalConfig {
+                    workers_dir: executor_dir.join("workers"),
+                    checkpoints_dir: executor_dir.join("checkpoints"),
+                    nodes_dir: executor_dir.join("nodes"),
+                    path_prepend: exe.as_ref().and_then(|p| p.parent().map(PathBuf::from)),
+                    // Workers run under `keel supervise`, so they outlive this
+                    // process and a restarted server re-adopts them.
+                    supervisor: exe,
+                })?;
+                // This server's nodes run here: whichever server sharing
+                // the executor directory leads runs their workers.
+                local.declare_nodes(config.nodes.iter().map(|n| n.name.as_str()))?;
+                AnyExecutor::Local(local)
+            }
         };
         let advertise = config
             .peers
@@ -223,21 +230,13 @@ impl Server {
             self.config.loops.clone(),
             stop_rx.clone(),
         ));
-        let executor = self.executor.clone();
-        let logs: LogReader = Arc::new(move |job_id, tail| {
-            let executor = executor.clone();
-            Box::pin(async move {
-                keel_executors::Executor::logs(executor.as_ref(), job_id, tail).await
-            })
-        });
         let api = Arc::new(KeelApi::new(
             self.node.clone(),
             proposer,
-            logs,
+            self.executor.clone(),
             heartbeats,
             self.config.policy.name(),
             counters,
-            keel_executors::Executor::cannot_share_gpus(self.executor.as_ref()),
         ));
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),
@@ -245,9 +244,11 @@ impl Server {
             self.config.loops.clone(),
             stop_rx,
         ));
-        let service = KeelServer::from_arc(api)
-            .max_decoding_message_size(MAX_REQUEST_BYTES)
-            .max_encoding_message_size(64 * MAX_REQUEST_BYTES);
+        let service = crate::grpc_status::TooLargeIsResourceExhausted(
+            KeelServer::from_arc(api)
+                .max_decoding_message_size(MAX_REQUEST_BYTES)
+                .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
+        );
         tracing::info!(addr = %self.addr, "serving the Keel API");
         // Replies are small and latency-bound: no Nagle delay on accepted
         // connections (tonic sets this only on listeners it binds itself).

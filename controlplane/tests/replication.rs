@@ -4,7 +4,7 @@
 //! hashes at equal applied indexes, and a wiped member rejoining through a
 //! snapshot. Waits are bounded polls, never fixed sleeps.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -412,6 +412,80 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(err.contains("different members"), "{err}");
     assert!(err.contains("{1,2,3}") && err.contains("{1,9}"), "{err}");
+}
+
+/// Issue 19, item 4: submissions in flight when the leader is killed are
+/// sent again by the CLI under the same request id (their answers were
+/// lost); each is one job, under the id its CLI printed.
+#[test]
+fn submissions_in_flight_at_a_kill_9_are_retried_and_applied_once() {
+    let mut cluster = Cluster::start(&[]);
+    let leader = cluster.leader();
+    // The leader first: the CLIs talk to it until it dies.
+    let mut addrs = vec![cluster.replicas[leader as usize - 1].addr.clone()];
+    addrs.extend(
+        cluster
+            .replicas
+            .iter()
+            .filter(|r| r.id != leader)
+            .map(|r| r.addr.clone()),
+    );
+    let addrs = addrs.join(",");
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let submitters: Vec<_> = (0..16)
+        .map(|t| {
+            let addrs = addrs.clone();
+            let dir = cluster._dir.path().to_path_buf();
+            let done = done_tx.clone();
+            std::thread::spawn(move || {
+                (0..3)
+                    .map(|i| {
+                        let name = format!("inflight-{t}-{i}");
+                        let spec = dir.join(format!("{name}.yaml"));
+                        std::fs::write(&spec, format!("name: {name}\ncommand: [\"true\"]\n"))
+                            .expect("spec");
+                        let id = json(&addrs, &["submit", "-f", spec.to_str().expect("utf-8")])
+                            .and_then(|v| v["id"].as_u64());
+                        let _ = done.send(());
+                        (name, id)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    // Killed once the first answer came: the others are in flight.
+    done_rx.recv().expect("a first answer");
+    cluster.kill9(leader);
+    let answers: Vec<(String, Option<u64>)> = submitters
+        .into_iter()
+        .flat_map(|s| s.join().expect("submitter"))
+        .collect();
+    for (name, id) in &answers {
+        assert!(id.is_some(), "{name} was not acknowledged");
+    }
+    cluster.spawn(leader, &[]);
+    cluster.converged();
+    for r in 1..=3 {
+        let jobs = json(&cluster.replicas[r - 1].addr, &["--stale", "jobs"]).expect("jobs");
+        let by_name: BTreeMap<String, Vec<u64>> =
+            jobs.as_array()
+                .expect("a list")
+                .iter()
+                .fold(BTreeMap::new(), |mut m, j| {
+                    m.entry(j["name"].as_str().unwrap_or_default().to_string())
+                        .or_insert_with(Vec::new)
+                        .push(j["id"].as_u64().unwrap_or_default());
+                    m
+                });
+        assert_eq!(by_name.len(), answers.len(), "replica {r}: {by_name:?}");
+        for (name, id) in &answers {
+            assert_eq!(
+                by_name.get(name),
+                Some(&vec![id.unwrap_or_default()]),
+                "replica {r}: {name} is not exactly the job its client was told"
+            );
+        }
+    }
 }
 
 #[test]

@@ -871,3 +871,99 @@ fn a_worker_killed_after_the_grace_period_has_its_end_recorded() {
     );
     server.terminate();
 }
+
+/// Issue 19, item 2: a heartbeat from any client registers a node, but no
+/// executor owns it, so a job placed there is not launched (the local
+/// executor would have run its command on the server's own machine):
+/// `keel nodes` shows the node unowned, `keel job` says why the job does
+/// not start, and the server logs the launch it refused.
+#[test]
+fn a_node_known_from_a_heartbeat_alone_runs_nothing() {
+    use keel_proto::api::{self, keel_client::KeelClient};
+    use keel_proto::entry::{Gpu, RegisterNode};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start(
+        &dir.path().join("data"),
+        &["--no-local-node", "--node-timeout-s", "300"],
+    );
+    let addr = format!("http://{}", server.addr);
+    tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(async move {
+            let mut client = KeelClient::connect(addr).await.expect("connect");
+            client
+                .node_heartbeat(api::NodeHeartbeatRequest {
+                    nodes: vec![RegisterNode {
+                        name: "rogue-0".into(),
+                        address: "10.0.0.9".into(),
+                        gpus: vec![Gpu {
+                            index: 0,
+                            gpu_type: "v100".into(),
+                        }],
+                    }],
+                })
+                .await
+                .expect("a heartbeat is taken");
+        });
+    let node = wait_for("rogue-0 to be registered", || {
+        let nodes = server.json(&["nodes"]);
+        nodes
+            .as_array()?
+            .iter()
+            .find(|n| n["name"] == "rogue-0")
+            .cloned()
+    });
+    assert_eq!(node["unowned"], true, "{node}");
+    assert!(server.cli_ok(&["nodes"]).contains("unowned"));
+    let marker = dir.path().join("ran");
+    let id = server.submit(
+        dir.path(),
+        "rogue",
+        &format!(
+            "name: rogue\ncommand: [touch, {}]\ngpus: 1\ngpu_types: {{allowed: [v100]}}\n",
+            marker.display()
+        ),
+    );
+    let job = wait_for("the job to be placed and held back", || {
+        let job = server.job(id);
+        job["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not launched"))
+            .then_some(job)
+    });
+    assert!(
+        job["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("rogue-0"),
+        "{job}"
+    );
+    wait_for("the refused launch in the log", || {
+        server
+            .log_text()
+            .contains("not launched: no executor of this server owns the node")
+            .then_some(())
+    });
+    assert!(!marker.exists(), "the job's command ran");
+    assert!(
+        !dir.path()
+            .join("data/workers")
+            .join(format!("job-{id}"))
+            .exists(),
+        "a worker was started"
+    );
+    // Issue 19, item 5: the operator removes it. Refused while the job
+    // holds its GPU; with --force the job goes back to the queue.
+    let refused = server.cli(&["node", "remove", "rogue-0"]);
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("force"), "{why}");
+    assert!(why.contains("FailedPrecondition"), "{why}");
+    let removed = server.json(&["node", "remove", "rogue-0", "--force"]);
+    assert_eq!(removed["requeued"], serde_json::json!([id]), "{removed}");
+    let nodes = server.json(&["nodes"]);
+    assert_eq!(nodes, serde_json::json!([]), "{nodes}");
+    let job = server.job(id);
+    assert_eq!(job["state"], "preempted", "{job}");
+    assert!(server.cli_ok(&["events"]).contains("node rogue-0 removed"));
+}

@@ -172,6 +172,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
                 let resp = client
                     .submit_job(api::SubmitJobRequest {
                         spec: Some(small_spec(format!("burst-{i}"))),
+                        request_id: String::new(),
                     })
                     .await
                     .expect("submit");
@@ -249,10 +250,13 @@ fn bad_input_gets_clear_errors_and_the_server_keeps_running() {
                         name: "x".repeat(2 * 1024 * 1024),
                         ..Default::default()
                     }),
+                    request_id: String::new(),
                 })
                 .await
                 .expect_err("oversized request");
-            assert_eq!(huge.code(), tonic::Code::OutOfRange, "{huge:?}");
+            // Issue 19, item 7: the conventional code, and the sizes.
+            assert_eq!(huge.code(), tonic::Code::ResourceExhausted, "{huge:?}");
+            assert!(huge.message().contains("bytes"), "{huge:?}");
 
             // A spec that passes the wire but not validation (the server checks
             // too; clients cannot be trusted).
@@ -266,28 +270,100 @@ fn bad_input_gets_clear_errors_and_the_server_keeps_running() {
                         max_workers: 1,
                         ..Default::default()
                     }),
+                    request_id: String::new(),
                 })
                 .await
                 .expect_err("invalid spec");
             assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
             assert!(invalid.message().contains("spec.workers.max"));
 
-            // Malformed protobuf on the wire.
-            let malformed = raw_call(&url, "/keel.api.v1.Keel/SubmitJob", vec![0xff; 16]).await;
-            assert_eq!(
-                malformed.expect_err("malformed").code(),
-                tonic::Code::Internal
-            );
+            // Malformed protobuf on the wire (issue 19, item 7): the
+            // client's mistake, with the decoder's words, for random
+            // bytes, a truncated message and a string that is not UTF-8.
+            let valid = prost::Message::encode_to_vec(&api::SubmitJobRequest {
+                spec: Some(small_spec("x".into())),
+                request_id: String::new(),
+            });
+            // spec (field 1) holding a name (field 1) of one invalid byte.
+            let not_utf8 = vec![0x0a, 0x03, 0x0a, 0x01, 0xff];
+            for body in [vec![0xff; 16], valid[..valid.len() - 3].to_vec(), not_utf8] {
+                let malformed = raw_call(&url, "/keel.api.v1.Keel/SubmitJob", body)
+                    .await
+                    .expect_err("malformed");
+                assert_eq!(
+                    malformed.code(),
+                    tonic::Code::InvalidArgument,
+                    "{malformed:?}"
+                );
+                assert!(
+                    malformed.message().contains("not a valid SubmitJobRequest"),
+                    "{malformed:?}"
+                );
+            }
 
             // Still serving, nothing lost.
             let ok = client
                 .submit_job(api::SubmitJobRequest {
                     spec: Some(small_spec("after".to_string())),
+                    request_id: String::new(),
                 })
                 .await
                 .expect("the server still accepts work");
             assert_eq!(ok.into_inner().job_id, 1);
         });
+}
+
+/// Issue 19, item 4: a write sent again under its request id (its answer
+/// was lost) applies once and is answered with the first outcome, also
+/// after the server was killed and restarted; the same id with another
+/// command, or a malformed id, is refused with the field named.
+#[test]
+fn a_write_sent_again_with_its_request_id_applies_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let submit = |addr: String, name: &'static str, request_id: &'static str| async move {
+        let mut client = KeelClient::connect(format!("http://{addr}"))
+            .await
+            .expect("connect");
+        client
+            .submit_job(api::SubmitJobRequest {
+                spec: Some(small_spec(name.to_string())),
+                request_id: request_id.into(),
+            })
+            .await
+            .map(|r| r.into_inner())
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let server = start(&data);
+    let first = runtime
+        .block_on(submit(server.addr.clone(), "once", "client-7:1"))
+        .expect("accepted");
+    let again = runtime
+        .block_on(submit(server.addr.clone(), "once", "client-7:1"))
+        .expect("a repeat is answered");
+    assert_eq!(again.job_id, first.job_id);
+    let reused = runtime
+        .block_on(submit(server.addr.clone(), "other", "client-7:1"))
+        .expect_err("another command under the same id");
+    assert_eq!(reused.code(), tonic::Code::AlreadyExists, "{reused:?}");
+    assert!(reused.message().contains("client-7:1"), "{reused:?}");
+    let bad = runtime
+        .block_on(submit(server.addr.clone(), "bad", "no spaces allowed"))
+        .expect_err("a malformed id");
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("request_id"), "{bad:?}");
+    // The memory is replicated state: it survives a kill -9 and a replay.
+    server.kill9();
+    let server = start(&data);
+    let after_restart = runtime
+        .block_on(submit(server.addr.clone(), "once", "client-7:1"))
+        .expect("a repeat is answered after a restart");
+    assert_eq!(after_restart.job_id, first.job_id);
+    let jobs = server.json(&["jobs"]);
+    assert_eq!(jobs.as_array().map(Vec::len), Some(1), "{jobs}");
+    // The journal shows the repeats for what they were.
+    let watched = server.cli_ok(&["events"]);
+    assert!(watched.contains("request client-7:1 repeated"), "{watched}");
 }
 
 /// Sends raw bytes as the body of a unary gRPC call.
@@ -370,6 +446,7 @@ fn concurrent_submissions_are_group_committed() {
                         let resp = client
                             .submit_job(api::SubmitJobRequest {
                                 spec: Some(small_spec(format!("c{t}-{i}"))),
+                                request_id: String::new(),
                             })
                             .await
                             .expect("submit")
@@ -412,6 +489,7 @@ fn snapshots_compact_the_log_and_restarts_load_them() {
                 client
                     .submit_job(api::SubmitJobRequest {
                         spec: Some(small_spec(format!("s{i}"))),
+                        request_id: String::new(),
                     })
                     .await
                     .expect("submit");

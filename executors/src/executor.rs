@@ -100,6 +100,14 @@ pub trait Executor: Send + Sync + 'static {
         async { Vec::new() }
     }
 
+    /// Whether this executor runs workers on `node`: the local executor on
+    /// the nodes of the servers that share its executor directory (their
+    /// machine), the SSH executor on the hosts of its nodes file, the
+    /// Kubernetes executor on the GPU Nodes it lists. The reconciler
+    /// launches nothing on a node it does not own: a node known only from a
+    /// heartbeat (which any client can send) never runs a command.
+    fn owns(&self, node: &str) -> bool;
+
     /// Whether two workers of a declared pair can run on the same GPUs
     /// (space sharing). `None`: they can; `Some(why)`: they cannot, and
     /// the space-sharing policies must not run.

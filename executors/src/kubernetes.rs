@@ -210,6 +210,8 @@ struct Inner {
     workers: BTreeMap<WorkerId, Entry>,
     progress: BTreeMap<JobId, Vec<ProgressSample>>,
     probes: BTreeMap<String, NodeProbe>,
+    /// The GPU Nodes of the last listing: what the executor owns.
+    listed_nodes: std::collections::BTreeSet<String>,
     generation: u64,
     leading: bool,
 }
@@ -780,21 +782,35 @@ impl KubeExecutor {
     async fn probe_nodes(self, generation: u64) {
         let nodes: Api<Node> = Api::all(self.client.clone());
         loop {
-            let probes = match nodes.list(&ListParams::default()).await {
-                Ok(list) => list
-                    .items
-                    .iter()
-                    .filter_map(|n| self.node_probe(n))
-                    .collect::<Vec<_>>(),
+            let (probes, listed) = match nodes.list(&ListParams::default()).await {
+                Ok(list) => {
+                    let probes = list
+                        .items
+                        .iter()
+                        .filter_map(|n| self.node_probe(n))
+                        .collect::<Vec<_>>();
+                    let listed = probes
+                        .iter()
+                        .map(|p| match p {
+                            NodeProbe::Answered(r) => r.name.clone(),
+                            NodeProbe::Unreachable { name, .. } => name.clone(),
+                        })
+                        .collect();
+                    (probes, Some(listed))
+                }
                 Err(e) => {
                     tracing::warn!(error = %api_error(e), "cannot list nodes");
-                    Vec::new()
+                    (Vec::new(), None)
                 }
             };
             {
                 let mut inner = self.lock();
                 if inner.generation != generation {
                     return;
+                }
+                // A failed listing keeps the last one.
+                if let Some(listed) = listed {
+                    inner.listed_nodes = listed;
                 }
                 for p in probes {
                     let name = match &p {
@@ -878,6 +894,10 @@ pub const CANNOT_SHARE_GPUS: &str =
      replicas are not pinned to a device either); use a policy without space sharing";
 
 impl Executor for KubeExecutor {
+    fn owns(&self, node: &str) -> bool {
+        self.lock().listed_nodes.contains(node)
+    }
+
     fn cannot_share_gpus(&self) -> Option<&'static str> {
         Some(CANNOT_SHARE_GPUS)
     }

@@ -46,6 +46,10 @@ pub struct LocalConfig {
     pub workers_dir: PathBuf,
     /// Per-job checkpoint directories.
     pub checkpoints_dir: PathBuf,
+    /// One empty file per node this machine runs workers for, written by
+    /// every server that shares the directory
+    /// ([`LocalExecutor::declare_nodes`]): what the executor owns.
+    pub nodes_dir: PathBuf,
     /// Put first on the workers' PATH (the directory of the `keel` binary,
     /// so job files can run `keel trainer`).
     pub path_prepend: Option<PathBuf>,
@@ -134,7 +138,11 @@ impl LocalExecutor {
     /// Creates the directories. Workers an earlier server left are taken
     /// over by [`Executor::take_over`], once this server leads.
     pub fn new(config: LocalConfig) -> Result<LocalExecutor, ExecutorError> {
-        for dir in [&config.workers_dir, &config.checkpoints_dir] {
+        for dir in [
+            &config.workers_dir,
+            &config.checkpoints_dir,
+            &config.nodes_dir,
+        ] {
             std::fs::create_dir_all(dir)
                 .map_err(|e| ExecutorError::Other(format!("creating {}: {e}", dir.display())))?;
         }
@@ -142,6 +150,33 @@ impl LocalExecutor {
             config: Arc::new(config),
             inner: Arc::default(),
         })
+    }
+
+    /// Declares this server's nodes as run by this machine: any server
+    /// sharing the executor directory (and so the machine) then owns them
+    /// when it leads.
+    pub fn declare_nodes<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Result<(), ExecutorError> {
+        for name in names {
+            let path = self.node_marker(name).ok_or_else(|| {
+                ExecutorError::Other(format!("node name {name:?} is not a file name"))
+            })?;
+            std::fs::write(&path, b"")
+                .map_err(|e| ExecutorError::Other(format!("declaring {}: {e}", path.display())))?;
+        }
+        Ok(())
+    }
+
+    /// The marker file of a node, if its name can be one.
+    fn node_marker(&self, name: &str) -> Option<PathBuf> {
+        let plain = !name.is_empty()
+            && !name.starts_with('.')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        plain.then(|| self.config.nodes_dir.join(name))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -583,6 +618,10 @@ fn parse_log_name(name: &str) -> Option<(u64, u32)> {
 }
 
 impl Executor for LocalExecutor {
+    fn owns(&self, node: &str) -> bool {
+        self.node_marker(node).is_some_and(|p| p.is_file())
+    }
+
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
         if self.lock().workers.contains_key(&launch.id) {
             return Ok(());
@@ -744,6 +783,7 @@ mod tests {
         LocalExecutor::new(LocalConfig {
             workers_dir: dir.join("workers"),
             checkpoints_dir: dir.join("checkpoints"),
+            nodes_dir: dir.join("nodes"),
             path_prepend: None,
             supervisor: None,
         })

@@ -262,7 +262,7 @@ mod tests {
         fn apply(&mut self, command: Command) {
             self.index += 1;
             self.state
-                .apply(self.index, &LogEntry { at_ms: 1, command })
+                .apply(self.index, &LogEntry::new(1, command))
                 .expect("applies");
         }
         fn place(&mut self, job_id: u64, gpus: &[u32]) {

@@ -1156,6 +1156,10 @@ fn parse_logs(job_id: JobId, mut out: &[u8]) -> Vec<WorkerLog> {
 }
 
 impl Executor for SshExecutor {
+    fn owns(&self, node: &str) -> bool {
+        self.shared.hosts.contains_key(node)
+    }
+
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
         if self.lock().workers.contains_key(&launch.id) {
             return Ok(());

@@ -12,6 +12,10 @@ pub mod entry {
     include!(concat!(env!("OUT_DIR"), "/keel.entry.v1.rs"));
 }
 
+/// The API's codec: decode errors are `INVALID_ARGUMENT`.
+#[cfg(feature = "grpc")]
+pub mod grpc_codec;
+
 /// The client API (`keel.api.v1`).
 #[cfg(feature = "grpc")]
 pub mod api {
@@ -31,7 +35,12 @@ pub mod raft {
 ///   it is written as 2, so a build that reads version 1 only refuses
 ///   exactly the entries it would misread (an unknown protobuf field would
 ///   otherwise be dropped silently) and reads every other.
-pub const ENTRY_FORMAT_VERSION: u32 = 2;
+/// - 3: `LogEntry.request_id` (exactly-once client writes). A build that
+///   ignored it would apply a client's retry twice where others do not.
+pub const ENTRY_FORMAT_VERSION: u32 = 3;
+
+/// The version of an entry that shares GPUs but carries no request id.
+pub const ENTRY_FORMAT_VERSION_SHARES_GPUS: u32 = 2;
 
 /// The version of an entry that uses nothing newer than the first format.
 pub const ENTRY_FORMAT_VERSION_FIRST: u32 = 1;

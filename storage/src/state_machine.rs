@@ -47,7 +47,8 @@ const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
 /// per-job retries. 3: jobs gained their attained service and queueing
 /// time. 4: jobs gained their performance history (loss points, speeds).
 /// 5: allocations name a sharing partner; the GPU-holder index holds pairs.
-const SNAPSHOT_FORMAT_VERSION: u32 = 5;
+/// 6: the client requests remembered for exactly-once writes.
+const SNAPSHOT_FORMAT_VERSION: u32 = 6;
 
 pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -425,7 +426,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                                     ));
                                 }
                             }
-                            outcomes.push(outcome);
+                            // A repeated request's client hears the first
+                            // outcome; the journal keeps what happened.
+                            outcomes.push(applied.state.answer(outcome));
                         }
                         outcomes
                     }

@@ -14,10 +14,7 @@ fn normal(index: u64, command: Command) -> Entry {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
         payload: EntryPayload::Normal(Proposal {
-            entries: vec![LogEntry {
-                at_ms: index * 1000,
-                command,
-            }],
+            entries: vec![LogEntry::new(index * 1000, command)],
         }),
     }
 }

@@ -141,7 +141,7 @@ pub fn run_seed(config: &DstConfig) -> Result<DstReport, DstError> {
     Ok(report)
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Outcome {
     Committed {
         index: u64,
@@ -166,16 +166,24 @@ fn record(history: &History, op: Op) {
     history.lock().unwrap_or_else(|p| p.into_inner()).push(op);
 }
 
+/// Most sends of one submission whose outcome is in doubt.
+const SUBMIT_ATTEMPTS: u32 = 3;
+
 /// Stamps of the entries: a fixed epoch plus virtual time.
 const EPOCH_MS: u64 = 1_700_000_000_000;
 
 /// Proposes one command on `raft`: the outcome, and the leader it named if
 /// it was not the leader.
-async fn write(raft: &Raft, command: Command, at_ms: u64) -> (Outcome, Option<u64>) {
+async fn write(
+    raft: &Raft,
+    command: Command,
+    request_id: Option<String>,
+    at_ms: u64,
+) -> (Outcome, Option<u64>) {
     let proposal = Proposal {
         entries: vec![LogEntry {
-            at_ms: EPOCH_MS + at_ms,
-            command,
+            request_id,
+            ..LogEntry::new(EPOCH_MS + at_ms, command)
         }],
     };
     match tokio::time::timeout(Duration::from_secs(3), raft.client_write(proposal)).await {
@@ -313,11 +321,56 @@ impl Client {
                 };
                 (kind, None, command)
             };
-            let (outcome, leader) = write(&raft, command, self.trace.now_ms()).await;
+            // A submission carries a request id (its unique name) and is
+            // sent again, to another replica, while its outcome is in doubt:
+            // it must apply once however often it arrives.
+            let request_id = name.clone();
+            let (mut outcome, leader) = write(
+                &raft,
+                command.clone(),
+                request_id.clone(),
+                self.trace.now_ms(),
+            )
+            .await;
+            let mut target = target;
             if let Some(l) = leader {
                 guess = keel::membership::member_of(l);
             } else if !matches!(outcome, Outcome::Committed { .. }) {
                 guess = running[(pick % running.len() as u64) as usize];
+            }
+            let mut attempts = 1;
+            while request_id.is_some()
+                && outcome == Outcome::Indeterminate
+                && attempts < SUBMIT_ATTEMPTS
+                && !*self.stop.borrow()
+            {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(50 + self.rng.below(200))).await;
+                let running = self.net.running();
+                let Some(&retry_at) =
+                    running.get(self.rng.below(running.len().max(1) as u64) as usize)
+                else {
+                    continue;
+                };
+                let Some(raft) = self.net.raft(retry_at) else {
+                    continue;
+                };
+                target = retry_at;
+                let (again, leader) = write(
+                    &raft,
+                    command.clone(),
+                    request_id.clone(),
+                    self.trace.now_ms(),
+                )
+                .await;
+                if let Some(l) = leader {
+                    guess = keel::membership::member_of(l);
+                }
+                // Not the leader: this send was never appended, but an
+                // earlier one may have been.
+                if again != Outcome::NotLeader {
+                    outcome = again;
+                }
             }
             self.trace.note(format_args!(
                 "c{} {kind} {} on {target}: {outcome:?}",
@@ -519,7 +572,7 @@ async fn probe(
             let command = Command::SubmitJob {
                 spec: job_spec(&name, 1, 1),
             };
-            let (outcome, _) = write(&raft, command, trace.now_ms()).await;
+            let (outcome, _) = write(&raft, command, None, trace.now_ms()).await;
             trace.note(format_args!("probe {name}: {outcome:?}"));
             let committed = matches!(outcome, Outcome::Committed { accepted: true, .. });
             let definite = matches!(outcome, Outcome::NotLeader);
@@ -676,7 +729,7 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         loop {
             let target = leader_of(&replicas);
             if let Some(raft) = target.and_then(|t| net.raft(t)) {
-                let (outcome, _) = write(&raft, command.clone(), trace.now_ms()).await;
+                let (outcome, _) = write(&raft, command.clone(), None, trace.now_ms()).await;
                 trace.note(format_args!("register n{n}: {outcome:?}"));
                 if matches!(outcome, Outcome::Committed { .. }) {
                     break;

@@ -33,13 +33,7 @@ fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
     let mut apply = |state: &mut ClusterState, command: Command| {
         index += 1;
         state
-            .apply(
-                index,
-                &LogEntry {
-                    at_ms: index,
-                    command,
-                },
-            )
+            .apply(index, &LogEntry::new(index, command))
             .expect("bench entries apply");
     };
     for n in 0..NODES {

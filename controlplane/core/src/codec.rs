@@ -6,7 +6,9 @@
 //! leaves for an unknown field), is a [`DecodeError`], never skipped.
 
 use keel_proto::entry as pb;
-use keel_proto::{ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST};
+use keel_proto::{
+    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST, ENTRY_FORMAT_VERSION_SHARES_GPUS,
+};
 use prost::Message;
 
 use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
@@ -158,17 +160,24 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
         }),
         Command::RemoveJob { job_id } => C::RemoveJob(pb::RemoveJob { job_id: *job_id }),
         Command::SetPolicy { name } => C::SetPolicy(pb::SetPolicy { name: name.clone() }),
+        Command::RemoveNode { name, force } => C::RemoveNode(pb::RemoveNode {
+            name: name.clone(),
+            force: *force,
+        }),
     };
     let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
         if placements.iter().any(|p| p.share_with.is_some()));
     pb::LogEntry {
-        format_version: if shares_gpus {
+        format_version: if entry.request_id.is_some() {
             ENTRY_FORMAT_VERSION
+        } else if shares_gpus {
+            ENTRY_FORMAT_VERSION_SHARES_GPUS
         } else {
             ENTRY_FORMAT_VERSION_FIRST
         },
         at_ms: entry.at_ms,
         command: Some(command),
+        request_id: entry.request_id.clone().unwrap_or_default(),
     }
 }
 
@@ -250,10 +259,15 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
         },
         Some(C::RemoveJob(c)) => Command::RemoveJob { job_id: c.job_id },
         Some(C::SetPolicy(c)) => Command::SetPolicy { name: c.name },
+        Some(C::RemoveNode(c)) => Command::RemoveNode {
+            name: c.name,
+            force: c.force,
+        },
     };
     Ok(LogEntry {
         at_ms: msg.at_ms,
         command,
+        request_id: Some(msg.request_id).filter(|id| !id.is_empty()),
     })
 }
 
@@ -372,6 +386,7 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             reason: reason.clone(),
         }),
         Event::NodeRecovered { name } => K::NodeRecovered(pb::NodeRecovered { name: name.clone() }),
+        Event::NodeRemoved { name } => K::NodeRemoved(pb::NodeRemoved { name: name.clone() }),
         Event::JobSubmitted { job_id, name, user } => K::JobSubmitted(pb::JobSubmitted {
             job_id: *job_id,
             name: name.clone(),
@@ -449,6 +464,13 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             reason: reason.clone(),
         }),
         Event::JobRemoved { job_id } => K::JobRemoved(pb::JobRemoved { job_id: *job_id }),
+        Event::RequestRepeated {
+            request_id,
+            first_index,
+        } => K::RequestRepeated(pb::RequestRepeated {
+            request_id: request_id.clone(),
+            first_index: *first_index,
+        }),
         Event::PolicyChanged { from, to } => K::PolicyChanged(pb::PolicyChanged {
             from: from.clone(),
             to: to.clone(),
@@ -485,6 +507,7 @@ pub fn applied_entry_to_proto(
         events,
         refused,
         position,
+        request_id: entry.request_id.clone().unwrap_or_default(),
     }
 }
 
@@ -522,6 +545,7 @@ mod tests {
             format_version: 1,
             at_ms: 5,
             command: None,
+            request_id: String::new(),
         }
         .encode_to_vec();
         // tag = (99 << 3) | 2 (length-delimited), length 0
@@ -540,6 +564,7 @@ mod tests {
             command: Some(pb::log_entry::Command::RemoveJob(pb::RemoveJob {
                 job_id: 1,
             })),
+            request_id: String::new(),
         }
         .encode_to_vec();
         assert!(matches!(
@@ -581,6 +606,7 @@ mod tests {
                     },
                 ],
             },
+            request_id: None,
         };
         for (share, version) in [(false, 1), (true, 2)] {
             let entry = decision(share);
@@ -588,5 +614,12 @@ mod tests {
             let bytes = encode_entry(&entry);
             assert_eq!(decode_entry(&bytes), Ok(entry), "round trip");
         }
+        // A request id makes any entry version 3, and round-trips.
+        let entry = LogEntry {
+            request_id: Some("cli-1".into()),
+            ..decision(true)
+        };
+        assert_eq!(entry_to_proto(&entry).format_version, 3);
+        assert_eq!(decode_entry(&encode_entry(&entry)), Ok(entry));
     }
 }

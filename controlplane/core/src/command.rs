@@ -15,6 +15,22 @@ pub struct LogEntry {
     /// state machine ever sees.
     pub at_ms: u64,
     pub command: Command,
+    /// A client's id for this write, kept across its retries: a repeat
+    /// within the window is answered with the first outcome and applies
+    /// nothing (see [`crate::requests`]). `None` for the leader's own
+    /// entries and for clients that send none.
+    pub request_id: Option<String>,
+}
+
+impl LogEntry {
+    /// An entry without a request id.
+    pub fn new(at_ms: u64, command: Command) -> LogEntry {
+        LogEntry {
+            at_ms,
+            command,
+            request_id: None,
+        }
+    }
 }
 
 /// The commands one Raft log entry carries, batched by the leader so that
@@ -67,6 +83,12 @@ pub enum Command {
     },
     MarkNodeRecovered {
         name: String,
+    },
+    /// Forget a node (retired, or never real). Refused while jobs hold its
+    /// GPUs unless `force`, which sends those jobs back to the queue.
+    RemoveNode {
+        name: String,
+        force: bool,
     },
     SubmitJob {
         spec: JobSpec,
@@ -129,6 +151,7 @@ impl Command {
             Command::RegisterNode { .. }
             | Command::MarkNodeLost { .. }
             | Command::MarkNodeRecovered { .. }
+            | Command::RemoveNode { .. }
             | Command::SubmitJob { .. }
             | Command::SetPolicy { .. }
             | Command::DecideAllocation { .. } => None,
@@ -141,6 +164,7 @@ impl Command {
             Command::RegisterNode { .. } => "register_node",
             Command::MarkNodeLost { .. } => "mark_node_lost",
             Command::MarkNodeRecovered { .. } => "mark_node_recovered",
+            Command::RemoveNode { .. } => "remove_node",
             Command::SubmitJob { .. } => "submit_job",
             Command::CancelJob { .. } => "cancel_job",
             Command::DecideAllocation { .. } => "decide_allocation",

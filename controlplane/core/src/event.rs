@@ -17,6 +17,11 @@ pub enum Event {
     NodeRecovered {
         name: String,
     },
+    /// A node was forgotten (`RemoveNode`); the jobs that held its GPUs
+    /// were preempted first (their own events).
+    NodeRemoved {
+        name: String,
+    },
     JobSubmitted {
         job_id: JobId,
         name: String,
@@ -83,6 +88,13 @@ pub enum Event {
         from: String,
         to: String,
     },
+    /// A client's request applied again (a retry after a lost answer):
+    /// nothing changed; the client was answered with the outcome of the
+    /// entry at `first_index` (see [`crate::requests`]).
+    RequestRepeated {
+        request_id: String,
+        first_index: u64,
+    },
 }
 
 impl Event {
@@ -92,7 +104,9 @@ impl Event {
             Event::NodeRegistered { .. }
             | Event::NodeLost { .. }
             | Event::NodeRecovered { .. }
-            | Event::PolicyChanged { .. } => None,
+            | Event::NodeRemoved { .. }
+            | Event::PolicyChanged { .. }
+            | Event::RequestRepeated { .. } => None,
             Event::JobSubmitted { job_id, .. }
             | Event::JobCancelled { job_id, .. }
             | Event::JobAllocated { job_id, .. }

@@ -70,7 +70,7 @@ impl TestCluster {
     pub fn apply(&mut self, command: Command) -> Vec<crate::event::Event> {
         self.index += 1;
         self.state
-            .apply(self.index, &LogEntry { at_ms: 1, command })
+            .apply(self.index, &LogEntry::new(1, command))
             .expect("applies")
     }
 
@@ -99,7 +99,7 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
     let mut at_ms = 1_700_000_000_000u64;
     let mut submitted = 0u64;
     fn push(out: &mut Vec<LogEntry>, state: &mut ClusterState, command: Command, at_ms: u64) {
-        let entry = LogEntry { at_ms, command };
+        let entry = LogEntry::new(at_ms, command);
         let index = out.len() as u64 + 1;
         let _accepted = state.apply(index, &entry);
         out.push(entry);

@@ -19,6 +19,7 @@ pub mod model;
 pub mod perf;
 pub mod placement;
 pub mod policy;
+pub mod requests;
 pub mod rng;
 pub mod sim;
 pub mod spec;

@@ -86,6 +86,9 @@ pub struct NodeLiveness {
     heard: BTreeMap<String, (u64, NodeReport)>,
     /// The latest failed probe per node: when, and why.
     failed: BTreeMap<String, (u64, String)>,
+    /// The nodes the state held, or that were about to be registered, when
+    /// last looked at ([`NodeLiveness::forget_removed`]).
+    in_state: std::collections::BTreeSet<String>,
 }
 
 impl NodeLiveness {
@@ -95,7 +98,31 @@ impl NodeLiveness {
             leading_since_ms,
             heard: BTreeMap::new(),
             failed: BTreeMap::new(),
+            in_state: Default::default(),
         }
+    }
+
+    /// Forgets what was heard of nodes that left the state since the last
+    /// call (an operator removed them): a report from before the removal
+    /// does not register the node again; only one heard after it does (its
+    /// agent still runs). Call before [`NodeLiveness::due`], whose
+    /// registrations count as in the state (a removal may come before the
+    /// next call sees them applied; a registration not yet applied by then
+    /// waits for the node's next report).
+    pub fn forget_removed(&mut self, state: &ClusterState) {
+        let nodes = state.nodes();
+        for name in &self.in_state {
+            if !nodes.contains_key(name) {
+                self.heard.remove(name);
+                self.failed.remove(name);
+            }
+        }
+        self.in_state = nodes
+            .keys()
+            .chain(self.heard.keys())
+            .chain(self.failed.keys())
+            .cloned()
+            .collect();
     }
 
     /// Records that a probe could not reach node `name` at `at_ms`.
@@ -279,7 +306,7 @@ mod tests {
         fn apply(&mut self, command: Command, at_ms: u64) {
             self.index += 1;
             self.state
-                .apply(self.index, &LogEntry { at_ms, command })
+                .apply(self.index, &LogEntry::new(at_ms, command))
                 .expect("applies");
         }
 
@@ -301,6 +328,35 @@ mod tests {
         );
         l.heard(report("a", 8), 2_100);
         assert_eq!(w.settle(&l, 2_200), vec!["register_node"], "GPUs added");
+    }
+
+    /// Issue 19, item 5: a removed node is not registered again from a
+    /// report heard before its removal; a report after it (its agent still
+    /// runs) registers it again.
+    #[test]
+    fn a_removed_node_stays_removed_until_it_reports_again() {
+        let mut w = World::new();
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 1), 0);
+        l.forget_removed(&w.state);
+        // Registered, and removed before liveness looks again.
+        w.settle(&l, 0);
+        w.apply(
+            Command::RemoveNode {
+                name: "a".into(),
+                force: false,
+            },
+            1_000,
+        );
+        assert!(w.state.nodes().is_empty());
+        l.forget_removed(&w.state);
+        assert!(
+            w.settle(&l, 2_000).is_empty(),
+            "the report from before the removal is forgotten"
+        );
+        l.heard(report("a", 1), 3_000);
+        l.forget_removed(&w.state);
+        assert_eq!(w.settle(&l, 3_000), vec!["register_node"]);
     }
 
     #[test]

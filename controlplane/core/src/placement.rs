@@ -387,6 +387,7 @@ mod tests {
                         })
                         .collect(),
                 },
+                request_id: None,
             };
             s.apply(i as u64 + 1, &entry).expect("register");
         }

@@ -18,6 +18,7 @@ use crate::model::{
     Worker, WorkerState,
 };
 use crate::placement::FreeGpus;
+use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
 /// Limits on commands, so one entry cannot blow up the state.
@@ -73,6 +74,8 @@ pub enum ApplyError {
     NodeLost(String),
     #[error("node {0:?} is not lost")]
     NodeNotLost(String),
+    #[error("node {node:?} holds GPUs of jobs {jobs:?}; cancel them first, or remove the node with force (they go back to the queue)")]
+    NodeInUse { node: String, jobs: Vec<JobId> },
     #[error("{field} is {len} {}; the limit is {limit}", size_unit(field))]
     TooLarge {
         field: String,
@@ -81,6 +84,11 @@ pub enum ApplyError {
     },
     #[error("{field} is invalid: {reason}")]
     Invalid { field: String, reason: String },
+    #[error("request id {request_id:?} was used at index {first_index} for another command; a retry must repeat its command unchanged")]
+    RequestIdReused {
+        request_id: String,
+        first_index: u64,
+    },
 }
 
 /// The whole scheduler state: a fold of `apply` over the log.
@@ -110,6 +118,8 @@ pub struct ClusterState {
     /// The policy an operator chose at run time (`SetPolicy`); `None`: the
     /// server's configured one.
     policy: Option<String>,
+    /// Client requests applied recently, so a retry applies nothing twice.
+    requests: RecentRequests,
     #[serde(skip)]
     indexes: JobIndexes,
     /// Every GPU on a live node, by type and node: derived from `nodes`,
@@ -207,6 +217,7 @@ struct EncodedClusterState {
     supply_demand_version: u64,
     last_round: u64,
     policy: Option<String>,
+    requests: RecentRequests,
 }
 
 impl<'de> Deserialize<'de> for ClusterState {
@@ -223,6 +234,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             supply_demand_version: e.supply_demand_version,
             last_round: e.last_round,
             policy: e.policy,
+            requests: e.requests,
             indexes,
             capacity,
             free: FreeCache::default(),
@@ -395,8 +407,66 @@ impl ClusterState {
 
     /// Applies one log entry at `index`. On `Err`, the state is unchanged
     /// except for `last_index`.
+    ///
+    /// An entry with a client's request id that was applied within the
+    /// window with the same command changes nothing and yields
+    /// [`Event::RequestRepeated`]; [`ClusterState::answer`] gives its
+    /// client the first outcome.
     pub fn apply(&mut self, index: u64, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         self.last_index = index;
+        let Some(request_id) = &entry.request_id else {
+            return self.apply_entry(entry);
+        };
+        crate::requests::validate_request_id(request_id)?;
+        let command_digest = crate::requests::command_digest(&entry.command);
+        if let Some(first) = self.requests.get(request_id, entry.at_ms) {
+            if first.command_digest != command_digest {
+                return Err(ApplyError::RequestIdReused {
+                    request_id: request_id.clone(),
+                    first_index: first.first_index,
+                });
+            }
+            return Ok(vec![Event::RequestRepeated {
+                request_id: request_id.clone(),
+                first_index: first.first_index,
+            }]);
+        }
+        let events = self.apply_entry(entry)?;
+        self.requests.remember(
+            request_id,
+            Remembered {
+                first_index: index,
+                at_ms: entry.at_ms,
+                command_digest,
+                events: events.clone(),
+            },
+        );
+        Ok(events)
+    }
+
+    /// What the client that proposed an entry is told: the entry's outcome,
+    /// or for a repeated request (its outcome is [`Event::RequestRepeated`]
+    /// alone) the outcome of the first. Call it right after `apply`.
+    pub fn answer(
+        &self,
+        outcome: Result<Vec<Event>, ApplyError>,
+    ) -> Result<Vec<Event>, ApplyError> {
+        if let Ok([Event::RequestRepeated { request_id, .. }]) = outcome.as_deref() {
+            // Just found in the window by `apply`, so remembered still.
+            if let Some(first) = self.requests.get(request_id, 0) {
+                return Ok(first.events.clone());
+            }
+        }
+        outcome
+    }
+
+    /// How many client requests are remembered (for metrics and tests).
+    pub fn remembered_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Applies an entry that is not a repeated request.
+    fn apply_entry(&mut self, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         let events = self.apply_command(entry)?;
         // Every change to a job names it in an event (or in the command);
         // progress changes no index.
@@ -417,6 +487,7 @@ impl ClusterState {
             Command::RegisterNode { .. }
                 | Command::MarkNodeLost { .. }
                 | Command::MarkNodeRecovered { .. }
+                | Command::RemoveNode { .. }
         ) {
             self.capacity = FreeGpus::of_nodes(&self.nodes);
             self.free = FreeCache::default();
@@ -443,6 +514,7 @@ impl ClusterState {
             } => self.register_node(name, address, gpus, at_ms),
             Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason, at_ms),
             Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
+            Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
             Command::SetPolicy { name } => {
                 check_len("policy", name, limits::POLICY_NAME_MAX_LEN)?;
                 let known = crate::policy::all_policy_names();
@@ -839,6 +911,39 @@ impl ClusterState {
             self.preempt(job_id, &reason, at_ms);
             events.push(Event::JobPreempted { job_id, reason });
         }
+        Ok(events)
+    }
+
+    fn remove_node(
+        &mut self,
+        name: &str,
+        force: bool,
+        at_ms: u64,
+    ) -> Result<Vec<Event>, ApplyError> {
+        if !self.nodes.contains_key(name) {
+            return Err(ApplyError::UnknownNode(name.to_string()));
+        }
+        let holding: BTreeSet<JobId> = self
+            .gpus_held_on(name)
+            .into_iter()
+            .map(|(_, j)| j)
+            .collect();
+        if !holding.is_empty() && !force {
+            return Err(ApplyError::NodeInUse {
+                node: name.to_string(),
+                jobs: holding.into_iter().collect(),
+            });
+        }
+        let mut events = Vec::new();
+        for job_id in holding {
+            let reason = format!("node {name} removed");
+            self.preempt(job_id, &reason, at_ms);
+            events.push(Event::JobPreempted { job_id, reason });
+        }
+        self.nodes.remove(name);
+        events.push(Event::NodeRemoved {
+            name: name.to_string(),
+        });
         Ok(events)
     }
 
@@ -1357,7 +1462,7 @@ impl ClusterState {
         if self.indexes != JobIndexes::of(&self.jobs) {
             return Err("the job indexes disagree with the jobs".into());
         }
-        Ok(())
+        self.requests.check()
     }
 }
 

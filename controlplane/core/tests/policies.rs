@@ -41,13 +41,7 @@ fn world(nodes: &[(u32, bool)], jobs: &[JobShape]) -> (ClusterState, u64) {
     let mut apply = |state: &mut ClusterState, command: Command| {
         index += 1;
         state
-            .apply(
-                index,
-                &LogEntry {
-                    at_ms: index,
-                    command,
-                },
-            )
+            .apply(index, &LogEntry::new(index, command))
             .expect("setup applies");
     };
     for (n, (count, v100)) in nodes.iter().enumerate() {
@@ -123,15 +117,12 @@ proptest! {
             if !changes.is_empty() {
                 index += 1;
                 let events = state
-                    .apply(index, &LogEntry {
-                        at_ms: index,
-                        command: Command::DecideAllocation {
+                    .apply(index, &LogEntry::new(index, Command::DecideAllocation {
                             based_on: index - 1,
                             policy: policy.name().into(),
                             round: 1,
                             placements: changes,
-                        },
-                    })
+                        }))
                     .expect("a decision is applied per job");
                 let refused: Vec<_> = events
                     .iter()

@@ -32,10 +32,7 @@ impl Harness {
     }
     fn apply(&mut self, command: Command) -> Result<Vec<Event>, ApplyError> {
         self.index += 1;
-        let entry = LogEntry {
-            at_ms: 1000 * self.index,
-            command,
-        };
+        let entry = LogEntry::new(1000 * self.index, command);
         // Every entry survives the wire format unchanged.
         let decoded = decode_entry(&encode_entry(&entry)).expect("round trip");
         assert_eq!(decoded, entry);
@@ -46,10 +43,7 @@ impl Harness {
             // Only the index moves on a refusal.
             let _ = expected.apply(
                 self.index,
-                &LogEntry {
-                    at_ms: 0,
-                    command: Command::RemoveJob { job_id: u64::MAX },
-                },
+                &LogEntry::new(0, Command::RemoveJob { job_id: u64::MAX }),
             );
             assert_eq!(self.state, expected, "a refused entry changed the state");
         }
@@ -684,6 +678,66 @@ fn stale_epochs_and_bad_ranks_are_refused() {
     ));
 }
 
+/// Issue 19, item 5: a node is removed only when no job holds its GPUs,
+/// unless forced, which sends those jobs back to the queue.
+#[test]
+fn a_node_is_removed_only_when_idle_unless_forced() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    h.node("n1", 1);
+    let a = h.submit(spec("a", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 1)])]);
+    let err = h
+        .apply(Command::RemoveNode {
+            name: "n0".into(),
+            force: false,
+        })
+        .expect_err("a job holds a GPU");
+    assert_eq!(
+        err,
+        ApplyError::NodeInUse {
+            node: "n0".into(),
+            jobs: vec![a]
+        }
+    );
+    assert!(err.to_string().contains("force"), "{err}");
+    assert_eq!(
+        h.apply(Command::RemoveNode {
+            name: "n1".into(),
+            force: false
+        }),
+        Ok(vec![Event::NodeRemoved { name: "n1".into() }])
+    );
+    let events = h
+        .apply(Command::RemoveNode {
+            name: "n0".into(),
+            force: true,
+        })
+        .expect("forced");
+    assert_eq!(
+        events,
+        vec![
+            Event::JobPreempted {
+                job_id: a,
+                reason: "node n0 removed".into()
+            },
+            Event::NodeRemoved { name: "n0".into() }
+        ]
+    );
+    assert!(h.state.nodes().is_empty());
+    assert!(h.state.gpu_holders().is_empty());
+    let job = h.state.job(a).expect("the job stays");
+    assert_eq!(job.state, JobState::Preempted);
+    assert!(job.allocation.is_none());
+    assert_eq!(
+        h.apply(Command::RemoveNode {
+            name: "n0".into(),
+            force: true
+        }),
+        Err(ApplyError::UnknownNode("n0".into()))
+    );
+}
+
 #[test]
 fn removal_needs_an_ended_job_and_re_registration_keeps_held_gpus() {
     let mut h = Harness::new();
@@ -747,6 +801,10 @@ fn arb_command() -> impl Strategy<Value = Command> {
         1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeRecovered {
             name: NODES[n].into()
         }),
+        1 => (0..NODES.len(), any::<bool>()).prop_map(|(n, force)| Command::RemoveNode {
+            name: NODES[n].into(),
+            force,
+        }),
         3 => (1u32..3, 1u32..3).prop_map(|(g, w)| Command::SubmitJob { spec: spec("j", g, w) }),
         1 => job.clone().prop_map(|job_id| Command::CancelJob { job_id, reason: String::new() }),
         4 => proptest::collection::vec((job.clone(), proptest::collection::vec(arb_gpu(), 0..5)), 1..4)
@@ -802,17 +860,148 @@ fn run(commands: &[Command]) -> (ClusterState, Vec<Result<Vec<Event>, ApplyError
     let results = commands
         .iter()
         .enumerate()
-        .map(|(i, c)| {
-            state.apply(
-                i as u64 + 1,
-                &LogEntry {
-                    at_ms: i as u64 * 10,
-                    command: c.clone(),
-                },
-            )
-        })
+        .map(|(i, c)| state.apply(i as u64 + 1, &LogEntry::new(i as u64 * 10, c.clone())))
         .collect();
     (state, results)
+}
+
+/// An entry with a client's request id.
+fn requested(at_ms: u64, command: Command, id: &str) -> LogEntry {
+    LogEntry {
+        request_id: Some(id.into()),
+        ..LogEntry::new(at_ms, command)
+    }
+}
+
+/// Issue 19, item 4: a submission whose answer was lost and that the client
+/// sends again is one job, and the retry is told the first outcome.
+#[test]
+fn a_retried_request_applies_once_and_is_answered_with_the_first_outcome() {
+    let mut state = ClusterState::new();
+    let submit = || Command::SubmitJob {
+        spec: spec("train", 1, 1),
+    };
+    let first = state
+        .apply(1, &requested(1_000, submit(), "cli-1"))
+        .expect("accepted");
+    assert!(matches!(first[..], [Event::JobSubmitted { job_id: 1, .. }]));
+    let after_first = state.clone();
+    let repeat = state
+        .apply(2, &requested(5_000, submit(), "cli-1"))
+        .expect("a repeat is not a refusal");
+    assert_eq!(
+        repeat,
+        vec![Event::RequestRepeated {
+            request_id: "cli-1".into(),
+            first_index: 1
+        }]
+    );
+    assert_eq!(state.jobs().len(), 1, "one job, however often it is sent");
+    assert_eq!(state.answer(Ok(repeat)), Ok(first.clone()));
+    // Nothing but the index moved: a refused entry at the same index
+    // leaves the same state.
+    let mut expected = after_first;
+    let _ = expected.apply(2, &LogEntry::new(0, Command::RemoveJob { job_id: 99 }));
+    assert_eq!(state.state_hash(), expected.state_hash());
+    // Without the id, the same command is a second job.
+    state
+        .apply(3, &LogEntry::new(6_000, submit()))
+        .expect("accepted");
+    assert_eq!(state.jobs().len(), 2);
+    // A refusal is not remembered: its retry is judged again.
+    let cancel = || Command::CancelJob {
+        job_id: 7,
+        reason: String::new(),
+    };
+    let refused = state.apply(4, &requested(7_000, cancel(), "cli-2"));
+    assert_eq!(refused, Err(ApplyError::UnknownJob(7)));
+    assert_eq!(
+        state.apply(5, &requested(8_000, cancel(), "cli-2")),
+        refused
+    );
+    state.check_invariants().expect("invariants");
+}
+
+#[test]
+fn a_request_id_used_for_another_command_is_refused_and_changes_nothing() {
+    let mut state = ClusterState::new();
+    state
+        .apply(
+            1,
+            &requested(
+                0,
+                Command::SubmitJob {
+                    spec: spec("a", 1, 1),
+                },
+                "r",
+            ),
+        )
+        .expect("accepted");
+    let before = state.clone();
+    let err = state
+        .apply(
+            2,
+            &requested(
+                1,
+                Command::SubmitJob {
+                    spec: spec("b", 1, 1),
+                },
+                "r",
+            ),
+        )
+        .expect_err("another command under the same id");
+    assert_eq!(
+        err,
+        ApplyError::RequestIdReused {
+            request_id: "r".into(),
+            first_index: 1
+        }
+    );
+    assert!(err.to_string().contains("index 1"), "{err}");
+    assert_eq!(state.jobs(), before.jobs());
+    // A malformed id is refused, naming the field and the limit.
+    let long = "x".repeat(65);
+    let err = state
+        .apply(
+            3,
+            &requested(
+                2,
+                Command::SubmitJob {
+                    spec: spec("c", 1, 1),
+                },
+                &long,
+            ),
+        )
+        .expect_err("too long");
+    assert!(
+        err.to_string()
+            .contains("request_id is 65 bytes long; the limit is 64"),
+        "{err}"
+    );
+    assert_eq!(state.jobs().len(), 1);
+}
+
+/// The window is log time, decided in `apply`: the same on every replica.
+#[test]
+fn a_request_is_remembered_for_the_window_of_log_time_only() {
+    use keel_core::requests::REMEMBER_FOR_MS;
+    let mut state = ClusterState::new();
+    let submit = || Command::SubmitJob {
+        spec: spec("a", 1, 1),
+    };
+    state
+        .apply(1, &requested(0, submit(), "r"))
+        .expect("accepted");
+    let inside = state
+        .apply(2, &requested(REMEMBER_FOR_MS, submit(), "r"))
+        .expect("repeat");
+    assert!(matches!(inside[..], [Event::RequestRepeated { .. }]));
+    let after = state
+        .apply(3, &requested(REMEMBER_FOR_MS + 1, submit(), "r"))
+        .expect("new");
+    assert!(matches!(after[..], [Event::JobSubmitted { job_id: 2, .. }]));
+    assert_eq!(state.remembered_requests(), 1);
+    state.check_invariants().expect("invariants");
 }
 
 #[test]
@@ -934,7 +1123,7 @@ proptest! {
     fn no_gpu_is_held_by_two_jobs_outside_a_declared_pair(commands in proptest::collection::vec(arb_command(), 0..80)) {
         let mut state = ClusterState::new();
         for (i, c) in commands.iter().enumerate() {
-            let _ = state.apply(i as u64 + 1, &LogEntry { at_ms: i as u64, command: c.clone() });
+            let _ = state.apply(i as u64 + 1, &LogEntry::new(i as u64, c.clone()));
             // Build the lazy free-GPU index now and then, so the entries
             // after it keep it up to date (check_invariants compares it
             // with a fresh build).
@@ -952,7 +1141,7 @@ proptest! {
         let mut state = ClusterState::new();
         let mut acknowledged = BTreeSet::new();
         for (i, c) in commands.iter().enumerate() {
-            let res = state.apply(i as u64 + 1, &LogEntry { at_ms: i as u64, command: c.clone() });
+            let res = state.apply(i as u64 + 1, &LogEntry::new(i as u64, c.clone()));
             if let Ok(events) = &res {
                 for e in events {
                     match e {
@@ -976,6 +1165,32 @@ proptest! {
         prop_assert!(decoded.check_invariants().is_ok());
         prop_assert_eq!(decoded.state_hash(), live.state_hash());
         prop_assert_eq!(decoded, live);
+    }
+
+    /// Every client request sent twice in a row (a retry after a lost
+    /// answer) ends in the same jobs and nodes as sent once, and a
+    /// replica that replays the doubled log reaches the same hash.
+    #[test]
+    fn requests_sent_twice_end_where_requests_sent_once_do(commands in proptest::collection::vec(arb_command(), 0..60)) {
+        let mut once = ClusterState::new();
+        let mut twice = ClusterState::new();
+        let mut index = 0;
+        for (i, c) in commands.iter().enumerate() {
+            let entry = requested(i as u64 * 10, c.clone(), &format!("r{i}"));
+            let first = once.apply(i as u64 + 1, &entry);
+            index += 1;
+            prop_assert_eq!(twice.apply(index, &entry), first.clone());
+            index += 1;
+            let repeat = twice.apply(index, &entry);
+            prop_assert_eq!(twice.answer(repeat), first);
+            prop_assert!(twice.check_invariants().is_ok());
+        }
+        prop_assert_eq!(once.jobs(), twice.jobs());
+        prop_assert_eq!(once.nodes(), twice.nodes());
+        prop_assert_eq!(once.gpu_holders(), twice.gpu_holders());
+        let bytes = postcard::to_allocvec(&twice).expect("encodes");
+        let decoded: ClusterState = postcard::from_bytes(&bytes).expect("decodes");
+        prop_assert_eq!(decoded.state_hash(), twice.state_hash());
     }
 
     #[test]

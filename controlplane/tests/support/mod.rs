@@ -77,6 +77,12 @@ impl ServerProcess {
         server
     }
 
+    /// What the server has logged so far.
+    #[allow(dead_code)]
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

@@ -241,22 +241,22 @@ mod tests {
         state
             .apply(
                 1,
-                &LogEntry {
-                    at_ms: 0,
-                    command: Command::SetPolicy {
+                &LogEntry::new(
+                    0,
+                    Command::SetPolicy {
                         name: "gandiva".into(),
                     },
-                },
+                ),
             )
             .expect("a known policy");
         let refused = state.apply(
             2,
-            &LogEntry {
-                at_ms: 0,
-                command: Command::SetPolicy {
+            &LogEntry::new(
+                0,
+                Command::SetPolicy {
                     name: "gandiva_plus".into(),
                 },
-            },
+            ),
         );
         assert!(
             matches!(&refused, Err(crate::state::ApplyError::Invalid { field, reason })
@@ -286,7 +286,7 @@ mod tests {
         ];
         for (i, command) in entries.into_iter().enumerate() {
             state
-                .apply(i as u64 + 1, &LogEntry { at_ms: 5, command })
+                .apply(i as u64 + 1, &LogEntry::new(5, command))
                 .expect("applies");
         }
         let fifo = Fifo::default();
@@ -307,13 +307,7 @@ mod tests {
             }
         );
         state
-            .apply(
-                4,
-                &LogEntry {
-                    at_ms: 6,
-                    command: decision,
-                },
-            )
+            .apply(4, &LogEntry::new(6, decision))
             .expect("applies");
         assert_eq!(decide(&fifo, &state, 6), None, "nothing changed");
         assert_eq!(state.last_round(), 1);

@@ -258,10 +258,7 @@ impl Engine<'_> {
     fn apply(&mut self, command: Command) -> Option<Vec<Event>> {
         self.index += 1;
         self.report.entries += 1;
-        let entry = LogEntry {
-            at_ms: ms(self.now_s),
-            command,
-        };
+        let entry = LogEntry::new(ms(self.now_s), command);
         match self.state.apply(self.index, &entry) {
             Ok(events) => {
                 for e in &events {
