@@ -743,6 +743,13 @@ impl Keel for KeelApi {
             }
             .into());
         }
+        if req.catch_up_timeout_s > 3600 {
+            return Err(ApiError::InvalidArgument {
+                field: "catch_up_timeout_s",
+                message: format!("{} s; the limit is 3600 s", req.catch_up_timeout_s),
+            }
+            .into());
+        }
         if req.id > crate::membership::MEMBER_ID_MAX {
             return Err(ApiError::InvalidArgument {
                 field: "id",
@@ -811,21 +818,64 @@ impl Keel for KeelApi {
         let node = openraft::BasicNode {
             addr: req.address.clone(),
         };
-        // Blocks until the learner has caught up with the leader's log (a
-        // learner that never answers fails the call after a minute; it
-        // stays a learner and can be removed).
-        let added = tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            self.node.raft.add_learner(raft_id, node, true),
-        )
-        .await
-        .map_err(|_| {
-            ApiError::Unavailable(format!(
-                "learner {} at {} did not catch up within 60 s",
-                req.id, req.address
-            ))
-        })?
-        .map_err(|e| ApiError::Unavailable(format!("adding learner {}: {e}", req.id)))?;
+        // Blocks until the learner has caught up with the leader's log. One
+        // that does not within the deadline is removed again: the call
+        // fails with the membership as it was (issue 19, item 1).
+        let catch_up = std::time::Duration::from_secs(match req.catch_up_timeout_s {
+            0 => 60,
+            s => u64::from(s),
+        });
+        // (openraft's own blocking add_learner gives up waiting after half
+        // a second and answers Ok all the same: the wait is ours.)
+        let added = self
+            .node
+            .raft
+            .add_learner(raft_id, node, false)
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("adding learner {}: {e}", req.id)))?;
+        let membership_index = added.log_id.index;
+        let caught_up = self
+            .node
+            .raft
+            .wait(Some(catch_up))
+            .metrics(
+                |m| {
+                    m.replication
+                        .as_ref()
+                        .and_then(|r| r.get(&raft_id))
+                        .and_then(|matched| matched.as_ref())
+                        .is_some_and(|matched| matched.index >= membership_index)
+                },
+                "the new member to catch up",
+            )
+            .await;
+        match caught_up {
+            Ok(_) => {}
+            Err(_) => {
+                let removed = self
+                    .node
+                    .raft
+                    .change_membership(
+                        openraft::ChangeMembers::RemoveNodes(std::collections::BTreeSet::from([
+                            raft_id,
+                        ])),
+                        false,
+                    )
+                    .await;
+                let outcome = match removed {
+                    Ok(_) => "it was removed again; the membership is as it was".to_string(),
+                    Err(e) => format!("removing it again failed ({e}); remove it with keel cluster remove --id {}", req.id),
+                };
+                tracing::warn!(member = req.id, address = %req.address, %outcome, "a new member did not catch up");
+                return Err(ApiError::LearnerDidNotCatchUp {
+                    id: req.id,
+                    address: req.address,
+                    timeout_s: catch_up.as_secs(),
+                    outcome,
+                }
+                .into());
+            }
+        }
         // The learner's membership entry (issue 19, item 13: a learner-only
         // call answered no index).
         let mut index = added.log_id.index;

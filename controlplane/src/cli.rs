@@ -441,6 +441,7 @@ pub async fn add_member(
     id: u64,
     member_addr: String,
     learner_only: bool,
+    catch_up_timeout_s: u32,
     out: Output,
 ) -> anyhow::Result<()> {
     let resp = write_once(addr, |mut client| {
@@ -451,6 +452,7 @@ pub async fn add_member(
                     id,
                     address,
                     learner_only,
+                    catch_up_timeout_s,
                 })
                 .await
         }

@@ -36,6 +36,14 @@ pub enum ApiError {
         address: String,
         reason: String,
     },
+    /// A new member answered but did not catch up as a learner in time.
+    #[error("member {id} at {address} did not catch up within {timeout_s} s: {outcome}")]
+    LearnerDidNotCatchUp {
+        id: u64,
+        address: String,
+        timeout_s: u64,
+        outcome: String,
+    },
 }
 
 impl From<RaftError<u64, ClientWriteError<u64, BasicNode>>> for ApiError {
@@ -76,9 +84,9 @@ impl From<ApiError> for Status {
             },
             ApiError::NotLeader { .. } | ApiError::Unavailable(_) => Code::Unavailable,
             ApiError::Storage(_) => Code::Internal,
-            ApiError::Unsupported(_) | ApiError::NewMemberUnreachable { .. } => {
-                Code::FailedPrecondition
-            }
+            ApiError::Unsupported(_)
+            | ApiError::NewMemberUnreachable { .. }
+            | ApiError::LearnerDidNotCatchUp { .. } => Code::FailedPrecondition,
         };
         Status::new(code, e.to_string())
     }

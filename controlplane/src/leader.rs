@@ -48,6 +48,10 @@ pub struct LoopSettings {
     pub progress_every: Duration,
     /// SIGTERM → SIGKILL grace period for stopped workers.
     pub stop_grace: Duration,
+    /// The longest a server's shutdown may take (workers stopped, loops
+    /// ended, Raft flushed) before the process exits anyway, naming the
+    /// step it was stuck at. Longer than `stop_grace`.
+    pub shutdown_timeout: Duration,
     /// A node not heard from for this long is marked lost.
     pub node_timeout: Duration,
     /// How often a server reports its nodes to the leader.
@@ -62,6 +66,7 @@ impl Default for LoopSettings {
             reconcile_every: Duration::from_millis(250),
             progress_every: Duration::from_secs(2),
             stop_grace: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(30),
             node_timeout: Duration::from_secs(10),
             heartbeat_every: Duration::from_secs(1),
         }

@@ -134,6 +134,11 @@ enum Cmd {
         /// Seconds a stopped worker gets between SIGTERM and SIGKILL.
         #[arg(long, default_value_t = 10.0)]
         stop_grace_s: f64,
+        /// Seconds a shutdown (SIGTERM) may take before the server exits
+        /// anyway, naming the step it was stuck at (longer than
+        /// --stop-grace-s).
+        #[arg(long, default_value_t = 30.0)]
+        shutdown_timeout_s: f64,
         /// At most one progress entry per job this often, in seconds.
         #[arg(long, default_value_t = 2.0)]
         progress_interval_s: f64,
@@ -381,6 +386,10 @@ enum ClusterCmd {
         /// Keep it a learner (it replicates but does not vote).
         #[arg(long)]
         learner_only: bool,
+        /// Seconds it may take to catch up as a learner; past them it is
+        /// removed again and nothing changed.
+        #[arg(long, default_value_t = 60)]
+        catch_up_timeout_s: u32,
     },
     /// Remove a replica from the cluster.
     Remove {
@@ -557,6 +566,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             round_s,
             gavel,
             stop_grace_s,
+            shutdown_timeout_s,
             progress_interval_s,
         } => {
             init_tracing();
@@ -603,6 +613,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,
                     stop_grace: seconds("stop-grace-s", stop_grace_s)?,
+                    shutdown_timeout: {
+                        let t = seconds("shutdown-timeout-s", shutdown_timeout_s)?;
+                        if t <= seconds("stop-grace-s", stop_grace_s)? {
+                            anyhow::bail!(
+                                "--shutdown-timeout-s ({shutdown_timeout_s}) must be longer than --stop-grace-s ({stop_grace_s})"
+                            );
+                        }
+                        t
+                    },
                     progress_every: seconds("progress-interval-s", progress_interval_s)?,
                     node_timeout: seconds("node-timeout-s", node_timeout_s)?,
                     // A few beats per timeout, so one lost beat loses nothing.
@@ -699,8 +718,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     id,
                     member_addr,
                     learner_only,
+                    catch_up_timeout_s,
                 },
-        } => cli::add_member(&args.addr, id, member_addr, learner_only, out).await,
+        } => {
+            cli::add_member(
+                &args.addr,
+                id,
+                member_addr,
+                learner_only,
+                catch_up_timeout_s,
+                out,
+            )
+            .await
+        }
         Cmd::Cluster {
             command: ClusterCmd::Remove { id },
         } => cli::remove_member(&args.addr, id, out).await,

@@ -285,6 +285,8 @@ impl Server {
         };
         let fatal = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
         let noted = fatal.clone();
+        let watchdog = ShutdownWatchdog::new(self.config.loops.shutdown_timeout);
+        let armed = watchdog.clone();
         let stop_serving = async move {
             tokio::select! {
                 _ = shutdown => {}
@@ -295,6 +297,7 @@ impl Server {
                     }
                 }
             }
+            armed.arm("closing the API (requests in flight)");
         };
         let result = tonic::transport::Server::builder()
             .add_service(service)
@@ -302,6 +305,8 @@ impl Server {
             .serve_with_incoming_shutdown(incoming, stop_serving)
             .await;
         tracing::info!("shutting down");
+        // Armed already, unless the server stopped on its own.
+        watchdog.arm("stopping the workers and the leader's loops");
         // Workers stop (SIGTERM, grace, SIGKILL) while Raft still runs, so
         // their exits are recorded where possible.
         let _ = stop_tx.send(true);
@@ -311,14 +316,74 @@ impl Server {
         let _ = beating.await;
         let _ = probing.await;
         let _ = repairing.await;
+        watchdog.step("stopping Raft and flushing the log");
         let fatal = fatal.lock().ok().and_then(|mut f| f.take());
+        let stopped = self.node.shutdown().await;
+        watchdog.disarm();
         if let Some(cause) = fatal {
-            let _ = self.node.shutdown().await;
             return Err(ServerError::RaftStopped(cause));
         }
-        self.node.shutdown().await?;
+        stopped?;
         result?;
         Ok(())
+    }
+}
+
+/// Bounds a shutdown: once armed, the process exits with status 2 if the
+/// shutdown has not finished within the timeout, logging the step it was
+/// stuck at (a write that cannot commit without a quorum, say, would
+/// otherwise hold it forever). A thread of its own, so a runtime that is
+/// stuck cannot hold it too.
+#[derive(Debug, Clone)]
+struct ShutdownWatchdog {
+    timeout: std::time::Duration,
+    /// The step under way; `None` once the shutdown finished.
+    step: Arc<std::sync::Mutex<Option<&'static str>>>,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ShutdownWatchdog {
+    fn new(timeout: std::time::Duration) -> Self {
+        ShutdownWatchdog {
+            timeout,
+            step: Arc::new(std::sync::Mutex::new(None)),
+            armed: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        }
+    }
+
+    /// Starts the clock (once) at `step`.
+    fn arm(&self, step: &'static str) {
+        if self.armed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        self.step(step);
+        let (timeout, watched) = (self.timeout, self.step.clone());
+        let spawned = std::thread::Builder::new()
+            .name("shutdown-watchdog".into())
+            .spawn(move || {
+                std::thread::sleep(timeout);
+                let stuck = *watched.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(step) = stuck {
+                    tracing::error!(
+                        step,
+                        timeout_s = timeout.as_secs_f64(),
+                        "the shutdown did not finish in time; exiting (status 2) while {step}"
+                    );
+                    std::process::exit(2);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the shutdown watchdog");
+        }
+    }
+
+    fn step(&self, step: &'static str) {
+        *self.step.lock().unwrap_or_else(|e| e.into_inner()) = Some(step);
+    }
+
+    /// The shutdown finished: the watchdog lets the process be.
+    fn disarm(&self) {
+        *self.step.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 }
 

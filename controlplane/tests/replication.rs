@@ -488,6 +488,50 @@ fn submissions_in_flight_at_a_kill_9_are_retried_and_applied_once() {
     }
 }
 
+/// Issue 19, item 11: a shutdown is bounded. A leader whose peers are gone
+/// holds a write that can never commit (an answer the API waits for);
+/// SIGTERM still ends it, at --shutdown-timeout-s, with status 2 and the
+/// step it was stuck at in its log.
+#[test]
+fn a_shutdown_that_cannot_finish_ends_at_its_deadline() {
+    let extra = ["--stop-grace-s", "0.2", "--shutdown-timeout-s", "3"];
+    let mut cluster = Cluster::start(&extra);
+    let leader = cluster.leader();
+    for id in (1..=3).filter(|id| *id != leader) {
+        cluster.kill9(id);
+    }
+    let addr = cluster.replicas[leader as usize - 1].addr.clone();
+    let spec = cluster._dir.path().join("stuck.yaml");
+    std::fs::write(&spec, "name: stuck\ncommand: [\"true\"]\n").expect("spec");
+    let mut submit = Command::new(KEEL)
+        .args(["submit", "-f", spec.to_str().expect("utf-8")])
+        .env("KEEL_ADDR", &addr)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("keel submit");
+    // The write is in the leader's log, and not committed.
+    wait_for("the write appended but not committed", || {
+        let s = cluster.status(leader)?;
+        (s["last_log_index"].as_u64()? > s["last_applied_index"].as_u64()?).then_some(())
+    });
+    // SIGTERM while the client still waits for its answer.
+    cluster.signal(leader, "-TERM");
+    let child = cluster.replicas[leader as usize - 1]
+        .child
+        .as_mut()
+        .expect("the leader runs");
+    let status = wait_for("the leader to exit after SIGTERM", || {
+        child.try_wait().expect("wait")
+    });
+    cluster.replicas[leader as usize - 1].child = None;
+    let _ = submit.kill();
+    let _ = submit.wait();
+    assert_eq!(status.code(), Some(2), "{status}");
+    let log = cluster.logs(leader);
+    assert!(log.contains("the shutdown did not finish in time"), "{log}");
+}
+
 #[test]
 fn a_wiped_member_rejoins_through_a_snapshot() {
     let args = ["--snapshot-every", "20", "--keep-log-entries", "0"];
@@ -773,6 +817,65 @@ fn adding_a_member_where_nothing_answers_changes_nothing() {
         "{err}"
     );
     let status = json(&all, &["cluster", "status"]).expect("status");
+    assert_eq!(
+        status["members"].as_array().map(Vec::len),
+        Some(3),
+        "{status}"
+    );
+    cluster
+        .submit(&all, "after")
+        .expect("the cluster still commits");
+}
+
+/// Issue 19, item 1: a new member that answers who it is but never catches
+/// up (here: a replica of another cluster, which refuses this cluster's
+/// messages) is removed again at the deadline; the call fails with the
+/// reason and the membership is as it was.
+#[test]
+fn a_learner_that_does_not_catch_up_is_removed_at_the_deadline() {
+    let mut cluster = Cluster::start(&[]);
+    cluster.leader();
+    let all = cluster.all_addrs();
+    // Member 4 of a cluster of its own.
+    let addr4 = format!("127.0.0.1:{}", free_port());
+    cluster.replicas.push(Replica {
+        id: 4,
+        addr: addr4.clone(),
+        data: cluster._dir.path().join("r4"),
+        child: None,
+    });
+    let saved = std::mem::replace(&mut cluster.peers, format!("4={addr4}"));
+    cluster.spawn(4, &[]);
+    cluster.peers = saved;
+    // Its own cluster exists (a blank replica would join ours instead).
+    wait_for("member 4 to lead its own cluster", || {
+        (cluster.status(4)?["role"] == "leader").then_some(())
+    });
+    let out = cli(
+        &all,
+        &[
+            "cluster",
+            "add",
+            "--id",
+            "4",
+            "--member-addr",
+            &addr4,
+            "--catch-up-timeout-s",
+            "2",
+        ],
+    );
+    assert!(
+        !out.status.success(),
+        "added a member that cannot catch up: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        cluster.logs(4)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did not catch up within 2 s"), "{err}");
+    assert!(err.contains("removed again"), "{err}");
+    assert!(err.contains("FailedPrecondition"), "{err}");
+    let status = json(&all, &["cluster", "status"]).expect("status");
+    assert_eq!(status["voters"], serde_json::json!([1, 2, 3]), "{status}");
     assert_eq!(
         status["members"].as_array().map(Vec::len),
         Some(3),

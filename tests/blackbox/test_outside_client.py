@@ -1,0 +1,295 @@
+"""Keel's API as an outside client sees it: stubs generated from proto/ in
+Python (grpcio), not the keel CLI, which validates before sending.
+
+Each test names the item of issue 19 it covers. Every test ends by checking
+that the server still serves and that what it acknowledged is still there.
+Run by controlplane/tests/blackbox.rs (cargo test), which points KEEL_BIN
+at the keel binary it built.
+"""
+
+import os
+import unittest
+
+import grpc
+
+from keel_blackbox import Server, api, entry, spec, wait_for
+
+CODE = grpc.StatusCode
+
+
+class OneServer(unittest.TestCase):
+    """A fresh server with no nodes of its own for each test."""
+
+    args = ("--no-local-node", "--node-timeout-s", "300")
+
+    def setUp(self):
+        self.server = Server(*self.args)
+        self.stub = self.server.stub
+
+    def tearDown(self):
+        self.server.cleanup()
+
+    def refused(self, call, request, code, *words):
+        """Calls and expects a refusal with `code` whose message has every
+        one of `words`; returns the message."""
+        with self.assertRaises(grpc.RpcError) as caught:
+            call(request, timeout=20)
+        err = caught.exception
+        self.assertEqual(err.code(), code, err.details())
+        for w in words:
+            self.assertIn(w, err.details())
+        return err.details()
+
+    def jobs(self):
+        return list(self.stub.ListJobs(api.ListJobsRequest(), timeout=10).jobs)
+
+    def assert_serving(self, jobs):
+        """The server runs, answers, and holds exactly `jobs` (names)."""
+        self.assertTrue(self.server.alive(), self.server.log_text()[-2000:])
+        self.assertEqual(sorted(j.spec.name for j in self.jobs()), sorted(jobs))
+
+
+class RetriedWrites(OneServer):
+    """Item 4: a write sent again under its request id applies once."""
+
+    def test_a_submission_sent_again_is_one_job_with_the_first_answer(self):
+        req = api.SubmitJobRequest(spec=spec("once"), request_id="py-client:1")
+        first = self.stub.SubmitJob(req, timeout=10)
+        # The answer was lost; the client sends the same request again, on
+        # a new connection.
+        self.server.channel.close()
+        import keel_blackbox
+
+        self.server.channel = grpc.insecure_channel(self.server.addr)
+        self.stub = keel_blackbox.api_grpc.KeelStub(self.server.channel)
+        again = self.stub.SubmitJob(req, timeout=10)
+        self.assertEqual(again.job_id, first.job_id)
+        # The same id for another job is refused, naming the id.
+        self.refused(
+            self.stub.SubmitJob,
+            api.SubmitJobRequest(spec=spec("other"), request_id="py-client:1"),
+            CODE.ALREADY_EXISTS,
+            "py-client:1",
+        )
+        # Malformed ids name the field and the limit.
+        self.refused(
+            self.stub.SubmitJob,
+            api.SubmitJobRequest(spec=spec("x"), request_id="a" * 65),
+            CODE.INVALID_ARGUMENT,
+            "request_id",
+            "64",
+        )
+        self.refused(
+            self.stub.SubmitJob,
+            api.SubmitJobRequest(spec=spec("x"), request_id="has space"),
+            CODE.INVALID_ARGUMENT,
+            "request_id",
+        )
+        # Without an id, a retry is a second job (documented).
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("twice")), timeout=10)
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("twice")), timeout=10)
+        self.assert_serving(["once", "twice", "twice"])
+
+    def test_a_cancellation_sent_again_succeeds_again(self):
+        job = self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("c")), timeout=10)
+        req = api.CancelJobRequest(job_id=job.job_id, reason="done", request_id="py-cancel-1")
+        self.stub.CancelJob(req, timeout=10)
+        # A retry after a lost answer is told what the first one was told,
+        # not "already ended".
+        self.stub.CancelJob(req, timeout=10)
+        # A new cancellation (another id) is refused: the job has ended.
+        self.refused(
+            self.stub.CancelJob,
+            api.CancelJobRequest(job_id=job.job_id, request_id="py-cancel-2"),
+            CODE.FAILED_PRECONDITION,
+            "already ended",
+        )
+        self.assert_serving(["c"])
+
+
+class NodesFromHeartbeats(OneServer):
+    """Items 2, 5 and 6: what a heartbeat from anyone can and cannot do."""
+
+    def heartbeat(self, name, gpu_type="v100"):
+        return self.stub.NodeHeartbeat(
+            api.NodeHeartbeatRequest(
+                nodes=[
+                    entry.RegisterNode(
+                        name=name,
+                        address="10.0.0.9",
+                        gpus=[entry.Gpu(index=0, gpu_type=gpu_type)],
+                    )
+                ]
+            ),
+            timeout=10,
+        )
+
+    def node(self, name):
+        for n in self.stub.ListNodes(api.ListNodesRequest(), timeout=10).nodes:
+            if n.name == name:
+                return n
+        return None
+
+    def test_a_node_known_from_a_heartbeat_runs_nothing_and_can_be_removed(self):
+        self.heartbeat("rogue-0")
+        node = wait_for("rogue-0 registered", lambda: self.node("rogue-0"))
+        self.assertTrue(node.unowned)
+        marker = os.path.join(self.server.dir, "ran")
+        job = self.stub.SubmitJob(
+            api.SubmitJobRequest(
+                spec=spec("rogue", command=["touch", marker], gpu_types_allowed=["v100"])
+            ),
+            timeout=10,
+        )
+
+        def held_back():
+            j = self.stub.GetJob(api.GetJobRequest(job_id=job.job_id), timeout=10)
+            return j if "not launched" in j.message else None
+
+        j = held_back() or wait_for("the job held back", held_back)
+        self.assertIn("rogue-0", j.message)
+        wait_for(
+            "the refused launch in the server's log",
+            lambda: "not launched: no executor" in self.server.log_text(),
+        )
+        self.assertFalse(os.path.exists(marker), "the job's command ran on the server")
+        # Item 5: refused while the job holds its GPU; forced, it is gone
+        # and the job is back in the queue.
+        self.refused(
+            self.stub.RemoveNode,
+            api.RemoveNodeRequest(name="rogue-0"),
+            CODE.FAILED_PRECONDITION,
+            "force",
+        )
+        removed = self.stub.RemoveNode(
+            api.RemoveNodeRequest(name="rogue-0", force=True), timeout=10
+        )
+        self.assertEqual(list(removed.requeued), [job.job_id])
+        self.assertIsNone(self.node("rogue-0"))
+        self.refused(
+            self.stub.RemoveNode,
+            api.RemoveNodeRequest(name="rogue-0"),
+            CODE.NOT_FOUND,
+            "rogue-0",
+        )
+        j = self.stub.GetJob(api.GetJobRequest(job_id=job.job_id), timeout=10)
+        self.assertEqual(j.state, "preempted")
+        self.assert_serving(["rogue"])
+
+    def test_heartbeats_follow_the_naming_rules_of_job_specs(self):
+        self.refused(
+            lambda r, timeout: self.heartbeat("../../x"), None, CODE.INVALID_ARGUMENT, "node name"
+        )
+        self.refused(
+            lambda r, timeout: self.heartbeat("n0", "V100!"),
+            None,
+            CODE.INVALID_ARGUMENT,
+            "type",
+        )
+        self.assertEqual(list(self.stub.ListNodes(api.ListNodesRequest(), timeout=10).nodes), [])
+        self.assert_serving([])
+
+
+class BadInputs(OneServer):
+    """Items 7, 8, 9 and 13: bad input gets a clear error and changes nothing."""
+
+    def raw(self, method, body):
+        call = self.server.channel.unary_unary(
+            f"/keel.api.v1.Keel/{method}",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        return call(body, timeout=10)
+
+    def test_malformed_protobuf_is_invalid_argument(self):
+        valid = api.SubmitJobRequest(spec=spec("x")).SerializeToString()
+        # spec (field 1) holding a name (field 1) of one byte that is not UTF-8
+        not_utf8 = bytes([0x0A, 0x03, 0x0A, 0x01, 0xFF])
+        for body in (os.urandom(64) + b"\xff" * 16, valid[:-3], not_utf8):
+            with self.assertRaises(grpc.RpcError) as caught:
+                self.raw("SubmitJob", body)
+            self.assertEqual(caught.exception.code(), CODE.INVALID_ARGUMENT, caught.exception.details())
+            self.assertIn("not a valid SubmitJobRequest", caught.exception.details())
+        self.assert_serving([])
+
+    def test_a_request_over_the_limit_is_resource_exhausted(self):
+        huge = api.SubmitJobRequest(spec=spec("x" * (2 * 1024 * 1024)))
+        self.refused(self.stub.SubmitJob, huge, CODE.RESOURCE_EXHAUSTED, "bytes")
+        self.assert_serving([])
+
+    def test_an_explicit_zero_is_refused_not_dropped(self):
+        s = spec("zero")
+        s.total_steps = 0
+        self.refused(
+            self.stub.SubmitJob, api.SubmitJobRequest(spec=s), CODE.INVALID_ARGUMENT, "total_steps"
+        )
+        s = spec("zero")
+        s.epochs = 0
+        self.refused(self.stub.SubmitJob, api.SubmitJobRequest(spec=s), CODE.INVALID_ARGUMENT, "epochs")
+        self.assert_serving([])
+
+    def test_limits_name_the_field_and_the_unit(self):
+        job = self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("j")), timeout=10)
+        self.refused(
+            self.stub.CancelJob,
+            api.CancelJobRequest(job_id=job.job_id, reason="r" * 100000),
+            CODE.INVALID_ARGUMENT,
+            "reason is 100000 bytes long",
+            "4096",
+        )
+        self.refused(
+            self.stub.SetPolicy,
+            api.SetPolicyRequest(name="no-such-policy"),
+            CODE.INVALID_ARGUMENT,
+            "no-such-policy",
+        )
+        self.refused(
+            self.stub.SetNodeState,
+            api.SetNodeStateRequest(name="n", state="sideways"),
+            CODE.INVALID_ARGUMENT,
+            "state",
+        )
+        self.refused(
+            self.stub.GetJob, api.GetJobRequest(job_id=4242), CODE.NOT_FOUND, "4242"
+        )
+        self.assert_serving(["j"])
+
+    def test_a_job_no_node_can_run_says_why_it_waits(self):
+        job = self.stub.SubmitJob(
+            api.SubmitJobRequest(spec=spec("h", gpu_types_allowed=["h100x"])), timeout=10
+        )
+        j = self.stub.GetJob(api.GetJobRequest(job_id=job.job_id), timeout=10)
+        self.assertEqual(j.state, "pending")
+        self.assertIn("h100x", j.message)
+        listed = [x for x in self.jobs() if x.id == job.job_id]
+        self.assertIn("h100x", listed[0].message)
+        self.assert_serving(["h"])
+
+
+class Membership(OneServer):
+    """Item 1 (one-member cluster) and 13: a member nothing answers for is
+    refused, and the cluster keeps its quorum."""
+
+    def test_adding_a_member_where_nothing_answers_changes_nothing(self):
+        for learner_only in (False, True):
+            self.refused(
+                self.stub.AddMember,
+                api.AddMemberRequest(id=2, address="127.0.0.1:1", learner_only=learner_only),
+                CODE.FAILED_PRECONDITION,
+                "127.0.0.1:1",
+            )
+        status = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        self.assertEqual(list(status.voters), [1])
+        # Still a quorum: a write commits.
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("after")), timeout=10)
+        self.refused(
+            self.stub.AddMember,
+            api.AddMemberRequest(id=70000, address="127.0.0.1:1"),
+            CODE.INVALID_ARGUMENT,
+            "65535",
+        )
+        self.assert_serving(["after"])
+
+
+if __name__ == "__main__":
+    unittest.main()
