@@ -73,6 +73,16 @@ impl Default for LoopSettings {
     }
 }
 
+/// Whether a quorum confirms now that this replica leads (a read index:
+/// one round of heartbeats), within two seconds.
+async fn confirm_leadership(node: &RaftNode) -> bool {
+    is_leader(node)
+        && matches!(
+            tokio::time::timeout(Duration::from_secs(2), node.raft.ensure_linearizable()).await,
+            Ok(Ok(_))
+        )
+}
+
 fn is_leader(node: &RaftNode) -> bool {
     let m = node.raft.metrics();
     let m = m.borrow();
@@ -380,6 +390,27 @@ async fn reconcile_pass<E: Executor>(
         )
     };
     record_exits(proposer, executor, &actions).await;
+    // A replica paused after it decided (SIGSTOP, a long GC-like stall)
+    // still believes it leads when it wakes: before touching processes,
+    // confirm with a quorum that it does, for this batch (the executors'
+    // fences catch what slips between this check and the launch).
+    let touches = actions
+        .iter()
+        .any(|a| matches!(a, Action::Stop { .. } | Action::Launch(_)));
+    // Chaos builds: the replica freezes itself (SIGSTOP) here, between
+    // deciding and launching, where `reconcile-before-side-effects` is set
+    // (the test of a stale leader's launches).
+    #[cfg(feature = "failpoints")]
+    if touches {
+        fail::eval("reconcile-before-side-effects", |_| {
+            tracing::warn!("failpoint: pausing this replica before its side effects");
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+        });
+    }
+    if touches && !confirm_leadership(node).await {
+        tracing::info!("not launching or stopping workers: leadership not confirmed");
+        return Ok(0);
+    }
     let mut launches = Vec::new();
     let mut starts = Vec::new();
     let mut unowned_now = BTreeSet::new();

@@ -100,6 +100,10 @@ impl Cluster {
     }
 
     fn spawn(&mut self, id: u64, extra: &[&str]) {
+        self.spawn_with_env(id, extra, &[]);
+    }
+
+    fn spawn_with_env(&mut self, id: u64, extra: &[&str], env: &[(&str, &str)]) {
         let peers = self.peers.clone();
         let r = &mut self.replicas[id as usize - 1];
         let log = std::fs::File::create(r.data.with_extension(format!("log{}", rand_suffix())))
@@ -119,6 +123,7 @@ impl Cluster {
             .args(["--peers", &peers, "--listen", &r.addr, "--data-dir"])
             .arg(&r.data)
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -1108,4 +1113,94 @@ fn a_replica_of_another_cluster_is_refused_not_overwritten() {
     );
     let intruder_status = json(&intruder_addr, &["cluster", "status"]).expect("status");
     assert_eq!(intruder_status["cluster_id"], b_id);
+}
+
+/// Issue 19, item 3: a leader frozen between deciding an allocation and
+/// launching its worker (SIGSTOP, here by a failpoint at that very point)
+/// launches nothing when it wakes: the new leader has launched the worker,
+/// and the woken replica neither confirms its leadership nor can claim the
+/// worker's identity in the executor directory the replicas share. The
+/// worker starts once (its log says so once; one "worker started" in all
+/// the replicas' logs) and the job succeeds.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_leader_paused_between_deciding_and_launching_launches_nothing_when_it_wakes() {
+    let shared = tempfile::tempdir().expect("tempdir");
+    let shared_dir = shared.path().to_str().expect("utf-8").to_string();
+    let extra = [
+        "--simulated-gpus",
+        "1xv100",
+        "--node-name",
+        "m",
+        "--executor-dir",
+        &shared_dir,
+    ];
+    let pause = [("FAILPOINTS", "reconcile-before-side-effects=1*return")];
+    let mut cluster = Cluster::start(&extra);
+    // Replica 1 leads, armed to freeze itself at its first launch.
+    for _ in 0..10 {
+        let leader = cluster.leader();
+        if leader == 1 {
+            break;
+        }
+        cluster.kill9(leader);
+        cluster.spawn(leader, &extra);
+    }
+    cluster.kill9(1);
+    cluster.spawn_with_env(1, &extra, &pause);
+    let leader = wait_for("replica 1 to lead, armed", || {
+        let l = cluster.leader();
+        if l != 1 {
+            cluster.kill9(l);
+            cluster.spawn(l, &extra);
+            return None;
+        }
+        Some(l)
+    });
+    cluster.wait_node("m-0", "alive", &[]);
+    let spec = shared.path().join("once.yaml");
+    std::fs::write(
+        &spec,
+        "name: once\ncommand: [sh, -c, \"echo started; sleep 2\"]\ngpus: 1\n",
+    )
+    .expect("spec");
+    let out = cli(
+        &cluster.replicas[leader as usize - 1].addr,
+        &["submit", "-f", spec.to_str().expect("utf-8")],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Frozen by its own failpoint, between deciding and launching.
+    let pid = cluster.replicas[0].child.as_ref().expect("replica 1").id();
+    wait_for("replica 1 to freeze itself", || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let state = stat.rsplit(") ").next()?.chars().next()?;
+        (state == 'T').then_some(())
+    });
+    let others: Vec<String> = cluster.replicas[1..]
+        .iter()
+        .map(|r| r.addr.clone())
+        .collect();
+    let others = others.join(",");
+    // The new leader launches the worker (it may have ended already when
+    // the frozen replica wakes: it must not run it again either).
+    wait_for("the worker to start under the new leader", || {
+        let job = json(&others, &["job", "1"])?;
+        (job["workers"].as_array().is_some_and(|w| !w.is_empty()) || job["state"] == "succeeded")
+            .then_some(())
+    });
+    cluster.signal(1, "-CONT");
+    wait_for("the job to succeed", || {
+        (json(&others, &["job", "1"])?["state"] == "succeeded").then_some(())
+    });
+    let log = std::fs::read_to_string(shared.path().join("workers/job-1/e1-r0.log"))
+        .expect("the worker's log");
+    assert_eq!(log.matches("started").count(), 1, "{log}");
+    let starts: usize = (1..=3)
+        .map(|id| cluster.logs(id).matches("worker started").count())
+        .sum();
+    assert_eq!(starts, 1, "{}", cluster.logs(1));
 }

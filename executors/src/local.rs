@@ -69,6 +69,42 @@ struct PidFile {
     gpus: Vec<u32>,
 }
 
+/// What a `.claim` file holds: the server process that launched (or is
+/// launching) the worker. Created exclusively before the launch, in the
+/// executor directory the replicas on one machine share, so that two
+/// servers — a leader and a stale one woken from a pause — never both
+/// start one (job, epoch, rank).
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Claim {
+    pid: u32,
+    /// Kernel start time of `pid`.
+    start: u64,
+}
+
+impl Claim {
+    fn ours() -> Option<Claim> {
+        let pid = std::process::id();
+        Some(Claim {
+            pid,
+            start: process_start_time(pid)?,
+        })
+    }
+
+    fn alive(&self) -> bool {
+        process_start_time(self.pid) == Some(self.start)
+    }
+}
+
+/// Whether this server may launch a worker ([`LocalExecutor::claim`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Claimed {
+    /// The claim is ours: launch it.
+    Ours,
+    /// Another server launched it (now adopted, or its exit reported) or is
+    /// launching it: nothing to start.
+    Elsewhere,
+}
+
 #[derive(Debug)]
 struct Entry {
     pid: Option<u32>,
@@ -179,6 +215,55 @@ impl LocalExecutor {
         plain.then(|| self.config.nodes_dir.join(name))
     }
 
+    /// Claims a worker's identity before launching it: an exclusive create
+    /// of its `.claim` file. A claim that exists already means another
+    /// server launched the worker (its pid or exit file is there: this one
+    /// adopts it, or reports its exit) or is launching it now (its process
+    /// lives: this one waits for the next pass). A claim whose server is
+    /// gone without launching (killed between claim and spawn) is taken
+    /// over.
+    fn claim(&self, id: &WorkerId, log_path: &Path) -> std::io::Result<Claimed> {
+        let path = log_path.with_extension("claim");
+        let ours = Claim::ours();
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut file) => {
+                    if let Some(ours) = &ours {
+                        let body = serde_json::to_vec(ours).map_err(std::io::Error::other)?;
+                        std::io::Write::write_all(&mut file, &body)?;
+                    }
+                    return Ok(Claimed::Ours);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    if pid_path(log_path).exists() || log_path.with_extension("exit").exists() {
+                        tracing::info!(worker = %id, "launched by another server: adopting it");
+                        self.take_over(id.clone(), log_path);
+                        return Ok(Claimed::Elsewhere);
+                    }
+                    let holder: Option<Claim> = std::fs::read(&path)
+                        .ok()
+                        .and_then(|b| serde_json::from_slice(&b).ok());
+                    if let Some(h) = holder.filter(|h| h.alive() && Some(h) != ours.as_ref()) {
+                        tracing::info!(
+                            worker = %id,
+                            server_pid = h.pid,
+                            "another server is launching this worker; waiting for it"
+                        );
+                        return Ok(Claimed::Elsewhere);
+                    }
+                    // Its server died before launching it: the claim is stale.
+                    let _ = std::fs::remove_file(&path);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Claimed::Elsewhere)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock leaves plain data; go on with it.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -275,6 +360,8 @@ impl LocalExecutor {
                 let _ = killpg(Pid::from_raw(p.pid as i32), Signal::SIGKILL);
                 let _ = std::fs::remove_file(pid_path(log_path));
                 let _ = std::fs::remove_file(&exit_path);
+                // Killed, not ended: it may be launched again.
+                let _ = std::fs::remove_file(log_path.with_extension("claim"));
             }
             None => {
                 // Ended while no server watched: report what the supervisor
@@ -390,12 +477,15 @@ impl LocalExecutor {
         };
         let job_dir = self.job_dir(id.job_id);
         tokio::fs::create_dir_all(&job_dir).await.map_err(io)?;
+        let log_path = job_dir.join(format!("{}.log", log_name(&id)));
+        if self.claim(&id, &log_path).map_err(io)? == Claimed::Elsewhere {
+            return Ok(());
+        }
         let checkpoint = self
             .config
             .checkpoints_dir
             .join(checkpoint_dir_name(id.job_id));
         tokio::fs::create_dir_all(&checkpoint).await.map_err(io)?;
-        let log_path = job_dir.join(format!("{}.log", log_name(&id)));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -739,14 +829,13 @@ impl Executor for LocalExecutor {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // These exits were the shutdown's doing, not the workers' failures:
-        // drop their records so the next server does not report them (the
-        // state still wants the workers, and they are relaunched from their
-        // checkpoints).
+        // drop their records and claims so the next server does not report
+        // them and may launch them again (the state still wants the
+        // workers, and they are relaunched from their checkpoints).
         for id in &running {
-            let _ = std::fs::remove_file(
-                self.job_dir(id.job_id)
-                    .join(format!("{}.exit", log_name(id))),
-            );
+            let base = self.job_dir(id.job_id).join(log_name(id));
+            let _ = std::fs::remove_file(base.with_extension("exit"));
+            let _ = std::fs::remove_file(base.with_extension("claim"));
         }
     }
 }
@@ -915,6 +1004,52 @@ mod tests {
             }
             o => panic!("{o:?}"),
         }
+    }
+
+    /// Issue 19, item 3: a worker another live server has claimed is not
+    /// launched here (a stale leader woken from a pause finds the new
+    /// leader's claim); once that server is gone without launching it, the
+    /// stale claim is taken over and the worker starts, once.
+    #[tokio::test]
+    async fn a_worker_claimed_by_another_live_server_is_not_launched_here() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let exec = executor(dir.path());
+        let marker = dir.path().join("started");
+        let script = format!("echo once >> {}", marker.display());
+        let l = launch(1, &["sh", "-c", &script]);
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("another server");
+        let claim = Claim {
+            pid: other.id(),
+            start: process_start_time(other.id()).expect("its start time"),
+        };
+        let job_dir = dir.path().join("workers/job-1");
+        std::fs::create_dir_all(&job_dir).expect("job dir");
+        std::fs::write(
+            job_dir.join("e1-r0.claim"),
+            serde_json::to_vec(&claim).expect("json"),
+        )
+        .expect("claim");
+        exec.launch(l.clone()).await.expect("launch");
+        assert!(
+            exec.observe().await.expect("observe").is_empty(),
+            "launched a worker another server claimed"
+        );
+        assert!(!job_dir.join("e1-r0.pid").exists());
+        let _ = other.kill();
+        let _ = other.wait();
+        exec.launch(l.clone()).await.expect("launch");
+        match wait_exit(&exec, &l.id).await {
+            Observed::Exited { exit_code, .. } => assert_eq!(exit_code, Some(0)),
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(std::fs::read_to_string(&marker).expect("ran"), "once\n");
+        let now: Claim =
+            serde_json::from_slice(&std::fs::read(job_dir.join("e1-r0.claim")).expect("claim"))
+                .expect("json");
+        assert_eq!(Some(now), Claim::ours());
     }
 
     #[test]

@@ -1313,8 +1313,9 @@ impl Executor for SshExecutor {
             let Ok(connection) = self.connect(host).await else {
                 continue;
             };
+            // Released, claims included: the next leader launches them again.
             let mut argv = vec!["poll".to_string(), connection.workers_dir()];
-            argv.extend(ids.iter().map(|id| format!("F:{}", relative_base(id))));
+            argv.extend(ids.iter().map(|id| format!("R:{}", relative_base(id))));
             let _ = self.run(host, argv, self.command_timeout()).await;
         }
         let mut inner = self.lock();

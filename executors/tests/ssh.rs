@@ -556,3 +556,71 @@ async fn a_hundred_concurrent_workers_lose_no_progress_sample_or_exit_code() {
         );
     }
 }
+
+/// Issue 19, item 3, on the host's side: the helper launches one worker
+/// identity once, however many servers ask. A second launch of a worker
+/// that ended starts nothing and keeps its exit record (a stale leader
+/// woken from a pause must not run it again); a claim held by a live agent
+/// that has not started the worker yet holds off another launch; a claim
+/// whose agent is gone is taken over. Runs the helper directly: the fence
+/// is the host's file system, not SSH.
+#[test]
+fn the_helper_launches_one_worker_identity_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let helper = dir.path().join("keel-node.sh");
+    std::fs::write(&helper, keel_executors::ssh::HELPER_SCRIPT).expect("helper");
+    let marker = dir.path().join("started");
+    let base = dir.path().join("workers/job-1/e1-r0");
+    let ckpt = dir.path().join("ckpt");
+    let run = |base: &std::path::Path| {
+        let out = std::process::Command::new("sh")
+            .arg(&helper)
+            .arg("launch")
+            .arg(base)
+            .arg(&ckpt)
+            .args(["0", "0", "0", "sh", "-c"])
+            .arg(format!("echo once >> {}", marker.display()))
+            .output()
+            .expect("sh runs the helper");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let wait_exit = |base: &std::path::Path| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !base.with_extension("exit").exists() {
+            assert!(Instant::now() < deadline, "no exit record");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    run(&base);
+    wait_exit(&base);
+    run(&base);
+    assert_eq!(std::fs::read_to_string(&marker).expect("ran"), "once\n");
+    assert!(
+        base.with_extension("exit").exists(),
+        "the exit record was dropped"
+    );
+
+    // Another worker, claimed by a live agent that has not started it.
+    let other = dir.path().join("workers/job-2/e1-r0");
+    std::fs::create_dir_all(other.parent().expect("dir")).expect("dir");
+    let mut agent = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("an agent");
+    std::fs::write(other.with_extension("claim"), format!("{}\n", agent.id())).expect("claim");
+    run(&other);
+    assert!(!other.with_extension("pid").exists() && !other.with_extension("exit").exists());
+    assert_eq!(std::fs::read_to_string(&marker).expect("ran"), "once\n");
+    let _ = agent.kill();
+    let _ = agent.wait();
+    run(&other);
+    wait_exit(&other);
+    assert_eq!(
+        std::fs::read_to_string(&marker).expect("ran"),
+        "once\nonce\n"
+    );
+}

@@ -17,7 +17,9 @@
 #   .pid   "PID START PORT GPUS": the supervisor, which leads the worker's
 #          process group and session; its kernel start time (so a reused pid
 #          is never taken for it); the job's rendezvous port; its GPUs;
-#   .exit  "CODE REASON", written by the supervisor when the worker ends.
+#   .exit  "CODE REASON", written by the supervisor when the worker ends;
+#   .claim the pid of the agent that launched it, created exclusively: one
+#          launch per identity, however many servers ask.
 # The supervisor runs in its own session (setsid), with no pipe to SSH, so
 # the worker survives the SSH connection and the server that opened it.
 set -u
@@ -97,6 +99,23 @@ launch() {
     if alive "$base"; then
         exit 0
     fi
+    # One launch per worker, whichever server asks: the claim is created
+    # exclusively (noclobber). A stale leader woken from a pause finds the
+    # new leader's claim and starts nothing; a worker that ended keeps its
+    # exit record for the poll instead of being started again. A claim
+    # without a pid or exit record whose agent is gone (it died between
+    # the claim and the start) is taken over.
+    if ! (set -C && echo "$$" > "$base.claim") 2> /dev/null; then
+        if [ -f "$base.pid" ] || [ -f "$base.exit" ]; then
+            exit 0
+        fi
+        read -r c_pid < "$base.claim" 2> /dev/null || c_pid=
+        if [ -n "$c_pid" ] && [ "$c_pid" != "$$" ] && kill -0 "$c_pid" 2> /dev/null; then
+            exit 0
+        fi
+        rm -f "$base.claim"
+        (set -C && echo "$$" > "$base.claim") 2> /dev/null || exit 0
+    fi
     rm -f "$base.exit" "$base.pid"
     command -v setsid > /dev/null 2>&1 || {
         echo "setsid is not installed on this host (util-linux)" >&2
@@ -114,8 +133,10 @@ launch() {
     done
 }
 
-# poll WORKERS [F:BASE | BASE:OFFSET | BASE:end]...: first forgets each
-# F:BASE (its exit and pid records: the exit is in the log), then prints
+# poll WORKERS [F:BASE | R:BASE | BASE:OFFSET | BASE:end]...: first forgets
+# each F:BASE (its exit and pid records: the exit is in the log) and
+# releases each R:BASE (those and its claim: stopped by a shutdown, to be
+# launched again by the next leader), then prints
 # one line per worker found ("R BASE PORT GPUS" running, "X BASE CODE
 # REASON" exited, "G BASE" gone without an exit record), then for each
 # BASE:OFFSET the log's bytes from OFFSET (at most 256 KiB): "P BASE OFFSET
@@ -130,6 +151,7 @@ poll() {
     for req in "$@"; do
         case $req in
             F:*) rm -f "${req#F:}.exit" "${req#F:}.pid" ;;
+            R:*) rm -f "${req#R:}.exit" "${req#R:}.pid" "${req#R:}.claim" ;;
         esac
     done
     last=
