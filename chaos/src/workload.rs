@@ -182,6 +182,7 @@ fn definite(code: Code) -> bool {
             | Code::FailedPrecondition
             | Code::AlreadyExists
             | Code::OutOfRange
+            | Code::ResourceExhausted
             | Code::PermissionDenied
             | Code::Unauthenticated
     )
