@@ -247,6 +247,17 @@ impl Cluster {
         let keel = self.config.keel.clone();
         let extra = self.config.extra_args.clone();
         let executor_dir = self.config.dir.join("executor");
+        let pause = format!(
+            "reconcile-before-side-effects=return({})",
+            self.pause_trigger().display()
+        );
+        let failpoints = env
+            .iter()
+            .filter(|(k, _)| *k == "FAILPOINTS")
+            .map(|(_, v)| v.to_string())
+            .chain([pause])
+            .collect::<Vec<_>>()
+            .join(";");
         let peers = self.peers.clone();
         let r = self.replica(id);
         if r.child.is_some() {
@@ -279,9 +290,12 @@ impl Cluster {
                 &format!("r{id}"),
             ])
             .args(&extra)
-            // Failpoints only where asked, never inherited.
+            // Failpoints only where asked, never inherited; every replica
+            // may pause itself before a launch while the trigger file is
+            // there (`pause_leader_before_launch`; chaos builds only).
             .env_remove("FAILPOINTS")
-            .envs(env.iter().copied())
+            .envs(env.iter().copied().filter(|(k, _)| *k != "FAILPOINTS"))
+            .env("FAILPOINTS", failpoints)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -320,6 +334,27 @@ impl Cluster {
     pub fn pause(&mut self, id: u64) {
         self.signal(id, Signal::SIGSTOP);
         self.replica(id).paused = true;
+    }
+
+    /// The file whose presence makes the next replica about to launch or
+    /// stop a worker freeze itself (SIGSTOP) there, once: it removes the
+    /// file as it does.
+    pub fn pause_trigger(&self) -> PathBuf {
+        self.config.dir.join("pause-before-launch")
+    }
+
+    /// A running replica that froze itself (its process is stopped though
+    /// the harness did not pause it), now counted as paused so the heal
+    /// resumes it.
+    pub fn self_paused(&mut self) -> Option<u64> {
+        let stopped = self.replicas.iter().find_map(|r| {
+            let pid = r.child.as_ref()?.id();
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let state = stat.rsplit(") ").next()?.chars().next()?;
+            (!r.paused && state == 'T').then_some(r.id)
+        })?;
+        self.replica(stopped).paused = true;
+        Some(stopped)
     }
 
     /// SIGCONT.

@@ -43,6 +43,11 @@ pub enum FaultKind {
     /// Restart a follower whose disk fills after 20 appends: its Raft stops
     /// and the process exits (fail-stop); the heal restarts it with room.
     FullDiskFollower,
+    /// The leader freezes itself (a failpoint: SIGSTOP) between deciding an
+    /// allocation and launching its worker; it wakes at the heal, believing
+    /// it still leads, while the new leader has launched the worker. The
+    /// process table is watched for two live workers of one identity.
+    PauseLeaderBeforeLaunch,
 }
 
 impl FaultKind {
@@ -59,8 +64,13 @@ impl FaultKind {
         FaultKind::WipeFollowerThenPauseLeader,
     ];
 
-    /// The disk faults: they need a `keel` built with failpoints.
-    pub const DISK: [FaultKind; 2] = [FaultKind::SlowDiskFollower, FaultKind::FullDiskFollower];
+    /// The kinds that need a `keel` built with failpoints: the disk faults
+    /// and the leader that freezes itself before a launch.
+    pub const DISK: [FaultKind; 3] = [
+        FaultKind::SlowDiskFollower,
+        FaultKind::FullDiskFollower,
+        FaultKind::PauseLeaderBeforeLaunch,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -76,6 +86,7 @@ impl FaultKind {
             FaultKind::WipeFollowerThenPauseLeader => "wipe_follower_then_pause_leader",
             FaultKind::SlowDiskFollower => "slow_disk_follower",
             FaultKind::FullDiskFollower => "full_disk_follower",
+            FaultKind::PauseLeaderBeforeLaunch => "pause_leader_before_launch",
         }
     }
 
@@ -97,6 +108,7 @@ impl FaultKind {
                 | FaultKind::LeaderCannotHear
                 | FaultKind::LeaderCannotSend
                 | FaultKind::WipeFollowerThenPauseLeader
+                | FaultKind::PauseLeaderBeforeLaunch
         )
     }
 }

@@ -31,6 +31,7 @@ pub mod faults;
 pub mod proxy;
 pub mod report;
 pub mod run;
+pub mod workers;
 pub mod workload;
 
 pub use run::{run, RunConfig};

@@ -346,6 +346,13 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
         )));
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Two live workers of one identity are a duplicate, whatever the log
+    // says (a stale leader's launch).
+    let watching = tokio::spawn(crate::workers::watch_for_duplicates(
+        dir.clone(),
+        Duration::from_millis(50),
+        stop_rx.clone(),
+    ));
     let addrs: Vec<(u64, std::net::SocketAddr)> =
         cluster.replicas.iter().map(|r| (r.id, r.listen)).collect();
     let clients: Vec<_> = (0..config.clients)
@@ -488,6 +495,39 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
                 cluster.restart_with(follower, &[("FAILPOINTS", "wal-append=3*off->return")])?;
                 vec![follower]
             }
+            FaultKind::PauseLeaderBeforeLaunch => {
+                // Arm the pause, and give the leader a worker to launch.
+                let trigger = cluster.pause_trigger();
+                std::fs::write(&trigger, b"").map_err(|e| RunError::Setup(e.to_string()))?;
+                if let Some(mut c) = cluster.client(leader) {
+                    let name = format!("pause-probe-{}", rounds.len());
+                    let call = c.submit_job(api::SubmitJobRequest {
+                        spec: Some(keel_core::codec::spec_to_proto(&workload::job_spec(
+                            &name, true,
+                        ))),
+                        request_id: name.clone(),
+                    });
+                    let _ = tokio::time::timeout(Duration::from_secs(2), call).await;
+                }
+                let deadline = Instant::now() + config.liveness_bound;
+                let mut frozen = None;
+                while frozen.is_none() && Instant::now() < deadline {
+                    frozen = cluster.self_paused();
+                    if frozen.is_none() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                if frozen.is_none() {
+                    let _ = std::fs::remove_file(&trigger);
+                    probes.liveness.push(format!(
+                        "round {}: pause_leader_before_launch: no replica froze before a launch \
+                         within {:?} (is keel built with --features failpoints?)",
+                        rounds.len(),
+                        config.liveness_bound
+                    ));
+                }
+                frozen.into_iter().collect()
+            }
         };
         tracing::info!(kind = round.kind.as_str(), ?victims, "fault injected");
         // A fault that takes the leader but leaves a majority: time the
@@ -498,6 +538,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
                 | FaultKind::PauseLeader
                 | FaultKind::IsolateLeader
                 | FaultKind::LeaderCannotSend
+                | FaultKind::PauseLeaderBeforeLaunch
         );
         let failover_ms = if expects_failover {
             let what = format!(
@@ -646,7 +687,10 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
         r.replay = Some(check);
     }
     let ops = history.ops();
-    let findings = checker::check(&ops, &replicas_final);
+    let mut findings = checker::check(&ops, &replicas_final);
+    findings
+        .duplicated
+        .extend(watching.await.unwrap_or_default());
     let mut faults_by_kind: BTreeMap<String, u64> = BTreeMap::new();
     for r in &rounds {
         *faults_by_kind

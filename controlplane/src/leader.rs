@@ -402,9 +402,13 @@ async fn reconcile_pass<E: Executor>(
     // (the test of a stale leader's launches).
     #[cfg(feature = "failpoints")]
     if touches {
-        fail::eval("reconcile-before-side-effects", |_| {
-            tracing::warn!("failpoint: pausing this replica before its side effects");
-            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+        // With an argument, only while that file exists, and only the
+        // replica that removes it (keel-chaos arms one pause at a time).
+        fail::eval("reconcile-before-side-effects", |trigger| {
+            if trigger.is_none_or(|file| std::fs::remove_file(file).is_ok()) {
+                tracing::warn!("failpoint: pausing this replica before its side effects");
+                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+            }
         });
     }
     if touches && !confirm_leadership(node).await {
