@@ -18,17 +18,21 @@ pub type Identity = (u64, u64, u32);
 /// A process: its pid and kernel start time (a reused pid is another).
 pub type Process = (u32, u64);
 
-fn start_time(pid: u32) -> Option<u64> {
+/// A process's parent and kernel start time, from `/proc/PID/stat`.
+fn parent_and_start(pid: u32) -> Option<(u32, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(") ").next()?.split(' ').nth(19)?.parse().ok()
+    let fields: Vec<&str> = stat.rsplit(") ").next()?.split(' ').collect();
+    Some((fields.get(1)?.parse().ok()?, fields.get(19)?.parse().ok()?))
 }
 
 /// The live supervisors of workers whose checkpoints are under `dir` (one
 /// run's), by identity.
 pub fn live_supervisors(dir: &Path) -> BTreeMap<Identity, Vec<Process>> {
-    let mut out: BTreeMap<Identity, Vec<Process>> = BTreeMap::new();
+    // (pid, parent, start) per identity; a supervisor's child between its
+    // fork and its exec still looks like a supervisor, and is left out.
+    let mut found: BTreeMap<Identity, Vec<(u32, u32, u64)>> = BTreeMap::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
-        return out;
+        return BTreeMap::new();
     };
     let prefix = dir.to_string_lossy().to_string();
     for p in procs.flatten() {
@@ -67,11 +71,22 @@ pub fn live_supervisors(dir: &Path) -> BTreeMap<Identity, Vec<Process>> {
                 env.get("KEEL_RANK")?.parse().ok()?,
             ))
         })();
-        if let (Some(id), Some(start)) = (id, start_time(pid)) {
-            out.entry(id).or_default().push((pid, start));
+        if let (Some(id), Some((parent, start))) = (id, parent_and_start(pid)) {
+            found.entry(id).or_default().push((pid, parent, start));
         }
     }
-    out
+    found
+        .into_iter()
+        .map(|(id, procs)| {
+            let pids: Vec<u32> = procs.iter().map(|(pid, _, _)| *pid).collect();
+            let supervisors = procs
+                .into_iter()
+                .filter(|(_, parent, _)| !pids.contains(parent))
+                .map(|(pid, _, start)| (pid, start))
+                .collect();
+            (id, supervisors)
+        })
+        .collect()
 }
 
 /// Samples the process table every `every` until `stop` turns true;
