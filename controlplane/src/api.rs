@@ -226,13 +226,20 @@ impl KeelApi {
 
     /// Why a job's workers are not launched although it holds GPUs: a node
     /// of its allocation is one this server's executor does not own.
-    fn not_launched(&self, job: &keel_core::Job) -> Option<String> {
+    /// `owned` remembers the answer per node across the jobs of one reply
+    /// (the local executor's answer is a file lookup, and a listing holds
+    /// the state's read lock).
+    fn not_launched<'a>(
+        &self,
+        job: &'a keel_core::Job,
+        owned: &mut std::collections::BTreeMap<&'a str, bool>,
+    ) -> Option<String> {
         let allocation = job.allocation.as_ref()?;
         let node = allocation
             .gpus
             .iter()
             .map(|g| g.node.as_str())
-            .find(|n| !self.executor.owns(n))?;
+            .find(|n| !*owned.entry(n).or_insert_with(|| self.executor.owns(n)))?;
         Some(format!(
             "not launched: no executor runs workers on node {node} (it is known from heartbeats only)"
         ))
@@ -314,7 +321,7 @@ impl Keel for KeelApi {
         {
             reply.message = why;
         }
-        if let Some(why) = self.not_launched(job) {
+        if let Some(why) = self.not_launched(job, &mut Default::default()) {
             reply.message = why;
         }
         reply.estimate = keel_core::perf::estimate(&applied.state, job)
@@ -360,6 +367,7 @@ impl Keel for KeelApi {
         let applied = shared.read();
         let mut why_by_shape: std::collections::BTreeMap<(u32, u32, &Vec<String>), Option<String>> =
             std::collections::BTreeMap::new();
+        let mut owned = std::collections::BTreeMap::new();
         let jobs = applied
             .state
             .jobs()
@@ -377,7 +385,7 @@ impl Keel for KeelApi {
                         .or_insert_with(|| never_fits(&applied.state, &j.spec))
                         .clone()
                 });
-                if let Some(why) = why.flatten().or_else(|| self.not_launched(j)) {
+                if let Some(why) = why.flatten().or_else(|| self.not_launched(j, &mut owned)) {
                     reply.message = why;
                 }
                 reply

@@ -73,14 +73,20 @@ impl Default for LoopSettings {
     }
 }
 
-/// Whether a quorum confirms now that this replica leads (a read index:
-/// one round of heartbeats), within two seconds.
+/// Whether a quorum confirms within `timeout` that this replica leads (a
+/// read index: one round of heartbeats, and the term's first entry
+/// applied).
+async fn quorum_confirms(node: &RaftNode, timeout: Duration) -> bool {
+    matches!(
+        tokio::time::timeout(timeout, node.raft.ensure_linearizable()).await,
+        Ok(Ok(_))
+    )
+}
+
+/// Whether this replica leads, confirmed by a quorum now (within two
+/// seconds), not by a term remembered from earlier.
 async fn confirm_leadership(node: &RaftNode) -> bool {
-    is_leader(node)
-        && matches!(
-            tokio::time::timeout(Duration::from_secs(2), node.raft.ensure_linearizable()).await,
-            Ok(Ok(_))
-        )
+    is_leader(node) && quorum_confirms(node, Duration::from_secs(2)).await
 }
 
 fn is_leader(node: &RaftNode) -> bool {
@@ -119,18 +125,16 @@ impl LeaderGate {
         }
         // A read index on the leader commits and applies the term's first
         // entry before it returns.
-        match tokio::time::timeout(Duration::from_secs(5), node.raft.ensure_linearizable()).await {
-            Ok(Ok(_)) => {
-                tracing::info!(
-                    term,
-                    leader_loop = self.name,
-                    "leading: this loop acts from now on"
-                );
-                self.ready_term = Some(term);
-                true
-            }
-            _ => false,
+        if !quorum_confirms(node, Duration::from_secs(5)).await {
+            return false;
         }
+        tracing::info!(
+            term,
+            leader_loop = self.name,
+            "leading: this loop acts from now on"
+        );
+        self.ready_term = Some(term);
+        true
     }
 }
 

@@ -259,6 +259,21 @@ impl Cluster {
         })
     }
 
+    /// The three first members are the voters and the only members, and
+    /// the cluster still commits (a membership call that failed changed
+    /// nothing).
+    fn membership_is_as_it_was(&self, all: &str) {
+        let status = json(all, &["cluster", "status"]).expect("status");
+        assert_eq!(status["voters"], serde_json::json!([1, 2, 3]), "{status}");
+        assert_eq!(
+            status["members"].as_array().map(Vec::len),
+            Some(3),
+            "{status}"
+        );
+        self.submit(all, "after")
+            .expect("the cluster still commits");
+    }
+
     fn jobs_on(&self, id: u64) -> BTreeSet<u64> {
         json(&self.replicas[id as usize - 1].addr, &["--stale", "jobs"])
             .and_then(|v| {
@@ -821,15 +836,7 @@ fn adding_a_member_where_nothing_answers_changes_nothing() {
         err.contains("id: 70000 is more than the largest member id, 65535"),
         "{err}"
     );
-    let status = json(&all, &["cluster", "status"]).expect("status");
-    assert_eq!(
-        status["members"].as_array().map(Vec::len),
-        Some(3),
-        "{status}"
-    );
-    cluster
-        .submit(&all, "after")
-        .expect("the cluster still commits");
+    cluster.membership_is_as_it_was(&all);
 }
 
 /// Issue 19, item 1: a new member that answers who it is but never catches
@@ -879,16 +886,7 @@ fn a_learner_that_does_not_catch_up_is_removed_at_the_deadline() {
     assert!(err.contains("did not catch up within 2 s"), "{err}");
     assert!(err.contains("removed again"), "{err}");
     assert!(err.contains("FailedPrecondition"), "{err}");
-    let status = json(&all, &["cluster", "status"]).expect("status");
-    assert_eq!(status["voters"], serde_json::json!([1, 2, 3]), "{status}");
-    assert_eq!(
-        status["members"].as_array().map(Vec::len),
-        Some(3),
-        "{status}"
-    );
-    cluster
-        .submit(&all, "after")
-        .expect("the cluster still commits");
+    cluster.membership_is_as_it_was(&all);
 }
 
 #[test]

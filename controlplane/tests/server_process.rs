@@ -510,3 +510,23 @@ fn snapshots_compact_the_log_and_restarts_load_them() {
     assert_eq!(replayed["state_hash"], hash);
     assert_eq!(replayed["entries"], 120);
 }
+
+/// The shutdown bound must leave the workers their stop grace: a server
+/// started with a shorter one refuses to start, naming both flags.
+#[test]
+fn a_shutdown_timeout_shorter_than_the_stop_grace_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(support::KEEL)
+        .args(["server", "--no-local-node", "--listen", "127.0.0.1:0"])
+        .args(["--stop-grace-s", "5", "--shutdown-timeout-s", "5"])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .output()
+        .expect("keel server");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--shutdown-timeout-s (5) must be longer than --stop-grace-s (5)"),
+        "{err}"
+    );
+}

@@ -288,6 +288,13 @@ class Membership(OneServer):
             CODE.INVALID_ARGUMENT,
             "65535",
         )
+        self.refused(
+            self.stub.AddMember,
+            api.AddMemberRequest(id=2, address="127.0.0.1:1", catch_up_timeout_s=5000),
+            CODE.INVALID_ARGUMENT,
+            "catch_up_timeout_s",
+            "3600",
+        )
         self.assert_serving(["after"])
 
 

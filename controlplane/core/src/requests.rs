@@ -95,6 +95,12 @@ impl RecentRequests {
             .filter(|r| r.at_ms.saturating_add(REMEMBER_FOR_MS) >= now_ms)
     }
 
+    /// The request remembered under `id`, in the window or not (until
+    /// [`RecentRequests::remember`] drops it).
+    pub fn remembered(&self, id: &str) -> Option<&Remembered> {
+        self.by_id.get(id)
+    }
+
     /// How many requests are remembered.
     pub fn len(&self) -> usize {
         self.by_id.len()

@@ -453,7 +453,7 @@ impl ClusterState {
     ) -> Result<Vec<Event>, ApplyError> {
         if let Ok([Event::RequestRepeated { request_id, .. }]) = outcome.as_deref() {
             // Just found in the window by `apply`, so remembered still.
-            if let Some(first) = self.requests.get(request_id, 0) {
+            if let Some(first) = self.requests.remembered(request_id) {
                 return Ok(first.events.clone());
             }
         }
