@@ -835,13 +835,11 @@ impl Keel for KeelApi {
         });
         // (openraft's own blocking add_learner gives up waiting after half
         // a second and answers Ok all the same: the wait is ours.)
-        let added = self
-            .node
-            .raft
-            .add_learner(raft_id, node, false)
-            .await
-            .map_err(|e| ApiError::Unavailable(format!("adding learner {}: {e}", req.id)))?;
-        let membership_index = added.log_id.index;
+        let membership_index = membership_committed(
+            self.node.raft.add_learner(raft_id, node, false),
+            format!("adding learner {}", req.id),
+        )
+        .await?;
         let caught_up = self
             .node
             .raft
@@ -860,16 +858,14 @@ impl Keel for KeelApi {
         match caught_up {
             Ok(_) => {}
             Err(_) => {
-                let removed = self
-                    .node
-                    .raft
-                    .change_membership(
-                        openraft::ChangeMembers::RemoveNodes(std::collections::BTreeSet::from([
-                            raft_id,
-                        ])),
-                        false,
-                    )
-                    .await;
+                let removed = change_membership(
+                    &self.node,
+                    openraft::ChangeMembers::RemoveNodes(std::collections::BTreeSet::from([
+                        raft_id,
+                    ])),
+                    format!("removing learner {}", req.id),
+                )
+                .await;
                 let outcome = match removed {
                     Ok(_) => "it was removed again; the membership is as it was".to_string(),
                     Err(e) => format!("removing it again failed ({e}); remove it with keel cluster remove --id {}", req.id),
@@ -886,7 +882,7 @@ impl Keel for KeelApi {
         }
         // The learner's membership entry (issue 19, item 13: a learner-only
         // call answered no index).
-        let mut index = added.log_id.index;
+        let mut index = membership_index;
         if !req.learner_only {
             let mut voters: std::collections::BTreeSet<u64> = self
                 .node
@@ -898,13 +894,8 @@ impl Keel for KeelApi {
                 .voter_ids()
                 .collect();
             if voters.insert(raft_id) {
-                let resp = self
-                    .node
-                    .raft
-                    .change_membership(voters, false)
-                    .await
-                    .map_err(|e| ApiError::Unavailable(format!("promoting {}: {e}", req.id)))?;
-                index = resp.log_id.index;
+                index =
+                    change_membership(&self.node, voters, format!("promoting {}", req.id)).await?;
             }
         }
         Ok(Response::new(self.membership(index)))
@@ -950,23 +941,16 @@ impl Keel for KeelApi {
                 }
                 .into());
             }
-            let resp = self
-                .node
-                .raft
-                .change_membership(remaining, false)
-                .await
-                .map_err(|e| ApiError::Unavailable(format!("removing {member}: {e}")))?;
             // Not retained as a learner: it leaves the membership.
-            index = resp.log_id.index;
+            index = change_membership(&self.node, remaining, format!("removing {member}")).await?;
         }
         if !gone_learners.is_empty() {
-            let resp = self
-                .node
-                .raft
-                .change_membership(openraft::ChangeMembers::RemoveNodes(gone_learners), false)
-                .await
-                .map_err(|e| ApiError::Unavailable(format!("removing {member}: {e}")))?;
-            index = resp.log_id.index;
+            index = change_membership(
+                &self.node,
+                openraft::ChangeMembers::RemoveNodes(gone_learners),
+                format!("removing {member}"),
+            )
+            .await?;
         }
         Ok(Response::new(self.membership(index)))
     }
@@ -987,4 +971,50 @@ fn waiting(job: &keel_core::Job) -> bool {
 
 /// How long `AddMember` keeps asking a new member who it is before it
 /// gives up (the replica may have been started just before the call).
+/// How long a membership change may take to commit before the call
+/// answers (it stays in the log and completes if its voters answer later).
+const MEMBERSHIP_COMMIT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Changes the membership through Raft and waits for it to commit, at most
+/// [`MEMBERSHIP_COMMIT_WAIT`]. `what` names the change for the error.
+async fn change_membership(
+    node: &RaftNode,
+    change: impl Into<openraft::ChangeMembers<u64, openraft::BasicNode>>,
+    what: String,
+) -> Result<u64, ApiError> {
+    membership_committed(node.raft.change_membership(change, false), what).await
+}
+
+/// Waits for a membership change (`change`, openraft's call) to commit, at
+/// most [`MEMBERSHIP_COMMIT_WAIT`]; returns its index.
+async fn membership_committed(
+    change: impl std::future::Future<
+        Output = Result<
+            openraft::raft::ClientWriteResponse<keel_storage::TypeConfig>,
+            openraft::error::RaftError<
+                u64,
+                openraft::error::ClientWriteError<u64, openraft::BasicNode>,
+            >,
+        >,
+    >,
+    what: String,
+) -> Result<u64, ApiError> {
+    use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
+    match tokio::time::timeout(MEMBERSHIP_COMMIT_WAIT, change).await {
+        Ok(Ok(resp)) => Ok(resp.log_id.index),
+        Ok(Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(
+            ChangeMembershipError::InProgress(p),
+        )))) => Err(ApiError::MembershipChangeInProgress {
+            what,
+            pending_index: p.membership_log_id.map_or(0, |l| l.index),
+        }),
+        Ok(Err(e @ RaftError::APIError(ClientWriteError::ForwardToLeader(_)))) => Err(e.into()),
+        Ok(Err(e)) => Err(ApiError::Unavailable(format!("{what}: {e}"))),
+        Err(_) => Err(ApiError::MembershipChangeNotCommitted {
+            what,
+            timeout_s: MEMBERSHIP_COMMIT_WAIT.as_secs(),
+        }),
+    }
+}
+
 const NEW_MEMBER_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);

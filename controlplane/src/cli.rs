@@ -469,6 +469,36 @@ pub async fn remove_member(addr: &str, id: u64, out: Output) -> anyhow::Result<(
     render::membership(&resp, out)
 }
 
+/// `keel cluster force-new-cluster`: offline, on a stopped replica's data
+/// directory (its lock proves no server uses it).
+pub fn force_new_cluster(
+    data_dir: &Path,
+    id: u64,
+    member_addr: Option<&str>,
+    out: Output,
+) -> anyhow::Result<()> {
+    let what = || format!("cannot recover {}", data_dir.display());
+    if !data_dir.join("raft-log").is_dir() {
+        anyhow::bail!(
+            "{} holds no Raft log: it is not a Keel data directory (or never joined a cluster)",
+            data_dir.display()
+        );
+    }
+    if id == 0 || id > keel::membership::MEMBER_ID_MAX {
+        anyhow::bail!(
+            "--id {id} is out of range: member ids are 1 to {}",
+            keel::membership::MEMBER_ID_MAX
+        );
+    }
+    let dir = keel_storage::DataDir::open(data_dir).with_context(what)?;
+    let incarnation =
+        keel::membership::load_or_create_incarnation(&dir.root().join("incarnation"), false)
+            .with_context(what)?;
+    let raft_id = keel::membership::raft_id(id, incarnation);
+    let forced = keel_storage::force_single_voter(&dir, raft_id, member_addr).with_context(what)?;
+    render::forced_membership(id, &forced, out)
+}
+
 async fn member_status(addr: &str) -> Option<api::ClusterStatusResponse> {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .ok()?

@@ -36,6 +36,22 @@ pub enum ApiError {
         address: String,
         reason: String,
     },
+    /// A membership change was refused because the last one has not
+    /// committed (it needs a quorum of both its old and its new voters).
+    #[error(
+        "{what}: the last membership change (entry {pending_index}) has not committed yet; \
+         it completes once a quorum of both the old and the new voters answers. If those \
+         members are gone for good, stop this replica and run \
+         `keel cluster force-new-cluster` on it"
+    )]
+    MembershipChangeInProgress { what: String, pending_index: u64 },
+    /// A membership change is in the log but did not commit in time.
+    #[error(
+        "{what}: the change is in the log but did not commit within {timeout_s} s (it needs a \
+         quorum of both the old and the new voters); it completes if they answer. If they are \
+         gone for good, stop this replica and run `keel cluster force-new-cluster` on it"
+    )]
+    MembershipChangeNotCommitted { what: String, timeout_s: u64 },
     /// A new member answered but did not catch up as a learner in time.
     #[error("member {id} at {address} did not catch up within {timeout_s} s: {outcome}")]
     LearnerDidNotCatchUp {
@@ -86,7 +102,9 @@ impl From<ApiError> for Status {
             ApiError::Storage(_) => Code::Internal,
             ApiError::Unsupported(_)
             | ApiError::NewMemberUnreachable { .. }
-            | ApiError::LearnerDidNotCatchUp { .. } => Code::FailedPrecondition,
+            | ApiError::LearnerDidNotCatchUp { .. }
+            | ApiError::MembershipChangeInProgress { .. } => Code::FailedPrecondition,
+            ApiError::MembershipChangeNotCommitted { .. } => Code::DeadlineExceeded,
         };
         Status::new(code, e.to_string())
     }

@@ -396,6 +396,24 @@ enum ClusterCmd {
         #[arg(long)]
         id: u64,
     },
+    /// Offline, on a stopped replica: make it the only voter of its cluster
+    /// (etcd's --force-new-cluster). For a cluster that lost a quorum of its
+    /// voters or is stuck in a membership change that cannot complete. Run
+    /// it on the survivor with the most log; it keeps everything its log
+    /// holds. Wipe the other members' data directories before adding them
+    /// back with `keel cluster add`.
+    ForceNewCluster {
+        /// The stopped replica's data directory.
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// Its member id (as given to `keel server --id`).
+        #[arg(long)]
+        id: u64,
+        /// The address it serves on (default: its address in the
+        /// membership).
+        #[arg(long)]
+        member_addr: Option<String>,
+    },
 }
 
 /// Largest `keel policy eval` input read.
@@ -734,6 +752,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Cluster {
             command: ClusterCmd::Remove { id },
         } => cli::remove_member(&args.addr, id, out).await,
+        Cmd::Cluster {
+            command:
+                ClusterCmd::ForceNewCluster {
+                    data_dir,
+                    id,
+                    member_addr,
+                },
+        } => cli::force_new_cluster(&data_dir, id, member_addr.as_deref(), out),
     }
 }
 

@@ -681,6 +681,59 @@ pub fn membership(m: &api::MembershipResponse, out: Output) -> anyhow::Result<()
     }
 }
 
+pub fn forced_membership(
+    member: u64,
+    forced: &keel_storage::ForcedMembership,
+    out: Output,
+) -> anyhow::Result<()> {
+    let configs: Vec<Vec<u64>> = forced
+        .previous_configs
+        .iter()
+        .map(|c| keel::membership::member_ids(c.iter().copied()))
+        .collect();
+    match out {
+        Output::Json => print_json(&serde_json::json!({
+            "member_id": member,
+            "address": forced.address,
+            "previous_voters": configs,
+            "committed_index": forced.committed_index,
+            "membership_index": forced.log_id.index,
+            "term": forced.log_id.leader_id.term,
+        })),
+        Output::Table => {
+            let shown: Vec<String> = configs
+                .iter()
+                .map(|c| {
+                    let ids: Vec<String> = c.iter().map(u64::to_string).collect();
+                    format!("{{{}}}", ids.join(","))
+                })
+                .collect();
+            println!(
+                "member {member} ({}) is now the only voter (membership entry {}, term {}); \
+                 it was {}{}.",
+                forced.address,
+                forced.log_id.index,
+                forced.log_id.leader_id.term,
+                if shown.len() > 1 {
+                    "in the joint configuration "
+                } else {
+                    ""
+                },
+                shown.join(" + "),
+            );
+            println!(
+                "Start it again: it elects itself and commits its whole log (entries after {} \
+                 were not known committed). Wipe the other members' data directories before \
+                 adding them back with `keel cluster add`.",
+                forced
+                    .committed_index
+                    .map_or_else(|| "none".to_string(), |i| format!("index {i}"))
+            );
+            Ok(())
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct MemberView {
     id: u64,

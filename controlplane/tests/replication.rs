@@ -1202,3 +1202,119 @@ fn a_leader_paused_between_deciding_and_launching_launches_nothing_when_it_wakes
         .sum();
     assert_eq!(starts, 1, "{}", cluster.logs(1));
 }
+
+/// Issue 19, item 1: a membership change that cannot complete can be
+/// abandoned by an operator. Both followers of a three-member cluster die
+/// for good and the operator removes one: the joint configuration needs a
+/// quorum of both the old and the new voters, so the call ends at its
+/// deadline and the next change is refused, each naming the way out. The
+/// operator stops the survivor, forces it to be the only voter, starts it
+/// again: it leads, holds every acknowledged job, commits, and a wiped
+/// member joins it again.
+#[test]
+fn an_operator_abandons_a_membership_change_that_cannot_complete() {
+    let mut cluster = Cluster::start(&[]);
+    let leader = cluster.leader();
+    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
+    let mut acked = BTreeSet::new();
+    for i in 0..3 {
+        acked.insert(
+            cluster
+                .submit(&leader_addr, &format!("before-{i}"))
+                .expect("acknowledged"),
+        );
+    }
+    let followers: Vec<u64> = (1..=3).filter(|r| *r != leader).collect();
+    for f in &followers {
+        cluster.kill9(*f);
+    }
+    let out = cli(
+        &leader_addr,
+        &["cluster", "remove", "--id", &followers[1].to_string()],
+    );
+    assert!(!out.status.success(), "a change without a quorum committed");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did not commit within 10 s"), "{err}");
+    assert!(err.contains("DeadlineExceeded"), "{err}");
+    let out = cli(
+        &leader_addr,
+        &["cluster", "remove", "--id", &followers[0].to_string()],
+    );
+    assert!(!out.status.success(), "a second change went in");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("has not committed yet"), "{err}");
+    assert!(err.contains("keel cluster force-new-cluster"), "{err}");
+    assert!(err.contains("FailedPrecondition"), "{err}");
+
+    let data = cluster.replicas[leader as usize - 1].data.clone();
+    let force = |data: &Path| {
+        Command::new(KEEL)
+            .args(["cluster", "force-new-cluster", "--id", &leader.to_string()])
+            .arg("--data-dir")
+            .arg(data)
+            .args(["-o", "json"])
+            .output()
+            .expect("run keel")
+    };
+    // Not while a server uses the directory.
+    let out = force(&data);
+    assert!(!out.status.success(), "forced a running replica");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by another keel process"), "{err}");
+    // Stopped (kill -9: what it acknowledged is synced), then forced.
+    cluster.kill9(leader);
+    let out = force(&data);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let forced: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let mut stuck_at = vec![leader, followers[0]];
+    stuck_at.sort_unstable();
+    assert_eq!(
+        forced["previous_voters"],
+        serde_json::json!([[1, 2, 3], stuck_at]),
+        "{forced}"
+    );
+    cluster.spawn(leader, &[]);
+    let status = wait_for("the survivor to lead alone", || {
+        cluster
+            .status(leader)
+            .filter(|s| s["role"] == "leader" && s["voters"] == serde_json::json!([leader]))
+    });
+    assert_eq!(
+        status["members"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+    let jobs = cluster.jobs_on(leader);
+    assert!(acked.is_subset(&jobs), "{acked:?} not all in {jobs:?}");
+    let after = cluster
+        .submit(&leader_addr, "after")
+        .expect("the forced cluster commits");
+
+    // A wiped member joins it again, as a new member.
+    let back = followers[0];
+    std::fs::remove_dir_all(&cluster.replicas[back as usize - 1].data).expect("wipe");
+    cluster.spawn(back, &[]);
+    let back_addr = cluster.replicas[back as usize - 1].addr.clone();
+    let added = json(
+        &leader_addr,
+        &[
+            "cluster",
+            "add",
+            "--id",
+            &back.to_string(),
+            "--member-addr",
+            &back_addr,
+        ],
+    )
+    .expect("added");
+    let mut voters = vec![leader, back];
+    voters.sort_unstable();
+    assert_eq!(added["voters"], serde_json::json!(voters), "{added}");
+    cluster.converged();
+    let jobs = cluster.jobs_on(back);
+    assert!(acked.is_subset(&jobs) && jobs.contains(&after), "{jobs:?}");
+}

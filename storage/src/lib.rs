@@ -26,6 +26,7 @@ mod error;
 mod journal;
 mod journal_writer;
 mod log_store;
+mod recovery;
 mod replay;
 mod runtime;
 mod state_machine;
@@ -39,6 +40,7 @@ use serde::{Deserialize, Serialize};
 pub use data_dir::{DataDir, DataDirError};
 pub use error::StoreError;
 pub use log_store::LogStore;
+pub use recovery::{force_single_voter, ForcedMembership, RecoveryError};
 pub use replay::{
     replay, replay_data_dir, replay_data_dir_checked, replay_until, replay_until_checked,
     ReplayError, ReplaySummary, Until,

@@ -188,6 +188,32 @@ impl LogStore {
         Ok(self.sync_and_wait()?)
     }
 
+    /// The last log id, or the last purged one when the log holds none.
+    pub fn last_log_id(&self) -> Option<LogId> {
+        let wal = self.lock();
+        let state = wal.log_state();
+        state.last().or(state.purged()).map(from_wal_id)
+    }
+
+    /// The vote on disk.
+    pub fn vote(&self) -> Option<Vote<u64>> {
+        let wal = self.lock();
+        wal.log_state().vote().map(|((term, node_id), committed)| {
+            let mut v = Vote::new(*term, *node_id);
+            v.committed = *committed;
+            v
+        })
+    }
+
+    /// Saves a vote and returns once it is on disk.
+    pub fn save_vote_durable(&self, vote: &Vote<u64>) -> Result<(), StoreError> {
+        self.lock().save_vote((
+            (vote.leader_id.term, vote.leader_id.node_id),
+            vote.committed,
+        ))?;
+        Ok(self.sync_and_wait()?)
+    }
+
     /// The last index this log knows to be committed (as far as it reached
     /// the disk: openraft saves it with the next synced append).
     pub fn committed_index(&self) -> Option<u64> {
@@ -260,25 +286,13 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), StorageError> {
-        let v: WalVote = (
-            (vote.leader_id.term, vote.leader_id.node_id),
-            vote.committed,
-        );
-        self.lock()
-            .save_vote(v)
-            .map_err(|e| io_err(ErrorSubject::Vote, ErrorVerb::Write, e))?;
         // A vote must be on disk before it is acted on.
-        self.sync_and_wait()
-            .map_err(|e| io_err(ErrorSubject::Vote, ErrorVerb::Write, e))
+        self.save_vote_durable(vote)
+            .map_err(|e| e.into_raft(ErrorSubject::Vote, ErrorVerb::Write))
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<u64>>, StorageError> {
-        let wal = self.lock();
-        Ok(wal.log_state().vote().map(|((term, node_id), committed)| {
-            let mut v = Vote::new(*term, *node_id);
-            v.committed = *committed;
-            v
-        }))
+        Ok(self.vote())
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {

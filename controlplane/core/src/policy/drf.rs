@@ -3,7 +3,7 @@
 //! job with the smallest dominant share. GPUs are the only resource Keel
 //! allocates, so the dominant share is the job's share of the cluster's
 //! GPUs and DRF is max-min fairness over GPUs: waiting jobs first get
-//! their minimum in submission order, then the GPUs left go to the jobs
+//! their minimum by priority, then submission order, then the GPUs left go to the jobs
 //! holding the fewest, up to their maximum.
 
 use super::sizing::{budget, candidates, greedy, minimums, per_worker, plan};

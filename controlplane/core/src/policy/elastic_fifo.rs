@@ -1,7 +1,8 @@
-//! Elastic FIFO (Voda): every job that fits gets its minimum in submission
-//! order (a job whose minimum does not fit what is left is passed over,
-//! not waited for); the GPUs left are handed out one worker at a time,
-//! round-robin in submission order, while any job is below its maximum.
+//! Elastic FIFO (Voda): every job that fits gets its minimum by priority
+//! (higher first), then in submission order (a job whose minimum does not
+//! fit what is left is passed over, not waited for); the GPUs left are
+//! handed out one worker at a time, round-robin in that order, while any
+//! job is below its maximum.
 //! Earlier jobs are never shrunk below their minimum for later ones, but
 //! share their extra workers with them.
 

@@ -1,5 +1,5 @@
-//! FfDL's optimizer (as in Voda): jobs in submission order get their
-//! minimum while GPUs last; the GPUs left are split among them by a
+//! FfDL's optimizer (as in Voda): jobs by priority, then submission order,
+//! get their minimum while GPUs last; the GPUs left are split among them by a
 //! dynamic programme that maximises the total speed-up,
 //! `P[j][k] = max_g speedup_j(g) + P[j−1][k − g]`, with `g` between the
 //! job's minimum and maximum workers (speed-ups from each job's performance

@@ -1,7 +1,7 @@
 //! FIFO: jobs start in arrival order, each with all of its GPUs at once.
 //!
 //! Running jobs keep their GPUs (FIFO never preempts). Waiting jobs are taken
-//! in submission order; each gets as many workers as fit, from
+//! by priority (higher first), then in submission order; each gets as many workers as fit, from
 //! `workers.max` down to `workers.min`, placed as a gang. When the head of
 //! the queue does not fit, the queue stops there unless backfill is on, in
 //! which case later jobs that fit start. A job that could not fit even on the
@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use crate::model::JobState;
 use crate::placement::FreeGpus;
 
-use super::{Plan, Policy, QueueOptions, SchedulingInput};
+use super::{by_priority, Plan, Policy, QueueOptions, SchedulingInput};
 
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fifo {
@@ -47,8 +47,9 @@ impl Policy for Fifo {
         // later job of the same shape cannot fit either: backfill over
         // thousands of waiting jobs costs one attempt per distinct shape.
         let mut failed: BTreeSet<(u32, u32, &[String])> = BTreeSet::new();
-        // Job ids are assigned in submission order, so map order is arrival order.
-        for job in state.unfinished_jobs() {
+        // Higher priority first; within a priority, arrival order (job ids
+        // are assigned in submission order, so map order is arrival order).
+        for job in by_priority(state.unfinished_jobs()) {
             let job_id = &job.id;
             if !matches!(job.state, JobState::Pending | JobState::Preempted)
                 || job.backing_off(input.now_ms)

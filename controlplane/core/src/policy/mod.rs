@@ -36,8 +36,20 @@ pub use srjf::{remaining_s, Srjf};
 pub use tiresias::{Tiresias, TiresiasOptions};
 
 use crate::command::{Command, JobPlacement};
-use crate::model::{GpuRef, JobId};
+use crate::model::{GpuRef, Job, JobId};
 use crate::state::ClusterState;
+
+/// `jobs` most important first: higher `priority` first, the given order
+/// (submission order, or a policy's ranking) within a priority. Every
+/// queue and elastic policy orders by this before its own criterion; the
+/// Gavel policies weigh priority in their objective instead.
+pub(crate) fn by_priority<'a>(jobs: impl IntoIterator<Item = &'a Job>) -> Vec<&'a Job> {
+    let mut jobs: Vec<&Job> = jobs.into_iter().collect();
+    // Stable: ties keep their order. Equal priorities (the common case)
+    // are one run, which the sort checks in linear time.
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.spec.priority));
+    jobs
+}
 
 /// What a policy sees: the state at one applied index and the time.
 #[derive(Debug, Clone, Copy)]
@@ -263,6 +275,81 @@ mod tests {
                 if field == "policy" && reason.contains("max_min_fairness_packed")),
             "{refused:?}"
         );
+    }
+
+    /// Issue 19, item 10: `priority` is "higher first" under every queue
+    /// and elastic policy, not only the Gavel ones.
+    #[test]
+    fn every_queue_and_elastic_policy_starts_the_higher_priority_job_first() {
+        use crate::fixtures::TestCluster;
+        for name in POLICY_NAMES {
+            let policy = by_name(name, QueueOptions::default()).expect("a policy");
+            // Two GPUs, two jobs that each need both: the later one matters
+            // more.
+            let mut c = TestCluster::v100_nodes(&[2]);
+            let low = c.submit(job_spec("low", 2, 1));
+            let mut spec = job_spec("high", 2, 1);
+            spec.priority = 5;
+            let high = c.submit(spec);
+            let plan = policy.plan(&SchedulingInput {
+                state: &c.state,
+                now_ms: 1,
+            });
+            assert_eq!(
+                plan.placements.keys().copied().collect::<Vec<_>>(),
+                vec![high],
+                "{name} started {:?}",
+                plan.placements
+            );
+            // Equal priorities: submission order (or the policy's own
+            // criterion) decides, so the first job is not passed over.
+            let mut c = TestCluster::v100_nodes(&[2]);
+            let first = c.submit(job_spec("first", 2, 1));
+            c.submit(job_spec("second", 2, 1));
+            let plan = policy.plan(&SchedulingInput {
+                state: &c.state,
+                now_ms: 1,
+            });
+            assert_eq!(
+                plan.placements.keys().copied().collect::<Vec<_>>(),
+                vec![first],
+                "{name}"
+            );
+            assert_ne!(low, high);
+        }
+    }
+
+    /// The preemptive queue policies give a running job's GPUs to a
+    /// higher-priority arrival.
+    #[test]
+    fn a_higher_priority_arrival_preempts_under_srjf_and_tiresias() {
+        use crate::fixtures::TestCluster;
+        for name in ["srjf", "tiresias", "elastic_srjf", "elastic_tiresias"] {
+            let policy = by_name(name, QueueOptions::default()).expect("a policy");
+            let mut c = TestCluster::v100_nodes(&[2]);
+            let low = c.submit(job_spec("low", 2, 1));
+            c.place(
+                low,
+                (0..2)
+                    .map(|index| GpuRef {
+                        node: "n0".into(),
+                        index,
+                    })
+                    .collect(),
+            );
+            let mut spec = job_spec("high", 2, 1);
+            spec.priority = 1;
+            let high = c.submit(spec);
+            let plan = policy.plan(&SchedulingInput {
+                state: &c.state,
+                now_ms: 1,
+            });
+            assert_eq!(
+                plan.placements.keys().copied().collect::<Vec<_>>(),
+                vec![high],
+                "{name}"
+            );
+        }
     }
 
     #[test]

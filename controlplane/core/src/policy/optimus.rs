@@ -1,5 +1,6 @@
 //! Optimus: marginal-gain allocation on fitted performance models. Every
-//! job first gets its minimum (submission order, while GPUs last); then a
+//! job first gets its minimum (higher priority first, then submission
+//! order, while GPUs last); then a
 //! max-heap repeatedly grants one more worker to the job with the highest
 //! utility `(T(n) − T(n+1)) / share`, where `T(n)` is the job's estimated
 //! remaining time on `n` workers ([`crate::perf::JobPerf`]: remaining

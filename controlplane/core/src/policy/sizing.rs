@@ -17,11 +17,12 @@ use crate::topology::{place_sizes, Sizes};
 use super::Plan;
 
 /// Jobs an elastic policy may size at `now_ms`: unfinished, not in retry
-/// backoff, and whose minimum fits the whole cluster. Submission order.
+/// backoff, and whose minimum fits the whole cluster. Higher priority
+/// first, then submission order.
 pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
     let capacity = state.capacity();
     let mut fits: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
-    state
+    let eligible = state
         .unfinished_jobs()
         .filter(|job| !job.backing_off(now_ms))
         .filter(|job| {
@@ -38,11 +39,12 @@ pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
             *fits
                 .entry(shape)
                 .or_insert_with(|| capacity.place(spec, spec.workers.min).is_some())
-        })
-        .collect()
+        });
+    super::by_priority(eligible)
 }
 
-/// The [`candidates`] in `order` (job ids, most important first).
+/// The [`candidates`] in `order` (job ids, most important first: the
+/// rankings put priority first themselves).
 pub(crate) fn candidates_in(state: &ClusterState, now_ms: u64, order: Vec<JobId>) -> Vec<&Job> {
     let eligible: BTreeMap<JobId, &Job> = candidates(state, now_ms)
         .into_iter()

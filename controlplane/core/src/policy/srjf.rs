@@ -1,11 +1,13 @@
-//! Shortest remaining job first (Voda's SRJF): jobs ranked by estimated
-//! remaining time, preemptively: a shorter job that arrives takes GPUs from
+//! Shortest remaining job first (Voda's SRJF): jobs ranked by priority
+//! (higher first), then by estimated remaining time, preemptively: a shorter job that arrives takes GPUs from
 //! the longest running ones. The estimate ([`crate::perf::JobPerf`]) is
 //! remaining steps (declared total less the last reported step, or until
 //! the fitted loss converges) over the job's speed at its minimum size at a
 //! v100's pace: the fitted speed model, else its measured speed scaled
 //! along the throughput table's curve, else the table. A job with no
 //! estimate goes last.
+
+use std::cmp::Reverse;
 
 use crate::model::{Job, JobId};
 use crate::perf::JobPerf;
@@ -23,15 +25,27 @@ pub fn remaining_s(job: &Job) -> f64 {
     JobPerf::of(job).remaining_s(gpus)
 }
 
-/// Unfinished jobs, shortest estimated remaining time first (ties:
-/// submission order).
+/// Unfinished jobs, higher priority first, then shortest estimated
+/// remaining time first (ties: submission order).
 pub(crate) fn rank(state: &ClusterState) -> Vec<JobId> {
-    let mut ranked: Vec<(f64, u64, JobId)> = state
+    let mut ranked: Vec<(Reverse<i32>, f64, u64, JobId)> = state
         .unfinished_jobs()
-        .map(|job| (remaining_s(job), job.submitted_at_ms, job.id))
+        .map(|job| {
+            (
+                Reverse(job.spec.priority),
+                remaining_s(job),
+                job.submitted_at_ms,
+                job.id,
+            )
+        })
         .collect();
-    ranked.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    ranked.into_iter().map(|(_, _, id)| id).collect()
+    ranked.sort_unstable_by(|a, b| {
+        a.0.cmp(&b.0)
+            .then(a.1.total_cmp(&b.1))
+            .then(a.2.cmp(&b.2))
+            .then(a.3.cmp(&b.3))
+    });
+    ranked.into_iter().map(|(_, _, _, id)| id).collect()
 }
 
 impl Policy for Srjf {

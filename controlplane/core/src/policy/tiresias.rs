@@ -1,11 +1,13 @@
-//! Tiresias (discretised 2D-LAS, as in Voda): jobs are ranked by the
-//! GPU-time they have received. Queue 0 holds jobs under the first
+//! Tiresias (discretised 2D-LAS, as in Voda): jobs are ranked by priority
+//! (higher first), then by the GPU-time they have received. Queue 0 holds jobs under the first
 //! threshold, queue 1 those under the second, and so on; within a queue,
 //! the earlier submission first. A running job that crosses a threshold is
 //! demoted and may be preempted by jobs in higher queues. Starvation guard:
 //! a job that has waited at least `starvation_factor` times as long as it
 //! has run goes back to queue 0, and keeps it while it runs for a slice of
 //! its wait.
+
+use std::cmp::Reverse;
 
 use crate::model::JobId;
 use crate::state::ClusterState;
@@ -83,9 +85,10 @@ impl Policy for Tiresias {
 }
 
 impl Tiresias {
-    /// Unfinished jobs, most important first: by queue, then submission.
+    /// Unfinished jobs, most important first: by priority (higher first),
+    /// then queue, then submission.
     pub(crate) fn rank(&self, state: &ClusterState, now: u64) -> Vec<JobId> {
-        let mut ranked: Vec<(usize, u64, JobId)> = state
+        let mut ranked: Vec<(Reverse<i32>, usize, u64, JobId)> = state
             .unfinished_jobs()
             .map(|job| {
                 let attained_ms = job.attained_gpu_ms(now);
@@ -123,10 +126,15 @@ impl Tiresias {
                 if promoted {
                     queue = 0;
                 }
-                (queue, job.submitted_at_ms, job.id)
+                (
+                    Reverse(job.spec.priority),
+                    queue,
+                    job.submitted_at_ms,
+                    job.id,
+                )
             })
             .collect();
         ranked.sort_unstable();
-        ranked.into_iter().map(|(_, _, id)| id).collect()
+        ranked.into_iter().map(|(_, _, _, id)| id).collect()
     }
 }
