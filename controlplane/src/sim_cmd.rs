@@ -1,4 +1,4 @@
-//! `keel sim`: reads the inputs, runs [`keel_core::sim::simulate`], prints
+//! `keel sim`: reads the inputs, runs [`keel_sim::simulate`], prints
 //! the summary and writes per-job results.
 
 #![allow(clippy::print_stdout)]
@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::Context;
 use keel_core::gavel::mechanism::MechanismConfig;
 use keel_core::policy::QueueOptions;
-use keel_core::sim::{self, RoundSimConfig, SimConfig, SimJob, SimReport};
+use keel_sim::{self as sim, RoundSimConfig, SimConfig, SimJob, SimReport};
 use serde::Serialize;
 
 use crate::render::{print_json, print_table, Output};

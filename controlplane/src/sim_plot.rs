@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use anyhow::Context;
-use keel_core::sim::SimReport;
+use keel_sim::SimReport;
 use plotters::prelude::*;
 
 const SIZE: (u32, u32) = (900, 540);

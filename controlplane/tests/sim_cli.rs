@@ -385,7 +385,7 @@ fn gavel_compat_runs_the_generated_stream_through_the_round_mechanism() {
 fn gavel_generate_draws_gavels_stream_for_the_round_simulator() {
     let dir = tempfile::tempdir().expect("tempdir");
     let table = dir.path().join("throughputs.json");
-    let templates = keel_core::sim::gavel_generator::GAVEL_JOB_TABLE;
+    let templates = keel_sim::gavel_generator::GAVEL_JOB_TABLE;
     let mut v100 = serde_json::Map::new();
     for (model, _) in templates {
         let mut figures = serde_json::Map::new();

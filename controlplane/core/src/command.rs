@@ -131,8 +131,9 @@ pub enum Command {
     RemoveJob {
         job_id: JobId,
     },
-    /// Switch the scheduling policy at run time (one of
-    /// [`crate::policy::all_policy_names`]); every later round uses it.
+    /// Switch the scheduling policy at run time; every later round uses it.
+    /// `apply` checks the name's form; the API, that a policy of that name
+    /// exists (`policy::all_policy_names`).
     SetPolicy {
         name: String,
     },

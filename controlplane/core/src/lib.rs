@@ -1,13 +1,16 @@
 //! Keel's pure core: the domain model, commands and events, and the
 //! deterministic state machine [`ClusterState::apply`], the scheduling
-//! policies and placement, and the throughput table.
+//! policies and placement, and the throughput table. The simulators that
+//! drive them on a virtual clock are the `keel-sim` crate.
 //!
 //! Invariants of this crate, stated as absences:
 //! - no I/O, no clock, no threads, no async: time arrives in each entry;
-//! - no randomness (a future simulator takes an explicit seed);
+//! - no randomness but seeded generators ([`rng`]);
 //! - no hash-ordered iteration: every map is a `BTreeMap`;
-//! - no dependency on tokio, tonic, openraft, sled or kube (a tidy test
-//!   checks this).
+//! - `apply` knows no policy names: which policies exist is the API's and
+//!   the leader's check, so a log replays the same in every version;
+//! - no dependency on tokio, tonic, openraft, sled or kube, nor on
+//!   `keel-sim` (a tidy test checks this).
 
 pub mod codec;
 pub mod command;
@@ -21,7 +24,6 @@ pub mod placement;
 pub mod policy;
 pub mod requests;
 pub mod rng;
-pub mod sim;
 pub mod spec;
 pub mod state;
 pub mod throughput;

@@ -3,20 +3,12 @@
 
 use std::process::Command;
 
-#[test]
-fn core_depends_on_no_runtime_network_raft_or_storage_crate() {
+/// The crates `package` depends on (normal dependencies, itself included).
+fn dependencies(package: &str) -> Vec<String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args([
-            "tree",
-            "-p",
-            "keel-core",
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-            "--format",
-            "{p}",
+            "tree", "-p", package, "-e", "normal", "--prefix", "none", "--format", "{p}",
         ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
@@ -27,18 +19,39 @@ fn core_depends_on_no_runtime_network_raft_or_storage_crate() {
         String::from_utf8_lossy(&out.stderr)
     );
     let tree = String::from_utf8_lossy(&out.stdout);
-    let crates: Vec<&str> = tree
+    let crates: Vec<String> = tree
         .lines()
         .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
         .collect();
     assert!(
-        crates.contains(&"keel-core"),
+        crates.iter().any(|c| c == package),
         "unexpected cargo tree output:\n{tree}"
     );
-    for forbidden in ["tokio", "tonic", "openraft", "sled", "kube", "hyper", "mio"] {
+    crates
+}
+
+const RUNTIME_NETWORK_RAFT_OR_STORAGE: [&str; 7] =
+    ["tokio", "tonic", "openraft", "sled", "kube", "hyper", "mio"];
+
+#[test]
+fn core_depends_on_no_runtime_network_raft_or_storage_crate() {
+    let crates = dependencies("keel-core");
+    for forbidden in RUNTIME_NETWORK_RAFT_OR_STORAGE.iter().chain(&["keel-sim"]) {
         assert!(
-            !crates.contains(&forbidden),
-            "keel-core depends on {forbidden}:\n{tree}"
+            !crates.iter().any(|c| c == forbidden),
+            "keel-core depends on {forbidden}: {crates:?}"
+        );
+    }
+}
+
+#[test]
+fn the_simulators_are_as_pure_as_the_core() {
+    let crates = dependencies("keel-sim");
+    for forbidden in RUNTIME_NETWORK_RAFT_OR_STORAGE {
+        assert!(
+            !crates.iter().any(|c| c == forbidden),
+            "keel-sim depends on {forbidden}: {crates:?}"
         );
     }
 }

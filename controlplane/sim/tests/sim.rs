@@ -3,10 +3,10 @@
 //! finishes under every policy.
 
 use keel_core::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias, POLICY_NAMES};
-use keel_core::sim::{
+use keel_core::throughput;
+use keel_sim::{
     cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode, ThroughputTable,
 };
-use keel_core::throughput;
 use proptest::prelude::*;
 
 fn job(id: u64, arrival_s: f64, workers: u32, total_steps: u64) -> SimJob {

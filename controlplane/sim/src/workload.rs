@@ -3,8 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::rng::SplitMix64;
-use crate::throughput;
+use keel_core::rng::SplitMix64;
+use keel_core::throughput;
 
 /// One job of a workload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use keel_core::gavel::mechanism::{Mechanism, MechanismConfig, TypeServers};
 use keel_core::gavel::{self, AllocationProblem, GAVEL_POLICY_NAMES};
-use keel_core::sim::{self, Generator, RoundSimConfig, SimJob};
+use keel_sim::{self as sim, Generator, RoundSimConfig, SimJob};
 use proptest::prelude::*;
 
 const TYPES: [&str; 3] = ["v100", "p100", "k80"];

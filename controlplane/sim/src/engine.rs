@@ -18,13 +18,13 @@
 
 use std::collections::BTreeMap;
 
-use crate::command::{Command, LogEntry};
-use crate::event::Event;
-use crate::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
-use crate::policy::{self, Policy};
-use crate::spec::{JobSpec, Workers};
-use crate::state::ClusterState;
-use crate::throughput;
+use keel_core::command::{Command, LogEntry};
+use keel_core::event::Event;
+use keel_core::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
+use keel_core::policy::{self, Policy};
+use keel_core::spec::{JobSpec, Workers};
+use keel_core::state::ClusterState;
+use keel_core::throughput;
 
 use super::workload::SimJob;
 
@@ -128,7 +128,7 @@ pub struct SimReport {
     /// Running jobs whose allocation changed without ending (resizes and
     /// moves): each is a checkpoint and relaunch.
     pub resizes: u64,
-    /// Workers that moved to another node (see [`crate::topology::migrations`]).
+    /// Workers that moved to another node (see [`keel_core::topology::migrations`]).
     pub migrations: u64,
     /// Log entries applied (refused ones included).
     pub entries: u64,
@@ -515,7 +515,7 @@ impl Engine<'_> {
                 let per = self.state.job(job_id).map_or(1, |j| j.spec.gpus);
                 self.report.resizes += 1;
                 self.report.migrations +=
-                    u64::from(crate::topology::migrations(before, &gpus, per));
+                    u64::from(keel_core::topology::migrations(before, &gpus, per));
             }
             let rate = self.rate(job_id, &gpu_type, count);
             let restart = self.config.restart_s.max(0.0);
