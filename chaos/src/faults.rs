@@ -5,7 +5,7 @@
 //! cluster to commit again. The kinds are dealt from a seeded shuffle of
 //! all of them, so every kind comes up equally often.
 
-use keel_core::rng::SplitMix64;
+use keel_state::rng::SplitMix64;
 use serde::Serialize;
 
 /// One kind of fault.

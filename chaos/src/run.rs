@@ -130,7 +130,7 @@ impl Probes {
             tokio::spawn(async move {
                 let invoked_ms = clock.now_ms();
                 let call = c.submit_job(api::SubmitJobRequest {
-                    spec: Some(keel_core::codec::spec_to_proto(&workload::job_spec(
+                    spec: Some(keel_state::codec::spec_to_proto(&workload::job_spec(
                         &name, false,
                     ))),
                     request_id: name.clone(),
@@ -261,7 +261,7 @@ async fn schedules(cluster: &Cluster, bound: Duration) -> Result<(), String> {
     }
     let id = loop {
         let call = c.submit_job(api::SubmitJobRequest {
-            spec: Some(keel_core::codec::spec_to_proto(&workload::job_spec(
+            spec: Some(keel_state::codec::spec_to_proto(&workload::job_spec(
                 "liveness", true,
             ))),
             // Sent until acknowledged: one request id makes it one job.
@@ -502,7 +502,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
                 if let Some(mut c) = cluster.client(leader) {
                     let name = format!("pause-probe-{}", rounds.len());
                     let call = c.submit_job(api::SubmitJobRequest {
-                        spec: Some(keel_core::codec::spec_to_proto(&workload::job_spec(
+                        spec: Some(keel_state::codec::spec_to_proto(&workload::job_spec(
                             &name, true,
                         ))),
                         request_id: name.clone(),

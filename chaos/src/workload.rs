@@ -19,8 +19,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use keel_core::rng::SplitMix64;
 use keel_proto::api;
+use keel_state::rng::SplitMix64;
 use serde::Serialize;
 use tonic::Code;
 
@@ -154,8 +154,8 @@ pub const NO_SUCH_GPU_TYPE: &str = "chaos-none";
 /// twice and succeeds within half a second. A job
 /// that is not `runnable` allows only a GPU type no node has, so it stays
 /// pending (scheduling runs, but the backlog stays bounded).
-pub fn job_spec(name: &str, runnable: bool) -> keel_core::JobSpec {
-    let mut spec = keel_core::fixtures::job_spec(name, 1, 1);
+pub fn job_spec(name: &str, runnable: bool) -> keel_state::JobSpec {
+    let mut spec = keel_state::fixtures::job_spec(name, 1, 1);
     spec.user = "chaos".into();
     // Two progress reports a few tenths of a second apart, then success.
     spec.command = vec![
@@ -264,7 +264,7 @@ pub async fn client(
                 // arrives. A lost answer is retried at another replica, and
                 // one submission in ten loses its first answer on purpose
                 // (the client never sees it and retries).
-                let spec = keel_core::codec::spec_to_proto(&job_spec(name, runnable));
+                let spec = keel_state::codec::spec_to_proto(&job_spec(name, runnable));
                 let lose_first_answer = rng.below(10) == 0;
                 let mut in_doubt = false;
                 let outcome = loop {

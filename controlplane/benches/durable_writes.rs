@@ -131,10 +131,10 @@ async fn proposals(proposer: &keel::proposer::Proposer, tasks: usize, secs: f64)
             let mut latencies = Vec::new();
             let mut i = t * 1_000_000;
             while start.elapsed().as_secs_f64() < secs {
-                let spec = keel_core::codec::spec_from_proto(spec(i));
+                let spec = keel_state::codec::spec_from_proto(spec(i));
                 let t0 = Instant::now();
                 proposer
-                    .propose(keel_core::Command::SubmitJob { spec })
+                    .propose(keel_state::Command::SubmitJob { spec })
                     .await
                     .expect("propose");
                 latencies.push(t0.elapsed());
@@ -181,7 +181,7 @@ fn main() {
             executor_dir: None,
             ssh: None,
             kubernetes: None,
-            policy: std::sync::Arc::new(keel_core::policy::Fifo::default()),
+            policy: std::sync::Arc::new(keel_scheduling::policy::Fifo::default()),
             policy_options: Default::default(),
             loops: keel::leader::LoopSettings::default(),
         };

@@ -7,11 +7,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use keel_core::codec::spec_from_proto;
-use keel_core::{Command, JobState};
 use keel_executors::Executor;
 use keel_proto::api::{self, keel_client::KeelClient, keel_server::Keel};
 use keel_proto::entry::AppliedEntry;
+use keel_state::codec::spec_from_proto;
+use keel_state::{Command, JobState};
 use openraft::ServerState;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -38,7 +38,7 @@ pub fn system_clock() -> Clock {
 /// Records sent per read of the journal while streaming events.
 const WATCH_BATCH: usize = 512;
 /// Longest user filter accepted by ListJobs.
-const USER_FILTER_MAX_LEN: usize = keel_core::spec::limits::USER_MAX_LEN;
+const USER_FILTER_MAX_LEN: usize = keel_state::spec::limits::USER_MAX_LEN;
 
 /// Default and largest tail of each worker log that GetLogs returns.
 const LOG_TAIL_DEFAULT_BYTES: u64 = 64 * 1024;
@@ -216,10 +216,10 @@ impl KeelApi {
         &self,
         command: Command,
         request_id: String,
-    ) -> Result<(u64, Vec<keel_core::Event>), ApiError> {
+    ) -> Result<(u64, Vec<keel_state::Event>), ApiError> {
         let request_id = Some(request_id).filter(|id| !id.is_empty());
         if let Some(id) = &request_id {
-            keel_core::requests::validate_request_id(id)?;
+            keel_state::requests::validate_request_id(id)?;
         }
         self.proposer.propose_request(command, request_id).await
     }
@@ -231,7 +231,7 @@ impl KeelApi {
     /// the state's read lock).
     fn not_launched<'a>(
         &self,
-        job: &'a keel_core::Job,
+        job: &'a keel_state::Job,
         owned: &mut std::collections::BTreeMap<&'a str, bool>,
     ) -> Option<String> {
         let allocation = job.allocation.as_ref()?;
@@ -273,7 +273,7 @@ impl Keel for KeelApi {
         let job_id = events
             .iter()
             .find_map(|e| match e {
-                keel_core::Event::JobSubmitted { job_id, .. } => Some(*job_id),
+                keel_state::Event::JobSubmitted { job_id, .. } => Some(*job_id),
                 _ => None,
             })
             .ok_or_else(|| ApiError::Storage("submission applied without a job id".into()))?;
@@ -324,7 +324,7 @@ impl Keel for KeelApi {
         if let Some(why) = self.not_launched(job, &mut Default::default()) {
             reply.message = why;
         }
-        reply.estimate = keel_core::perf::estimate(&applied.state, job)
+        reply.estimate = keel_scheduling::perf::estimate(&applied.state, job)
             .as_ref()
             .map(crate::convert::estimate_to_proto);
         Ok(Response::new(reply))
@@ -672,7 +672,7 @@ impl Keel for KeelApi {
         let requeued = events
             .iter()
             .filter_map(|e| match e {
-                keel_core::Event::JobPreempted { job_id, .. } => Some(*job_id),
+                keel_state::Event::JobPreempted { job_id, .. } => Some(*job_id),
                 _ => None,
             })
             .collect::<Vec<_>>();
@@ -688,7 +688,7 @@ impl Keel for KeelApi {
         let api::SetPolicyRequest { name, request_id } = request.into_inner();
         // Checked here for a clear error before anything is logged; `apply`
         // checks again (the log is the authority).
-        keel_core::policy::by_name(&name, Default::default()).map_err(|e| {
+        keel_scheduling::policy::by_name(&name, Default::default()).map_err(|e| {
             ApiError::InvalidArgument {
                 field: "name",
                 message: e.to_string(),
@@ -697,7 +697,7 @@ impl Keel for KeelApi {
         if let Some(why) = self
             .executor
             .cannot_share_gpus()
-            .filter(|_| keel_core::gavel::shares_gpus(&name))
+            .filter(|_| keel_scheduling::gavel::shares_gpus(&name))
         {
             return Err(ApiError::Unsupported(format!("policy {name:?}: {why}")).into());
         }
@@ -959,13 +959,13 @@ impl Keel for KeelApi {
 /// Why no node of the cluster as it is can run `spec` (issue 19, item 8),
 /// as `keel job` and `keel jobs` show it for a [`waiting`] job; `None` when
 /// some node could.
-fn never_fits(state: &keel_core::ClusterState, spec: &keel_core::JobSpec) -> Option<String> {
-    keel_core::placement::never_fits(state, spec)
+fn never_fits(state: &keel_state::ClusterState, spec: &keel_state::JobSpec) -> Option<String> {
+    keel_scheduling::placement::never_fits(state, spec)
         .map(|why| format!("waiting: {why} (nodes may still join)"))
 }
 
 /// A job waiting for GPUs with no message of its own.
-fn waiting(job: &keel_core::Job) -> bool {
+fn waiting(job: &keel_state::Job) -> bool {
     matches!(job.state, JobState::Pending | JobState::Preempted) && job.message.is_empty()
 }
 

@@ -4,9 +4,9 @@ use std::io::Read;
 use std::path::Path;
 
 use anyhow::{bail, Context};
-use keel_core::codec::spec_to_proto;
-use keel_core::JobSpec;
 use keel_proto::api::{self, keel_client::KeelClient};
+use keel_state::codec::spec_to_proto;
+use keel_state::JobSpec;
 use tonic::transport::Channel;
 
 use crate::render::{self, Output};
@@ -93,7 +93,7 @@ pub fn new_request_id() -> String {
     format!("cli-{:032x}", rand::random::<u128>())
 }
 
-/// Runs a write under one request id (see `keel_core::requests`),
+/// Runs a write under one request id (see `keel_state::requests`),
 /// sending it again (reconnecting, for at most [`WRITE_RETRY_FOR`]) while
 /// there is no leader to take it or its answer was lost: the server
 /// applies it once and answers a repeat with the first outcome.

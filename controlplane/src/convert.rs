@@ -1,8 +1,8 @@
 //! Domain objects to their API messages.
 
-use keel_core::codec::{gpu_ref_to_proto, gpu_to_proto, sample_to_proto, spec_to_proto};
-use keel_core::{Job, Node, WorkerState};
 use keel_proto::api;
+use keel_state::codec::{gpu_ref_to_proto, gpu_to_proto, sample_to_proto, spec_to_proto};
+use keel_state::{Job, Node, WorkerState};
 
 pub fn job_to_proto(job: &Job) -> api::Job {
     api::Job {
@@ -45,7 +45,7 @@ pub fn job_to_proto(job: &Job) -> api::Job {
 }
 
 /// The performance models' estimate for `job`, as `GetJob` returns it.
-pub fn estimate_to_proto(e: &keel_core::perf::Estimate) -> api::JobEstimate {
+pub fn estimate_to_proto(e: &keel_scheduling::perf::Estimate) -> api::JobEstimate {
     api::JobEstimate {
         remaining_steps: e.remaining_steps,
         steps_per_s: e.steps_per_s,
@@ -58,10 +58,10 @@ pub fn estimate_to_proto(e: &keel_core::perf::Estimate) -> api::JobEstimate {
 
 pub fn node_to_proto<'a>(
     node: &Node,
-    holders: impl Iterator<Item = (&'a keel_core::GpuRef, &'a keel_core::GpuHolders)>,
+    holders: impl Iterator<Item = (&'a keel_state::GpuRef, &'a keel_state::GpuHolders)>,
     owned: bool,
 ) -> api::Node {
-    let here: Vec<(u32, keel_core::GpuHolders)> = holders
+    let here: Vec<(u32, keel_state::GpuHolders)> = holders
         .filter(|(g, _)| g.node == node.name)
         .map(|(g, h)| (g.index, *h))
         .collect();
@@ -73,7 +73,7 @@ pub fn node_to_proto<'a>(
             .gpus
             .iter()
             .map(|(index, gpu_type)| {
-                gpu_to_proto(&keel_core::Gpu {
+                gpu_to_proto(&keel_state::Gpu {
                     index: *index,
                     gpu_type: gpu_type.clone(),
                 })

@@ -8,12 +8,12 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use keel_core::{JobId, ProgressSample};
 use keel_executors::contract::WorkerLaunch;
 use keel_executors::{
     Executor, ExecutorError, KubeExecutor, LocalExecutor, NodeProbe, Observed, SshExecutor,
     WorkerId, WorkerLog,
 };
+use keel_state::{JobId, ProgressSample};
 
 /// One of Keel's executors.
 #[derive(Debug, Clone)]

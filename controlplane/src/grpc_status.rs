@@ -1,6 +1,6 @@
 //! The one mapping from domain errors to gRPC status codes.
 
-use keel_core::{ApplyError, SpecError};
+use keel_state::{ApplyError, SpecError};
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::BasicNode;
 use tonic::{Code, Status};

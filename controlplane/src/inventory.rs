@@ -5,8 +5,8 @@
 //! --simulated-nodes 2`), and reports it to the leader in its heartbeats
 //! ([`crate::node_liveness`]), which register it.
 
-use keel_core::Gpu;
 use keel_executors::discovery::{self, DiscoveryError};
+use keel_state::Gpu;
 
 /// One node this server runs workers on.
 #[derive(Debug, Clone, PartialEq, Eq)]

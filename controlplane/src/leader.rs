@@ -21,11 +21,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::policy::{by_name_with, decide, Policy, PolicyOptions};
-use keel_core::state::limits::PROGRESS_SAMPLES_MAX;
-use keel_core::{Command, JobId, ProgressSample};
 use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
 use keel_executors::{Executor, Observed};
+use keel_scheduling::policy::{by_name_with, decide, Policy, PolicyOptions};
+use keel_state::state::limits::PROGRESS_SAMPLES_MAX;
+use keel_state::{Command, JobId, ProgressSample};
 use openraft::ServerState;
 use tokio::sync::watch;
 
@@ -227,7 +227,7 @@ pub async fn scheduling_loop(
             // GPUs (the API refuses it; an older log may hold it): keep the
             // configured one.
             let wanted = match cannot_share_gpus {
-                Some(why) if keel_core::gavel::shares_gpus(wanted) => {
+                Some(why) if keel_scheduling::gavel::shares_gpus(wanted) => {
                     if policy.name() != default_policy.name() {
                         tracing::warn!(
                             policy = wanted,

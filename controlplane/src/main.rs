@@ -23,7 +23,7 @@ use keel::inventory::{NodeInventory, DEFAULT_SIMULATED_GPUS, DEFAULT_SIMULATED_N
 use keel::leader::LoopSettings;
 use keel::raft_node::RaftSettings;
 use keel::server::{shutdown_signal, Server, ServerConfig};
-use keel_core::policy::QueueOptions;
+use keel_scheduling::policy::QueueOptions;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -270,8 +270,8 @@ pub struct TiresiasArgs {
 }
 
 impl TiresiasArgs {
-    pub fn options(&self) -> anyhow::Result<keel_core::policy::TiresiasOptions> {
-        let options = keel_core::policy::TiresiasOptions {
+    pub fn options(&self) -> anyhow::Result<keel_scheduling::policy::TiresiasOptions> {
+        let options = keel_scheduling::policy::TiresiasOptions {
             thresholds_gpu_s: self.tiresias_thresholds_gpu_s.clone(),
             starvation_factor: self.starvation_factor,
         };
@@ -315,8 +315,8 @@ pub fn parse_price(s: &str) -> Result<(String, f64), String> {
 }
 
 impl GavelArgs {
-    pub fn options(&self) -> anyhow::Result<keel_core::policy::GavelOptions> {
-        let options = keel_core::policy::GavelOptions {
+    pub fn options(&self) -> anyhow::Result<keel_scheduling::policy::GavelOptions> {
+        let options = keel_scheduling::policy::GavelOptions {
             round_s: self.gavel_round_s,
             min_resolve_interval_s: self.resolve_interval_s,
             instance_costs: self.gpu_prices.iter().cloned().collect(),
@@ -422,20 +422,20 @@ const POLICY_EVAL_INPUT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 fn policy_eval(input: &std::path::Path, policy: Option<&str>) -> anyhow::Result<()> {
     use anyhow::Context;
     let text = sim_cmd::read_text_limited(input, POLICY_EVAL_INPUT_MAX_BYTES)?;
-    let problem: keel_core::gavel::AllocationProblem =
+    let problem: keel_scheduling::gavel::AllocationProblem =
         serde_json::from_str(&text).with_context(|| format!("in {}", input.display()))?;
     let mut results = std::collections::BTreeMap::new();
     match policy {
         Some(name) => {
-            let result = keel_core::gavel::solve(name, &problem)?;
+            let result = keel_scheduling::gavel::solve(name, &problem)?;
             results.insert(name, serde_json::to_value(result)?);
         }
         None => {
             // Bad input fails the command; a policy that does not take
             // this input (AlloX and multi-GPU jobs) says so in its entry.
             problem.validate()?;
-            for name in keel_core::gavel::GAVEL_POLICY_NAMES {
-                let value = match keel_core::gavel::solve(name, &problem) {
+            for name in keel_scheduling::gavel::GAVEL_POLICY_NAMES {
+                let value = match keel_scheduling::gavel::solve(name, &problem) {
                     Ok(result) => serde_json::to_value(result)?,
                     Err(e) => serde_json::json!({ "error": e.to_string() }),
                 };
@@ -594,13 +594,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 }
                 Ok(Duration::from_secs_f64(s))
             };
-            let policy_options = keel_core::policy::PolicyOptions {
+            let policy_options = keel_scheduling::policy::PolicyOptions {
                 queue: QueueOptions { backfill },
                 tiresias: tiresias.options()?,
                 gavel: gavel.options()?,
             };
-            let policy = keel_core::policy::by_name_with(&policy, &policy_options)?;
-            if kubernetes.kubernetes && keel_core::gavel::shares_gpus(policy.name()) {
+            let policy = keel_scheduling::policy::by_name_with(&policy, &policy_options)?;
+            if kubernetes.kubernetes && keel_scheduling::gavel::shares_gpus(policy.name()) {
                 anyhow::bail!(
                     "--policy {}: {}",
                     policy.name(),
@@ -833,7 +833,7 @@ async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
         rank: u32::try_from(env_num("KEEL_RANK")?.unwrap_or(0)).unwrap_or(u32::MAX),
         checkpoint_dir: env("KEEL_CHECKPOINT_DIR").map(PathBuf::from),
         shared_with_model: env("KEEL_SHARED_WITH_MODEL").or_else(|| {
-            env("KEEL_SHARED_WITH_JOB").map(|_| keel_core::throughput::GENERIC_MODEL.into())
+            env("KEEL_SHARED_WITH_JOB").map(|_| keel_scheduling::throughput::GENERIC_MODEL.into())
         }),
         seed: env_num("KEEL_JOB_ID")?.unwrap_or(0),
     };

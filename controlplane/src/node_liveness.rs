@@ -20,11 +20,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keel_core::liveness::{NodeLiveness, NodeReport};
-use keel_core::Command;
 use keel_proto::api::keel_server::Keel;
 use keel_proto::api::NodeHeartbeatRequest;
 use keel_proto::entry as pb;
+use keel_state::liveness::{NodeLiveness, NodeReport};
+use keel_state::Command;
 use tokio::sync::watch;
 
 use crate::api::{Clock, KeelApi};
@@ -107,7 +107,7 @@ pub fn reports_from_proto(nodes: Vec<pb::RegisterNode>) -> Vec<NodeReport> {
             gpus: n
                 .gpus
                 .into_iter()
-                .map(keel_core::codec::gpu_from_proto)
+                .map(keel_state::codec::gpu_from_proto)
                 .collect(),
         })
         .collect()
@@ -131,7 +131,7 @@ pub async fn heartbeat_loop(
             .map(|n| pb::RegisterNode {
                 name: n.name.clone(),
                 address: n.address.clone(),
-                gpus: n.gpus.iter().map(keel_core::codec::gpu_to_proto).collect(),
+                gpus: n.gpus.iter().map(keel_state::codec::gpu_to_proto).collect(),
             })
             .collect(),
     };

@@ -8,8 +8,8 @@
 //! proposal was being made durable as one [`Proposal`]. Each command still
 //! gets its own outcome.
 
-use keel_core::codec::entry_to_proto;
-use keel_core::{Command, Event, LogEntry, Proposal};
+use keel_state::codec::entry_to_proto;
+use keel_state::{Command, Event, LogEntry, Proposal};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 
@@ -53,7 +53,7 @@ impl Proposer {
     }
 
     /// Proposes a client's command under its request id (see
-    /// `keel_core::requests`): a repeat is answered with the first outcome.
+    /// `keel_state::requests`): a repeat is answered with the first outcome.
     pub async fn propose_request(&self, command: Command, request_id: Option<String>) -> Committed {
         let (reply, rx) = oneshot::channel();
         self.tx

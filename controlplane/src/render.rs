@@ -488,7 +488,7 @@ pub fn policy_set(name: &str, index: u64, out: Output) -> anyhow::Result<()> {
 }
 
 pub fn policy_show(policy: &str, out: Output) -> anyhow::Result<()> {
-    let known = keel_core::policy::all_policy_names();
+    let known = keel_scheduling::policy::all_policy_names();
     match out {
         Output::Json => print_json(&serde_json::json!({"policy": policy, "known": known})),
         Output::Table => {

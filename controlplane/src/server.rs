@@ -10,10 +10,10 @@ use keel_proto::api::keel_server::KeelServer;
 use keel_storage::DataDir;
 use tokio::net::TcpListener;
 
-use keel_core::policy::Policy;
 use keel_executors::{
     KubeConfig, KubeExecutor, LocalConfig, LocalExecutor, SshConfig, SshExecutor,
 };
+use keel_scheduling::policy::Policy;
 
 use crate::api::{Clock, KeelApi};
 use crate::executors::AnyExecutor;
@@ -51,7 +51,7 @@ pub struct ServerConfig {
     /// (`SetPolicy`, logged).
     pub policy: Arc<dyn Policy>,
     /// Options for the policies switched to at run time.
-    pub policy_options: keel_core::policy::PolicyOptions,
+    pub policy_options: keel_scheduling::policy::PolicyOptions,
     pub loops: LoopSettings,
 }
 

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use keel_core::gavel::mechanism::MechanismConfig;
-use keel_core::policy::QueueOptions;
+use keel_scheduling::gavel::mechanism::MechanismConfig;
+use keel_scheduling::policy::QueueOptions;
 use keel_sim::{self as sim, RoundSimConfig, SimConfig, SimJob, SimReport};
 use serde::Serialize;
 
@@ -198,7 +198,7 @@ fn workload(args: &SimArgs) -> anyhow::Result<Vec<SimJob>> {
 /// state machine) or a heterogeneity-aware one (the round-based
 /// mechanism).
 enum SimPolicy {
-    Keel(Box<dyn keel_core::policy::Policy>),
+    Keel(Box<dyn keel_scheduling::policy::Policy>),
     Gavel(String),
 }
 
@@ -259,7 +259,7 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     } else {
         args.compare.clone()
     };
-    let options = keel_core::policy::PolicyOptions {
+    let options = keel_scheduling::policy::PolicyOptions {
         queue: QueueOptions {
             backfill: args.backfill,
         },
@@ -272,15 +272,15 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     let policies = names
         .iter()
         .map(|n| {
-            if keel_core::gavel::GAVEL_POLICY_NAMES.contains(&n.as_str()) {
+            if keel_scheduling::gavel::GAVEL_POLICY_NAMES.contains(&n.as_str()) {
                 Ok(SimPolicy::Gavel(n.clone()))
             } else if args.gavel_compat {
                 anyhow::bail!(
                     "--gavel-compat runs the heterogeneity-aware policies ({}); {n:?} is not one",
-                    keel_core::gavel::GAVEL_POLICY_NAMES.join(", ")
+                    keel_scheduling::gavel::GAVEL_POLICY_NAMES.join(", ")
                 )
             } else {
-                Ok(SimPolicy::Keel(keel_core::policy::by_name_with(
+                Ok(SimPolicy::Keel(keel_scheduling::policy::by_name_with(
                     n, &options,
                 )?))
             }

@@ -192,7 +192,7 @@ fn compare_with_plots_writes_one_svg_per_figure_with_every_policy() {
 #[test]
 fn policy_eval_prints_gavel_shaped_allocations_and_names_bad_fields() {
     let golden: serde_json::Value = serde_json::from_str(include_str!(
-        "../core/tests/fixtures/gavel_golden_small.json"
+        "../scheduling/tests/fixtures/gavel_golden_small.json"
     ))
     .expect("fixture");
     let dir = tempfile::tempdir().expect("tempdir");

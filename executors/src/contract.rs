@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use keel_core::{GpuRef, JobId, ProgressSample};
+use keel_state::{GpuRef, JobId, ProgressSample};
 use serde::Deserialize;
 
 use crate::WorkerId;

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use keel_core::Gpu;
+use keel_state::Gpu;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DiscoveryError {
@@ -38,7 +38,7 @@ pub fn parse_simulated_gpus(spec: &str) -> Result<Vec<(String, u32)>, DiscoveryE
         let count: u64 = count.trim().parse().map_err(|_| bad())?;
         let gpu_type = gpu_type.trim().to_ascii_lowercase();
         let valid_type = !gpu_type.is_empty()
-            && gpu_type.len() <= keel_core::spec::limits::GPU_TYPE_MAX_LEN
+            && gpu_type.len() <= keel_state::spec::limits::GPU_TYPE_MAX_LEN
             && gpu_type
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
@@ -141,7 +141,7 @@ pub fn gpu_type_of(name: &str) -> String {
     let cleaned: String = raw
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
-        .take(keel_core::spec::limits::GPU_TYPE_MAX_LEN)
+        .take(keel_state::spec::limits::GPU_TYPE_MAX_LEN)
         .collect();
     if cleaned.is_empty() {
         "gpu".into()

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
-use keel_core::liveness::NodeReport;
-use keel_core::{JobId, ProgressSample};
+use keel_state::liveness::NodeReport;
+use keel_state::{JobId, ProgressSample};
 
 use crate::contract::WorkerLaunch;
 use crate::reconcile::Observed;

@@ -34,8 +34,8 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use keel_core::liveness::NodeReport;
-use keel_core::{Gpu, GpuRef, JobId, ProgressSample};
+use keel_state::liveness::NodeReport;
+use keel_state::{Gpu, GpuRef, JobId, ProgressSample};
 use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use kube::runtime::watcher;
 

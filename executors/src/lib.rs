@@ -27,7 +27,7 @@ pub mod ssh;
 pub mod supervisor;
 pub mod trainer;
 
-use keel_core::JobId;
+use keel_state::JobId;
 
 pub use executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
 pub use kubernetes::{KubeConfig, KubeExecutor};
@@ -56,10 +56,10 @@ mod tests {
 
     #[test]
     fn ranks_split_gpus_in_order_and_ids_print() {
-        let allocation = keel_core::Allocation {
+        let allocation = keel_state::Allocation {
             epoch: 1,
             gpus: (0..4)
-                .map(|index| keel_core::GpuRef {
+                .map(|index| keel_state::GpuRef {
                     node: "n0".into(),
                     index,
                 })

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use keel_core::{GpuRef, JobId, ProgressSample};
+use keel_state::{GpuRef, JobId, ProgressSample};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;

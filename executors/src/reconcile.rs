@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use keel_core::{ClusterState, GpuRef, JobState, WorkerState};
+use keel_state::{ClusterState, GpuRef, JobState, WorkerState};
 
 use crate::contract::{SharedWith, WorkerLaunch};
 use crate::WorkerId;
@@ -233,8 +233,8 @@ pub fn reconcile(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_core::fixtures::job_spec;
-    use keel_core::{Command, Gpu, JobPlacement, LogEntry};
+    use keel_state::fixtures::job_spec;
+    use keel_state::{Command, Gpu, JobPlacement, LogEntry};
 
     struct World {
         state: ClusterState,

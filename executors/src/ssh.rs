@@ -40,8 +40,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use keel_core::liveness::NodeReport;
-use keel_core::{Gpu, GpuRef, JobId, ProgressSample};
+use keel_state::liveness::NodeReport;
+use keel_state::{Gpu, GpuRef, JobId, ProgressSample};
 use openssh::{ChildStdin, ControlPersist, KnownHosts, Session, SessionBuilder, Stdio};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 

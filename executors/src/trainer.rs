@@ -15,8 +15,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use keel_core::rng::SplitMix64;
-use keel_core::throughput::{profile, LossCurve};
+use keel_scheduling::throughput::{profile, LossCurve};
+use keel_state::rng::SplitMix64;
 use serde::{Deserialize, Serialize};
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -46,7 +46,7 @@ pub struct TrainerOptions {
     pub seed: u64,
     /// Space sharing: the model of the job on the same GPUs. A simulated
     /// GPU is shared as the table's interference model says
-    /// ([`keel_core::throughput::ModelProfile::shared_fraction`]).
+    /// ([`keel_scheduling::throughput::ModelProfile::shared_fraction`]).
     pub shared_with_model: Option<String>,
 }
 
@@ -128,7 +128,7 @@ pub async fn run(opts: TrainerOptions, out: &mut (dyn Write + Send)) -> Result<i
     let profile = profile(&opts.model);
     let gpus = opts.gpus.max(1);
     let shared = opts.shared_with_model.as_deref().map_or(1.0, |m| {
-        profile.shared_fraction(keel_core::throughput::profile(m))
+        profile.shared_fraction(keel_scheduling::throughput::profile(m))
     });
     let steps_per_wall_s = profile.steps_per_s(&opts.gpu_type, gpus) * shared * opts.speedup;
     let samples_per_s = profile.samples_per_s(&opts.gpu_type, gpus) * shared;
@@ -241,7 +241,7 @@ mod tests {
         let code = run(opts(dir.path()), &mut out).await.expect("runs");
         assert_eq!(code, 0);
         let text = String::from_utf8(out).expect("utf8");
-        let samples: Vec<keel_core::ProgressSample> = text
+        let samples: Vec<keel_state::ProgressSample> = text
             .lines()
             .filter_map(|l| crate::contract::parse_progress_line(l, 0))
             .collect();

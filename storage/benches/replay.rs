@@ -4,8 +4,8 @@
 //! Run: `cargo bench -p keel-storage --bench replay`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use keel_core::fixtures::mixed_entries;
-use keel_core::Proposal;
+use keel_state::fixtures::mixed_entries;
+use keel_state::Proposal;
 use keel_storage::{Entry, StateMachineStore};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, EntryPayload, LogId};
@@ -20,7 +20,7 @@ fn replay_journal(c: &mut Criterion) {
         let entries = mixed_entries(ENTRIES, 32, 42);
         // Apply batches of 1 to 64 entries, as a live leader does, then
         // compact the journal behind a snapshot, as the server does.
-        let mut rng = keel_core::fixtures::SplitMix64::new(7);
+        let mut rng = keel_state::fixtures::SplitMix64::new(7);
         rt.block_on(async {
             let mut next = 0usize;
             while next < entries.len() {

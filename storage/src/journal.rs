@@ -7,9 +7,9 @@
 //! pages behind a snapshot into pages of about [`PAGE_TARGET_ENTRIES`]: the
 //! content and order never change, only how many sled values hold them.
 
-use keel_core::codec::{entry_from_proto, entry_to_proto};
-use keel_core::{ClusterState, LogEntry};
 use keel_proto::entry as pb;
+use keel_state::codec::{entry_from_proto, entry_to_proto};
+use keel_state::{ClusterState, LogEntry};
 use prost::Message;
 
 use crate::replay::ReplayError;
@@ -41,7 +41,7 @@ impl PageBuilder {
 fn decode_page(first: u64, bytes: &[u8]) -> Result<Vec<(u64, pb::LogEntry)>, ReplayError> {
     let page = pb::JournalPage::decode(bytes).map_err(|e| ReplayError::Decode {
         index: first,
-        source: keel_core::codec::DecodeError::Protobuf(e.to_string()),
+        source: keel_state::codec::DecodeError::Protobuf(e.to_string()),
     })?;
     if page.indexes.len() != page.entries.len() {
         return Err(ReplayError::Read(format!(

@@ -33,7 +33,7 @@ mod state_machine;
 
 use std::io::Cursor;
 
-use keel_core::{ApplyError, Event};
+use keel_state::{ApplyError, Event};
 use openraft::BasicNode;
 use serde::{Deserialize, Serialize};
 
@@ -57,9 +57,9 @@ pub struct ApplyResponse {
 }
 
 openraft::declare_raft_types!(
-    /// Keel's Raft types: entries carry a `keel_core::Proposal`.
+    /// Keel's Raft types: entries carry a `keel_state::Proposal`.
     pub TypeConfig:
-        D = keel_core::Proposal,
+        D = keel_state::Proposal,
         R = ApplyResponse,
         NodeId = u64,
         Node = BasicNode,

@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use keel_core::codec::{decode_proposal, encode_proposal};
+use keel_state::codec::{decode_proposal, encode_proposal};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{
     CommittedLeaderId, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftLogReader, Vote,

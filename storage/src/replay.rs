@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use keel_core::{ClusterState, StateHash};
+use keel_state::{ClusterState, StateHash};
 
 use crate::journal::apply_journal;
 use crate::state_machine::{applied_key, decode_snapshot, index_of, key, PREFIX_CHECKPOINT};
@@ -18,7 +18,7 @@ pub enum ReplayError {
     #[error("journal entry {index} cannot be decoded: {source}")]
     Decode {
         index: u64,
-        source: keel_core::codec::DecodeError,
+        source: keel_state::codec::DecodeError,
     },
     #[error("the checkpoint at index {index} cannot be decoded: {message}")]
     Checkpoint { index: u64, message: String },

@@ -20,9 +20,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use keel_core::codec::applied_entry_to_proto;
-use keel_core::ClusterState;
 use keel_proto::entry as pb;
+use keel_state::codec::applied_entry_to_proto;
+use keel_state::ClusterState;
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
     AnyError, BasicNode, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftSnapshotBuilder,

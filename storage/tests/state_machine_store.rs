@@ -1,13 +1,13 @@
 //! The sled state machine: recovery on reopen, snapshots, the journal, and
 //! offline replay, on real files.
 
-use keel_core::{Command, Gpu, GpuRef, JobPlacement, JobSpec, LogEntry, Proposal};
+use keel_state::{Command, Gpu, GpuRef, JobPlacement, JobSpec, LogEntry, Proposal};
 use keel_storage::{replay, Entry, StateMachineStore};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder};
 
 fn spec(name: &str) -> JobSpec {
-    keel_core::fixtures::job_spec(name, 1, 1)
+    keel_state::fixtures::job_spec(name, 1, 1)
 }
 
 fn normal(index: u64, command: Command) -> Entry {
@@ -163,7 +163,7 @@ async fn an_installed_snapshot_is_a_replay_checkpoint() {
 #[tokio::test]
 async fn journal_compaction_keeps_content_and_order() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let entries = keel_core::fixtures::mixed_entries(5_000, 4, 3);
+    let entries = keel_state::fixtures::mixed_entries(5_000, 4, 3);
     let mut sm = StateMachineStore::open(dir.path()).expect("open");
     // One page per small batch, as a lightly loaded leader writes them.
     let mut index = 0u64;
@@ -186,7 +186,7 @@ async fn journal_compaction_keeps_content_and_order() {
     // Replay to an index in the middle of what will be a merged page.
     sm.flush().expect("flush");
     let before = {
-        let mut state = keel_core::ClusterState::new();
+        let mut state = keel_state::ClusterState::new();
         for (i, e) in entries.iter().take(2_500).enumerate() {
             let _ = state.apply(i as u64 + 1, e);
         }

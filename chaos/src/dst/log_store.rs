@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use keel_core::fixtures::SplitMix64;
+use keel_state::fixtures::SplitMix64;
 use keel_storage::{Entry, LogId, StorageError, TypeConfig};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{OptionalSend, RaftLogReader, Vote};

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use keel::membership::{member_of, Strangers};
-use keel_core::fixtures::SplitMix64;
+use keel_state::fixtures::SplitMix64;
 use keel_storage::{SharedState, TypeConfig};
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable,

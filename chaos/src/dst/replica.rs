@@ -100,7 +100,7 @@ pub struct Replica {
     /// Its Raft id: the member id and the incarnation of its disk (a new
     /// one after each wipe, drawn from `incarnations`).
     pub raft_id: u64,
-    incarnations: keel_core::fixtures::SplitMix64,
+    incarnations: keel_state::fixtures::SplitMix64,
     pub disk: SimDisk,
     pub state_dir: PathBuf,
     running: Option<Running>,
@@ -120,7 +120,7 @@ impl std::fmt::Debug for Replica {
 impl Replica {
     /// `lying_disk`: see [`super::DstConfig`].
     pub fn new(id: u64, state_dir: PathBuf, disk_seed: u64, lying_disk: bool) -> Replica {
-        let mut incarnations = keel_core::fixtures::SplitMix64::new(disk_seed ^ 0x1ca7);
+        let mut incarnations = keel_state::fixtures::SplitMix64::new(disk_seed ^ 0x1ca7);
         Replica {
             id,
             raft_id: keel::membership::raft_id(id, 1 + incarnations.below(1 << 40)),

@@ -5,10 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel::raft_node::RaftSettings;
-use keel_core::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
-use keel_core::fixtures::{job_spec, SplitMix64};
-use keel_core::model::{Gpu, GpuRef, JobState};
-use keel_core::ClusterState;
+use keel_state::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
+use keel_state::fixtures::{job_spec, SplitMix64};
+use keel_state::model::{Gpu, GpuRef, JobState};
+use keel_state::ClusterState;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ServerState};
 use serde::Serialize;

@@ -18,13 +18,13 @@
 
 use std::collections::BTreeMap;
 
-use keel_core::command::{Command, LogEntry};
-use keel_core::event::Event;
-use keel_core::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
-use keel_core::policy::{self, Policy};
-use keel_core::spec::{JobSpec, Workers};
-use keel_core::state::ClusterState;
-use keel_core::throughput;
+use keel_scheduling::policy::{self, Policy};
+use keel_scheduling::throughput;
+use keel_state::command::{Command, LogEntry};
+use keel_state::event::Event;
+use keel_state::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
+use keel_state::spec::{JobSpec, Workers};
+use keel_state::state::ClusterState;
 
 use super::workload::SimJob;
 
@@ -128,7 +128,7 @@ pub struct SimReport {
     /// Running jobs whose allocation changed without ending (resizes and
     /// moves): each is a checkpoint and relaunch.
     pub resizes: u64,
-    /// Workers that moved to another node (see [`keel_core::topology::migrations`]).
+    /// Workers that moved to another node (see [`keel_scheduling::topology::migrations`]).
     pub migrations: u64,
     /// Log entries applied (refused ones included).
     pub entries: u64,
@@ -515,7 +515,7 @@ impl Engine<'_> {
                 let per = self.state.job(job_id).map_or(1, |j| j.spec.gpus);
                 self.report.resizes += 1;
                 self.report.migrations +=
-                    u64::from(keel_core::topology::migrations(before, &gpus, per));
+                    u64::from(keel_scheduling::topology::migrations(before, &gpus, per));
             }
             let rate = self.rate(job_id, &gpu_type, count);
             let restart = self.config.restart_s.max(0.0);

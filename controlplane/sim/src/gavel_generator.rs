@@ -18,7 +18,7 @@
 
 use super::gavel_throughputs::ThroughputTable;
 use super::workload::{model_for_gavel_job_type, SimJob, WorkloadError, JOBS_MAX};
-use keel_core::rng::PyRandom;
+use keel_state::rng::PyRandom;
 
 /// Gavel's job table (`job_table.json`): each template's job type and
 /// whether it runs on several GPUs, in Gavel's order (the order `choice`

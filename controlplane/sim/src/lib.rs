@@ -1,13 +1,13 @@
 //! The discrete-event simulator behind `keel sim`.
 //!
-//! It drives the real [`ClusterState::apply`](keel_core::ClusterState::apply)
-//! with the real policies ([`keel_core::policy`]) on a virtual clock, so what a
+//! It drives the real [`ClusterState::apply`](keel_state::ClusterState::apply)
+//! with the real policies ([`keel_scheduling::policy`]) on a virtual clock, so what a
 //! policy does in simulation is what it does on the cluster. Inputs: a
 //! cluster ([`cluster_from_counts`] for `36:36:36`, or a list of
 //! [`NodeSpec`]), a workload ([`workload`]: Keel's trace format, Gavel's,
 //! or a seeded generator), a policy. Output: a [`SimReport`].
 //!
-//! Pure like keel-core: no I/O (the CLI reads files and passes
+//! Pure like keel-state: no I/O (the CLI reads files and passes
 //! text), no clock, no threads, seeded randomness only.
 
 mod engine;
@@ -24,7 +24,7 @@ pub use workload::{Generator, SimJob, WorkloadError};
 
 use serde::Deserialize;
 
-use keel_core::model::Gpu;
+use keel_state::model::Gpu;
 
 /// The GPU types of a `v100:p100:k80` cluster spec, in order.
 pub const COUNT_SPEC_TYPES: [&str; 3] = ["v100", "p100", "k80"];

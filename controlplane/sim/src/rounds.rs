@@ -1,5 +1,5 @@
 //! The round-based simulator for the heterogeneity-aware policies
-//! ([`keel_core::gavel`]), with the time semantics of Gavel's simulator so its
+//! ([`keel_scheduling::gavel`]), with the time semantics of Gavel's simulator so its
 //! results can be compared one to one (`keel sim --gavel-compat`).
 //!
 //! Each round the [`Mechanism`] places jobs; a placed job runs
@@ -12,18 +12,18 @@
 //! runs, time jumps to the next arrival.
 //!
 //! Unlike [`super::simulate`], this loop does not drive
-//! [`keel_core::ClusterState`]: it replays Gavel's bookkeeping (a few hundred
+//! [`keel_state::ClusterState`]: it replays Gavel's bookkeeping (a few hundred
 //! thousand micro-tasks per run) rather than Keel's log entries, and it
 //! is the mechanism, not the loop, that the live scheduler shares.
 
 use std::collections::BTreeMap;
 
-use keel_core::gavel::mechanism::{Combo, Mechanism, MechanismConfig, TypeServers};
-use keel_core::gavel::{
+use keel_scheduling::gavel::mechanism::{Combo, Mechanism, MechanismConfig, TypeServers};
+use keel_scheduling::gavel::{
     self, AllocationError, AllocationProblem, PairThroughputs, PolicyResult, PolicyRun,
     ProblemJobId,
 };
-use keel_core::throughput;
+use keel_scheduling::throughput;
 
 use super::engine::{JobResult, Sample, SimNode, SimReport};
 use super::workload::SimJob;

@@ -3,8 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use keel_core::rng::SplitMix64;
-use keel_core::throughput;
+use keel_scheduling::throughput;
+use keel_state::rng::SplitMix64;
 
 /// One job of a workload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

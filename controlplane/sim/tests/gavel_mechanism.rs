@@ -3,8 +3,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use keel_core::gavel::mechanism::{Mechanism, MechanismConfig, TypeServers};
-use keel_core::gavel::{self, AllocationProblem, GAVEL_POLICY_NAMES};
+use keel_scheduling::gavel::mechanism::{Mechanism, MechanismConfig, TypeServers};
+use keel_scheduling::gavel::{self, AllocationProblem, GAVEL_POLICY_NAMES};
 use keel_sim::{self as sim, Generator, RoundSimConfig, SimJob};
 use proptest::prelude::*;
 

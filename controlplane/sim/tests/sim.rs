@@ -2,8 +2,8 @@
 //! windows, and a property test that every job that fits the cluster
 //! finishes under every policy.
 
-use keel_core::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias, POLICY_NAMES};
-use keel_core::throughput;
+use keel_scheduling::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias, POLICY_NAMES};
+use keel_scheduling::throughput;
 use keel_sim::{
     cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode, ThroughputTable,
 };

@@ -19,7 +19,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use keel_core::Gpu;
+use keel_state::Gpu;
 use serde::Deserialize;
 
 use crate::discovery::parse_simulated_gpus;
@@ -200,13 +200,13 @@ pub fn parse_nodes_file(text: &str, control_dir: PathBuf) -> Result<SshConfig, N
     for (i, n) in raw.nodes.into_iter().enumerate() {
         let at = |f: &str| format!("nodes[{i}].{f}");
         check_word(&at("name"), &n.name)?;
-        if n.name.len() > keel_core::state::limits::NODE_NAME_MAX_LEN {
+        if n.name.len() > keel_state::state::limits::NODE_NAME_MAX_LEN {
             return Err(invalid(
                 at("name"),
                 format!(
                     "{} bytes, more than {}",
                     n.name.len(),
-                    keel_core::state::limits::NODE_NAME_MAX_LEN
+                    keel_state::state::limits::NODE_NAME_MAX_LEN
                 ),
             ));
         }

@@ -155,7 +155,7 @@ impl Sshd {
                     keel_executors::discovery::parse_simulated_gpus(spec).expect("gpus")
                 {
                     for _ in 0..count {
-                        out.push(keel_core::Gpu {
+                        out.push(keel_state::Gpu {
                             index: out.len() as u32,
                             gpu_type: gpu_type.clone(),
                         });

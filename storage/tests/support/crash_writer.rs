@@ -8,8 +8,8 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use keel_core::fixtures::job_spec;
-use keel_core::{Command, LogEntry, Proposal};
+use keel_state::fixtures::job_spec;
+use keel_state::{Command, LogEntry, Proposal};
 use keel_storage::{Entry, LogStore};
 use openraft::{CommittedLeaderId, EntryPayload, LogId};
 

@@ -1,0 +1,158 @@
+//! One FIFO scheduling round (policy plan + diff against the current
+//! allocation) with 10,000 waiting jobs on 2,048 GPUs (256 nodes of 8, three
+//! GPU types). The target: ≤ 10 ms.
+//!
+//! Cases: an idle cluster (the round fills it), a busy cluster (half the
+//! GPUs held by 1,024 running jobs), backfill (every waiting job is tried,
+//! the worst case), and the busy cluster with 100,000 finished jobs still
+//! in the state (a round must not cost more as history piles up).
+//!
+//! Then one round of every policy on the busy cluster, with rigid and with
+//! elastic waiting jobs.
+//!
+//! Run: `cargo bench -p keel-state --bench scheduling_round`
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use keel_scheduling::policy::{by_name, Fifo, Policy, QueueOptions, SchedulingInput, POLICY_NAMES};
+use keel_state::fixtures::{job_spec, SplitMix64};
+use keel_state::{ClusterState, Command, Gpu, GpuRef, JobPlacement, LogEntry};
+
+const NODES: u32 = 256;
+const GPUS_PER_NODE: u32 = 8;
+const WAITING: usize = 10_000;
+const TYPES: [&str; 3] = ["v100", "p100", "k80"];
+
+fn cluster(running: usize, finished: usize) -> ClusterState {
+    cluster_of(running, finished, false)
+}
+
+/// `elastic`: waiting jobs may grow to 1–3 workers more than their minimum.
+fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
+    let mut state = ClusterState::new();
+    let mut index = 0;
+    let mut apply = |state: &mut ClusterState, command: Command| {
+        index += 1;
+        state
+            .apply(index, &LogEntry::new(index, command))
+            .expect("bench entries apply");
+    };
+    for n in 0..NODES {
+        apply(
+            &mut state,
+            Command::RegisterNode {
+                name: format!("node-{n:03}"),
+                address: "10.0.0.1".into(),
+                gpus: (0..GPUS_PER_NODE)
+                    .map(|index| Gpu {
+                        index,
+                        gpu_type: TYPES[(n % 3) as usize].into(),
+                    })
+                    .collect(),
+            },
+        );
+    }
+    // Running jobs: one per pair of GPUs on the first half of the nodes.
+    for r in 0..running {
+        apply(
+            &mut state,
+            Command::SubmitJob {
+                spec: job_spec(&format!("running-{r}"), 2, 1),
+            },
+        );
+    }
+    let placements: Vec<JobPlacement> = (0..running)
+        .map(|r| {
+            let node = (r * 2) as u32 / GPUS_PER_NODE;
+            let first = (r * 2) as u32 % GPUS_PER_NODE;
+            JobPlacement {
+                job_id: r as u64 + 1,
+                gpus: (first..first + 2)
+                    .map(|index| GpuRef {
+                        node: format!("node-{node:03}"),
+                        index,
+                    })
+                    .collect(),
+                share_with: None,
+            }
+        })
+        .collect();
+    if !placements.is_empty() {
+        apply(
+            &mut state,
+            Command::DecideAllocation {
+                based_on: 0,
+                policy: "bench".into(),
+                round: 1,
+                placements,
+            },
+        );
+    }
+    for f in 0..finished {
+        apply(
+            &mut state,
+            Command::SubmitJob {
+                spec: job_spec(&format!("finished-{f}"), 1, 1),
+            },
+        );
+        apply(
+            &mut state,
+            Command::CancelJob {
+                job_id: (running + f) as u64 + 1,
+                reason: String::new(),
+            },
+        );
+    }
+    let mut rng = SplitMix64::new(7);
+    for w in 0..WAITING {
+        let gpus = 1 << rng.below(3);
+        let workers = 1 + rng.below(2) as u32;
+        let mut spec = job_spec(&format!("waiting-{w}"), gpus, workers);
+        if elastic {
+            spec.workers.max = workers + 1 + rng.below(3) as u32;
+        }
+        apply(&mut state, Command::SubmitJob { spec });
+    }
+    state
+}
+
+fn round(state: &ClusterState, policy: &Fifo) -> usize {
+    let plan = policy.plan(&SchedulingInput { state, now_ms: 0 });
+    plan.changes(state).len()
+}
+
+fn fifo_round(c: &mut Criterion) {
+    let idle = cluster(0, 0);
+    let busy = cluster(1024, 0);
+    let history = cluster(1024, 100_000);
+    let fifo = Fifo::default();
+    let backfill = Fifo::new(QueueOptions { backfill: true });
+    let mut group = c.benchmark_group("fifo_round_10k_waiting_2048_gpus");
+    group.sample_size(30);
+    group.bench_function("idle_cluster", |b| b.iter(|| round(&idle, &fifo)));
+    group.bench_function("half_busy", |b| b.iter(|| round(&busy, &fifo)));
+    group.bench_function("half_busy_backfill", |b| b.iter(|| round(&busy, &backfill)));
+    group.bench_function("half_busy_100k_finished", |b| {
+        b.iter(|| round(&history, &fifo))
+    });
+    group.finish();
+    // Every policy: 11,024 active jobs (1,024 running, 10,000 waiting),
+    // rigid, then with elastic waiting jobs.
+    let elastic = cluster_of(1024, 0, true);
+    let mut group = c.benchmark_group("policy_round_10k_waiting_2048_gpus");
+    group.sample_size(10);
+    for name in POLICY_NAMES {
+        let policy = by_name(name, QueueOptions::default()).expect("known policy");
+        for (case, state) in [("half_busy", &busy), ("half_busy_elastic", &elastic)] {
+            group.bench_function(format!("{name}_{case}"), |b| {
+                b.iter(|| {
+                    let plan = policy.plan(&SchedulingInput { state, now_ms: 0 });
+                    plan.changes(state).len()
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, fifo_round);
+criterion_main!(benches);

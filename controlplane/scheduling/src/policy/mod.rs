@@ -1,0 +1,411 @@
+//! Scheduling policies: pure functions from a read-only view of the cluster
+//! to a plan.
+//!
+//! A policy never changes state. The leader's scheduling loop runs it on the
+//! state at applied index *i*, turns the plan into the placements that differ
+//! from the current allocation ([`Plan::changes`]) and proposes them as one
+//! `DecideAllocation { based_on: i }` entry, which `apply` validates against
+//! the state it meets. One file per policy.
+
+mod admit;
+mod afs_l;
+mod drf;
+mod elastic_fifo;
+mod elastic_srjf;
+mod elastic_tiresias;
+mod ffdl_optimizer;
+mod fifo;
+mod gavel_rounds;
+mod optimus;
+mod sizing;
+mod srjf;
+mod tiresias;
+
+use std::collections::BTreeMap;
+
+pub use afs_l::AfsL;
+pub use drf::Drf;
+pub use elastic_fifo::ElasticFifo;
+pub use elastic_srjf::ElasticSrjf;
+pub use elastic_tiresias::ElasticTiresias;
+pub use ffdl_optimizer::FfdlOptimizer;
+pub use fifo::Fifo;
+pub use gavel_rounds::{GavelOptions, GavelRounds};
+pub use optimus::Optimus;
+pub use srjf::{remaining_s, Srjf};
+pub use tiresias::{Tiresias, TiresiasOptions};
+
+use keel_state::command::{Command, JobPlacement};
+use keel_state::model::{GpuRef, Job, JobId};
+use keel_state::state::ClusterState;
+
+/// `jobs` most important first: higher `priority` first, the given order
+/// (submission order, or a policy's ranking) within a priority. Every
+/// queue and elastic policy orders by this before its own criterion; the
+/// Gavel policies weigh priority in their objective instead.
+pub(crate) fn by_priority<'a>(jobs: impl IntoIterator<Item = &'a Job>) -> Vec<&'a Job> {
+    let mut jobs: Vec<&Job> = jobs.into_iter().collect();
+    // Stable: ties keep their order. Equal priorities (the common case)
+    // are one run, which the sort checks in linear time.
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.spec.priority));
+    jobs
+}
+
+/// What a policy sees: the state at one applied index and the time.
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulingInput<'a> {
+    pub state: &'a ClusterState,
+    /// The leader's clock (the virtual clock in the simulator).
+    pub now_ms: u64,
+}
+
+/// The GPUs every job should hold after this round. A job that is not in the
+/// plan should hold none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub placements: BTreeMap<JobId, Vec<GpuRef>>,
+    /// Space sharing: each job of a pair, mapped to the other (both
+    /// directions). Both are in `placements` with the same GPUs.
+    pub partners: BTreeMap<JobId, JobId>,
+}
+
+impl Plan {
+    /// The placements that differ from the state's current allocations:
+    /// jobs that gain, change or lose GPUs. Empty when the plan is what the
+    /// cluster already runs (then nothing is proposed).
+    pub fn changes(&self, state: &ClusterState) -> Vec<JobPlacement> {
+        let mut out = Vec::new();
+        // Only jobs that hold GPUs now or are planned to can change: a merge
+        // of the two id-ordered sequences.
+        let mut allocated = state.allocated_jobs().peekable();
+        let mut planned = self.placements.iter().peekable();
+        loop {
+            let next_allocated = allocated.peek().map(|j| j.id);
+            let next_planned = planned.peek().map(|(id, _)| **id);
+            let (job, plan) = match (next_allocated, next_planned) {
+                (None, None) => break,
+                (Some(a), Some(p)) if a == p => (allocated.next(), planned.next().map(|(_, g)| g)),
+                (Some(a), p) if p.is_none_or(|p| a < p) => (allocated.next(), None),
+                _ => match planned.next() {
+                    Some((id, gpus)) => (state.job(*id), Some(gpus)),
+                    None => break,
+                },
+            };
+            let Some(job) = job else {
+                continue;
+            };
+            let job_id = job.id;
+            let current = job
+                .allocation
+                .as_ref()
+                .map(|a| (a.gpus.as_slice(), a.shared_with));
+            let partner = self.partners.get(&job_id).copied();
+            match (current, plan) {
+                (Some(now), Some(planned)) if now == (planned.as_slice(), partner) => {}
+                (None, None) => {}
+                (Some(_), None) => out.push(JobPlacement::alone(job_id, Vec::new())),
+                (_, Some(planned)) => {
+                    if planned.is_empty() && current.is_none() {
+                        continue;
+                    }
+                    out.push(JobPlacement {
+                        job_id,
+                        gpus: planned.clone(),
+                        share_with: partner.filter(|_| !planned.is_empty()),
+                    })
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A scheduling policy. Implementations are pure: no I/O, no clock but
+/// `input.now_ms`, no randomness but a seeded one, ordered maps only.
+pub trait Policy: std::fmt::Debug + Send + Sync {
+    /// The name used in configuration and recorded in every decision.
+    fn name(&self) -> &'static str;
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan;
+    /// What the policy counts for operators (empty for most): read after
+    /// each plan and shown by `keel cluster status`.
+    fn counters(&self) -> BTreeMap<&'static str, u64> {
+        BTreeMap::new()
+    }
+}
+
+/// One scheduling round: runs `policy` on `state` and returns the entry to
+/// propose, or `None` when the plan is what the cluster already runs. The
+/// decision records the applied index it was based on and the next round
+/// number, so `apply` can validate it against the state it meets.
+pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<Command> {
+    let plan = policy.plan(&SchedulingInput { state, now_ms });
+    let placements = plan.changes(state);
+    (!placements.is_empty()).then(|| Command::DecideAllocation {
+        based_on: state.last_index(),
+        policy: policy.name().to_string(),
+        round: state.last_round() + 1,
+        placements,
+    })
+}
+
+/// Options shared by the queue-based policies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueOptions {
+    /// Let jobs behind a blocked head of the queue start when they fit.
+    pub backfill: bool,
+}
+
+/// Every policy's knobs, as the server and `keel sim` take them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PolicyOptions {
+    pub queue: QueueOptions,
+    /// For `tiresias` and `elastic_tiresias`.
+    pub tiresias: TiresiasOptions,
+    /// For the heterogeneity-aware policies ([`crate::gavel`]).
+    pub gavel: GavelOptions,
+}
+
+/// The policy named `name`, or an error listing the known ones.
+pub fn by_name(name: &str, options: QueueOptions) -> Result<Box<dyn Policy>, UnknownPolicy> {
+    by_name_with(
+        name,
+        &PolicyOptions {
+            queue: options,
+            ..Default::default()
+        },
+    )
+}
+
+/// The policy named `name` with `options`, or an error listing the known
+/// ones.
+pub fn by_name_with(name: &str, options: &PolicyOptions) -> Result<Box<dyn Policy>, UnknownPolicy> {
+    match name {
+        "fifo" => Ok(Box::new(Fifo::new(options.queue))),
+        "srjf" => Ok(Box::new(Srjf)),
+        "tiresias" => Ok(Box::new(Tiresias::new(options.tiresias.clone()))),
+        "elastic_fifo" => Ok(Box::new(ElasticFifo)),
+        "elastic_srjf" => Ok(Box::new(ElasticSrjf)),
+        "elastic_tiresias" => Ok(Box::new(ElasticTiresias::new(options.tiresias.clone()))),
+        "ffdl_optimizer" => Ok(Box::new(FfdlOptimizer)),
+        "afs_l" => Ok(Box::new(AfsL)),
+        "drf" => Ok(Box::new(Drf)),
+        "optimus" => Ok(Box::new(Optimus)),
+        _ => match crate::gavel::GAVEL_POLICY_NAMES
+            .iter()
+            .find(|n| **n == name)
+        {
+            Some(name) => Ok(Box::new(GavelRounds::new(name, options.gavel.clone()))),
+            None => Err(UnknownPolicy {
+                name: name.to_string(),
+            }),
+        },
+    }
+}
+
+/// Every name [`by_name_with`] knows: Keel's policies, then the
+/// heterogeneity-aware ones (the space-sharing ones among them).
+pub fn all_policy_names() -> Vec<&'static str> {
+    POLICY_NAMES
+        .iter()
+        .chain(crate::gavel::GAVEL_POLICY_NAMES)
+        .copied()
+        .collect()
+}
+
+/// Why the live scheduler cannot run a policy named `name`.
+pub fn unknown_policy_reason(name: &str) -> String {
+    format!(
+        "unknown policy {name:?}; known policies: {}",
+        all_policy_names().join(", ")
+    )
+}
+
+/// Keel's own policy names (see [`all_policy_names`] for every name
+/// [`by_name`] knows).
+pub const POLICY_NAMES: &[&str] = &[
+    "fifo",
+    "srjf",
+    "tiresias",
+    "elastic_fifo",
+    "elastic_srjf",
+    "elastic_tiresias",
+    "ffdl_optimizer",
+    "afs_l",
+    "drf",
+    "optimus",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_state::command::LogEntry;
+    use keel_state::fixtures::job_spec;
+    use keel_state::model::Gpu;
+
+    #[test]
+    fn space_sharing_policies_run_live_and_unknown_names_are_refused() {
+        for name in crate::gavel::SPACE_SHARING_POLICY_NAMES {
+            let policy = by_name(name, QueueOptions::default()).expect("runs live");
+            assert_eq!(policy.name(), *name);
+            assert!(all_policy_names().contains(name));
+        }
+        // The registry refuses an unknown name, listing the known ones (the
+        // API's check)...
+        let refused = by_name("gandiva_plus", QueueOptions::default()).err();
+        assert!(
+            refused
+                .as_ref()
+                .is_some_and(|e| e.to_string().contains("max_min_fairness_packed")),
+            "{refused:?}"
+        );
+        // ...while `apply` checks only the form of the name, so the log
+        // replays the same whatever policies a version knows.
+        let mut state = ClusterState::new();
+        let set = |name: &str| {
+            LogEntry::new(
+                0,
+                Command::SetPolicy {
+                    name: name.to_string(),
+                },
+            )
+        };
+        state.apply(1, &set("gandiva")).expect("a known policy");
+        state
+            .apply(2, &set("a_policy_of_a_later_version"))
+            .expect("a well-formed name");
+        let refused = state.apply(3, &set("Not A Name!"));
+        assert!(
+            matches!(&refused, Err(keel_state::state::ApplyError::Invalid { field, .. }) if field == "policy"),
+            "{refused:?}"
+        );
+    }
+
+    /// Issue 19, item 10: `priority` is "higher first" under every queue
+    /// and elastic policy, not only the Gavel ones.
+    #[test]
+    fn every_queue_and_elastic_policy_starts_the_higher_priority_job_first() {
+        use keel_state::fixtures::TestCluster;
+        for name in POLICY_NAMES {
+            let policy = by_name(name, QueueOptions::default()).expect("a policy");
+            // Two GPUs, two jobs that each need both: the later one matters
+            // more.
+            let mut c = TestCluster::v100_nodes(&[2]);
+            let low = c.submit(job_spec("low", 2, 1));
+            let mut spec = job_spec("high", 2, 1);
+            spec.priority = 5;
+            let high = c.submit(spec);
+            let plan = policy.plan(&SchedulingInput {
+                state: &c.state,
+                now_ms: 1,
+            });
+            assert_eq!(
+                plan.placements.keys().copied().collect::<Vec<_>>(),
+                vec![high],
+                "{name} started {:?}",
+                plan.placements
+            );
+            // Equal priorities: submission order (or the policy's own
+            // criterion) decides, so the first job is not passed over.
+            let mut c = TestCluster::v100_nodes(&[2]);
+            let first = c.submit(job_spec("first", 2, 1));
+            c.submit(job_spec("second", 2, 1));
+            let plan = policy.plan(&SchedulingInput {
+                state: &c.state,
+                now_ms: 1,
+            });
+            assert_eq!(
+                plan.placements.keys().copied().collect::<Vec<_>>(),
+                vec![first],
+                "{name}"
+            );
+            assert_ne!(low, high);
+        }
+    }
+
+    /// The preemptive queue policies give a running job's GPUs to a
+    /// higher-priority arrival.
+    #[test]
+    fn a_higher_priority_arrival_preempts_under_srjf_and_tiresias() {
+        use keel_state::fixtures::TestCluster;
+        for name in ["srjf", "tiresias", "elastic_srjf", "elastic_tiresias"] {
+            let policy = by_name(name, QueueOptions::default()).expect("a policy");
+            let mut c = TestCluster::v100_nodes(&[2]);
+            let low = c.submit(job_spec("low", 2, 1));
+            c.place(
+                low,
+                (0..2)
+                    .map(|index| GpuRef {
+                        node: "n0".into(),
+                        index,
+                    })
+                    .collect(),
+            );
+            let mut spec = job_spec("high", 2, 1);
+            spec.priority = 1;
+            let high = c.submit(spec);
+            let plan = policy.plan(&SchedulingInput {
+                state: &c.state,
+                now_ms: 1,
+            });
+            assert_eq!(
+                plan.placements.keys().copied().collect::<Vec<_>>(),
+                vec![high],
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_round_proposes_only_changes_based_on_the_index_it_read() {
+        let mut state = ClusterState::new();
+        let entries = [
+            Command::RegisterNode {
+                name: "n0".into(),
+                address: "127.0.0.1".into(),
+                gpus: vec![Gpu {
+                    index: 0,
+                    gpu_type: "v100".into(),
+                }],
+            },
+            Command::SubmitJob {
+                spec: job_spec("a", 1, 1),
+            },
+            Command::SubmitJob {
+                spec: job_spec("b", 1, 1),
+            },
+        ];
+        for (i, command) in entries.into_iter().enumerate() {
+            state
+                .apply(i as u64 + 1, &LogEntry::new(5, command))
+                .expect("applies");
+        }
+        let fifo = Fifo::default();
+        let decision = decide(&fifo, &state, 5).expect("job 1 starts");
+        assert_eq!(
+            decision,
+            Command::DecideAllocation {
+                based_on: 3,
+                policy: "fifo".into(),
+                round: 1,
+                placements: vec![JobPlacement::alone(
+                    1,
+                    vec![GpuRef {
+                        node: "n0".into(),
+                        index: 0
+                    }]
+                )],
+            }
+        );
+        state
+            .apply(4, &LogEntry::new(6, decision))
+            .expect("applies");
+        assert_eq!(decide(&fifo, &state, 6), None, "nothing changed");
+        assert_eq!(state.last_round(), 1);
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", unknown_policy_reason(.name))]
+pub struct UnknownPolicy {
+    pub name: String,
+}

@@ -1,0 +1,184 @@
+//! Building blocks of the elastic policies (Voda's family, FfDL, AFS-L,
+//! DRF, Optimus): who may run, minimum sizes in an order, and handing out
+//! the remaining GPUs one worker at a time. A policy composes them into
+//! [`Sizes`]; [`crate::topology::place_sizes`] turns sizes into GPUs.
+//!
+//! Sizing counts GPUs of every type together (the budget is the cluster's
+//! live GPUs); placement then keeps each job on one type and lowers a size
+//! that does not fit.
+
+use crate::placement::Placement;
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap};
+
+use crate::topology::{place_sizes, Sizes};
+use keel_state::model::{Job, JobId};
+use keel_state::state::ClusterState;
+
+use super::Plan;
+
+/// Jobs an elastic policy may size at `now_ms`: unfinished, not in retry
+/// backoff, and whose minimum fits the whole cluster. Higher priority
+/// first, then submission order.
+pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
+    let capacity = state.capacity();
+    let mut fits: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
+    let eligible = state
+        .unfinished_jobs()
+        .filter(|job| !job.backing_off(now_ms))
+        .filter(|job| {
+            if job.allocation.is_some() {
+                // Running: it fits.
+                return true;
+            }
+            let spec = &job.spec;
+            let shape = (
+                spec.gpus,
+                spec.workers.min,
+                spec.gpu_types.allowed.as_slice(),
+            );
+            *fits
+                .entry(shape)
+                .or_insert_with(|| capacity.place(spec, spec.workers.min).is_some())
+        });
+    super::by_priority(eligible)
+}
+
+/// The [`candidates`] in `order` (job ids, most important first: the
+/// rankings put priority first themselves).
+pub(crate) fn candidates_in(state: &ClusterState, now_ms: u64, order: Vec<JobId>) -> Vec<&Job> {
+    let eligible: BTreeMap<JobId, &Job> = candidates(state, now_ms)
+        .into_iter()
+        .map(|j| (j.id, j))
+        .collect();
+    order
+        .into_iter()
+        .filter_map(|id| eligible.get(&id).copied())
+        .collect()
+}
+
+/// The cluster's live GPUs.
+pub(crate) fn budget(state: &ClusterState) -> u32 {
+    u32::try_from(state.capacity().total()).unwrap_or(u32::MAX)
+}
+
+/// GPUs per worker of `job` (at least 1).
+pub(crate) fn per_worker(job: &Job) -> u32 {
+    job.spec.gpus.max(1)
+}
+
+/// Gives each job in `order` its minimum while the budget lasts; a job
+/// whose minimum does not fit what is left is passed over. Returns the
+/// sizes and the GPUs left.
+pub(crate) fn minimums(order: &[&Job], mut left: u32) -> (Sizes, u32) {
+    let mut sizes = Sizes::new();
+    for job in order {
+        if left == 0 {
+            break;
+        }
+        let need = per_worker(job).saturating_mul(job.spec.workers.min);
+        if need <= left {
+            left -= need;
+            sizes.insert(job.id, job.spec.workers.min);
+        }
+    }
+    (sizes, left)
+}
+
+/// Voda's elastic hand-out: one more worker to each sized job in `order`,
+/// round after round, while any is below its maximum and GPUs remain.
+pub(crate) fn round_robin(order: &[&Job], sizes: &mut Sizes, mut left: u32) -> u32 {
+    loop {
+        let mut gave = false;
+        for job in order {
+            let Some(n) = sizes.get_mut(&job.id) else {
+                continue;
+            };
+            let per = per_worker(job);
+            if *n < job.spec.workers.max && per <= left {
+                *n += 1;
+                left -= per;
+                gave = true;
+            }
+        }
+        if !gave {
+            return left;
+        }
+    }
+}
+
+/// A heap entry: the gain of one more worker for a job.
+#[derive(Debug, PartialEq)]
+struct Offer {
+    gain: f64,
+    job_id: JobId,
+}
+
+impl Eq for Offer {}
+
+impl Ord for Offer {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Highest gain first; ties: the earlier job.
+        self.gain
+            .total_cmp(&other.gain)
+            .then(other.job_id.cmp(&self.job_id))
+    }
+}
+
+impl PartialOrd for Offer {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Greedy marginal gain: repeatedly gives one more worker to the sized job
+/// whose `gain(job, workers now)` is highest, while it is positive, the job
+/// is below its maximum and its worker fits what is left.
+pub(crate) fn greedy<'a>(
+    jobs: &[&'a Job],
+    sizes: &mut Sizes,
+    mut left: u32,
+    mut gain: impl FnMut(&'a Job, u32) -> f64,
+) -> u32 {
+    let mut heap = BinaryHeap::new();
+    for job in jobs {
+        if let Some(n) = sizes.get(&job.id) {
+            if *n < job.spec.workers.max {
+                heap.push(Offer {
+                    gain: gain(job, *n),
+                    job_id: job.id,
+                });
+            }
+        }
+    }
+    if heap.is_empty() {
+        return left;
+    }
+    let by_id: BTreeMap<JobId, &'a Job> = jobs.iter().map(|j| (j.id, *j)).collect();
+    while let Some(Offer { gain: g, job_id }) = heap.pop() {
+        if left == 0 || g <= 0.0 || g.is_nan() {
+            break;
+        }
+        let (Some(job), Some(n)) = (by_id.get(&job_id), sizes.get_mut(&job_id)) else {
+            continue;
+        };
+        let per = per_worker(job);
+        if per > left {
+            // Too big for what is left; smaller jobs may still fit.
+            continue;
+        }
+        *n += 1;
+        left -= per;
+        if *n < job.spec.workers.max {
+            let next = gain(job, *n);
+            heap.push(Offer { gain: next, job_id });
+        }
+    }
+    left
+}
+
+/// Places `sizes`, most important first as in `order`.
+pub(crate) fn plan(state: &ClusterState, sizes: &Sizes, order: &[&Job]) -> Plan {
+    let ids: Vec<JobId> = order.iter().map(|j| j.id).collect();
+    place_sizes(state, sizes, &ids)
+}

@@ -1,0 +1,140 @@
+//! Tiresias (discretised 2D-LAS, as in Voda): jobs are ranked by priority
+//! (higher first), then by the GPU-time they have received. Queue 0 holds jobs under the first
+//! threshold, queue 1 those under the second, and so on; within a queue,
+//! the earlier submission first. A running job that crosses a threshold is
+//! demoted and may be preempted by jobs in higher queues. Starvation guard:
+//! a job that has waited at least `starvation_factor` times as long as it
+//! has run goes back to queue 0, and keeps it while it runs for a slice of
+//! its wait.
+
+use std::cmp::Reverse;
+
+use keel_state::model::JobId;
+use keel_state::state::ClusterState;
+
+/// The shortest run time the starvation guard counts with.
+const MIN_RUN_MS: u64 = 60_000;
+
+use super::admit::admit_in_order;
+use super::{Plan, Policy, SchedulingInput};
+
+/// Tiresias's knobs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TiresiasOptions {
+    /// Queue thresholds in GPU-seconds of attained service, ascending.
+    pub thresholds_gpu_s: Vec<u64>,
+    /// Promote a waiting job after it waited this many times as long as it
+    /// has run (0: never).
+    pub starvation_factor: u64,
+}
+
+impl TiresiasOptions {
+    /// Most thresholds (queues − 1) accepted.
+    pub const THRESHOLDS_MAX: usize = 16;
+
+    /// Checks the thresholds: at most [`Self::THRESHOLDS_MAX`], each
+    /// positive, strictly ascending.
+    pub fn validate(&self) -> Result<(), String> {
+        let t = &self.thresholds_gpu_s;
+        if t.len() > Self::THRESHOLDS_MAX {
+            return Err(format!(
+                "{} queue thresholds; the limit is {}",
+                t.len(),
+                Self::THRESHOLDS_MAX
+            ));
+        }
+        if t.first() == Some(&0) {
+            return Err("queue thresholds must be positive GPU-seconds".into());
+        }
+        if t.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(format!("queue thresholds must ascend, not {t:?}"));
+        }
+        Ok(())
+    }
+}
+
+impl Default for TiresiasOptions {
+    fn default() -> Self {
+        TiresiasOptions {
+            thresholds_gpu_s: vec![3600],
+            starvation_factor: 8,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Tiresias {
+    options: TiresiasOptions,
+}
+
+impl Tiresias {
+    pub fn new(options: TiresiasOptions) -> Self {
+        Tiresias { options }
+    }
+}
+
+impl Policy for Tiresias {
+    fn name(&self) -> &'static str {
+        "tiresias"
+    }
+
+    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+        let order = self.rank(input.state, input.now_ms);
+        admit_in_order(input.state, &order, input.now_ms)
+    }
+}
+
+impl Tiresias {
+    /// Unfinished jobs, most important first: by priority (higher first),
+    /// then queue, then submission.
+    pub(crate) fn rank(&self, state: &ClusterState, now: u64) -> Vec<JobId> {
+        let mut ranked: Vec<(Reverse<i32>, usize, u64, JobId)> = state
+            .unfinished_jobs()
+            .map(|job| {
+                let attained_ms = job.attained_gpu_ms(now);
+                let mut queue = self
+                    .options
+                    .thresholds_gpu_s
+                    .iter()
+                    .take_while(|t| attained_ms >= t.saturating_mul(1000))
+                    .count();
+                let factor = self.options.starvation_factor;
+                // How long it has run in all (service over its size), at
+                // least a minute: a job preempted moments after it started
+                // must not come back moments later.
+                let size = u64::from(job.spec.gpus.saturating_mul(job.spec.workers.min).max(1));
+                let executed_ms = (job.service_gpu_ms / size).max(MIN_RUN_MS);
+                let promoted = match &job.allocation {
+                    // Waiting long enough: back to queue 0.
+                    None => {
+                        factor > 0
+                            && job.service_gpu_ms > 0
+                            && now.saturating_sub(job.queued_since_ms)
+                                >= executed_ms.saturating_mul(factor)
+                    }
+                    // Promoted and now running: it keeps queue 0 for a
+                    // slice of its wait, so it is not preempted again at
+                    // the next pass.
+                    Some(a) => {
+                        let waited = a.decided_at_ms.saturating_sub(job.queued_since_ms);
+                        factor > 0
+                            && job.service_gpu_ms > 0
+                            && waited >= executed_ms.saturating_mul(factor)
+                            && now.saturating_sub(a.decided_at_ms) < waited / factor
+                    }
+                };
+                if promoted {
+                    queue = 0;
+                }
+                (
+                    Reverse(job.spec.priority),
+                    queue,
+                    job.submitted_at_ms,
+                    job.id,
+                )
+            })
+            .collect();
+        ranked.sort_unstable();
+        ranked.into_iter().map(|(_, _, _, id)| id).collect()
+    }
+}

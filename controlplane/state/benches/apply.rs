@@ -1,0 +1,45 @@
+//! `ClusterState::apply` throughput on a recorded stream of mixed entries
+//! (submissions, placements, worker starts, progress batches, finishes,
+//! removals) over a 32-node, 256-GPU cluster.
+//!
+//! Run: `cargo bench -p keel-state --bench apply`
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use keel_state::fixtures::mixed_entries;
+use keel_state::ClusterState;
+
+const ENTRIES: usize = 200_000;
+
+fn apply_mixed_stream(c: &mut Criterion) {
+    let entries = mixed_entries(ENTRIES, 32, 42);
+    let mut group = c.benchmark_group("apply");
+    group.throughput(Throughput::Elements(ENTRIES as u64));
+    group.sample_size(20);
+    group.bench_function("mixed_stream_200k", |b| {
+        b.iter_batched(
+            ClusterState::new,
+            |mut state| {
+                for (i, e) in entries.iter().enumerate() {
+                    let _ = std::hint::black_box(state.apply(i as u64 + 1, e));
+                }
+                state
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    group.finish();
+
+    let mut state = ClusterState::new();
+    for (i, e) in entries.iter().enumerate() {
+        let _ = state.apply(i as u64 + 1, e);
+    }
+    let mut group = c.benchmark_group("state_hash");
+    group.sample_size(20);
+    group.bench_function(format!("{}_jobs", state.jobs().len()), |b| {
+        b.iter(|| std::hint::black_box(state.state_hash()))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, apply_mixed_stream);
+criterion_main!(benches);

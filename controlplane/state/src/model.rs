@@ -1,0 +1,304 @@
+//! The domain model: jobs, nodes, GPUs and allocations, as `ClusterState` holds them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::JobSpec;
+
+/// The model name of a job that names none (the throughput table's
+/// `generic` profile).
+pub const GENERIC_MODEL: &str = "generic";
+
+/// A job's id: assigned by the state machine, in submission order, from 1.
+pub type JobId = u64;
+
+/// One GPU in the cluster: a node's name and the GPU's index on it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GpuRef {
+    pub node: String,
+    pub index: u32,
+}
+
+impl fmt::Display for GpuRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.node, self.index)
+    }
+}
+
+/// A GPU as a node declares it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    pub index: u32,
+    pub gpu_type: String,
+}
+
+/// Where a job is in its life.
+///
+/// ```text
+/// pending ──allocated──► running ──finished──► succeeded | failed
+///    ▲                     │
+///    └──── preempted ◄─────┘          any non-terminal ──cancel──► cancelled
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    Pending,
+    Running,
+    Preempted,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 6] = [
+        JobState::Pending,
+        JobState::Running,
+        JobState::Preempted,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    /// Terminal states never change again; only removal follows.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// The lower-case word used on the wire and in the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Running => "running",
+            JobState::Preempted => "preempted",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The GPUs a job holds, and the decision that gave them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// Increases every time the job's GPU set changes. Workers are identified
+    /// by (job, epoch, rank), so a relaunch after a change is a new identity.
+    pub epoch: u64,
+    /// Sorted, distinct.
+    pub gpus: Vec<GpuRef>,
+    pub based_on: u64,
+    pub policy: String,
+    pub round: u64,
+    pub decided_at_ms: u64,
+    /// The job that shares these GPUs (space sharing): its allocation names
+    /// this job and lists the same GPUs. `None`: the GPUs are this job's
+    /// alone. Cleared when the partner lets go of them.
+    pub shared_with: Option<JobId>,
+}
+
+impl Allocation {
+    /// The GPUs of each worker, by rank: rank r gets GPUs `r*g .. (r+1)*g`
+    /// of the (sorted) allocation. Every executor, and the simulator, places
+    /// ranks this way.
+    pub fn ranks(&self, gpus_per_worker: u32) -> Vec<&[GpuRef]> {
+        self.gpus.chunks(gpus_per_worker.max(1) as usize).collect()
+    }
+
+    /// GPU-milliseconds this allocation has given by `now_ms`.
+    pub fn service_until(&self, now_ms: u64) -> u64 {
+        let gpus = u64::try_from(self.gpus.len()).unwrap_or(u64::MAX);
+        gpus.saturating_mul(now_ms.saturating_sub(self.decided_at_ms))
+    }
+}
+
+/// The jobs holding one GPU: one job, or a declared pair (space sharing),
+/// smaller id first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GpuHolders {
+    pub job: JobId,
+    /// The second job of a declared pair.
+    pub sharer: Option<JobId>,
+}
+
+impl GpuHolders {
+    /// One job alone.
+    pub fn one(job: JobId) -> GpuHolders {
+        GpuHolders { job, sharer: None }
+    }
+
+    pub fn contains(&self, job: JobId) -> bool {
+        self.job == job || self.sharer == Some(job)
+    }
+
+    /// The holding jobs, smaller id first.
+    pub fn jobs(&self) -> impl Iterator<Item = JobId> {
+        std::iter::once(self.job).chain(self.sharer)
+    }
+
+    /// These holders and `job` (a GPU held by two already keeps its two).
+    pub fn with(self, job: JobId) -> GpuHolders {
+        match self.sharer {
+            _ if self.contains(job) => self,
+            None => GpuHolders {
+                job: self.job.min(job),
+                sharer: Some(self.job.max(job)),
+            },
+            Some(_) => self,
+        }
+    }
+
+    /// These holders without `job`; `None` when none is left.
+    pub fn without(self, job: JobId) -> Option<GpuHolders> {
+        match self.sharer {
+            Some(s) if self.job == job => Some(GpuHolders::one(s)),
+            Some(s) if s == job => Some(GpuHolders::one(self.job)),
+            _ if self.job == job => None,
+            _ => Some(self),
+        }
+    }
+}
+
+impl fmt::Display for GpuHolders {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.sharer {
+            Some(s) => write!(f, "jobs {} and {s}", self.job),
+            None => write!(f, "job {}", self.job),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    Running,
+    Exited,
+}
+
+/// A worker of a job's current or an earlier allocation epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Worker {
+    pub epoch: u64,
+    pub node: String,
+    pub state: WorkerState,
+    pub exit_code: Option<i32>,
+}
+
+/// One progress report from a training job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressSample {
+    pub step: u64,
+    pub total_steps: u64,
+    pub loss: Option<f64>,
+    pub samples_per_s: f64,
+    pub at_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub id: JobId,
+    pub spec: JobSpec,
+    pub state: JobState,
+    pub submitted_at_ms: u64,
+    pub started_at_ms: Option<u64>,
+    pub finished_at_ms: Option<u64>,
+    /// `Some` exactly while the job holds GPUs.
+    pub allocation: Option<Allocation>,
+    /// The last allocation epoch given to this job (0: never allocated).
+    pub last_epoch: u64,
+    /// Workers by rank, of the current (or last) epoch.
+    pub workers: BTreeMap<u32, Worker>,
+    /// The latest progress sample, and how many were reported in all.
+    pub progress: Option<ProgressSample>,
+    pub progress_samples: u64,
+    /// Failed attempts that were retried (at most `spec.max_retries`).
+    pub retries: u32,
+    /// After a failed attempt: not to be placed before this time (the
+    /// retry backoff). Policies pass over the job until then.
+    pub not_before_ms: Option<u64>,
+    /// Why the job is in its state, when there is something to say.
+    pub message: String,
+    /// GPU-milliseconds received in allocations that ended (the current
+    /// one counts through [`Job::attained_gpu_ms`]).
+    pub service_gpu_ms: u64,
+    /// When the job last started waiting for GPUs (submission, or the end
+    /// of its last allocation).
+    pub queued_since_ms: u64,
+    /// Loss and speed history for the performance models
+    /// ([`crate::perf_history`]).
+    pub perf: crate::perf_history::PerfHistory,
+}
+
+impl Job {
+    /// GPU-milliseconds of service up to `now_ms` (least-attained-service
+    /// policies order jobs by it).
+    pub fn attained_gpu_ms(&self, now_ms: u64) -> u64 {
+        self.service_gpu_ms
+            + self
+                .allocation
+                .as_ref()
+                .map_or(0, |a| a.service_until(now_ms))
+    }
+
+    /// Ends the current allocation at `at_ms`, accounting its service;
+    /// returns it.
+    pub fn close_allocation(&mut self, at_ms: u64) -> Option<Allocation> {
+        let a = self.allocation.take()?;
+        self.service_gpu_ms = self.service_gpu_ms.saturating_add(a.service_until(at_ms));
+        self.queued_since_ms = at_ms;
+        Some(a)
+    }
+
+    /// Whether the job is still in its retry backoff at `now_ms`.
+    pub fn backing_off(&self, now_ms: u64) -> bool {
+        self.not_before_ms.is_some_and(|t| now_ms < t)
+    }
+
+    /// Workers in the current allocation (0 when it holds no GPUs).
+    pub fn worker_count(&self) -> u32 {
+        self.allocation.as_ref().map_or(0, |a| {
+            u32::try_from(a.gpus.len()).unwrap_or(u32::MAX) / self.spec.gpus.max(1)
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeState {
+    Alive,
+    Lost,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Alive => "alive",
+            NodeState::Lost => "lost",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    pub name: String,
+    pub address: String,
+    /// GPU type by index.
+    pub gpus: BTreeMap<u32, String>,
+    pub state: NodeState,
+    pub registered_at_ms: u64,
+    pub message: String,
+}

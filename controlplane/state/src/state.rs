@@ -1,0 +1,1502 @@
+//! `ClusterState` and `apply`: the deterministic state machine.
+//!
+//! `apply` is a pure function of (state, entry): no clock (time comes from the
+//! entry), no randomness, no I/O, ordered maps only. An entry that would make
+//! an impossible transition is refused with an [`ApplyError`] and leaves the
+//! state exactly as it was. An allocation plan is validated per job against
+//! the state it meets: parts that no longer hold are refused
+//! ([`Event::PlacementRefused`]), the rest applied.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
+use crate::event::Event;
+use crate::free_gpus::FreeGpus;
+use crate::model::{
+    Allocation, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample,
+    Worker, WorkerState,
+};
+use crate::requests::{RecentRequests, Remembered};
+use crate::spec::SpecError;
+
+/// Limits on commands, so one entry cannot blow up the state.
+pub mod limits {
+    pub const NODE_NAME_MAX_LEN: usize = 253;
+    pub const NODE_ADDRESS_MAX_LEN: usize = 512;
+    pub const NODE_GPUS_MAX: usize = 1024;
+    pub const REASON_MAX_LEN: usize = 4096;
+    pub const POLICY_NAME_MAX_LEN: usize = 64;
+    pub const PROGRESS_SAMPLES_MAX: usize = 4096;
+}
+
+/// Why an entry was refused. The state is unchanged after a refusal.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum ApplyError {
+    #[error("invalid job spec: {0}")]
+    InvalidSpec(#[from] SpecError),
+    #[error("job {0} does not exist")]
+    UnknownJob(JobId),
+    #[error("node {0:?} does not exist")]
+    UnknownNode(String),
+    #[error("job {job_id} has already ended ({state}); it cannot be {action}")]
+    JobEnded {
+        job_id: JobId,
+        state: JobState,
+        action: String,
+    },
+    #[error("job {job_id} is {state}; only ended jobs can be removed")]
+    JobNotEnded { job_id: JobId, state: JobState },
+    #[error("job {job_id} holds no GPUs ({state}); it cannot {action}")]
+    JobNotRunning {
+        job_id: JobId,
+        state: JobState,
+        action: String,
+    },
+    #[error("job {job_id}: epoch {epoch} is stale; the current allocation epoch is {current}")]
+    StaleEpoch {
+        job_id: JobId,
+        epoch: u64,
+        current: u64,
+    },
+    #[error("job {job_id}: rank {rank} is outside the allocation's {workers} workers")]
+    RankOutOfRange {
+        job_id: JobId,
+        rank: u32,
+        workers: u32,
+    },
+    #[error("GPU {gpu} is held by job {holder}")]
+    GpuInUse { gpu: GpuRef, holder: JobId },
+    #[error("node {node:?} lists GPU index {index} twice")]
+    DuplicateGpu { node: String, index: u32 },
+    #[error("node {0:?} is lost")]
+    NodeLost(String),
+    #[error("node {0:?} is not lost")]
+    NodeNotLost(String),
+    #[error("node {node:?} holds GPUs of jobs {jobs:?}; cancel them first, or remove the node with force (they go back to the queue)")]
+    NodeInUse { node: String, jobs: Vec<JobId> },
+    #[error("{field} is {len} {}; the limit is {limit}", size_unit(field))]
+    TooLarge {
+        field: String,
+        len: usize,
+        limit: usize,
+    },
+    #[error("{field} is invalid: {reason}")]
+    Invalid { field: String, reason: String },
+    #[error("request id {request_id:?} was used at index {first_index} for another command; a retry must repeat its command unchanged")]
+    RequestIdReused {
+        request_id: String,
+        first_index: u64,
+    },
+}
+
+/// The whole scheduler state: a fold of `apply` over the log.
+///
+/// The encoding (snapshots, the state hash) holds the jobs, nodes and
+/// counters; the [`JobIndexes`] are derived from the jobs, left out of it and
+/// rebuilt when a state is decoded.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ClusterState {
+    next_job_id: JobId,
+    jobs: BTreeMap<JobId, Job>,
+    nodes: BTreeMap<String, Node>,
+    /// Which job (or declared pair of jobs) holds each GPU. Derived from
+    /// the jobs' allocations, kept as an index;
+    /// [`ClusterState::check_invariants`] proves the two agree.
+    gpu_holders: BTreeMap<GpuRef, GpuHolders>,
+    /// Index of the last log entry applied, refused or not.
+    last_index: u64,
+    /// Bumped by every applied entry that changes what the scheduler must
+    /// place or where it can place it (jobs arriving, ending, requeued or
+    /// preempted; nodes registered, lost or recovered; allocations decided).
+    /// The scheduling loop wakes when it moves.
+    supply_demand_version: u64,
+    /// The highest scheduling round decided so far, so a new leader goes on
+    /// numbering where the last one stopped.
+    last_round: u64,
+    /// The policy an operator chose at run time (`SetPolicy`); `None`: the
+    /// server's configured one.
+    policy: Option<String>,
+    /// Client requests applied recently, so a retry applies nothing twice.
+    requests: RecentRequests,
+    #[serde(skip)]
+    indexes: JobIndexes,
+    /// Every GPU on a live node, by type and node: derived from `nodes`,
+    /// rebuilt when a node registers, is lost or recovers.
+    #[serde(skip)]
+    capacity: FreeGpus,
+    /// The GPUs of `capacity` that no job holds: derived from `nodes` and
+    /// `gpu_holders`, built when first read and then kept as GPUs are taken
+    /// and given back (a state nobody schedules on never builds it).
+    #[serde(skip)]
+    free: FreeCache,
+}
+
+/// A lazily built index of free GPUs. It is derived data: any two compare
+/// equal (the state's equality is about what it derives from).
+#[derive(Debug, Clone, Default)]
+struct FreeCache(std::sync::OnceLock<FreeGpus>);
+
+impl PartialEq for FreeCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+/// Sets of job ids that the loops on the leader walk instead of every job
+/// ever submitted (finished jobs pile up; a round must not cost more as they
+/// do). Derived from `jobs`: `apply` updates the entries of the jobs an entry
+/// touched, [`ClusterState::check_invariants`] proves they agree.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct JobIndexes {
+    /// Jobs not yet in a terminal state.
+    unfinished: BTreeSet<JobId>,
+    /// Jobs holding an allocation.
+    allocated: BTreeSet<JobId>,
+    /// Jobs with a worker recorded as running (a cancelled job's workers
+    /// stay recorded until their exits are).
+    with_running_workers: BTreeSet<JobId>,
+    /// (`not_before_ms`, job) of waiting jobs that carry a retry backoff,
+    /// ended or not.
+    backoffs: BTreeSet<(u64, JobId)>,
+    backoff_of: BTreeMap<JobId, u64>,
+}
+
+impl JobIndexes {
+    fn of(jobs: &BTreeMap<JobId, Job>) -> JobIndexes {
+        let mut indexes = JobIndexes::default();
+        for (id, job) in jobs {
+            indexes.update(*id, Some(job));
+        }
+        indexes
+    }
+
+    /// Puts `id` in exactly the sets that `job` (None: removed) belongs to.
+    fn update(&mut self, id: JobId, job: Option<&Job>) {
+        if let Some(t) = self.backoff_of.remove(&id) {
+            self.backoffs.remove(&(t, id));
+        }
+        if let Some(t) = job
+            .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
+            .and_then(|j| j.not_before_ms)
+        {
+            self.backoffs.insert((t, id));
+            self.backoff_of.insert(id, t);
+        }
+        let set = |set: &mut BTreeSet<JobId>, member: bool| {
+            if member {
+                set.insert(id);
+            } else {
+                set.remove(&id);
+            }
+        };
+        set(
+            &mut self.unfinished,
+            job.is_some_and(|j| !j.state.is_terminal()),
+        );
+        set(
+            &mut self.allocated,
+            job.is_some_and(|j| j.allocation.is_some()),
+        );
+        set(
+            &mut self.with_running_workers,
+            job.is_some_and(|j| j.workers.values().any(|w| w.state == WorkerState::Running)),
+        );
+    }
+}
+
+/// The encoded fields of [`ClusterState`], in order.
+#[derive(Deserialize)]
+struct EncodedClusterState {
+    next_job_id: JobId,
+    jobs: BTreeMap<JobId, Job>,
+    nodes: BTreeMap<String, Node>,
+    gpu_holders: BTreeMap<GpuRef, GpuHolders>,
+    last_index: u64,
+    supply_demand_version: u64,
+    last_round: u64,
+    policy: Option<String>,
+    requests: RecentRequests,
+}
+
+impl<'de> Deserialize<'de> for ClusterState {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let e = EncodedClusterState::deserialize(deserializer)?;
+        let indexes = JobIndexes::of(&e.jobs);
+        let capacity = FreeGpus::of_nodes(&e.nodes);
+        Ok(ClusterState {
+            next_job_id: e.next_job_id,
+            jobs: e.jobs,
+            nodes: e.nodes,
+            gpu_holders: e.gpu_holders,
+            last_index: e.last_index,
+            supply_demand_version: e.supply_demand_version,
+            last_round: e.last_round,
+            policy: e.policy,
+            requests: e.requests,
+            indexes,
+            capacity,
+            free: FreeCache::default(),
+        })
+    }
+}
+
+/// How a [`ApplyError::TooLarge`] size is counted: the lists are counted
+/// in entries, every other field is a string counted in bytes.
+fn size_unit(field: &str) -> &'static str {
+    match field {
+        "node gpus" | "progress samples" => "entries",
+        _ => "bytes long",
+    }
+}
+
+fn check_len(field: &'static str, s: &str, limit: usize) -> Result<(), ApplyError> {
+    if s.len() > limit {
+        return Err(ApplyError::TooLarge {
+            field: field.to_string(),
+            len: s.len(),
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a node's name, address and GPUs against the limits; returns its
+/// GPU types by index.
+pub fn validate_node(
+    name: &str,
+    address: &str,
+    gpus: &[Gpu],
+) -> Result<BTreeMap<u32, String>, ApplyError> {
+    if name.is_empty() {
+        return Err(ApplyError::Invalid {
+            field: "node name".into(),
+            reason: "empty".into(),
+        });
+    }
+    check_len("node name", name, limits::NODE_NAME_MAX_LEN)?;
+    check_len("node address", address, limits::NODE_ADDRESS_MAX_LEN)?;
+    if gpus.len() > limits::NODE_GPUS_MAX {
+        return Err(ApplyError::TooLarge {
+            field: "node gpus".into(),
+            len: gpus.len(),
+            limit: limits::NODE_GPUS_MAX,
+        });
+    }
+    let mut inventory = BTreeMap::new();
+    for gpu in gpus {
+        check_len(
+            "gpu type",
+            &gpu.gpu_type,
+            crate::spec::limits::GPU_TYPE_MAX_LEN,
+        )?;
+        if inventory.insert(gpu.index, gpu.gpu_type.clone()).is_some() {
+            return Err(ApplyError::DuplicateGpu {
+                node: name.to_string(),
+                index: gpu.index,
+            });
+        }
+    }
+    Ok(inventory)
+}
+
+impl ClusterState {
+    pub fn new() -> Self {
+        ClusterState {
+            next_job_id: 1,
+            ..Default::default()
+        }
+    }
+
+    pub fn jobs(&self) -> &BTreeMap<JobId, Job> {
+        &self.jobs
+    }
+
+    /// Jobs not yet in a terminal state, in submission order.
+    pub fn unfinished_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.unfinished)
+    }
+
+    /// How many jobs wait for GPUs (unfinished, without an allocation).
+    pub fn queued_count(&self) -> usize {
+        self.indexes.unfinished.len() - self.indexes.allocated.len()
+    }
+
+    /// Jobs holding an allocation, in submission order.
+    pub fn allocated_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.allocated)
+    }
+
+    /// Jobs with a worker recorded as running, in submission order.
+    pub fn jobs_with_running_workers(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.with_running_workers)
+    }
+
+    /// The earliest time after `now_ms` at which a waiting job's retry
+    /// backoff ends: the scheduling loop runs a round then, without waiting
+    /// for its tick.
+    pub fn next_backoff_end_ms(&self, now_ms: u64) -> Option<u64> {
+        self.indexes
+            .backoffs
+            .range((now_ms.saturating_add(1), 0)..)
+            .next()
+            .map(|(t, _)| *t)
+    }
+
+    fn indexed<'a>(&'a self, ids: &'a BTreeSet<JobId>) -> impl Iterator<Item = &'a Job> + 'a {
+        ids.iter().filter_map(|id| self.jobs.get(id))
+    }
+
+    pub fn job(&self, id: JobId) -> Option<&Job> {
+        self.jobs.get(&id)
+    }
+
+    pub fn nodes(&self) -> &BTreeMap<String, Node> {
+        &self.nodes
+    }
+
+    pub fn gpu_holders(&self) -> &BTreeMap<GpuRef, GpuHolders> {
+        &self.gpu_holders
+    }
+
+    /// Index of the last entry applied (0 before any).
+    pub fn last_index(&self) -> u64 {
+        self.last_index
+    }
+
+    /// See the field: moves whenever a scheduling round could decide
+    /// something new.
+    pub fn supply_demand_version(&self) -> u64 {
+        self.supply_demand_version
+    }
+
+    /// The highest scheduling round decided so far (0: none).
+    pub fn last_round(&self) -> u64 {
+        self.last_round
+    }
+
+    /// Every GPU on a live node, held or not: what an empty cluster offers.
+    pub fn capacity(&self) -> &FreeGpus {
+        &self.capacity
+    }
+
+    /// Every GPU on a live node that no job holds.
+    pub fn free_gpus(&self) -> &FreeGpus {
+        self.free
+            .0
+            .get_or_init(|| FreeGpus::of_holders(&self.nodes, &self.gpu_holders))
+    }
+
+    /// The policy chosen at run time with `SetPolicy`, if any.
+    pub fn policy(&self) -> Option<&str> {
+        self.policy.as_deref()
+    }
+
+    /// A digest of the whole state. Two replicas that applied the same
+    /// entries share it; any difference in content changes it.
+    pub fn state_hash(&self) -> StateHash {
+        let mut hasher = blake3::Hasher::new();
+        // postcard over ordered maps is a canonical encoding of the state.
+        let mut writer = HashWriter(&mut hasher);
+        // Encoding into a hasher cannot fail: every type here is serialisable
+        // and the writer never errors.
+        let _ = postcard::to_io(self, &mut writer);
+        StateHash(*hasher.finalize().as_bytes())
+    }
+
+    /// Applies one log entry at `index`. On `Err`, the state is unchanged
+    /// except for `last_index`.
+    ///
+    /// An entry with a client's request id that was applied within the
+    /// window with the same command changes nothing and yields
+    /// [`Event::RequestRepeated`]; [`ClusterState::answer`] gives its
+    /// client the first outcome.
+    pub fn apply(&mut self, index: u64, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
+        self.last_index = index;
+        let Some(request_id) = &entry.request_id else {
+            return self.apply_entry(entry);
+        };
+        crate::requests::validate_request_id(request_id)?;
+        let command_digest = crate::requests::command_digest(&entry.command);
+        if let Some(first) = self.requests.get(request_id, entry.at_ms) {
+            if first.command_digest != command_digest {
+                return Err(ApplyError::RequestIdReused {
+                    request_id: request_id.clone(),
+                    first_index: first.first_index,
+                });
+            }
+            return Ok(vec![Event::RequestRepeated {
+                request_id: request_id.clone(),
+                first_index: first.first_index,
+            }]);
+        }
+        let events = self.apply_entry(entry)?;
+        self.requests.remember(
+            request_id,
+            Remembered {
+                first_index: index,
+                at_ms: entry.at_ms,
+                command_digest,
+                events: events.clone(),
+            },
+        );
+        Ok(events)
+    }
+
+    /// What the client that proposed an entry is told: the entry's outcome,
+    /// or for a repeated request (its outcome is [`Event::RequestRepeated`]
+    /// alone) the outcome of the first. Call it right after `apply`.
+    pub fn answer(
+        &self,
+        outcome: Result<Vec<Event>, ApplyError>,
+    ) -> Result<Vec<Event>, ApplyError> {
+        if let Ok([Event::RequestRepeated { request_id, .. }]) = outcome.as_deref() {
+            // Just found in the window by `apply`, so remembered still.
+            if let Some(first) = self.requests.remembered(request_id) {
+                return Ok(first.events.clone());
+            }
+        }
+        outcome
+    }
+
+    /// How many client requests are remembered (for metrics and tests).
+    pub fn remembered_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Applies an entry that is not a repeated request.
+    fn apply_entry(&mut self, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
+        let events = self.apply_command(entry)?;
+        // Every change to a job names it in an event (or in the command);
+        // progress changes no index.
+        if !matches!(entry.command, Command::ReportProgress { .. }) {
+            let mut touched: Vec<JobId> = events
+                .iter()
+                .filter_map(Event::job_id)
+                .chain(entry.command.job_id())
+                .collect();
+            touched.sort_unstable();
+            touched.dedup();
+            for id in touched {
+                self.indexes.update(id, self.jobs.get(&id));
+            }
+        }
+        if matches!(
+            entry.command,
+            Command::RegisterNode { .. }
+                | Command::MarkNodeLost { .. }
+                | Command::MarkNodeRecovered { .. }
+                | Command::RemoveNode { .. }
+        ) {
+            self.capacity = FreeGpus::of_nodes(&self.nodes);
+            self.free = FreeCache::default();
+        }
+        let moves_supply_or_demand = events.iter().any(|e| {
+            !matches!(
+                e,
+                Event::WorkerStarted { .. } | Event::JobProgressReported { .. }
+            )
+        });
+        if moves_supply_or_demand {
+            self.supply_demand_version += 1;
+        }
+        Ok(events)
+    }
+
+    fn apply_command(&mut self, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
+        let at_ms = entry.at_ms;
+        match &entry.command {
+            Command::RegisterNode {
+                name,
+                address,
+                gpus,
+            } => self.register_node(name, address, gpus, at_ms),
+            Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason, at_ms),
+            Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
+            Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
+            Command::SetPolicy { name } => {
+                check_len("policy", name, limits::POLICY_NAME_MAX_LEN)?;
+                // The name's form only: which policies exist is the
+                // scheduler's business (the API refuses an unknown name
+                // before it is logged, and the leader keeps its policy if
+                // it meets one), so adding or removing a policy never
+                // changes how a log replays.
+                if name.is_empty()
+                    || !name
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+                {
+                    return Err(ApplyError::Invalid {
+                        field: "policy".into(),
+                        reason: format!(
+                            "{name:?} is not a policy name (lower-case letters, digits and _)"
+                        ),
+                    });
+                }
+                let from = self.policy.replace(name.clone()).unwrap_or_default();
+                Ok(vec![Event::PolicyChanged {
+                    from,
+                    to: name.clone(),
+                }])
+            }
+            Command::SubmitJob { spec } => {
+                spec.validate()?;
+                let job_id = self.next_job_id;
+                self.next_job_id += 1;
+                self.jobs.insert(
+                    job_id,
+                    Job {
+                        id: job_id,
+                        spec: spec.clone(),
+                        state: JobState::Pending,
+                        submitted_at_ms: at_ms,
+                        started_at_ms: None,
+                        finished_at_ms: None,
+                        allocation: None,
+                        last_epoch: 0,
+                        workers: BTreeMap::new(),
+                        progress: None,
+                        progress_samples: 0,
+                        perf: Default::default(),
+                        retries: 0,
+                        not_before_ms: None,
+                        message: String::new(),
+                        service_gpu_ms: 0,
+                        queued_since_ms: at_ms,
+                    },
+                );
+                Ok(vec![Event::JobSubmitted {
+                    job_id,
+                    name: spec.name.clone(),
+                    user: spec.user.clone(),
+                }])
+            }
+            Command::CancelJob { job_id, reason } => {
+                check_len("reason", reason, limits::REASON_MAX_LEN)?;
+                let job = self.live_job(*job_id, "cancelled")?;
+                let released = job.close_allocation(at_ms);
+                job.state = JobState::Cancelled;
+                job.finished_at_ms = Some(at_ms);
+                job.message = reason.clone();
+                self.release(*job_id, released);
+                Ok(vec![Event::JobCancelled {
+                    job_id: *job_id,
+                    reason: reason.clone(),
+                }])
+            }
+            Command::DecideAllocation {
+                based_on,
+                policy,
+                round,
+                placements,
+            } => {
+                check_len("policy", policy, limits::POLICY_NAME_MAX_LEN)?;
+                self.last_round = self.last_round.max(*round);
+                Ok(self.decide_allocation(*based_on, policy, *round, placements, at_ms))
+            }
+            Command::RecordWorkerStarted {
+                job_id,
+                epoch,
+                rank,
+                node,
+            } => {
+                let job = self.current_epoch_job(*job_id, *epoch, *rank, "start workers")?;
+                job.workers.insert(
+                    *rank,
+                    Worker {
+                        epoch: *epoch,
+                        node: node.clone(),
+                        state: WorkerState::Running,
+                        exit_code: None,
+                    },
+                );
+                Ok(vec![Event::WorkerStarted {
+                    job_id: *job_id,
+                    epoch: *epoch,
+                    rank: *rank,
+                    node: node.clone(),
+                }])
+            }
+            Command::RecordWorkerExited {
+                job_id,
+                epoch,
+                rank,
+                exit_code,
+                reason,
+            } => {
+                check_len("reason", reason, limits::REASON_MAX_LEN)?;
+                let job = self
+                    .jobs
+                    .get_mut(job_id)
+                    .ok_or(ApplyError::UnknownJob(*job_id))?;
+                // An exit is a fact about a worker that ran; record it even
+                // after the job moved on, as long as the epoch was ever issued.
+                if *epoch == 0 || *epoch > job.last_epoch {
+                    return Err(ApplyError::StaleEpoch {
+                        job_id: *job_id,
+                        epoch: *epoch,
+                        current: job.last_epoch,
+                    });
+                }
+                let mut events = vec![Event::WorkerExited {
+                    job_id: *job_id,
+                    epoch: *epoch,
+                    rank: *rank,
+                    exit_code: *exit_code,
+                    reason: reason.clone(),
+                }];
+                if *epoch == job.last_epoch {
+                    let node = job
+                        .workers
+                        .get(rank)
+                        .map(|w| w.node.clone())
+                        .unwrap_or_default();
+                    job.workers.insert(
+                        *rank,
+                        Worker {
+                            epoch: *epoch,
+                            node,
+                            state: WorkerState::Exited,
+                            exit_code: *exit_code,
+                        },
+                    );
+                    let current = job.allocation.as_ref().is_some_and(|a| a.epoch == *epoch);
+                    if current {
+                        events.extend(self.settle_attempt(*job_id, *rank, *exit_code, at_ms));
+                    }
+                }
+                Ok(events)
+            }
+            Command::ReportProgress { job_id, samples } => self.report_progress(*job_id, samples),
+            Command::FinishJob {
+                job_id,
+                outcome,
+                reason,
+            } => {
+                check_len("reason", reason, limits::REASON_MAX_LEN)?;
+                let job = self.live_job(*job_id, "finished")?;
+                let state = match outcome {
+                    JobOutcome::Succeeded => JobState::Succeeded,
+                    JobOutcome::Failed => JobState::Failed,
+                };
+                let released = job.close_allocation(at_ms);
+                job.state = state;
+                job.finished_at_ms = Some(at_ms);
+                job.message = reason.clone();
+                self.release(*job_id, released);
+                Ok(vec![Event::JobFinished {
+                    job_id: *job_id,
+                    state,
+                    reason: reason.clone(),
+                }])
+            }
+            Command::RemoveJob { job_id } => {
+                let job = self
+                    .jobs
+                    .get(job_id)
+                    .ok_or(ApplyError::UnknownJob(*job_id))?;
+                if !job.state.is_terminal() {
+                    return Err(ApplyError::JobNotEnded {
+                        job_id: *job_id,
+                        state: job.state,
+                    });
+                }
+                self.jobs.remove(job_id);
+                Ok(vec![Event::JobRemoved { job_id: *job_id }])
+            }
+        }
+    }
+
+    /// A job that has not ended, for a transition named `action`.
+    fn live_job(&mut self, job_id: JobId, action: &'static str) -> Result<&mut Job, ApplyError> {
+        let job = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(ApplyError::UnknownJob(job_id))?;
+        if job.state.is_terminal() {
+            return Err(ApplyError::JobEnded {
+                job_id,
+                state: job.state,
+                action: action.to_string(),
+            });
+        }
+        Ok(job)
+    }
+
+    /// A job holding GPUs at allocation `epoch`, with `rank` inside it.
+    fn current_epoch_job(
+        &mut self,
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        action: &'static str,
+    ) -> Result<&mut Job, ApplyError> {
+        let job = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(ApplyError::UnknownJob(job_id))?;
+        let Some(alloc) = &job.allocation else {
+            return Err(ApplyError::JobNotRunning {
+                job_id,
+                state: job.state,
+                action: action.to_string(),
+            });
+        };
+        if alloc.epoch != epoch {
+            return Err(ApplyError::StaleEpoch {
+                job_id,
+                epoch,
+                current: alloc.epoch,
+            });
+        }
+        let workers = u32::try_from(alloc.gpus.len()).unwrap_or(u32::MAX) / job.spec.gpus.max(1);
+        if rank >= workers {
+            return Err(ApplyError::RankOutOfRange {
+                job_id,
+                rank,
+                workers,
+            });
+        }
+        Ok(job)
+    }
+
+    /// A GPU no job holds any more is free again if its node is alive.
+    fn give_back(&mut self, gpu: &GpuRef) {
+        let Some(free) = self.free.0.get_mut() else {
+            return;
+        };
+        let Some(node) = self.nodes.get(&gpu.node) else {
+            return;
+        };
+        if node.state != NodeState::Alive {
+            return;
+        }
+        if let Some(gpu_type) = node.gpus.get(&gpu.index) {
+            free.release_one(gpu_type, gpu);
+        }
+    }
+
+    /// Drops `job_id`'s hold on the GPUs of `allocation` (which the job no
+    /// longer carries). A GPU that the same decision already handed to
+    /// another job keeps its new holder; one left without holders is free
+    /// again. A partner that shared these GPUs runs on alone.
+    fn release(&mut self, job_id: JobId, allocation: Option<Allocation>) {
+        let Some(a) = allocation else {
+            return;
+        };
+        self.drop_holds(job_id, &a.gpus);
+        if let Some(partner) = a.shared_with {
+            self.unpair_if_left(partner);
+        }
+    }
+
+    /// Removes `job_id` from the holders of `gpus`.
+    fn drop_holds(&mut self, job_id: JobId, gpus: &[GpuRef]) {
+        for gpu in gpus {
+            let Some(holders) = self.gpu_holders.get(gpu).copied() else {
+                continue;
+            };
+            if !holders.contains(job_id) {
+                continue;
+            }
+            match holders.without(job_id) {
+                Some(rest) => {
+                    self.gpu_holders.insert(gpu.clone(), rest);
+                }
+                None => {
+                    self.gpu_holders.remove(gpu);
+                    self.give_back(gpu);
+                }
+            }
+        }
+    }
+
+    /// Clears `job_id`'s partner when the partner no longer shares its GPUs
+    /// (it ended, was preempted or moved): the job runs on alone, in the
+    /// same epoch.
+    fn unpair_if_left(&mut self, job_id: JobId) {
+        let Some(partner) = self
+            .jobs
+            .get(&job_id)
+            .and_then(|j| j.allocation.as_ref())
+            .and_then(|a| a.shared_with)
+        else {
+            return;
+        };
+        let mine = self
+            .jobs
+            .get(&job_id)
+            .and_then(|j| j.allocation.as_ref())
+            .map(|a| &a.gpus);
+        let still_shared = self
+            .jobs
+            .get(&partner)
+            .and_then(|p| p.allocation.as_ref())
+            .is_some_and(|a| a.shared_with == Some(job_id) && Some(&a.gpus) == mine);
+        if !still_shared {
+            if let Some(a) = self
+                .jobs
+                .get_mut(&job_id)
+                .and_then(|j| j.allocation.as_mut())
+            {
+                a.shared_with = None;
+            }
+        }
+    }
+
+    fn register_node(
+        &mut self,
+        name: &str,
+        address: &str,
+        gpus: &[Gpu],
+        at_ms: u64,
+    ) -> Result<Vec<Event>, ApplyError> {
+        let inventory = validate_node(name, address, gpus)?;
+        // Re-registration may not drop a GPU that a job holds.
+        for (gpu, holder) in self.gpus_held_on(name) {
+            if !inventory.contains_key(&gpu.index) {
+                return Err(ApplyError::GpuInUse { gpu, holder });
+            }
+        }
+        self.nodes.insert(
+            name.to_string(),
+            Node {
+                name: name.to_string(),
+                address: address.to_string(),
+                gpus: inventory,
+                state: NodeState::Alive,
+                registered_at_ms: at_ms,
+                message: String::new(),
+            },
+        );
+        Ok(vec![Event::NodeRegistered {
+            name: name.to_string(),
+            gpus: gpus.to_vec(),
+        }])
+    }
+
+    /// Every (GPU, holding job) on `node`; a shared GPU appears once per job.
+    fn gpus_held_on(&self, node: &str) -> Vec<(GpuRef, JobId)> {
+        let from = GpuRef {
+            node: node.to_string(),
+            index: 0,
+        };
+        self.gpu_holders
+            .range(from..)
+            .take_while(|(g, _)| g.node == node)
+            .flat_map(|(g, h)| h.jobs().map(move |j| (g.clone(), j)))
+            .collect()
+    }
+
+    fn mark_node_lost(
+        &mut self,
+        name: &str,
+        reason: &str,
+        at_ms: u64,
+    ) -> Result<Vec<Event>, ApplyError> {
+        check_len("reason", reason, limits::REASON_MAX_LEN)?;
+        let node = self
+            .nodes
+            .get_mut(name)
+            .ok_or_else(|| ApplyError::UnknownNode(name.to_string()))?;
+        if node.state == NodeState::Lost {
+            return Err(ApplyError::NodeLost(name.to_string()));
+        }
+        node.state = NodeState::Lost;
+        node.message = reason.to_string();
+        let mut events = vec![Event::NodeLost {
+            name: name.to_string(),
+            reason: reason.to_string(),
+        }];
+        // A gang job with a worker on a lost node cannot go on: release all
+        // of its GPUs and put it back in the queue.
+        let affected: BTreeSet<JobId> = self
+            .gpus_held_on(name)
+            .into_iter()
+            .map(|(_, j)| j)
+            .collect();
+        for job_id in affected {
+            let reason = format!("node {name} lost");
+            self.preempt(job_id, &reason, at_ms);
+            events.push(Event::JobPreempted { job_id, reason });
+        }
+        Ok(events)
+    }
+
+    fn remove_node(
+        &mut self,
+        name: &str,
+        force: bool,
+        at_ms: u64,
+    ) -> Result<Vec<Event>, ApplyError> {
+        if !self.nodes.contains_key(name) {
+            return Err(ApplyError::UnknownNode(name.to_string()));
+        }
+        let holding: BTreeSet<JobId> = self
+            .gpus_held_on(name)
+            .into_iter()
+            .map(|(_, j)| j)
+            .collect();
+        if !holding.is_empty() && !force {
+            return Err(ApplyError::NodeInUse {
+                node: name.to_string(),
+                jobs: holding.into_iter().collect(),
+            });
+        }
+        let mut events = Vec::new();
+        for job_id in holding {
+            let reason = format!("node {name} removed");
+            self.preempt(job_id, &reason, at_ms);
+            events.push(Event::JobPreempted { job_id, reason });
+        }
+        self.nodes.remove(name);
+        events.push(Event::NodeRemoved {
+            name: name.to_string(),
+        });
+        Ok(events)
+    }
+
+    fn preempt(&mut self, job_id: JobId, reason: &str, at_ms: u64) {
+        let released = match self.jobs.get_mut(&job_id) {
+            Some(job) => {
+                job.state = JobState::Preempted;
+                job.message = reason.to_string();
+                job.close_allocation(at_ms)
+            }
+            None => None,
+        };
+        self.release(job_id, released);
+    }
+
+    /// A worker of the job's current allocation exited on its own (the
+    /// reconciler stops only workers that are no longer wanted, and their
+    /// epoch is then stale). A non-zero exit (or death by signal) ends the
+    /// attempt: the job is requeued while retries remain, else it fails.
+    /// When every rank has exited 0, the job succeeded.
+    fn settle_attempt(
+        &mut self,
+        job_id: JobId,
+        rank: u32,
+        exit_code: Option<i32>,
+        at_ms: u64,
+    ) -> Vec<Event> {
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return Vec::new();
+        };
+        if exit_code == Some(0) {
+            let workers = job.worker_count();
+            let all_done = (0..workers).all(|r| {
+                job.workers
+                    .get(&r)
+                    .is_some_and(|w| w.state == WorkerState::Exited && w.exit_code == Some(0))
+            });
+            if !all_done {
+                return Vec::new();
+            }
+            let released = job.close_allocation(at_ms);
+            job.state = JobState::Succeeded;
+            job.finished_at_ms = Some(at_ms);
+            job.message = "every worker exited 0".into();
+            let reason = job.message.clone();
+            self.release(job_id, released);
+            return vec![Event::JobFinished {
+                job_id,
+                state: JobState::Succeeded,
+                reason,
+            }];
+        }
+        let how = match exit_code {
+            Some(code) => format!("worker {rank} exited with code {code}"),
+            None => format!("worker {rank} was killed by a signal"),
+        };
+        let released = job.close_allocation(at_ms);
+        let event = if job.retries < job.spec.max_retries {
+            job.retries += 1;
+            job.state = JobState::Pending;
+            let wait_ms = job.spec.retry_backoff_ms(job.retries);
+            job.not_before_ms = (wait_ms > 0).then_some(at_ms.saturating_add(wait_ms));
+            job.message = format!(
+                "{how}; retry {} of {} in {} s",
+                job.retries,
+                job.spec.max_retries,
+                wait_ms / 1000
+            );
+            Event::JobRequeued {
+                job_id,
+                retries: job.retries,
+                reason: job.message.clone(),
+            }
+        } else {
+            job.state = JobState::Failed;
+            job.finished_at_ms = Some(at_ms);
+            job.message = if job.spec.max_retries == 0 {
+                how
+            } else {
+                format!("{how}; no retries left ({})", job.spec.max_retries)
+            };
+            Event::JobFinished {
+                job_id,
+                state: JobState::Failed,
+                reason: job.message.clone(),
+            }
+        };
+        self.release(job_id, released);
+        vec![event]
+    }
+
+    fn mark_node_recovered(&mut self, name: &str) -> Result<Vec<Event>, ApplyError> {
+        let node = self
+            .nodes
+            .get_mut(name)
+            .ok_or_else(|| ApplyError::UnknownNode(name.to_string()))?;
+        if node.state != NodeState::Lost {
+            return Err(ApplyError::NodeNotLost(name.to_string()));
+        }
+        node.state = NodeState::Alive;
+        node.message.clear();
+        Ok(vec![Event::NodeRecovered {
+            name: name.to_string(),
+        }])
+    }
+
+    fn report_progress(
+        &mut self,
+        job_id: JobId,
+        samples: &[ProgressSample],
+    ) -> Result<Vec<Event>, ApplyError> {
+        if samples.len() > limits::PROGRESS_SAMPLES_MAX {
+            return Err(ApplyError::TooLarge {
+                field: "progress samples".into(),
+                len: samples.len(),
+                limit: limits::PROGRESS_SAMPLES_MAX,
+            });
+        }
+        // The partner's model, when the job shares its GPUs: its samples
+        // are then no measure of its speed alone.
+        let partner_model: Option<&str> = self
+            .jobs
+            .get(&job_id)
+            .and_then(|j| j.allocation.as_ref()?.shared_with)
+            .and_then(|p| self.jobs.get(&p))
+            .map(|p| {
+                p.spec
+                    .model
+                    .as_deref()
+                    .unwrap_or(crate::model::GENERIC_MODEL)
+            });
+        let partner_model = partner_model.map(str::to_string);
+        let job = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(ApplyError::UnknownJob(job_id))?;
+        if job.state != JobState::Running {
+            return Err(ApplyError::JobNotRunning {
+                job_id,
+                state: job.state,
+                action: "report progress".into(),
+            });
+        }
+        // The latest sample is the one with the highest step (ties: the last).
+        let Some(latest) = samples
+            .iter()
+            .reduce(|a, b| if b.step >= a.step { b } else { a })
+        else {
+            return Err(ApplyError::Invalid {
+                field: "progress samples".into(),
+                reason: "empty batch".into(),
+            });
+        };
+        if job.progress.as_ref().is_none_or(|p| latest.step >= p.step) {
+            job.progress = Some(latest.clone());
+        }
+        job.progress_samples += samples.len() as u64;
+        if let Some(a) = &job.allocation {
+            // The type is looked up only when the epoch is new to the
+            // history (a node lookup per progress entry is not free).
+            let gpu_type = if job.perf.knows_epoch(a.epoch)
+                && job.perf.knows_partner(partner_model.as_deref())
+            {
+                ""
+            } else {
+                a.gpus
+                    .first()
+                    .and_then(|g| self.nodes.get(&g.node)?.gpus.get(&g.index))
+                    .map_or("", String::as_str)
+            };
+            let gpus = u32::try_from(a.gpus.len()).unwrap_or(u32::MAX);
+            let on = crate::perf_history::RunningOn {
+                epoch: a.epoch,
+                gpu_type,
+                gpus,
+                partner_model: partner_model.as_deref(),
+            };
+            // One point per entry, its latest sample: speed is measured
+            // between entries (a longer interval than within a batch), and
+            // the loss history is thinned anyway.
+            job.perf.record(&on, latest.step, latest.loss, latest.at_ms);
+        }
+        Ok(vec![Event::JobProgressReported {
+            job_id,
+            latest: latest.clone(),
+            samples: u32::try_from(samples.len()).unwrap_or(u32::MAX),
+        }])
+    }
+
+    /// Checks one job's placement on its own: the job can hold GPUs, the GPU
+    /// set has the right shape, and every GPU exists on a live node with an
+    /// allowed type. Conflicts with other jobs are checked afterwards.
+    fn check_placement(&self, p: &JobPlacement) -> Result<Vec<GpuRef>, String> {
+        let job = self
+            .jobs
+            .get(&p.job_id)
+            .ok_or_else(|| format!("job {} does not exist", p.job_id))?;
+        if job.state.is_terminal() {
+            return Err(format!(
+                "job {} has already ended ({})",
+                p.job_id, job.state
+            ));
+        }
+        let mut gpus = p.gpus.clone();
+        gpus.sort();
+        if gpus.windows(2).any(|w| w[0] == w[1]) {
+            return Err("the plan lists a GPU twice".into());
+        }
+        if let Some(partner) = p.share_with {
+            if partner == p.job_id {
+                return Err("share_with names the job itself".into());
+            }
+            if gpus.is_empty() {
+                return Err(format!(
+                    "share_with names job {partner} but the placement holds no GPUs"
+                ));
+            }
+        }
+        if gpus.is_empty() {
+            return Ok(gpus);
+        }
+        let per_worker = job.spec.gpus.max(1) as usize;
+        let workers = gpus.len() / per_worker;
+        if !gpus.len().is_multiple_of(per_worker)
+            || workers < job.spec.workers.min as usize
+            || workers > job.spec.workers.max as usize
+        {
+            return Err(format!(
+                "{} GPUs do not make {}..={} workers of {} GPUs",
+                gpus.len(),
+                job.spec.workers.min,
+                job.spec.workers.max,
+                per_worker
+            ));
+        }
+        // A worker is one process on one node: every node gets whole workers.
+        // `gpus` is sorted, so each node's GPUs are one run.
+        for run in gpus.chunk_by(|a, b| a.node == b.node) {
+            if !run.len().is_multiple_of(per_worker) {
+                return Err(format!(
+                    "{} GPUs on node {:?} do not make whole workers of {per_worker} GPUs",
+                    run.len(),
+                    run[0].node
+                ));
+            }
+        }
+        for gpu in &gpus {
+            let node = self
+                .nodes
+                .get(&gpu.node)
+                .ok_or_else(|| format!("node {:?} does not exist", gpu.node))?;
+            if node.state == NodeState::Lost {
+                return Err(format!("node {:?} is lost", gpu.node));
+            }
+            let gpu_type = node
+                .gpus
+                .get(&gpu.index)
+                .ok_or_else(|| format!("GPU {gpu} does not exist"))?;
+            let allowed = &job.spec.gpu_types.allowed;
+            if !allowed.is_empty() && !allowed.iter().any(|t| t == gpu_type) {
+                return Err(format!("GPU {gpu} is a {gpu_type}, not an allowed type"));
+            }
+        }
+        Ok(gpus)
+    }
+
+    fn decide_allocation(
+        &mut self,
+        based_on: u64,
+        policy: &str,
+        round: u64,
+        placements: &[JobPlacement],
+        at_ms: u64,
+    ) -> Vec<Event> {
+        let mut events = Vec::new();
+        // Pass 1: each placement on its own.
+        let mut accepted: BTreeMap<JobId, (Vec<GpuRef>, Option<JobId>)> = BTreeMap::new();
+        for p in placements {
+            if accepted.contains_key(&p.job_id) {
+                events.push(Event::PlacementRefused {
+                    job_id: p.job_id,
+                    reason: "the plan places this job twice".into(),
+                });
+                continue;
+            }
+            match self.check_placement(p) {
+                Ok(gpus) => {
+                    accepted.insert(p.job_id, (gpus, p.share_with));
+                }
+                Err(reason) => events.push(Event::PlacementRefused {
+                    job_id: p.job_id,
+                    reason,
+                }),
+            }
+        }
+        // Pass 1b: a pair is placed whole or not at all. Both placements
+        // name each other and list the same GPUs; the check is symmetric,
+        // so both members of a broken pair are refused.
+        let unpaired: Vec<(JobId, String)> = accepted
+            .iter()
+            .filter_map(|(job_id, (gpus, partner))| {
+                let partner = (*partner)?;
+                let matched = accepted
+                    .get(&partner)
+                    .is_some_and(|(g, p)| g == gpus && *p == Some(*job_id));
+                (!matched).then(|| {
+                    (
+                        *job_id,
+                        format!(
+                            "it shares GPUs with job {partner}, which this plan does not place \
+                             on the same GPUs sharing with it"
+                        ),
+                    )
+                })
+            })
+            .collect();
+        for (job_id, reason) in unpaired {
+            accepted.remove(&job_id);
+            events.push(Event::PlacementRefused { job_id, reason });
+        }
+        // Pass 2: conflicts. GPUs held by jobs in the plan are free for the
+        // plan to hand out; a job whose placement is refused keeps what it
+        // had. `granted_gpus` holds only this plan's grants, so a decision
+        // costs O(GPUs in the plan), not O(GPUs in the cluster). A pair is
+        // one unit, handled at its smaller id.
+        let mut granted_gpus: BTreeMap<GpuRef, JobId> = BTreeMap::new();
+        let mut granted: Vec<(JobId, Vec<GpuRef>, Option<JobId>)> = Vec::new();
+        let mut refused: Vec<JobId> = Vec::new();
+        for (job_id, (gpus, partner)) in &accepted {
+            if partner.is_some_and(|p| p < *job_id) {
+                continue;
+            }
+            let unit: Vec<JobId> = std::iter::once(*job_id).chain(*partner).collect();
+            let conflict = gpus.iter().find_map(|g| {
+                if let Some(h) = granted_gpus.get(g) {
+                    return Some(format!("GPU {g} is held by job {h}"));
+                }
+                let holders = self.gpu_holders.get(g)?;
+                holders
+                    .jobs()
+                    .find(|h| !accepted.contains_key(h))
+                    .map(|h| format!("GPU {g} is held by job {h}"))
+            });
+            if let Some(reason) = conflict {
+                for job_id in unit {
+                    events.push(Event::PlacementRefused {
+                        job_id,
+                        reason: reason.clone(),
+                    });
+                    refused.push(job_id);
+                }
+                continue;
+            }
+            for g in gpus {
+                granted_gpus.insert(g.clone(), *job_id);
+            }
+            granted.push((*job_id, gpus.clone(), *partner));
+            if let Some(p) = partner {
+                granted.push((*p, gpus.clone(), Some(*job_id)));
+            }
+        }
+        // A refused job keeps its old GPUs unless a granted job took one;
+        // then it loses all of them (gang semantics) and is preempted.
+        for job_id in refused {
+            let taken = self
+                .jobs
+                .get(&job_id)
+                .and_then(|j| j.allocation.as_ref())
+                .is_some_and(|a| a.gpus.iter().any(|g| granted_gpus.contains_key(g)));
+            if taken {
+                self.preempt(job_id, "its GPUs went to another job", at_ms);
+                events.push(Event::JobPreempted {
+                    job_id,
+                    reason: "its GPUs went to another job".into(),
+                });
+            }
+        }
+        // Commit the granted placements: first every old hold is dropped,
+        // then the new ones are taken, so a GPU that moves within the plan
+        // (or a pair that forms on one member's old GPUs) is never counted
+        // twice.
+        granted.sort_by_key(|(job_id, _, _)| *job_id);
+        let mut changed: Vec<(JobId, Vec<GpuRef>, Option<JobId>)> = Vec::new();
+        let mut old_partners: Vec<JobId> = Vec::new();
+        for (job_id, gpus, partner) in granted {
+            let Some(job) = self.jobs.get_mut(&job_id) else {
+                continue;
+            };
+            let unchanged = job
+                .allocation
+                .as_ref()
+                .is_some_and(|a| a.gpus == gpus && a.shared_with == partner)
+                || (job.allocation.is_none() && gpus.is_empty());
+            if unchanged {
+                continue;
+            }
+            let old = job.close_allocation(at_ms);
+            if gpus.is_empty() {
+                job.state = JobState::Preempted;
+                job.message = format!("preempted by {policy} in round {round}");
+                let reason = job.message.clone();
+                self.release(job_id, old);
+                events.push(Event::JobPreempted { job_id, reason });
+                continue;
+            }
+            if let Some(old) = old {
+                old_partners.extend(old.shared_with);
+                self.drop_holds(job_id, &old.gpus);
+            }
+            changed.push((job_id, gpus, partner));
+        }
+        for (job_id, gpus, partner) in changed {
+            let Some(job) = self.jobs.get_mut(&job_id) else {
+                continue;
+            };
+            job.last_epoch += 1;
+            let epoch = job.last_epoch;
+            job.state = JobState::Running;
+            job.started_at_ms.get_or_insert(at_ms);
+            job.message.clear();
+            job.workers.clear();
+            job.allocation = Some(Allocation {
+                epoch,
+                gpus: gpus.clone(),
+                based_on,
+                policy: policy.to_string(),
+                round,
+                decided_at_ms: at_ms,
+                shared_with: partner,
+            });
+            for g in &gpus {
+                let holders = match self.gpu_holders.get(g) {
+                    Some(h) => h.with(job_id),
+                    None => GpuHolders::one(job_id),
+                };
+                self.gpu_holders.insert(g.clone(), holders);
+            }
+            if let Some(free) = self.free.0.get_mut() {
+                free.remove(&gpus);
+            }
+            events.push(Event::JobAllocated {
+                job_id,
+                epoch,
+                gpus,
+                based_on,
+                policy: policy.to_string(),
+                round,
+                shared_with: partner,
+            });
+        }
+        // Partners left behind by a job that moved run on alone.
+        for job_id in old_partners {
+            self.unpair_if_left(job_id);
+        }
+        events
+    }
+
+    /// Checks the invariants that every reachable state holds. Used by tests
+    /// and debug assertions; returns the first broken one.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        if self.capacity != FreeGpus::of_nodes(&self.nodes) {
+            return Err("the capacity index does not match the nodes".into());
+        }
+        if self
+            .free
+            .0
+            .get()
+            .is_some_and(|f| *f != FreeGpus::of_holders(&self.nodes, &self.gpu_holders))
+        {
+            return Err("the free-GPU index does not match the holders".into());
+        }
+        let mut from_jobs: BTreeMap<&GpuRef, GpuHolders> = BTreeMap::new();
+        for (id, job) in &self.jobs {
+            if *id != job.id {
+                return Err(format!("job {id} is stored under another id"));
+            }
+            if *id >= self.next_job_id {
+                return Err(format!("job {id} is not below next_job_id"));
+            }
+            if (job.state == JobState::Running) != job.allocation.is_some() {
+                return Err(format!(
+                    "job {id} is {} but holds allocation {:?}",
+                    job.state, job.allocation
+                ));
+            }
+            let Some(a) = &job.allocation else {
+                continue;
+            };
+            // A partner is mutual, on the identical GPUs.
+            if let Some(p) = a.shared_with {
+                let mutual = self
+                    .jobs
+                    .get(&p)
+                    .and_then(|j| j.allocation.as_ref())
+                    .is_some_and(|pa| pa.shared_with == Some(*id) && pa.gpus == a.gpus);
+                if p == *id || !mutual {
+                    return Err(format!(
+                        "job {id} names job {p} as its partner, which does not share its GPUs"
+                    ));
+                }
+            }
+            for g in &a.gpus {
+                let holders = match from_jobs.get(g) {
+                    None => GpuHolders::one(*id),
+                    Some(h) if h.sharer.is_none() && a.shared_with == Some(h.job) => h.with(*id),
+                    Some(h) => return Err(format!("GPU {g} is held by {h} and job {id}")),
+                };
+                from_jobs.insert(g, holders);
+            }
+        }
+        let index: BTreeMap<&GpuRef, GpuHolders> =
+            self.gpu_holders.iter().map(|(g, h)| (g, *h)).collect();
+        if index != from_jobs {
+            return Err("the GPU holder index disagrees with the jobs' allocations".into());
+        }
+        if self.indexes != JobIndexes::of(&self.jobs) {
+            return Err("the job indexes disagree with the jobs".into());
+        }
+        self.requests.check()
+    }
+}
+
+/// A state digest (BLAKE3 of the canonical encoding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StateHash(pub [u8; 32]);
+
+impl std::fmt::Display for StateHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+struct HashWriter<'a>(&'a mut blake3::Hasher);
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

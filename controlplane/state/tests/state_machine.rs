@@ -1,0 +1,1206 @@
+//! Behaviour of `ClusterState::apply`: lifecycle transitions and refusals,
+//! and property tests over random entry sequences.
+
+use std::collections::BTreeSet;
+
+use keel_state::codec::{decode_entry, encode_entry};
+use keel_state::*;
+use proptest::prelude::*;
+
+fn spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
+    keel_state::fixtures::job_spec(name, gpus, workers)
+}
+
+fn gpu(node: &str, index: u32) -> GpuRef {
+    GpuRef {
+        node: node.into(),
+        index,
+    }
+}
+
+struct Harness {
+    state: ClusterState,
+    index: u64,
+}
+
+impl Harness {
+    fn new() -> Self {
+        Harness {
+            state: ClusterState::new(),
+            index: 0,
+        }
+    }
+    fn apply(&mut self, command: Command) -> Result<Vec<Event>, ApplyError> {
+        self.index += 1;
+        let entry = LogEntry::new(1000 * self.index, command);
+        // Every entry survives the wire format unchanged.
+        let decoded = decode_entry(&encode_entry(&entry)).expect("round trip");
+        assert_eq!(decoded, entry);
+        let before = self.state.clone();
+        let res = self.state.apply(self.index, &entry);
+        if res.is_err() {
+            let mut expected = before;
+            // Only the index moves on a refusal.
+            let _ = expected.apply(
+                self.index,
+                &LogEntry::new(0, Command::RemoveJob { job_id: u64::MAX }),
+            );
+            assert_eq!(self.state, expected, "a refused entry changed the state");
+        }
+        self.state.check_invariants().expect("invariants");
+        res
+    }
+    fn node(&mut self, name: &str, gpus: u32) {
+        self.apply(Command::RegisterNode {
+            name: name.into(),
+            address: "127.0.0.1".into(),
+            gpus: (0..gpus)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: "v100".into(),
+                })
+                .collect(),
+        })
+        .expect("register");
+    }
+    fn submit(&mut self, s: JobSpec) -> JobId {
+        match self
+            .apply(Command::SubmitJob { spec: s })
+            .expect("submit")
+            .as_slice()
+        {
+            [Event::JobSubmitted { job_id, .. }] => *job_id,
+            other => panic!("unexpected events {other:?}"),
+        }
+    }
+    fn place(&mut self, placements: Vec<(JobId, Vec<GpuRef>)>) -> Vec<Event> {
+        self.apply(Command::DecideAllocation {
+            based_on: self.index,
+            policy: "fifo".into(),
+            round: 1,
+            placements: placements
+                .into_iter()
+                .map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus))
+                .collect(),
+        })
+        .expect("plans are applied per job")
+    }
+}
+
+impl Harness {
+    /// Places `a` and `b` together on `gpus` (space sharing).
+    fn pair(&mut self, a: JobId, b: JobId, gpus: Vec<GpuRef>) -> Vec<Event> {
+        self.decide(vec![
+            placed(a, gpus.clone(), Some(b)),
+            placed(b, gpus, Some(a)),
+        ])
+    }
+
+    fn partner(&self, job: JobId) -> Option<JobId> {
+        self.state
+            .job(job)
+            .and_then(|j| j.allocation.as_ref())
+            .and_then(|a| a.shared_with)
+    }
+}
+
+/// A placement of `job` on `gpus`, sharing them with `partner` if given.
+fn placed(job_id: JobId, gpus: Vec<GpuRef>, share_with: Option<JobId>) -> JobPlacement {
+    JobPlacement {
+        job_id,
+        gpus,
+        share_with,
+    }
+}
+
+impl Harness {
+    /// One decision with these placements.
+    fn decide(&mut self, placements: Vec<JobPlacement>) -> Vec<Event> {
+        self.apply(Command::DecideAllocation {
+            based_on: self.index,
+            policy: "p".into(),
+            round: 1,
+            placements,
+        })
+        .expect("applied per job")
+    }
+}
+
+fn refused(events: &[Event]) -> Vec<(JobId, String)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::PlacementRefused { job_id, reason } => Some((*job_id, reason.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_declared_pair_shares_its_gpus_and_the_survivor_runs_on_alone() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    let c = h.submit(spec("c", 1, 1));
+    let events = h.pair(a, b, vec![gpu("n0", 0)]);
+    assert!(refused(&events).is_empty(), "{events:?}");
+    assert!(events.iter().any(|e| matches!(e,
+        Event::JobAllocated { job_id, shared_with: Some(p), .. } if *job_id == a && *p == b)));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)),
+        Some(&GpuHolders {
+            job: a,
+            sharer: Some(b)
+        })
+    );
+    assert_eq!((h.partner(a), h.partner(b)), (Some(b), Some(a)));
+    // The shared GPU is not free; the other one is.
+    assert_eq!(h.state.free_gpus().total(), 1);
+    // A third job may not join the pair's GPU, alone or as a pair.
+    let events = h.place(vec![(c, vec![gpu("n0", 0)])]);
+    assert!(
+        matches!(refused(&events).as_slice(), [(j, r)] if *j == c && r.contains("held by job")),
+        "{events:?}"
+    );
+    // The pair's first member finishes; the other runs on alone, same epoch.
+    let epoch_b = h
+        .state
+        .job(b)
+        .and_then(|j| j.allocation.as_ref())
+        .map(|x| x.epoch);
+    h.apply(Command::FinishJob {
+        job_id: a,
+        outcome: JobOutcome::Succeeded,
+        reason: String::new(),
+    })
+    .expect("finish");
+    assert_eq!(h.partner(b), None);
+    assert_eq!(
+        h.state
+            .job(b)
+            .and_then(|j| j.allocation.as_ref())
+            .map(|x| x.epoch),
+        epoch_b
+    );
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)),
+        Some(&GpuHolders::one(b))
+    );
+    // b finishes too: the GPU is free again.
+    h.apply(Command::FinishJob {
+        job_id: b,
+        outcome: JobOutcome::Succeeded,
+        reason: String::new(),
+    })
+    .expect("finish");
+    assert!(h.state.gpu_holders().is_empty());
+    assert_eq!(h.state.free_gpus().total(), 2);
+}
+
+#[test]
+fn a_pair_forms_on_one_members_gpus_and_moves_whole() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)]), (b, vec![gpu("n0", 1)])]);
+    // b joins a on GPU 0: both get a new epoch; GPU 1 is free.
+    let events = h.pair(a, b, vec![gpu("n0", 0)]);
+    assert!(refused(&events).is_empty(), "{events:?}");
+    assert_eq!(
+        h.state
+            .job(a)
+            .and_then(|j| j.allocation.as_ref())
+            .map(|x| x.epoch),
+        Some(2)
+    );
+    assert!(!h.state.gpu_holders().contains_key(&gpu("n0", 1)));
+    // The same pair again changes nothing.
+    let events = h.pair(a, b, vec![gpu("n0", 0)]);
+    assert!(events.is_empty(), "{events:?}");
+    // The pair moves to GPU 1 whole.
+    h.pair(a, b, vec![gpu("n0", 1)]);
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 1)),
+        Some(&GpuHolders {
+            job: a,
+            sharer: Some(b)
+        })
+    );
+    assert!(!h.state.gpu_holders().contains_key(&gpu("n0", 0)));
+    // a is moved away alone: b stays on GPU 1 and runs alone.
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    assert_eq!((h.partner(a), h.partner(b)), (None, None));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 1)),
+        Some(&GpuHolders::one(b))
+    );
+}
+
+#[test]
+fn a_pair_is_placed_whole_or_not_at_all() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    let c = h.submit(spec("c", 1, 1));
+    // Not mutual.
+    let events = h.decide(vec![
+        placed(a, vec![gpu("n0", 0)], Some(b)),
+        JobPlacement::alone(b, vec![gpu("n0", 0)]),
+    ]);
+    // a is refused; b asked for the GPU alone and gets it.
+    let r = refused(&events);
+    assert!(
+        matches!(r.as_slice(), [(j, reason)] if *j == a && reason.contains("shares GPUs with job")),
+        "{r:?}"
+    );
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)),
+        Some(&GpuHolders::one(b))
+    );
+    assert_eq!(h.partner(b), None);
+    // Not the same GPUs.
+    let events = h.decide(vec![
+        placed(a, vec![gpu("n0", 0)], Some(b)),
+        placed(b, vec![gpu("n0", 1)], Some(a)),
+    ]);
+    assert_eq!(refused(&events).len(), 2, "{events:?}");
+    // Itself, or with no GPUs.
+    let events = h.decide(vec![placed(a, vec![gpu("n0", 0)], Some(a))]);
+    assert!(refused(&events)[0].1.contains("itself"), "{events:?}");
+    // One member's GPU is held by another job: both are refused and
+    // neither takes anything.
+    h.place(vec![(c, vec![gpu("n0", 1)])]);
+    let events = h.decide(vec![
+        placed(a, vec![gpu("n0", 1)], Some(b)),
+        placed(b, vec![gpu("n0", 1)], Some(a)),
+    ]);
+    assert_eq!(refused(&events).len(), 2, "{events:?}");
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 1)),
+        Some(&GpuHolders::one(c))
+    );
+    // A lost node preempts both members.
+    h.pair(a, b, vec![gpu("n0", 0)]);
+    h.apply(Command::MarkNodeLost {
+        name: "n0".into(),
+        reason: "gone".into(),
+    })
+    .expect("lost");
+    for j in [a, b, c] {
+        assert_eq!(h.state.job(j).map(|x| x.state), Some(JobState::Preempted));
+    }
+    assert!(h.state.gpu_holders().is_empty());
+}
+
+#[test]
+fn job_lifecycle_pending_running_succeeded() {
+    let mut h = Harness::new();
+    h.node("n0", 4);
+    let j = h.submit(spec("a", 2, 1));
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Pending));
+    let ev = h.place(vec![(j, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    assert!(matches!(
+        ev.as_slice(),
+        [Event::JobAllocated { epoch: 1, .. }]
+    ));
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
+    h.apply(Command::RecordWorkerStarted {
+        job_id: j,
+        epoch: 1,
+        rank: 0,
+        node: "n0".into(),
+    })
+    .expect("worker started");
+    h.apply(Command::FinishJob {
+        job_id: j,
+        outcome: JobOutcome::Succeeded,
+        reason: String::new(),
+    })
+    .expect("finish");
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Succeeded));
+    assert!(h.state.gpu_holders().is_empty(), "GPUs released on finish");
+}
+
+impl Harness {
+    fn start(&mut self, job_id: JobId, epoch: u64, rank: u32, node: &str) {
+        self.apply(Command::RecordWorkerStarted {
+            job_id,
+            epoch,
+            rank,
+            node: node.into(),
+        })
+        .expect("worker started");
+    }
+    fn exit(&mut self, job_id: JobId, epoch: u64, rank: u32, code: Option<i32>) -> Vec<Event> {
+        self.apply(Command::RecordWorkerExited {
+            job_id,
+            epoch,
+            rank,
+            exit_code: code,
+            reason: String::new(),
+        })
+        .expect("exit recorded")
+    }
+}
+
+#[test]
+fn a_job_succeeds_when_every_worker_exits_zero() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let j = h.submit(spec("a", 1, 2));
+    h.place(vec![(j, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    h.start(j, 1, 0, "n0");
+    h.start(j, 1, 1, "n0");
+    let ev = h.exit(j, 1, 1, Some(0));
+    assert_eq!(ev.len(), 1, "one of two workers done: still running");
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
+    let ev = h.exit(j, 1, 0, Some(0));
+    assert!(matches!(
+        ev.last(),
+        Some(Event::JobFinished {
+            state: JobState::Succeeded,
+            ..
+        })
+    ));
+    assert!(h.state.gpu_holders().is_empty());
+}
+
+#[test]
+fn a_failed_worker_requeues_the_job_until_retries_run_out() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let mut s = spec("flaky", 1, 1);
+    s.max_retries = 1;
+    let j = h.submit(s);
+    h.place(vec![(j, vec![gpu("n0", 0)])]);
+    h.start(j, 1, 0, "n0");
+    let ev = h.exit(j, 1, 0, Some(3));
+    assert!(
+        matches!(ev.last(), Some(Event::JobRequeued { retries: 1, .. })),
+        "{ev:?}"
+    );
+    let job = h.state.job(j).expect("job");
+    assert_eq!(job.state, JobState::Pending);
+    assert!(
+        job.message.contains("exited with code 3"),
+        "{}",
+        job.message
+    );
+    // Second attempt, on another GPU; a stale exit of epoch 1 changes nothing.
+    h.place(vec![(j, vec![gpu("n0", 1)])]);
+    let ev = h.exit(j, 1, 0, None);
+    assert_eq!(ev.len(), 1);
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
+    let ev = h.exit(j, 2, 0, None);
+    assert!(matches!(
+        ev.last(),
+        Some(Event::JobFinished {
+            state: JobState::Failed,
+            ..
+        })
+    ));
+    let job = h.state.job(j).expect("job");
+    assert!(
+        job.message.contains("killed by a signal"),
+        "{}",
+        job.message
+    );
+    assert!(h.state.gpu_holders().is_empty());
+}
+
+#[test]
+fn a_worker_exit_after_cancel_changes_nothing() {
+    let mut h = Harness::new();
+    h.node("n0", 1);
+    let j = h.submit(spec("a", 1, 1));
+    h.place(vec![(j, vec![gpu("n0", 0)])]);
+    h.apply(Command::CancelJob {
+        job_id: j,
+        reason: "user".into(),
+    })
+    .expect("cancel");
+    h.exit(j, 1, 0, Some(143));
+    assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Cancelled));
+}
+
+#[test]
+fn a_worker_never_straddles_nodes() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    h.node("n1", 2);
+    let j = h.submit(spec("a", 2, 1));
+    let ev = h.place(vec![(j, vec![gpu("n0", 0), gpu("n1", 0)])]);
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("whole workers")),
+        "{ev:?}"
+    );
+}
+
+#[test]
+fn the_supply_demand_version_moves_on_scheduling_changes_only() {
+    let mut h = Harness::new();
+    h.node("n0", 1);
+    let v0 = h.state.supply_demand_version();
+    let j = h.submit(spec("a", 1, 1));
+    let v1 = h.state.supply_demand_version();
+    assert!(v1 > v0);
+    h.place(vec![(j, vec![gpu("n0", 0)])]);
+    let v2 = h.state.supply_demand_version();
+    assert!(v2 > v1);
+    h.start(j, 1, 0, "n0");
+    h.apply(Command::ReportProgress {
+        job_id: j,
+        samples: vec![ProgressSample {
+            step: 1,
+            total_steps: 10,
+            loss: None,
+            samples_per_s: 1.0,
+            at_ms: 1,
+        }],
+    })
+    .expect("progress");
+    assert_eq!(h.state.supply_demand_version(), v2);
+    assert_eq!(h.state.last_round(), 1);
+}
+
+#[test]
+fn a_decision_that_preempts_a_job_and_hands_its_gpu_to_an_older_one_keeps_the_index() {
+    // Found by `no_gpu_is_held_by_two_jobs_outside_a_declared_pair`: job 2's release ran after
+    // job 1 was granted job 2's GPU, and dropped job 1's hold on it.
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let older = h.submit(spec("older", 1, 1));
+    let younger = h.submit(spec("younger", 2, 1));
+    h.place(vec![(younger, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    h.place(vec![(younger, vec![]), (older, vec![gpu("n0", 0)])]);
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)).map(|h| h.job),
+        Some(older)
+    );
+    assert_eq!(h.state.gpu_holders().len(), 1);
+}
+
+/// Issue 19, item 13: a size refusal names its unit (bytes for strings,
+/// entries for lists).
+#[test]
+fn a_size_refusal_names_its_unit() {
+    let mut h = Harness::new();
+    let j = h.submit(spec("a", 1, 1));
+    let err = h
+        .apply(Command::CancelJob {
+            job_id: j,
+            reason: "x".repeat(100_000),
+        })
+        .expect_err("too long");
+    assert!(
+        err.to_string()
+            .starts_with("reason is 100000 bytes long; the limit is"),
+        "{err}"
+    );
+    let err = h
+        .apply(Command::RegisterNode {
+            name: "n".into(),
+            address: "a:1".into(),
+            gpus: (0..10_000)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: "v100".into(),
+                })
+                .collect(),
+        })
+        .expect_err("too many");
+    assert!(
+        err.to_string().contains("10000 entries; the limit is"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cancel_of_a_finished_job_is_refused() {
+    let mut h = Harness::new();
+    let j = h.submit(spec("a", 1, 1));
+    h.apply(Command::CancelJob {
+        job_id: j,
+        reason: "user".into(),
+    })
+    .expect("cancel pending job");
+    let err = h
+        .apply(Command::CancelJob {
+            job_id: j,
+            reason: "again".into(),
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ApplyError::JobEnded {
+            job_id: j,
+            state: JobState::Cancelled,
+            action: "cancelled".into()
+        }
+    );
+    assert_eq!(
+        h.apply(Command::CancelJob {
+            job_id: 99,
+            reason: String::new()
+        }),
+        Err(ApplyError::UnknownJob(99))
+    );
+}
+
+#[test]
+fn allocation_of_a_gpu_in_use_is_refused_for_that_job_only() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    let c = h.submit(spec("c", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    let ev = h.place(vec![(b, vec![gpu("n0", 0)]), (c, vec![gpu("n0", 1)])]);
+    assert!(ev.contains(&Event::PlacementRefused {
+        job_id: b,
+        reason: "GPU n0/0 is held by job 1".into()
+    }));
+    assert!(matches!(ev.last(), Some(Event::JobAllocated { job_id, .. }) if *job_id == c));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)).map(|h| h.job),
+        Some(a)
+    );
+    assert_eq!(h.state.job(b).map(|j| j.state), Some(JobState::Pending));
+}
+
+#[test]
+fn a_plan_can_move_gpus_between_jobs() {
+    let mut h = Harness::new();
+    h.node("n0", 1);
+    let a = h.submit(spec("a", 1, 1));
+    let b = h.submit(spec("b", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    let ev = h.place(vec![(a, vec![]), (b, vec![gpu("n0", 0)])]);
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert_eq!(h.state.job(a).map(|j| j.state), Some(JobState::Preempted));
+    assert_eq!(
+        h.state.gpu_holders().get(&gpu("n0", 0)).map(|h| h.job),
+        Some(b)
+    );
+}
+
+#[test]
+fn allocation_on_a_lost_node_is_refused_and_loss_preempts() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    h.node("n1", 2);
+    let a = h.submit(spec("a", 1, 2));
+    h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 0)])]);
+    let ev = h
+        .apply(Command::MarkNodeLost {
+            name: "n1".into(),
+            reason: "heartbeat timeout".into(),
+        })
+        .expect("lost");
+    assert!(ev.contains(&Event::JobPreempted {
+        job_id: a,
+        reason: "node n1 lost".into()
+    }));
+    assert!(
+        h.state.gpu_holders().is_empty(),
+        "the whole gang is released"
+    );
+    let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 1)])]);
+    assert_eq!(
+        ev,
+        vec![Event::PlacementRefused {
+            job_id: a,
+            reason: "node \"n1\" is lost".into()
+        }]
+    );
+    h.apply(Command::MarkNodeRecovered { name: "n1".into() })
+        .expect("recovered");
+    let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 1)])]);
+    assert!(matches!(
+        ev.as_slice(),
+        [Event::JobAllocated { epoch: 2, .. }]
+    ));
+}
+
+#[test]
+fn placements_must_match_the_job_shape_and_types() {
+    let mut h = Harness::new();
+    h.node("n0", 4);
+    let mut s = spec("a", 2, 1);
+    s.gpu_types.allowed = vec!["k80".into()];
+    let a = h.submit(s);
+    let ev = h.place(vec![(a, vec![gpu("n0", 0)])]);
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("workers of 2 GPUs"))
+    );
+    let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("not an allowed type"))
+    );
+    let b = h.submit(spec("b", 2, 1));
+    let ev = h.place(vec![(b, vec![gpu("n0", 7), gpu("n0", 1)])]);
+    assert!(
+        matches!(&ev[..], [Event::PlacementRefused { reason, .. }] if reason.contains("does not exist"))
+    );
+}
+
+#[test]
+fn stale_epochs_and_bad_ranks_are_refused() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 0)])]);
+    h.place(vec![(a, vec![gpu("n0", 1)])]);
+    assert_eq!(
+        h.apply(Command::RecordWorkerStarted {
+            job_id: a,
+            epoch: 1,
+            rank: 0,
+            node: "n0".into()
+        }),
+        Err(ApplyError::StaleEpoch {
+            job_id: a,
+            epoch: 1,
+            current: 2
+        })
+    );
+    assert!(matches!(
+        h.apply(Command::RecordWorkerStarted {
+            job_id: a,
+            epoch: 2,
+            rank: 1,
+            node: "n0".into()
+        }),
+        Err(ApplyError::RankOutOfRange { .. })
+    ));
+}
+
+/// Issue 19, item 5: a node is removed only when no job holds its GPUs,
+/// unless forced, which sends those jobs back to the queue.
+#[test]
+fn a_node_is_removed_only_when_idle_unless_forced() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    h.node("n1", 1);
+    let a = h.submit(spec("a", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 1)])]);
+    let err = h
+        .apply(Command::RemoveNode {
+            name: "n0".into(),
+            force: false,
+        })
+        .expect_err("a job holds a GPU");
+    assert_eq!(
+        err,
+        ApplyError::NodeInUse {
+            node: "n0".into(),
+            jobs: vec![a]
+        }
+    );
+    assert!(err.to_string().contains("force"), "{err}");
+    assert_eq!(
+        h.apply(Command::RemoveNode {
+            name: "n1".into(),
+            force: false
+        }),
+        Ok(vec![Event::NodeRemoved { name: "n1".into() }])
+    );
+    let events = h
+        .apply(Command::RemoveNode {
+            name: "n0".into(),
+            force: true,
+        })
+        .expect("forced");
+    assert_eq!(
+        events,
+        vec![
+            Event::JobPreempted {
+                job_id: a,
+                reason: "node n0 removed".into()
+            },
+            Event::NodeRemoved { name: "n0".into() }
+        ]
+    );
+    assert!(h.state.nodes().is_empty());
+    assert!(h.state.gpu_holders().is_empty());
+    let job = h.state.job(a).expect("the job stays");
+    assert_eq!(job.state, JobState::Preempted);
+    assert!(job.allocation.is_none());
+    assert_eq!(
+        h.apply(Command::RemoveNode {
+            name: "n0".into(),
+            force: true
+        }),
+        Err(ApplyError::UnknownNode("n0".into()))
+    );
+}
+
+#[test]
+fn removal_needs_an_ended_job_and_re_registration_keeps_held_gpus() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let a = h.submit(spec("a", 1, 1));
+    h.place(vec![(a, vec![gpu("n0", 1)])]);
+    assert!(matches!(
+        h.apply(Command::RemoveJob { job_id: a }),
+        Err(ApplyError::JobNotEnded { .. })
+    ));
+    let shrink = h.apply(Command::RegisterNode {
+        name: "n0".into(),
+        address: "x".into(),
+        gpus: vec![Gpu {
+            index: 0,
+            gpu_type: "v100".into(),
+        }],
+    });
+    assert!(matches!(shrink, Err(ApplyError::GpuInUse { .. })));
+}
+
+#[test]
+fn an_invalid_spec_is_refused_naming_the_field() {
+    let mut h = Harness::new();
+    let err = h
+        .apply(Command::SubmitJob {
+            spec: spec("a", 0, 1),
+        })
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid job spec: spec.gpus is 0; it must be between 1 and 64"
+    );
+}
+
+// ---- Property tests ----
+
+const NODES: [&str; 3] = ["n0", "n1", "n2"];
+
+fn arb_gpu() -> impl Strategy<Value = GpuRef> {
+    (0..NODES.len(), 0u32..5).prop_map(|(n, i)| gpu(NODES[n], i))
+}
+
+fn arb_command() -> impl Strategy<Value = Command> {
+    let job = 0u64..12;
+    prop_oneof![
+        1 => (0..NODES.len(), 1u32..5).prop_map(|(n, g)| Command::RegisterNode {
+            name: NODES[n].into(),
+            address: "a".into(),
+            gpus: (0..g)
+                .map(|index| Gpu {
+                    index,
+                    gpu_type: if index % 2 == 0 { "v100" } else { "k80" }.into()
+                })
+                .collect(),
+        }),
+        1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeLost {
+            name: NODES[n].into(),
+            reason: "r".into()
+        }),
+        1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeRecovered {
+            name: NODES[n].into()
+        }),
+        1 => (0..NODES.len(), any::<bool>()).prop_map(|(n, force)| Command::RemoveNode {
+            name: NODES[n].into(),
+            force,
+        }),
+        3 => (1u32..3, 1u32..3).prop_map(|(g, w)| Command::SubmitJob { spec: spec("j", g, w) }),
+        1 => job.clone().prop_map(|job_id| Command::CancelJob { job_id, reason: String::new() }),
+        4 => proptest::collection::vec((job.clone(), proptest::collection::vec(arb_gpu(), 0..5)), 1..4)
+            .prop_map(|ps| Command::DecideAllocation {
+                based_on: 0,
+                policy: "p".into(),
+                round: 0,
+                placements: ps.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)).collect(),
+            }),
+        // Space sharing: a pair, sometimes flawed (not on the same GPUs,
+        // not mutual, one member missing), beside placements alone.
+        3 => (job.clone(), job.clone(), proptest::collection::vec(arb_gpu(), 0..3), 0u8..5,
+              proptest::collection::vec((job.clone(), proptest::collection::vec(arb_gpu(), 0..3)), 0..2))
+            .prop_map(|(a, b, gpus, flaw, alone)| {
+                let mut other = gpus.clone();
+                if flaw == 1 {
+                    other.pop();
+                }
+                let mut placements = vec![
+                    JobPlacement { job_id: a, gpus, share_with: Some(b) },
+                    JobPlacement { job_id: b, gpus: other, share_with: (flaw != 2).then_some(a) },
+                ];
+                if flaw == 3 {
+                    placements.pop();
+                }
+                placements.extend(alone.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)));
+                Command::DecideAllocation { based_on: 0, policy: "p".into(), round: 0, placements }
+            }),
+        1 => (job.clone(), 0u64..4, 0u32..3).prop_map(|(job_id, epoch, rank)| Command::RecordWorkerStarted {
+            job_id, epoch, rank, node: "n0".into()
+        }),
+        1 => (job.clone(), 0u64..4, 0u32..3, proptest::option::of(-2i32..3)).prop_map(
+            |(job_id, epoch, rank, exit_code)| Command::RecordWorkerExited {
+                job_id, epoch, rank, exit_code, reason: String::new()
+            }),
+        1 => (job.clone(), 0u64..100).prop_map(|(job_id, step)| Command::ReportProgress {
+            job_id,
+            samples: vec![ProgressSample { step, total_steps: 100, loss: Some(1.0 / (step as f64 + 1.0)), samples_per_s: 10.0, at_ms: step }],
+        }),
+        1 => (job.clone(), any::<bool>()).prop_map(|(job_id, ok)| Command::FinishJob {
+            job_id,
+            outcome: if ok { JobOutcome::Succeeded } else { JobOutcome::Failed },
+            reason: String::new(),
+        }),
+        1 => job.prop_map(|job_id| Command::RemoveJob { job_id }),
+        1 => prop::sample::select(vec!["fifo", "optimus", "no-such-policy"])
+            .prop_map(|name| Command::SetPolicy { name: name.into() }),
+    ]
+}
+
+fn run(commands: &[Command]) -> (ClusterState, Vec<Result<Vec<Event>, ApplyError>>) {
+    let mut state = ClusterState::new();
+    let results = commands
+        .iter()
+        .enumerate()
+        .map(|(i, c)| state.apply(i as u64 + 1, &LogEntry::new(i as u64 * 10, c.clone())))
+        .collect();
+    (state, results)
+}
+
+/// An entry with a client's request id.
+fn requested(at_ms: u64, command: Command, id: &str) -> LogEntry {
+    LogEntry {
+        request_id: Some(id.into()),
+        ..LogEntry::new(at_ms, command)
+    }
+}
+
+/// Issue 19, item 4: a submission whose answer was lost and that the client
+/// sends again is one job, and the retry is told the first outcome.
+#[test]
+fn a_retried_request_applies_once_and_is_answered_with_the_first_outcome() {
+    let mut state = ClusterState::new();
+    let submit = || Command::SubmitJob {
+        spec: spec("train", 1, 1),
+    };
+    let first = state
+        .apply(1, &requested(1_000, submit(), "cli-1"))
+        .expect("accepted");
+    assert!(matches!(first[..], [Event::JobSubmitted { job_id: 1, .. }]));
+    let after_first = state.clone();
+    let repeat = state
+        .apply(2, &requested(5_000, submit(), "cli-1"))
+        .expect("a repeat is not a refusal");
+    assert_eq!(
+        repeat,
+        vec![Event::RequestRepeated {
+            request_id: "cli-1".into(),
+            first_index: 1
+        }]
+    );
+    assert_eq!(state.jobs().len(), 1, "one job, however often it is sent");
+    assert_eq!(state.answer(Ok(repeat)), Ok(first.clone()));
+    // Nothing but the index moved: a refused entry at the same index
+    // leaves the same state.
+    let mut expected = after_first;
+    let _ = expected.apply(2, &LogEntry::new(0, Command::RemoveJob { job_id: 99 }));
+    assert_eq!(state.state_hash(), expected.state_hash());
+    // Without the id, the same command is a second job.
+    state
+        .apply(3, &LogEntry::new(6_000, submit()))
+        .expect("accepted");
+    assert_eq!(state.jobs().len(), 2);
+    // A refusal is not remembered: its retry is judged again.
+    let cancel = || Command::CancelJob {
+        job_id: 7,
+        reason: String::new(),
+    };
+    let refused = state.apply(4, &requested(7_000, cancel(), "cli-2"));
+    assert_eq!(refused, Err(ApplyError::UnknownJob(7)));
+    assert_eq!(
+        state.apply(5, &requested(8_000, cancel(), "cli-2")),
+        refused
+    );
+    state.check_invariants().expect("invariants");
+}
+
+#[test]
+fn a_request_id_used_for_another_command_is_refused_and_changes_nothing() {
+    let mut state = ClusterState::new();
+    state
+        .apply(
+            1,
+            &requested(
+                0,
+                Command::SubmitJob {
+                    spec: spec("a", 1, 1),
+                },
+                "r",
+            ),
+        )
+        .expect("accepted");
+    let before = state.clone();
+    let err = state
+        .apply(
+            2,
+            &requested(
+                1,
+                Command::SubmitJob {
+                    spec: spec("b", 1, 1),
+                },
+                "r",
+            ),
+        )
+        .expect_err("another command under the same id");
+    assert_eq!(
+        err,
+        ApplyError::RequestIdReused {
+            request_id: "r".into(),
+            first_index: 1
+        }
+    );
+    assert!(err.to_string().contains("index 1"), "{err}");
+    assert_eq!(state.jobs(), before.jobs());
+    // A malformed id is refused, naming the field and the limit.
+    let long = "x".repeat(65);
+    let err = state
+        .apply(
+            3,
+            &requested(
+                2,
+                Command::SubmitJob {
+                    spec: spec("c", 1, 1),
+                },
+                &long,
+            ),
+        )
+        .expect_err("too long");
+    assert!(
+        err.to_string()
+            .contains("request_id is 65 bytes long; the limit is 64"),
+        "{err}"
+    );
+    assert_eq!(state.jobs().len(), 1);
+}
+
+/// The window is log time, decided in `apply`: the same on every replica.
+#[test]
+fn a_request_is_remembered_for_the_window_of_log_time_only() {
+    use keel_state::requests::REMEMBER_FOR_MS;
+    let mut state = ClusterState::new();
+    let submit = || Command::SubmitJob {
+        spec: spec("a", 1, 1),
+    };
+    state
+        .apply(1, &requested(0, submit(), "r"))
+        .expect("accepted");
+    let inside = state
+        .apply(2, &requested(REMEMBER_FOR_MS, submit(), "r"))
+        .expect("repeat");
+    assert!(matches!(inside[..], [Event::RequestRepeated { .. }]));
+    let after = state
+        .apply(3, &requested(REMEMBER_FOR_MS + 1, submit(), "r"))
+        .expect("new");
+    assert!(matches!(after[..], [Event::JobSubmitted { job_id: 2, .. }]));
+    assert_eq!(state.remembered_requests(), 1);
+    state.check_invariants().expect("invariants");
+}
+
+#[test]
+fn set_policy_logs_well_formed_names_and_refuses_others() {
+    let mut h = Harness::new();
+    assert_eq!(h.state.policy(), None);
+    // Which policies exist is the API's check; `apply` holds the name to
+    // its form, so no policy list decides how a log replays.
+    let err = h
+        .apply(Command::SetPolicy {
+            name: "no-such-policy".into(),
+        })
+        .expect_err("not a name");
+    let text = err.to_string();
+    assert!(
+        text.contains("policy") && text.contains("lower-case letters, digits and _"),
+        "{text}"
+    );
+    assert_eq!(h.state.policy(), None);
+    let events = h
+        .apply(Command::SetPolicy {
+            name: "optimus".into(),
+        })
+        .expect("known name");
+    assert_eq!(
+        events,
+        vec![Event::PolicyChanged {
+            from: String::new(),
+            to: "optimus".into()
+        }]
+    );
+    let events = h
+        .apply(Command::SetPolicy { name: "drf".into() })
+        .expect("known name");
+    assert_eq!(
+        events,
+        vec![Event::PolicyChanged {
+            from: "optimus".into(),
+            to: "drf".into()
+        }]
+    );
+    assert_eq!(h.state.policy(), Some("drf"));
+}
+
+#[test]
+fn progress_reports_build_the_performance_history() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let mut s = spec("elastic", 1, 1);
+    s.workers.max = 2;
+    s.model = Some("resnet50".into());
+    let id = h.submit(s);
+    let place = |h: &mut Harness, gpus: u32| {
+        let based_on = h.index;
+        h.apply(Command::DecideAllocation {
+            based_on,
+            policy: "test".into(),
+            round: h.state.last_round() + 1,
+            placements: vec![JobPlacement {
+                job_id: id,
+                gpus: (0..gpus)
+                    .map(|index| GpuRef {
+                        node: "n0".into(),
+                        index,
+                    })
+                    .collect(),
+                share_with: None,
+            }],
+        })
+        .expect("placed");
+    };
+    let report = |h: &mut Harness, step: u64, at_ms: u64| {
+        h.apply(Command::ReportProgress {
+            job_id: id,
+            samples: vec![ProgressSample {
+                step,
+                total_steps: 0,
+                loss: Some(2.0 / (1.0 + step as f64 / 100.0)),
+                samples_per_s: 0.0,
+                at_ms,
+            }],
+        })
+        .expect("progress");
+    };
+    place(&mut h, 1);
+    report(&mut h, 0, 0);
+    report(&mut h, 110, 10_000); // 11 steps/s on one v100
+    place(&mut h, 2); // a resize: a new epoch
+    report(&mut h, 120, 30_000); // the gap across the restart is no speed
+    report(&mut h, 322, 40_000); // 20.2 steps/s on two
+    let job = h.state.job(id).expect("job");
+    // The one-GPU epoch is folded into the history by type and size; the
+    // current one (two GPUs) is still being measured. (The fits on this
+    // history are keel-scheduling's, tested there.)
+    let folded: Vec<(u32, f64)> = job.perf.speeds["v100"]
+        .iter()
+        .map(|(n, s)| (*n, s.mean()))
+        .collect();
+    assert_eq!(folded, vec![(1, 11.0)]);
+    assert_eq!(
+        (job.perf.epoch_gpu_type.as_str(), job.perf.epoch_gpus),
+        ("v100", 2)
+    );
+    assert!((job.perf.epoch_speed.mean() - 20.2).abs() < 1e-9);
+    assert_eq!(job.perf.loss_points.len(), 4);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
+
+    #[test]
+    fn replaying_a_sequence_gives_the_same_hash(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let (a, ra) = run(&commands);
+        let (b, rb) = run(&commands);
+        prop_assert_eq!(a.state_hash(), b.state_hash());
+        prop_assert_eq!(ra, rb);
+        prop_assert_eq!(a, b);
+    }
+
+    #[test]
+    fn no_gpu_is_held_by_two_jobs_outside_a_declared_pair(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let mut state = ClusterState::new();
+        for (i, c) in commands.iter().enumerate() {
+            let _ = state.apply(i as u64 + 1, &LogEntry::new(i as u64, c.clone()));
+            // Build the lazy free-GPU index now and then, so the entries
+            // after it keep it up to date (check_invariants compares it
+            // with a fresh build).
+            if i % 5 == 0 {
+                let _ = state.free_gpus();
+            }
+            if let Err(broken) = state.check_invariants() {
+                return Err(TestCaseError::fail(format!("after entry {} ({c:?}): {broken}", i + 1)));
+            }
+        }
+    }
+
+    #[test]
+    fn acknowledged_jobs_stay_until_removed(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let mut state = ClusterState::new();
+        let mut acknowledged = BTreeSet::new();
+        for (i, c) in commands.iter().enumerate() {
+            let res = state.apply(i as u64 + 1, &LogEntry::new(i as u64, c.clone()));
+            if let Ok(events) = &res {
+                for e in events {
+                    match e {
+                        Event::JobSubmitted { job_id, .. } => { acknowledged.insert(*job_id); }
+                        Event::JobRemoved { job_id } => { acknowledged.remove(job_id); }
+                        _ => {}
+                    }
+                }
+            }
+            for id in &acknowledged {
+                prop_assert!(state.job(*id).is_some(), "job {} vanished after entry {}", id, i + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn a_decoded_state_equals_the_live_one_indexes_included(commands in proptest::collection::vec(arb_command(), 0..80)) {
+        let (live, _) = run(&commands);
+        let bytes = postcard::to_allocvec(&live).expect("encodes");
+        let decoded: ClusterState = postcard::from_bytes(&bytes).expect("decodes");
+        prop_assert!(decoded.check_invariants().is_ok());
+        prop_assert_eq!(decoded.state_hash(), live.state_hash());
+        prop_assert_eq!(decoded, live);
+    }
+
+    /// Every client request sent twice in a row (a retry after a lost
+    /// answer) ends in the same jobs and nodes as sent once, and a
+    /// replica that replays the doubled log reaches the same hash.
+    #[test]
+    fn requests_sent_twice_end_where_requests_sent_once_do(commands in proptest::collection::vec(arb_command(), 0..60)) {
+        let mut once = ClusterState::new();
+        let mut twice = ClusterState::new();
+        let mut index = 0;
+        for (i, c) in commands.iter().enumerate() {
+            let entry = requested(i as u64 * 10, c.clone(), &format!("r{i}"));
+            let first = once.apply(i as u64 + 1, &entry);
+            index += 1;
+            prop_assert_eq!(twice.apply(index, &entry), first.clone());
+            index += 1;
+            let repeat = twice.apply(index, &entry);
+            prop_assert_eq!(twice.answer(repeat), first);
+            prop_assert!(twice.check_invariants().is_ok());
+        }
+        prop_assert_eq!(once.jobs(), twice.jobs());
+        prop_assert_eq!(once.nodes(), twice.nodes());
+        prop_assert_eq!(once.gpu_holders(), twice.gpu_holders());
+        let bytes = postcard::to_allocvec(&twice).expect("encodes");
+        let decoded: ClusterState = postcard::from_bytes(&bytes).expect("decodes");
+        prop_assert_eq!(decoded.state_hash(), twice.state_hash());
+    }
+
+    #[test]
+    fn a_different_history_gives_a_different_hash(commands in proptest::collection::vec(arb_command(), 1..40)) {
+        let (a, _) = run(&commands);
+        let mut longer = commands.clone();
+        longer.push(Command::SubmitJob { spec: spec("extra", 1, 1) });
+        let (b, _) = run(&longer);
+        prop_assert_ne!(a.state_hash(), b.state_hash());
+    }
+}
