@@ -91,11 +91,17 @@ macro_rules! route {
 /// and no new one is elected yet) was never proposed: say so in words the
 /// client retries on.
 fn forward_error(status: Status) -> Status {
-    if status.code() == tonic::Code::Unavailable && status.message().contains("connect") {
-        return Status::unavailable(format!(
-            "no leader is reachable ({}); retry",
-            status.message()
-        ));
+    // A status the leader answered carries its reason; one without is the
+    // transport's own (the leader did not answer).
+    if status.code() == tonic::Code::Unavailable && crate::grpc_status::reason_of(&status).is_none()
+    {
+        return crate::grpc_status::status_with_reason(
+            tonic::Code::Unavailable,
+            format!("no leader is reachable ({}); retry", status.message()),
+            crate::grpc_status::reason::NO_LEADER,
+            None,
+            Default::default(),
+        );
     }
     status
 }

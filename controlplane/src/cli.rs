@@ -140,8 +140,10 @@ where
             Ok(resp) => return Ok(resp.into_inner()),
             Err(status)
                 if status.code() == tonic::Code::Unavailable
-                    && (status.message().contains("not the leader")
-                        || status.message().contains("no leader"))
+                    && keel::grpc_status::reason_of(&status).is_some_and(|r| {
+                        r == keel::grpc_status::reason::NOT_LEADER
+                            || r == keel::grpc_status::reason::NO_LEADER
+                    })
                     && std::time::Instant::now() < deadline =>
             {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -177,7 +179,7 @@ pub fn read_spec(file: &Path) -> anyhow::Result<JobSpec> {
     let spec: JobSpec = if name.ends_with(".json") {
         serde_json::from_str(&text).with_context(|| format!("{name} is not a valid job spec"))?
     } else {
-        serde_yaml::from_str(&text).with_context(|| format!("{name} is not a valid job spec"))?
+        serde_saphyr::from_str(&text).with_context(|| format!("{name} is not a valid job spec"))?
     };
     spec.validate()
         .with_context(|| format!("{name} is not a valid job spec"))?;

@@ -1,4 +1,5 @@
-//! The one mapping from domain errors to gRPC status codes.
+//! The one mapping from domain errors to gRPC status codes, each with a
+//! machine-readable reason (`google.rpc.ErrorInfo`, [`reason`]).
 
 use keel_state::{ApplyError, SpecError};
 use openraft::error::{ClientWriteError, RaftError};
@@ -76,18 +77,65 @@ impl From<RaftError<u64, ClientWriteError<u64, BasicNode>>> for ApiError {
     }
 }
 
-impl From<ApiError> for Status {
-    fn from(e: ApiError) -> Status {
-        let code = match &e {
-            ApiError::InvalidSpec(_) | ApiError::InvalidArgument { .. } => Code::InvalidArgument,
-            ApiError::JobNotFound(_) => Code::NotFound,
+/// The domain of Keel's `google.rpc.ErrorInfo` details.
+pub const ERROR_DOMAIN: &str = "keel.dev";
+
+/// Machine-readable reasons, sent as `google.rpc.ErrorInfo.reason` with
+/// every error the API answers (clients decide on these and the code,
+/// never on the message's words). Stable: a reason is never renamed.
+pub mod reason {
+    /// This replica is not the leader; the write was not logged. Metadata
+    /// `leader`: the leader's address, when known. Safe to retry.
+    pub const NOT_LEADER: &str = "NOT_LEADER";
+    /// No leader could be reached; the request was not proposed. Safe to
+    /// retry.
+    pub const NO_LEADER: &str = "NO_LEADER";
+    /// Raft could not take the request (no quorum, shutting down); a write
+    /// may or may not have been logged: retry it with its request id.
+    pub const RAFT_UNAVAILABLE: &str = "RAFT_UNAVAILABLE";
+    /// A field of the request is invalid. Metadata `field`; the details
+    /// also carry a `google.rpc.BadRequest` field violation.
+    pub const INVALID_ARGUMENT: &str = "INVALID_ARGUMENT";
+    pub const JOB_NOT_FOUND: &str = "JOB_NOT_FOUND";
+    pub const NODE_NOT_FOUND: &str = "NODE_NOT_FOUND";
+    /// The state refuses the command as it stands (a job ended, a node in
+    /// use, a stale epoch, ...).
+    pub const FAILED_PRECONDITION: &str = "FAILED_PRECONDITION";
+    /// A request id sent again with another command.
+    pub const REQUEST_ID_REUSED: &str = "REQUEST_ID_REUSED";
+    pub const STORAGE: &str = "STORAGE";
+    pub const UNSUPPORTED: &str = "UNSUPPORTED";
+    pub const NEW_MEMBER_UNREACHABLE: &str = "NEW_MEMBER_UNREACHABLE";
+    pub const LEARNER_DID_NOT_CATCH_UP: &str = "LEARNER_DID_NOT_CATCH_UP";
+    pub const MEMBERSHIP_CHANGE_IN_PROGRESS: &str = "MEMBERSHIP_CHANGE_IN_PROGRESS";
+    pub const MEMBERSHIP_CHANGE_NOT_COMMITTED: &str = "MEMBERSHIP_CHANGE_NOT_COMMITTED";
+}
+
+impl ApiError {
+    /// The status code, the reason ([`reason`]) and the field at fault,
+    /// if one is.
+    fn classify(&self) -> (Code, &'static str, Option<String>) {
+        use reason::*;
+        match self {
+            ApiError::InvalidSpec(e) => (Code::InvalidArgument, INVALID_ARGUMENT, spec_field(e)),
+            ApiError::InvalidArgument { field, .. } => (
+                Code::InvalidArgument,
+                INVALID_ARGUMENT,
+                Some(field.to_string()),
+            ),
+            ApiError::JobNotFound(_) => (Code::NotFound, JOB_NOT_FOUND, None),
             ApiError::Refused(a) => match a {
-                ApplyError::InvalidSpec(_)
-                | ApplyError::TooLarge { .. }
-                | ApplyError::Invalid { .. }
-                | ApplyError::DuplicateGpu { .. }
-                | ApplyError::RankOutOfRange { .. } => Code::InvalidArgument,
-                ApplyError::UnknownJob(_) | ApplyError::UnknownNode(_) => Code::NotFound,
+                ApplyError::InvalidSpec(e) => {
+                    (Code::InvalidArgument, INVALID_ARGUMENT, spec_field(e))
+                }
+                ApplyError::TooLarge { field, .. } | ApplyError::Invalid { field, .. } => {
+                    (Code::InvalidArgument, INVALID_ARGUMENT, Some(field.clone()))
+                }
+                ApplyError::DuplicateGpu { .. } | ApplyError::RankOutOfRange { .. } => {
+                    (Code::InvalidArgument, INVALID_ARGUMENT, None)
+                }
+                ApplyError::UnknownJob(_) => (Code::NotFound, JOB_NOT_FOUND, None),
+                ApplyError::UnknownNode(_) => (Code::NotFound, NODE_NOT_FOUND, None),
                 ApplyError::JobEnded { .. }
                 | ApplyError::JobNotEnded { .. }
                 | ApplyError::JobNotRunning { .. }
@@ -95,18 +143,92 @@ impl From<ApiError> for Status {
                 | ApplyError::GpuInUse { .. }
                 | ApplyError::NodeLost(_)
                 | ApplyError::NodeNotLost(_)
-                | ApplyError::NodeInUse { .. } => Code::FailedPrecondition,
-                ApplyError::RequestIdReused { .. } => Code::AlreadyExists,
+                | ApplyError::NodeInUse { .. } => {
+                    (Code::FailedPrecondition, FAILED_PRECONDITION, None)
+                }
+                ApplyError::RequestIdReused { .. } => (
+                    Code::AlreadyExists,
+                    REQUEST_ID_REUSED,
+                    Some("request_id".into()),
+                ),
             },
-            ApiError::NotLeader { .. } | ApiError::Unavailable(_) => Code::Unavailable,
-            ApiError::Storage(_) => Code::Internal,
-            ApiError::Unsupported(_)
-            | ApiError::NewMemberUnreachable { .. }
-            | ApiError::LearnerDidNotCatchUp { .. }
-            | ApiError::MembershipChangeInProgress { .. } => Code::FailedPrecondition,
-            ApiError::MembershipChangeNotCommitted { .. } => Code::DeadlineExceeded,
-        };
-        Status::new(code, e.to_string())
+            ApiError::NotLeader { .. } => (Code::Unavailable, NOT_LEADER, None),
+            ApiError::Unavailable(_) => (Code::Unavailable, RAFT_UNAVAILABLE, None),
+            ApiError::Storage(_) => (Code::Internal, STORAGE, None),
+            ApiError::Unsupported(_) => (Code::FailedPrecondition, UNSUPPORTED, None),
+            ApiError::NewMemberUnreachable { .. } => {
+                (Code::FailedPrecondition, NEW_MEMBER_UNREACHABLE, None)
+            }
+            ApiError::LearnerDidNotCatchUp { .. } => {
+                (Code::FailedPrecondition, LEARNER_DID_NOT_CATCH_UP, None)
+            }
+            ApiError::MembershipChangeInProgress { .. } => (
+                Code::FailedPrecondition,
+                MEMBERSHIP_CHANGE_IN_PROGRESS,
+                None,
+            ),
+            ApiError::MembershipChangeNotCommitted { .. } => (
+                Code::DeadlineExceeded,
+                MEMBERSHIP_CHANGE_NOT_COMMITTED,
+                None,
+            ),
+        }
+    }
+}
+
+/// The spec field a spec error names (`spec.gpus`, ...).
+fn spec_field(e: &SpecError) -> Option<String> {
+    let field = match e {
+        SpecError::Missing { field }
+        | SpecError::TooLong { field, .. }
+        | SpecError::TooMany { field, .. }
+        | SpecError::OutOfRange { field, .. }
+        | SpecError::Invalid { field, .. } => field,
+    };
+    Some(format!("spec.{field}"))
+}
+
+/// A status with `google.rpc.ErrorInfo` details (and a
+/// `google.rpc.BadRequest` field violation when a field is at fault).
+pub fn status_with_reason(
+    code: Code,
+    message: String,
+    reason: &str,
+    field: Option<String>,
+    metadata: std::collections::HashMap<String, String>,
+) -> Status {
+    use tonic_types::{ErrorDetails, StatusExt};
+    let mut metadata = metadata;
+    if let Some(f) = &field {
+        metadata.insert("field".into(), f.clone());
+    }
+    let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
+    if let Some(f) = field {
+        details.add_bad_request_violation(f, message.clone());
+    }
+    Status::with_error_details(code, message, details)
+}
+
+/// The reason ([`reason`]) a status from a Keel server carries, if any.
+pub fn reason_of(status: &Status) -> Option<String> {
+    use tonic_types::StatusExt;
+    status
+        .get_details_error_info()
+        .filter(|info| info.domain == ERROR_DOMAIN)
+        .map(|info| info.reason)
+}
+
+impl From<ApiError> for Status {
+    fn from(e: ApiError) -> Status {
+        let (code, reason, field) = e.classify();
+        let mut metadata = std::collections::HashMap::new();
+        if let ApiError::NotLeader {
+            leader: Some(leader),
+        } = &e
+        {
+            metadata.insert("leader".to_string(), leader.clone());
+        }
+        status_with_reason(code, e.to_string(), reason, field, metadata)
     }
 }
 

@@ -349,12 +349,12 @@ enum PolicyCmd {
 
 #[derive(clap::Args, Debug)]
 struct TrainerArgs {
-    /// Model (throughput table row); default: $KEEL_MODEL or "generic".
-    #[arg(long)]
-    model: Option<String>,
-    /// Steps to train; default: $KEEL_TOTAL_STEPS or 1000.
-    #[arg(long)]
-    total_steps: Option<u64>,
+    /// Model (throughput table row).
+    #[arg(long, env = "KEEL_MODEL", default_value = keel_scheduling::throughput::GENERIC_MODEL)]
+    model: String,
+    /// Steps to train.
+    #[arg(long, env = "KEEL_TOTAL_STEPS", default_value_t = 1000)]
+    total_steps: u64,
     /// Simulated seconds per real second.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -369,6 +369,33 @@ struct TrainerArgs {
     /// Checkpoint every this many steps (default: a tenth of the run).
     #[arg(long)]
     checkpoint_every_steps: Option<u64>,
+    // The worker contract's environment (README, "The worker contract"),
+    // each also a flag.
+    /// GPU type of this worker's GPUs.
+    #[arg(long, env = "KEEL_GPU_TYPE", default_value = "v100")]
+    gpu_type: String,
+    /// GPUs per worker.
+    #[arg(long, env = "KEEL_GPUS_PER_WORKER", default_value_t = 1)]
+    gpus_per_worker: u32,
+    /// Workers of the job.
+    #[arg(long, env = "KEEL_WORLD_SIZE", default_value_t = 1)]
+    world_size: u32,
+    /// This worker's rank.
+    #[arg(long, env = "KEEL_RANK", default_value_t = 0)]
+    rank: u32,
+    /// Where checkpoints go (none: no checkpoints).
+    #[arg(long, env = "KEEL_CHECKPOINT_DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Space sharing: the model of the job on the same GPUs.
+    #[arg(long, env = "KEEL_SHARED_WITH_MODEL")]
+    shared_with_model: Option<String>,
+    /// Space sharing: the job on the same GPUs (its model, when not given,
+    /// counts as the generic one).
+    #[arg(long, env = "KEEL_SHARED_WITH_JOB")]
+    shared_with_job: Option<u64>,
+    /// The job's id (seeds the simulated loss curve).
+    #[arg(long, env = "KEEL_JOB_ID", default_value_t = 0)]
+    job_id: u64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -797,45 +824,29 @@ fn inventory(
     Ok(simulated(DEFAULT_SIMULATED_GPUS, DEFAULT_SIMULATED_NODES)?)
 }
 
-/// `keel trainer`: flags first, then the worker contract's environment.
+/// `keel trainer`: each setting from its flag, else the worker contract's
+/// environment, else its default (clap reads all three).
 async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
     use keel_executors::trainer::{run, TrainerOptions};
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let env_num = |k: &str| -> anyhow::Result<Option<u64>> {
-        env(k)
-            .map(|v| {
-                v.parse::<u64>()
-                    .with_context(|| format!("${k}={v:?} is not a number"))
-            })
-            .transpose()
-    };
-    let total_steps = match t.total_steps {
-        Some(s) => s,
-        None => env_num("KEEL_TOTAL_STEPS")?.unwrap_or(1000),
-    };
-    let per_worker = env_num("KEEL_GPUS_PER_WORKER")?.unwrap_or(1);
-    let world = env_num("KEEL_WORLD_SIZE")?.unwrap_or(1);
     let opts = TrainerOptions {
-        model: t
-            .model
-            .or_else(|| env("KEEL_MODEL"))
-            .unwrap_or_else(|| "generic".into()),
-        total_steps,
+        model: t.model,
+        total_steps: t.total_steps,
         speedup: t.speedup,
         fail_at_step: t.fail_at_step,
         exit_code: t.exit_code,
         report_every_s: t.report_every_s,
         checkpoint_every_steps: t
             .checkpoint_every_steps
-            .unwrap_or((total_steps / 10).max(1)),
-        gpu_type: env("KEEL_GPU_TYPE").unwrap_or_else(|| "v100".into()),
-        gpus: u32::try_from(per_worker.saturating_mul(world)).unwrap_or(u32::MAX),
-        rank: u32::try_from(env_num("KEEL_RANK")?.unwrap_or(0)).unwrap_or(u32::MAX),
-        checkpoint_dir: env("KEEL_CHECKPOINT_DIR").map(PathBuf::from),
-        shared_with_model: env("KEEL_SHARED_WITH_MODEL").or_else(|| {
-            env("KEEL_SHARED_WITH_JOB").map(|_| keel_scheduling::throughput::GENERIC_MODEL.into())
+            .unwrap_or((t.total_steps / 10).max(1)),
+        gpu_type: t.gpu_type,
+        gpus: t.gpus_per_worker.saturating_mul(t.world_size),
+        rank: t.rank,
+        checkpoint_dir: t.checkpoint_dir,
+        shared_with_model: t.shared_with_model.or_else(|| {
+            t.shared_with_job
+                .map(|_| keel_scheduling::throughput::GENERIC_MODEL.into())
         }),
-        seed: env_num("KEEL_JOB_ID")?.unwrap_or(0),
+        seed: t.job_id,
     };
     let mut stdout = std::io::stdout();
     let code = run(opts, &mut stdout).await?;

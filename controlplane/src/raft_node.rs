@@ -327,9 +327,9 @@ impl Default for RaftSettings {
             // A follower refuses to vote while it heard from a leader within
             // the longest election timeout (openraft's leader lease), so a
             // failover takes about one to two election timeouts: these keep
-            // it under a second (BENCHMARKS.md, failover: 200-400 ms gave a
-            // p50 of 750-800 ms and a p99 of 1.7-2.4 s, 150-300 ms gives
-            // about 600 ms and 0.9-1.5 s).
+            // it under a second (BENCHMARKS.md, "Failover of a three-replica
+            // cluster", compares these timeouts with the earlier, longer
+            // ones).
             heartbeat_interval_ms: 50,
             election_timeout_min_ms: 150,
             election_timeout_max_ms: 300,

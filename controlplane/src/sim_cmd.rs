@@ -205,7 +205,7 @@ enum SimPolicy {
 fn cluster(args: &SimArgs) -> anyhow::Result<Vec<sim::SimNode>> {
     match &args.cluster_file {
         Some(path) => {
-            let specs: Vec<sim::NodeSpec> = serde_yaml::from_str(&read_text(path)?)
+            let specs: Vec<sim::NodeSpec> = serde_saphyr::from_str(&read_text(path)?)
                 .with_context(|| format!("in {}", path.display()))?;
             Ok(sim::cluster_from_specs(&specs)?)
         }

@@ -393,14 +393,14 @@ async fn the_rbac_manifest_grants_exactly_what_the_executor_calls() {
     )
     .expect("deploy/kubernetes/rbac.yaml");
     let mut granted = std::collections::BTreeSet::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let doc: serde_yaml::Value = serde::Deserialize::deserialize(doc).expect("yaml");
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text).expect("yaml");
+    for doc in docs {
         if !matches!(doc["kind"].as_str(), Some("Role" | "ClusterRole")) {
             continue;
         }
-        for rule in doc["rules"].as_sequence().into_iter().flatten() {
-            for resource in rule["resources"].as_sequence().into_iter().flatten() {
-                for verb in rule["verbs"].as_sequence().into_iter().flatten() {
+        for rule in doc["rules"].as_array().into_iter().flatten() {
+            for resource in rule["resources"].as_array().into_iter().flatten() {
+                for verb in rule["verbs"].as_array().into_iter().flatten() {
                     granted.insert((
                         resource.as_str().unwrap_or("").to_string(),
                         verb.as_str().unwrap_or("").to_string(),

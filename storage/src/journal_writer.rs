@@ -2,8 +2,8 @@
 //!
 //! openraft applies one entry per call under light concurrency, and one
 //! sled `apply_batch` costs far more than applying an entry in memory
-//! (seen with temporary timing around `apply_batch` while profiling the
-//! durable-writes benchmark: 50–350 µs, against under 1 µs to apply). So `apply` changes the state in
+//! (BENCHMARKS.md, "Durable submissions through one replica", has the
+//! profile). So `apply` changes the state in
 //! memory, answers, and queues its writes here; this thread merges whatever
 //! is queued into one atomic sled batch. Nothing durable depends on this
 //! being prompt: the Raft log (WAL) already holds every applied entry, and

@@ -153,8 +153,9 @@ impl LogStore {
         // Do not hold a sync back waiting for company (raft-log waits 1 ms by
         // default). openraft appends one entry at a time and waits for its
         // flush, so there is no company to wait for: commands are grouped
-        // above Raft, by the proposer. Measured: 1 ms -> 0 halves the
-        // latency of a lone writer (p50 0.94 -> 0.47 ms in-process).
+        // above Raft, by the proposer (BENCHMARKS.md, "Durable
+        // submissions through one replica", has what the wait cost a lone
+        // writer).
         config.wal.flush_batch_wait = Some(std::time::Duration::ZERO);
         let wal = RaftLog::<WalTypes>::open(Arc::new(config))?;
         Ok(LogStore {

@@ -266,6 +266,50 @@ class BadInputs(OneServer):
         self.assert_serving(["h"])
 
 
+class ErrorReasons(OneServer):
+    """Issue 21, item 6: a client decides on the code and a machine-readable
+    reason (google.rpc.ErrorInfo in the status details, with a BadRequest
+    field violation for a bad field), never on the message's words."""
+
+    def details(self, call, request):
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+
+        with self.assertRaises(grpc.RpcError) as caught:
+            call(request, timeout=20)
+        status = rpc_status.from_call(caught.exception)
+        self.assertIsNotNone(status, "no status details")
+        info, bad = None, None
+        for d in status.details:
+            if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                d.Unpack(info)
+            elif d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                d.Unpack(bad)
+        self.assertIsNotNone(info, status)
+        self.assertEqual(info.domain, "keel.dev")
+        return caught.exception.code(), info, bad
+
+    def test_errors_carry_a_reason_and_the_field_at_fault(self):
+        s = spec("zero")
+        s.total_steps = 0
+        code, info, bad = self.details(self.stub.SubmitJob, api.SubmitJobRequest(spec=s))
+        self.assertEqual((code, info.reason), (CODE.INVALID_ARGUMENT, "INVALID_ARGUMENT"))
+        self.assertEqual(info.metadata["field"], "spec.total_steps")
+        self.assertEqual([v.field for v in bad.field_violations], ["spec.total_steps"])
+
+        code, info, _ = self.details(self.stub.GetJob, api.GetJobRequest(job_id=4242))
+        self.assertEqual((code, info.reason), (CODE.NOT_FOUND, "JOB_NOT_FOUND"))
+
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("a"), request_id="r-1"), timeout=10)
+        code, info, _ = self.details(
+            self.stub.SubmitJob, api.SubmitJobRequest(spec=spec("b"), request_id="r-1")
+        )
+        self.assertEqual((code, info.reason), (CODE.ALREADY_EXISTS, "REQUEST_ID_REUSED"))
+        self.assert_serving(["a"])
+
+
 class Membership(OneServer):
     """Item 1 (one-member cluster) and 13: a member nothing answers for is
     refused, and the cluster keeps its quorum."""

@@ -173,7 +173,8 @@ pub fn parse_nodes_file(text: &str, control_dir: PathBuf) -> Result<SshConfig, N
             format!("{} bytes, more than {NODES_FILE_MAX_BYTES}", text.len()),
         ));
     }
-    let raw: RawFile = serde_yaml::from_str(text).map_err(|e| invalid("(file)", e.to_string()))?;
+    let raw: RawFile =
+        serde_saphyr::from_str(text).map_err(|e| invalid("(file)", e.to_string()))?;
     if raw.nodes.is_empty() {
         return Err(invalid("nodes", "no nodes declared"));
     }
