@@ -92,8 +92,14 @@ macro_rules! route {
 /// client retries on.
 fn forward_error(status: Status) -> Status {
     // A status the leader answered carries its reason; one without is the
-    // transport's own (the leader did not answer).
-    if status.code() == tonic::Code::Unavailable && crate::grpc_status::reason_of(&status).is_none()
+    // transport's own. Only a connection that was never made (the
+    // connector's words) proves the request was not sent; one lost midway
+    // stays in doubt (UNAVAILABLE without a reason).
+    let never_connected = status.message().contains("tcp connect error")
+        || status.message().contains("error trying to connect");
+    if status.code() == tonic::Code::Unavailable
+        && crate::grpc_status::reason_of(&status).is_none()
+        && never_connected
     {
         return crate::grpc_status::status_with_reason(
             tonic::Code::Unavailable,
@@ -186,7 +192,7 @@ impl KeelApi {
             .into());
         }
         let Some(addr) = leader_addr else {
-            return Err(ApiError::Unavailable("no leader is known yet; retry".into()).into());
+            return Err(ApiError::NoLeader.into());
         };
         let mut cached = self.leader.lock().await;
         if let Some((a, c)) = cached.as_ref() {
@@ -1024,3 +1030,24 @@ async fn membership_committed(
 }
 
 const NEW_MEMBER_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a connection never made says a forwarded request was not sent;
+    /// one lost midway stays in doubt, and the leader's own answer is kept.
+    #[test]
+    fn a_forward_that_never_connected_is_no_leader_and_one_lost_midway_is_in_doubt() {
+        use crate::grpc_status::{reason, reason_of};
+        let never = forward_error(Status::unavailable(
+            "error trying to connect: tcp connect error: Connection refused",
+        ));
+        assert_eq!(reason_of(&never).as_deref(), Some(reason::NO_LEADER));
+        let midway = forward_error(Status::unavailable("transport error: connection reset"));
+        assert_eq!(midway.code(), tonic::Code::Unavailable);
+        assert_eq!(reason_of(&midway), None);
+        let answered = forward_error(Status::from(ApiError::NotLeader { leader: None }));
+        assert_eq!(reason_of(&answered).as_deref(), Some(reason::NOT_LEADER));
+    }
+}

@@ -22,6 +22,9 @@ pub enum ApiError {
     JobNotFound(u64),
     #[error("this replica is not the leader{}", leader.as_ref().map(|l| format!("; the leader is {l}")).unwrap_or_default())]
     NotLeader { leader: Option<String> },
+    /// No leader is known: the request was not proposed.
+    #[error("no leader is known yet; retry")]
+    NoLeader,
     #[error("Raft is unavailable: {0}")]
     Unavailable(String),
     #[error("storage failed: {0}")]
@@ -153,6 +156,7 @@ impl ApiError {
                 ),
             },
             ApiError::NotLeader { .. } => (Code::Unavailable, NOT_LEADER, None),
+            ApiError::NoLeader => (Code::Unavailable, NO_LEADER, None),
             ApiError::Unavailable(_) => (Code::Unavailable, RAFT_UNAVAILABLE, None),
             ApiError::Storage(_) => (Code::Internal, STORAGE, None),
             ApiError::Unsupported(_) => (Code::FailedPrecondition, UNSUPPORTED, None),
@@ -307,5 +311,42 @@ where
             }
             Ok(response)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_refusal_carries_its_reason_and_the_field_at_fault() {
+        let not_leader = Status::from(ApiError::NotLeader {
+            leader: Some("10.0.0.2:7070".into()),
+        });
+        assert_eq!(not_leader.code(), Code::Unavailable);
+        assert_eq!(reason_of(&not_leader).as_deref(), Some(reason::NOT_LEADER));
+        use tonic_types::StatusExt;
+        let info = not_leader.get_details_error_info().expect("error info");
+        assert_eq!(
+            info.metadata.get("leader").map(String::as_str),
+            Some("10.0.0.2:7070")
+        );
+
+        let no_leader = Status::from(ApiError::NoLeader);
+        assert_eq!(reason_of(&no_leader).as_deref(), Some(reason::NO_LEADER));
+
+        let bad = Status::from(ApiError::InvalidSpec(SpecError::OutOfRange {
+            field: "gpus".into(),
+            value: 0,
+            min: 1,
+            max: 64,
+        }));
+        assert_eq!(bad.code(), Code::InvalidArgument);
+        assert_eq!(reason_of(&bad).as_deref(), Some(reason::INVALID_ARGUMENT));
+        let violations = bad.get_details_bad_request().expect("bad request");
+        assert_eq!(violations.field_violations[0].field, "spec.gpus");
+
+        // A status from elsewhere (the transport) has no Keel reason.
+        assert_eq!(reason_of(&Status::unavailable("tcp connect error")), None);
     }
 }
