@@ -5,12 +5,12 @@
 //! applied state and act through log entries (via the [`Proposer`]), never
 //! by changing state directly.
 //!
-//! - **Scheduling**: woken when the state's supply/demand version moves
-//!   (jobs arriving or ending, nodes changing, decisions applied), after a
-//!   short debounce, and on every round tick. It runs the policy (a pure
-//!   function) on the state at applied index *i* and proposes
-//!   `DecideAllocation { based_on: i }` only when the plan differs from the
-//!   current allocations.
+//! - **Scheduling**: the driver of a pure engine
+//!   ([`keel_scheduling::engine`]) that decides when a round runs (after a
+//!   short debounce when the state's supply/demand version moves, else at
+//!   the round deadline), which policy runs it, and what it proposes:
+//!   `DecideAllocation { based_on: i }` on the state at applied index *i*,
+//!   only when the plan differs from the current allocations.
 //! - **Reconciling**: compares the workers the state wants with what the
 //!   executor reports ([`keel_executors::reconcile`]), records exits (after
 //!   the job's pending progress), stops unwanted workers, launches wanted
@@ -23,7 +23,8 @@ use std::time::Duration;
 
 use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
 use keel_executors::{Executor, Observed};
-use keel_scheduling::policy::{by_name_with, decide, Policy, PolicyOptions};
+use keel_scheduling::engine::{Notice, SchedulingEngine, SchedulingTimings, Wait};
+use keel_scheduling::policy::{Policy, PolicyOptions};
 use keel_state::state::limits::PROGRESS_SAMPLES_MAX;
 use keel_state::{Command, JobId, ProgressSample};
 use openraft::ServerState;
@@ -152,7 +153,11 @@ fn publish(counters: &PolicyCounters, values: std::collections::BTreeMap<String,
     *guard = values;
 }
 
-/// The scheduling loop. Returns when `stop` turns true.
+/// The scheduling loop: the async driver of
+/// [`keel_scheduling::engine::SchedulingEngine`], which decides when a round
+/// runs, which policy runs it and what it proposes; this loop only reads the
+/// state and the clocks, waits, proposes and logs. Returns when `stop`
+/// turns true.
 #[allow(clippy::too_many_arguments)]
 pub async fn scheduling_loop(
     node: Arc<RaftNode>,
@@ -166,104 +171,91 @@ pub async fn scheduling_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     let shared = node.state_machine.shared();
-    let mut policy = default_policy.clone();
     let mut applied = shared.subscribe();
-    let mut seen_version = None;
     let mut gate = LeaderGate::new("scheduling");
-    // The next tick is a deadline, not a fresh wait after every applied
-    // entry: progress reports arrive more often than the round length and
-    // would otherwise postpone time-driven rounds (Tiresias's demotions,
-    // the heterogeneity-aware policies' rounds) forever.
-    let mut next_tick = tokio::time::Instant::now() + settings.round;
+    // The engine's timers run on a monotonic clock: milliseconds since
+    // this loop started.
+    let origin = tokio::time::Instant::now();
+    let monotonic_ms = || u64::try_from(origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let timings = SchedulingTimings {
+        round_ms: u64::try_from(settings.round.as_millis()).unwrap_or(u64::MAX),
+        debounce_ms: u64::try_from(settings.debounce.as_millis()).unwrap_or(u64::MAX),
+    };
+    let mut engine = SchedulingEngine::new(
+        timings,
+        default_policy,
+        options,
+        cannot_share_gpus,
+        monotonic_ms(),
+    );
     loop {
-        let (version, backoff_end_ms) = {
+        let wait = {
             let applied = shared.read();
             let now = clock();
-            (
+            engine.wait(
                 applied.state.supply_demand_version(),
+                monotonic_ms(),
                 applied
                     .state
                     .next_backoff_end_ms(now)
                     .map(|t| t.saturating_sub(now)),
             )
         };
-        if seen_version == Some(version) {
-            // The next tick: the round length, or sooner when a retry's
-            // backoff ends.
-            let deadline = backoff_end_ms
-                .map(|ms| {
-                    next_tick.min(tokio::time::Instant::now() + Duration::from_millis(ms + 1))
-                })
-                .unwrap_or(next_tick);
-            tokio::select! {
-                _ = applied.changed() => continue,
-                _ = tokio::time::sleep_until(deadline) => {}
-                _ = stop.changed() => return,
+        match wait {
+            Wait::ChangeOrDeadline { deadline_ms } => {
+                let deadline = origin + Duration::from_millis(deadline_ms);
+                tokio::select! {
+                    _ = applied.changed() => continue,
+                    _ = tokio::time::sleep_until(deadline) => {}
+                    _ = stop.changed() => return,
+                }
             }
-        } else {
-            tokio::select! {
-                _ = tokio::time::sleep(settings.debounce) => {}
-                _ = stop.changed() => return,
+            Wait::Debounce { ms } => {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
+                    _ = stop.changed() => return,
+                }
             }
         }
         if *stop.borrow() {
             return;
         }
         if !gate.ready(&node).await {
-            seen_version = None;
+            engine.not_leading();
             publish(&counters, Default::default());
             continue;
         }
         // Read one consistent state at applied index i and plan on it. The
         // policy is a pure function over the borrowed state (FIFO: a few ms
         // at 10,000 waiting jobs); applies wait for the read lock meanwhile.
-        let (command, version) = {
+        let round = {
             let applied = shared.read();
-            let state = &applied.state;
-            // The policy an operator chose at run time (a logged entry),
-            // else the configured one.
-            let wanted = state.policy().unwrap_or(default_policy.name());
-            // A space-sharing policy logged where the executor cannot share
-            // GPUs (the API refuses it; an older log may hold it): keep the
-            // configured one.
-            let wanted = match cannot_share_gpus {
-                Some(why) if keel_scheduling::gavel::shares_gpus(wanted) => {
-                    if policy.name() != default_policy.name() {
-                        tracing::warn!(
-                            policy = wanted,
-                            reason = why,
-                            "not running the logged policy"
-                        );
-                    }
-                    default_policy.name()
-                }
-                _ => wanted,
-            };
-            if policy.name() != wanted {
-                match by_name_with(wanted, &options) {
-                    Ok(p) => {
-                        tracing::info!(from = policy.name(), to = wanted, "switching policy");
-                        policy = Arc::from(p);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "keeping the current policy"),
-                }
-            }
-            (
-                decide(policy.as_ref(), state, clock()),
-                state.supply_demand_version(),
-            )
+            engine.round(&applied.state, clock(), monotonic_ms())
         };
-        seen_version = Some(version);
-        next_tick = tokio::time::Instant::now() + settings.round;
-        publish(
-            &counters,
-            policy
-                .counters()
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
-        );
-        if let Some(command) = command {
+        for notice in &round.notices {
+            match notice {
+                Notice::SwitchedPolicy { from, to } => {
+                    tracing::info!(from = %from, to = %to, "switching policy");
+                }
+                Notice::KeptPolicy {
+                    wanted,
+                    current,
+                    reason,
+                } => tracing::warn!(
+                    wanted = %wanted,
+                    current = %current,
+                    error = %reason,
+                    "keeping the current policy"
+                ),
+                Notice::NotRunningLoggedPolicy { policy, reason } => tracing::warn!(
+                    policy = %policy,
+                    reason = %reason,
+                    "not running the logged policy"
+                ),
+            }
+        }
+        publish(&counters, engine.counters());
+        if let Some(command) = round.command {
             if let Command::DecideAllocation {
                 based_on,
                 round,

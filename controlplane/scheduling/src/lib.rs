@@ -1,5 +1,7 @@
 //! Keel's scheduling: what the leader decides from the replicated state.
 //!
+//! - [`engine`]: the scheduling loop's decisions (when a round runs, which
+//!   policy, what it proposes) as a pure engine its async driver performs;
 //! - [`policy`]: the `Policy` trait and one file per policy (queue,
 //!   elastic, Optimus, and the heterogeneity-aware ones run round by
 //!   round), all `&` functions of a state view and the time;
@@ -17,6 +19,7 @@
 //! `keel-sim` (a tidy test checks this). It reads `keel-state`; nothing
 //! in `keel-state` reads it.
 
+pub mod engine;
 pub mod gavel;
 pub mod perf;
 pub mod placement;

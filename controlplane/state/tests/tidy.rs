@@ -44,29 +44,28 @@ const PURE_CRATES: [(&str, &[&str]); 3] = [
     ("keel-sim", &[]),
 ];
 
+/// Fails naming the first of `forbidden` that `package` depends on.
+fn assert_depends_on_none(package: &str, forbidden: &[&str]) {
+    let crates = dependencies(package);
+    for f in forbidden {
+        assert!(
+            !crates.iter().any(|c| c == f),
+            "{package} depends on {f}: {crates:?}"
+        );
+    }
+}
+
 #[test]
 fn the_pure_crates_depend_on_no_runtime_network_raft_or_storage_crate() {
     for (package, _) in PURE_CRATES {
-        let crates = dependencies(package);
-        for forbidden in RUNTIME_NETWORK_RAFT_OR_STORAGE {
-            assert!(
-                !crates.iter().any(|c| c == forbidden),
-                "{package} depends on {forbidden}: {crates:?}"
-            );
-        }
+        assert_depends_on_none(package, &RUNTIME_NETWORK_RAFT_OR_STORAGE);
     }
 }
 
 #[test]
 fn dependencies_point_from_simulation_to_scheduling_to_state() {
     for (package, below) in PURE_CRATES {
-        let crates = dependencies(package);
-        for forbidden in below {
-            assert!(
-                !crates.iter().any(|c| c == forbidden),
-                "{package} depends on {forbidden}: {crates:?}"
-            );
-        }
+        assert_depends_on_none(package, below);
     }
     assert!(dependencies("keel-sim")
         .iter()
