@@ -192,15 +192,9 @@ fn definite(code: Code) -> bool {
 pub fn outcome_of_error(status: &tonic::Status) -> Outcome {
     let reason = format!("{:?}: {}", status.code(), status.message());
     // The server said the write was not proposed (no leader took it), or
-    // the connection was never made (the transport's own words: no server
-    // answered, so there is no reason to read): nothing was applied.
-    let not_proposed = keel::grpc_status::reason_of(status).is_some_and(|r| {
-        r == keel::grpc_status::reason::NOT_LEADER || r == keel::grpc_status::reason::NO_LEADER
-    });
-    let never_sent = status.code() == Code::Unavailable
-        && (not_proposed
-            || status.message().contains("tcp connect error")
-            || status.message().contains("error trying to connect"));
+    // the connection was never made: nothing was applied.
+    let never_sent =
+        keel::grpc_status::not_proposed(status) || keel::grpc_status::never_connected(status);
     if definite(status.code()) || never_sent {
         Outcome::Failed { reason }
     } else {

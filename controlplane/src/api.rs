@@ -88,19 +88,13 @@ macro_rules! route {
 }
 
 /// A forwarded request that could not even reach the leader (it is down
-/// and no new one is elected yet) was never proposed: say so in words the
-/// client retries on.
+/// and no new one is elected yet) was never proposed: say so with the
+/// reason `NO_LEADER`, which clients retry on.
 fn forward_error(status: Status) -> Status {
-    // A status the leader answered carries its reason; one without is the
-    // transport's own. Only a connection that was never made (the
-    // connector's words) proves the request was not sent; one lost midway
-    // stays in doubt (UNAVAILABLE without a reason).
-    let never_connected = status.message().contains("tcp connect error")
-        || status.message().contains("error trying to connect");
-    if status.code() == tonic::Code::Unavailable
-        && crate::grpc_status::reason_of(&status).is_none()
-        && never_connected
-    {
+    // A status the leader answered carries its reason; the transport's own
+    // says the request was not sent only if the connection was never made
+    // (one lost midway stays in doubt: UNAVAILABLE without a reason).
+    if crate::grpc_status::never_connected(&status) {
         return crate::grpc_status::status_with_reason(
             tonic::Code::Unavailable,
             format!("no leader is reachable ({}); retry", status.message()),
@@ -698,8 +692,9 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::SetPolicyResponse>, Status> {
         route!(self, request, set_policy, true);
         let api::SetPolicyRequest { name, request_id } = request.into_inner();
-        // Checked here for a clear error before anything is logged; `apply`
-        // checks again (the log is the authority).
+        // Which policies exist is checked here, before anything is logged;
+        // `apply` checks only the name's form, so no version's policy list
+        // changes how a log replays.
         keel_scheduling::policy::by_name(&name, Default::default()).map_err(|e| {
             ApiError::InvalidArgument {
                 field: "name",

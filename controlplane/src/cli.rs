@@ -139,11 +139,7 @@ where
         match call(client).await {
             Ok(resp) => return Ok(resp.into_inner()),
             Err(status)
-                if status.code() == tonic::Code::Unavailable
-                    && keel::grpc_status::reason_of(&status).is_some_and(|r| {
-                        r == keel::grpc_status::reason::NOT_LEADER
-                            || r == keel::grpc_status::reason::NO_LEADER
-                    })
+                if keel::grpc_status::not_proposed(&status)
                     && std::time::Instant::now() < deadline =>
             {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -486,7 +482,7 @@ pub fn force_new_cluster(
             data_dir.display()
         );
     }
-    if id == 0 || id > keel::membership::MEMBER_ID_MAX {
+    if !keel::membership::is_member_id(id) {
         anyhow::bail!(
             "--id {id} is out of range: member ids are 1 to {}",
             keel::membership::MEMBER_ID_MAX

@@ -222,6 +222,23 @@ pub fn reason_of(status: &Status) -> Option<String> {
         .map(|info| info.reason)
 }
 
+/// Whether a status says the request was not proposed (not the leader,
+/// or no leader reached), so sending it again cannot apply it twice.
+pub fn not_proposed(status: &Status) -> bool {
+    status.code() == Code::Unavailable
+        && reason_of(status).is_some_and(|r| r == reason::NOT_LEADER || r == reason::NO_LEADER)
+}
+
+/// Whether a status is the transport's own for a connection that was never
+/// made (the connector's words; no server answered, so there is no reason
+/// to read): nothing was sent. One lost midway is not this.
+pub fn never_connected(status: &Status) -> bool {
+    status.code() == Code::Unavailable
+        && reason_of(status).is_none()
+        && (status.message().contains("tcp connect error")
+            || status.message().contains("error trying to connect"))
+}
+
 impl From<ApiError> for Status {
     fn from(e: ApiError) -> Status {
         let (code, reason, field) = e.classify();
@@ -348,5 +365,15 @@ mod tests {
 
         // A status from elsewhere (the transport) has no Keel reason.
         assert_eq!(reason_of(&Status::unavailable("tcp connect error")), None);
+
+        assert!(not_proposed(&not_leader) && not_proposed(&no_leader));
+        assert!(!not_proposed(&bad));
+        assert!(never_connected(&Status::unavailable(
+            "error trying to connect: tcp connect error: Connection refused"
+        )));
+        assert!(!never_connected(&Status::unavailable(
+            "transport error: connection reset"
+        )));
+        assert!(!never_connected(&no_leader), "a server's answer");
     }
 }

@@ -37,6 +37,11 @@ use crate::raft_node::Raft;
 /// The largest member id: the low 16 bits of a Raft id.
 pub const MEMBER_ID_MAX: u64 = 0xFFFF;
 
+/// Whether `id` is a member id: 1 to [`MEMBER_ID_MAX`].
+pub fn is_member_id(id: u64) -> bool {
+    (1..=MEMBER_ID_MAX).contains(&id)
+}
+
 const INCARNATION_SHIFT: u32 = 16;
 
 /// The Raft id of incarnation `incarnation` of member `member`.

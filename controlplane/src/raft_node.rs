@@ -384,16 +384,13 @@ impl RaftNode {
         settings: &RaftSettings,
     ) -> Result<RaftNode, RaftNodeError> {
         let id = member;
-        if id == 0 || id > membership::MEMBER_ID_MAX {
+        if !membership::is_member_id(id) {
             return Err(RaftNodeError::MemberIdOutOfRange {
                 id,
                 max: membership::MEMBER_ID_MAX,
             });
         }
-        if let Some(bad) = peers
-            .keys()
-            .find(|p| **p == 0 || **p > membership::MEMBER_ID_MAX)
-        {
+        if let Some(bad) = peers.keys().find(|p| !membership::is_member_id(**p)) {
             return Err(RaftNodeError::MemberIdOutOfRange {
                 id: *bad,
                 max: membership::MEMBER_ID_MAX,

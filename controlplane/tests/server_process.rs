@@ -530,3 +530,65 @@ fn a_shutdown_timeout_shorter_than_the_stop_grace_is_refused() {
         "{err}"
     );
 }
+
+/// `keel cluster force-new-cluster` refuses what it cannot recover, naming
+/// why, and writes nothing when it refuses: a directory a server holds, one
+/// that is no data directory, a member id out of range, a member that is
+/// not a voter.
+#[test]
+fn force_new_cluster_refuses_bad_inputs_and_writes_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let server = start(&data);
+    server.cli_ok(&[
+        "submit",
+        "-f",
+        write_spec(dir.path(), "s.yaml", SPEC)
+            .to_str()
+            .expect("utf-8"),
+    ]);
+    let force = |data: &Path, id: &str| {
+        let out = Command::new(KEEL)
+            .args(["cluster", "force-new-cluster", "--id", id, "--data-dir"])
+            .arg(data)
+            .output()
+            .expect("run keel");
+        assert!(!out.status.success(), "forced {} as {id}", data.display());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let err = force(&data, "1");
+    assert!(err.contains("in use by another keel process"), "{err}");
+    server.terminate();
+    // The Raft log's files (entries and vote) and the state, as they were.
+    let wal = || -> Vec<Vec<u8>> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(data.join("raft-log"))
+            .expect("raft-log")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        files.sort();
+        files
+            .iter()
+            .map(|f| std::fs::read(f).expect("read"))
+            .collect()
+    };
+    let (before, wal_before) = (replay_offline(&data), wal());
+
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).expect("mkdir");
+    let err = force(&empty, "1");
+    assert!(err.contains("holds no Raft log"), "{err}");
+    for id in ["0", "70000"] {
+        let err = force(&data, id);
+        assert!(
+            err.contains(&format!(
+                "--id {id} is out of range: member ids are 1 to 65535"
+            )),
+            "{err}"
+        );
+    }
+    let err = force(&data, "2");
+    assert!(err.contains("is not a voter"), "{err}");
+
+    assert_eq!(replay_offline(&data), before, "a refusal wrote nothing");
+    assert!(wal() == wal_before, "a refusal left the Raft log as it was");
+}
