@@ -228,9 +228,10 @@ pub async fn scheduling_loop(
         // Read one consistent state at applied index i and plan on it. The
         // policy is a pure function over the borrowed state (FIFO: a few ms
         // at 10,000 waiting jobs); applies wait for the read lock meanwhile.
-        let round = {
+        let (round, policy_counters) = {
             let applied = shared.read();
-            engine.round(&applied.state, clock(), monotonic_ms())
+            let round = engine.round(&applied.state, clock(), monotonic_ms());
+            (round, engine.counters(&applied.state))
         };
         for notice in &round.notices {
             match notice {
@@ -254,7 +255,7 @@ pub async fn scheduling_loop(
                 ),
             }
         }
-        publish(&counters, engine.counters());
+        publish(&counters, policy_counters);
         if let Some(command) = round.command {
             if let Command::DecideAllocation {
                 based_on,

@@ -377,6 +377,7 @@ fn event_job_id(e: &pb::Event) -> Option<u64> {
         | K::NodeRecovered(_)
         | K::NodeRemoved(_)
         | K::PolicyChanged(_)
+        | K::PolicyMemoryRefused(_)
         | K::RequestRepeated(_) => None,
     }
 }
@@ -573,6 +574,12 @@ fn describe_event(e: &pb::Event) -> String {
             "request {} repeated (a retry): nothing changed; answered as at index {}",
             x.request_id, x.first_index
         ),
+        Some(K::PolicyMemoryRefused(x)) => {
+            format!(
+                "{}'s memory from this decision not kept: {}",
+                x.policy, x.reason
+            )
+        }
         Some(K::PolicyChanged(x)) => format!(
             "policy changed from {} to {}",
             if x.from.is_empty() {
@@ -890,6 +897,12 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             "state_hash": s.state_hash.to_string(),
             "jobs_by_state": s.jobs_by_state,
             "nodes": s.nodes,
+            "policy_memory": s.state.policy_memory().map(|m| serde_json::json!({
+                "policy": m.policy,
+                "format": m.format,
+                "bytes": m.bytes.len(),
+                "memory": keel_scheduling::policy::describe_memory(m),
+            })),
         })),
         Output::Table => {
             println!(
@@ -908,6 +921,24 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             println!("nodes: {}", s.nodes);
             for (state, n) in &s.jobs_by_state {
                 println!("jobs {state}: {n}");
+            }
+            if let Some(m) = s.state.policy_memory() {
+                println!(
+                    "policy memory: {} (format {}, {} bytes){}",
+                    m.policy,
+                    m.format,
+                    m.bytes.len(),
+                    match keel_scheduling::policy::describe_memory(m) {
+                        Some(d) => format!(
+                            ": {} rounds, {} solves, {} jobs, round started at {} ms",
+                            d["rounds"],
+                            d["solves"],
+                            d["jobs"].as_object().map_or(0, |j| j.len()),
+                            d["round_started_ms"]
+                        ),
+                        None => " that this build does not read".into(),
+                    }
+                );
             }
             println!("state hash: {}", s.state_hash);
             Ok(())

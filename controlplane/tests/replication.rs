@@ -1318,3 +1318,203 @@ fn an_operator_abandons_a_membership_change_that_cannot_complete() {
     let jobs = cluster.jobs_on(back);
     assert!(acked.is_subset(&jobs) && jobs.contains(&after), "{jobs:?}");
 }
+
+/// Issue 21, item 3: the heterogeneity-aware LAS runs live on three
+/// replicas in 1-second rounds, six jobs taking turns on four GPUs of two
+/// types; the leader is SIGKILLed mid-run. Every round's decision carries
+/// the policy's memory (time received per type, deficits, the allocation),
+/// so the new leader plans its next rounds from the memory the old one
+/// logged. Shown on the log afterwards: every decision with memory,
+/// recomputed offline from the state at its `based_on` index (the memory
+/// the log held there included) and its round's start, is exactly the
+/// entry the leader logged, across the failover; the new leader's first
+/// round is the old leader's last round plus one; and the same round
+/// planned from a forgotten memory (what a failover did before) differs.
+#[test]
+fn a_new_leader_plans_the_next_rounds_from_the_policy_memory_in_the_log() {
+    use keel_scheduling::policy::{decide, describe_memory, GavelOptions, GavelRounds};
+    use keel_state::{ClusterState, Command as Entry};
+
+    let shared = tempfile::tempdir().expect("tempdir");
+    let shared_dir = shared.path().to_str().expect("utf-8").to_string();
+    let extra = [
+        "--simulated-gpus",
+        "2xv100,2xk80",
+        "--simulated-nodes",
+        "2",
+        "--node-name",
+        "m",
+        "--executor-dir",
+        &shared_dir,
+        "--policy",
+        "max_min_fairness_perf",
+        "--round-s",
+        "0.3",
+        "--gavel-round-s",
+        "1",
+        "--resolve-interval-s",
+        "0",
+        "--stop-grace-s",
+        "1",
+    ];
+    let mut cluster = Cluster::start(&extra);
+    let leader = cluster.leader();
+    let all = cluster.all_addrs();
+    cluster.wait_node("m-0", "alive", &[]);
+    cluster.wait_node("m-1", "alive", &[]);
+    for (i, model) in [
+        "resnet50",
+        "resnet18",
+        "transformer",
+        "lm",
+        "resnet50",
+        "recommendation",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let spec = shared.path().join(format!("j{i}.yaml"));
+        std::fs::write(
+            &spec,
+            format!("name: j{i}\ncommand: [sleep, \"600\"]\ngpus: 1\nmodel: {model}\n"),
+        )
+        .expect("spec");
+        json(&all, &["submit", "-f", spec.to_str().expect("utf-8")]).expect("submitted");
+    }
+    let rounds_on = |cluster: &Cluster, id: u64| -> Option<u64> {
+        let s = cluster.status(id)?;
+        (s["role"] == "leader").then(|| s["policy_counters"]["rounds"].as_u64())?
+    };
+    let before = wait_for("four rounds on the first leader", || {
+        rounds_on(&cluster, leader).filter(|r| *r >= 4)
+    });
+    cluster.kill9(leader);
+    let second = cluster.leader();
+    assert_ne!(second, leader);
+    wait_for("four more rounds on the new leader", || {
+        rounds_on(&cluster, second).filter(|r| *r >= before + 4)
+    });
+    // Stopped as a crash stops them (two cannot both shut down cleanly:
+    // the first to go takes the second's quorum); the replay below reads
+    // the committed entries of the Raft log past the journal's end.
+    for id in 1..=3 {
+        cluster.kill9(id);
+    }
+
+    // The log of the new leader's replica: every decision with memory, with
+    // the term of the leader that proposed it.
+    let data = cluster.replicas[second as usize - 1].data.clone();
+    let dir = keel_storage::DataDir::open(&data).expect("open the data dir");
+    let decisions: Vec<(u64, u64, Entry)> = {
+        let log = keel_storage::LogStore::open(&dir.raft_log_dir()).expect("open the log");
+        let end = log.committed_index().expect("a committed index") + 1;
+        log.entries(0, end)
+            .expect("entries")
+            .into_iter()
+            .filter_map(|e| match e.payload {
+                openraft::EntryPayload::Normal(p) => Some((e.log_id, p)),
+                _ => None,
+            })
+            .flat_map(|(id, p)| {
+                p.entries
+                    .into_iter()
+                    .map(move |x| (id.index, id.leader_id.term, x.command))
+            })
+            .filter(|(_, _, c)| {
+                matches!(
+                    c,
+                    Entry::DecideAllocation {
+                        memory: Some(_),
+                        ..
+                    }
+                )
+            })
+            .collect()
+    };
+    let state_at = |index: u64| -> ClusterState {
+        keel_storage::replay_data_dir(&dir, keel_storage::Until::Index(index))
+            .expect("replay")
+            .state
+    };
+    let options = GavelOptions {
+        round_s: 1.0,
+        min_resolve_interval_s: 0.0,
+        ..GavelOptions::default()
+    };
+    let rounds_of = |c: &Entry| -> (u64, u64) {
+        let Entry::DecideAllocation {
+            memory: Some(m), ..
+        } = c
+        else {
+            unreachable!("filtered")
+        };
+        let d = describe_memory(m).expect("a memory this build reads");
+        (
+            d["rounds"].as_u64().expect("rounds"),
+            d["round_started_ms"].as_u64().expect("a round start"),
+        )
+    };
+    let first_term = decisions.first().map(|(_, t, _)| *t).expect("decisions");
+    let old = || decisions.iter().filter(|(_, t, _)| *t == first_term);
+    let new = || decisions.iter().filter(|(_, t, _)| *t > first_term);
+    assert!(old().count() >= 3, "{decisions:?}");
+    assert!(new().count() >= 3, "{decisions:?}");
+    for (index, term, logged) in &decisions {
+        let Entry::DecideAllocation { based_on, .. } = logged else {
+            unreachable!("filtered")
+        };
+        let state = state_at(*based_on);
+        let (_, started_ms) = rounds_of(logged);
+        // A policy instance that never ran: all it knows is the log.
+        let policy = GavelRounds::new("max_min_fairness_perf", options.clone());
+        let recomputed = decide(&policy, &state, started_ms);
+        assert_eq!(
+            recomputed.as_ref(),
+            Some(logged),
+            "the decision at index {index} (term {term}) is not what the log's memory gives"
+        );
+    }
+    // The new leader's first round continues the old leader's last.
+    let (last_index, _, last_old) = old().next_back().expect("a decision by the old leader");
+    let (_, _, first_new) = new().next().expect("a decision by the new leader");
+    assert_eq!(
+        rounds_of(first_new).0,
+        rounds_of(last_old).0 + 1,
+        "the new leader started its memory afresh (old leader's last at index {last_index})"
+    );
+    // Planned from a forgotten memory, the same round differs.
+    let Entry::DecideAllocation { based_on, .. } = first_new else {
+        unreachable!("filtered")
+    };
+    let mut forgotten = state_at(*based_on);
+    forgotten.restore_policy_memory(Default::default());
+    let afresh = decide(
+        &GavelRounds::new("max_min_fairness_perf", options),
+        &forgotten,
+        rounds_of(first_new).1,
+    );
+    assert_ne!(afresh.as_ref(), Some(first_new));
+    // `keel replay` shows the memory as of an index: here, the last
+    // decision's.
+    let (last_decision, _, last) = decisions.last().expect("decisions");
+    drop(dir);
+    let out = Command::new(KEEL)
+        .args(["replay", "--data-dir"])
+        .arg(&data)
+        .args(["--until", &last_decision.to_string(), "-o", "json"])
+        .output()
+        .expect("keel replay");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let replayed: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let memory = &replayed["policy_memory"];
+    assert_eq!(memory["policy"], "max_min_fairness_perf", "{replayed}");
+    assert_eq!(memory["memory"]["rounds"].as_u64(), Some(rounds_of(last).0));
+    assert_eq!(
+        memory["memory"]["jobs"].as_object().map(|j| j.len()),
+        Some(6)
+    );
+}

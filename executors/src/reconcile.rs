@@ -275,6 +275,7 @@ mod tests {
                     gpus: gpus.iter().map(|i| gpu(*i)).collect(),
                     share_with: None,
                 }],
+                memory: None,
             });
         }
         fn actions(&self, observed: &BTreeMap<WorkerId, Observed>) -> Vec<Action> {
@@ -382,6 +383,7 @@ mod tests {
                     share_with: None,
                 },
             ],
+            memory: None,
         });
         let mut observed: BTreeMap<_, _> = [(wid(1, 1, 0), running(&[0]))].into_iter().collect();
         assert_eq!(
@@ -422,6 +424,7 @@ mod tests {
             policy: "test".into(),
             round: 2,
             placements: vec![JobPlacement::alone(3, vec![]), pair(1, 2), pair(2, 1)],
+            memory: None,
         });
         // Job 3's worker still runs: neither member may start.
         let mut observed: BTreeMap<_, _> = [(wid(3, 1, 0), running(&[0]))].into_iter().collect();

@@ -37,7 +37,14 @@ pub mod raft {
 ///   otherwise be dropped silently) and reads every other.
 /// - 3: `LogEntry.request_id` (exactly-once client writes). A build that
 ///   ignored it would apply a client's retry twice where others do not.
-pub const ENTRY_FORMAT_VERSION: u32 = 3;
+/// - 4: `DecideAllocation.memory` (a policy's memory in the log). A build
+///   that ignored it would keep an older memory than the other replicas
+///   and plan differently after a failover.
+pub const ENTRY_FORMAT_VERSION: u32 = 4;
+
+/// The version of an entry that carries a client's request id (and
+/// nothing of version 4).
+pub const ENTRY_FORMAT_VERSION_REQUEST_ID: u32 = 3;
 
 /// The version of an entry that shares GPUs but carries no request id.
 pub const ENTRY_FORMAT_VERSION_SHARES_GPUS: u32 = 2;

@@ -48,7 +48,11 @@ const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
 /// time. 4: jobs gained their performance history (loss points, speeds).
 /// 5: allocations name a sharing partner; the GPU-holder index holds pairs.
 /// 6: the client requests remembered for exactly-once writes.
-const SNAPSHOT_FORMAT_VERSION: u32 = 6;
+/// 7: the running policy's memory, after the state. Version 6 is still
+/// read (as a state without policy memory).
+const SNAPSHOT_FORMAT_VERSION: u32 = 7;
+/// The version before, which this build still reads.
+const SNAPSHOT_FORMAT_VERSION_PREVIOUS: u32 = 6;
 
 pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -134,22 +138,49 @@ impl SharedState {
     }
 }
 
-/// A snapshot's data: the whole `ClusterState`.
+/// A snapshot's data: the format version and the whole `ClusterState`;
+/// from version 7 the state's policy memory follows
+/// ([`keel_state::policy_memory::PolicyMemorySlot`]).
 #[derive(Serialize, Deserialize)]
 pub(crate) struct SnapshotFile {
     pub(crate) format_version: u32,
     pub(crate) state: ClusterState,
 }
 
+/// [`SnapshotFile`] borrowed, to encode without copying the state.
+#[derive(Serialize)]
+struct SnapshotFileRef<'a> {
+    format_version: u32,
+    state: &'a ClusterState,
+}
+
+/// Encodes `state` as a snapshot in the current format.
+pub(crate) fn encode_snapshot(state: &ClusterState) -> Result<Vec<u8>, postcard::Error> {
+    let mut bytes = postcard::to_stdvec(&SnapshotFileRef {
+        format_version: SNAPSHOT_FORMAT_VERSION,
+        state,
+    })?;
+    bytes.extend(postcard::to_stdvec(state.policy_memory_slot())?);
+    Ok(bytes)
+}
+
 pub(crate) fn decode_snapshot(bytes: &[u8]) -> Result<ClusterState, String> {
-    let file: SnapshotFile = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
-    if file.format_version != SNAPSHOT_FORMAT_VERSION {
-        return Err(format!(
-            "snapshot format version {} is not {SNAPSHOT_FORMAT_VERSION}",
-            file.format_version
-        ));
+    let (file, rest): (SnapshotFile, &[u8]) =
+        postcard::take_from_bytes(bytes).map_err(|e| e.to_string())?;
+    match file.format_version {
+        SNAPSHOT_FORMAT_VERSION => {
+            let mut state = file.state;
+            let slot = postcard::from_bytes(rest)
+                .map_err(|e| format!("the snapshot's policy memory: {e}"))?;
+            state.restore_policy_memory(slot);
+            Ok(state)
+        }
+        SNAPSHOT_FORMAT_VERSION_PREVIOUS if rest.is_empty() => Ok(file.state),
+        found => Err(format!(
+            "snapshot format version {found} is not one this build reads ({SNAPSHOT_FORMAT_VERSION_PREVIOUS} or {SNAPSHOT_FORMAT_VERSION}){}",
+            if found > SNAPSHOT_FORMAT_VERSION { "; upgrade keel" } else { "" }
+        )),
     }
-    Ok(file.state)
 }
 
 fn sm_err(e: impl Into<StoreError>) -> StorageError {
@@ -340,11 +371,8 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
         let (data, meta) = {
             let applied = self.shared.read();
-            let data = postcard::to_stdvec(&SnapshotFile {
-                format_version: SNAPSHOT_FORMAT_VERSION,
-                state: applied.state.clone(),
-            })
-            .map_err(|e| sm_err(StoreError::encode("snapshot", e)))?;
+            let data = encode_snapshot(&applied.state)
+                .map_err(|e| sm_err(StoreError::encode("snapshot", e)))?;
             let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match applied.last_applied {
                 Some(l) => format!(
@@ -508,5 +536,68 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             })),
             _ => Ok(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_state::command::{Command, LogEntry};
+    use keel_state::policy_memory::{PolicyMemory, PolicyMemorySlot};
+
+    fn state_with_memory() -> ClusterState {
+        let mut state = ClusterState::new();
+        let decision = Command::DecideAllocation {
+            based_on: 0,
+            policy: "max_min_fairness".into(),
+            round: 1,
+            placements: vec![],
+            memory: Some(PolicyMemory {
+                policy: "max_min_fairness".into(),
+                format: 1,
+                bytes: vec![7; 100],
+            }),
+        };
+        state
+            .apply(1, &LogEntry::new(1, decision))
+            .expect("applied");
+        state
+    }
+
+    #[test]
+    fn a_snapshot_carries_the_policy_memory_and_the_previous_version_still_reads() {
+        let state = state_with_memory();
+        let back = decode_snapshot(&encode_snapshot(&state).expect("encodes")).expect("decodes");
+        assert_eq!(back, state);
+        assert_eq!(back.state_hash(), state.state_hash());
+        assert!(back.policy_memory().is_some());
+
+        // Version 6: the state alone, read as a state without memory.
+        let mut old = ClusterState::new();
+        old.apply(
+            1,
+            &LogEntry::new(1, Command::SetPolicy { name: "drf".into() }),
+        )
+        .expect("applied");
+        let v6 = postcard::to_stdvec(&SnapshotFileRef {
+            format_version: SNAPSHOT_FORMAT_VERSION_PREVIOUS,
+            state: &old,
+        })
+        .expect("encodes");
+        let read = decode_snapshot(&v6).expect("version 6 reads");
+        assert_eq!(read, old);
+        assert_eq!(read.policy_memory_slot(), &PolicyMemorySlot::default());
+
+        // A newer version is refused, naming both.
+        let v8 = postcard::to_stdvec(&SnapshotFileRef {
+            format_version: SNAPSHOT_FORMAT_VERSION + 1,
+            state: &old,
+        })
+        .expect("encodes");
+        let err = decode_snapshot(&v8).expect_err("newer");
+        assert!(
+            err.contains("version 8") && err.contains("6 or 7") && err.contains("upgrade"),
+            "{err}"
+        );
     }
 }

@@ -84,6 +84,7 @@ async fn state_survives_reopen_and_matches_offline_replay() {
                     }],
                     share_with: None,
                 }],
+                memory: None,
             },
         );
         sm.apply([allocate]).await.expect("apply plan");

@@ -226,6 +226,7 @@ fn plan(state: &ClusterState, based_on: u64) -> Option<Command> {
             policy: "dst".into(),
             round: state.last_round() + 1,
             placements: vec![JobPlacement::alone(job.id, free)],
+            memory: None,
         })
     })
 }

@@ -84,6 +84,7 @@ fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
                 policy: "bench".into(),
                 round: 1,
                 placements,
+                memory: None,
             },
         );
     }

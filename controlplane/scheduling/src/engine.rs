@@ -188,10 +188,11 @@ impl SchedulingEngine {
         Round { command, notices }
     }
 
-    /// The running policy's counters ([`Policy::counters`]).
-    pub fn counters(&self) -> BTreeMap<String, u64> {
+    /// The running policy's counters ([`Policy::counters`]) from its
+    /// memory in `state`.
+    pub fn counters(&self, state: &ClusterState) -> BTreeMap<String, u64> {
         self.policy
-            .counters()
+            .counters(state)
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect()

@@ -164,6 +164,7 @@ fn elastic_policies_shrink_a_running_job_for_a_new_one() {
             policy: policy.into(),
             round: 1,
             placements: changes,
+            memory: None,
         });
         assert_eq!(c.state.job(a).map(Job::worker_count), Some(4), "{policy}");
         let b = w.submit("resnet50", 1, 1, 1, 100_000);

@@ -123,6 +123,7 @@ proptest! {
                             policy: policy.name().into(),
                             round: 1,
                             placements: changes,
+                            memory: None,
                         }))
                     .expect("a decision is applied per job");
                 let refused: Vec<_> = events

@@ -7,13 +7,15 @@
 
 use keel_proto::entry as pb;
 use keel_proto::{
-    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST, ENTRY_FORMAT_VERSION_SHARES_GPUS,
+    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST, ENTRY_FORMAT_VERSION_REQUEST_ID,
+    ENTRY_FORMAT_VERSION_SHARES_GPUS,
 };
 use prost::Message;
 
 use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 use crate::event::Event;
 use crate::model::{Gpu, GpuRef, ProgressSample};
+use crate::policy_memory::PolicyMemory;
 use crate::spec::{GpuTypes, JobSpec, Workers};
 
 /// Largest encoded log entry accepted, in bytes.
@@ -105,6 +107,7 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             policy,
             round,
             placements,
+            memory,
         } => C::DecideAllocation(pb::DecideAllocation {
             based_on: *based_on,
             policy: policy.clone(),
@@ -117,6 +120,11 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
                     share_with: p.share_with,
                 })
                 .collect(),
+            memory: memory.as_ref().map(|m| pb::PolicyMemory {
+                policy: m.policy.clone(),
+                format: m.format,
+                bytes: m.bytes.clone(),
+            }),
         }),
         Command::RecordWorkerStarted {
             job_id,
@@ -167,9 +175,20 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     };
     let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
         if placements.iter().any(|p| p.share_with.is_some()));
+    let has_memory = matches!(
+        &entry.command,
+        Command::DecideAllocation {
+            memory: Some(_),
+            ..
+        }
+    );
+    // The oldest version that expresses the entry, so a build one version
+    // older refuses exactly the entries it would misread.
     pb::LogEntry {
-        format_version: if entry.request_id.is_some() {
+        format_version: if has_memory {
             ENTRY_FORMAT_VERSION
+        } else if entry.request_id.is_some() {
+            ENTRY_FORMAT_VERSION_REQUEST_ID
         } else if shares_gpus {
             ENTRY_FORMAT_VERSION_SHARES_GPUS
         } else {
@@ -225,6 +244,11 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
                     share_with: p.share_with,
                 })
                 .collect(),
+            memory: c.memory.map(|m| PolicyMemory {
+                policy: m.policy,
+                format: m.format,
+                bytes: m.bytes,
+            }),
         },
         Some(C::RecordWorkerStarted(c)) => Command::RecordWorkerStarted {
             job_id: c.job_id,
@@ -471,6 +495,12 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             request_id: request_id.clone(),
             first_index: *first_index,
         }),
+        Event::PolicyMemoryRefused { policy, reason } => {
+            K::PolicyMemoryRefused(pb::PolicyMemoryRefused {
+                policy: policy.clone(),
+                reason: reason.clone(),
+            })
+        }
         Event::PolicyChanged { from, to } => K::PolicyChanged(pb::PolicyChanged {
             from: from.clone(),
             to: to.clone(),
@@ -593,6 +623,7 @@ mod tests {
                 based_on: 3,
                 policy: "max_min_fairness_packed".into(),
                 round: 1,
+                memory: None,
                 placements: vec![
                     JobPlacement {
                         job_id: 1,
@@ -620,6 +651,18 @@ mod tests {
             ..decision(true)
         };
         assert_eq!(entry_to_proto(&entry).format_version, 3);
-        assert_eq!(decode_entry(&encode_entry(&entry)), Ok(entry));
+        assert_eq!(decode_entry(&encode_entry(&entry)), Ok(entry.clone()));
+        // A policy memory makes it version 4 (a version-3 reader would
+        // drop the field and keep an older memory than its peers).
+        let mut with_memory = entry;
+        if let Command::DecideAllocation { memory, .. } = &mut with_memory.command {
+            *memory = Some(PolicyMemory {
+                policy: "max_min_fairness_packed".into(),
+                format: 1,
+                bytes: vec![1, 2, 3],
+            });
+        }
+        assert_eq!(entry_to_proto(&with_memory).format_version, 4);
+        assert_eq!(decode_entry(&encode_entry(&with_memory)), Ok(with_memory));
     }
 }

@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Gpu, GpuRef, JobId, ProgressSample};
+use crate::policy_memory::PolicyMemory;
 use crate::spec::JobSpec;
 
 /// One entry of the replicated log.
@@ -103,6 +104,10 @@ pub enum Command {
         policy: String,
         round: u64,
         placements: Vec<JobPlacement>,
+        /// The policy's memory after this round, when it keeps one
+        /// ([`crate::policy_memory`]): recorded with the decision, so
+        /// the two are applied together or not at all.
+        memory: Option<PolicyMemory>,
     },
     RecordWorkerStarted {
         job_id: JobId,

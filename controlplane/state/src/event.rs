@@ -88,6 +88,12 @@ pub enum Event {
         from: String,
         to: String,
     },
+    /// A decision's policy memory was not kept: the decision was planned
+    /// on a state older than the memory in force.
+    PolicyMemoryRefused {
+        policy: String,
+        reason: String,
+    },
     /// A client's request applied again (a retry after a lost answer):
     /// nothing changed; the client was answered with the outcome of the
     /// entry at `first_index` (see [`crate::requests`]).
@@ -106,6 +112,7 @@ impl Event {
             | Event::NodeRecovered { .. }
             | Event::NodeRemoved { .. }
             | Event::PolicyChanged { .. }
+            | Event::PolicyMemoryRefused { .. }
             | Event::RequestRepeated { .. } => None,
             Event::JobSubmitted { job_id, .. }
             | Event::JobCancelled { job_id, .. }

@@ -87,6 +87,7 @@ impl TestCluster {
             policy: "test".into(),
             round: self.state.last_round() + 1,
             placements: vec![JobPlacement::alone(job_id, gpus)],
+            memory: None,
         });
     }
 }
@@ -177,6 +178,7 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
                 policy: "fifo".into(),
                 round: out.len() as u64,
                 placements: vec![JobPlacement::alone(job.id, gpus)],
+                memory: None,
             }
         } else if roll < 22 {
             let job_id = running[rng.below(running.len() as u64) as usize];

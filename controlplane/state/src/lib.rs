@@ -23,6 +23,7 @@ pub mod free_gpus;
 pub mod liveness;
 pub mod model;
 pub mod perf_history;
+pub mod policy_memory;
 pub mod requests;
 pub mod rng;
 pub mod spec;
@@ -34,5 +35,6 @@ pub use model::{
     Allocation, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample,
     Worker, WorkerState,
 };
+pub use policy_memory::PolicyMemory;
 pub use spec::{JobSpec, SpecError};
 pub use state::{ApplyError, ClusterState, StateHash};

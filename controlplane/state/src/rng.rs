@@ -33,24 +33,73 @@ impl SplitMix64 {
 /// CPython's `random.Random` (Mersenne Twister seeded by `init_by_array`),
 /// for the draws Gavel makes — its type shuffle, Gandiva's pairs, its job
 /// generator — so Keel's runs follow Gavel's draw for draw.
+///
+/// It encodes (serde) as its seed and the number of 32-bit words drawn,
+/// and decodes by drawing as many again: a policy's memory in the log
+/// carries its random stream in a few bytes.
 #[derive(Debug, Clone)]
-pub struct PyRandom(Mt19937GenRand32);
+pub struct PyRandom {
+    seed: u32,
+    drawn: u64,
+    mt: Mt19937GenRand32,
+}
+
+/// How a [`PyRandom`] is encoded.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PyRandomPosition {
+    seed: u32,
+    drawn: u64,
+}
+
+impl serde::Serialize for PyRandom {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        PyRandomPosition {
+            seed: self.seed,
+            drawn: self.drawn,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PyRandom {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let p = PyRandomPosition::deserialize(deserializer)?;
+        // A stream is drawn from a few thousand times per solve at most; a
+        // position past 2³² words is not one this code wrote.
+        if p.drawn > 1 << 32 {
+            return Err(serde::de::Error::custom(format!(
+                "random stream position {} is past 2^32 draws",
+                p.drawn
+            )));
+        }
+        let mut r = PyRandom::new(p.seed);
+        for _ in 0..p.drawn {
+            r.next_u32();
+        }
+        Ok(r)
+    }
+}
 
 impl PyRandom {
     /// `random.Random(seed)` for a seed below 2³².
     pub fn new(seed: u32) -> PyRandom {
-        PyRandom(Mt19937GenRand32::new_with_key([seed]))
+        PyRandom {
+            seed,
+            drawn: 0,
+            mt: Mt19937GenRand32::new_with_key([seed]),
+        }
     }
 
     /// `getrandbits(32)`.
     pub fn next_u32(&mut self) -> u32 {
-        self.0.next_u32()
+        self.drawn += 1;
+        self.mt.next_u32()
     }
 
     /// `random()`: 53 random bits from two 32-bit draws.
     pub fn random(&mut self) -> f64 {
-        let a = f64::from(self.0.next_u32() >> 5);
-        let b = f64::from(self.0.next_u32() >> 6);
+        let a = f64::from(self.next_u32() >> 5);
+        let b = f64::from(self.next_u32() >> 6);
         (a * 67_108_864.0 + b) * (1.0 / 9_007_199_254_740_992.0)
     }
 
@@ -65,7 +114,7 @@ impl PyRandom {
         let n = n.max(1);
         let bits = 32 - n.leading_zeros();
         loop {
-            let r = self.0.next_u32() >> (32 - bits);
+            let r = self.next_u32() >> (32 - bits);
             if r < n {
                 return r;
             }
@@ -109,6 +158,34 @@ impl PyRandom {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decoded_stream_goes_on_where_the_encoded_one_stopped() {
+        let mut r = PyRandom::new(7);
+        for _ in 0..1000 {
+            r.below(13);
+        }
+        let bytes = postcard::to_stdvec(&r).expect("encodes");
+        assert!(
+            bytes.len() < 16,
+            "seed and position only: {} bytes",
+            bytes.len()
+        );
+        let mut back: PyRandom = postcard::from_bytes(&bytes).expect("decodes");
+        let ahead: Vec<u32> = (0..50).map(|_| r.next_u32()).collect();
+        let decoded: Vec<u32> = (0..50).map(|_| back.next_u32()).collect();
+        assert_eq!(ahead, decoded);
+        let far = postcard::to_stdvec(&PyRandomPosition {
+            seed: 1,
+            drawn: u64::MAX,
+        })
+        .expect("encodes");
+        // postcard keeps no custom message: the error is its generic one.
+        assert!(
+            postcard::from_bytes::<PyRandom>(&far).is_err(),
+            "a position past 2^32 draws is refused"
+        );
+    }
 
     /// Against CPython 3.11.
     #[test]

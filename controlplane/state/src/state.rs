@@ -18,6 +18,7 @@ use crate::model::{
     Allocation, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample,
     Worker, WorkerState,
 };
+use crate::policy_memory::{PolicyMemory, PolicyMemorySlot, POLICY_MEMORY_MAX_BYTES};
 use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
@@ -120,6 +121,12 @@ pub struct ClusterState {
     policy: Option<String>,
     /// Client requests applied recently, so a retry applies nothing twice.
     requests: RecentRequests,
+    /// What the running policy keeps between rounds
+    /// ([`crate::policy_memory`]). Encoded apart from the rest (a snapshot
+    /// carries it after the state; the hash covers it once set), so a state
+    /// that never had one encodes and hashes as before it existed.
+    #[serde(skip)]
+    policy_memory: PolicyMemorySlot,
     #[serde(skip)]
     indexes: JobIndexes,
     /// Every GPU on a live node, by type and node: derived from `nodes`,
@@ -235,6 +242,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             last_round: e.last_round,
             policy: e.policy,
             requests: e.requests,
+            policy_memory: PolicyMemorySlot::default(),
             indexes,
             capacity,
             free: FreeCache::default(),
@@ -393,6 +401,21 @@ impl ClusterState {
         self.policy.as_deref()
     }
 
+    /// The running policy's memory, as last recorded by a decision.
+    pub fn policy_memory(&self) -> Option<&PolicyMemory> {
+        self.policy_memory.memory.as_ref()
+    }
+
+    /// The policy-memory slot, as a snapshot carries it.
+    pub fn policy_memory_slot(&self) -> &PolicyMemorySlot {
+        &self.policy_memory
+    }
+
+    /// Puts back the slot a snapshot carried ([`Self::policy_memory_slot`]).
+    pub fn restore_policy_memory(&mut self, slot: PolicyMemorySlot) {
+        self.policy_memory = slot;
+    }
+
     /// A digest of the whole state. Two replicas that applied the same
     /// entries share it; any difference in content changes it.
     pub fn state_hash(&self) -> StateHash {
@@ -402,6 +425,11 @@ impl ClusterState {
         // Encoding into a hasher cannot fail: every type here is serialisable
         // and the writer never errors.
         let _ = postcard::to_io(self, &mut writer);
+        // The policy memory once one was ever recorded: states of logs
+        // without one hash as they did before it existed.
+        if !self.policy_memory.is_unset() {
+            let _ = postcard::to_io(&self.policy_memory, &mut writer);
+        }
         StateHash(*hasher.finalize().as_bytes())
     }
 
@@ -495,7 +523,9 @@ impl ClusterState {
         let moves_supply_or_demand = events.iter().any(|e| {
             !matches!(
                 e,
-                Event::WorkerStarted { .. } | Event::JobProgressReported { .. }
+                Event::WorkerStarted { .. }
+                    | Event::JobProgressReported { .. }
+                    | Event::PolicyMemoryRefused { .. }
             )
         });
         if moves_supply_or_demand {
@@ -535,6 +565,18 @@ impl ClusterState {
                     });
                 }
                 let from = self.policy.replace(name.clone()).unwrap_or_default();
+                // What a policy remembered belongs to the period it ran.
+                if self
+                    .policy_memory
+                    .memory
+                    .as_ref()
+                    .is_some_and(|m| m.policy != *name)
+                {
+                    self.policy_memory = PolicyMemorySlot {
+                        memory: None,
+                        changed_at: self.last_index,
+                    };
+                }
                 Ok(vec![Event::PolicyChanged {
                     from,
                     to: name.clone(),
@@ -590,10 +632,34 @@ impl ClusterState {
                 policy,
                 round,
                 placements,
+                memory,
             } => {
                 check_len("policy", policy, limits::POLICY_NAME_MAX_LEN)?;
+                if let Some(m) = memory {
+                    if m.bytes.len() > POLICY_MEMORY_MAX_BYTES {
+                        return Err(ApplyError::TooLarge {
+                            field: "policy memory".into(),
+                            len: m.bytes.len(),
+                            limit: POLICY_MEMORY_MAX_BYTES,
+                        });
+                    }
+                    if m.policy != *policy {
+                        return Err(ApplyError::Invalid {
+                            field: "policy memory".into(),
+                            reason: format!(
+                                "written by {:?}, not by the deciding policy {policy:?}",
+                                m.policy
+                            ),
+                        });
+                    }
+                }
                 self.last_round = self.last_round.max(*round);
-                Ok(self.decide_allocation(*based_on, policy, *round, placements, at_ms))
+                let mut events =
+                    self.decide_allocation(*based_on, policy, *round, placements, at_ms);
+                if let Some(m) = memory {
+                    events.extend(self.record_policy_memory(*based_on, m));
+                }
+                Ok(events)
             }
             Command::RecordWorkerStarted {
                 job_id,
@@ -1218,6 +1284,27 @@ impl ClusterState {
             }
         }
         Ok(gpus)
+    }
+
+    /// Keeps `memory`, from a decision based on the state at `based_on`,
+    /// unless that state predates the memory in force (then the decision
+    /// was planned from an older memory, and its memory is refused: the
+    /// next round plans again from the one in force).
+    fn record_policy_memory(&mut self, based_on: u64, memory: &PolicyMemory) -> Option<Event> {
+        if based_on < self.policy_memory.changed_at {
+            return Some(Event::PolicyMemoryRefused {
+                policy: memory.policy.clone(),
+                reason: format!(
+                    "planned on the state at index {based_on}, before the memory in force (set at index {})",
+                    self.policy_memory.changed_at
+                ),
+            });
+        }
+        self.policy_memory = PolicyMemorySlot {
+            memory: Some(memory.clone()),
+            changed_at: self.last_index,
+        };
+        None
     }
 
     fn decide_allocation(

@@ -31,11 +31,17 @@ impl Harness {
         }
     }
     fn apply(&mut self, command: Command) -> Result<Vec<Event>, ApplyError> {
-        self.index += 1;
-        let entry = LogEntry::new(1000 * self.index, command);
         // Every entry survives the wire format unchanged.
+        let entry = LogEntry::new(1000 * (self.index + 1), command);
         let decoded = decode_entry(&encode_entry(&entry)).expect("round trip");
         assert_eq!(decoded, entry);
+        self.apply_unencoded(entry.command)
+    }
+    /// [`Harness::apply`] without the wire round trip (for entries over
+    /// its size limit, which `apply` must refuse on its own).
+    fn apply_unencoded(&mut self, command: Command) -> Result<Vec<Event>, ApplyError> {
+        self.index += 1;
+        let entry = LogEntry::new(1000 * self.index, command);
         let before = self.state.clone();
         let res = self.state.apply(self.index, &entry);
         if res.is_err() {
@@ -82,6 +88,7 @@ impl Harness {
                 .into_iter()
                 .map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus))
                 .collect(),
+            memory: None,
         })
         .expect("plans are applied per job")
     }
@@ -121,6 +128,7 @@ impl Harness {
             policy: "p".into(),
             round: 1,
             placements,
+            memory: None,
         })
         .expect("applied per job")
     }
@@ -813,6 +821,7 @@ fn arb_command() -> impl Strategy<Value = Command> {
                 policy: "p".into(),
                 round: 0,
                 placements: ps.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)).collect(),
+                memory: None,
             }),
         // Space sharing: a pair, sometimes flawed (not on the same GPUs,
         // not mutual, one member missing), beside placements alone.
@@ -831,7 +840,7 @@ fn arb_command() -> impl Strategy<Value = Command> {
                     placements.pop();
                 }
                 placements.extend(alone.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)));
-                Command::DecideAllocation { based_on: 0, policy: "p".into(), round: 0, placements }
+                Command::DecideAllocation { based_on: 0, policy: "p".into(), round: 0, placements, memory: None }
             }),
         1 => (job.clone(), 0u64..4, 0u32..3).prop_map(|(job_id, epoch, rank)| Command::RecordWorkerStarted {
             job_id, epoch, rank, node: "n0".into()
@@ -1046,6 +1055,92 @@ fn set_policy_logs_well_formed_names_and_refuses_others() {
     assert_eq!(h.state.policy(), Some("drf"));
 }
 
+/// A decision's policy memory (issue 21, item 3): kept with the decision,
+/// hashed, refused from a decision planned before the memory in force,
+/// cleared when another policy is chosen, and checked for its writer and
+/// size.
+#[test]
+fn a_decisions_policy_memory_is_state() {
+    let mut h = Harness::new();
+    h.node("n0", 1);
+    let memory = |bytes: &[u8]| PolicyMemory {
+        policy: "max_min_fairness".into(),
+        format: 1,
+        bytes: bytes.to_vec(),
+    };
+    let decide = |h: &mut Harness, based_on: u64, m: PolicyMemory| {
+        h.apply(Command::DecideAllocation {
+            based_on,
+            policy: "max_min_fairness".into(),
+            round: h.state.last_round() + 1,
+            placements: vec![],
+            memory: Some(m),
+        })
+    };
+    let empty_hash = h.state.state_hash();
+    let version = h.state.supply_demand_version();
+    let at = h.index;
+    assert_eq!(decide(&mut h, at, memory(b"one")), Ok(vec![]));
+    assert_eq!(h.state.policy_memory(), Some(&memory(b"one")));
+    assert_ne!(h.state.state_hash(), empty_hash, "the memory is hashed");
+    assert_eq!(
+        h.state.supply_demand_version(),
+        version,
+        "a memory alone wakes no scheduler"
+    );
+    let recorded_at = h.index;
+    // Planned on a state before that memory: its memory is not kept.
+    let events = decide(&mut h, recorded_at - 1, memory(b"stale")).expect("applied");
+    assert!(
+        matches!(&events[..], [Event::PolicyMemoryRefused { reason, .. }] if reason.contains(&format!("index {recorded_at}"))),
+        "{events:?}"
+    );
+    assert_eq!(h.state.policy_memory(), Some(&memory(b"one")));
+    // Planned on it: kept.
+    assert_eq!(decide(&mut h, recorded_at, memory(b"two")), Ok(vec![]));
+    assert_eq!(h.state.policy_memory(), Some(&memory(b"two")));
+    // Written by another policy than the deciding one, or too large.
+    let at = h.index;
+    let mut other = memory(b"x");
+    other.policy = "fifo".into();
+    let err = decide(&mut h, at, other).expect_err("another writer");
+    assert!(err.to_string().contains("policy memory"), "{err}");
+    let err = h
+        .apply_unencoded(Command::DecideAllocation {
+            based_on: at,
+            policy: "max_min_fairness".into(),
+            round: h.state.last_round() + 1,
+            placements: vec![],
+            memory: Some(memory(&vec![
+                0;
+                keel_state::policy_memory::POLICY_MEMORY_MAX_BYTES
+                    + 1
+            ])),
+        })
+        .expect_err("too large");
+    assert!(matches!(err, ApplyError::TooLarge { .. }), "{err}");
+    assert_eq!(h.state.policy_memory(), Some(&memory(b"two")));
+    // The same policy chosen again keeps it; another one clears it, and a
+    // decision planned before the switch cannot bring it back.
+    h.apply(Command::SetPolicy {
+        name: "max_min_fairness".into(),
+    })
+    .expect("set");
+    assert_eq!(h.state.policy_memory(), Some(&memory(b"two")));
+    let before_switch = h.index;
+    h.apply(Command::SetPolicy {
+        name: "fifo".into(),
+    })
+    .expect("set");
+    assert_eq!(h.state.policy_memory(), None);
+    let events = decide(&mut h, before_switch, memory(b"old")).expect("applied");
+    assert!(
+        matches!(&events[..], [Event::PolicyMemoryRefused { .. }]),
+        "{events:?}"
+    );
+    assert_eq!(h.state.policy_memory(), None);
+}
+
 #[test]
 fn progress_reports_build_the_performance_history() {
     let mut h = Harness::new();
@@ -1070,6 +1165,7 @@ fn progress_reports_build_the_performance_history() {
                     .collect(),
                 share_with: None,
             }],
+            memory: None,
         })
         .expect("placed");
     };

@@ -38,7 +38,7 @@ pub fn finish_time_fairness(problem: &AllocationProblem) -> Result<PolicyResult,
 /// What Gavel's finish-time fairness carries from one solve to the next:
 /// per job, the isolated time credited so far (`C_i`), and the steps left
 /// and isolated throughput at the last solve.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct FinishTimeMemory {
     credited_s: BTreeMap<ProblemJobId, f64>,
     last: BTreeMap<ProblemJobId, (f64, f64)>,

@@ -26,7 +26,7 @@ use super::{Allocation, AllocationProblem, PairAllocation, PolicyResult, Problem
 use keel_state::rng::PyRandom;
 
 /// Gandiva's memory between solves.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Gandiva {
     /// Kept pairs, each job mapped to its partner.
     pairs: BTreeMap<ProblemJobId, ProblemJobId>,

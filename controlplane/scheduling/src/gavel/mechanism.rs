@@ -38,9 +38,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Allocation, PairAllocation, ProblemJobId};
 use keel_state::rng::PyRandom;
+use serde::{Deserialize, Serialize};
 
 /// What a round places: one job alone, or two jobs sharing GPUs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Combo {
     /// The job alone, or the later-arrived (larger id) of the pair.
     newer: ProblemJobId,
@@ -81,7 +82,7 @@ impl Combo {
 }
 
 /// The mechanism's constants.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MechanismConfig {
     /// Length of a round.
     pub round_s: f64,
@@ -116,7 +117,7 @@ impl MechanismConfig {
 pub type WorkerId = u32;
 
 /// The GPUs of one type, grouped by server.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TypeServers {
     pub gpu_type: String,
     pub servers: Vec<Vec<WorkerId>>,
@@ -145,7 +146,7 @@ pub struct Placement {
 
 /// What the mechanism keeps per entry (a job alone or a pair), by type
 /// index.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Book {
     scale_factor: u32,
     /// Steps per second alone; for a pair, the slower of its two jobs
@@ -160,7 +161,7 @@ struct Book {
 }
 
 /// Counters for reports.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MechanismStats {
     pub solves: u64,
     pub rounds: u64,
@@ -172,8 +173,9 @@ pub struct MechanismStats {
     pub pairs_placed: u64,
 }
 
-/// The round-based mechanism's state.
-#[derive(Debug, Clone)]
+/// The round-based mechanism's state. It encodes (serde) whole but for
+/// derived caches, as the live policy's memory in the log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Mechanism {
     config: MechanismConfig,
     /// Types in their base order (before any shuffle).
@@ -183,6 +185,7 @@ pub struct Mechanism {
     /// Each job's pair partners.
     partners: BTreeMap<ProblemJobId, BTreeSet<ProblemJobId>>,
     /// [`Mechanism::member_positions`], kept until the entries change.
+    #[serde(skip)]
     members: Option<(Vec<[Option<u32>; 2]>, usize)>,
     /// Σ over entries of time received per type since the last reset.
     type_time_s: Vec<f64>,
@@ -218,6 +221,26 @@ impl Mechanism {
 
     pub fn stats(&self) -> MechanismStats {
         self.stats
+    }
+
+    /// The constants it runs with.
+    pub fn config(&self) -> &MechanismConfig {
+        &self.config
+    }
+
+    /// The time `job` (alone) received on each type since the last reset,
+    /// the reset's credit included, by type name.
+    pub fn time_received_s(&self, job: ProblemJobId) -> BTreeMap<&str, f64> {
+        self.books
+            .get(&Combo::single(job))
+            .map(|b| {
+                self.types
+                    .iter()
+                    .zip(&b.time_on_s)
+                    .map(|(t, s)| (t.gpu_type.as_str(), *s))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// The name of the type at `index`.

@@ -314,6 +314,52 @@ impl PolicyRun {
     }
 }
 
+/// How a [`PolicyRun`] is encoded: its name as text.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct EncodedPolicyRun {
+    name: String,
+    gandiva: Option<Gandiva>,
+    finish_time: FinishTimeMemory,
+}
+
+impl From<PolicyRun> for EncodedPolicyRun {
+    fn from(r: PolicyRun) -> Self {
+        EncodedPolicyRun {
+            name: r.name.to_string(),
+            gandiva: r.gandiva,
+            finish_time: r.finish_time,
+        }
+    }
+}
+
+impl serde::Serialize for PolicyRun {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        EncodedPolicyRun::from(self.clone()).serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PolicyRun {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        PolicyRun::try_from(EncodedPolicyRun::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+impl TryFrom<EncodedPolicyRun> for PolicyRun {
+    type Error = String;
+
+    fn try_from(e: EncodedPolicyRun) -> Result<Self, String> {
+        let name = GAVEL_POLICY_NAMES
+            .iter()
+            .find(|n| **n == e.name)
+            .ok_or_else(|| format!("unknown policy {:?}", e.name))?;
+        Ok(PolicyRun {
+            name,
+            gandiva: e.gandiva,
+            finish_time: e.finish_time,
+        })
+    }
+}
+
 /// Runs the policy `name` on `problem` (a first solve: policies that
 /// keep earlier decisions start from none; see [`solve_after`]).
 pub fn solve(name: &str, problem: &AllocationProblem) -> Result<PolicyResult, AllocationError> {

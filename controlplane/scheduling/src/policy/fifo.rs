@@ -140,6 +140,7 @@ mod tests {
                     policy: "fifo".into(),
                     round: 1,
                     placements: changes,
+                    memory: None,
                 });
             }
             self.state.check_invariants().expect("invariants");

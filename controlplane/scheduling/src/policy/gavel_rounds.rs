@@ -30,21 +30,32 @@
 //! job's alone speed. A pair the mechanism places becomes two placements
 //! on the same GPUs naming each other (`JobPlacement::share_with`).
 //!
-//! The one policy with memory: the mechanism's times received, deficits
-//! and current allocation live in the leader's memory, behind a mutex. It
-//! is soft state: a new leader (or a changed cluster) starts it afresh —
-//! every job credited as if newly arrived — and every decision it makes is
-//! a logged `DecideAllocation`, so nothing it decided is lost or
-//! recomputed.
+//! The one policy with memory: the mechanism's times received, deficits,
+//! allocation in force and leases, the policy's own memory between solves
+//! (Gandiva's pairs and random stream, finish-time fairness's credited
+//! time), the current round's plan and when it began ([`Rounds`]). At each
+//! round boundary the policy returns its new memory with the plan
+//! ([`Plan::memory`]), encoded ([`MEMORY_FORMAT`]), and the leader logs it
+//! inside that round's `DecideAllocation`; between boundaries it plans from
+//! the memory the state holds. So the memory is replicated state: a new
+//! leader plans the next round from exactly what the last one left, and a
+//! replay at any index rebuilds it. A memory this build cannot read, of
+//! another cluster layout or other round constants, is not used: the
+//! mechanism starts afresh (every job credited as if newly arrived).
+//! Decoding is memoised, keyed by the logged bytes; it is a cache of a
+//! pure function of the state.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
 
 use crate::gavel::mechanism::{Combo, Mechanism, MechanismConfig, TypeServers, WorkerId};
 use crate::gavel::{self, AllocationProblem, PairThroughputs, PolicyRun, ProblemJobId};
 use crate::perf::JobPerf;
 use crate::throughput::{self, GENERIC_MODEL};
 use keel_state::model::{GpuRef, Job, JobId, NodeState};
+use keel_state::policy_memory::{PolicyMemory, POLICY_MEMORY_MAX_BYTES};
 use keel_state::state::ClusterState;
 
 use super::{Plan, Policy, SchedulingInput};
@@ -97,8 +108,13 @@ impl GavelOptions {
     }
 }
 
+/// The format of the memory this policy logs: postcard of [`Rounds`].
+/// Bump it when `Rounds` (or anything it holds) changes shape; a memory
+/// of another format is not read (the mechanism starts afresh).
+pub const MEMORY_FORMAT: u32 = 1;
+
 /// The cluster as the mechanism numbers it, and back.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Layout {
     types: Vec<TypeServers>,
     gpus: Vec<GpuRef>,
@@ -139,15 +155,17 @@ impl Layout {
     }
 }
 
-#[derive(Debug)]
-struct Rounds {
+/// Everything the policy keeps between rounds: its memory, as logged.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Rounds {
     layout: Layout,
     mechanism: Mechanism,
-    /// What the policy keeps between solves (finish-time fairness's
-    /// credited isolated time).
+    /// What the policy keeps between solves (Gandiva's pairs,
+    /// finish-time fairness's credited isolated time).
     run: PolicyRun,
-    /// When the current round began; `None` before the first.
-    round_started_s: Option<f64>,
+    /// When the current round began, on the leader's clock; `None` before
+    /// the first.
+    round_started_ms: Option<u64>,
     /// The current round's plan.
     plan: BTreeMap<JobId, Vec<GpuRef>>,
     /// The current round's pairs, both ways.
@@ -156,12 +174,45 @@ struct Rounds {
     placed_on: BTreeMap<Combo, usize>,
 }
 
+impl Rounds {
+    /// The memory in `bytes` ([`MEMORY_FORMAT`]).
+    pub fn decode(bytes: &[u8]) -> Result<Rounds, postcard::Error> {
+        postcard::from_bytes(bytes)
+    }
+
+    /// What operators read of it: when the round began, the mechanism's
+    /// counters, and per job the time received and the allocation's share
+    /// by GPU type.
+    pub fn describe(&self) -> serde_json::Value {
+        let stats = self.mechanism.stats();
+        serde_json::json!({
+            "round_started_ms": self.round_started_ms,
+            "gpu_types": self.layout.types.iter().map(|t| &t.gpu_type).collect::<Vec<_>>(),
+            "solves": stats.solves,
+            "rounds": stats.rounds,
+            "lease_extensions": stats.lease_extensions,
+            "jobs": self.mechanism.job_ids().map(|id| (id.to_string(), serde_json::json!({
+                "time_received_s": self.mechanism.time_received_s(id),
+                "allocation": self.mechanism.allocation().get(&id),
+                "placed": self.plan.get(&id),
+            }))).collect::<serde_json::Map<_, _>>(),
+        })
+    }
+}
+
+/// The last memory decoded, by its bytes.
+#[derive(Debug)]
+struct Decoded {
+    bytes: Vec<u8>,
+    rounds: Rounds,
+}
+
 /// A heterogeneity-aware policy run in rounds.
 #[derive(Debug)]
 pub struct GavelRounds {
     name: &'static str,
     options: GavelOptions,
-    rounds: Mutex<Option<Rounds>>,
+    decoded: Mutex<Option<Decoded>>,
 }
 
 impl GavelRounds {
@@ -170,7 +221,7 @@ impl GavelRounds {
         GavelRounds {
             name,
             options,
-            rounds: Mutex::new(None),
+            decoded: Mutex::new(None),
         }
     }
 
@@ -184,6 +235,58 @@ impl GavelRounds {
             // reproduces Gavel's simulator.
             shuffle_seed: None,
         }
+    }
+
+    /// The memoised decoding of the memory `state` holds for this policy
+    /// (`None` in the guard: no memory, or one this build cannot read).
+    fn logged<'a>(&'a self, state: &ClusterState) -> MutexGuard<'a, Option<Decoded>> {
+        let mut guard = self.decoded.lock().unwrap_or_else(|poisoned| {
+            // A panic elsewhere while planning: decode afresh.
+            let mut g = poisoned.into_inner();
+            *g = None;
+            g
+        });
+        let logged = state
+            .policy_memory()
+            .filter(|m| m.policy == self.name && m.format == MEMORY_FORMAT);
+        let hit = matches!((guard.as_ref(), logged), (Some(d), Some(m)) if d.bytes == m.bytes);
+        if !hit {
+            *guard = logged.and_then(|m| {
+                Some(Decoded {
+                    bytes: m.bytes.clone(),
+                    rounds: Rounds::decode(&m.bytes).ok()?,
+                })
+            });
+        }
+        guard
+    }
+
+    /// Whether `rounds` was kept for this cluster layout and these round
+    /// constants (else the mechanism starts afresh).
+    fn usable(&self, rounds: &Rounds, layout: &Layout) -> bool {
+        rounds.layout == *layout
+            && *rounds.mechanism.config() == self.mechanism_config()
+            && rounds.run.name() == self.name
+    }
+
+    fn fresh(&self, layout: Layout) -> Option<Rounds> {
+        Some(Rounds {
+            mechanism: Mechanism::new(self.mechanism_config(), layout.types.clone()),
+            run: PolicyRun::new(self.name, 0).ok()?,
+            layout,
+            round_started_ms: None,
+            plan: BTreeMap::new(),
+            partners: BTreeMap::new(),
+            placed_on: BTreeMap::new(),
+        })
+    }
+
+    /// Whether the round that began at `rounds.round_started_ms` has ended
+    /// at `now_ms` (compared in whole milliseconds, the clock's unit).
+    fn due(&self, rounds: &Rounds, now_ms: u64) -> bool {
+        rounds.round_started_ms.is_none_or(|start| {
+            now_ms.saturating_sub(start) as f64 >= (self.options.round_s * 1000.0).round()
+        })
     }
 }
 
@@ -369,21 +472,164 @@ fn speeds(job: &keel_state::model::Job, layout: &Layout) -> BTreeMap<String, f64
         .collect()
 }
 
+impl GavelRounds {
+    /// Ends the current round at `now_ms` and plans the next: credits the
+    /// round that ended, brings the job set up to date with `state`,
+    /// solves again when the mechanism says so, and places the round.
+    fn next_round(&self, rounds: &mut Rounds, state: &ClusterState, now_ms: u64) {
+        let now_s = now_ms as f64 / 1000.0;
+        // Credit the round that ended.
+        if let Some(start) = rounds.round_started_ms {
+            let ran_s = now_ms.saturating_sub(start) as f64 / 1000.0;
+            for (combo, ti) in &rounds.placed_on {
+                rounds.mechanism.record_run(*combo, *ti, ran_s);
+            }
+        }
+        // The job set: unfinished jobs in, ended ones out.
+        let unfinished: BTreeMap<JobId, &keel_state::model::Job> =
+            state.unfinished_jobs().map(|j| (j.id, j)).collect();
+        let known: Vec<ProblemJobId> = rounds.mechanism.job_ids().collect();
+        for id in known {
+            if !unfinished.contains_key(&id) {
+                rounds.mechanism.remove_job(id);
+            }
+        }
+        let packs = gavel::shares_gpus(self.name);
+        let measured = if packs {
+            measured_shared_speeds(unfinished.values().copied(), &rounds.layout)
+        } else {
+            BTreeMap::new()
+        };
+        for (id, job) in &unfinished {
+            if rounds.mechanism.contains(*id) || job.backing_off(now_ms) {
+                continue;
+            }
+            let alone = speeds(job, &rounds.layout);
+            rounds.mechanism.add_job(*id, scale_factor(job), &alone);
+            if !packs {
+                continue;
+            }
+            // As in Gavel: a pair with every job already known of the
+            // same size that can share a type with it.
+            let others: Vec<JobId> = rounds.mechanism.job_ids().filter(|o| o != id).collect();
+            for other_id in others {
+                let Some(other) = unfinished.get(&other_id) else {
+                    continue;
+                };
+                if scale_factor(other) != scale_factor(job) {
+                    continue;
+                }
+                let other_alone = speeds(other, &rounds.layout);
+                // The mechanism's pairs are smaller id first.
+                let (a, b, figures) = if other_id < *id {
+                    let f = pair_figures((other, &other_alone), (job, &alone), &measured);
+                    (other_id, *id, f)
+                } else {
+                    let f = pair_figures((job, &alone), (other, &other_alone), &measured);
+                    (*id, other_id, f)
+                };
+                if !figures.is_empty() {
+                    rounds.mechanism.add_pair(a, b, &figures);
+                }
+            }
+        }
+        if rounds.mechanism.needs_solve(now_s) {
+            let jobs: BTreeMap<JobId, (&Job, BTreeMap<String, f64>)> = rounds
+                .mechanism
+                .job_ids()
+                .filter_map(|id| {
+                    let job = state.job(id)?;
+                    Some((id, (job, speeds(job, &rounds.layout))))
+                })
+                .collect();
+            let alone: BTreeMap<JobId, BTreeMap<String, f64>> =
+                jobs.iter().map(|(id, (_, s))| (*id, s.clone())).collect();
+            let mut p = problem(state, &self.options, &rounds.layout, &alone, now_ms);
+            if packs {
+                p.job_types = jobs.iter().map(|(id, (j, _))| (*id, job_type(j))).collect();
+                p.pair_throughputs = pair_throughputs(&jobs, &measured);
+            }
+            // A failed solve must not stop the cluster: equal shares
+            // until the next solve.
+            let (allocation, pairs) = match rounds.run.solve(&p, rounds.mechanism.allocation()) {
+                Ok(r) => (r.allocation, r.pair_allocation),
+                Err(_) => (gavel::isolated(&p).allocation, Default::default()),
+            };
+            rounds
+                .mechanism
+                .install_with_pairs(now_s, allocation, &pairs);
+        }
+        let placements = rounds.mechanism.plan_round();
+        rounds.plan.clear();
+        rounds.partners.clear();
+        rounds.placed_on.clear();
+        for (combo, placement) in placements {
+            let gpus: Vec<GpuRef> = placement
+                .workers
+                .iter()
+                .filter_map(|w| rounds.layout.gpus.get(*w as usize).cloned())
+                .collect();
+            let jobs: Vec<&Job> = combo.jobs().filter_map(|id| state.job(id)).collect();
+            // Every job of the entry known, and each worker's GPUs on
+            // one node.
+            let whole_workers = jobs.iter().all(|job| {
+                let per = job.spec.gpus.max(1) as usize;
+                gpus.chunks(per)
+                    .all(|rank| rank.iter().all(|g| g.node == rank[0].node))
+            });
+            if gpus.len() != placement.workers.len()
+                || !whole_workers
+                || jobs.len() != combo.jobs().count()
+            {
+                continue;
+            }
+            rounds.placed_on.insert(combo, placement.type_index);
+            for job in &jobs {
+                rounds.plan.insert(job.id, gpus.clone());
+            }
+            if let Some((a, b)) = combo.as_pair() {
+                rounds.partners.insert(a, b);
+                rounds.partners.insert(b, a);
+            }
+        }
+        rounds.round_started_ms = Some(now_ms);
+    }
+}
+
+/// The current round's plan for the jobs still unfinished and not waiting
+/// out a retry backoff. A pair whose partner left runs on alone until the
+/// next round.
+fn round_plan(rounds: &Rounds, state: &ClusterState, now_ms: u64) -> Plan {
+    let mut plan = Plan::default();
+    for (job_id, gpus) in &rounds.plan {
+        if state
+            .job(*job_id)
+            .is_some_and(|j| !j.state.is_terminal() && !j.backing_off(now_ms))
+        {
+            plan.placements.insert(*job_id, gpus.clone());
+        }
+    }
+    for (a, b) in &rounds.partners {
+        if plan.placements.contains_key(a) && plan.placements.contains_key(b) {
+            plan.partners.insert(*a, *b);
+        }
+    }
+    plan
+}
+
 impl Policy for GavelRounds {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    /// The mechanism's counters since its memory last started afresh.
-    fn counters(&self) -> BTreeMap<&'static str, u64> {
-        let guard = match self.rounds.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        let Some(rounds) = guard.as_ref() else {
+    /// The mechanism's counters in the memory `state` holds (since it last
+    /// started afresh).
+    fn counters(&self, state: &ClusterState) -> BTreeMap<&'static str, u64> {
+        let guard = self.logged(state);
+        let Some(decoded) = guard.as_ref() else {
             return BTreeMap::new();
         };
-        let stats = rounds.mechanism.stats();
+        let stats = decoded.rounds.mechanism.stats();
         [
             ("solves", stats.solves),
             ("rounds", stats.rounds),
@@ -397,173 +643,37 @@ impl Policy for GavelRounds {
         .collect()
     }
 
+    /// Between round boundaries: the current round's plan, from the memory
+    /// the state holds. At a boundary (or with no usable memory): the next
+    /// round's plan, with the memory after it to log.
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
         let state = input.state;
-        let now_s = input.now_ms as f64 / 1000.0;
-        let mut guard = match self.rounds.lock() {
-            Ok(g) => g,
-            // A panic elsewhere while planning: start the memory afresh.
-            Err(poisoned) => {
-                let mut g = poisoned.into_inner();
-                *g = None;
-                g
-            }
-        };
         let layout = Layout::of(state);
-        if guard.as_ref().is_none_or(|r| r.layout != layout) {
-            let Ok(run) = PolicyRun::new(self.name, 0) else {
-                return Plan::default();
-            };
-            *guard = Some(Rounds {
-                mechanism: Mechanism::new(self.mechanism_config(), layout.types.clone()),
-                run,
-                layout,
-                round_started_s: None,
-                plan: BTreeMap::new(),
-                partners: BTreeMap::new(),
-                placed_on: BTreeMap::new(),
-            });
+        let mut guard = self.logged(state);
+        let current = guard
+            .as_ref()
+            .map(|d| &d.rounds)
+            .filter(|r| self.usable(r, &layout));
+        if let Some(rounds) = current.filter(|r| !self.due(r, input.now_ms)) {
+            return round_plan(rounds, state, input.now_ms);
         }
-        let Some(rounds) = guard.as_mut() else {
+        let Some(mut rounds) = current.cloned().or_else(|| self.fresh(layout)) else {
             return Plan::default();
         };
-        // Compared in whole milliseconds, the clock's unit.
-        let due = rounds.round_started_s.is_none_or(|start| {
-            ((now_s - start) * 1000.0).round() >= (self.options.round_s * 1000.0).round()
-        });
-        if due {
-            // Credit the round that ended.
-            if let Some(start) = rounds.round_started_s {
-                let ran_s = (now_s - start).max(0.0);
-                for (combo, ti) in &rounds.placed_on {
-                    rounds.mechanism.record_run(*combo, *ti, ran_s);
-                }
-            }
-            // The job set: unfinished jobs in, ended ones out.
-            let unfinished: BTreeMap<JobId, &keel_state::model::Job> =
-                state.unfinished_jobs().map(|j| (j.id, j)).collect();
-            let known: Vec<ProblemJobId> = rounds.mechanism.job_ids().collect();
-            for id in known {
-                if !unfinished.contains_key(&id) {
-                    rounds.mechanism.remove_job(id);
-                }
-            }
-            let packs = gavel::shares_gpus(self.name);
-            let measured = if packs {
-                measured_shared_speeds(unfinished.values().copied(), &rounds.layout)
-            } else {
-                BTreeMap::new()
-            };
-            for (id, job) in &unfinished {
-                if rounds.mechanism.contains(*id) || job.backing_off(input.now_ms) {
-                    continue;
-                }
-                let alone = speeds(job, &rounds.layout);
-                rounds.mechanism.add_job(*id, scale_factor(job), &alone);
-                if !packs {
-                    continue;
-                }
-                // As in Gavel: a pair with every job already known of the
-                // same size that can share a type with it.
-                let others: Vec<JobId> = rounds.mechanism.job_ids().filter(|o| o != id).collect();
-                for other_id in others {
-                    let Some(other) = unfinished.get(&other_id) else {
-                        continue;
-                    };
-                    if scale_factor(other) != scale_factor(job) {
-                        continue;
-                    }
-                    let other_alone = speeds(other, &rounds.layout);
-                    // The mechanism's pairs are smaller id first.
-                    let (a, b, figures) = if other_id < *id {
-                        let f = pair_figures((other, &other_alone), (job, &alone), &measured);
-                        (other_id, *id, f)
-                    } else {
-                        let f = pair_figures((job, &alone), (other, &other_alone), &measured);
-                        (*id, other_id, f)
-                    };
-                    if !figures.is_empty() {
-                        rounds.mechanism.add_pair(a, b, &figures);
-                    }
-                }
-            }
-            if rounds.mechanism.needs_solve(now_s) {
-                let jobs: BTreeMap<JobId, (&Job, BTreeMap<String, f64>)> = rounds
-                    .mechanism
-                    .job_ids()
-                    .filter_map(|id| {
-                        let job = state.job(id)?;
-                        Some((id, (job, speeds(job, &rounds.layout))))
-                    })
-                    .collect();
-                let alone: BTreeMap<JobId, BTreeMap<String, f64>> =
-                    jobs.iter().map(|(id, (_, s))| (*id, s.clone())).collect();
-                let mut p = problem(state, &self.options, &rounds.layout, &alone, input.now_ms);
-                if packs {
-                    p.job_types = jobs.iter().map(|(id, (j, _))| (*id, job_type(j))).collect();
-                    p.pair_throughputs = pair_throughputs(&jobs, &measured);
-                }
-                // A failed solve must not stop the cluster: equal shares
-                // until the next solve.
-                let (allocation, pairs) = match rounds.run.solve(&p, rounds.mechanism.allocation())
-                {
-                    Ok(r) => (r.allocation, r.pair_allocation),
-                    Err(_) => (gavel::isolated(&p).allocation, Default::default()),
-                };
-                rounds
-                    .mechanism
-                    .install_with_pairs(now_s, allocation, &pairs);
-            }
-            let placements = rounds.mechanism.plan_round();
-            rounds.plan.clear();
-            rounds.partners.clear();
-            rounds.placed_on.clear();
-            for (combo, placement) in placements {
-                let gpus: Vec<GpuRef> = placement
-                    .workers
-                    .iter()
-                    .filter_map(|w| rounds.layout.gpus.get(*w as usize).cloned())
-                    .collect();
-                let jobs: Vec<&Job> = combo.jobs().filter_map(|id| state.job(id)).collect();
-                // Every job of the entry known, and each worker's GPUs on
-                // one node.
-                let whole_workers = jobs.iter().all(|job| {
-                    let per = job.spec.gpus.max(1) as usize;
-                    gpus.chunks(per)
-                        .all(|rank| rank.iter().all(|g| g.node == rank[0].node))
+        self.next_round(&mut rounds, state, input.now_ms);
+        let mut plan = round_plan(&rounds, state, input.now_ms);
+        // A memory over the entry's limit is not logged: the next pass
+        // plans this round again from the memory in force, and a new
+        // leader starts afresh. (Tens of thousands of jobs; not met.)
+        if let Ok(bytes) = postcard::to_stdvec(&rounds) {
+            if bytes.len() <= POLICY_MEMORY_MAX_BYTES {
+                plan.memory = Some(PolicyMemory {
+                    policy: self.name.to_string(),
+                    format: MEMORY_FORMAT,
+                    bytes: bytes.clone(),
                 });
-                if gpus.len() != placement.workers.len()
-                    || !whole_workers
-                    || jobs.len() != combo.jobs().count()
-                {
-                    continue;
-                }
-                rounds.placed_on.insert(combo, placement.type_index);
-                for job in &jobs {
-                    rounds.plan.insert(job.id, gpus.clone());
-                }
-                if let Some((a, b)) = combo.as_pair() {
-                    rounds.partners.insert(a, b);
-                    rounds.partners.insert(b, a);
-                }
-            }
-            rounds.round_started_s = Some(now_s);
-        }
-        // Between boundaries: the current round's plan, for the jobs still
-        // unfinished and not waiting out a retry backoff.
-        // A pair whose partner left runs on alone until the next round.
-        let mut plan = Plan::default();
-        for (job_id, gpus) in &rounds.plan {
-            if state
-                .job(*job_id)
-                .is_some_and(|j| !j.state.is_terminal() && !j.backing_off(input.now_ms))
-            {
-                plan.placements.insert(*job_id, gpus.clone());
-            }
-        }
-        for (a, b) in &rounds.partners {
-            if plan.placements.contains_key(a) && plan.placements.contains_key(b) {
-                plan.partners.insert(*a, *b);
+                // Decoded already, for when the decision is applied.
+                *guard = Some(Decoded { bytes, rounds });
             }
         }
         plan
@@ -602,6 +712,52 @@ mod tests {
             .allocated_jobs()
             .filter_map(|j| Some((j.id, j.allocation.as_ref()?.gpus.clone())))
             .collect()
+    }
+
+    /// A new leader is a new policy instance that knows only the log: it
+    /// plans every next round exactly as the instance that ran so far
+    /// would have, because the memory is in the state; with the memory
+    /// forgotten (a failover before it was logged) the round differs.
+    #[test]
+    fn a_new_instance_goes_on_from_the_memory_in_the_state() {
+        let mut cluster = TestCluster::v100_nodes(&[2, 1]);
+        for (i, gpus) in [1, 2, 1, 1].into_iter().enumerate() {
+            cluster.submit(job_spec(&format!("j{i}"), gpus, 1));
+        }
+        let policy = minute_rounds("max_min_fairness_perf");
+        for round in 0..5u64 {
+            run_round(&policy, &mut cluster, round * 60_000 + 1);
+        }
+        assert!(cluster.state.policy_memory().is_some());
+        assert_eq!(policy.counters(&cluster.state).get("rounds"), Some(&5));
+        let at_five = cluster.clone();
+        let mut continued = cluster.clone();
+        let new_leader = minute_rounds("max_min_fairness_perf");
+        for round in 5..9u64 {
+            let now = round * 60_000 + 1;
+            let old = decide(&policy, &continued.state, now);
+            let new = decide(&new_leader, &cluster.state, now);
+            assert_eq!(new, old, "round {round}");
+            if let Some(d) = old {
+                continued.apply(d);
+            }
+            if let Some(d) = new {
+                cluster.apply(d);
+            }
+        }
+        assert_eq!(new_leader.counters(&cluster.state).get("rounds"), Some(&9));
+        // Forgotten: the mechanism starts afresh, crediting every job as
+        // new, and plans round 5 otherwise.
+        let now = 5 * 60_000 + 1;
+        let remembered = decide(&minute_rounds("max_min_fairness_perf"), &at_five.state, now);
+        let mut forgotten = at_five;
+        forgotten.state.restore_policy_memory(Default::default());
+        let afresh = decide(
+            &minute_rounds("max_min_fairness_perf"),
+            &forgotten.state,
+            now,
+        );
+        assert_ne!(remembered, afresh);
     }
 
     #[test]
@@ -743,6 +899,7 @@ mod tests {
                     share_with: Some(a),
                 },
             ],
+            memory: None,
         });
         for (i, step) in [(0u64, 0u64), (1, 10), (2, 20)] {
             for j in [a, b] {

@@ -37,6 +37,7 @@ pub use tiresias::{Tiresias, TiresiasOptions};
 
 use keel_state::command::{Command, JobPlacement};
 use keel_state::model::{GpuRef, Job, JobId};
+use keel_state::policy_memory::PolicyMemory;
 use keel_state::state::ClusterState;
 
 /// `jobs` most important first: higher `priority` first, the given order
@@ -67,6 +68,10 @@ pub struct Plan {
     /// Space sharing: each job of a pair, mapped to the other (both
     /// directions). Both are in `placements` with the same GPUs.
     pub partners: BTreeMap<JobId, JobId>,
+    /// The policy's memory after this plan, for a policy that keeps one
+    /// and changed it ([`keel_state::policy_memory`]): logged with the
+    /// decision. `None`: nothing to record.
+    pub memory: Option<PolicyMemory>,
 }
 
 impl Plan {
@@ -126,26 +131,42 @@ pub trait Policy: std::fmt::Debug + Send + Sync {
     /// The name used in configuration and recorded in every decision.
     fn name(&self) -> &'static str;
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan;
-    /// What the policy counts for operators (empty for most): read after
-    /// each plan and shown by `keel cluster status`.
-    fn counters(&self) -> BTreeMap<&'static str, u64> {
+    /// What the policy counts for operators (empty for most), from its
+    /// memory in `state`: read after each plan and shown by `keel cluster
+    /// status`.
+    fn counters(&self, _state: &ClusterState) -> BTreeMap<&'static str, u64> {
         BTreeMap::new()
     }
 }
 
 /// One scheduling round: runs `policy` on `state` and returns the entry to
-/// propose, or `None` when the plan is what the cluster already runs. The
-/// decision records the applied index it was based on and the next round
-/// number, so `apply` can validate it against the state it meets.
+/// propose, or `None` when the plan is what the cluster already runs and
+/// the policy's memory did not change. The decision records the applied
+/// index it was based on and the next round number, so `apply` can
+/// validate it against the state it meets, and the policy's new memory.
 pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<Command> {
     let plan = policy.plan(&SchedulingInput { state, now_ms });
     let placements = plan.changes(state);
-    (!placements.is_empty()).then(|| Command::DecideAllocation {
+    let memory = plan.memory.filter(|m| state.policy_memory() != Some(m));
+    (!placements.is_empty() || memory.is_some()).then(|| Command::DecideAllocation {
         based_on: state.last_index(),
         policy: policy.name().to_string(),
         round: state.last_round() + 1,
         placements,
+        memory,
     })
+}
+
+/// What an operator reads of a logged policy memory (`keel replay`):
+/// `None` when no policy of this build wrote it in a format it reads.
+pub fn describe_memory(memory: &PolicyMemory) -> Option<serde_json::Value> {
+    let known = crate::gavel::GAVEL_POLICY_NAMES.contains(&memory.policy.as_str());
+    if !known || memory.format != gavel_rounds::MEMORY_FORMAT {
+        return None;
+    }
+    gavel_rounds::Rounds::decode(&memory.bytes)
+        .ok()
+        .map(|r| r.describe())
 }
 
 /// Options shared by the queue-based policies.
@@ -394,6 +415,7 @@ mod tests {
                         index: 0
                     }]
                 )],
+                memory: None,
             }
         );
         state
