@@ -22,6 +22,14 @@ fn fixed_seeds_pass_every_check() {
             "the faults moved the leadership"
         );
         assert!(report.messages_lost > 0, "the faults dropped messages");
+        // The leaders scheduled, and what they decided was planned again
+        // from the log alone and matched (a failed match is a violation).
+        let scheduled = &report.operations["schedule"];
+        assert!(
+            scheduled.get("committed").copied().unwrap_or(0) > 5,
+            "the scheduling loops ran: {scheduled:?}"
+        );
+        assert!(report.memory_decisions_checked > 10, "{}", report.line());
     }
 }
 

@@ -99,12 +99,17 @@ fn read_pages(
 /// index order. One thread reads pages and decodes their protobuf while
 /// this one converts and applies the entries (the work splits about evenly
 /// over two cores); the result is that of a plain loop.
+/// What a replay calls with each journaled entry before applying it: its
+/// index, the entry, and the state it is applied to.
+pub type Visitor<'a> = &'a mut dyn FnMut(u64, &LogEntry, &ClusterState);
+
 pub(crate) fn apply_journal(
     tree: &sled::Tree,
     state: &mut ClusterState,
     from: u64,
     until: u64,
     check: bool,
+    mut visit: Option<Visitor<'_>>,
 ) -> Result<JournalApplied, ReplayError> {
     let mut out = JournalApplied::default();
     std::thread::scope(|scope| -> Result<(), ReplayError> {
@@ -119,6 +124,9 @@ pub(crate) fn apply_journal(
             for (index, entry) in page? {
                 let entry = entry_from_proto(entry)
                     .map_err(|source| ReplayError::Decode { index, source })?;
+                if let Some(visit) = visit.as_mut() {
+                    visit(index, &entry, state);
+                }
                 if state.apply(index, &entry).is_err() {
                     out.refused += 1;
                 }

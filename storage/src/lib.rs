@@ -39,11 +39,12 @@ use serde::{Deserialize, Serialize};
 
 pub use data_dir::{DataDir, DataDirError};
 pub use error::StoreError;
+pub use journal::Visitor;
 pub use log_store::LogStore;
 pub use recovery::{force_single_voter, ForcedMembership, RecoveryError};
 pub use replay::{
     replay, replay_data_dir, replay_data_dir_checked, replay_until, replay_until_checked,
-    ReplayError, ReplaySummary, Until,
+    replay_until_visiting, ReplayError, ReplaySummary, Until,
 };
 pub use runtime::{seed_thread_rng, KeelRuntime, RaftRng};
 pub use state_machine::{Applied, SharedState, StateMachineStore};

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use keel_state::{ClusterState, StateHash};
 
-use crate::journal::apply_journal;
+use crate::journal::{apply_journal, Visitor};
 use crate::state_machine::{applied_key, decode_snapshot, index_of, key, PREFIX_CHECKPOINT};
 
 #[derive(Debug, thiserror::Error)]
@@ -187,6 +187,30 @@ pub fn replay_until(state_dir: &Path, until: Until) -> Result<ReplaySummary, Rep
     replay_tree_at(state_dir, until, false)
 }
 
+/// [`replay_until`], calling `visit` with each entry's index, the entry
+/// and the state it is about to be applied to (the state at the entry
+/// before): how a check sees the state a leader planned on. Entries before
+/// the last checkpoint (an installed snapshot) are not visited.
+pub fn replay_until_visiting(
+    state_dir: &Path,
+    until: Until,
+    visit: Visitor<'_>,
+) -> Result<ReplaySummary, ReplayError> {
+    let db = crate::state_machine::open_sled(state_dir).map_err(|e| ReplayError::Open {
+        path: state_dir.display().to_string(),
+        message: e.to_string(),
+    })?;
+    let tree = db
+        .open_tree("sm")
+        .map_err(|e| ReplayError::Read(e.to_string()))?;
+    let index = match until {
+        Until::End => u64::MAX,
+        Until::Index(i) => i,
+        Until::Time(at_ms) => index_at_time(&tree, at_ms)?,
+    };
+    replay_tree_visiting(&tree, index, false, Some(visit))
+}
+
 /// [`replay_until`], checking the state's invariants after every entry
 /// (the journal alone: for a state directory without a Raft log, as the
 /// deterministic simulation's replicas have).
@@ -252,6 +276,15 @@ pub(crate) fn replay_tree(
     until: u64,
     check: bool,
 ) -> Result<ReplaySummary, ReplayError> {
+    replay_tree_visiting(tree, until, check, None)
+}
+
+fn replay_tree_visiting(
+    tree: &sled::Tree,
+    until: u64,
+    check: bool,
+    visit: Option<Visitor<'_>>,
+) -> Result<ReplaySummary, ReplayError> {
     let read = |e: sled::Error| ReplayError::Read(e.to_string());
     // Start from the last installed checkpoint at or before `until`, if any:
     // the journal has a gap before it.
@@ -270,7 +303,7 @@ pub(crate) fn replay_tree(
         None => (ClusterState::new(), 0),
     };
     let start = started_after.saturating_add(u64::from(started_after > 0));
-    let applied = apply_journal(tree, &mut state, start, until, check)?;
+    let applied = apply_journal(tree, &mut state, start, until, check, visit)?;
     let last_index = applied.last_index.unwrap_or(started_after);
     let mut summary = summarise(
         state,

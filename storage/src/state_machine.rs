@@ -240,7 +240,7 @@ impl StateMachineStore {
         let until = last_applied.map_or(0, |l| l.index);
         if until >= from {
             // Refusals were recorded when first applied; the state is the same.
-            crate::journal::apply_journal(&tree, &mut state, from, until, false)
+            crate::journal::apply_journal(&tree, &mut state, from, until, false, None)
                 .map_err(|e| StoreError::corrupt("the journal", e))?;
         }
         let (applied_index, _) = watch::channel(until);

@@ -15,7 +15,10 @@
 //! A run ([`run_seed`]): the cluster starts, registers two GPU nodes, and
 //! clients submit, place (`DecideAllocation` on the state they read, so
 //! stale plans race), finish and cancel jobs against whichever replica
-//! they believe leads, while a seeded schedule crashes replicas (losing
+//! they believe leads; every replica runs the scheduler's pure engine
+//! (`scheduler`: the heterogeneity-aware LAS in one-second rounds, its
+//! memory in the log) and proposes its rounds while it leads; meanwhile a
+//! seeded schedule crashes replicas (losing
 //! what their disks had not flushed), isolates them, partitions the
 //! cluster, cuts links one way, loses messages at random and slows disks.
 //! Then everything heals and the checks run:
@@ -32,7 +35,11 @@
 //!   (not the leader) is absent, and none is there twice;
 //! - each replica's journal, replayed offline, gives the same hash, with
 //!   `ClusterState`'s invariants (no GPU held by two jobs outside a
-//!   declared pair, ...) holding after every entry.
+//!   declared pair, ...) holding after every entry;
+//! - every scheduling decision that carries a policy memory, planned again
+//!   from its journal's state at its `based_on` index, is the logged entry
+//!   (a scheduler that kept memory outside the log fails this in every
+//!   seed).
 //!
 //! What it does not model: bytes on a real disk (the chaos suite's real
 //! replicas and `kill -9` cover the WAL and sled), SIGSTOP, clock skew
@@ -42,6 +49,7 @@ pub mod log_store;
 pub mod net;
 pub mod replica;
 mod run;
+mod scheduler;
 
 pub use run::{run_seed, DstConfig, DstReport, Fault};
 

@@ -83,6 +83,9 @@ pub struct DstReport {
     /// Log entries replicas truncated: uncommitted suffixes a new leader
     /// overwrote (the replica then rejoined; the checks say it agrees).
     pub entries_truncated: u64,
+    /// Scheduling decisions with a policy memory, over every replica's
+    /// journal, that were planned again from the log and matched.
+    pub memory_decisions_checked: u64,
     /// Replicas whose Raft core stopped on its own (a server fails stop
     /// then, and its supervisor restarts it; so does the simulation), with
     /// openraft's reason.
@@ -104,7 +107,7 @@ impl DstReport {
     pub fn line(&self) -> String {
         let ops: u64 = self.operations.values().flat_map(|m| m.values()).sum();
         format!(
-            "seed {}: {} — {} replicas, {} rounds, {:.0} s simulated in {:.2} s, {} ops, {} messages ({} lost), {} terms led, index {}, {} entries truncated, {} Raft cores stopped and restarted, digest {}",
+            "seed {}: {} — {} replicas, {} rounds, {:.0} s simulated in {:.2} s, {} ops, {} messages ({} lost), {} terms led, index {}, {} entries truncated, {} scheduling decisions replanned from the log, {} Raft cores stopped and restarted, digest {}",
             self.seed,
             if self.passed { "ok" } else { "FAILED" },
             self.replicas,
@@ -117,6 +120,7 @@ impl DstReport {
             self.terms_with_a_leader,
             self.final_index,
             self.entries_truncated,
+            self.memory_decisions_checked,
             self.core_stops.len(),
             &self.digest[..16.min(self.digest.len())],
         )
@@ -142,7 +146,7 @@ pub fn run_seed(config: &DstConfig) -> Result<DstReport, DstError> {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Outcome {
+pub(crate) enum Outcome {
     Committed {
         index: u64,
         accepted: bool,
@@ -153,16 +157,16 @@ enum Outcome {
 }
 
 #[derive(Debug, Clone)]
-struct Op {
-    kind: &'static str,
+pub(crate) struct Op {
+    pub(crate) kind: &'static str,
     /// Submissions: the job's unique name.
-    name: Option<String>,
-    outcome: Outcome,
+    pub(crate) name: Option<String>,
+    pub(crate) outcome: Outcome,
 }
 
-type History = Arc<Mutex<Vec<Op>>>;
+pub(crate) type History = Arc<Mutex<Vec<Op>>>;
 
-fn record(history: &History, op: Op) {
+pub(crate) fn record(history: &History, op: Op) {
     history.lock().unwrap_or_else(|p| p.into_inner()).push(op);
 }
 
@@ -170,11 +174,11 @@ fn record(history: &History, op: Op) {
 const SUBMIT_ATTEMPTS: u32 = 3;
 
 /// Stamps of the entries: a fixed epoch plus virtual time.
-const EPOCH_MS: u64 = 1_700_000_000_000;
+pub(crate) const EPOCH_MS: u64 = 1_700_000_000_000;
 
 /// Proposes one command on `raft`: the outcome, and the leader it named if
 /// it was not the leader.
-async fn write(
+pub(crate) async fn write(
     raft: &Raft,
     command: Command,
     request_id: Option<String>,
@@ -765,6 +769,18 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
             )
         })
         .collect();
+    // Every member's scheduling loop (acting while it leads).
+    let schedulers: Vec<_> = (1..=config.replicas)
+        .map(|member| {
+            tokio::spawn(super::scheduler::schedule(
+                member,
+                net.clone(),
+                history.clone(),
+                trace.clone(),
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
 
     let mut faults: BTreeMap<String, u64> = BTreeMap::new();
     let mut core_stops = Vec::new();
@@ -905,7 +921,7 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         }
     }
     let _ = stop_tx.send(true);
-    for c in clients {
+    for c in clients.into_iter().chain(schedulers) {
         let _ = c.await;
     }
 
@@ -1073,6 +1089,14 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
             Err(e) => violations.push(format!("replica {}: replay failed: {e}", r.id)),
         }
     }
+    // The scheduler's decisions follow from the log alone.
+    let mut memory_decisions_checked = 0;
+    for r in &replicas {
+        let (checked, found) =
+            super::scheduler::memory_decisions_follow_from_the_log(&r.state_dir, final_index);
+        memory_decisions_checked += checked;
+        violations.extend(found.into_iter().map(|v| format!("replica {}: {v}", r.id)));
+    }
 
     let mut operations: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for op in &ops {
@@ -1113,6 +1137,7 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         final_index,
         state_hash,
         entries_truncated: replicas.iter().map(|r| r.disk.truncated()).sum(),
+        memory_decisions_checked,
         core_stops,
         passed: violations.is_empty(),
         violations,
