@@ -40,6 +40,12 @@ use serde::{Deserialize, Serialize};
 pub use data_dir::{DataDir, DataDirError};
 pub use error::StoreError;
 pub use journal::Visitor;
+
+/// The snapshot's encoding (format 7; 6 still read), for the golden-bytes
+/// tests and tools that read snapshot files.
+pub mod snapshot_codec {
+    pub use crate::state_machine::{decode_snapshot, encode_snapshot};
+}
 pub use log_store::LogStore;
 pub use recovery::{force_single_voter, ForcedMembership, RecoveryError};
 pub use replay::{

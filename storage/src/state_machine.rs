@@ -155,7 +155,7 @@ struct SnapshotFileRef<'a> {
 }
 
 /// Encodes `state` as a snapshot in the current format.
-pub(crate) fn encode_snapshot(state: &ClusterState) -> Result<Vec<u8>, postcard::Error> {
+pub fn encode_snapshot(state: &ClusterState) -> Result<Vec<u8>, postcard::Error> {
     let mut bytes = postcard::to_stdvec(&SnapshotFileRef {
         format_version: SNAPSHOT_FORMAT_VERSION,
         state,
@@ -164,7 +164,7 @@ pub(crate) fn encode_snapshot(state: &ClusterState) -> Result<Vec<u8>, postcard:
     Ok(bytes)
 }
 
-pub(crate) fn decode_snapshot(bytes: &[u8]) -> Result<ClusterState, String> {
+pub fn decode_snapshot(bytes: &[u8]) -> Result<ClusterState, String> {
     let (file, rest): (SnapshotFile, &[u8]) =
         postcard::take_from_bytes(bytes).map_err(|e| e.to_string())?;
     match file.format_version {
