@@ -65,8 +65,9 @@ pub struct KeelApi {
     heartbeats: Arc<HeartbeatInbox>,
     /// The server's configured policy (rounds use it until `SetPolicy`).
     default_policy: &'static str,
-    /// The running policy's counters, kept by the scheduling loop.
-    policy_counters: crate::leader::PolicyCounters,
+    /// What the scheduling loop last did (policy counters, the index it
+    /// last planned on).
+    scheduling: crate::leader::SchedulingReports,
     /// A channel to the current leader (its address, the client), reused
     /// while the leader stays the same.
     leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
@@ -128,7 +129,7 @@ impl KeelApi {
         executor: Arc<crate::executors::AnyExecutor>,
         heartbeats: Arc<HeartbeatInbox>,
         default_policy: &'static str,
-        policy_counters: crate::leader::PolicyCounters,
+        scheduling: crate::leader::SchedulingReports,
     ) -> Self {
         KeelApi {
             node,
@@ -136,7 +137,7 @@ impl KeelApi {
             executor,
             heartbeats,
             default_policy,
-            policy_counters,
+            scheduling,
             leader: tokio::sync::Mutex::new(None),
         }
     }
@@ -494,6 +495,10 @@ impl Keel for KeelApi {
                     .to_string(),
             )
         };
+        let scheduling = match self.scheduling.read() {
+            Ok(r) => r.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
         use crate::membership::{incarnation_of, member_of};
         Ok(Response::new(api::ClusterStatusResponse {
             member_id: member_of(metrics.id),
@@ -506,10 +511,8 @@ impl Keel for KeelApi {
             leader_id: metrics.current_leader.map(member_of),
             cluster_id: self.node.identity.get().unwrap_or_default(),
             policy,
-            policy_counters: match self.policy_counters.read() {
-                Ok(c) => c.clone(),
-                Err(poisoned) => poisoned.into_inner().clone(),
-            },
+            policy_counters: scheduling.policy_counters,
+            last_planned_index: scheduling.last_planned_index,
             voters: crate::membership::member_ids(
                 metrics.membership_config.membership().voter_ids(),
             ),

@@ -139,18 +139,31 @@ impl LeaderGate {
     }
 }
 
-/// The running policy's counters ([`Policy::counters`]) as the leader's
-/// scheduling loop last read them; empty on a replica that is not leading.
-pub type PolicyCounters = Arc<std::sync::RwLock<std::collections::BTreeMap<String, u64>>>;
+/// What the leader's scheduling loop last did, for `keel cluster status`;
+/// empty on a replica that is not leading.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulingReport {
+    /// The running policy's counters ([`Policy::counters`]).
+    pub policy_counters: std::collections::BTreeMap<String, u64>,
+    /// The applied index of the state the last round planned on (0 before
+    /// the first round of this leadership), published once that round's
+    /// entry was applied: a round at or past an entry's index has seen it,
+    /// so a client can tell "the scheduler looked and left it" from "the
+    /// scheduler has not looked yet".
+    pub last_planned_index: u64,
+}
 
-/// Replaces what `counters` holds (a poisoned lock is taken over: the map
+/// The [`SchedulingReport`] shared between the loop and the API.
+pub type SchedulingReports = Arc<std::sync::RwLock<SchedulingReport>>;
+
+/// Replaces what `reports` holds (a poisoned lock is taken over: the report
 /// is rewritten whole).
-fn publish(counters: &PolicyCounters, values: std::collections::BTreeMap<String, u64>) {
-    let mut guard = match counters.write() {
+fn publish(reports: &SchedulingReports, report: SchedulingReport) {
+    let mut guard = match reports.write() {
         Ok(g) => g,
         Err(poisoned) => poisoned.into_inner(),
     };
-    *guard = values;
+    *guard = report;
 }
 
 /// The scheduling loop: the async driver of
@@ -167,7 +180,7 @@ pub async fn scheduling_loop(
     cannot_share_gpus: Option<&'static str>,
     clock: Clock,
     settings: LoopSettings,
-    counters: PolicyCounters,
+    counters: SchedulingReports,
     mut stop: watch::Receiver<bool>,
 ) {
     let shared = node.state_machine.shared();
@@ -228,10 +241,14 @@ pub async fn scheduling_loop(
         // Read one consistent state at applied index i and plan on it. The
         // policy is a pure function over the borrowed state (FIFO: a few ms
         // at 10,000 waiting jobs); applies wait for the read lock meanwhile.
-        let (round, policy_counters) = {
+        let (round, report) = {
             let applied = shared.read();
             let round = engine.round(&applied.state, clock(), monotonic_ms());
-            (round, engine.counters(&applied.state))
+            let report = SchedulingReport {
+                policy_counters: engine.counters(&applied.state),
+                last_planned_index: applied.state.last_index(),
+            };
+            (round, report)
         };
         for notice in &round.notices {
             match notice {
@@ -255,7 +272,6 @@ pub async fn scheduling_loop(
                 ),
             }
         }
-        publish(&counters, policy_counters);
         if let Some(command) = round.command {
             if let Command::DecideAllocation {
                 based_on,
@@ -275,6 +291,10 @@ pub async fn scheduling_loop(
                 tracing::warn!(error = %e, "allocation decision not committed");
             }
         }
+        // After the round's entry is applied (or refused): a client that
+        // sees `last_planned_index` at or past an entry sees what the
+        // round made of it.
+        publish(&counters, report);
     }
 }
 

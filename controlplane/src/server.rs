@@ -211,7 +211,7 @@ impl Server {
             stop_rx.clone(),
         ));
         let repairing = tokio::spawn(membership_repair_loop(self.node.clone(), stop_rx.clone()));
-        let counters = crate::leader::PolicyCounters::default();
+        let counters = crate::leader::SchedulingReports::default();
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
             proposer.clone(),

@@ -686,8 +686,17 @@ fn the_policy_is_switched_at_run_time_by_a_logged_entry() {
     let table = server.cli_ok(&["job", &long.to_string()]);
     assert!(table.contains("estimated remaining:"), "{table}");
 
-    let short = server.submit(dir.path(), "short", &trainer("short", 500));
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let path = dir.path().join("short.yaml");
+    std::fs::write(&path, trainer("short", 500)).expect("write spec");
+    let submitted = server.json(&["submit", "-f", path.to_str().expect("utf-8")]);
+    let short = submitted["id"].as_u64().expect("job id");
+    let index = submitted["index"].as_u64().expect("its index");
+    // The scheduler planned a round on a state holding the short job, and
+    // left it waiting: no sleep, the leader says what it looked at.
+    wait_for("a round planned after the submission", || {
+        let status = server.json(&["cluster", "status"]);
+        (status["last_planned_index"].as_u64()? >= index).then_some(())
+    });
     assert_eq!(
         server.job(short)["state"],
         "pending",
