@@ -37,6 +37,10 @@ struct Args {
     /// Every disk slow (50–200 ms flushes) all the time.
     #[arg(long)]
     slow_disks: bool,
+    /// Leave out the replicas' scheduling loops (the Raft layer's faults
+    /// alone, at half the cost).
+    #[arg(long)]
+    no_scheduling: bool,
     /// Run every seed twice and fail if the two traces differ.
     #[arg(long)]
     twice: bool,
@@ -84,6 +88,7 @@ fn main() -> anyhow::Result<()> {
             lying_disk: args.lying_disk,
             faults: faults.clone(),
             slow_disks: args.slow_disks,
+            scheduling: !args.no_scheduling,
         };
         let mut report: DstReport = run_seed(&config).with_context(|| format!("seed {seed}"))?;
         if args.twice {

@@ -4,6 +4,7 @@
 //! Every replica runs the scheduler's pure engine
 //! ([`keel_scheduling::engine::SchedulingEngine`]) on its applied state and
 //! the virtual clock, with the heterogeneity-aware LAS in one-second rounds
+//! (solved again at most every four)
 //! (a policy whose memory is in the log), and proposes what the engine
 //! decides while it believes it leads — after confirming its leadership
 //! with a quorum once per term, as the server's leader gate does. So
@@ -40,7 +41,9 @@ fn options() -> PolicyOptions {
     PolicyOptions {
         gavel: GavelOptions {
             round_s: 1.0,
-            min_resolve_interval_s: 0.0,
+            // The allocation is solved again at most every 4 rounds (the
+            // memory carries it in between), which keeps a seed cheap.
+            min_resolve_interval_s: 4.0,
             ..GavelOptions::default()
         },
         ..PolicyOptions::default()
@@ -139,22 +142,28 @@ pub(crate) async fn schedule(
 /// Replays the journal in `state_dir` and plans every decision that
 /// carries a policy memory again from the state at its `based_on` index:
 /// (decisions checked, violations). A decision whose `based_on` state lies
-/// before the journal's last checkpoint cannot be rebuilt and is skipped.
+/// before the journal's last checkpoint cannot be rebuilt and is skipped,
+/// and so is one at an index in `checked` (committed entries are the same
+/// on every replica: another replica's journal had it); the indexes
+/// checked here are added to it.
 pub(crate) fn memory_decisions_follow_from_the_log(
     state_dir: &Path,
     until: u64,
+    checked_indexes: &mut BTreeSet<u64>,
 ) -> (u64, Vec<String>) {
     let until = keel_storage::Until::Index(until);
     // Pass 1: which states the decisions were planned on.
     let mut wanted = BTreeSet::new();
-    let first = keel_storage::replay_until_visiting(state_dir, until, &mut |_, entry, _| {
+    let first = keel_storage::replay_until_visiting(state_dir, until, &mut |index, entry, _| {
         if let Command::DecideAllocation {
             based_on,
             memory: Some(_),
             ..
         } = &entry.command
         {
-            wanted.insert(*based_on);
+            if !checked_indexes.contains(&index) {
+                wanted.insert(*based_on);
+            }
         }
     });
     if let Err(e) = first {
