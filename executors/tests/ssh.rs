@@ -301,7 +301,24 @@ async fn a_launch_during_a_network_drop_starts_when_the_host_answers_again() {
     exec.launch(l.clone())
         .await
         .expect("launch returns at once");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // No sleep: the executor says when it met the cut host (twice, so a
+    // whole poll went by after the launch was queued), and the worker is
+    // then still waiting for the host, not failed.
+    let mut unreachable = 0;
+    wait_for(
+        "two failed polls of the cut host",
+        Duration::from_secs(30),
+        async || {
+            unreachable += exec
+                .take_node_probes()
+                .await
+                .iter()
+                .filter(|p| matches!(p, NodeProbe::Unreachable { name, .. } if name == "a"))
+                .count();
+            (unreachable >= 2).then_some(())
+        },
+    )
+    .await;
     assert!(
         matches!(
             exec.observe().await.expect("observe").get(&l.id),
@@ -436,7 +453,19 @@ async fn unreachable_hosts_wrong_keys_and_missing_nvidia_smi_are_clear_reasons()
     exec.launch(l.clone())
         .await
         .expect("launch returns at once");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // No sleep: once the executor has failed to reach the node again after
+    // the launch, the worker still waits.
+    wait_for(
+        "a failed poll of the refused node",
+        Duration::from_secs(30),
+        async || {
+            exec.take_node_probes()
+                .await
+                .into_iter()
+                .find(|p| matches!(p, NodeProbe::Unreachable { name, .. } if name == "refused"))
+        },
+    )
+    .await;
     assert!(matches!(
         exec.observe().await.expect("observe").get(&l.id),
         Some(Observed::Running { .. })
