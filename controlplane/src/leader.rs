@@ -180,7 +180,7 @@ pub async fn scheduling_loop(
     cannot_share_gpus: Option<&'static str>,
     clock: Clock,
     settings: LoopSettings,
-    counters: SchedulingReports,
+    reports: SchedulingReports,
     mut stop: watch::Receiver<bool>,
 ) {
     let shared = node.state_machine.shared();
@@ -235,7 +235,7 @@ pub async fn scheduling_loop(
         }
         if !gate.ready(&node).await {
             engine.not_leading();
-            publish(&counters, Default::default());
+            publish(&reports, Default::default());
             continue;
         }
         // Read one consistent state at applied index i and plan on it. The
@@ -294,7 +294,7 @@ pub async fn scheduling_loop(
         // After the round's entry is applied (or refused): a client that
         // sees `last_planned_index` at or past an entry sees what the
         // round made of it.
-        publish(&counters, report);
+        publish(&reports, report);
     }
 }
 

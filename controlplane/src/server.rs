@@ -211,7 +211,7 @@ impl Server {
             stop_rx.clone(),
         ));
         let repairing = tokio::spawn(membership_repair_loop(self.node.clone(), stop_rx.clone()));
-        let counters = crate::leader::SchedulingReports::default();
+        let reports = crate::leader::SchedulingReports::default();
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
             proposer.clone(),
@@ -220,7 +220,7 @@ impl Server {
             keel_executors::Executor::cannot_share_gpus(self.executor.as_ref()),
             self.clock.clone(),
             self.config.loops.clone(),
-            counters.clone(),
+            reports.clone(),
             stop_rx.clone(),
         ));
         let reconciling = tokio::spawn(crate::leader::reconcile_loop(
@@ -236,7 +236,7 @@ impl Server {
             self.executor.clone(),
             heartbeats,
             self.config.policy.name(),
-            counters,
+            reports,
         ));
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),

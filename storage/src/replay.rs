@@ -93,7 +93,7 @@ fn replay_dir(
     until: Until,
     check: bool,
 ) -> Result<ReplaySummary, ReplayError> {
-    let journaled = replay_tree_at(&dir.state_dir(), until, check)?;
+    let journaled = replay_tree_at(&dir.state_dir(), until, check, None)?;
     let log_dir = dir.raft_log_dir();
     if !log_dir.exists() {
         return Ok(journaled);
@@ -184,7 +184,7 @@ fn summarise(
 
 /// Replays the journal in a state directory up to `until`.
 pub fn replay_until(state_dir: &Path, until: Until) -> Result<ReplaySummary, ReplayError> {
-    replay_tree_at(state_dir, until, false)
+    replay_tree_at(state_dir, until, false, None)
 }
 
 /// [`replay_until`], calling `visit` with each entry's index, the entry
@@ -196,32 +196,21 @@ pub fn replay_until_visiting(
     until: Until,
     visit: Visitor<'_>,
 ) -> Result<ReplaySummary, ReplayError> {
-    let db = crate::state_machine::open_sled(state_dir).map_err(|e| ReplayError::Open {
-        path: state_dir.display().to_string(),
-        message: e.to_string(),
-    })?;
-    let tree = db
-        .open_tree("sm")
-        .map_err(|e| ReplayError::Read(e.to_string()))?;
-    let index = match until {
-        Until::End => u64::MAX,
-        Until::Index(i) => i,
-        Until::Time(at_ms) => index_at_time(&tree, at_ms)?,
-    };
-    replay_tree_visiting(&tree, index, false, Some(visit))
+    replay_tree_at(state_dir, until, false, Some(visit))
 }
 
 /// [`replay_until`], checking the state's invariants after every entry
 /// (the journal alone: for a state directory without a Raft log, as the
 /// deterministic simulation's replicas have).
 pub fn replay_until_checked(state_dir: &Path, until: Until) -> Result<ReplaySummary, ReplayError> {
-    replay_tree_at(state_dir, until, true)
+    replay_tree_at(state_dir, until, true, None)
 }
 
 fn replay_tree_at(
     state_dir: &Path,
     until: Until,
     check: bool,
+    visit: Option<Visitor<'_>>,
 ) -> Result<ReplaySummary, ReplayError> {
     let db = crate::state_machine::open_sled(state_dir).map_err(|e| ReplayError::Open {
         path: state_dir.display().to_string(),
@@ -235,7 +224,7 @@ fn replay_tree_at(
         Until::Index(i) => i,
         Until::Time(at_ms) => index_at_time(&tree, at_ms)?,
     };
-    replay_tree(&tree, index, check)
+    replay_tree(&tree, index, check, visit)
 }
 
 /// The last journaled index whose entry was stamped at or before `at_ms`
@@ -271,15 +260,7 @@ fn index_at_time(tree: &sled::Tree, at_ms: u64) -> Result<u64, ReplayError> {
     Ok(best)
 }
 
-pub(crate) fn replay_tree(
-    tree: &sled::Tree,
-    until: u64,
-    check: bool,
-) -> Result<ReplaySummary, ReplayError> {
-    replay_tree_visiting(tree, until, check, None)
-}
-
-fn replay_tree_visiting(
+fn replay_tree(
     tree: &sled::Tree,
     until: u64,
     check: bool,
