@@ -1,5 +1,6 @@
 //! Compiles Keel's `.proto` files with `protox` (pure Rust), so no system
-//! `protoc` is needed. The log-entry package is always generated; the gRPC
+//! `protoc` is needed. The log-entry and replication packages are always
+//! generated; the gRPC
 //! client API only with the `grpc` feature, so the pure core depends on
 //! prost alone.
 
@@ -21,6 +22,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .type_attribute(".", SERDE)
         .out_dir(&out_dir)
         .compile_fds(entry_fds)?;
+
+    let replication_fds = protox::compile(["keel/replication/v1/replication.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(false)
+        .out_dir(&out_dir)
+        .compile_fds(replication_fds)?;
 
     if std::env::var_os("CARGO_FEATURE_GRPC").is_some() {
         let api_dir = out_dir.join("api");

@@ -79,6 +79,15 @@ enum Cmd {
         /// fault-injecting proxy tells replicas apart by it; keel-chaos).
         #[arg(long)]
         peer_source_ip: Option<std::net::IpAddr>,
+        /// The newest Raft wire format this replica reads and writes: 2
+        /// (protobuf), or 1 to behave as the releases before format 2 did
+        /// (to test a cluster of mixed releases). Peers agree on the newest
+        /// both read.
+        #[arg(long, default_value_t = keel_storage::raft_wire::RAFT_WIRE_FORMAT,
+              value_parser = clap::value_parser!(u32).range(
+                  keel_storage::raft_wire::RAFT_WIRE_FORMAT_PREVIOUS as i64
+                      ..=keel_storage::raft_wire::RAFT_WIRE_FORMAT as i64))]
+        raft_wire_format: u32,
         /// Log entries kept behind a snapshot (a follower further behind
         /// catches up by installing the snapshot).
         #[arg(long, default_value_t = 1000)]
@@ -596,6 +605,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             peers,
             snapshot_every,
             peer_source_ip,
+            raft_wire_format,
             keep_log_entries,
             simulated_gpus,
             simulated_nodes,
@@ -643,6 +653,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     snapshot_every_entries: snapshot_every,
                     keep_log_after_snapshot: keep_log_entries,
                     peer_source_ip,
+                    wire_format: raft_wire_format,
                     ..RaftSettings::default()
                 },
                 nodes: if no_local_node || ssh_nodes.is_some() || kubernetes.kubernetes {

@@ -3,10 +3,17 @@
 //! [`GrpcNetwork`] is openraft's network: one lazily connected channel per
 //! peer, a deadline on every call from openraft's `RPCOption`, and errors
 //! mapped so openraft backs off from unreachable peers. [`RaftService`] is
-//! the receiving side, served on the same port as the client API. Payloads
-//! are openraft's own request and response types, encoded with postcard.
-//! Snapshots travel as openraft's chunks (`snapshot_max_chunk_size`), one
-//! call per chunk.
+//! the receiving side, served on the same port as the client API. Snapshots
+//! travel as openraft's chunks (`snapshot_max_chunk_size`), one call per
+//! chunk.
+//!
+//! Payloads are versioned (`keel_storage::raft_wire`): format 2 is protobuf
+//! (`keel.replication.v1`), format 1 openraft's types in postcard, as the
+//! releases before format 2 sent them. A replica reads both, answers in the
+//! format it was asked in, and says the newest it reads; a [`GrpcPeer`]
+//! writes the newest both ends read, and format 1 until the peer has
+//! answered on the current connection (`raft_wire::send_format`). So a
+//! cluster keeps working while its members are upgraded one at a time.
 //!
 //! Every message carries the sender's cluster id ([`ClusterIdentity`]); a
 //! replica refuses messages from another cluster, so a member restarted
@@ -25,6 +32,7 @@ use std::time::Duration;
 use keel_proto::raft::raft_client::RaftClient;
 use keel_proto::raft::raft_server::Raft as RaftRpc;
 use keel_proto::raft::RaftMessage;
+use keel_storage::raft_wire::{self, WireError, WireMessage};
 use keel_storage::TypeConfig;
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable,
@@ -35,8 +43,6 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use openraft::BasicNode;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
@@ -47,14 +53,6 @@ use crate::raft_node::Raft;
 /// (`max_payload_entries` proposals of at most 4 MiB each) or one snapshot
 /// chunk.
 pub const RAFT_MESSAGE_MAX_BYTES: usize = 256 * 1024 * 1024;
-
-fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, postcard::Error> {
-    postcard::to_allocvec(value)
-}
-
-fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, postcard::Error> {
-    postcard::from_bytes(bytes)
-}
 
 /// Metadata naming the sender's cluster on every Raft message.
 const CLUSTER_ID_HEADER: &str = "keel-cluster-id";
@@ -177,20 +175,75 @@ pub struct GrpcNetwork {
     identity: Arc<ClusterIdentity>,
     source_ip: Option<std::net::IpAddr>,
     strangers: Strangers,
+    wire_format: u32,
+    formats: PeerFormats,
+}
+
+/// What each peer said it reads, shared by the clients openraft makes for
+/// it (it makes a new one per replication stream and per election).
+#[derive(Debug, Clone, Default)]
+struct PeerFormats(Arc<Mutex<std::collections::BTreeMap<u64, PeerFormat>>>);
+
+#[derive(Debug, Default)]
+struct PeerFormat {
+    /// The newest format the peer said it reads since its connection was
+    /// made (`None`: it has not answered yet).
+    reads: Option<u32>,
+    /// The format last logged as the one written to it (a change is logged
+    /// once, not at every reconnection).
+    logged: Option<u32>,
+}
+
+impl PeerFormats {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, PeerFormat>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The format to write to `peer` by a replica reading up to `mine`.
+    fn send_format(&self, peer: u64, mine: u32) -> u32 {
+        let reads = self.lock().get(&peer).and_then(|p| p.reads);
+        raft_wire::send_format(mine, reads)
+    }
+
+    /// Forgets what `peer` reads (its connection dropped or a call failed:
+    /// it may be another release now).
+    fn forget(&self, peer: u64) {
+        if let Some(p) = self.lock().get_mut(&peer) {
+            p.reads = None;
+        }
+    }
+
+    /// `peer` answered saying it reads up to `reads`: the format to write
+    /// to it from now on, if that is not the one last logged.
+    fn answered(&self, peer: u64, reads: u32, mine: u32) -> Option<u32> {
+        let mut all = self.lock();
+        let p = all.entry(peer).or_default();
+        p.reads = Some(reads);
+        let writes = raft_wire::send_format(mine, p.reads);
+        (p.logged != Some(writes)).then(|| {
+            p.logged = Some(writes);
+            writes
+        })
+    }
 }
 
 impl GrpcNetwork {
     /// Connections to peers bind to `source_ip` when given; peers that
-    /// answer as another incarnation are kept in `strangers`.
+    /// answer as another incarnation are kept in `strangers`; messages are
+    /// written in at most `wire_format` (`raft_wire::RAFT_WIRE_FORMAT`
+    /// unless pinned to the one before).
     pub fn new(
         identity: Arc<ClusterIdentity>,
         source_ip: Option<std::net::IpAddr>,
         strangers: Strangers,
+        wire_format: u32,
     ) -> GrpcNetwork {
         GrpcNetwork {
             identity,
             source_ip,
             strangers,
+            wire_format,
+            formats: PeerFormats::default(),
         }
     }
 }
@@ -202,6 +255,8 @@ impl RaftNetworkFactory<TypeConfig> for GrpcNetwork {
         let mut peer = GrpcPeer::new(target, &node.addr, self.identity.clone());
         peer.source_ip = self.source_ip;
         peer.strangers = self.strangers.clone();
+        peer.wire_format = self.wire_format;
+        peer.formats = self.formats.clone();
         peer
     }
 }
@@ -215,6 +270,10 @@ pub struct GrpcPeer {
     identity: Arc<ClusterIdentity>,
     source_ip: Option<std::net::IpAddr>,
     strangers: Strangers,
+    /// The newest wire format this replica writes.
+    wire_format: u32,
+    /// What the peers said they read.
+    formats: PeerFormats,
 }
 
 impl GrpcPeer {
@@ -226,6 +285,8 @@ impl GrpcPeer {
             identity,
             source_ip: None,
             strangers: Strangers::default(),
+            wire_format: raft_wire::RAFT_WIRE_FORMAT,
+            formats: PeerFormats::default(),
         }
     }
 
@@ -251,6 +312,13 @@ impl GrpcPeer {
         Ok(client)
     }
 
+    /// Forgets the channel, and with it what the peer said it reads (a
+    /// replica restarted at the address may run another release).
+    fn disconnect(&mut self) {
+        self.client = None;
+        self.formats.forget(self.target);
+    }
+
     /// One call: encode, send with a deadline, decode the remote `Result`.
     async fn call<Req, Resp, E>(
         &mut self,
@@ -259,19 +327,24 @@ impl GrpcPeer {
         option: &RPCOption,
     ) -> Result<Resp, RPCError<u64, BasicNode, E>>
     where
-        Req: Serialize,
-        Resp: DeserializeOwned,
-        E: std::error::Error + DeserializeOwned,
+        Req: WireMessage,
+        Result<Resp, E>: WireMessage,
+        E: std::error::Error,
     {
         let network = |e: &dyn std::error::Error| {
             RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
         };
-        let payload = encode(request).map_err(|e| network(&e))?;
+        let format = self.formats.send_format(self.target, self.wire_format);
+        let payload = request.encode(format).map_err(|e| network(&e))?;
         let mut client = self.client().map_err(|e| {
             RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e.to_string())))
         })?;
         let ttl = option.hard_ttl();
-        let mut req = Request::new(RaftMessage { payload });
+        let mut req = Request::new(RaftMessage {
+            payload,
+            format_version: format,
+            reads_up_to: self.wire_format,
+        });
         req.set_timeout(ttl);
         if let Some(id) = self
             .identity
@@ -313,11 +386,15 @@ impl GrpcPeer {
                     status.code(),
                     tonic::Code::Unavailable | tonic::Code::Unknown
                 ) {
-                    self.client = None;
+                    self.disconnect();
                     return Err(RPCError::Unreachable(Unreachable::new(
                         &std::io::Error::other(status.message().to_string()),
                     )));
                 }
+                // Anything else (a payload the peer could not read among
+                // them) is asked again in the oldest format both surely
+                // read, until the peer says otherwise.
+                self.formats.forget(self.target);
                 return Err(network(&status));
             }
             Ok(Ok(reply)) => {
@@ -325,7 +402,28 @@ impl GrpcPeer {
                 reply.into_inner()
             }
         };
-        let result: Result<Resp, E> = decode(&reply.payload).map_err(|e| network(&e))?;
+        // A release before format 2 leaves `reads_up_to` unset: format 1.
+        let peer_reads = raft_wire::received_format(reply.reads_up_to);
+        if let Some(writes) = self
+            .formats
+            .answered(self.target, peer_reads, self.wire_format)
+        {
+            tracing::info!(
+                peer = %membership::show(self.target),
+                reads_up_to = peer_reads,
+                "writing Raft wire format {writes} to the peer"
+            );
+        }
+        let reply_format = raft_wire::received_format(reply.format_version);
+        let result = if reply_format > self.wire_format {
+            Err(WireError::Format {
+                found: reply_format,
+                newest: self.wire_format,
+            })
+        } else {
+            Result::<Resp, E>::decode(&reply.payload, reply_format)
+        }
+        .map_err(|e| network(&e))?;
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
 }
@@ -438,6 +536,9 @@ fn check_addressed_to<T>(me: u64, request: &Request<T>) -> Result<(), Status> {
 #[derive(Clone)]
 pub struct RaftService {
     raft: Raft,
+    /// The newest wire format this replica reads (and answers in, when
+    /// asked in it).
+    wire_format: u32,
     /// This replica's Raft id: messages for any other are refused.
     me: u64,
     identity: Arc<ClusterIdentity>,
@@ -453,9 +554,15 @@ impl std::fmt::Debug for RaftService {
 }
 
 impl RaftService {
-    pub fn new(raft: Raft, me: u64, identity: Arc<ClusterIdentity>) -> RaftService {
+    pub fn new(
+        raft: Raft,
+        me: u64,
+        identity: Arc<ClusterIdentity>,
+        wire_format: u32,
+    ) -> RaftService {
         RaftService {
             raft,
+            wire_format,
             me,
             identity,
             last_refused: Arc::default(),
@@ -483,13 +590,41 @@ impl RaftService {
     }
 }
 
-fn bad_payload(e: postcard::Error) -> Status {
-    Status::invalid_argument(format!("undecodable Raft message: {e}"))
-}
+impl RaftService {
+    /// Decodes a received message: its format and its request. A format
+    /// newer than this replica reads is FAILED_PRECONDITION (an upgrade is
+    /// due), a payload that does not decode INVALID_ARGUMENT.
+    fn decode<T: WireMessage>(&self, message: &RaftMessage) -> Result<(u32, T), Status> {
+        let format = raft_wire::received_format(message.format_version);
+        if format > self.wire_format {
+            return Err(Status::failed_precondition(
+                WireError::Format {
+                    found: format,
+                    newest: self.wire_format,
+                }
+                .to_string(),
+            ));
+        }
+        let request = T::decode(&message.payload, format)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok((format, request))
+    }
 
-fn reply<T: Serialize>(result: &T) -> Result<Response<RaftMessage>, Status> {
-    let payload = encode(result).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(Response::new(RaftMessage { payload }))
+    /// Answers in `format`, the one the request came in.
+    fn reply<T: WireMessage>(
+        &self,
+        format: u32,
+        result: &T,
+    ) -> Result<Response<RaftMessage>, Status> {
+        let payload = result
+            .encode(format)
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(RaftMessage {
+            payload,
+            format_version: format,
+            reads_up_to: self.wire_format,
+        }))
+    }
 }
 
 #[tonic::async_trait]
@@ -499,15 +634,15 @@ impl RaftRpc for RaftService {
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
         self.admit(&request, true)?;
-        let req: AppendEntriesRequest<TypeConfig> =
-            decode(&request.into_inner().payload).map_err(bad_payload)?;
-        reply(&self.raft.append_entries(req).await)
+        let (format, req): (_, AppendEntriesRequest<TypeConfig>) =
+            self.decode(request.get_ref())?;
+        self.reply(format, &self.raft.append_entries(req).await)
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
         self.admit(&request, false)?;
-        let req: VoteRequest<u64> = decode(&request.into_inner().payload).map_err(bad_payload)?;
-        reply(&self.raft.vote(req).await)
+        let (format, req): (_, VoteRequest<u64>) = self.decode(request.get_ref())?;
+        self.reply(format, &self.raft.vote(req).await)
     }
 
     async fn install_snapshot(
@@ -515,9 +650,9 @@ impl RaftRpc for RaftService {
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
         self.admit(&request, true)?;
-        let req: InstallSnapshotRequest<TypeConfig> =
-            decode(&request.into_inner().payload).map_err(bad_payload)?;
-        reply(&self.raft.install_snapshot(req).await)
+        let (format, req): (_, InstallSnapshotRequest<TypeConfig>) =
+            self.decode(request.get_ref())?;
+        self.reply(format, &self.raft.install_snapshot(req).await)
     }
 }
 

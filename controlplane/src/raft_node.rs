@@ -301,6 +301,8 @@ pub struct RaftNode {
     pub data_dir: DataDir,
     /// See [`RaftSettings::peer_source_ip`].
     pub peer_source_ip: Option<std::net::IpAddr>,
+    /// See [`RaftSettings::wire_format`].
+    pub wire_format: u32,
 }
 
 /// Raft timing and compaction settings.
@@ -319,6 +321,10 @@ pub struct RaftSettings {
     /// fault-injecting proxy in front of a peer tells the replicas apart by
     /// it (`keel-chaos` gives each 127.0.0.x its own).
     pub peer_source_ip: Option<std::net::IpAddr>,
+    /// The newest Raft wire format this replica reads and writes
+    /// (`keel_storage::raft_wire`): the current one, or the one before to
+    /// behave as the release before it did (mixed-release tests).
+    pub wire_format: u32,
 }
 
 impl Default for RaftSettings {
@@ -336,6 +342,7 @@ impl Default for RaftSettings {
             snapshot_every_entries: 10_000,
             keep_log_after_snapshot: 1000,
             peer_source_ip: None,
+            wire_format: keel_storage::raft_wire::RAFT_WIRE_FORMAT,
         }
     }
 }
@@ -441,7 +448,12 @@ impl RaftNode {
         let raft = Raft::new(
             raft_id,
             Arc::new(config),
-            GrpcNetwork::new(identity.clone(), settings.peer_source_ip, strangers.clone()),
+            GrpcNetwork::new(
+                identity.clone(),
+                settings.peer_source_ip,
+                strangers.clone(),
+                settings.wire_format,
+            ),
             log.clone(),
             state_machine.clone(),
         )
@@ -522,6 +534,7 @@ impl RaftNode {
             log,
             data_dir,
             peer_source_ip: settings.peer_source_ip,
+            wire_format: settings.wire_format,
         })
     }
 

@@ -265,6 +265,7 @@ impl Server {
             self.node.raft.clone(),
             self.node.id,
             self.node.identity.clone(),
+            self.node.wire_format,
         ))
         .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);

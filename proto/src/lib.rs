@@ -2,6 +2,8 @@
 //!
 //! - [`entry`]: the replicated log entries (`LogEntry`, commands) and the
 //!   events applying them yields. Always available; depends on prost only.
+//! - [`replication`]: Raft's records and messages (log ids, votes,
+//!   membership, requests and replies). Always available.
 //! - [`api`]: the gRPC client API (tonic services), behind the `grpc` feature.
 //! - [`raft`]: Raft between replicas, behind the `grpc` feature.
 
@@ -10,6 +12,12 @@
 /// Log entries and events (`keel.entry.v1`).
 pub mod entry {
     include!(concat!(env!("OUT_DIR"), "/keel.entry.v1.rs"));
+}
+
+/// Raft's own records (`keel.replication.v1`): log ids, votes,
+/// membership, entries, and the Raft service's requests and replies.
+pub mod replication {
+    include!(concat!(env!("OUT_DIR"), "/keel.replication.v1.rs"));
 }
 
 /// The API's codec: decode errors are `INVALID_ARGUMENT`.

@@ -38,6 +38,27 @@ impl PageBuilder {
     }
 }
 
+/// Encodes a journal page of `(index, entry)` pairs, as `apply` writes one.
+pub fn encode_page(entries: &[(u64, LogEntry)]) -> Vec<u8> {
+    let mut page = PageBuilder::default();
+    for (index, entry) in entries {
+        page.push(*index, entry);
+    }
+    page.page.encode_to_vec()
+}
+
+/// Decodes a journal page (its first index `first` named in errors).
+pub fn decode_page_entries(first: u64, bytes: &[u8]) -> Result<Vec<(u64, LogEntry)>, ReplayError> {
+    decode_page(first, bytes)?
+        .into_iter()
+        .map(|(index, e)| {
+            entry_from_proto(e)
+                .map(|e| (index, e))
+                .map_err(|source| ReplayError::Decode { index, source })
+        })
+        .collect()
+}
+
 fn decode_page(first: u64, bytes: &[u8]) -> Result<Vec<(u64, pb::LogEntry)>, ReplayError> {
     let page = pb::JournalPage::decode(bytes).map_err(|e| ReplayError::Decode {
         index: first,

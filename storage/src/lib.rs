@@ -8,6 +8,8 @@
 //!   on sled: the append-only journal (every applied entry and what it did),
 //!   the last applied log id and membership, and snapshots. The journal is
 //!   never purged by log compaction, so history can always be replayed.
+//! - [`raft_wire`]: Raft's records and messages in protobuf, and the
+//!   versioned encoding of the Raft service's payloads.
 //! - [`replay`]: rebuilds the state offline from a data directory's journal.
 //! - [`KeelRuntime`]: the async runtime openraft runs on (Tokio, with election
 //!   timeouts drawn from a generator a simulation can seed).
@@ -26,6 +28,7 @@ mod error;
 mod journal;
 mod journal_writer;
 mod log_store;
+pub mod raft_wire;
 mod recovery;
 mod replay;
 mod runtime;
@@ -47,6 +50,28 @@ pub mod snapshot_codec {
     pub use crate::state_machine::{decode_snapshot, encode_snapshot};
 }
 pub use log_store::LogStore;
+
+/// The state store's values for Raft's own records (last applied log id,
+/// membership, snapshot meta): format 2, protobuf behind a format byte;
+/// format 1, JSON, still read.
+pub mod meta_codec {
+    pub use crate::state_machine::meta_codec::{
+        decode_last_applied, decode_membership, decode_snapshot_meta, encode_last_applied,
+        encode_membership, encode_snapshot_meta,
+    };
+}
+
+/// A journal page (`apply` writes one per batch), for the golden-bytes
+/// tests and tools that read the journal.
+pub mod journal_codec {
+    pub use crate::journal::{decode_page_entries, encode_page};
+}
+
+/// A WAL record's payload (blank, proposal, membership), for the
+/// golden-bytes tests and tools that read WAL records.
+pub mod wal_codec {
+    pub use crate::log_store::{decode_payload, encode_payload};
+}
 pub use recovery::{force_single_voter, ForcedMembership, RecoveryError};
 pub use replay::{
     replay, replay_data_dir, replay_data_dir_checked, replay_until, replay_until_checked,

@@ -9,8 +9,13 @@
 //!
 //! Encoding of a WAL record's payload: one tag byte, then
 //! - `0` blank;
-//! - `1` a normal entry, as a protobuf `keel.entry.v1.Proposal`;
-//! - `2` a membership change, as JSON (openraft's serde form).
+//! - `1` a normal entry, as a protobuf `keel.entry.v1.Proposal` (which
+//!   carries its own format versions);
+//! - `3` a membership change, as a protobuf `keel.replication.v1.Membership`;
+//! - `2` a membership change as JSON (openraft's serde form): written by
+//!   the releases before tag 3, still read.
+//!
+//! A tag this build does not know is refused with an error naming it.
 
 use std::fmt::Debug;
 use std::io;
@@ -19,14 +24,17 @@ use std::path::Path;
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use keel_proto::replication as pb;
 use keel_state::codec::{decode_proposal, encode_proposal};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{
     CommittedLeaderId, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftLogReader, Vote,
 };
+use prost::Message;
 use raft_log::api::raft_log_writer::RaftLogWriter;
 use raft_log::RaftLog;
 
+use crate::raft_wire::{membership_from_proto, membership_to_proto};
 use crate::{Entry, LogId, StorageError, StoreError, TypeConfig};
 
 /// raft-log's view of a log id: ((term, leader node id), index).
@@ -93,10 +101,12 @@ fn from_wal_id(id: &WalLogId) -> LogId {
 
 const TAG_BLANK: u8 = 0;
 const TAG_NORMAL: u8 = 1;
-const TAG_MEMBERSHIP: u8 = 2;
+const TAG_MEMBERSHIP_JSON: u8 = 2;
+const TAG_MEMBERSHIP: u8 = 3;
 
-fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Result<Vec<u8>, StoreError> {
-    Ok(match payload {
+/// Encodes a WAL record's payload (see the module's documentation).
+pub fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Vec<u8> {
+    match payload {
         EntryPayload::Blank => vec![TAG_BLANK],
         EntryPayload::Normal(proposal) => {
             let mut v = vec![TAG_NORMAL];
@@ -105,20 +115,27 @@ fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Result<Vec<u8>, StoreEr
         }
         EntryPayload::Membership(m) => {
             let mut v = vec![TAG_MEMBERSHIP];
-            serde_json::to_writer(&mut v, m).map_err(|e| StoreError::encode("membership", e))?;
+            v.extend_from_slice(&membership_to_proto(m).encode_to_vec());
             v
         }
-    })
+    }
 }
 
-fn decode_payload(index: u64, bytes: &[u8]) -> Result<EntryPayload<TypeConfig>, StoreError> {
+/// Decodes a WAL record's payload, of entry `index` (named in errors).
+pub fn decode_payload(index: u64, bytes: &[u8]) -> Result<EntryPayload<TypeConfig>, StoreError> {
     let what = || format!("Raft log entry {index}");
     match bytes.split_first() {
         Some((&TAG_BLANK, _)) => Ok(EntryPayload::Blank),
         Some((&TAG_NORMAL, rest)) => Ok(EntryPayload::Normal(
             decode_proposal(rest).map_err(|e| StoreError::corrupt(what(), e))?,
         )),
-        Some((&TAG_MEMBERSHIP, rest)) => Ok(EntryPayload::Membership(
+        Some((&TAG_MEMBERSHIP, rest)) => {
+            let m = pb::Membership::decode(rest).map_err(|e| StoreError::corrupt(what(), e))?;
+            Ok(EntryPayload::Membership(
+                membership_from_proto(m).map_err(|e| StoreError::corrupt(what(), e))?,
+            ))
+        }
+        Some((&TAG_MEMBERSHIP_JSON, rest)) => Ok(EntryPayload::Membership(
             serde_json::from_slice(rest).map_err(|e| StoreError::corrupt(what(), e))?,
         )),
         other => Err(StoreError::corrupt(
@@ -183,7 +200,7 @@ impl LogStore {
     pub fn append_durable(&self, entries: &[Entry]) -> Result<(), StoreError> {
         let mut records = Vec::with_capacity(entries.len());
         for e in entries {
-            records.push((to_wal_id(&e.log_id), encode_payload(&e.payload)?));
+            records.push((to_wal_id(&e.log_id), encode_payload(&e.payload)));
         }
         self.lock().append(records)?;
         Ok(self.sync_and_wait()?)
@@ -335,9 +352,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 tracing::debug!(log_id = %e.log_id, "append below the purge point dropped");
                 continue;
             }
-            let payload = encode_payload(&e.payload)
-                .map_err(|err| err.into_raft(ErrorSubject::Log(e.log_id), ErrorVerb::Write))?;
-            records.push((to_wal_id(&e.log_id), payload));
+            records.push((to_wal_id(&e.log_id), encode_payload(&e.payload)));
         }
         // Chaos builds: a slow disk (`sleep(ms)`) or a full one (`return`).
         #[cfg(feature = "failpoints")]

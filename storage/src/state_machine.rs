@@ -7,7 +7,7 @@
 //! | `e` + first index | a journal page: applied entries (protobuf `JournalPage`), see [`crate::journal`] |
 //! | `v` + index + position | what one command did (protobuf `AppliedEntry`) |
 //! | `c` + index | a state installed from a leader's snapshot at index (replay starts there) |
-//! | `m/applied`, `m/membership` | last applied log id and membership (JSON) |
+//! | `m/applied`, `m/membership` | last applied log id and membership (`meta_codec`) |
 //! | `m/snapshot-meta`, `m/snapshot-data` | the current snapshot |
 //!
 //! Each `apply` call writes one atomic sled batch. On open, the state is the
@@ -210,18 +210,18 @@ impl StateMachineStore {
         let db = open_sled(dir)?;
         let tree = db.open_tree("sm")?;
         let last_applied: Option<LogId> = match tree.get(KEY_APPLIED)? {
-            Some(v) => serde_json::from_slice(&v)
+            Some(v) => meta_codec::decode_last_applied(&v)
                 .map_err(|e| StoreError::corrupt("the last applied log id", e))?,
             None => None,
         };
         let membership: StoredMembership<u64, BasicNode> = match tree.get(KEY_MEMBERSHIP)? {
-            Some(v) => serde_json::from_slice(&v)
+            Some(v) => meta_codec::decode_membership(&v)
                 .map_err(|e| StoreError::corrupt("the stored membership", e))?,
             None => StoredMembership::default(),
         };
         let (mut state, from) = match (tree.get(KEY_SNAPSHOT_META)?, tree.get(KEY_SNAPSHOT_DATA)?) {
             (Some(meta), Some(data)) => {
-                let meta: SnapshotMeta<u64, BasicNode> = serde_json::from_slice(&meta)
+                let meta = meta_codec::decode_snapshot_meta(&meta)
                     .map_err(|e| StoreError::corrupt("the snapshot's meta", e))?;
                 let state =
                     decode_snapshot(&data).map_err(|e| StoreError::corrupt("the snapshot", e))?;
@@ -336,17 +336,20 @@ impl StateMachineStore {
         // The snapshot's index must not be ahead of the applied index on
         // disk: drain the journal writer first.
         self.writer.barrier()?;
-        let json = |what: &'static str, v: &dyn erased_json::Json| {
-            v.to_json().map_err(|e| StoreError::encode(what, e))
-        };
         let mut batch = sled::Batch::default();
-        batch.insert(KEY_SNAPSHOT_META, json("snapshot meta", meta)?);
+        batch.insert(KEY_SNAPSHOT_META, meta_codec::encode_snapshot_meta(meta));
         batch.insert(KEY_SNAPSHOT_DATA, data);
         if checkpoint {
             let index = meta.last_log_id.map_or(0, |l| l.index);
             batch.insert(&key(PREFIX_CHECKPOINT, index)[..], data);
-            batch.insert(KEY_APPLIED, json("last applied", &meta.last_log_id)?);
-            batch.insert(KEY_MEMBERSHIP, json("membership", &meta.last_membership)?);
+            batch.insert(
+                KEY_APPLIED,
+                meta_codec::encode_last_applied(&meta.last_log_id),
+            );
+            batch.insert(
+                KEY_MEMBERSHIP,
+                meta_codec::encode_membership(&meta.last_membership),
+            );
         }
         self.tree.apply_batch(batch)?;
         // Log compaction purges the Raft log up to this snapshot: it must be
@@ -355,15 +358,79 @@ impl StateMachineStore {
     }
 }
 
-mod erased_json {
-    /// Any serialisable value, as JSON bytes.
-    pub(super) trait Json {
-        fn to_json(&self) -> serde_json::Result<Vec<u8>>;
+/// The store's values for Raft's own records: the last applied log id,
+/// the membership and the snapshot's meta. Format 2 (written): a format
+/// byte, 2, then protobuf (`keel.replication.v1`). Format 1 (still read):
+/// JSON, as the releases before format 2 wrote it.
+pub(crate) mod meta_codec {
+    use keel_proto::replication as pb;
+    use openraft::{BasicNode, SnapshotMeta, StoredMembership};
+    use prost::Message;
+    use serde::de::DeserializeOwned;
+
+    use crate::raft_wire::{
+        log_id_from_proto, log_id_to_proto, snapshot_meta_from_proto, snapshot_meta_to_proto,
+        stored_membership_from_proto, stored_membership_to_proto, WireError,
+    };
+    use crate::LogId;
+
+    const FORMAT: u8 = 2;
+
+    fn encode(m: &impl Message) -> Vec<u8> {
+        let mut v = Vec::with_capacity(1 + m.encoded_len());
+        v.push(FORMAT);
+        v.extend_from_slice(&m.encode_to_vec());
+        v
     }
-    impl<T: serde::Serialize> Json for T {
-        fn to_json(&self) -> serde_json::Result<Vec<u8>> {
-            serde_json::to_vec(self)
+
+    fn decode<T: DeserializeOwned, M: Message + Default>(
+        bytes: &[u8],
+        from: impl FnOnce(M) -> Result<T, WireError>,
+    ) -> Result<T, String> {
+        match bytes.split_first() {
+            Some((&FORMAT, rest)) => {
+                from(M::decode(rest).map_err(|e| e.to_string())?).map_err(|e| e.to_string())
+            }
+            // JSON: an object, or null.
+            Some((b'{' | b'n', _)) => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
+            Some((other, _)) => Err(format!(
+                "format {other} is not one this build reads (1, JSON, or {FORMAT}){}",
+                if *other > FORMAT {
+                    "; upgrade keel"
+                } else {
+                    ""
+                }
+            )),
+            None => Err("an empty value".into()),
         }
+    }
+
+    pub fn encode_last_applied(id: &Option<LogId>) -> Vec<u8> {
+        encode(&pb::LastApplied {
+            log_id: id.as_ref().map(log_id_to_proto),
+        })
+    }
+
+    pub fn decode_last_applied(bytes: &[u8]) -> Result<Option<LogId>, String> {
+        decode(bytes, |m: pb::LastApplied| {
+            Ok(m.log_id.map(log_id_from_proto))
+        })
+    }
+
+    pub fn encode_membership(m: &StoredMembership<u64, BasicNode>) -> Vec<u8> {
+        encode(&stored_membership_to_proto(m))
+    }
+
+    pub fn decode_membership(bytes: &[u8]) -> Result<StoredMembership<u64, BasicNode>, String> {
+        decode(bytes, stored_membership_from_proto)
+    }
+
+    pub fn encode_snapshot_meta(meta: &SnapshotMeta<u64, BasicNode>) -> Vec<u8> {
+        encode(&snapshot_meta_to_proto(meta))
+    }
+
+    pub fn decode_snapshot_meta(bytes: &[u8]) -> Result<SnapshotMeta<u64, BasicNode>, String> {
+        decode(bytes, snapshot_meta_from_proto)
     }
 }
 
@@ -467,20 +534,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 };
                 responses.push(ApplyResponse { index, outcomes });
             }
-            let json = |v: &dyn erased_json::Json| {
-                v.to_json()
-                    .map_err(|e| StoreError::encode("applied state", e))
-            };
             if let Some((k, v)) = page.finish() {
                 writes.inserts.push((k.to_vec(), v));
             }
             writes.inserts.push((
                 KEY_APPLIED.to_vec(),
-                json(&applied.last_applied).map_err(sm_err)?,
+                meta_codec::encode_last_applied(&applied.last_applied),
             ));
             writes.inserts.push((
                 KEY_MEMBERSHIP.to_vec(),
-                json(&applied.membership).map_err(sm_err)?,
+                meta_codec::encode_membership(&applied.membership),
             ));
             writes.applied_index = applied.last_applied.map_or(0, |l| l.index);
         }
@@ -530,7 +593,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let data = self.tree.get(KEY_SNAPSHOT_DATA).map_err(read_err)?;
         match (meta, data) {
             (Some(meta), Some(data)) => Ok(Some(Snapshot {
-                meta: serde_json::from_slice(&meta)
+                meta: meta_codec::decode_snapshot_meta(&meta)
                     .map_err(|e| read_err(StoreError::corrupt("the snapshot's meta", e)))?,
                 snapshot: Box::new(Cursor::new(data.to_vec())),
             })),

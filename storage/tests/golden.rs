@@ -276,6 +276,52 @@ fn every_entry_kind_decodes_from_its_golden_bytes() {
 }
 
 #[test]
+fn a_journal_page_and_applied_records_decode_from_their_golden_bytes() {
+    use keel_state::codec::applied_entry_to_proto;
+    use keel_storage::journal_codec::{decode_page_entries, encode_page};
+    use prost::Message;
+
+    // Every example on one page, at the indexes they apply at (two share
+    // an index: a proposal of two commands).
+    let page: Vec<(u64, LogEntry)> = examples()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, e))| (10 + (i as u64).max(1), e))
+        .collect();
+    let bytes = golden("journal-page.bin", &encode_page(&page));
+    assert_eq!(decode_page_entries(11, &bytes).expect("decodes"), page);
+    // What applying them did, as the journal keeps it per command (events,
+    // or the refusal's words).
+    let mut state = ClusterState::new();
+    for (i, (name, entry)) in examples().into_iter().enumerate() {
+        let outcome = state.apply(i as u64 + 1, &entry);
+        let record = applied_entry_to_proto(i as u64 + 1, 0, &entry, &outcome);
+        let bytes = golden(&format!("applied-{name}.bin"), &record.encode_to_vec());
+        assert_eq!(
+            keel_proto::entry::AppliedEntry::decode(bytes.as_slice()).as_ref(),
+            Ok(&record),
+            "applied-{name}.bin decodes to another record"
+        );
+    }
+    let refused = state.apply(
+        99,
+        &LogEntry::new(99_000, Command::RemoveJob { job_id: 404 }),
+    );
+    assert!(refused.is_err());
+    let record = applied_entry_to_proto(
+        99,
+        1,
+        &LogEntry::new(99_000, Command::RemoveJob { job_id: 404 }),
+        &refused,
+    );
+    let bytes = golden("applied-refused.bin", &record.encode_to_vec());
+    assert_eq!(
+        keel_proto::entry::AppliedEntry::decode(bytes.as_slice()),
+        Ok(record)
+    );
+}
+
+#[test]
 fn a_snapshot_decodes_from_its_golden_bytes_to_the_same_state() {
     let mut state = ClusterState::new();
     for (i, (name, entry)) in examples().into_iter().enumerate() {
@@ -313,4 +359,278 @@ fn an_entry_one_format_newer_is_refused_naming_both_versions() {
             && text.contains("upgrade"),
         "{text}"
     );
+}
+
+/// Raft's messages (`keel_storage::raft_wire`): one example of every
+/// request and every kind of reply, in both formats a replica reads. A
+/// golden file must decode to the value it was written from (compared by
+/// re-encoding in today's format, since openraft's request types have no
+/// equality).
+mod raft_messages {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use keel_state::command::{Command, LogEntry, Proposal};
+    use keel_storage::raft_wire::{
+        WireError, WireMessage, RAFT_WIRE_FORMAT, RAFT_WIRE_FORMAT_PREVIOUS,
+    };
+    use keel_storage::{Entry, LogId, TypeConfig};
+    use openraft::error::{Fatal, Infallible, InstallSnapshotError, RaftError, SnapshotMismatch};
+    use openraft::raft::{
+        AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest,
+        InstallSnapshotResponse, VoteRequest, VoteResponse,
+    };
+    use openraft::{
+        BasicNode, CommittedLeaderId, EntryPayload, Membership, SnapshotMeta, SnapshotSegmentId,
+        StoredMembership, Vote,
+    };
+
+    use super::golden;
+
+    fn log_id(term: u64, leader: u64, index: u64) -> LogId {
+        LogId::new(CommittedLeaderId::new(term, leader), index)
+    }
+
+    fn membership() -> Membership<u64, BasicNode> {
+        let voters: BTreeSet<u64> = [1, 2, 3].into();
+        let nodes: BTreeMap<u64, BasicNode> = (1..=4)
+            .map(|id| (id, BasicNode::new(format!("10.0.0.{id}:7070"))))
+            .collect();
+        Membership::new(vec![voters.clone(), [1, 2, 4].into()], nodes)
+    }
+
+    fn append_request() -> AppendEntriesRequest<TypeConfig> {
+        let proposal = Proposal {
+            entries: vec![LogEntry::new(
+                42_000,
+                Command::SetPolicy {
+                    name: "fifo".into(),
+                },
+            )],
+        };
+        AppendEntriesRequest {
+            vote: Vote::new_committed(7, 2),
+            prev_log_id: Some(log_id(6, 1, 40)),
+            entries: vec![
+                Entry {
+                    log_id: log_id(7, 2, 41),
+                    payload: EntryPayload::Blank,
+                },
+                Entry {
+                    log_id: log_id(7, 2, 42),
+                    payload: EntryPayload::Normal(proposal),
+                },
+                Entry {
+                    log_id: log_id(7, 2, 43),
+                    payload: EntryPayload::Membership(membership()),
+                },
+            ],
+            leader_commit: Some(log_id(6, 1, 39)),
+        }
+    }
+
+    fn snapshot_request() -> InstallSnapshotRequest<TypeConfig> {
+        InstallSnapshotRequest {
+            vote: Vote::new_committed(7, 2),
+            meta: SnapshotMeta {
+                last_log_id: Some(log_id(7, 2, 10_000)),
+                last_membership: StoredMembership::new(Some(log_id(5, 1, 3)), membership()),
+                snapshot_id: "7-2-10000-1".into(),
+            },
+            offset: 1_048_576,
+            data: (0..=255).collect(),
+            done: true,
+        }
+    }
+
+    fn mismatch() -> InstallSnapshotError {
+        InstallSnapshotError::SnapshotMismatch(SnapshotMismatch {
+            expect: SnapshotSegmentId {
+                id: "7-2-10000-1".into(),
+                offset: 0,
+            },
+            got: SnapshotSegmentId {
+                id: "7-2-10000-1".into(),
+                offset: 1_048_576,
+            },
+        })
+    }
+
+    type AppendReply = Result<AppendEntriesResponse<u64>, RaftError<u64>>;
+    type VoteReply = Result<VoteResponse<u64>, RaftError<u64>>;
+    type SnapshotReply = Result<InstallSnapshotResponse<u64>, RaftError<u64, InstallSnapshotError>>;
+
+    /// `value`'s golden file in `format` decodes, and encodes again as
+    /// `value` does.
+    fn check<T: WireMessage>(name: &str, format: u32, value: &T) {
+        let fresh = value.encode(format).expect("encodes");
+        let bytes = golden(&format!("raft-v{format}-{name}.bin"), &fresh);
+        let decoded = T::decode(&bytes, format)
+            .unwrap_or_else(|e| panic!("raft-v{format}-{name}.bin no longer decodes: {e}"));
+        assert_eq!(
+            decoded.encode(RAFT_WIRE_FORMAT).expect("encodes"),
+            value.encode(RAFT_WIRE_FORMAT).expect("encodes"),
+            "raft-v{format}-{name}.bin decodes to another value"
+        );
+    }
+
+    #[test]
+    fn every_raft_message_decodes_from_its_golden_bytes_in_both_formats() {
+        let fatal = |f: Fatal<u64>| -> RaftError<u64, Infallible> { RaftError::Fatal(f) };
+        for format in [RAFT_WIRE_FORMAT_PREVIOUS, RAFT_WIRE_FORMAT] {
+            check("append_entries", format, &append_request());
+            for (name, reply) in [
+                ("success", Ok(AppendEntriesResponse::Success)),
+                (
+                    "partial_success",
+                    Ok(AppendEntriesResponse::PartialSuccess(Some(log_id(
+                        7, 2, 42,
+                    )))),
+                ),
+                ("conflict", Ok(AppendEntriesResponse::Conflict)),
+                (
+                    "higher_vote",
+                    Ok(AppendEntriesResponse::HigherVote(Vote::new(8, 3))),
+                ),
+                ("stopped", Err(fatal(Fatal::Stopped))),
+                ("panicked", Err(fatal(Fatal::Panicked))),
+            ] {
+                let reply: AppendReply = reply;
+                check(&format!("append_entries-reply-{name}"), format, &reply);
+            }
+            check(
+                "vote",
+                format,
+                &VoteRequest::new(Vote::new(8, 3), Some(log_id(7, 2, 43))),
+            );
+            let granted: VoteReply = Ok(VoteResponse::new(
+                Vote::new(8, 3),
+                Some(log_id(7, 2, 43)),
+                true,
+            ));
+            check("vote-reply", format, &granted);
+            check("install_snapshot", format, &snapshot_request());
+            let installed: SnapshotReply = Ok(InstallSnapshotResponse {
+                vote: Vote::new_committed(7, 2),
+            });
+            check("install_snapshot-reply", format, &installed);
+            let refused: SnapshotReply = Err(RaftError::APIError(mismatch()));
+            check("install_snapshot-reply-mismatch", format, &refused);
+        }
+    }
+
+    #[test]
+    fn a_raft_message_one_format_newer_is_refused_naming_both_versions() {
+        let newer = RAFT_WIRE_FORMAT + 1;
+        let err = VoteRequest::<u64>::decode(&[], newer).expect_err("refused");
+        assert!(matches!(err, WireError::Format { found, .. } if found == newer));
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("format {newer}"))
+                && text.contains(&format!(
+                    "formats {RAFT_WIRE_FORMAT_PREVIOUS} to {RAFT_WIRE_FORMAT}"
+                ))
+                && text.contains("upgrade"),
+            "{text}"
+        );
+    }
+}
+
+/// A WAL record's payload of every kind, and the state store's values for
+/// Raft's records, in today's format; and the JSON the releases before
+/// wrote for membership, still read.
+mod records {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use keel_state::command::{Command, LogEntry, Proposal};
+    use keel_storage::meta_codec::{
+        decode_last_applied, decode_membership, decode_snapshot_meta, encode_last_applied,
+        encode_membership, encode_snapshot_meta,
+    };
+    use keel_storage::wal_codec::{decode_payload, encode_payload};
+    use keel_storage::LogId;
+    use openraft::{
+        BasicNode, CommittedLeaderId, EntryPayload, Membership, SnapshotMeta, StoredMembership,
+    };
+
+    use super::golden;
+
+    fn membership() -> Membership<u64, BasicNode> {
+        let voters: BTreeSet<u64> = [1, 2, 3].into();
+        let nodes: BTreeMap<u64, BasicNode> = (1..=4)
+            .map(|id| (id, BasicNode::new(format!("10.0.0.{id}:7070"))))
+            .collect();
+        Membership::new(vec![voters], nodes)
+    }
+
+    fn log_id(index: u64) -> LogId {
+        LogId::new(CommittedLeaderId::new(3, 2), index)
+    }
+
+    #[test]
+    fn every_wal_record_kind_decodes_from_its_golden_bytes() {
+        let proposal = Proposal {
+            entries: vec![LogEntry::new(
+                1_000,
+                Command::SetPolicy {
+                    name: "fifo".into(),
+                },
+            )],
+        };
+        for (name, payload) in [
+            ("blank", EntryPayload::Blank),
+            ("proposal", EntryPayload::Normal(proposal)),
+            ("membership", EntryPayload::Membership(membership())),
+        ] {
+            let bytes = golden(&format!("wal-{name}.bin"), &encode_payload(&payload));
+            let decoded = decode_payload(7, &bytes)
+                .unwrap_or_else(|e| panic!("wal-{name}.bin no longer decodes: {e}"));
+            assert_eq!(
+                encode_payload(&decoded),
+                encode_payload(&payload),
+                "wal-{name}.bin decodes to another value"
+            );
+        }
+        // The JSON membership record of the releases before protobuf (tag
+        // 2), as the data-directory fixture holds it.
+        let mut json = vec![2u8];
+        json.extend(serde_json::to_vec(&membership()).expect("json"));
+        let bytes = golden("wal-membership-json.bin", &json);
+        let decoded = decode_payload(7, &bytes).expect("JSON membership still read");
+        assert_eq!(
+            encode_payload(&decoded),
+            encode_payload(&EntryPayload::Membership(membership()))
+        );
+        // A tag from the future is refused, naming it.
+        let err = decode_payload(7, &[9]).expect_err("refused").to_string();
+        assert!(err.contains("tag Some(9)") && err.contains("7"), "{err}");
+    }
+
+    #[test]
+    fn the_state_stores_raft_records_decode_from_their_golden_bytes() {
+        let stored = StoredMembership::new(Some(log_id(5)), membership());
+        let bytes = golden("meta-membership.bin", &encode_membership(&stored));
+        assert_eq!(decode_membership(&bytes), Ok(stored.clone()));
+        let bytes = golden("meta-applied.bin", &encode_last_applied(&Some(log_id(9))));
+        assert_eq!(decode_last_applied(&bytes), Ok(Some(log_id(9))));
+        let bytes = golden("meta-applied-none.bin", &encode_last_applied(&None));
+        assert_eq!(decode_last_applied(&bytes), Ok(None));
+        let meta = SnapshotMeta {
+            last_log_id: Some(log_id(9)),
+            last_membership: stored.clone(),
+            snapshot_id: "3-2-9-1".into(),
+        };
+        let bytes = golden("meta-snapshot.bin", &encode_snapshot_meta(&meta));
+        assert_eq!(decode_snapshot_meta(&bytes), Ok(meta.clone()));
+        // JSON, as the releases before wrote them, is still read.
+        let json = serde_json::to_vec(&meta).expect("json");
+        assert_eq!(decode_snapshot_meta(&json), Ok(meta));
+        assert_eq!(decode_last_applied(b"null"), Ok(None));
+        assert_eq!(
+            decode_membership(&serde_json::to_vec(&stored).expect("json")),
+            Ok(stored)
+        );
+        // A newer format is refused, naming it.
+        let err = decode_last_applied(&[3, 0]).expect_err("refused");
+        assert!(err.contains("format 3") && err.contains("upgrade"), "{err}");
+    }
 }

@@ -4,8 +4,9 @@
 //! way, is lost while its directed link is cut or with the run's loss rate
 //! (the sender then times out, as on a real network), is refused at once
 //! if the target is down, and is otherwise handed to the target's `Raft`
-//! after a round trip through postcard, the encoding Keel's gRPC transport
-//! carries. Replies travel back the same way.
+//! after a round trip through Raft wire format 2 (protobuf,
+//! `keel_storage::raft_wire`), the encoding Keel's gRPC transport carries
+//! between replicas of this release. Replies travel back the same way.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -14,6 +15,7 @@ use std::time::Duration;
 
 use keel::membership::{member_of, Strangers};
 use keel_state::fixtures::SplitMix64;
+use keel_storage::raft_wire::{WireMessage, RAFT_WIRE_FORMAT};
 use keel_storage::{SharedState, TypeConfig};
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable,
@@ -24,8 +26,6 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use openraft::{BasicNode, RPCTypes};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 
 /// openraft's handle on a replica, for this type config.
 pub type Raft = openraft::Raft<TypeConfig>;
@@ -271,9 +271,11 @@ pub struct SimPeer {
 }
 
 /// A value as the other side decodes it.
-fn wire<T: Serialize + DeserializeOwned>(value: &T) -> Result<T, String> {
-    let bytes = postcard::to_stdvec(value).map_err(|e| e.to_string())?;
-    postcard::from_bytes(&bytes).map_err(|e| e.to_string())
+fn wire<T: WireMessage>(value: &T) -> Result<T, String> {
+    let bytes = value
+        .encode(RAFT_WIRE_FORMAT)
+        .map_err(|e| e.to_string())?;
+    T::decode(&bytes, RAFT_WIRE_FORMAT).map_err(|e| e.to_string())
 }
 
 impl SimPeer {
@@ -285,9 +287,9 @@ impl SimPeer {
         deliver: F,
     ) -> Result<Resp, RPCError<u64, BasicNode, E>>
     where
-        Req: Serialize + DeserializeOwned,
-        Resp: Serialize + DeserializeOwned,
-        E: std::error::Error + Serialize + DeserializeOwned,
+        Req: WireMessage,
+        Result<Resp, E>: WireMessage,
+        E: std::error::Error,
         F: FnOnce(Raft, Req) -> Fut,
         Fut: Future<Output = Result<Resp, E>>,
     {
