@@ -14,7 +14,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     println!("cargo:rerun-if-changed=proto");
 
-    let entry_fds = protox::compile(["keel/entry/v1/entry.proto"], ["proto"])?;
+    let entry_fds = protox::compile(
+        ["keel/entry/v1/entry.proto", "keel/entry/v1/snapshot.proto"],
+        ["proto"],
+    )?;
     tonic_prost_build::configure()
         .build_client(false)
         .build_server(false)

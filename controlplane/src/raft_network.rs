@@ -274,6 +274,10 @@ pub struct GrpcPeer {
     wire_format: u32,
     /// What the peers said they read.
     formats: PeerFormats,
+    /// A snapshot gathered for a peer that reads wire format 1 only (its
+    /// id and the bytes so far): sent once whole, in the snapshot format
+    /// that release reads.
+    gathered: Option<(String, Vec<u8>)>,
 }
 
 impl GrpcPeer {
@@ -287,6 +291,7 @@ impl GrpcPeer {
             strangers: Strangers::default(),
             wire_format: raft_wire::RAFT_WIRE_FORMAT,
             formats: PeerFormats::default(),
+            gathered: None,
         }
     }
 
@@ -474,6 +479,9 @@ impl RaftNetwork<TypeConfig> for GrpcPeer {
                 )),
             )));
         }
+        if self.formats.send_format(self.target, self.wire_format) < raft_wire::RAFT_WIRE_FORMAT {
+            return self.install_snapshot_for_release_before(rpc, &option).await;
+        }
         self.call(RpcKind::InstallSnapshot, &rpc, &option).await
     }
 
@@ -485,6 +493,100 @@ impl RaftNetwork<TypeConfig> for GrpcPeer {
         self.call(RpcKind::Vote, &rpc, &option).await
     }
 }
+
+impl GrpcPeer {
+    /// Sends a snapshot to a peer of the release before wire format 2,
+    /// which reads snapshot format 7 at most: the chunks are gathered here
+    /// (each acknowledged at once) until the last, and the whole snapshot
+    /// is then sent in the format the peer reads, in chunks of its own.
+    async fn install_snapshot_for_release_before(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: &RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<u64>,
+        RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
+    > {
+        let id = rpc.meta.snapshot_id.clone();
+        if rpc.offset == 0 {
+            self.gathered = Some((id.clone(), Vec::new()));
+        }
+        let expected = match &self.gathered {
+            Some((gathering, bytes)) if *gathering == id => bytes.len() as u64,
+            _ => 0,
+        };
+        if rpc.offset != expected {
+            // Out of sequence: openraft starts the snapshot again.
+            self.gathered = None;
+            let segment = |offset| openraft::SnapshotSegmentId {
+                id: id.clone(),
+                offset,
+            };
+            return Err(RPCError::RemoteError(RemoteError::new(
+                self.target,
+                RaftError::APIError(InstallSnapshotError::SnapshotMismatch(
+                    openraft::error::SnapshotMismatch {
+                        expect: segment(expected),
+                        got: segment(rpc.offset),
+                    },
+                )),
+            )));
+        }
+        if let Some((_, bytes)) = &mut self.gathered {
+            bytes.extend_from_slice(&rpc.data);
+        }
+        if !rpc.done {
+            return Ok(InstallSnapshotResponse { vote: rpc.vote });
+        }
+        let whole = self.gathered.take().map(|(_, b)| b).unwrap_or_default();
+        let format = keel_storage::snapshot_codec::snapshot_format_for_wire(
+            raft_wire::RAFT_WIRE_FORMAT_PREVIOUS,
+        );
+        let data = keel_storage::snapshot_codec::decode_snapshot(&whole)
+            .and_then(|state| keel_storage::snapshot_codec::encode_snapshot_as(&state, format))
+            .map_err(|e| {
+                RPCError::Network(NetworkError::new(&std::io::Error::other(format!(
+                    "cannot write snapshot {id} in format {format}: {e}"
+                ))))
+            })?;
+        tracing::info!(
+            peer = %membership::show(self.target),
+            snapshot = %id,
+            bytes = data.len(),
+            "sending the snapshot in format {format}, the one the peer's release reads"
+        );
+        let chunks: Vec<&[u8]> = if data.is_empty() {
+            vec![&[][..]]
+        } else {
+            data.chunks(SNAPSHOT_CHUNK_BYTES).collect()
+        };
+        let last = chunks.len() - 1;
+        let mut offset = 0u64;
+        let mut response = InstallSnapshotResponse { vote: rpc.vote };
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let request = InstallSnapshotRequest {
+                vote: rpc.vote,
+                meta: rpc.meta.clone(),
+                offset,
+                data: chunk.to_vec(),
+                done: i == last,
+            };
+            response = self
+                .call(RpcKind::InstallSnapshot, &request, option)
+                .await?;
+            if response.vote > rpc.vote {
+                break;
+            }
+            offset += chunk.len() as u64;
+        }
+        Ok(response)
+    }
+}
+
+/// The size of the chunks a snapshot is sent in to a replica of the
+/// release before. All of them go within the last chunk's deadline
+/// (`install_snapshot_timeout`), so few and large.
+const SNAPSHOT_CHUNK_BYTES: usize = 8 * 1024 * 1024;
 
 /// The Raft id a refusal names: the refusing replica is another
 /// incarnation of the member the message was for.

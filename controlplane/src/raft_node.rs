@@ -362,6 +362,11 @@ impl RaftSettings {
             // well under the transport's limit.
             max_payload_entries: 32,
             snapshot_max_chunk_size: 1024 * 1024,
+            // Per snapshot chunk (openraft's default is 200 ms). The last
+            // chunk to a replica of the release before carries the whole
+            // snapshot again, re-encoded (`raft_network`), and on a loaded
+            // machine a 1 MiB chunk has taken longer than 200 ms.
+            install_snapshot_timeout: 1000,
             ..Default::default()
         }
         .validate()
@@ -437,6 +442,10 @@ impl RaftNode {
         let raft_id = membership::raft_id(member, incarnation);
         let strangers = Strangers::default();
         let state_machine = StateMachineStore::open(&data_dir.state_dir())?;
+        // Pinned to the wire format before: its snapshot format too.
+        state_machine.use_snapshot_format(keel_storage::snapshot_codec::snapshot_format_for_wire(
+            settings.wire_format,
+        ));
         let identity_path = data_dir.root().join("cluster-id");
         let identity_error = |source| RaftNodeError::ClusterId {
             path: identity_path.display().to_string(),

@@ -1521,48 +1521,76 @@ fn a_new_leader_plans_the_next_rounds_from_the_policy_memory_in_the_log() {
 
 /// Issue 21, item 2: a rolling upgrade from the release before Raft wire
 /// format 2. The cluster starts as that release (every replica pinned to
-/// format 1, which is what it spoke: openraft's types in postcard), and its
-/// members are replaced one at a time by today's build, with a leader
-/// killed while releases are mixed. Nothing acknowledged is lost, the
-/// replicas agree, and the upgraded ones end up writing format 2 to each
-/// other.
+/// wire format 1 and snapshot format 7, which is what it spoke and wrote:
+/// openraft's types and the state in postcard), and its members are
+/// replaced one at a time by today's build: a leader is killed while
+/// releases are mixed, and an old member far behind is brought up to date
+/// by a new leader's snapshot, which it must receive in the format it
+/// reads. Nothing acknowledged is lost, the replicas agree, and the
+/// upgraded ones end up writing format 2 to each other.
 #[test]
 fn a_cluster_upgraded_one_member_at_a_time_keeps_committing() {
-    const OLD: &[&str] = &["--raft-wire-format", "1"];
+    // Snapshots every 20 entries, 5 kept behind: a member that misses 40
+    // entries needs a snapshot.
+    const NEW: &[&str] = &["--snapshot-every", "20", "--keep-log-entries", "5"];
+    const OLD: &[&str] = &[
+        "--snapshot-every",
+        "20",
+        "--keep-log-entries",
+        "5",
+        "--raft-wire-format",
+        "1",
+    ];
     let mut cluster = Cluster::start(OLD);
     let all = cluster.all_addrs();
     let mut acked = BTreeSet::new();
+    let mut submit = |cluster: &Cluster, name: String| {
+        acked.insert(cluster.submit(&all, &name).expect("acknowledged"));
+    };
     for i in 0..3 {
-        acked.insert(cluster.submit(&all, &format!("old-{i}")).expect("acked"));
+        submit(&cluster, format!("old-{i}"));
     }
     cluster.converged();
     let mut upgraded = BTreeSet::new();
-    for id in 1..=3 {
+    for id in 1..=2 {
         cluster.terminate(id);
-        cluster.spawn(id, &[]);
+        cluster.spawn(id, NEW);
         upgraded.insert(id);
         for i in 0..3 {
-            acked.insert(
-                cluster
-                    .submit(&all, &format!("mixed-{id}-{i}"))
-                    .expect("acked"),
-            );
+            submit(&cluster, format!("mixed-{id}-{i}"));
         }
         if id == 1 {
             // A failover while one member runs the new release: votes and
             // entries cross formats both ways.
             let leader = cluster.leader();
             cluster.kill9(leader);
-            acked.insert(cluster.submit(&all, "after-kill").expect("acked"));
-            let args = if upgraded.contains(&leader) {
-                &[][..]
-            } else {
-                OLD
-            };
+            submit(&cluster, "after-kill".into());
+            let args = if upgraded.contains(&leader) { NEW } else { OLD };
             cluster.spawn(leader, args);
         }
         cluster.converged();
     }
+    // The old member stops; the new ones commit 40 entries and compact
+    // their logs; it comes back and needs a new leader's snapshot.
+    cluster.terminate(3);
+    for i in 0..40 {
+        submit(&cluster, format!("behind-{i}"));
+    }
+    cluster.spawn(3, OLD);
+    cluster.converged();
+    let leader = cluster.leader();
+    assert!(
+        cluster
+            .logs(leader)
+            .contains("sending the snapshot in format 7"),
+        "the old member was not sent a snapshot: {}",
+        cluster.logs(leader)
+    );
+    // The last member is upgraded.
+    cluster.terminate(3);
+    cluster.spawn(3, NEW);
+    submit(&cluster, "new".into());
+    cluster.converged();
     for r in 1..=3 {
         assert_eq!(cluster.jobs_on(r), acked, "replica {r}");
     }

@@ -13,21 +13,12 @@ pub enum StoreError {
     Sled(#[from] sled::Error),
     #[error("{what} is corrupt or from an unknown version: {message}")]
     Corrupt { what: String, message: String },
-    #[error("cannot encode {what}: {message}")]
-    Encode { what: &'static str, message: String },
 }
 
 impl StoreError {
     pub(crate) fn corrupt(what: impl Into<String>, message: impl ToString) -> StoreError {
         StoreError::Corrupt {
             what: what.into(),
-            message: message.to_string(),
-        }
-    }
-
-    pub(crate) fn encode(what: &'static str, message: impl ToString) -> StoreError {
-        StoreError::Encode {
-            what,
             message: message.to_string(),
         }
     }

@@ -44,10 +44,14 @@ pub use data_dir::{DataDir, DataDirError};
 pub use error::StoreError;
 pub use journal::Visitor;
 
-/// The snapshot's encoding (format 7; 6 still read), for the golden-bytes
-/// tests and tools that read snapshot files.
+/// The snapshot's encoding (format 8, protobuf; 7 and 6, postcard, still
+/// read), for the golden-bytes tests, tools that read snapshot files, and a
+/// leader sending a snapshot to a replica of the release before.
 pub mod snapshot_codec {
-    pub use crate::state_machine::{decode_snapshot, encode_snapshot};
+    pub use crate::state_machine::{
+        decode_snapshot, decode_snapshot_up_to, encode_snapshot, encode_snapshot_as,
+        snapshot_format_for_wire,
+    };
 }
 pub use log_store::LogStore;
 

@@ -48,11 +48,17 @@ const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
 /// time. 4: jobs gained their performance history (loss points, speeds).
 /// 5: allocations name a sharing partner; the GPU-holder index holds pairs.
 /// 6: the client requests remembered for exactly-once writes.
-/// 7: the running policy's memory, after the state. Version 6 is still
-/// read (as a state without policy memory).
-const SNAPSHOT_FORMAT_VERSION: u32 = 7;
-/// The version before, which this build still reads.
+/// 7: the running policy's memory, after the state.
+/// 8: protobuf (`keel.entry.v1.StateSnapshot`) instead of postcard.
+/// Versions 7 and 6 are still read (6 as a state without policy memory).
+const SNAPSHOT_FORMAT_VERSION: u32 = 8;
+/// The postcard versions this build still reads: the one before, and the
+/// one the data directories of the releases before it hold.
+const SNAPSHOT_FORMAT_VERSION_POSTCARD: u32 = 7;
 const SNAPSHOT_FORMAT_VERSION_PREVIOUS: u32 = 6;
+/// A protobuf snapshot's first byte: field 1 (`format_version`), varint.
+/// A postcard snapshot starts with its version (6 or 7) instead.
+const PROTOBUF_FIRST_BYTE: u8 = 0x08;
 
 pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -138,8 +144,8 @@ impl SharedState {
     }
 }
 
-/// A snapshot's data: the format version and the whole `ClusterState`;
-/// from version 7 the state's policy memory follows
+/// A postcard snapshot's data (formats 6 and 7): the format version and
+/// the whole `ClusterState`; in version 7 the state's policy memory follows
 /// ([`keel_state::policy_memory::PolicyMemorySlot`]).
 #[derive(Serialize, Deserialize)]
 pub(crate) struct SnapshotFile {
@@ -147,28 +153,90 @@ pub(crate) struct SnapshotFile {
     pub(crate) state: ClusterState,
 }
 
-/// [`SnapshotFile`] borrowed, to encode without copying the state.
+/// [`SnapshotFile`] borrowed, to encode without copying the state (the
+/// tests write the older formats with it).
+#[cfg(test)]
 #[derive(Serialize)]
 struct SnapshotFileRef<'a> {
     format_version: u32,
     state: &'a ClusterState,
 }
 
-/// Encodes `state` as a snapshot in the current format.
-pub fn encode_snapshot(state: &ClusterState) -> Result<Vec<u8>, postcard::Error> {
-    let mut bytes = postcard::to_stdvec(&SnapshotFileRef {
-        format_version: SNAPSHOT_FORMAT_VERSION,
-        state,
-    })?;
-    bytes.extend(postcard::to_stdvec(state.policy_memory_slot())?);
-    Ok(bytes)
+/// Encodes `state` as a snapshot in the current format (8, protobuf).
+pub fn encode_snapshot(state: &ClusterState) -> Vec<u8> {
+    let mut snapshot = state.to_snapshot_proto();
+    snapshot.format_version = SNAPSHOT_FORMAT_VERSION;
+    snapshot.encode_to_vec()
 }
 
+/// Encodes `state` as a snapshot in `format`: the current one (8), or 7,
+/// the format the release before reads (postcard; for a peer of that
+/// release during a rolling upgrade).
+pub fn encode_snapshot_as(state: &ClusterState, format: u32) -> Result<Vec<u8>, String> {
+    match format {
+        SNAPSHOT_FORMAT_VERSION => Ok(encode_snapshot(state)),
+        SNAPSHOT_FORMAT_VERSION_POSTCARD => {
+            #[derive(Serialize)]
+            struct Postcard<'a> {
+                format_version: u32,
+                state: &'a ClusterState,
+            }
+            let mut bytes = postcard::to_stdvec(&Postcard {
+                format_version: format,
+                state,
+            })
+            .map_err(|e| e.to_string())?;
+            bytes.extend(
+                postcard::to_stdvec(state.policy_memory_slot()).map_err(|e| e.to_string())?,
+            );
+            Ok(bytes)
+        }
+        other => Err(format!(
+            "snapshot format {other} is not one this build writes \
+             ({SNAPSHOT_FORMAT_VERSION_POSTCARD} or {SNAPSHOT_FORMAT_VERSION})"
+        )),
+    }
+}
+
+/// The snapshot format a replica writes and reads at most, given the
+/// newest Raft wire format it speaks: 8 with wire format 2, 7 (what the
+/// release before wrote and read) with wire format 1.
+pub fn snapshot_format_for_wire(wire_format: u32) -> u32 {
+    if wire_format >= crate::raft_wire::RAFT_WIRE_FORMAT {
+        SNAPSHOT_FORMAT_VERSION
+    } else {
+        SNAPSHOT_FORMAT_VERSION_POSTCARD
+    }
+}
+
+/// Decodes a snapshot of format 8 (protobuf), 7 or 6 (postcard); a newer
+/// format is refused naming the ones this build reads.
 pub fn decode_snapshot(bytes: &[u8]) -> Result<ClusterState, String> {
+    decode_snapshot_up_to(bytes, SNAPSHOT_FORMAT_VERSION)
+}
+
+/// [`decode_snapshot`], refusing formats newer than `newest` too.
+pub fn decode_snapshot_up_to(bytes: &[u8], newest: u32) -> Result<ClusterState, String> {
+    let newest = newest.min(SNAPSHOT_FORMAT_VERSION);
+    let refused = |found: u32| {
+        format!(
+            "snapshot format version {found} is not one this build reads \
+             ({SNAPSHOT_FORMAT_VERSION_PREVIOUS} to {newest}){}",
+            if found > newest { "; upgrade keel" } else { "" }
+        )
+    };
+    if bytes.first() == Some(&PROTOBUF_FIRST_BYTE) {
+        let snapshot = keel_proto::entry::StateSnapshot::decode(bytes)
+            .map_err(|e| format!("the snapshot is not valid protobuf: {e}"))?;
+        if snapshot.format_version != SNAPSHOT_FORMAT_VERSION || newest < SNAPSHOT_FORMAT_VERSION {
+            return Err(refused(snapshot.format_version));
+        }
+        return ClusterState::from_snapshot_proto(snapshot).map_err(|e| e.to_string());
+    }
     let (file, rest): (SnapshotFile, &[u8]) =
         postcard::take_from_bytes(bytes).map_err(|e| e.to_string())?;
     match file.format_version {
-        SNAPSHOT_FORMAT_VERSION => {
+        SNAPSHOT_FORMAT_VERSION_POSTCARD => {
             let mut state = file.state;
             let slot = postcard::from_bytes(rest)
                 .map_err(|e| format!("the snapshot's policy memory: {e}"))?;
@@ -176,10 +244,7 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<ClusterState, String> {
             Ok(state)
         }
         SNAPSHOT_FORMAT_VERSION_PREVIOUS if rest.is_empty() => Ok(file.state),
-        found => Err(format!(
-            "snapshot format version {found} is not one this build reads ({SNAPSHOT_FORMAT_VERSION_PREVIOUS} or {SNAPSHOT_FORMAT_VERSION}){}",
-            if found > SNAPSHOT_FORMAT_VERSION { "; upgrade keel" } else { "" }
-        )),
+        found => Err(refused(found)),
     }
 }
 
@@ -201,9 +266,19 @@ pub struct StateMachineStore {
     tree: sled::Tree,
     writer: Arc<JournalWriter>,
     snapshot_seq: Arc<AtomicU64>,
+    /// The snapshot format written and the newest read from a leader
+    /// ([`snapshot_format_for_wire`]).
+    snapshot_format: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl StateMachineStore {
+    /// Writes snapshots in `format` from now on, and refuses a leader's
+    /// snapshot of a newer one: 7 makes the store behave as the release
+    /// before format 8 did (mixed-release tests).
+    pub fn use_snapshot_format(&self, format: u32) {
+        self.snapshot_format.store(format, Ordering::Relaxed);
+    }
+
     /// Opens (or creates) the store in `dir` and rebuilds the state: the
     /// current snapshot, then every journal entry after it.
     pub fn open(dir: &Path) -> Result<StateMachineStore, StoreError> {
@@ -259,6 +334,7 @@ impl StateMachineStore {
             tree,
             writer,
             snapshot_seq: Arc::new(AtomicU64::new(0)),
+            snapshot_format: Arc::new(std::sync::atomic::AtomicU32::new(SNAPSHOT_FORMAT_VERSION)),
         })
     }
 
@@ -438,8 +514,9 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
         let (data, meta) = {
             let applied = self.shared.read();
-            let data = encode_snapshot(&applied.state)
-                .map_err(|e| sm_err(StoreError::encode("snapshot", e)))?;
+            let format = self.snapshot_format.load(Ordering::Relaxed);
+            let data = encode_snapshot_as(&applied.state, format)
+                .map_err(|e| sm_err(StoreError::corrupt("the snapshot's format", e)))?;
             let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match applied.last_applied {
                 Some(l) => format!(
@@ -565,7 +642,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
-        let state = decode_snapshot(&data).map_err(|e| {
+        let newest = self.snapshot_format.load(Ordering::Relaxed);
+        let state = decode_snapshot_up_to(&data, newest).map_err(|e| {
             StorageError::from(StorageIOError::read_snapshot(
                 Some(meta.signature()),
                 AnyError::error(e),
@@ -630,10 +708,21 @@ mod tests {
     #[test]
     fn a_snapshot_carries_the_policy_memory_and_the_previous_version_still_reads() {
         let state = state_with_memory();
-        let back = decode_snapshot(&encode_snapshot(&state).expect("encodes")).expect("decodes");
+        let back = decode_snapshot(&encode_snapshot(&state)).expect("decodes");
         assert_eq!(back, state);
         assert_eq!(back.state_hash(), state.state_hash());
         assert!(back.policy_memory().is_some());
+
+        // Version 7: postcard, the memory after the state.
+        let mut v7 = postcard::to_stdvec(&SnapshotFileRef {
+            format_version: SNAPSHOT_FORMAT_VERSION_POSTCARD,
+            state: &state,
+        })
+        .expect("encodes");
+        v7.extend(postcard::to_stdvec(state.policy_memory_slot()).expect("encodes"));
+        let read = decode_snapshot(&v7).expect("version 7 reads");
+        assert_eq!(read, state);
+        assert_eq!(read.state_hash(), state.state_hash());
 
         // Version 6: the state alone, read as a state without memory.
         let mut old = ClusterState::new();
@@ -651,16 +740,37 @@ mod tests {
         assert_eq!(read, old);
         assert_eq!(read.policy_memory_slot(), &PolicyMemorySlot::default());
 
-        // A newer version is refused, naming both.
-        let v8 = postcard::to_stdvec(&SnapshotFileRef {
-            format_version: SNAPSHOT_FORMAT_VERSION + 1,
-            state: &old,
-        })
-        .expect("encodes");
-        let err = decode_snapshot(&v8).expect_err("newer");
+        // A newer version is refused, naming the ones read.
+        let mut v9 = old.to_snapshot_proto();
+        v9.format_version = SNAPSHOT_FORMAT_VERSION + 1;
+        let err = decode_snapshot(&v9.encode_to_vec()).expect_err("newer");
         assert!(
-            err.contains("version 8") && err.contains("6 or 7") && err.contains("upgrade"),
+            err.contains("version 9") && err.contains("6 to 8") && err.contains("upgrade"),
             "{err}"
         );
+        // Written for a replica of the release before (format 7, as it
+        // reads), and refused by one when written in format 8.
+        let for_old =
+            encode_snapshot_as(&state, SNAPSHOT_FORMAT_VERSION_POSTCARD).expect("encodes");
+        assert_eq!(for_old, v7);
+        let read =
+            decode_snapshot_up_to(&for_old, SNAPSHOT_FORMAT_VERSION_POSTCARD).expect("reads");
+        assert_eq!(read, state);
+        let err = decode_snapshot_up_to(&encode_snapshot(&state), SNAPSHOT_FORMAT_VERSION_POSTCARD)
+            .expect_err("newer than the release before reads");
+        assert!(err.contains("version 8") && err.contains("6 to 7"), "{err}");
+        // A snapshot whose state breaks an invariant is refused.
+        let mut broken = state.to_snapshot_proto();
+        broken.format_version = SNAPSHOT_FORMAT_VERSION;
+        broken.gpu_holders.push(keel_proto::entry::GpuHolding {
+            gpu: Some(keel_proto::entry::GpuRef {
+                node: "ghost".into(),
+                index: 0,
+            }),
+            job: 42,
+            sharer: None,
+        });
+        let err = decode_snapshot(&broken.encode_to_vec()).expect_err("inconsistent");
+        assert!(err.contains("GPU holder index"), "{err}");
     }
 }

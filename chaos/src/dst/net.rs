@@ -272,9 +272,7 @@ pub struct SimPeer {
 
 /// A value as the other side decodes it.
 fn wire<T: WireMessage>(value: &T) -> Result<T, String> {
-    let bytes = value
-        .encode(RAFT_WIRE_FORMAT)
-        .map_err(|e| e.to_string())?;
+    let bytes = value.encode(RAFT_WIRE_FORMAT).map_err(|e| e.to_string())?;
     T::decode(&bytes, RAFT_WIRE_FORMAT).map_err(|e| e.to_string())
 }
 

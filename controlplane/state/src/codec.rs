@@ -37,6 +37,10 @@ pub enum DecodeError {
     MissingField(&'static str),
     #[error("entry field {field} has an unknown value {value}")]
     UnknownValue { field: &'static str, value: i32 },
+    #[error("field {field} has an unknown value {value:?}")]
+    UnknownName { field: &'static str, value: String },
+    #[error("{0}")]
+    Inconsistent(String),
 }
 
 /// Encodes an entry in the current format version.
@@ -516,6 +520,99 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
         }),
     };
     pb::Event { kind: Some(kind) }
+}
+
+/// An event from its protobuf form (the snapshot keeps the events of the
+/// requests it remembers); the inverse of [`event_to_proto`].
+pub fn event_from_proto(e: pb::Event) -> Result<Event, DecodeError> {
+    use pb::event::Kind as K;
+    Ok(
+        match e.kind.ok_or(DecodeError::MissingField("event.kind"))? {
+            K::NodeRegistered(e) => Event::NodeRegistered {
+                name: e.name,
+                gpus: e.gpus.into_iter().map(gpu_from_proto).collect(),
+            },
+            K::NodeLost(e) => Event::NodeLost {
+                name: e.name,
+                reason: e.reason,
+            },
+            K::NodeRecovered(e) => Event::NodeRecovered { name: e.name },
+            K::NodeRemoved(e) => Event::NodeRemoved { name: e.name },
+            K::JobSubmitted(e) => Event::JobSubmitted {
+                job_id: e.job_id,
+                name: e.name,
+                user: e.user,
+            },
+            K::JobCancelled(e) => Event::JobCancelled {
+                job_id: e.job_id,
+                reason: e.reason,
+            },
+            K::JobAllocated(e) => Event::JobAllocated {
+                job_id: e.job_id,
+                epoch: e.epoch,
+                gpus: e.gpus.into_iter().map(gpu_ref_from_proto).collect(),
+                based_on: e.based_on,
+                policy: e.policy,
+                round: e.round,
+                shared_with: e.shared_with,
+            },
+            K::JobPreempted(e) => Event::JobPreempted {
+                job_id: e.job_id,
+                reason: e.reason,
+            },
+            K::PlacementRefused(e) => Event::PlacementRefused {
+                job_id: e.job_id,
+                reason: e.reason,
+            },
+            K::WorkerStarted(e) => Event::WorkerStarted {
+                job_id: e.job_id,
+                epoch: e.epoch,
+                rank: e.rank,
+                node: e.node,
+            },
+            K::WorkerExited(e) => Event::WorkerExited {
+                job_id: e.job_id,
+                epoch: e.epoch,
+                rank: e.rank,
+                exit_code: e.exit_code,
+                reason: e.reason,
+            },
+            K::JobProgressReported(e) => Event::JobProgressReported {
+                job_id: e.job_id,
+                latest: sample_from_proto(
+                    e.latest
+                        .ok_or(DecodeError::MissingField("job_progress_reported.latest"))?,
+                ),
+                samples: e.samples,
+            },
+            K::JobFinished(e) => Event::JobFinished {
+                job_id: e.job_id,
+                state: crate::model::JobState::parse(&e.state).ok_or(DecodeError::UnknownName {
+                    field: "job_finished.state",
+                    value: e.state,
+                })?,
+                reason: e.reason,
+            },
+            K::JobRemoved(e) => Event::JobRemoved { job_id: e.job_id },
+            K::RequestRepeated(e) => Event::RequestRepeated {
+                request_id: e.request_id,
+                first_index: e.first_index,
+            },
+            K::PolicyMemoryRefused(e) => Event::PolicyMemoryRefused {
+                policy: e.policy,
+                reason: e.reason,
+            },
+            K::PolicyChanged(e) => Event::PolicyChanged {
+                from: e.from,
+                to: e.to,
+            },
+            K::JobRequeued(e) => Event::JobRequeued {
+                job_id: e.job_id,
+                retries: e.retries,
+                reason: e.reason,
+            },
+        },
+    )
 }
 
 /// The record of what applying `entry` at `index` did, as stored in the

@@ -101,6 +101,31 @@ impl RecentRequests {
         self.by_id.get(id)
     }
 
+    /// The requests remembered, in the order they were applied.
+    pub fn in_order(&self) -> impl Iterator<Item = (&str, &Remembered)> {
+        self.order
+            .iter()
+            .filter_map(|(_, id)| Some((id.as_str(), self.by_id.get(id)?)))
+    }
+
+    /// The requests `in_order` gave: refused if an id is there twice, or
+    /// if there are more than [`REMEMBER_MAX`].
+    pub fn from_order(
+        requests: impl IntoIterator<Item = (String, Remembered)>,
+    ) -> Result<RecentRequests, String> {
+        let mut out = RecentRequests::default();
+        for (id, r) in requests {
+            out.order.push_back((r.at_ms, id.clone()));
+            if out.by_id.insert(id.clone(), r).is_some() {
+                return Err(format!("request id {id:?} is remembered twice"));
+            }
+        }
+        if out.order.len() > REMEMBER_MAX {
+            return Err(format!("{} request ids remembered", out.order.len()));
+        }
+        Ok(out)
+    }
+
     /// How many requests are remembered.
     pub fn len(&self) -> usize {
         self.by_id.len()

@@ -22,6 +22,8 @@ use crate::policy_memory::{PolicyMemory, PolicyMemorySlot, POLICY_MEMORY_MAX_BYT
 use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
+mod snapshot;
+
 /// Limits on commands, so one entry cannot blow up the state.
 pub mod limits {
     pub const NODE_NAME_MAX_LEN: usize = 253;

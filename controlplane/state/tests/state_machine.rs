@@ -1262,6 +1262,10 @@ proptest! {
         let decoded: ClusterState = postcard::from_bytes(&bytes).expect("decodes");
         prop_assert!(decoded.check_invariants().is_ok());
         prop_assert_eq!(decoded.state_hash(), live.state_hash());
+        prop_assert_eq!(&decoded, &live);
+        // And through the snapshot's protobuf (format 8).
+        let decoded = ClusterState::from_snapshot_proto(live.to_snapshot_proto()).expect("decodes");
+        prop_assert_eq!(decoded.state_hash(), live.state_hash());
         prop_assert_eq!(decoded, live);
     }
 
@@ -1289,6 +1293,9 @@ proptest! {
         let bytes = postcard::to_allocvec(&twice).expect("encodes");
         let decoded: ClusterState = postcard::from_bytes(&bytes).expect("decodes");
         prop_assert_eq!(decoded.state_hash(), twice.state_hash());
+        let decoded = ClusterState::from_snapshot_proto(twice.to_snapshot_proto()).expect("decodes");
+        prop_assert_eq!(decoded.state_hash(), twice.state_hash());
+        prop_assert_eq!(decoded, twice);
     }
 
     #[test]

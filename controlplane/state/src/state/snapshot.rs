@@ -1,0 +1,402 @@
+//! The state in protobuf (`keel.entry.v1.StateSnapshot`): what a snapshot
+//! holds from format 8 on.
+//!
+//! Encoding is lossless: decoding what [`ClusterState::to_snapshot_proto`]
+//! gave yields an equal state with the same hash. Decoding rebuilds the
+//! derived indexes and refuses a state that breaks an invariant
+//! ([`ClusterState::check_invariants`]), a name it does not know, or a job
+//! or node listed twice.
+
+use std::collections::BTreeMap;
+
+use keel_proto::entry as pb;
+
+use super::{ClusterState, FreeCache, JobIndexes};
+use crate::codec::{
+    event_from_proto, event_to_proto, gpu_ref_from_proto, gpu_ref_to_proto, sample_from_proto,
+    sample_to_proto, spec_from_proto, spec_to_proto, DecodeError,
+};
+use crate::free_gpus::FreeGpus;
+use crate::model::{Allocation, GpuHolders, Job, JobState, Node, NodeState, Worker, WorkerState};
+use crate::perf_history::{PerfHistory, SpeedStat};
+use crate::policy_memory::{PolicyMemory, PolicyMemorySlot};
+use crate::requests::{RecentRequests, Remembered};
+
+impl ClusterState {
+    /// The state as a snapshot's protobuf message (its `format_version`
+    /// left for the snapshot's writer to set).
+    pub fn to_snapshot_proto(&self) -> pb::StateSnapshot {
+        let memory = self.policy_memory.memory.as_ref();
+        pb::StateSnapshot {
+            format_version: 0,
+            next_job_id: self.next_job_id,
+            jobs: self.jobs.values().map(job_to_proto).collect(),
+            nodes: self.nodes.values().map(node_to_proto).collect(),
+            gpu_holders: self
+                .gpu_holders
+                .iter()
+                .map(|(gpu, h)| pb::GpuHolding {
+                    gpu: Some(gpu_ref_to_proto(gpu)),
+                    job: h.job,
+                    sharer: h.sharer,
+                })
+                .collect(),
+            last_index: self.last_index,
+            supply_demand_version: self.supply_demand_version,
+            last_round: self.last_round,
+            policy: self.policy.clone(),
+            requests: self
+                .requests
+                .in_order()
+                .map(|(id, r)| pb::RememberedRequest {
+                    request_id: id.to_string(),
+                    first_index: r.first_index,
+                    at_ms: r.at_ms,
+                    command_digest: r.command_digest.to_vec(),
+                    events: r.events.iter().map(event_to_proto).collect(),
+                })
+                .collect(),
+            policy_memory: memory.map(|m| pb::PolicyMemory {
+                policy: m.policy.clone(),
+                format: m.format,
+                bytes: m.bytes.clone(),
+            }),
+            policy_memory_changed_at: self.policy_memory.changed_at,
+        }
+    }
+
+    /// The state a snapshot's protobuf message holds.
+    pub fn from_snapshot_proto(m: pb::StateSnapshot) -> Result<ClusterState, DecodeError> {
+        let inconsistent = DecodeError::Inconsistent;
+        let mut jobs = BTreeMap::new();
+        for j in m.jobs {
+            let job = job_from_proto(j)?;
+            let id = job.id;
+            if jobs.insert(id, job).is_some() {
+                return Err(inconsistent(format!("job {id} is listed twice")));
+            }
+        }
+        let mut nodes = BTreeMap::new();
+        for n in m.nodes {
+            let node = node_from_proto(n)?;
+            let name = node.name.clone();
+            if nodes.insert(name.clone(), node).is_some() {
+                return Err(inconsistent(format!("node {name:?} is listed twice")));
+            }
+        }
+        let mut gpu_holders = BTreeMap::new();
+        for h in m.gpu_holders {
+            let gpu =
+                gpu_ref_from_proto(h.gpu.ok_or(DecodeError::MissingField("gpu_holders.gpu"))?);
+            let holders = GpuHolders {
+                job: h.job,
+                sharer: h.sharer,
+            };
+            if let Some(_twice) = gpu_holders.insert(gpu.clone(), holders) {
+                return Err(inconsistent(format!("GPU {gpu} is listed twice")));
+            }
+        }
+        let requests = RecentRequests::from_order(
+            m.requests
+                .into_iter()
+                .map(|r| {
+                    let command_digest: [u8; 32] =
+                        r.command_digest.as_slice().try_into().map_err(|_| {
+                            inconsistent(format!(
+                                "request {:?}: a command digest of {} bytes, not 32",
+                                r.request_id,
+                                r.command_digest.len()
+                            ))
+                        })?;
+                    let events = r
+                        .events
+                        .into_iter()
+                        .map(event_from_proto)
+                        .collect::<Result<_, _>>()?;
+                    Ok((
+                        r.request_id,
+                        Remembered {
+                            first_index: r.first_index,
+                            at_ms: r.at_ms,
+                            command_digest,
+                            events,
+                        },
+                    ))
+                })
+                .collect::<Result<Vec<_>, DecodeError>>()?,
+        )
+        .map_err(inconsistent)?;
+        let policy_memory = PolicyMemorySlot {
+            memory: m.policy_memory.map(|p| PolicyMemory {
+                policy: p.policy,
+                format: p.format,
+                bytes: p.bytes,
+            }),
+            changed_at: m.policy_memory_changed_at,
+        };
+        let state = ClusterState {
+            next_job_id: m.next_job_id,
+            indexes: JobIndexes::of(&jobs),
+            capacity: FreeGpus::of_nodes(&nodes),
+            jobs,
+            nodes,
+            gpu_holders,
+            last_index: m.last_index,
+            supply_demand_version: m.supply_demand_version,
+            last_round: m.last_round,
+            policy: m.policy,
+            requests,
+            policy_memory,
+            free: FreeCache::default(),
+        };
+        state.check_invariants().map_err(inconsistent)?;
+        Ok(state)
+    }
+}
+
+fn job_to_proto(j: &Job) -> pb::JobRecord {
+    pb::JobRecord {
+        id: j.id,
+        spec: Some(spec_to_proto(&j.spec)),
+        state: j.state.as_str().to_string(),
+        submitted_at_ms: j.submitted_at_ms,
+        started_at_ms: j.started_at_ms,
+        finished_at_ms: j.finished_at_ms,
+        allocation: j.allocation.as_ref().map(|a| pb::Allocation {
+            epoch: a.epoch,
+            gpus: a.gpus.iter().map(gpu_ref_to_proto).collect(),
+            based_on: a.based_on,
+            policy: a.policy.clone(),
+            round: a.round,
+            decided_at_ms: a.decided_at_ms,
+            shared_with: a.shared_with,
+        }),
+        last_epoch: j.last_epoch,
+        workers: j
+            .workers
+            .iter()
+            .map(|(rank, w)| pb::WorkerRecord {
+                rank: *rank,
+                epoch: w.epoch,
+                node: w.node.clone(),
+                state: match w.state {
+                    WorkerState::Running => "running",
+                    WorkerState::Exited => "exited",
+                }
+                .to_string(),
+                exit_code: w.exit_code,
+            })
+            .collect(),
+        progress: j.progress.as_ref().map(sample_to_proto),
+        progress_samples: j.progress_samples,
+        retries: j.retries,
+        not_before_ms: j.not_before_ms,
+        message: j.message.clone(),
+        service_gpu_ms: j.service_gpu_ms,
+        queued_since_ms: j.queued_since_ms,
+        perf: Some(perf_to_proto(&j.perf)),
+    }
+}
+
+fn job_from_proto(j: pb::JobRecord) -> Result<Job, DecodeError> {
+    let mut workers = BTreeMap::new();
+    for w in j.workers {
+        let state = match w.state.as_str() {
+            "running" => WorkerState::Running,
+            "exited" => WorkerState::Exited,
+            _ => {
+                return Err(DecodeError::UnknownName {
+                    field: "worker.state",
+                    value: w.state,
+                })
+            }
+        };
+        let worker = Worker {
+            epoch: w.epoch,
+            node: w.node,
+            state,
+            exit_code: w.exit_code,
+        };
+        if workers.insert(w.rank, worker).is_some() {
+            return Err(DecodeError::Inconsistent(format!(
+                "job {}: rank {} is listed twice",
+                j.id, w.rank
+            )));
+        }
+    }
+    Ok(Job {
+        id: j.id,
+        spec: spec_from_proto(j.spec.ok_or(DecodeError::MissingField("job.spec"))?),
+        state: JobState::parse(&j.state).ok_or(DecodeError::UnknownName {
+            field: "job.state",
+            value: j.state,
+        })?,
+        submitted_at_ms: j.submitted_at_ms,
+        started_at_ms: j.started_at_ms,
+        finished_at_ms: j.finished_at_ms,
+        allocation: j.allocation.map(|a| Allocation {
+            epoch: a.epoch,
+            gpus: a.gpus.into_iter().map(gpu_ref_from_proto).collect(),
+            based_on: a.based_on,
+            policy: a.policy,
+            round: a.round,
+            decided_at_ms: a.decided_at_ms,
+            shared_with: a.shared_with,
+        }),
+        last_epoch: j.last_epoch,
+        workers,
+        progress: j.progress.map(sample_from_proto),
+        progress_samples: j.progress_samples,
+        retries: j.retries,
+        not_before_ms: j.not_before_ms,
+        message: j.message,
+        service_gpu_ms: j.service_gpu_ms,
+        queued_since_ms: j.queued_since_ms,
+        perf: perf_from_proto(j.perf.unwrap_or_default()),
+    })
+}
+
+fn node_to_proto(n: &Node) -> pb::NodeRecord {
+    pb::NodeRecord {
+        name: n.name.clone(),
+        address: n.address.clone(),
+        gpus: n
+            .gpus
+            .iter()
+            .map(|(index, gpu_type)| pb::Gpu {
+                index: *index,
+                gpu_type: gpu_type.clone(),
+            })
+            .collect(),
+        state: n.state.as_str().to_string(),
+        registered_at_ms: n.registered_at_ms,
+        message: n.message.clone(),
+    }
+}
+
+fn node_from_proto(n: pb::NodeRecord) -> Result<Node, DecodeError> {
+    let state = match n.state.as_str() {
+        "alive" => NodeState::Alive,
+        "lost" => NodeState::Lost,
+        _ => {
+            return Err(DecodeError::UnknownName {
+                field: "node.state",
+                value: n.state,
+            })
+        }
+    };
+    let mut gpus = BTreeMap::new();
+    for g in n.gpus {
+        if gpus.insert(g.index, g.gpu_type).is_some() {
+            return Err(DecodeError::Inconsistent(format!(
+                "node {:?}: GPU {} is listed twice",
+                n.name, g.index
+            )));
+        }
+    }
+    Ok(Node {
+        name: n.name,
+        address: n.address,
+        gpus,
+        state,
+        registered_at_ms: n.registered_at_ms,
+        message: n.message,
+    })
+}
+
+fn stat_to_proto(s: &SpeedStat) -> pb::SpeedStat {
+    pb::SpeedStat {
+        sum_steps_per_s: s.sum_steps_per_s,
+        count: s.count,
+    }
+}
+
+fn stat_from_proto(s: Option<pb::SpeedStat>) -> SpeedStat {
+    let s = s.unwrap_or_default();
+    SpeedStat {
+        sum_steps_per_s: s.sum_steps_per_s,
+        count: s.count,
+    }
+}
+
+fn speeds_to_proto(speeds: &BTreeMap<String, BTreeMap<u32, SpeedStat>>) -> Vec<pb::SpeedsOnType> {
+    speeds
+        .iter()
+        .map(|(gpu_type, by_gpus)| pb::SpeedsOnType {
+            gpu_type: gpu_type.clone(),
+            by_gpus: by_gpus
+                .iter()
+                .map(|(gpus, stat)| pb::SpeedOnGpus {
+                    gpus: *gpus,
+                    stat: Some(stat_to_proto(stat)),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn speeds_from_proto(speeds: Vec<pb::SpeedsOnType>) -> BTreeMap<String, BTreeMap<u32, SpeedStat>> {
+    speeds
+        .into_iter()
+        .map(|t| {
+            let by_gpus = t
+                .by_gpus
+                .into_iter()
+                .map(|g| (g.gpus, stat_from_proto(g.stat)))
+                .collect();
+            (t.gpu_type, by_gpus)
+        })
+        .collect()
+}
+
+fn perf_to_proto(p: &PerfHistory) -> pb::PerfHistory {
+    pb::PerfHistory {
+        loss_points: p
+            .loss_points
+            .iter()
+            .map(|(step, loss)| pb::LossPoint {
+                step: *step,
+                loss: *loss,
+            })
+            .collect(),
+        speeds: speeds_to_proto(&p.speeds),
+        epoch_speed: Some(stat_to_proto(&p.epoch_speed)),
+        epoch_gpus: p.epoch_gpus,
+        last_sample: p.last_sample.map(|(epoch, step, at_ms)| pb::LastSample {
+            epoch,
+            step,
+            at_ms,
+        }),
+        epoch_gpu_type: p.epoch_gpu_type.clone(),
+        epoch_partner: p.epoch_partner.clone(),
+        shared_speeds: p
+            .shared_speeds
+            .iter()
+            .map(|(partner, by_type)| pb::SpeedsBesidePartner {
+                partner_model: partner.clone(),
+                by_type: speeds_to_proto(by_type),
+            })
+            .collect(),
+    }
+}
+
+fn perf_from_proto(p: pb::PerfHistory) -> PerfHistory {
+    PerfHistory {
+        loss_points: p
+            .loss_points
+            .into_iter()
+            .map(|l| (l.step, l.loss))
+            .collect(),
+        speeds: speeds_from_proto(p.speeds),
+        epoch_speed: stat_from_proto(p.epoch_speed),
+        epoch_gpus: p.epoch_gpus,
+        last_sample: p.last_sample.map(|s| (s.epoch, s.step, s.at_ms)),
+        epoch_gpu_type: p.epoch_gpu_type,
+        epoch_partner: p.epoch_partner,
+        shared_speeds: p
+            .shared_speeds
+            .into_iter()
+            .map(|s| (s.partner_model, speeds_from_proto(s.by_type)))
+            .collect(),
+    }
+}
