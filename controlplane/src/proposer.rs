@@ -112,7 +112,7 @@ async fn run(raft: Raft, clock: Clock, mut rx: mpsc::Receiver<Pending>) {
         // clients on one replica, ~27k/s with one in flight, ~8k/s with
         // four; three replicas, replicated_writes with 64 clients, 3,508/s
         // with one, 3,018/s with two, 2,863/s with four).
-        match raft.client_write(Proposal { entries }).await {
+        match raft.client_write(Proposal::new(entries)).await {
             Ok(resp) => {
                 let index = resp.data.index;
                 for (reply, outcome) in replies.into_iter().zip(resp.data.outcomes) {

@@ -1,6 +1,10 @@
 //! Replay: rebuild `ClusterState` from a 1M-entry journal on disk (sled),
 //! decoding every entry and applying it.
 //!
+//! And a snapshot of the state that builds: encoded and decoded in format
+//! 8 (protobuf) and format 7 (postcard, the format before), with the sizes
+//! printed.
+//!
 //! Run: `cargo bench -p keel-storage --bench replay`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -30,9 +34,7 @@ fn replay_journal(c: &mut Criterion) {
                     .enumerate()
                     .map(|(i, e)| Entry {
                         log_id: LogId::new(CommittedLeaderId::new(1, 1), (next + i) as u64 + 1),
-                        payload: EntryPayload::Normal(Proposal {
-                            entries: vec![e.clone()],
-                        }),
+                        payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
                     })
                     .collect();
                 sm.apply(batch).await.expect("apply");
@@ -55,5 +57,32 @@ fn replay_journal(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, replay_journal);
+#[allow(clippy::print_stderr)] // The sizes, beside criterion's own report.
+fn snapshot_formats(c: &mut Criterion) {
+    use keel_storage::snapshot_codec::{decode_snapshot, encode_snapshot_as};
+    let mut state = keel_state::ClusterState::new();
+    for (i, e) in mixed_entries(200_000, 32, 42).iter().enumerate() {
+        let _ = state.apply(i as u64 + 1, e);
+    }
+    let mut group = c.benchmark_group("snapshot");
+    group.sample_size(10);
+    for format in [8u32, 7] {
+        let bytes = encode_snapshot_as(&state, format).expect("encodes");
+        eprintln!(
+            "snapshot format {format}: {} jobs, {} bytes",
+            state.jobs().len(),
+            bytes.len()
+        );
+        group.throughput(Throughput::Bytes(bytes.len() as u64));
+        group.bench_function(format!("encode_format_{format}"), |b| {
+            b.iter(|| encode_snapshot_as(&state, format).expect("encodes"))
+        });
+        group.bench_function(format!("decode_format_{format}"), |b| {
+            b.iter(|| decode_snapshot(&bytes).expect("decodes"))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, replay_journal, snapshot_formats);
 criterion_main!(benches);

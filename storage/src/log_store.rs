@@ -25,7 +25,7 @@ use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use keel_proto::replication as pb;
-use keel_state::codec::{decode_proposal, encode_proposal};
+use keel_state::codec::{decode_proposal, proposal_bytes};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{
     CommittedLeaderId, EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftLogReader, Vote,
@@ -110,7 +110,7 @@ pub fn encode_payload(payload: &EntryPayload<TypeConfig>) -> Vec<u8> {
         EntryPayload::Blank => vec![TAG_BLANK],
         EntryPayload::Normal(proposal) => {
             let mut v = vec![TAG_NORMAL];
-            v.extend_from_slice(&encode_proposal(proposal));
+            v.extend_from_slice(proposal_bytes(proposal));
             v
         }
         EntryPayload::Membership(m) => {

@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use keel_proto::replication as pb;
-use keel_state::codec::{decode_proposal, encode_proposal};
+use keel_state::codec::{decode_proposal_owned, encode_proposal};
 use openraft::error::{Fatal, Infallible, InstallSnapshotError, RaftError, SnapshotMismatch};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
@@ -360,12 +360,12 @@ fn entry_from_proto(entry: pb::Entry) -> Result<Entry, WireError> {
     let log_id = log_id_from_proto(required(entry.log_id, "entry.log_id")?);
     let payload = match required(entry.payload, "entry.payload")? {
         Payload::Blank(_) => EntryPayload::Blank,
-        Payload::Proposal(bytes) => {
-            EntryPayload::Normal(decode_proposal(&bytes).map_err(|e| WireError::Invalid {
+        Payload::Proposal(bytes) => EntryPayload::Normal(decode_proposal_owned(bytes).map_err(
+            |e| WireError::Invalid {
                 field: "entry.proposal",
                 reason: format!("entry {}: {e}", log_id.index),
-            })?)
-        }
+            },
+        )?),
         Payload::Membership(m) => EntryPayload::Membership(membership_from_proto(m)?),
     };
     Ok(Entry { log_id, payload })

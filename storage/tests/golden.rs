@@ -268,9 +268,7 @@ fn every_entry_kind_decodes_from_its_golden_bytes() {
         );
     }
     // All of them as one proposal (one Raft entry's payload).
-    let proposal = Proposal {
-        entries: examples.into_iter().map(|(_, e)| e).collect(),
-    };
+    let proposal = Proposal::new(examples.into_iter().map(|(_, e)| e).collect());
     let bytes = golden("proposal.bin", &encode_proposal(&proposal));
     assert_eq!(decode_proposal(&bytes), Ok(proposal));
 }
@@ -402,14 +400,12 @@ mod raft_messages {
     }
 
     fn append_request() -> AppendEntriesRequest<TypeConfig> {
-        let proposal = Proposal {
-            entries: vec![LogEntry::new(
-                42_000,
-                Command::SetPolicy {
-                    name: "fifo".into(),
-                },
-            )],
-        };
+        let proposal = Proposal::new(vec![LogEntry::new(
+            42_000,
+            Command::SetPolicy {
+                name: "fifo".into(),
+            },
+        )]);
         AppendEntriesRequest {
             vote: Vote::new_committed(7, 2),
             prev_log_id: Some(log_id(6, 1, 40)),
@@ -571,14 +567,12 @@ mod records {
 
     #[test]
     fn every_wal_record_kind_decodes_from_its_golden_bytes() {
-        let proposal = Proposal {
-            entries: vec![LogEntry::new(
-                1_000,
-                Command::SetPolicy {
-                    name: "fifo".into(),
-                },
-            )],
-        };
+        let proposal = Proposal::new(vec![LogEntry::new(
+            1_000,
+            Command::SetPolicy {
+                name: "fifo".into(),
+            },
+        )]);
         for (name, payload) in [
             ("blank", EntryPayload::Blank),
             ("proposal", EntryPayload::Normal(proposal)),

@@ -13,9 +13,7 @@ fn spec(name: &str) -> JobSpec {
 fn normal(index: u64, command: Command) -> Entry {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(Proposal {
-            entries: vec![LogEntry::new(index * 1000, command)],
-        }),
+        payload: EntryPayload::Normal(Proposal::new(vec![LogEntry::new(index * 1000, command)])),
     }
 }
 
@@ -175,9 +173,7 @@ async fn journal_compaction_keeps_content_and_order() {
                 index += 1;
                 Entry {
                     log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-                    payload: EntryPayload::Normal(Proposal {
-                        entries: vec![e.clone()],
-                    }),
+                    payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
                 }
             })
             .collect();

@@ -190,12 +190,10 @@ pub(crate) async fn write(
     request_id: Option<String>,
     at_ms: u64,
 ) -> (Outcome, Option<u64>) {
-    let proposal = Proposal {
-        entries: vec![LogEntry {
-            request_id,
-            ..LogEntry::new(EPOCH_MS + at_ms, command)
-        }],
-    };
+    let proposal = Proposal::new(vec![LogEntry {
+        request_id,
+        ..LogEntry::new(EPOCH_MS + at_ms, command)
+    }]);
     match tokio::time::timeout(Duration::from_secs(3), raft.client_write(proposal)).await {
         Err(_) => (Outcome::Indeterminate, None),
         Ok(Ok(r)) => (

@@ -62,22 +62,41 @@ pub fn decode_entry(bytes: &[u8]) -> Result<LogEntry, DecodeError> {
 
 /// Encodes a proposal (the payload of one Raft entry).
 pub fn encode_proposal(proposal: &Proposal) -> Vec<u8> {
-    pb::Proposal {
-        entries: proposal.entries.iter().map(entry_to_proto).collect(),
-    }
-    .encode_to_vec()
+    proposal_bytes(proposal).to_vec()
+}
+
+/// A proposal's encoding, made on first use and kept with it (shared by
+/// its clones), or the bytes it was decoded from.
+pub fn proposal_bytes(proposal: &Proposal) -> &[u8] {
+    proposal.encoded.0.get_or_init(|| {
+        pb::Proposal {
+            entries: proposal.entries.iter().map(entry_to_proto).collect(),
+        }
+        .encode_to_vec()
+    })
 }
 
 /// Decodes a proposal, refusing any entry of an unknown version or command.
 pub fn decode_proposal(bytes: &[u8]) -> Result<Proposal, DecodeError> {
-    let msg = pb::Proposal::decode(bytes).map_err(|e| DecodeError::Protobuf(e.to_string()))?;
-    Ok(Proposal {
+    decode_proposal_owned(bytes.to_vec())
+}
+
+/// [`decode_proposal`] from bytes it keeps as the proposal's encoding.
+pub fn decode_proposal_owned(bytes: Vec<u8>) -> Result<Proposal, DecodeError> {
+    let msg =
+        pb::Proposal::decode(bytes.as_slice()).map_err(|e| DecodeError::Protobuf(e.to_string()))?;
+    let proposal = Proposal {
         entries: msg
             .entries
             .into_iter()
             .map(entry_from_proto)
             .collect::<Result<_, _>>()?,
-    })
+        encoded: crate::command::EncodedOnce::default(),
+    };
+    // The bytes read are its encoding: a proposal sent on or written again
+    // is these bytes, not a new encoding of what they decoded to.
+    let _ = proposal.encoded.0.set(bytes);
+    Ok(proposal)
 }
 
 pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
@@ -641,6 +660,30 @@ pub fn applied_entry_to_proto(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A proposal is encoded once per replica: the bytes it was read from
+    /// (WAL or wire) are what it is written and sent as, and clones share
+    /// the encoding; the cache is no part of its value.
+    #[test]
+    fn a_proposal_keeps_the_bytes_it_was_read_from() {
+        let fresh = Proposal::new(vec![LogEntry::new(
+            7,
+            Command::SetPolicy {
+                name: "fifo".into(),
+            },
+        )]);
+        let bytes = encode_proposal(&fresh);
+        let read = decode_proposal(&bytes).expect("decodes");
+        assert_eq!(read, fresh);
+        assert!(std::ptr::eq(
+            proposal_bytes(&read),
+            proposal_bytes(&read.clone())
+        ));
+        assert_eq!(proposal_bytes(&read), bytes.as_slice());
+        // Made once, on first use, and shared with the clones made before.
+        let copy = fresh.clone();
+        assert!(std::ptr::eq(proposal_bytes(&fresh), proposal_bytes(&copy)));
+    }
 
     /// Issue 19, item 9: an explicit `total_steps: 0` (or `epochs: 0`) from
     /// a client is refused with the field and its range, not stored as

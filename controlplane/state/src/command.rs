@@ -36,9 +36,46 @@ impl LogEntry {
 
 /// The commands one Raft log entry carries, batched by the leader so that
 /// one fdatasync covers them all. Applied in order, each with its own outcome.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Its entries are never changed once it is built ([`Proposal::new`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Proposal {
     pub entries: Vec<LogEntry>,
+    /// Its protobuf encoding, once made or read ([`crate::codec`]): the WAL
+    /// and the Raft wire carry the same bytes, so a replica encodes a
+    /// proposal once, not once per copy it writes or sends. Shared by
+    /// clones; not part of the value (never compared, serialised or
+    /// hashed).
+    #[serde(skip)]
+    pub(crate) encoded: EncodedOnce,
+}
+
+impl Proposal {
+    pub fn new(entries: Vec<LogEntry>) -> Proposal {
+        Proposal {
+            entries,
+            encoded: EncodedOnce::default(),
+        }
+    }
+}
+
+impl PartialEq for Proposal {
+    fn eq(&self, other: &Proposal) -> bool {
+        self.entries == other.entries
+    }
+}
+
+/// A proposal's encoding, made at most once.
+#[derive(Clone, Default)]
+pub(crate) struct EncodedOnce(pub(crate) std::sync::Arc<std::sync::OnceLock<Vec<u8>>>);
+
+impl std::fmt::Debug for EncodedOnce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.get() {
+            Some(bytes) => write!(f, "{} bytes", bytes.len()),
+            None => f.write_str("not encoded"),
+        }
+    }
 }
 
 /// How a job ended.

@@ -17,15 +17,13 @@ use openraft::{CommittedLeaderId, EntryPayload, LogId};
 pub fn entry_at(index: u64) -> Entry {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(Proposal {
-            entries: vec![LogEntry {
-                at_ms: index,
-                command: Command::SubmitJob {
-                    spec: job_spec(&format!("job-{index}"), 1, 1),
-                },
-                request_id: None,
-            }],
-        }),
+        payload: EntryPayload::Normal(Proposal::new(vec![LogEntry {
+            at_ms: index,
+            command: Command::SubmitJob {
+                spec: job_spec(&format!("job-{index}"), 1, 1),
+            },
+            request_id: None,
+        }])),
     }
 }
 
