@@ -248,6 +248,12 @@ pub fn decode_snapshot_up_to(bytes: &[u8], newest: u32) -> Result<ClusterState, 
     }
 }
 
+/// A snapshot taken under the state's lock, to encode after it.
+enum PendingSnapshot {
+    Message(keel_proto::entry::StateSnapshot),
+    Encoded(Vec<u8>),
+}
+
 fn sm_err(e: impl Into<StoreError>) -> StorageError {
     e.into()
         .into_raft(ErrorSubject::StateMachine, ErrorVerb::Write)
@@ -514,9 +520,20 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
         let (data, meta) = {
             let applied = self.shared.read();
+            // Under the lock only what reads the state: the protobuf
+            // message (format 8; its encoding, as long again, happens
+            // after the lock is released), or the postcard bytes (7).
             let format = self.snapshot_format.load(Ordering::Relaxed);
-            let data = encode_snapshot_as(&applied.state, format)
-                .map_err(|e| sm_err(StoreError::corrupt("the snapshot's format", e)))?;
+            let data = if format == SNAPSHOT_FORMAT_VERSION {
+                let mut message = applied.state.to_snapshot_proto();
+                message.format_version = SNAPSHOT_FORMAT_VERSION;
+                PendingSnapshot::Message(message)
+            } else {
+                PendingSnapshot::Encoded(
+                    encode_snapshot_as(&applied.state, format)
+                        .map_err(|e| sm_err(StoreError::corrupt("the snapshot's format", e)))?,
+                )
+            };
             let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match applied.last_applied {
                 Some(l) => format!(
@@ -531,6 +548,10 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
                 snapshot_id,
             };
             (data, meta)
+        };
+        let data = match data {
+            PendingSnapshot::Message(message) => message.encode_to_vec(),
+            PendingSnapshot::Encoded(bytes) => bytes,
         };
         self.save_snapshot(&meta, &data, false).map_err(|e| {
             e.into_raft(

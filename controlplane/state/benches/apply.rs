@@ -38,6 +38,19 @@ fn apply_mixed_stream(c: &mut Criterion) {
     group.bench_function(format!("{}_jobs", state.jobs().len()), |b| {
         b.iter(|| std::hint::black_box(state.state_hash()))
     });
+    // What a snapshot costs while the state's lock is held: a copy of the
+    // state, or its conversion to the snapshot's protobuf message, or both
+    // and the encoding.
+    group.bench_function("clone", |b| b.iter(|| std::hint::black_box(state.clone())));
+    group.bench_function("to_snapshot_proto", |b| {
+        b.iter(|| std::hint::black_box(state.to_snapshot_proto()))
+    });
+    group.bench_function("to_snapshot_proto_encoded", |b| {
+        b.iter(|| {
+            use prost::Message;
+            std::hint::black_box(state.to_snapshot_proto().encode_to_vec())
+        })
+    });
     group.finish();
 }
 
