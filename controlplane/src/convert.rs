@@ -2,7 +2,7 @@
 
 use keel_proto::api;
 use keel_state::codec::{gpu_ref_to_proto, gpu_to_proto, sample_to_proto, spec_to_proto};
-use keel_state::{Job, Node, WorkerState};
+use keel_state::{Job, Node};
 
 pub fn job_to_proto(job: &Job) -> api::Job {
     api::Job {
@@ -28,11 +28,7 @@ pub fn job_to_proto(job: &Job) -> api::Job {
                 rank: *rank,
                 epoch: w.epoch,
                 node: w.node.clone(),
-                state: match w.state {
-                    WorkerState::Running => "running",
-                    WorkerState::Exited => "exited",
-                }
-                .to_string(),
+                state: w.state.as_str().to_string(),
                 exit_code: w.exit_code,
             })
             .collect(),

@@ -153,9 +153,8 @@ pub(crate) struct SnapshotFile {
     pub(crate) state: ClusterState,
 }
 
-/// [`SnapshotFile`] borrowed, to encode without copying the state (the
-/// tests write the older formats with it).
-#[cfg(test)]
+/// [`SnapshotFile`] borrowed, to encode format 7 without copying the
+/// state.
 #[derive(Serialize)]
 struct SnapshotFileRef<'a> {
     format_version: u32,
@@ -176,12 +175,7 @@ pub fn encode_snapshot_as(state: &ClusterState, format: u32) -> Result<Vec<u8>, 
     match format {
         SNAPSHOT_FORMAT_VERSION => Ok(encode_snapshot(state)),
         SNAPSHOT_FORMAT_VERSION_POSTCARD => {
-            #[derive(Serialize)]
-            struct Postcard<'a> {
-                format_version: u32,
-                state: &'a ClusterState,
-            }
-            let mut bytes = postcard::to_stdvec(&Postcard {
+            let mut bytes = postcard::to_stdvec(&SnapshotFileRef {
                 format_version: format,
                 state,
             })

@@ -22,7 +22,7 @@ KEEL = os.environ.get("KEEL_BIN") or os.path.join(REPO, "target", "debug", "keel
 
 def _generate_stubs():
     """Compiles the API's .proto files into a temporary package directory
-    and returns the (api_pb2, api_pb2_grpc, entry_pb2) modules."""
+    and returns the (api_pb2, api_pb2_grpc, entry_pb2, raft_pb2) modules."""
     from grpc_tools import protoc
 
     out = tempfile.mkdtemp(prefix="keel-stubs-")
@@ -36,6 +36,8 @@ def _generate_stubs():
         f"--grpc_python_out={out}",
         "keel/entry/v1/entry.proto",
         "keel/api/v1/api.proto",
+        "keel/raft/v1/raft.proto",
+        "keel/replication/v1/replication.proto",
     ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed on " + PROTO_DIR)
@@ -44,10 +46,12 @@ def _generate_stubs():
         importlib.import_module("keel.api.v1.api_pb2"),
         importlib.import_module("keel.api.v1.api_pb2_grpc"),
         importlib.import_module("keel.entry.v1.entry_pb2"),
+        importlib.import_module("keel.raft.v1.raft_pb2"),
+        importlib.import_module("keel.replication.v1.replication_pb2"),
     )
 
 
-api, api_grpc, entry = _generate_stubs()
+api, api_grpc, entry, raft, replication = _generate_stubs()
 
 
 def wait_for(what, f, timeout_s=60.0):

@@ -12,7 +12,7 @@ import unittest
 
 import grpc
 
-from keel_blackbox import Server, api, entry, spec, wait_for
+from keel_blackbox import Server, api, entry, raft, replication, spec, wait_for
 
 CODE = grpc.StatusCode
 
@@ -339,6 +339,68 @@ class Membership(OneServer):
             "catch_up_timeout_s",
             "3600",
         )
+        self.assert_serving(["after"])
+
+
+
+
+
+class RaftEnvelope(OneServer):
+    """Issue 21, item 2: the Raft service's versioned envelope, as an
+    outside client can reach it on the API's port. A message in a format
+    newer than the replica reads is refused naming both, a payload that
+    does not decode is INVALID_ARGUMENT, and neither changes anything."""
+
+    def vote(self, message, to=None):
+        call = self.server.channel.unary_unary(
+            "/keel.raft.v1.Raft/Vote",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=raft.RaftMessage.FromString,
+        )
+        metadata = [("keel-to", str(to))] if to is not None else None
+        return call(message, timeout=10, metadata=metadata)
+
+    def test_bad_formats_and_payloads_are_refused_and_change_nothing(self):
+        # Addressed to nobody: refused, naming the replica's Raft id.
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.vote(raft.RaftMessage(format_version=2))
+        self.assertEqual(caught.exception.code(), CODE.FAILED_PRECONDITION)
+        me = dict(caught.exception.trailing_metadata())["keel-raft-id"]
+        status = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        # A format from the future.
+        request = replication.VoteRequest(vote=replication.Vote(term=1, node=9))
+        newer = raft.RaftMessage(
+            payload=request.SerializeToString(), format_version=3, reads_up_to=3
+        )
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.vote(newer, to=me)
+        self.assertEqual(caught.exception.code(), CODE.FAILED_PRECONDITION)
+        details = caught.exception.details()
+        self.assertIn("format 3", details)
+        self.assertIn("formats 1 to 2", details)
+        self.assertIn("upgrade", details)
+        # Payloads that do not decode, in both formats, and one without
+        # its required vote.
+        for format_version, payload in (
+            (2, b"\xff" * 16),
+            (1, b"\xff" * 16),
+            (0, b""),
+            (2, replication.VoteRequest().SerializeToString()),
+        ):
+            with self.assertRaises(grpc.RpcError) as caught:
+                self.vote(
+                    raft.RaftMessage(payload=payload, format_version=format_version),
+                    to=me,
+                )
+            self.assertEqual(
+                caught.exception.code(), CODE.INVALID_ARGUMENT, caught.exception.details()
+            )
+            self.assertIn("Raft message", caught.exception.details())
+        # Nothing changed: the same term, still leading, still writable.
+        after = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        self.assertEqual(after.role, "leader")
+        self.assertEqual(after.term, status.term)
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("after")), timeout=20)
         self.assert_serving(["after"])
 
 

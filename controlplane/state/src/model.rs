@@ -189,6 +189,21 @@ pub enum WorkerState {
     Exited,
 }
 
+impl WorkerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Running => "running",
+            WorkerState::Exited => "exited",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<WorkerState> {
+        [WorkerState::Running, WorkerState::Exited]
+            .into_iter()
+            .find(|w| w.as_str() == s)
+    }
+}
+
 /// A worker of a job's current or an earlier allocation epoch.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Worker {
@@ -289,6 +304,12 @@ impl NodeState {
             NodeState::Alive => "alive",
             NodeState::Lost => "lost",
         }
+    }
+
+    pub fn parse(s: &str) -> Option<NodeState> {
+        [NodeState::Alive, NodeState::Lost]
+            .into_iter()
+            .find(|n| n.as_str() == s)
     }
 }
 

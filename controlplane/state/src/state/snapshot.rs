@@ -179,11 +179,7 @@ fn job_to_proto(j: &Job) -> pb::JobRecord {
                 rank: *rank,
                 epoch: w.epoch,
                 node: w.node.clone(),
-                state: match w.state {
-                    WorkerState::Running => "running",
-                    WorkerState::Exited => "exited",
-                }
-                .to_string(),
+                state: w.state.as_str().to_string(),
                 exit_code: w.exit_code,
             })
             .collect(),
@@ -201,16 +197,10 @@ fn job_to_proto(j: &Job) -> pb::JobRecord {
 fn job_from_proto(j: pb::JobRecord) -> Result<Job, DecodeError> {
     let mut workers = BTreeMap::new();
     for w in j.workers {
-        let state = match w.state.as_str() {
-            "running" => WorkerState::Running,
-            "exited" => WorkerState::Exited,
-            _ => {
-                return Err(DecodeError::UnknownName {
-                    field: "worker.state",
-                    value: w.state,
-                })
-            }
-        };
+        let state = WorkerState::parse(&w.state).ok_or_else(|| DecodeError::UnknownName {
+            field: "worker.state",
+            value: w.state.clone(),
+        })?;
         let worker = Worker {
             epoch: w.epoch,
             node: w.node,
@@ -275,16 +265,10 @@ fn node_to_proto(n: &Node) -> pb::NodeRecord {
 }
 
 fn node_from_proto(n: pb::NodeRecord) -> Result<Node, DecodeError> {
-    let state = match n.state.as_str() {
-        "alive" => NodeState::Alive,
-        "lost" => NodeState::Lost,
-        _ => {
-            return Err(DecodeError::UnknownName {
-                field: "node.state",
-                value: n.state,
-            })
-        }
-    };
+    let state = NodeState::parse(&n.state).ok_or_else(|| DecodeError::UnknownName {
+        field: "node.state",
+        value: n.state.clone(),
+    })?;
     let mut gpus = BTreeMap::new();
     for g in n.gpus {
         if gpus.insert(g.index, g.gpu_type).is_some() {
