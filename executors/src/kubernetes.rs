@@ -24,8 +24,8 @@
 //!   reported unreachable with their condition.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures::{AsyncBufReadExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{
@@ -35,12 +35,13 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use keel_state::liveness::NodeReport;
-use keel_state::{Gpu, GpuRef, JobId, ProgressSample};
+use keel_state::{Gpu, JobId, ProgressSample};
 use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use kube::runtime::watcher;
 
+use crate::book::{Clock, Exit, SystemClock, Worker, WorkerBook};
 use crate::contract::{
-    buffer_progress, checkpoint_dir_name, environment, gpu_refs, parse_progress_line, WorkerLaunch,
+    checkpoint_dir_name, environment, gpu_refs, parse_progress_line, WorkerLaunch,
 };
 use crate::discovery::gpu_type_of;
 use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
@@ -103,12 +104,6 @@ pub fn pod_name(id: &WorkerId) -> String {
 /// The headless Service of a job's epoch: `keel-jJ-eE`.
 pub fn service_name(job_id: JobId, epoch: u64) -> String {
     format!("keel-j{job_id}-e{epoch}")
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The worker a Pod runs, from its labels.
@@ -190,30 +185,18 @@ fn pod_state(pod: &Pod) -> PodState {
     }
 }
 
-#[derive(Debug)]
-struct Entry {
-    gpus: Vec<GpuRef>,
-    exited: Option<(Option<i32>, String)>,
-    stopping: bool,
+/// What the book keeps of a Pod's worker besides what every executor
+/// keeps.
+#[derive(Debug, Default)]
+struct PodWorker {
     /// When the Pod was first seen not running yet (for the pending timeout).
     pending_since: Option<Instant>,
     following: bool,
     /// Rank 0's exit, held until its log has been read to the end (the
     /// follower records it), so the last progress lines count.
-    pending_exit: Option<(Option<i32>, String)>,
+    pending_exit: Option<Exit>,
     /// The highest step reported (a restarted log stream skips up to it).
     last_step: Option<u64>,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    workers: BTreeMap<WorkerId, Entry>,
-    progress: BTreeMap<JobId, Vec<ProgressSample>>,
-    probes: BTreeMap<String, NodeProbe>,
-    /// The GPU Nodes of the last listing: what the executor owns.
-    listed_nodes: std::collections::BTreeSet<String>,
-    generation: u64,
-    leading: bool,
 }
 
 /// Runs workers as Pods. Cheap to clone (shared state).
@@ -221,7 +204,9 @@ struct Inner {
 pub struct KubeExecutor {
     client: kube::Client,
     config: Arc<KubeConfig>,
-    inner: Arc<Mutex<Inner>>,
+    book: Arc<WorkerBook<PodWorker>>,
+    /// The GPU Nodes of the last listing: what the executor owns.
+    listed_nodes: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl std::fmt::Debug for KubeExecutor {
@@ -243,15 +228,22 @@ impl KubeExecutor {
     /// An executor on `client` (from the kubeconfig, the in-cluster
     /// account, or a URL).
     pub fn new(client: kube::Client, config: KubeConfig) -> KubeExecutor {
+        KubeExecutor::with_clock(client, config, Arc::new(SystemClock))
+    }
+
+    /// An executor reading the time from `clock` (the pending timeout, the
+    /// progress samples' time).
+    pub fn with_clock(
+        client: kube::Client,
+        config: KubeConfig,
+        clock: Arc<dyn Clock>,
+    ) -> KubeExecutor {
         KubeExecutor {
             client,
             config: Arc::new(config),
-            inner: Arc::default(),
+            book: Arc::new(WorkerBook::new(clock)),
+            listed_nodes: Arc::default(),
         }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn pods(&self) -> Api<Pod> {
@@ -263,31 +255,7 @@ impl KubeExecutor {
     }
 
     fn record_exit(&self, id: &WorkerId, code: Option<i32>, reason: String) {
-        let mut inner = self.lock();
-        if let Some(e) = inner.workers.get_mut(id) {
-            if e.exited.is_some() {
-                return;
-            }
-            let reason = crate::reconcile::exit_reason(e.stopping, reason);
-            tracing::info!(worker = %id, ?code, %reason, "pod ended");
-            e.exited = Some((code, reason));
-        }
-    }
-
-    fn insert_exited(&self, id: &WorkerId, code: Option<i32>, reason: String) {
-        tracing::warn!(worker = %id, %reason, "worker did not start");
-        self.lock().workers.insert(
-            id.clone(),
-            Entry {
-                gpus: Vec::new(),
-                exited: Some((code, reason)),
-                stopping: false,
-                pending_since: None,
-                following: false,
-                pending_exit: None,
-                last_step: None,
-            },
-        );
+        self.book.record_exit(id, code, reason);
     }
 
     /// The Pod for `launch`.
@@ -436,22 +404,19 @@ impl KubeExecutor {
         let pod = match self.pod_for(&launch) {
             Ok(p) => p,
             Err(reason) => {
-                self.insert_exited(&id, Some(127), reason);
+                let extra = PodWorker::default();
+                self.book
+                    .insert_not_started(&id, &launch.node, (Some(127), reason), extra);
                 return;
             }
         };
-        self.lock().workers.insert(
-            id.clone(),
-            Entry {
-                gpus: gpu_refs(&launch.node, launch.gpus.iter().copied()),
-                exited: None,
-                stopping: false,
-                pending_since: Some(Instant::now()),
-                following: false,
-                pending_exit: None,
-                last_step: None,
-            },
-        );
+        let extra = PodWorker {
+            pending_since: Some(self.book.now()),
+            ..PodWorker::default()
+        };
+        let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
+        self.book
+            .insert(&id, Worker::running(&launch.node, gpus, extra));
         if launch.world_size > 1 && id.rank == 0 {
             let services: Api<Service> =
                 Api::namespaced(self.client.clone(), &self.config.namespace);
@@ -469,7 +434,7 @@ impl KubeExecutor {
                 }
             }
         }
-        let generation = self.lock().generation;
+        let generation = self.book.generation();
         if self.create_pod(&id, &pod).await {
             return;
         }
@@ -480,18 +445,18 @@ impl KubeExecutor {
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 {
-                    let mut inner = this.lock();
-                    if inner.generation != generation {
+                    let mut book = this.book.lock();
+                    if !book.is_current(generation) {
                         return;
                     }
-                    let Some(e) = inner.workers.get_mut(&id) else {
+                    let Some(w) = book.workers.get_mut(&id) else {
                         return;
                     };
-                    if e.exited.is_some() {
+                    if !w.is_running() {
                         return;
                     }
-                    if e.stopping {
-                        e.exited = Some((
+                    if w.stopping {
+                        w.exited = Some((
                             None,
                             "stopped before it started: the API server did not take its pod".into(),
                         ));
@@ -546,11 +511,12 @@ impl KubeExecutor {
         let mut follow = false;
         let mut give_up: Option<String> = None;
         {
-            let mut inner = self.lock();
-            if inner.generation != generation {
+            let now = self.book.now();
+            let mut book = self.book.lock();
+            if !book.is_current(generation) {
                 return;
             }
-            let entry = inner.workers.entry(id.clone()).or_insert_with(|| {
+            let entry = book.workers.entry(id.clone()).or_insert_with(|| {
                 // Found by the watch: an earlier leader's (re-adopted or
                 // reported), or ours after a restart of the watch.
                 tracing::info!(worker = %id, "found a pod this executor did not start");
@@ -561,15 +527,11 @@ impl KubeExecutor {
                     .and_then(|a| a.get(ANNOTATION_GPUS))
                     .map(|csv| gpu_refs(&node, csv.split(',').filter_map(|g| g.parse().ok())))
                     .unwrap_or_default();
-                Entry {
-                    gpus,
-                    exited: None,
-                    stopping: false,
-                    pending_since: Some(Instant::now()),
-                    following: false,
-                    pending_exit: None,
-                    last_step: None,
-                }
+                let extra = PodWorker {
+                    pending_since: Some(now),
+                    ..PodWorker::default()
+                };
+                Worker::running(&node, gpus, extra)
             });
             if entry.exited.is_some() {
                 return;
@@ -579,18 +541,18 @@ impl KubeExecutor {
                 // A Pod still Pending is timed by `give_up_on_pending`.
                 PodState::Running => {
                     if running {
-                        entry.pending_since = None;
+                        entry.extra.pending_since = None;
                     }
-                    if running && id.rank == 0 && !entry.following {
-                        entry.following = true;
+                    if running && id.rank == 0 && !entry.extra.following {
+                        entry.extra.following = true;
                         follow = true;
                     }
                 }
                 PodState::Stuck(reason) => give_up = Some(reason.clone()),
                 PodState::Exited { code, reason } => {
-                    if entry.following {
+                    if entry.extra.following {
                         // The follower records it once the log is read.
-                        entry.pending_exit = Some((*code, reason.clone()));
+                        entry.extra.pending_exit = Some((*code, reason.clone()));
                         return;
                     }
                 }
@@ -614,10 +576,11 @@ impl KubeExecutor {
             return;
         };
         let pending = self
+            .book
             .lock()
             .workers
             .get_mut(&id)
-            .and_then(|e| e.pending_exit.take());
+            .and_then(|w| w.extra.pending_exit.take());
         match (pending, pod_state(pod)) {
             (Some((code, reason)), _) | (None, PodState::Exited { code, reason }) => {
                 self.record_exit(&id, code, reason)
@@ -641,21 +604,21 @@ impl KubeExecutor {
                 Ok(stream) => {
                     let mut lines = stream.lines();
                     while let Some(Ok(line)) = lines.next().await {
-                        let Some(sample) = parse_progress_line(&line, now_ms()) else {
+                        let Some(sample) = parse_progress_line(&line, self.book.unix_ms()) else {
                             continue;
                         };
-                        let mut inner = self.lock();
-                        if inner.generation != generation {
+                        let mut book = self.book.lock();
+                        if !book.is_current(generation) {
                             return;
                         }
-                        let Some(e) = inner.workers.get_mut(&id) else {
+                        let Some(w) = book.workers.get_mut(&id) else {
                             return;
                         };
-                        if e.last_step.is_some_and(|s| sample.step <= s) {
+                        if w.extra.last_step.is_some_and(|s| sample.step <= s) {
                             continue;
                         }
-                        e.last_step = Some(sample.step);
-                        buffer_progress(&mut inner.progress, id.job_id, [sample]);
+                        w.extra.last_step = Some(sample.step);
+                        book.add_progress(generation, id.job_id, [sample]);
                     }
                 }
                 Err(e) => {
@@ -665,14 +628,14 @@ impl KubeExecutor {
             // The stream ends when the container does: an exit the watch
             // saw meanwhile is recorded now, after the last lines.
             let pending = {
-                let mut inner = self.lock();
-                if inner.generation != generation {
+                let mut book = self.book.lock();
+                if !book.is_current(generation) {
                     return;
                 }
-                match inner.workers.get_mut(&id) {
+                match book.workers.get_mut(&id) {
                     None => return,
-                    Some(e) if e.exited.is_some() => return,
-                    Some(e) => e.pending_exit.take(),
+                    Some(w) if !w.is_running() => return,
+                    Some(w) => w.extra.pending_exit.take(),
                 }
             };
             if let Some((code, reason)) = pending {
@@ -697,14 +660,14 @@ impl KubeExecutor {
             let next = tokio::select! {
                 n = stream.try_next() => n,
                 _ = tokio::time::sleep(Duration::from_millis(200)) => {
-                    if self.lock().generation != generation {
+                    if !self.book.is_current(generation) {
                         return;
                     }
                     self.give_up_on_pending();
                     continue;
                 }
             };
-            if self.lock().generation != generation {
+            if !self.book.is_current(generation) {
                 return;
             }
             match next {
@@ -721,14 +684,15 @@ impl KubeExecutor {
                     // Pods this executor knew of that the new list lacks
                     // were deleted while the watch was down.
                     let gone: Vec<WorkerId> = {
-                        let inner = self.lock();
-                        inner
-                            .workers
+                        let now = self.book.now();
+                        let book = self.book.lock();
+                        book.workers
                             .iter()
-                            .filter(|(id, e)| {
-                                e.exited.is_none()
-                                    && e.pending_since
-                                        .is_none_or(|t| t.elapsed() > Duration::from_secs(5))
+                            .filter(|(id, w)| {
+                                w.is_running()
+                                    && w.extra.pending_since.is_none_or(|t| {
+                                        now.saturating_duration_since(t) > Duration::from_secs(5)
+                                    })
                                     && !listed.contains(id)
                             })
                             .map(|(id, _)| id.clone())
@@ -751,12 +715,17 @@ impl KubeExecutor {
     /// and their workers reported as not started.
     fn give_up_on_pending(&self) {
         let timeout = self.config.pending_timeout;
+        let now = self.book.now();
         let stuck: Vec<WorkerId> = self
+            .book
             .lock()
             .workers
             .iter()
-            .filter(|(_, e)| {
-                e.exited.is_none() && e.pending_since.is_some_and(|t| t.elapsed() > timeout)
+            .filter(|(_, w)| {
+                w.is_running()
+                    && w.extra
+                        .pending_since
+                        .is_some_and(|t| now.saturating_duration_since(t) > timeout)
             })
             .map(|(id, _)| id.clone())
             .collect();
@@ -804,20 +773,16 @@ impl KubeExecutor {
                 }
             };
             {
-                let mut inner = self.lock();
-                if inner.generation != generation {
+                let mut book = self.book.lock();
+                if !book.is_current(generation) {
                     return;
                 }
                 // A failed listing keeps the last one.
                 if let Some(listed) = listed {
-                    inner.listed_nodes = listed;
+                    *self.listed_nodes.lock().unwrap_or_else(|e| e.into_inner()) = listed;
                 }
                 for p in probes {
-                    let name = match &p {
-                        NodeProbe::Answered(r) => r.name.clone(),
-                        NodeProbe::Unreachable { name, .. } => name.clone(),
-                    };
-                    inner.probes.insert(name, p);
+                    book.set_probe(generation, p);
                 }
             }
             tokio::time::sleep(self.config.node_poll_interval).await;
@@ -876,15 +841,6 @@ impl KubeExecutor {
                 .collect(),
         }))
     }
-
-    fn running(&self) -> Vec<WorkerId> {
-        self.lock()
-            .workers
-            .iter()
-            .filter(|(_, e)| e.exited.is_none())
-            .map(|(id, _)| id.clone())
-            .collect()
-    }
 }
 
 /// Why the Kubernetes executor runs no space-sharing policy.
@@ -895,7 +851,10 @@ pub const CANNOT_SHARE_GPUS: &str =
 
 impl Executor for KubeExecutor {
     fn owns(&self, node: &str) -> bool {
-        self.lock().listed_nodes.contains(node)
+        self.listed_nodes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(node)
     }
 
     fn cannot_share_gpus(&self) -> Option<&'static str> {
@@ -903,7 +862,7 @@ impl Executor for KubeExecutor {
     }
 
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
-        if self.lock().workers.contains_key(&launch.id) {
+        if self.book.contains(&launch.id) {
             return Ok(());
         }
         self.launch_pod(launch).await;
@@ -911,12 +870,8 @@ impl Executor for KubeExecutor {
     }
 
     async fn stop(&self, id: &WorkerId, grace: Duration) -> Result<(), ExecutorError> {
-        {
-            let mut inner = self.lock();
-            match inner.workers.get_mut(id) {
-                Some(e) if e.exited.is_none() && !e.stopping => e.stopping = true,
-                _ => return Ok(()),
-            }
+        if self.book.begin_stop(id).is_none() {
+            return Ok(());
         }
         let params = DeleteParams {
             grace_period_seconds: Some(u32::try_from(grace.as_secs()).unwrap_or(u32::MAX)),
@@ -927,8 +882,8 @@ impl Executor for KubeExecutor {
             Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
             Err(e) => {
                 // Not deleted: try again on the next pass.
-                if let Some(entry) = self.lock().workers.get_mut(id) {
-                    entry.stopping = false;
+                if let Some(w) = self.book.lock().workers.get_mut(id) {
+                    w.stopping = false;
                 }
                 Err(ExecutorError::Other(format!(
                     "deleting pod {}: {}",
@@ -940,20 +895,16 @@ impl Executor for KubeExecutor {
     }
 
     async fn observe(&self) -> Result<BTreeMap<WorkerId, Observed>, ExecutorError> {
-        Ok(self
-            .lock()
-            .workers
-            .iter()
-            .map(|(id, e)| (id.clone(), Observed::of(&e.exited, &e.gpus)))
-            .collect())
+        Ok(self.book.observe())
     }
 
     async fn forget(&self, id: &WorkerId) {
         let known = self
+            .book
             .lock()
             .workers
             .get(id)
-            .is_some_and(|e| e.exited.is_some());
+            .is_some_and(|w| !w.is_running());
         if !known {
             return;
         }
@@ -970,11 +921,11 @@ impl Executor for KubeExecutor {
                 .delete(&service_name(id.job_id, id.epoch), &DeleteParams::default())
                 .await;
         }
-        self.lock().workers.remove(id);
+        self.book.forget(id);
     }
 
     async fn take_progress(&self) -> BTreeMap<JobId, Vec<ProgressSample>> {
-        std::mem::take(&mut self.lock().progress)
+        self.book.take_progress()
     }
 
     async fn logs(&self, job_id: JobId, tail_bytes: u64) -> Result<Vec<WorkerLog>, ExecutorError> {
@@ -1017,42 +968,28 @@ impl Executor for KubeExecutor {
     }
 
     async fn take_over(&self) {
-        let generation = {
-            let mut inner = self.lock();
-            if inner.leading {
-                return;
-            }
-            inner.leading = true;
-            inner.generation
+        let Some(generation) = self.book.begin_leading() else {
+            return;
         };
         tokio::spawn(self.clone().watch_pods(generation));
         tokio::spawn(self.clone().probe_nodes(generation));
     }
 
     async fn release(&self) {
-        let mut inner = self.lock();
-        inner.generation += 1;
-        inner.leading = false;
-        inner.workers.clear();
-        inner.progress.clear();
-        inner.probes.clear();
+        self.book.release();
     }
 
     async fn take_node_probes(&self) -> Vec<NodeProbe> {
-        std::mem::take(&mut self.lock().probes)
-            .into_values()
-            .collect()
+        self.book.take_probes()
     }
 
     async fn shutdown(&self, grace: Duration) {
         // Pods belong to the cluster, not to this process: a server that
         // stops leaves them for the next leader, which re-adopts them.
         let _ = grace;
-        let running = self.running();
+        let running = self.book.running();
         tracing::info!(pods = running.len(), "leaving the pods to the next leader");
-        let mut inner = self.lock();
-        inner.generation += 1;
-        inner.leading = false;
+        self.book.end_leading();
     }
 }
 

@@ -1,5 +1,7 @@
 //! Executors: how Keel runs workers.
 //!
+//! - [`book`]: the worker book every executor keeps (generation fencing,
+//!   exit records, the progress buffer, probes, the injected clock);
 //! - [`contract`]: the worker contract (environment, progress lines, exit
 //!   codes), the same for every executor;
 //! - [`reconcile`]: the reconciler's decision as a pure function (desired
@@ -17,6 +19,7 @@
 //! A worker's identity is (job, allocation epoch, rank): reconciling twice
 //! launches nothing twice, and a new allocation epoch is a new worker.
 
+pub mod book;
 pub mod contract;
 pub mod discovery;
 pub mod executor;

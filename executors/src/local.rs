@@ -25,15 +25,16 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::Duration;
 
-use keel_state::{GpuRef, JobId, ProgressSample};
+use keel_state::{JobId, ProgressSample};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;
 
-use crate::contract::{buffer_progress, checkpoint_dir_name, environment, gpu_refs, WorkerLaunch};
+use crate::book::{Clock, SystemClock, Worker, WorkerBook};
+use crate::contract::{checkpoint_dir_name, environment, gpu_refs, WorkerLaunch};
 use crate::executor::{Executor, ExecutorError, WorkerLog};
 use crate::reconcile::Observed;
 use crate::supervisor::{read_exit, ExitRecord};
@@ -105,29 +106,24 @@ enum Claimed {
     Elsewhere,
 }
 
+/// What the book keeps of a local worker besides what every executor
+/// keeps: its process (the supervisor's, with one), if it started.
 #[derive(Debug)]
-struct Entry {
+struct LocalWorker {
     pid: Option<u32>,
-    gpus: Vec<GpuRef>,
-    exited: Option<(Option<i32>, String)>,
-    stopping: bool,
 }
 
+/// The rendezvous port of each live (job, epoch).
 #[derive(Debug, Default)]
-struct Inner {
-    workers: BTreeMap<WorkerId, Entry>,
-    progress: BTreeMap<JobId, Vec<ProgressSample>>,
-    ports: BTreeMap<(JobId, u64), u16>,
-    /// Bumped by `release`: watchers started before it end without
-    /// recording anything.
-    generation: u64,
+struct Ports {
+    by_epoch: BTreeMap<(JobId, u64), u16>,
 }
 
 /// Runs workers as local child processes. Cheap to clone (shared state).
 #[derive(Debug, Clone)]
 pub struct LocalExecutor {
     config: Arc<LocalConfig>,
-    inner: Arc<Mutex<Inner>>,
+    book: Arc<WorkerBook<LocalWorker, Ports>>,
 }
 
 /// How often a re-adopted worker (not our child: no wait) is checked.
@@ -146,12 +142,6 @@ async fn read_from(path: &Path, offset: u64) -> Vec<u8> {
         }
     }
     out
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn log_name(id: &WorkerId) -> String {
@@ -174,6 +164,14 @@ impl LocalExecutor {
     /// Creates the directories. Workers an earlier server left are taken
     /// over by [`Executor::take_over`], once this server leads.
     pub fn new(config: LocalConfig) -> Result<LocalExecutor, ExecutorError> {
+        LocalExecutor::with_clock(config, Arc::new(SystemClock))
+    }
+
+    /// An executor reading the time from `clock`.
+    pub fn with_clock(
+        config: LocalConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<LocalExecutor, ExecutorError> {
         for dir in [
             &config.workers_dir,
             &config.checkpoints_dir,
@@ -184,7 +182,7 @@ impl LocalExecutor {
         }
         Ok(LocalExecutor {
             config: Arc::new(config),
-            inner: Arc::default(),
+            book: Arc::new(WorkerBook::new(clock)),
         })
     }
 
@@ -264,11 +262,6 @@ impl LocalExecutor {
         Ok(Claimed::Elsewhere)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock leaves plain data; go on with it.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     fn job_dir(&self, job_id: JobId) -> PathBuf {
         self.config.workers_dir.join(format!("job-{job_id}"))
     }
@@ -311,7 +304,7 @@ impl LocalExecutor {
                     epoch,
                     rank,
                 };
-                if self.lock().workers.contains_key(&id) {
+                if self.book.contains(&id) {
                     continue;
                 }
                 self.take_over(id, &path.with_extension("log"));
@@ -330,24 +323,18 @@ impl LocalExecutor {
         match running {
             Some(p) if self.config.supervisor.is_some() => {
                 tracing::info!(worker = %id, pid = p.pid, "re-adopting a worker left by an earlier server");
-                self.lock().workers.insert(
-                    id.clone(),
-                    Entry {
-                        pid: Some(p.pid),
-                        gpus: gpu_refs(&p.node, p.gpus.iter().copied()),
-                        exited: None,
-                        stopping: false,
-                    },
-                );
+                let gpus = gpu_refs(&p.node, p.gpus.iter().copied());
+                let extra = LocalWorker { pid: Some(p.pid) };
+                self.book.insert(&id, Worker::running(&p.node, gpus, extra));
                 let start = std::fs::metadata(log_path).map(|m| m.len()).unwrap_or(0);
                 let this = self.clone();
                 let (pid, started) = (p.pid, p.start);
                 let log_path = log_path.to_path_buf();
-                let generation = self.lock().generation;
+                let generation = self.book.generation();
                 tokio::spawn(async move {
                     let follower = this.start_follower(&id, &log_path, start, generation);
                     while process_start_time(pid) == Some(started)
-                        && this.lock().generation == generation
+                        && this.book.is_current(generation)
                     {
                         tokio::time::sleep(ADOPTED_POLL).await;
                     }
@@ -375,15 +362,10 @@ impl LocalExecutor {
                     reason: "ended while no server watched it (no exit record)".into(),
                 });
                 tracing::info!(worker = %id, reason = %record.reason, "a worker ended while no server watched it");
-                self.lock().workers.insert(
-                    id,
-                    Entry {
-                        pid: None,
-                        gpus: Vec::new(),
-                        exited: Some((record.exit_code, record.reason)),
-                        stopping: false,
-                    },
-                );
+                let node = pid_file.map(|p| p.node).unwrap_or_default();
+                let exit = (record.exit_code, record.reason);
+                self.book
+                    .insert(&id, Worker::ended(&node, exit, LocalWorker { pid: None }));
             }
         }
     }
@@ -430,7 +412,7 @@ impl LocalExecutor {
             let _ = done_tx.send(());
             let _ = task.await;
         }
-        if self.lock().generation != generation {
+        if !self.book.is_current(generation) {
             // Released: the leader that took over watches this worker.
             return;
         }
@@ -446,27 +428,24 @@ impl LocalExecutor {
                 reason: "killed (its supervisor left no exit record)".into(),
             },
         });
-        tracing::info!(worker = %id, code = ?record.exit_code, reason = %record.reason, "worker exited");
-        self.record_exit(id, record.exit_code, record.reason);
+        self.book.record_exit(id, record.exit_code, record.reason);
     }
 
     /// One rendezvous port per (job, epoch), free on this machine when chosen.
     fn port_for(&self, job_id: JobId, epoch: u64) -> u16 {
-        if let Some(p) = self.lock().ports.get(&(job_id, epoch)) {
+        if let Some(p) = self.book.lock().shared.by_epoch.get(&(job_id, epoch)) {
             return *p;
         }
         let port = std::net::TcpListener::bind("0.0.0.0:0")
             .and_then(|l| l.local_addr())
             .map_or(29500, |a| a.port());
-        *self.lock().ports.entry((job_id, epoch)).or_insert(port)
-    }
-
-    fn record_exit(&self, id: &WorkerId, exit_code: Option<i32>, reason: String) {
-        let mut inner = self.lock();
-        if let Some(e) = inner.workers.get_mut(id) {
-            let reason = crate::reconcile::exit_reason(e.stopping, reason);
-            e.exited = Some((exit_code, reason));
-        }
+        *self
+            .book
+            .lock()
+            .shared
+            .by_epoch
+            .entry((job_id, epoch))
+            .or_insert(port)
     }
 
     async fn spawn_worker(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
@@ -496,6 +475,7 @@ impl LocalExecutor {
         let Some(program) = launch.command.first() else {
             self.fail_to_start(
                 &id,
+                &launch.node,
                 &log_path,
                 "the local executor runs commands, not images",
             )
@@ -543,7 +523,8 @@ impl LocalExecutor {
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                self.fail_to_start(&id, &log_path, &format!("could not start {program:?}: {e}"))
+                let reason = format!("could not start {program:?}: {e}");
+                self.fail_to_start(&id, &launch.node, &log_path, &reason)
                     .await;
                 return Ok(());
             }
@@ -563,18 +544,14 @@ impl LocalExecutor {
             }
         }
         tracing::info!(worker = %id, ?pid, node = %launch.node, gpus = ?launch.gpus, "worker started");
-        self.lock().workers.insert(
-            id.clone(),
-            Entry {
-                pid,
-                gpus: gpu_refs(&launch.node, launch.gpus.iter().copied()),
-                exited: None,
-                stopping: false,
-            },
+        let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
+        self.book.insert(
+            &id,
+            Worker::running(&launch.node, gpus, LocalWorker { pid }),
         );
         drop(log);
         let this = self.clone();
-        let generation = self.lock().generation;
+        let generation = self.book.generation();
         tokio::spawn(async move {
             let follower = this.start_follower(&id, &log_path, start, generation);
             let status = child.wait().await;
@@ -602,13 +579,9 @@ impl LocalExecutor {
             };
             let chunk = read_from(&path, offset).await;
             offset += chunk.len() as u64;
-            let samples = lines.push(&chunk, now_ms());
-            if !samples.is_empty() {
-                let mut inner = self.lock();
-                if inner.generation != generation {
-                    return;
-                }
-                buffer_progress(&mut inner.progress, id.job_id, samples);
+            let samples = lines.push(&chunk, self.book.unix_ms());
+            if !self.book.add_progress(generation, id.job_id, samples) {
+                return;
             }
             if finished {
                 return;
@@ -616,8 +589,7 @@ impl LocalExecutor {
         }
     }
 
-    async fn fail_to_start(&self, id: &WorkerId, log_path: &Path, reason: &str) {
-        tracing::warn!(worker = %id, %reason, "worker did not start");
+    async fn fail_to_start(&self, id: &WorkerId, node: &str, log_path: &Path, reason: &str) {
         if let Ok(mut f) = tokio::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -626,26 +598,19 @@ impl LocalExecutor {
         {
             let _ = f.write_all(format!("keel: {reason}\n").as_bytes()).await;
         }
-        self.lock().workers.insert(
-            id.clone(),
-            Entry {
-                pid: None,
-                gpus: Vec::new(),
-                exited: Some((Some(127), reason.to_string())),
-                stopping: false,
-            },
-        );
+        let exit = (Some(127), reason.to_string());
+        self.book
+            .insert_not_started(id, node, exit, LocalWorker { pid: None });
     }
 
     fn signal(&self, id: &WorkerId, signal: Signal) {
         let pid = {
-            let inner = self.lock();
-            match inner.workers.get(id) {
-                Some(Entry {
-                    pid: Some(pid),
-                    exited: None,
-                    ..
-                }) => *pid,
+            let book = self.book.lock();
+            match book.workers.get(id) {
+                Some(w) if w.is_running() => match w.extra.pid {
+                    Some(pid) => pid,
+                    None => return,
+                },
                 _ => return,
             }
         };
@@ -660,15 +625,6 @@ impl LocalExecutor {
         if let Err(e) = killpg(Pid::from_raw(pid as i32), signal) {
             tracing::debug!(worker = %id, %signal, error = %e, "signal not delivered");
         }
-    }
-
-    fn running(&self) -> Vec<WorkerId> {
-        self.lock()
-            .workers
-            .iter()
-            .filter(|(_, e)| e.exited.is_none())
-            .map(|(id, _)| id.clone())
-            .collect()
     }
 }
 
@@ -713,19 +669,15 @@ impl Executor for LocalExecutor {
     }
 
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
-        if self.lock().workers.contains_key(&launch.id) {
+        if self.book.contains(&launch.id) {
             return Ok(());
         }
         self.spawn_worker(launch).await
     }
 
     async fn stop(&self, id: &WorkerId, grace: Duration) -> Result<(), ExecutorError> {
-        {
-            let mut inner = self.lock();
-            match inner.workers.get_mut(id) {
-                Some(e) if e.exited.is_none() && !e.stopping => e.stopping = true,
-                _ => return Ok(()),
-            }
+        if self.book.begin_stop(id).is_none() {
+            return Ok(());
         }
         tracing::info!(worker = %id, grace_s = grace.as_secs_f64(), "stopping worker");
         self.signal(id, Signal::SIGTERM);
@@ -739,12 +691,7 @@ impl Executor for LocalExecutor {
     }
 
     async fn observe(&self) -> Result<BTreeMap<WorkerId, Observed>, ExecutorError> {
-        Ok(self
-            .lock()
-            .workers
-            .iter()
-            .map(|(id, e)| (id.clone(), Observed::of(&e.exited, &e.gpus)))
-            .collect())
+        Ok(self.book.observe())
     }
 
     async fn forget(&self, id: &WorkerId) {
@@ -753,21 +700,19 @@ impl Executor for LocalExecutor {
             self.job_dir(id.job_id)
                 .join(format!("{}.exit", log_name(id))),
         );
-        let mut inner = self.lock();
-        if inner.workers.get(id).is_some_and(|e| e.exited.is_some()) {
-            inner.workers.remove(id);
-        }
-        let epoch_live = inner
+        let mut book = self.book.lock();
+        book.forget(id);
+        let epoch_live = book
             .workers
             .keys()
             .any(|w| w.job_id == id.job_id && w.epoch == id.epoch);
         if !epoch_live {
-            inner.ports.remove(&(id.job_id, id.epoch));
+            book.shared.by_epoch.remove(&(id.job_id, id.epoch));
         }
     }
 
     async fn take_progress(&self) -> BTreeMap<JobId, Vec<ProgressSample>> {
-        std::mem::take(&mut self.lock().progress)
+        self.book.take_progress()
     }
 
     async fn logs(&self, job_id: JobId, tail_bytes: u64) -> Result<Vec<WorkerLog>, ExecutorError> {
@@ -812,20 +757,16 @@ impl Executor for LocalExecutor {
     }
 
     async fn release(&self) {
-        let mut inner = self.lock();
-        inner.generation += 1;
-        inner.workers.clear();
-        inner.progress.clear();
-        inner.ports.clear();
+        self.book.release();
     }
 
     async fn shutdown(&self, grace: Duration) {
-        let running = self.running();
+        let running = self.book.running();
         for id in &running {
             let _ = self.stop(id, grace).await;
         }
         let deadline = tokio::time::Instant::now() + grace + Duration::from_secs(2);
-        while !self.running().is_empty() && tokio::time::Instant::now() < deadline {
+        while !self.book.running().is_empty() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // These exits were the shutdown's doing, not the workers' failures:

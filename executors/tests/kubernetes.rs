@@ -5,8 +5,10 @@
 mod support;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use keel_executors::book::ManualClock;
 use keel_executors::contract::WorkerLaunch;
 use keel_executors::kubernetes::pod_name;
 use keel_executors::{Executor, KubeConfig, KubeExecutor, NodeProbe, Observed, WorkerId};
@@ -179,8 +181,10 @@ async fn workers_run_as_pinned_pods_with_gpus_labels_the_contract_and_a_rendezvo
 async fn stop_deletes_with_the_grace_period_and_bad_pods_become_exits_with_reasons() {
     let api = StandIn::start().await;
     let mut c = config();
-    c.pending_timeout = Duration::from_millis(600);
-    let exec = KubeExecutor::new(api.client("train"), c);
+    c.pending_timeout = Duration::from_secs(300);
+    // The pending timeout is measured on the executor's clock, moved below.
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let exec = KubeExecutor::with_clock(api.client("train"), c, clock.clone());
     exec.take_over().await;
     let running = launch(1, 1, 0, 1);
     exec.launch(running.clone()).await.expect("launch");
@@ -229,8 +233,14 @@ async fn stop_deletes_with_the_grace_period_and_bad_pods_become_exits_with_reaso
     // A pod stuck Pending (the kubelet never starts it).
     let stuck = launch(3, 1, 0, 1);
     exec.launch(stuck.clone()).await.expect("launch");
-    let (_, reason) = wait_exit(&exec, &stuck.id).await;
-    assert!(reason.contains("pending for more than"), "{reason}");
+    assert!(matches!(
+        observed(&exec, &stuck.id).await,
+        Some(Observed::Running { .. })
+    ));
+    clock.advance(Duration::from_secs(301));
+    let (code, reason) = wait_exit(&exec, &stuck.id).await;
+    assert_eq!(code, Some(127));
+    assert!(reason.contains("pending for more than 300 s"), "{reason}");
 
     // An API server that is briefly unavailable: the pod is created once it
     // answers; one that forbids it (a quota): an exit with its message.

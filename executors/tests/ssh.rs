@@ -44,6 +44,15 @@ async fn wait_for<T>(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> 
     }
 }
 
+/// One of a worker's files on the host of node `name` (`log`, `pid`,
+/// `exit`, `claim`).
+fn record_on_host(sshd: &Sshd, name: &str, id: &WorkerId, kind: &str) -> std::path::PathBuf {
+    std::path::Path::new(&sshd.node(name, sshd.port, None).work_dir).join(format!(
+        "workers/job-{}/e{}-r{}.{kind}",
+        id.job_id, id.epoch, id.rank
+    ))
+}
+
 async fn wait_exit(exec: &SshExecutor, id: &WorkerId) -> (Option<i32>, String) {
     wait_for(
         &format!("{id} to exit"),
@@ -129,9 +138,16 @@ async fn a_worker_runs_over_ssh_with_the_contract_and_reports_progress_logs_and_
     }
     exec.forget(&id).await;
     assert!(!exec.observe().await.expect("observe").contains_key(&id));
-    // Its exit record goes from the host with the next poll, and a new
-    // executor does not report it again.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Its exit record goes from the host with the next poll (the host is
+    // this machine, so its files are looked at here), and a new executor
+    // does not report it again.
+    let record = record_on_host(&sshd, "a", &id, "exit");
+    wait_for(
+        "the forgotten exit record to go from the host",
+        Duration::from_secs(20),
+        async || (!record.exists()).then_some(()),
+    )
+    .await;
     exec.release().await;
     let next = SshExecutor::new(sshd.config(vec![sshd.node("a", sshd.port, Some("4xv100"))]))
         .expect("executor");
@@ -354,7 +370,15 @@ async fn a_new_leader_re_adopts_running_workers_and_reports_missed_exits() {
     // This server stops leading: it lets go without touching anything.
     first.release().await;
     assert!(first.observe().await.expect("observe").is_empty());
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The short one ends while no server watches: its supervisor records
+    // the exit on the host.
+    let record = record_on_host(&sshd, "a", &short.id, "exit");
+    wait_for(
+        "the short worker's exit record",
+        Duration::from_secs(20),
+        async || record.exists().then_some(()),
+    )
+    .await;
     let next = SshExecutor::new(config).expect("executor");
     next.take_over().await;
     let seen = wait_for(
