@@ -11,18 +11,21 @@
 //!   the round deadline), which policy runs it, and what it proposes:
 //!   `DecideAllocation { based_on: i }` on the state at applied index *i*,
 //!   only when the plan differs from the current allocations.
-//! - **Reconciling**: compares the workers the state wants with what the
-//!   executor reports ([`keel_executors::reconcile`]), records exits (after
-//!   the job's pending progress), stops unwanted workers, launches wanted
-//!   ones and records their start. Progress samples are batched: at most
-//!   one `ReportProgress` per job per progress interval.
+//! - **Reconciling**: the driver of a pure engine
+//!   ([`keel_executors::reconcile_engine`]) that compares the workers the
+//!   state wants with what the executor reports, and says what to do:
+//!   take over or release the workers as leadership comes and goes, record
+//!   exits (after the job's pending progress), stop unwanted workers,
+//!   launch wanted ones (after a quorum confirms the leadership) and record
+//!   their start. Progress samples are batched: at most one
+//!   `ReportProgress` per job per progress interval.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_executors::reconcile::{desired_workers, reconcile, recorded_running, Action};
-use keel_executors::{Executor, Observed};
+use keel_executors::reconcile_engine::{ReconcileEngine, ReconcileTimings, Step};
+use keel_executors::{Executor, ExecutorError, WorkerId};
 use keel_scheduling::engine::{Notice, SchedulingEngine, SchedulingTimings, Wait};
 use keel_scheduling::policy::{Policy, PolicyOptions};
 use keel_state::state::limits::PROGRESS_SAMPLES_MAX;
@@ -298,7 +301,12 @@ pub async fn scheduling_loop(
     }
 }
 
-/// The reconcile loop. Returns when `stop` turns true, after stopping every
+/// The reconcile loop: the async driver of
+/// [`keel_executors::reconcile_engine::ReconcileEngine`], which decides
+/// when the executor takes over or releases the workers, what a pass
+/// records, stops and launches, and when progress is proposed; this loop
+/// only reads the state, the executor and the clock, waits, and performs
+/// the engine's steps. Returns when `stop` turns true, after stopping every
 /// worker (with the grace period).
 pub async fn reconcile_loop<E: Executor>(
     node: Arc<RaftNode>,
@@ -309,44 +317,59 @@ pub async fn reconcile_loop<E: Executor>(
 ) {
     let shared = node.state_machine.shared();
     let mut applied = shared.subscribe();
-    let mut last_progress = tokio::time::Instant::now();
     let mut gate = LeaderGate::new("reconcile");
-    // Whether the executor holds the workers (taken over at the start of
-    // this replica's leadership, released when it ends).
-    let mut holding = false;
-    // Nodes with workers the executor does not own, as last warned about.
-    let mut unowned = BTreeSet::new();
+    // The engine's timers run on a monotonic clock: milliseconds since
+    // this loop started.
+    let origin = tokio::time::Instant::now();
+    let monotonic_ms = || u64::try_from(origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let timings = ReconcileTimings {
+        every_ms: ms(settings.reconcile_every),
+        coalesce_ms: 10,
+        progress_every_ms: ms(settings.progress_every),
+    };
+    let mut engine = ReconcileEngine::new(timings, monotonic_ms());
+    let performer = Performer {
+        node: &node,
+        proposer: &proposer,
+        executor: executor.as_ref(),
+        stop_grace: settings.stop_grace,
+    };
     loop {
         tokio::select! {
             _ = applied.changed() => {
                 // Coalesce bursts of entries into one pass.
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::time::sleep(Duration::from_millis(timings.coalesce_ms)).await;
             }
-            _ = tokio::time::sleep(settings.reconcile_every) => {}
+            _ = tokio::time::sleep(Duration::from_millis(timings.every_ms)) => {}
             _ = stop.changed() => break,
         }
         if *stop.borrow() {
             break;
         }
-        if !gate.ready(&node).await {
-            if holding && !is_leader(&node) {
-                tracing::info!("no longer leading: releasing the workers to the next leader");
-                executor.release().await;
-                holding = false;
-            }
+        let ready = gate.ready(&node).await;
+        let (steps, run_passes) = engine.wake(ready, is_leader(&node));
+        if let Err(e) = performer.perform(steps).await {
+            tracing::warn!(error = %e, "reconcile step failed");
+        }
+        if !run_passes {
             continue;
         }
-        if !holding {
-            // Before the first pass: what runs already is adopted, not
-            // launched a second time.
-            executor.take_over().await;
-            holding = true;
-        }
-        // Launches are recorded on the next pass; take it at once.
-        for _ in 0..3 {
-            match reconcile_pass(&node, &proposer, executor.as_ref(), &settings, &mut unowned).await
-            {
-                Ok(launched) if launched > 0 => continue,
+        loop {
+            let observed = match executor.observe().await {
+                Ok(o) => o,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reconcile pass failed");
+                    break;
+                }
+            };
+            let pass = {
+                let applied = shared.read();
+                let owns = |name: &str| executor.owns(name);
+                engine.pass(&applied.state, &observed, &owns, monotonic_ms())
+            };
+            match performer.perform(pass.steps).await {
+                Ok(Performed::All) if pass.again => continue,
                 Ok(_) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "reconcile pass failed");
@@ -354,167 +377,190 @@ pub async fn reconcile_loop<E: Executor>(
                 }
             }
         }
-        if last_progress.elapsed() >= settings.progress_every {
-            flush_progress(&proposer, executor.as_ref()).await;
-            last_progress = tokio::time::Instant::now();
+        let steps = engine.after_passes(monotonic_ms());
+        if let Err(e) = performer.perform(steps).await {
+            tracing::warn!(error = %e, "reconcile step failed");
         }
     }
-    // A replica that does not hold the workers leaves them to the leader.
-    if !holding {
-        return;
+    let leader = is_leader(&node);
+    let observed = if engine.holding() && leader {
+        executor.observe().await.unwrap_or_default()
+    } else {
+        BTreeMap::new()
+    };
+    let steps = engine.stop(leader, &observed);
+    if let Err(e) = performer.perform(steps).await {
+        tracing::warn!(error = %e, "stopping the workers failed");
     }
-    // Exits that happened before the shutdown are facts to record; the
-    // workers stopped by the shutdown itself are not failures and are not
-    // recorded: the next leader relaunches them from their checkpoints.
-    if is_leader(&node) {
-        if let Ok(observed) = executor.observe().await {
-            let exits: Vec<Action> = observed
-                .into_iter()
-                .filter_map(|(id, o)| match o {
-                    Observed::Exited { exit_code, reason } => Some(Action::RecordExit {
-                        id,
-                        exit_code,
-                        reason,
-                    }),
-                    Observed::Running { .. } => None,
-                })
-                .collect();
-            record_exits(&proposer, executor.as_ref(), &exits).await;
-        }
-    }
-    tracing::info!("stopping every worker");
-    executor.shutdown(settings.stop_grace).await;
 }
 
-/// One reconcile pass; returns how many workers it launched. A worker
-/// wanted on a node the executor does not own is not launched (warned
-/// about once while it stays so; `unowned` holds those nodes).
-async fn reconcile_pass<E: Executor>(
-    node: &RaftNode,
+/// How far [`Performer::perform`] got.
+#[derive(Debug, PartialEq, Eq)]
+enum Performed {
+    All,
+    /// A quorum did not confirm this replica's leadership: the rest of the
+    /// steps (stops, launches, starts) were skipped.
+    NotConfirmed,
+}
+
+/// Performs the reconcile engine's steps on the executor and the log.
+struct Performer<'a, E: Executor> {
+    node: &'a RaftNode,
+    proposer: &'a Proposer,
+    executor: &'a E,
+    stop_grace: Duration,
+}
+
+impl<E: Executor> Performer<'_, E> {
+    /// Performs `steps` in order. Consecutive exits, launches and starts go
+    /// together (each may be a round trip: a proposal, or a launch on
+    /// another host, where the SSH executor bounds how many go to one host
+    /// at once).
+    async fn perform(&self, steps: Vec<Step>) -> Result<Performed, ExecutorError> {
+        let mut steps = steps.into_iter().peekable();
+        while let Some(step) = steps.next() {
+            match step {
+                Step::TakeOver => self.executor.take_over().await,
+                Step::Release => {
+                    tracing::info!("no longer leading: releasing the workers to the next leader");
+                    self.executor.release().await;
+                }
+                Step::FlushProgress => flush_progress(self.proposer, self.executor).await,
+                Step::RecordExit {
+                    id,
+                    exit_code,
+                    reason,
+                } => {
+                    let mut exits = vec![(id, exit_code, reason)];
+                    while let Some(Step::RecordExit { .. }) = steps.peek() {
+                        if let Some(Step::RecordExit {
+                            id,
+                            exit_code,
+                            reason,
+                        }) = steps.next()
+                        {
+                            exits.push((id, exit_code, reason));
+                        }
+                    }
+                    record_exits(self.proposer, self.executor, exits).await;
+                }
+                Step::ConfirmLeadership => {
+                    // Chaos builds: the replica freezes itself (SIGSTOP)
+                    // here, between deciding and launching, where
+                    // `reconcile-before-side-effects` is set (the test of a
+                    // stale leader's launches).
+                    #[cfg(feature = "failpoints")]
+                    {
+                        // With an argument, only while that file exists, and
+                        // only the replica that removes it (keel-chaos arms
+                        // one pause at a time).
+                        fail::eval("reconcile-before-side-effects", |trigger| {
+                            if trigger.is_none_or(|file| std::fs::remove_file(file).is_ok()) {
+                                tracing::warn!(
+                                    "failpoint: pausing this replica before its side effects"
+                                );
+                                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+                            }
+                        });
+                    }
+                    // A replica paused after it decided (SIGSTOP, a long
+                    // stall) still believes it leads when it wakes: before
+                    // touching processes, a quorum confirms it does (the
+                    // executors' fences catch what slips between this check
+                    // and the launch).
+                    if !confirm_leadership(self.node).await {
+                        tracing::info!(
+                            "not launching or stopping workers: leadership not confirmed"
+                        );
+                        return Ok(Performed::NotConfirmed);
+                    }
+                }
+                Step::Stop { id } => self.executor.stop(&id, self.stop_grace).await?,
+                Step::Launch(first) => {
+                    let mut launches = vec![self.executor.launch(*first)];
+                    while let Some(Step::Launch(_) | Step::NotOwned { .. }) = steps.peek() {
+                        match steps.next() {
+                            Some(Step::Launch(l)) => launches.push(self.executor.launch(*l)),
+                            Some(Step::NotOwned { id, node }) => not_owned(&id, &node),
+                            _ => {}
+                        }
+                    }
+                    futures::future::join_all(launches)
+                        .await
+                        .into_iter()
+                        .collect::<Result<Vec<()>, _>>()?;
+                }
+                Step::RecordStart { id, node } => {
+                    let mut starts = vec![(id, node)];
+                    while let Some(Step::RecordStart { .. }) = steps.peek() {
+                        if let Some(Step::RecordStart { id, node }) = steps.next() {
+                            starts.push((id, node));
+                        }
+                    }
+                    let proposals = starts.into_iter().map(|(id, node)| {
+                        self.proposer.propose(Command::RecordWorkerStarted {
+                            job_id: id.job_id,
+                            epoch: id.epoch,
+                            rank: id.rank,
+                            node,
+                        })
+                    });
+                    for outcome in futures::future::join_all(proposals).await {
+                        if let Err(e) = outcome {
+                            tracing::debug!(error = %e, "worker start not recorded");
+                        }
+                    }
+                }
+                Step::NotOwned { id, node } => not_owned(&id, &node),
+                Step::Shutdown => {
+                    tracing::info!("stopping every worker");
+                    self.executor.shutdown(self.stop_grace).await;
+                }
+            }
+        }
+        Ok(Performed::All)
+    }
+}
+
+fn not_owned(id: &WorkerId, node: &str) {
+    tracing::warn!(
+        worker = %id,
+        node = %node,
+        "not launched: no executor of this server owns the node \
+         (it is known from heartbeats only)"
+    );
+}
+
+/// Records `exits` (after the progress that came before them: a job's last
+/// progress lines must be in the log before the exit that ends it; the
+/// engine puts a progress flush before them), then lets the executor forget
+/// them.
+async fn record_exits<E: Executor>(
     proposer: &Proposer,
     executor: &E,
-    settings: &LoopSettings,
-    unowned: &mut BTreeSet<String>,
-) -> Result<usize, keel_executors::ExecutorError> {
-    let observed = executor.observe().await?;
-    let actions = {
-        let shared = node.state_machine.shared();
-        let applied = shared.read();
-        reconcile(
-            &desired_workers(&applied.state),
-            &observed,
-            &recorded_running(&applied.state),
-        )
-    };
-    record_exits(proposer, executor, &actions).await;
-    // A replica paused after it decided (SIGSTOP, a long GC-like stall)
-    // still believes it leads when it wakes: before touching processes,
-    // confirm with a quorum that it does, for this batch (the executors'
-    // fences catch what slips between this check and the launch).
-    let touches = actions
-        .iter()
-        .any(|a| matches!(a, Action::Stop { .. } | Action::Launch(_)));
-    // Chaos builds: the replica freezes itself (SIGSTOP) here, between
-    // deciding and launching, where `reconcile-before-side-effects` is set
-    // (the test of a stale leader's launches).
-    #[cfg(feature = "failpoints")]
-    if touches {
-        // With an argument, only while that file exists, and only the
-        // replica that removes it (keel-chaos arms one pause at a time).
-        fail::eval("reconcile-before-side-effects", |trigger| {
-            if trigger.is_none_or(|file| std::fs::remove_file(file).is_ok()) {
-                tracing::warn!("failpoint: pausing this replica before its side effects");
-                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
-            }
-        });
-    }
-    if touches && !confirm_leadership(node).await {
-        tracing::info!("not launching or stopping workers: leadership not confirmed");
-        return Ok(0);
-    }
-    let mut launches = Vec::new();
-    let mut starts = Vec::new();
-    let mut unowned_now = BTreeSet::new();
-    for action in actions {
-        match action {
-            Action::Stop { id } => executor.stop(&id, settings.stop_grace).await?,
-            Action::Launch(launch) if !executor.owns(&launch.node) => {
-                if !unowned.contains(&launch.node) {
-                    tracing::warn!(
-                        worker = %launch.id,
-                        node = %launch.node,
-                        "not launched: no executor of this server owns the node \
-                         (it is known from heartbeats only)"
-                    );
-                }
-                unowned_now.insert(launch.node.clone());
-            }
-            Action::Launch(launch) => launches.push(executor.launch(*launch)),
-            Action::RecordStart { id, node } => {
-                starts.push(proposer.propose(Command::RecordWorkerStarted {
-                    job_id: id.job_id,
-                    epoch: id.epoch,
-                    rank: id.rank,
-                    node,
-                }))
-            }
-            Action::RecordExit { .. } => {}
-        }
-    }
-    *unowned = unowned_now;
-    // Launches run together: each may be a round trip to another host
-    // (the SSH executor bounds how many go to one host at once).
-    let launched = launches.len();
-    let launch_results = futures::future::join_all(launches).await;
-    for outcome in futures::future::join_all(starts).await {
-        if let Err(e) = outcome {
-            tracing::debug!(error = %e, "worker start not recorded");
-        }
-    }
-    launch_results.into_iter().collect::<Result<Vec<()>, _>>()?;
-    Ok(launched)
-}
-
-/// Records the exits among `actions` (after the progress that came before
-/// them: a job's last progress lines must be in the log before the exit
-/// that ends it), then lets the executor forget them.
-async fn record_exits<E: Executor>(proposer: &Proposer, executor: &E, actions: &[Action]) {
-    let exits: Vec<&Action> = actions
-        .iter()
-        .filter(|a| matches!(a, Action::RecordExit { .. }))
-        .collect();
-    if exits.is_empty() {
-        return;
-    }
-    flush_progress(proposer, executor).await;
-    let proposals = exits.iter().filter_map(|a| match a {
-        Action::RecordExit {
-            id,
-            exit_code,
-            reason,
-        } => Some(async move {
-            let outcome = proposer
-                .propose(Command::RecordWorkerExited {
-                    job_id: id.job_id,
-                    epoch: id.epoch,
-                    rank: id.rank,
-                    exit_code: *exit_code,
-                    reason: reason.clone(),
-                })
-                .await;
-            (id, outcome)
-        }),
-        _ => None,
+    exits: Vec<(WorkerId, Option<i32>, String)>,
+) {
+    let proposals = exits.into_iter().map(|(id, exit_code, reason)| async move {
+        let outcome = proposer
+            .propose(Command::RecordWorkerExited {
+                job_id: id.job_id,
+                epoch: id.epoch,
+                rank: id.rank,
+                exit_code,
+                reason,
+            })
+            .await;
+        (id, outcome)
     });
     for (id, outcome) in futures::future::join_all(proposals).await {
         match outcome {
-            Ok(_) => executor.forget(id).await,
+            Ok(_) => executor.forget(&id).await,
             // Refused (the job was removed): nothing to record it on.
             Err(crate::grpc_status::ApiError::Refused(e)) => {
                 tracing::debug!(worker = %id, refusal = %e, "exit not recorded");
-                executor.forget(id).await;
+                executor.forget(&id).await;
             }
-            // Not committed: keep it and try again next pass.
+            // Not committed: kept, and recorded again by the next pass.
             Err(e) => tracing::warn!(worker = %id, error = %e, "exit not committed"),
         }
     }

@@ -6,6 +6,9 @@
 //!   codes), the same for every executor;
 //! - [`reconcile`]: the reconciler's decision as a pure function (desired
 //!   workers + observed workers → actions);
+//! - [`reconcile_engine`]: the reconcile loop's decisions as a pure engine
+//!   (leadership, passes, progress interval, shutdown) that the leader's
+//!   driver performs;
 //! - [`executor`]: the [`Executor`] trait the leader's reconcile loop drives;
 //! - [`local`]: workers as local child processes (the embedded default);
 //! - [`ssh`]: workers on hosts reached over SSH, under a shell supervisor
@@ -26,6 +29,7 @@ pub mod executor;
 pub mod kubernetes;
 pub mod local;
 pub mod reconcile;
+pub mod reconcile_engine;
 pub mod ssh;
 pub mod supervisor;
 pub mod trainer;

@@ -1,0 +1,557 @@
+//! The reconcile loop's decisions as a pure engine, after openraft's
+//! engine/runtime split (the scheduling loop's twin is
+//! `keel_scheduling::engine`): the leader's async driver (`keel::leader`)
+//! reads the applied state, the executor's observations, leadership and a
+//! monotonic clock, asks the engine what to do, and only performs the
+//! [`Step`]s it returns, in order. Everything that decides is here, with no
+//! clock, I/O or async, so it is tested step by step on a virtual clock.
+//!
+//! The rules:
+//! - the executor holds workers only while this replica leads: it takes
+//!   them over before the first pass of a leadership (so what runs is
+//!   adopted, never launched twice) and releases them as soon as the
+//!   replica no longer leads;
+//! - a pass records exits first, each after the progress that came before
+//!   it (a job's last progress lines are in the log before the exit that
+//!   ends it), then stops and launches, after confirming leadership with a
+//!   quorum (a replica paused after deciding may wake believing it leads),
+//!   then records the starts it sees;
+//! - a worker wanted on a node the executor does not own is not launched;
+//!   that is said once while it stays so;
+//! - a pass that launched is followed at once by another (the launches'
+//!   starts are recorded there), at most [`PASSES_PER_WAKE`] in a row;
+//! - progress is proposed at most once per `progress_every_ms` (and before
+//!   any exit);
+//! - a replica that stops while holding records the exits it saw (if it
+//!   still leads) and shuts the executor down; one that does not hold
+//!   touches nothing.
+//!
+//! An exit that is not committed stays observed, so the next pass records
+//! it again: retries need no memory here.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use keel_state::ClusterState;
+
+use crate::contract::WorkerLaunch;
+use crate::reconcile::{desired_workers, reconcile, recorded_running, Action, Observed};
+use crate::WorkerId;
+
+/// Passes in a row while each one launches something.
+pub const PASSES_PER_WAKE: u32 = 3;
+
+/// The engine's timings, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReconcileTimings {
+    /// A pass runs at least this often.
+    pub every_ms: u64,
+    /// After the applied state changed, wait this long so a burst of
+    /// entries is reconciled in one pass.
+    pub coalesce_ms: u64,
+    /// At most one progress entry per job this often.
+    pub progress_every_ms: u64,
+}
+
+/// One thing for the driver to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// The executor takes over the workers (adopting what runs).
+    TakeOver,
+    /// The executor lets go of every worker, touching none.
+    Release,
+    /// Propose the progress the executor buffered, one entry per job.
+    FlushProgress,
+    /// Propose the worker's exit; once committed (or refused: its job is
+    /// gone), the executor forgets it.
+    RecordExit {
+        id: WorkerId,
+        exit_code: Option<i32>,
+        reason: String,
+    },
+    /// Confirm with a quorum that this replica leads; if it does not, skip
+    /// the rest of the pass.
+    ConfirmLeadership,
+    Stop {
+        id: WorkerId,
+    },
+    Launch(Box<WorkerLaunch>),
+    /// Propose that the worker runs.
+    RecordStart {
+        id: WorkerId,
+        node: String,
+    },
+    /// Say that a wanted worker is not launched: no executor of this server
+    /// owns its node (known from heartbeats only).
+    NotOwned {
+        id: WorkerId,
+        node: String,
+    },
+    /// Stop every worker and wait for them (the server shuts down).
+    Shutdown,
+}
+
+/// What one pass decided.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pass {
+    pub steps: Vec<Step>,
+    /// Run another pass at once (this one launched, and the wake has passes
+    /// left).
+    pub again: bool,
+}
+
+/// The reconcile loop's memory: whether the executor holds the workers,
+/// which nodes were said to be unowned, when progress was last proposed.
+#[derive(Debug)]
+pub struct ReconcileEngine {
+    timings: ReconcileTimings,
+    holding: bool,
+    unowned: BTreeSet<String>,
+    last_flush_ms: u64,
+    passes_this_wake: u32,
+}
+
+impl ReconcileEngine {
+    /// An engine whose monotonic clock reads `now_ms`.
+    pub fn new(timings: ReconcileTimings, now_ms: u64) -> ReconcileEngine {
+        ReconcileEngine {
+            timings,
+            holding: false,
+            unowned: BTreeSet::new(),
+            last_flush_ms: now_ms,
+            passes_this_wake: 0,
+        }
+    }
+
+    pub fn timings(&self) -> ReconcileTimings {
+        self.timings
+    }
+
+    /// Whether the executor holds the workers.
+    pub fn holding(&self) -> bool {
+        self.holding
+    }
+
+    /// The loop woke up. `ready`: this replica leads and has applied its
+    /// term's first entry (it may act); `leader`: Raft says it leads
+    /// (perhaps not ready yet). Returns what to do first, and whether to
+    /// run passes now.
+    pub fn wake(&mut self, ready: bool, leader: bool) -> (Vec<Step>, bool) {
+        self.passes_this_wake = 0;
+        if !ready {
+            if self.holding && !leader {
+                self.holding = false;
+                return (vec![Step::Release], false);
+            }
+            return (Vec::new(), false);
+        }
+        if !self.holding {
+            self.holding = true;
+            return (vec![Step::TakeOver], true);
+        }
+        (Vec::new(), true)
+    }
+
+    /// One pass over the state at some applied index and what the executor
+    /// observed; `owns` says which nodes the executor runs workers on.
+    pub fn pass(
+        &mut self,
+        state: &ClusterState,
+        observed: &BTreeMap<WorkerId, Observed>,
+        owns: &dyn Fn(&str) -> bool,
+        now_ms: u64,
+    ) -> Pass {
+        self.passes_this_wake += 1;
+        let actions = reconcile(&desired_workers(state), observed, &recorded_running(state));
+        let mut exits = Vec::new();
+        let mut touches = Vec::new();
+        let mut starts = Vec::new();
+        let mut unowned_now = BTreeSet::new();
+        let mut launches = 0;
+        for action in actions {
+            match action {
+                Action::RecordExit {
+                    id,
+                    exit_code,
+                    reason,
+                } => exits.push(Step::RecordExit {
+                    id,
+                    exit_code,
+                    reason,
+                }),
+                Action::Stop { id } => touches.push(Step::Stop { id }),
+                Action::Launch(launch) if !owns(&launch.node) => {
+                    if !self.unowned.contains(&launch.node) {
+                        touches.push(Step::NotOwned {
+                            id: launch.id.clone(),
+                            node: launch.node.clone(),
+                        });
+                    }
+                    unowned_now.insert(launch.node.clone());
+                }
+                Action::Launch(launch) => {
+                    launches += 1;
+                    touches.push(Step::Launch(launch));
+                }
+                Action::RecordStart { id, node } => starts.push(Step::RecordStart { id, node }),
+            }
+        }
+        self.unowned = unowned_now;
+        let mut steps = Vec::new();
+        if !exits.is_empty() {
+            steps.push(Step::FlushProgress);
+            self.last_flush_ms = now_ms;
+            steps.extend(exits);
+        }
+        if touches
+            .iter()
+            .any(|s| matches!(s, Step::Stop { .. } | Step::Launch(_)))
+        {
+            steps.push(Step::ConfirmLeadership);
+        }
+        steps.extend(touches);
+        steps.extend(starts);
+        Pass {
+            steps,
+            again: launches > 0 && self.passes_this_wake < PASSES_PER_WAKE,
+        }
+    }
+
+    /// After the passes of a wake: progress, when an interval has gone by
+    /// since it was last proposed.
+    pub fn after_passes(&mut self, now_ms: u64) -> Vec<Step> {
+        if now_ms.saturating_sub(self.last_flush_ms) >= self.timings.progress_every_ms {
+            self.last_flush_ms = now_ms;
+            return vec![Step::FlushProgress];
+        }
+        Vec::new()
+    }
+
+    /// The server stops. `leader`: this replica still leads; `observed`:
+    /// what the executor reports now. Exits that happened before the
+    /// shutdown are facts to record; the workers the shutdown stops are not
+    /// failures and are not recorded (the next leader relaunches them from
+    /// their checkpoints).
+    pub fn stop(&mut self, leader: bool, observed: &BTreeMap<WorkerId, Observed>) -> Vec<Step> {
+        if !self.holding {
+            return Vec::new();
+        }
+        self.holding = false;
+        let mut steps = Vec::new();
+        if leader {
+            let exits: Vec<Step> = observed
+                .iter()
+                .filter_map(|(id, o)| match o {
+                    Observed::Exited { exit_code, reason } => Some(Step::RecordExit {
+                        id: id.clone(),
+                        exit_code: *exit_code,
+                        reason: reason.clone(),
+                    }),
+                    Observed::Running { .. } => None,
+                })
+                .collect();
+            if !exits.is_empty() {
+                steps.push(Step::FlushProgress);
+                steps.extend(exits);
+            }
+        }
+        steps.push(Step::Shutdown);
+        steps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_state::fixtures::job_spec;
+    use keel_state::{Command, Gpu, GpuRef, JobPlacement, LogEntry};
+
+    const TIMINGS: ReconcileTimings = ReconcileTimings {
+        every_ms: 250,
+        coalesce_ms: 10,
+        progress_every_ms: 2_000,
+    };
+
+    struct World {
+        state: ClusterState,
+        index: u64,
+        jobs: u64,
+    }
+
+    impl World {
+        /// Node n0 (4 GPUs, owned) and n1 (2 GPUs, known from heartbeats).
+        fn new() -> World {
+            let mut w = World {
+                state: ClusterState::new(),
+                index: 0,
+                jobs: 0,
+            };
+            for (name, gpus) in [("n0", 4), ("n1", 2)] {
+                w.apply(Command::RegisterNode {
+                    name: name.into(),
+                    address: format!("{name}.example"),
+                    gpus: (0..gpus)
+                        .map(|index| Gpu {
+                            index,
+                            gpu_type: "v100".into(),
+                        })
+                        .collect(),
+                });
+            }
+            w
+        }
+
+        fn apply(&mut self, command: Command) {
+            self.index += 1;
+            self.state
+                .apply(self.index, &LogEntry::new(1, command))
+                .expect("applies");
+        }
+
+        /// Submits a one-GPU job and places it on `node`'s GPU 0.
+        fn place(&mut self, name: &str, node: &str) -> u64 {
+            self.apply(Command::SubmitJob {
+                spec: job_spec(name, 1, 1),
+            });
+            // Job ids are handed out in order from 1.
+            self.jobs += 1;
+            let job_id = self.jobs;
+            self.apply(Command::DecideAllocation {
+                based_on: self.index,
+                policy: "test".into(),
+                round: 1,
+                placements: vec![JobPlacement {
+                    job_id,
+                    gpus: vec![GpuRef {
+                        node: node.into(),
+                        index: 0,
+                    }],
+                    share_with: None,
+                }],
+                memory: None,
+            });
+            job_id
+        }
+    }
+
+    fn owns_n0(node: &str) -> bool {
+        node == "n0"
+    }
+
+    fn wid(job_id: u64) -> WorkerId {
+        WorkerId {
+            job_id,
+            epoch: 1,
+            rank: 0,
+        }
+    }
+
+    fn running_on_n0() -> Observed {
+        Observed::Running {
+            gpus: vec![GpuRef {
+                node: "n0".into(),
+                index: 0,
+            }],
+        }
+    }
+
+    fn kinds(steps: &[Step]) -> Vec<String> {
+        steps
+            .iter()
+            .map(|s| match s {
+                Step::TakeOver => "take over".to_string(),
+                Step::Release => "release".to_string(),
+                Step::FlushProgress => "flush progress".to_string(),
+                Step::RecordExit { id, .. } => format!("record exit {id}"),
+                Step::ConfirmLeadership => "confirm leadership".to_string(),
+                Step::Stop { id } => format!("stop {id}"),
+                Step::Launch(l) => format!("launch {}", l.id),
+                Step::RecordStart { id, node } => format!("record start {id} on {node}"),
+                Step::NotOwned { id, node } => format!("not owned {id} on {node}"),
+                Step::Shutdown => "shutdown".to_string(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn workers_are_taken_over_when_leading_starts_and_released_when_it_ends() {
+        let mut e = ReconcileEngine::new(TIMINGS, 0);
+        assert_eq!(e.wake(false, false), (vec![], false), "a follower");
+        assert_eq!(
+            e.wake(false, true),
+            (vec![], false),
+            "a leader that has not applied its term's first entry waits"
+        );
+        assert_eq!(e.wake(true, true), (vec![Step::TakeOver], true));
+        assert_eq!(e.wake(true, true), (vec![], true), "taken over once");
+        assert_eq!(
+            e.wake(false, true),
+            (vec![], false),
+            "still the leader, not ready for a moment: nothing released"
+        );
+        assert_eq!(e.wake(false, false), (vec![Step::Release], false));
+        assert_eq!(e.wake(false, false), (vec![], false), "released once");
+        assert_eq!(
+            e.wake(true, true),
+            (vec![Step::TakeOver], true),
+            "a new leadership takes over again"
+        );
+    }
+
+    #[test]
+    fn a_pass_records_exits_after_progress_then_confirms_before_it_launches() {
+        let mut w = World::new();
+        let a = w.place("a", "n0");
+        let mut e = ReconcileEngine::new(TIMINGS, 0);
+        e.wake(true, true);
+        let pass = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 100);
+        assert_eq!(
+            kinds(&pass.steps),
+            vec!["confirm leadership", &format!("launch {}", wid(a))]
+        );
+        assert!(pass.again, "its start is recorded by the next pass");
+        let observed = BTreeMap::from([(wid(a), running_on_n0())]);
+        let pass = e.pass(&w.state, &observed, &owns_n0, 100);
+        assert_eq!(
+            kinds(&pass.steps),
+            vec![format!("record start {} on n0", wid(a))],
+            "nothing touched: no confirmation"
+        );
+        assert!(!pass.again);
+        // It exits.
+        let observed = BTreeMap::from([(
+            wid(a),
+            Observed::Exited {
+                exit_code: Some(1),
+                reason: "exited with code 1".into(),
+            },
+        )]);
+        let pass = e.pass(&w.state, &observed, &owns_n0, 200);
+        assert_eq!(
+            kinds(&pass.steps),
+            vec!["flush progress", &format!("record exit {}", wid(a))]
+        );
+        // An exit not committed is still observed: the next pass records it
+        // again.
+        let pass = e.pass(&w.state, &observed, &owns_n0, 450);
+        assert_eq!(
+            kinds(&pass.steps),
+            vec!["flush progress", &format!("record exit {}", wid(a))]
+        );
+    }
+
+    #[test]
+    fn an_unwanted_worker_is_stopped_after_a_confirmation() {
+        let w = World::new();
+        let mut e = ReconcileEngine::new(TIMINGS, 0);
+        e.wake(true, true);
+        let observed = BTreeMap::from([(wid(9), running_on_n0())]);
+        let pass = e.pass(&w.state, &observed, &owns_n0, 0);
+        assert_eq!(
+            kinds(&pass.steps),
+            vec!["confirm leadership", &format!("stop {}", wid(9))]
+        );
+        assert!(!pass.again);
+    }
+
+    #[test]
+    fn a_worker_on_a_node_not_owned_is_said_once_and_never_launched() {
+        let mut w = World::new();
+        let b = w.place("b", "n1");
+        let mut e = ReconcileEngine::new(TIMINGS, 0);
+        e.wake(true, true);
+        let first = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 0);
+        assert_eq!(
+            kinds(&first.steps),
+            vec![format!("not owned {} on n1", wid(b))]
+        );
+        assert!(!first.again);
+        let second = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 250);
+        assert_eq!(second.steps, vec![], "said once while it stays so");
+        let owns_all = |_: &str| true;
+        let owned = e.pass(&w.state, &BTreeMap::new(), &owns_all, 500);
+        assert_eq!(
+            kinds(&owned.steps),
+            vec!["confirm leadership", &format!("launch {}", wid(b))]
+        );
+        let again = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 750);
+        assert_eq!(
+            kinds(&again.steps),
+            vec![format!("not owned {} on n1", wid(b))],
+            "said again once it is unowned anew"
+        );
+    }
+
+    #[test]
+    fn passes_repeat_while_they_launch_at_most_three_times_a_wake() {
+        let mut w = World::new();
+        w.place("a", "n0");
+        let mut e = ReconcileEngine::new(TIMINGS, 0);
+        e.wake(true, true);
+        // The launch is not observed yet (the executor is slow): each pass
+        // launches again, which the executor ignores for a known identity.
+        let again: Vec<bool> = (0..3)
+            .map(|_| e.pass(&w.state, &BTreeMap::new(), &owns_n0, 0).again)
+            .collect();
+        assert_eq!(again, vec![true, true, false]);
+        e.wake(true, true);
+        assert!(e.pass(&w.state, &BTreeMap::new(), &owns_n0, 0).again);
+    }
+
+    #[test]
+    fn progress_is_proposed_once_an_interval_on_the_virtual_clock() {
+        let mut w = World::new();
+        let a = w.place("a", "n0");
+        let mut e = ReconcileEngine::new(TIMINGS, 1_000);
+        assert_eq!(e.after_passes(1_000), vec![]);
+        assert_eq!(e.after_passes(2_999), vec![]);
+        assert_eq!(e.after_passes(3_000), vec![Step::FlushProgress]);
+        assert_eq!(e.after_passes(4_999), vec![], "once an interval");
+        // An exit flushes progress first, and that counts as the interval's.
+        e.wake(true, true);
+        let observed = BTreeMap::from([(
+            wid(a),
+            Observed::Exited {
+                exit_code: Some(0),
+                reason: "exited with code 0".into(),
+            },
+        )]);
+        let pass = e.pass(&w.state, &observed, &owns_n0, 4_500);
+        assert_eq!(pass.steps[0], Step::FlushProgress);
+        assert_eq!(e.after_passes(6_000), vec![]);
+        assert_eq!(e.after_passes(6_500), vec![Step::FlushProgress]);
+    }
+
+    #[test]
+    fn a_stopping_server_records_seen_exits_only_while_it_holds_and_leads() {
+        let exited = BTreeMap::from([
+            (
+                wid(1),
+                Observed::Exited {
+                    exit_code: Some(3),
+                    reason: "exited with code 3".into(),
+                },
+            ),
+            (wid(2), running_on_n0()),
+        ]);
+        let mut never_led = ReconcileEngine::new(TIMINGS, 0);
+        assert_eq!(never_led.stop(true, &exited), vec![], "touches nothing");
+        let mut leader = ReconcileEngine::new(TIMINGS, 0);
+        leader.wake(true, true);
+        assert_eq!(
+            kinds(&leader.stop(true, &exited)),
+            vec![
+                "flush progress",
+                &format!("record exit {}", wid(1)),
+                "shutdown"
+            ]
+        );
+        assert!(!leader.holding());
+        let mut deposed = ReconcileEngine::new(TIMINGS, 0);
+        deposed.wake(true, true);
+        assert_eq!(
+            deposed.stop(false, &exited),
+            vec![Step::Shutdown],
+            "a deposed leader records nothing"
+        );
+    }
+}
