@@ -5,7 +5,10 @@
 //! acknowledges before it is durable is caught. The leaders' scheduling
 //! loops run in the fixed seeds, the 5-replica seed and the replayed
 //! seed; the tests of one Raft-layer fault leave them out (they double a
-//! seed's cost). Thousands of seeds: `keel-dst --seeds 2000`
+//! seed's cost). The leaders' reconcile loops run there too, over
+//! simulated machines, and a stale leader (paused between deciding and
+//! acting, deposed meanwhile) must touch no worker; one that skips the
+//! quorum's confirmation is caught. Thousands of seeds: `keel-dst --seeds 2000`
 //! (RELIABILITY.md).
 
 use keel_chaos::dst::{run_seed, DstConfig, Fault};
@@ -33,6 +36,48 @@ fn fixed_seeds_pass_every_check() {
             "the scheduling loops ran: {scheduled:?}"
         );
         assert!(report.memory_decisions_checked > 10, "{}", report.line());
+        // The leaders' reconcile loops ran workers on the simulated
+        // machines (a stale one touching them is a violation).
+        assert!(report.workers_launched > 20, "{}", report.line());
+    }
+}
+
+/// The leader's reconcile loop is paused after it decided to launch or
+/// stop, another replica leads and takes the workers over, and the paused
+/// loop goes on: it must confirm its leadership, fail to, and touch
+/// nothing.
+#[test]
+fn a_stale_leader_touches_no_worker() {
+    for seed in 0..2 {
+        let mut config = DstConfig::new(seed);
+        config.faults = vec![Fault::StaleLeader];
+        config.rounds = 6;
+        let report = run_seed(&config).expect("the simulation runs");
+        assert!(report.passed, "{}\n{:#?}", report.line(), report.violations);
+        assert!(report.stale_leader_pauses >= 3, "{}", report.line());
+        assert!(report.workers_launched > 20, "{}", report.line());
+    }
+}
+
+/// The check of that check: loops that launch and stop without the
+/// quorum's confirmation are caught acting as stale leaders.
+#[test]
+fn a_stale_leader_that_skips_the_confirmation_is_caught() {
+    for seed in 0..2 {
+        let mut config = DstConfig::new(seed);
+        config.faults = vec![Fault::StaleLeader];
+        config.rounds = 6;
+        config.unconfirmed = true;
+        let report = run_seed(&config).expect("the simulation runs");
+        assert!(!report.passed, "{}", report.line());
+        assert!(
+            report
+                .violations
+                .iter()
+                .all(|v| v.starts_with("stale leader: replica")),
+            "{:#?}",
+            report.violations
+        );
     }
 }
 

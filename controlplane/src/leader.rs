@@ -329,11 +329,15 @@ pub async fn reconcile_loop<E: Executor>(
         progress_every_ms: ms(settings.progress_every),
     };
     let mut engine = ReconcileEngine::new(timings, monotonic_ms());
-    let performer = Performer {
+    let log = RaftLog {
         node: &node,
         proposer: &proposer,
+    };
+    let performer = Performer {
+        log: &log,
         executor: executor.as_ref(),
         stop_grace: settings.stop_grace,
+        confirm: true,
     };
     loop {
         tokio::select! {
@@ -394,29 +398,106 @@ pub async fn reconcile_loop<E: Executor>(
     }
 }
 
+/// Why a proposal was not recorded.
+#[derive(Debug, thiserror::Error)]
+pub enum NotRecorded {
+    /// The state machine refused it (its job was removed, say): retrying
+    /// cannot help.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// It may or may not commit (no leader, a timeout): try again later.
+    #[error("not committed: {0}")]
+    NotCommitted(String),
+}
+
+/// What the reconcile driver needs of the replicated log: propose, and
+/// confirm with a quorum that this replica leads. The server's is
+/// [`RaftLog`]; the deterministic simulation has its own.
+pub trait LogPort: Send + Sync {
+    /// Proposes `command` and waits until it applied (or was refused).
+    fn propose(
+        &self,
+        command: Command,
+    ) -> impl std::future::Future<Output = Result<(), NotRecorded>> + Send;
+
+    /// Whether a quorum confirms now that this replica leads.
+    fn confirm_leadership(&self) -> impl std::future::Future<Output = bool> + Send;
+}
+
+/// The server's log: proposals through the [`Proposer`], leadership
+/// confirmed by a read index.
+struct RaftLog<'a> {
+    node: &'a RaftNode,
+    proposer: &'a Proposer,
+}
+
+impl LogPort for RaftLog<'_> {
+    async fn propose(&self, command: Command) -> Result<(), NotRecorded> {
+        match self.proposer.propose(command).await {
+            Ok(_) => Ok(()),
+            Err(crate::grpc_status::ApiError::Refused(e)) => {
+                Err(NotRecorded::Refused(e.to_string()))
+            }
+            Err(e) => Err(NotRecorded::NotCommitted(e.to_string())),
+        }
+    }
+
+    async fn confirm_leadership(&self) -> bool {
+        // Chaos builds: the replica freezes itself (SIGSTOP) here, between
+        // deciding and launching, where `reconcile-before-side-effects` is
+        // set (the test of a stale leader's launches).
+        #[cfg(feature = "failpoints")]
+        {
+            // With an argument, only while that file exists, and only the
+            // replica that removes it (keel-chaos arms one pause at a time).
+            fail::eval("reconcile-before-side-effects", |trigger| {
+                if trigger.is_none_or(|file| std::fs::remove_file(file).is_ok()) {
+                    tracing::warn!("failpoint: pausing this replica before its side effects");
+                    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+                }
+            });
+        }
+        confirm_leadership(self.node).await
+    }
+}
+
 /// How far [`Performer::perform`] got.
 #[derive(Debug, PartialEq, Eq)]
-enum Performed {
+pub enum Performed {
     All,
     /// A quorum did not confirm this replica's leadership: the rest of the
     /// steps (stops, launches, starts) were skipped.
     NotConfirmed,
 }
 
-/// Performs the reconcile engine's steps on the executor and the log.
-struct Performer<'a, E: Executor> {
-    node: &'a RaftNode,
-    proposer: &'a Proposer,
-    executor: &'a E,
-    stop_grace: Duration,
+/// Performs the reconcile engine's steps on an executor and a log: the
+/// whole of the reconcile loop's side effects, shared by the server and
+/// the deterministic simulation.
+pub struct Performer<'a, E: Executor, L: LogPort> {
+    pub log: &'a L,
+    pub executor: &'a E,
+    pub stop_grace: Duration,
+    /// Whether `ConfirmLeadership` asks the quorum. Always, but in the
+    /// simulation's check of its own checker (which must then catch the
+    /// stale leaders' launches).
+    pub confirm: bool,
 }
 
-impl<E: Executor> Performer<'_, E> {
+impl<E: Executor, L: LogPort> std::fmt::Debug for Performer<'_, E, L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Performer")
+            .field("stop_grace", &self.stop_grace)
+            .field("confirm", &self.confirm)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: Executor, L: LogPort> Performer<'_, E, L> {
     /// Performs `steps` in order. Consecutive exits, launches and starts go
     /// together (each may be a round trip: a proposal, or a launch on
     /// another host, where the SSH executor bounds how many go to one host
     /// at once).
-    async fn perform(&self, steps: Vec<Step>) -> Result<Performed, ExecutorError> {
+    pub async fn perform(&self, steps: Vec<Step>) -> Result<Performed, ExecutorError> {
         let mut steps = steps.into_iter().peekable();
         while let Some(step) = steps.next() {
             match step {
@@ -425,7 +506,7 @@ impl<E: Executor> Performer<'_, E> {
                     tracing::info!("no longer leading: releasing the workers to the next leader");
                     self.executor.release().await;
                 }
-                Step::FlushProgress => flush_progress(self.proposer, self.executor).await,
+                Step::FlushProgress => flush_progress(self.log, self.executor).await,
                 Step::RecordExit {
                     id,
                     exit_code,
@@ -442,33 +523,15 @@ impl<E: Executor> Performer<'_, E> {
                             exits.push((id, exit_code, reason));
                         }
                     }
-                    record_exits(self.proposer, self.executor, exits).await;
+                    record_exits(self.log, self.executor, exits).await;
                 }
                 Step::ConfirmLeadership => {
-                    // Chaos builds: the replica freezes itself (SIGSTOP)
-                    // here, between deciding and launching, where
-                    // `reconcile-before-side-effects` is set (the test of a
-                    // stale leader's launches).
-                    #[cfg(feature = "failpoints")]
-                    {
-                        // With an argument, only while that file exists, and
-                        // only the replica that removes it (keel-chaos arms
-                        // one pause at a time).
-                        fail::eval("reconcile-before-side-effects", |trigger| {
-                            if trigger.is_none_or(|file| std::fs::remove_file(file).is_ok()) {
-                                tracing::warn!(
-                                    "failpoint: pausing this replica before its side effects"
-                                );
-                                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
-                            }
-                        });
-                    }
                     // A replica paused after it decided (SIGSTOP, a long
                     // stall) still believes it leads when it wakes: before
                     // touching processes, a quorum confirms it does (the
                     // executors' fences catch what slips between this check
                     // and the launch).
-                    if !confirm_leadership(self.node).await {
+                    if self.confirm && !self.log.confirm_leadership().await {
                         tracing::info!(
                             "not launching or stopping workers: leadership not confirmed"
                         );
@@ -498,7 +561,7 @@ impl<E: Executor> Performer<'_, E> {
                         }
                     }
                     let proposals = starts.into_iter().map(|(id, node)| {
-                        self.proposer.propose(Command::RecordWorkerStarted {
+                        self.log.propose(Command::RecordWorkerStarted {
                             job_id: id.job_id,
                             epoch: id.epoch,
                             rank: id.rank,
@@ -535,13 +598,13 @@ fn not_owned(id: &WorkerId, node: &str) {
 /// progress lines must be in the log before the exit that ends it; the
 /// engine puts a progress flush before them), then lets the executor forget
 /// them.
-async fn record_exits<E: Executor>(
-    proposer: &Proposer,
+async fn record_exits<E: Executor, L: LogPort>(
+    log: &L,
     executor: &E,
     exits: Vec<(WorkerId, Option<i32>, String)>,
 ) {
     let proposals = exits.into_iter().map(|(id, exit_code, reason)| async move {
-        let outcome = proposer
+        let outcome = log
             .propose(Command::RecordWorkerExited {
                 job_id: id.job_id,
                 epoch: id.epoch,
@@ -554,9 +617,9 @@ async fn record_exits<E: Executor>(
     });
     for (id, outcome) in futures::future::join_all(proposals).await {
         match outcome {
-            Ok(_) => executor.forget(&id).await,
+            Ok(()) => executor.forget(&id).await,
             // Refused (the job was removed): nothing to record it on.
-            Err(crate::grpc_status::ApiError::Refused(e)) => {
+            Err(NotRecorded::Refused(e)) => {
                 tracing::debug!(worker = %id, refusal = %e, "exit not recorded");
                 executor.forget(&id).await;
             }
@@ -567,13 +630,13 @@ async fn record_exits<E: Executor>(
 }
 
 /// Proposes one `ReportProgress` per job with samples since the last flush.
-async fn flush_progress<E: Executor>(proposer: &Proposer, executor: &E) {
+async fn flush_progress<E: Executor, L: LogPort>(log: &L, executor: &E) {
     let batches: BTreeMap<JobId, Vec<ProgressSample>> = executor.take_progress().await;
     let proposals = batches.into_iter().map(|(job_id, mut samples)| {
         if samples.len() > PROGRESS_SAMPLES_MAX {
             samples.drain(..samples.len() - PROGRESS_SAMPLES_MAX);
         }
-        proposer.propose(Command::ReportProgress { job_id, samples })
+        log.propose(Command::ReportProgress { job_id, samples })
     });
     for outcome in futures::future::join_all(proposals).await {
         if let Err(e) = outcome {

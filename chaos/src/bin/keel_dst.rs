@@ -37,10 +37,15 @@ struct Args {
     /// Every disk slow (50–200 ms flushes) all the time.
     #[arg(long)]
     slow_disks: bool,
-    /// Leave out the replicas' scheduling loops (the Raft layer's faults
-    /// alone, at half the cost).
+    /// Leave out the replicas' scheduling and reconcile loops (the Raft
+    /// layer's faults alone, at half the cost).
     #[arg(long)]
     no_scheduling: bool,
+    /// A check of the checker: the reconcile loops launch and stop without
+    /// a quorum's confirmation, so stale leaders act; runs with the
+    /// `stale_leader` fault must fail.
+    #[arg(long)]
+    unconfirmed: bool,
     /// Run every seed twice and fail if the two traces differ.
     #[arg(long)]
     twice: bool,
@@ -89,6 +94,7 @@ fn main() -> anyhow::Result<()> {
             faults: faults.clone(),
             slow_disks: args.slow_disks,
             scheduling: !args.no_scheduling,
+            unconfirmed: args.unconfirmed,
         };
         let mut report: DstReport = run_seed(&config).with_context(|| format!("seed {seed}"))?;
         if args.twice {

@@ -47,6 +47,7 @@
 
 pub mod log_store;
 pub mod net;
+mod reconciler;
 pub mod replica;
 mod run;
 mod scheduler;

@@ -118,6 +118,11 @@ impl Net {
         *epoch
     }
 
+    /// Replica `id`'s current incarnation (0 before it first started).
+    pub fn incarnation(&self, id: u64) -> u64 {
+        self.lock().epochs.get(&id).copied().unwrap_or(0)
+    }
+
     /// Replica `id` runs and answers, as Raft id `raft_id`; what its
     /// network learns of other incarnations goes to `strangers`.
     pub fn join(

@@ -38,10 +38,15 @@ pub struct DstConfig {
     pub faults: Vec<Fault>,
     /// Every disk slow (50–200 ms flushes) all the time.
     pub slow_disks: bool,
-    /// Every replica runs the scheduling loop while it leads (on by
-    /// default; the runs that test only the Raft layer's faults may leave
-    /// it out, as it doubles a seed's cost).
+    /// Every replica runs the scheduling and reconcile loops while it
+    /// leads (on by default; the runs that test only the Raft layer's
+    /// faults may leave them out, as they double a seed's cost).
     pub scheduling: bool,
+    /// A check of the checker: the reconcile loops skip the quorum's
+    /// confirmation before they launch or stop, so a stale leader acts on
+    /// what it decided before it was deposed, and runs with the
+    /// `stale_leader` fault must then fail.
+    pub unconfirmed: bool,
 }
 
 impl DstConfig {
@@ -56,6 +61,7 @@ impl DstConfig {
             faults: Fault::ALL.to_vec(),
             slow_disks: false,
             scheduling: true,
+            unconfirmed: false,
         }
     }
 }
@@ -92,6 +98,13 @@ pub struct DstReport {
     /// over every replica's journal) that were planned again from the log
     /// and matched.
     pub memory_decisions_checked: u64,
+    /// Workers the reconcile loops launched and stopped on the simulated
+    /// machines.
+    pub workers_launched: u64,
+    pub workers_stopped: u64,
+    /// `stale_leader` faults whose leader was paused after deciding, cut
+    /// off until another replica took the workers over, and let go on.
+    pub stale_leader_pauses: u64,
     /// Replicas whose Raft core stopped on its own (a server fails stop
     /// then, and its supervisor restarts it; so does the simulation), with
     /// openraft's reason.
@@ -113,7 +126,7 @@ impl DstReport {
     pub fn line(&self) -> String {
         let ops: u64 = self.operations.values().flat_map(|m| m.values()).sum();
         format!(
-            "seed {}: {} — {} replicas, {} rounds, {:.0} s simulated in {:.2} s, {} ops, {} messages ({} lost), {} terms led, index {}, {} entries truncated, {} scheduling decisions replanned from the log, {} Raft cores stopped and restarted, digest {}",
+            "seed {}: {} — {} replicas, {} rounds, {:.0} s simulated in {:.2} s, {} ops, {} messages ({} lost), {} terms led, index {}, {} entries truncated, {} scheduling decisions replanned from the log, {} workers launched and {} stopped, {} stale leaders woken, {} Raft cores stopped and restarted, digest {}",
             self.seed,
             if self.passed { "ok" } else { "FAILED" },
             self.replicas,
@@ -127,6 +140,9 @@ impl DstReport {
             self.final_index,
             self.entries_truncated,
             self.memory_decisions_checked,
+            self.workers_launched,
+            self.workers_stopped,
+            self.stale_leader_pauses,
             self.core_stops.len(),
             &self.digest[..16.min(self.digest.len())],
         )
@@ -422,10 +438,15 @@ pub enum Fault {
     /// down until the round heals. The empty replica and the lagging ones
     /// make a majority that lacks committed entries.
     WipeFollowerThenCrashLeader,
+    /// The leader's reconcile loop pauses right after it decided to launch
+    /// or stop workers (a SIGSTOP between deciding and acting), the leader
+    /// is cut off until another replica leads and has taken the workers
+    /// over, then the network heals and the paused loop goes on.
+    StaleLeader,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 13] = [
+    pub const ALL: [Fault; 14] = [
         Fault::CrashLeader,
         Fault::RestartLeader,
         Fault::CrashFollower,
@@ -439,6 +460,7 @@ impl Fault {
         Fault::SlowDisk,
         Fault::WipeFollower,
         Fault::WipeFollowerThenCrashLeader,
+        Fault::StaleLeader,
     ];
 
     /// The kind named `name` (as in the report).
@@ -461,8 +483,50 @@ impl Fault {
             Fault::SlowDisk => "slow_disk",
             Fault::WipeFollower => "wipe_follower",
             Fault::WipeFollowerThenCrashLeader => "wipe_follower_then_crash_leader",
+            Fault::StaleLeader => "stale_leader",
         }
     }
+}
+
+/// The `stale_leader` fault: pauses `leader`'s reconcile loop once it
+/// decided to launch or stop (waiting up to 3 virtual seconds for such a
+/// pass), cuts it off until another replica took the workers over (up to
+/// 8 s), heals, and lets the loop go on. Whether the loop parked.
+async fn stale_leader(
+    net: &Net,
+    machines: &super::reconciler::Machines,
+    pause: &super::reconciler::Pause,
+    leader: u64,
+    others: &[u64],
+    trace: &Trace,
+) -> bool {
+    pause.arm(leader);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while !pause.parked() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if !pause.parked() {
+        pause.lift();
+        trace.note(format_args!(
+            "stale_leader: {leader}'s loop decided nothing to launch or stop"
+        ));
+        return false;
+    }
+    trace.note(format_args!(
+        "stale_leader: {leader}'s loop paused after deciding"
+    ));
+    net.partition(&[leader], others);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+    while machines.holder() == Some(leader) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    trace.note(format_args!(
+        "stale_leader: workers held by {:?}; healing and waking {leader}'s loop",
+        machines.holder()
+    ));
+    net.heal();
+    pause.lift();
+    true
 }
 
 /// The server's membership repair (`keel::membership::Repairer`), run
@@ -773,6 +837,26 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
             )
         })
         .collect();
+    // Every member's reconcile loop (acting while it leads), over the
+    // machines they share.
+    let machines = super::reconciler::Machines::new(trace.clone());
+    let pause = super::reconciler::Pause::new();
+    let reconcilers: Vec<_> = (1..=config.replicas)
+        .filter(|_| config.scheduling)
+        .map(|member| {
+            tokio::spawn(super::reconciler::reconcile(
+                member,
+                net.clone(),
+                machines.clone(),
+                history.clone(),
+                trace.clone(),
+                pause.clone(),
+                config.unconfirmed,
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
+    let mut stale_leader_pauses = 0;
     // Every member's scheduling loop (acting while it leads).
     let schedulers: Vec<_> = (1..=config.replicas)
         .filter(|_| config.scheduling)
@@ -903,6 +987,11 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
                 net.heal();
                 victims.push(leader);
             }
+            Fault::StaleLeader => {
+                if stale_leader(&net, &machines, &pause, leader, &others, &trace).await {
+                    stale_leader_pauses += 1;
+                }
+            }
         }
         for v in &victims {
             replicas[(*v - 1) as usize].crash(&net, &trace).await;
@@ -926,7 +1015,8 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         }
     }
     let _ = stop_tx.send(true);
-    for c in clients.into_iter().chain(schedulers) {
+    pause.lift();
+    for c in clients.into_iter().chain(schedulers).chain(reconcilers) {
         let _ = c.await;
     }
 
@@ -1107,6 +1197,10 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         violations.extend(found.into_iter().map(|v| format!("replica {}: {v}", r.id)));
     }
 
+    // No stale leader touched a worker.
+    let (workers_launched, workers_stopped, stale) = machines.summary();
+    violations.extend(stale);
+
     let mut operations: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for op in &ops {
         let outcome = match op.outcome {
@@ -1147,6 +1241,9 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         state_hash,
         entries_truncated: replicas.iter().map(|r| r.disk.truncated()).sum(),
         memory_decisions_checked,
+        workers_launched,
+        workers_stopped,
+        stale_leader_pauses,
         core_stops,
         passed: violations.is_empty(),
         violations,
