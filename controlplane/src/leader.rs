@@ -118,6 +118,11 @@ impl LeaderGate {
         }
     }
 
+    /// The term this gate last let its loop act in.
+    pub(crate) fn term(&self) -> Option<u64> {
+        self.ready_term
+    }
+
     pub(crate) async fn ready(&mut self, node: &RaftNode) -> bool {
         if !is_leader(node) {
             self.ready_term = None;
@@ -351,8 +356,12 @@ pub async fn reconcile_loop<E: Executor>(
         if *stop.borrow() {
             break;
         }
-        let ready = gate.ready(&node).await;
-        let (steps, run_passes) = engine.wake(ready, is_leader(&node));
+        let ready_term = if gate.ready(&node).await {
+            gate.term()
+        } else {
+            None
+        };
+        let (steps, run_passes) = engine.wake(ready_term, is_leader(&node));
         if let Err(e) = performer.perform(steps).await {
             tracing::warn!(error = %e, "reconcile step failed");
         }
@@ -420,8 +429,8 @@ pub trait LogPort: Send + Sync {
         command: Command,
     ) -> impl std::future::Future<Output = Result<(), NotRecorded>> + Send;
 
-    /// Whether a quorum confirms now that this replica leads.
-    fn confirm_leadership(&self) -> impl std::future::Future<Output = bool> + Send;
+    /// Whether a quorum confirms now that this replica leads, in `term`.
+    fn confirm_leadership(&self, term: u64) -> impl std::future::Future<Output = bool> + Send;
 }
 
 /// The server's log: proposals through the [`Proposer`], leadership
@@ -442,7 +451,7 @@ impl LogPort for RaftLog<'_> {
         }
     }
 
-    async fn confirm_leadership(&self) -> bool {
+    async fn confirm_leadership(&self, term: u64) -> bool {
         // Chaos builds: the replica freezes itself (SIGSTOP) here, between
         // deciding and launching, where `reconcile-before-side-effects` is
         // set (the test of a stale leader's launches).
@@ -457,7 +466,10 @@ impl LogPort for RaftLog<'_> {
                 }
             });
         }
+        // A confirmation that finishes in a later term vouches for that
+        // term only: the term is read after it.
         confirm_leadership(self.node).await
+            && self.node.raft.metrics().borrow().current_term == term
     }
 }
 
@@ -525,13 +537,13 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
                     }
                     record_exits(self.log, self.executor, exits).await;
                 }
-                Step::ConfirmLeadership => {
+                Step::ConfirmLeadership { term } => {
                     // A replica paused after it decided (SIGSTOP, a long
                     // stall) still believes it leads when it wakes: before
                     // touching processes, a quorum confirms it does (the
                     // executors' fences catch what slips between this check
                     // and the launch).
-                    if self.confirm && !self.log.confirm_leadership().await {
+                    if self.confirm && !self.log.confirm_leadership(term).await {
                         tracing::info!(
                             "not launching or stopping workers: leadership not confirmed"
                         );

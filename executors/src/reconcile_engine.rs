@@ -10,7 +10,10 @@
 //! - the executor holds workers only while this replica leads: it takes
 //!   them over before the first pass of a leadership (so what runs is
 //!   adopted, never launched twice) and releases them as soon as the
-//!   replica no longer leads;
+//!   replica no longer leads; a leadership of another term found at a wake
+//!   (the last one lapsed while the loop was busy, and another replica may
+//!   have led in between) is released and taken over again, since what
+//!   the executor holds may be stale;
 //! - a pass records exits first, each after the progress that came before
 //!   it (a job's last progress lines are in the log before the exit that
 //!   ends it), then stops and launches, after confirming leadership with a
@@ -68,9 +71,12 @@ pub enum Step {
         exit_code: Option<i32>,
         reason: String,
     },
-    /// Confirm with a quorum that this replica leads; if it does not, skip
-    /// the rest of the pass.
-    ConfirmLeadership,
+    /// Confirm with a quorum that this replica leads, still in `term` (the
+    /// leadership the pass was decided in: a confirmation in a later term
+    /// does not vouch for it); if it does not, skip the rest of the pass.
+    ConfirmLeadership {
+        term: u64,
+    },
     Stop {
         id: WorkerId,
     },
@@ -104,7 +110,8 @@ pub struct Pass {
 #[derive(Debug)]
 pub struct ReconcileEngine {
     timings: ReconcileTimings,
-    holding: bool,
+    /// The term of the leadership the executor holds the workers for.
+    holding: Option<u64>,
     unowned: BTreeSet<String>,
     last_flush_ms: u64,
     passes_this_wake: u32,
@@ -115,7 +122,7 @@ impl ReconcileEngine {
     pub fn new(timings: ReconcileTimings, now_ms: u64) -> ReconcileEngine {
         ReconcileEngine {
             timings,
-            holding: false,
+            holding: None,
             unowned: BTreeSet::new(),
             last_flush_ms: now_ms,
             passes_this_wake: 0,
@@ -128,27 +135,33 @@ impl ReconcileEngine {
 
     /// Whether the executor holds the workers.
     pub fn holding(&self) -> bool {
-        self.holding
+        self.holding.is_some()
     }
 
-    /// The loop woke up. `ready`: this replica leads and has applied its
-    /// term's first entry (it may act); `leader`: Raft says it leads
-    /// (perhaps not ready yet). Returns what to do first, and whether to
-    /// run passes now.
-    pub fn wake(&mut self, ready: bool, leader: bool) -> (Vec<Step>, bool) {
+    /// The loop woke up. `ready_term`: the term this replica leads in, once
+    /// it has applied the term's first entry (it may act), else `None`;
+    /// `leader`: Raft says it leads (perhaps not ready yet). Returns what
+    /// to do first, and whether to run passes now.
+    pub fn wake(&mut self, ready_term: Option<u64>, leader: bool) -> (Vec<Step>, bool) {
         self.passes_this_wake = 0;
-        if !ready {
-            if self.holding && !leader {
-                self.holding = false;
-                return (vec![Step::Release], false);
+        match (ready_term, self.holding) {
+            (None, Some(_)) if !leader => {
+                self.holding = None;
+                (vec![Step::Release], false)
             }
-            return (Vec::new(), false);
+            (None, _) => (Vec::new(), false),
+            (Some(term), Some(held)) if term == held => (Vec::new(), true),
+            (Some(term), Some(_)) => {
+                // Leadership lapsed and came back between two wakes: another
+                // replica may have led and changed the workers meanwhile.
+                self.holding = Some(term);
+                (vec![Step::Release, Step::TakeOver], true)
+            }
+            (Some(term), None) => {
+                self.holding = Some(term);
+                (vec![Step::TakeOver], true)
+            }
         }
-        if !self.holding {
-            self.holding = true;
-            return (vec![Step::TakeOver], true);
-        }
-        (Vec::new(), true)
     }
 
     /// One pass over the state at some applied index and what the executor
@@ -206,7 +219,11 @@ impl ReconcileEngine {
             .iter()
             .any(|s| matches!(s, Step::Stop { .. } | Step::Launch(_)))
         {
-            steps.push(Step::ConfirmLeadership);
+            // Not holding (a pass outside a leadership): term 0 is never
+            // confirmed.
+            steps.push(Step::ConfirmLeadership {
+                term: self.holding.unwrap_or(0),
+            });
         }
         steps.extend(touches);
         steps.extend(starts);
@@ -232,10 +249,9 @@ impl ReconcileEngine {
     /// failures and are not recorded (the next leader relaunches them from
     /// their checkpoints).
     pub fn stop(&mut self, leader: bool, observed: &BTreeMap<WorkerId, Observed>) -> Vec<Step> {
-        if !self.holding {
+        if self.holding.take().is_none() {
             return Vec::new();
         }
-        self.holding = false;
         let mut steps = Vec::new();
         if leader {
             let exits: Vec<Step> = observed
@@ -362,7 +378,7 @@ mod tests {
                 Step::Release => "release".to_string(),
                 Step::FlushProgress => "flush progress".to_string(),
                 Step::RecordExit { id, .. } => format!("record exit {id}"),
-                Step::ConfirmLeadership => "confirm leadership".to_string(),
+                Step::ConfirmLeadership { term } => format!("confirm leadership in term {term}"),
                 Step::Stop { id } => format!("stop {id}"),
                 Step::Launch(l) => format!("launch {}", l.id),
                 Step::RecordStart { id, node } => format!("record start {id} on {node}"),
@@ -375,26 +391,46 @@ mod tests {
     #[test]
     fn workers_are_taken_over_when_leading_starts_and_released_when_it_ends() {
         let mut e = ReconcileEngine::new(TIMINGS, 0);
-        assert_eq!(e.wake(false, false), (vec![], false), "a follower");
+        assert_eq!(e.wake(None, false), (vec![], false), "a follower");
         assert_eq!(
-            e.wake(false, true),
+            e.wake(None, true),
             (vec![], false),
             "a leader that has not applied its term's first entry waits"
         );
-        assert_eq!(e.wake(true, true), (vec![Step::TakeOver], true));
-        assert_eq!(e.wake(true, true), (vec![], true), "taken over once");
+        assert_eq!(e.wake(Some(3), true), (vec![Step::TakeOver], true));
+        assert_eq!(e.wake(Some(3), true), (vec![], true), "taken over once");
         assert_eq!(
-            e.wake(false, true),
+            e.wake(None, true),
             (vec![], false),
             "still the leader, not ready for a moment: nothing released"
         );
-        assert_eq!(e.wake(false, false), (vec![Step::Release], false));
-        assert_eq!(e.wake(false, false), (vec![], false), "released once");
+        assert_eq!(e.wake(None, false), (vec![Step::Release], false));
+        assert_eq!(e.wake(None, false), (vec![], false), "released once");
         assert_eq!(
-            e.wake(true, true),
+            e.wake(Some(5), true),
             (vec![Step::TakeOver], true),
             "a new leadership takes over again"
         );
+    }
+
+    /// Found by keel-dst (seed 8 of the stale-leader runs): a loop busy
+    /// through a whole other leadership (its proposals timing out while it
+    /// was cut off) woke leading again, in a later term, and went on with
+    /// the book of the earlier one.
+    #[test]
+    fn a_leadership_of_another_term_is_taken_over_afresh() {
+        let mut e = ReconcileEngine::new(TIMINGS, 0);
+        assert_eq!(e.wake(Some(48), true), (vec![Step::TakeOver], true));
+        assert_eq!(
+            e.wake(Some(50), true),
+            (vec![Step::Release, Step::TakeOver], true)
+        );
+        assert_eq!(e.wake(Some(50), true), (vec![], true));
+        // Its stops are confirmed in the term they were decided in.
+        let w = World::new();
+        let observed = BTreeMap::from([(wid(9), running_on_n0())]);
+        let pass = e.pass(&w.state, &observed, &owns_n0, 0);
+        assert_eq!(pass.steps[0], Step::ConfirmLeadership { term: 50 });
     }
 
     #[test]
@@ -402,11 +438,14 @@ mod tests {
         let mut w = World::new();
         let a = w.place("a", "n0");
         let mut e = ReconcileEngine::new(TIMINGS, 0);
-        e.wake(true, true);
+        e.wake(Some(1), true);
         let pass = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 100);
         assert_eq!(
             kinds(&pass.steps),
-            vec!["confirm leadership", &format!("launch {}", wid(a))]
+            vec![
+                "confirm leadership in term 1",
+                &format!("launch {}", wid(a))
+            ]
         );
         assert!(pass.again, "its start is recorded by the next pass");
         let observed = BTreeMap::from([(wid(a), running_on_n0())]);
@@ -443,12 +482,12 @@ mod tests {
     fn an_unwanted_worker_is_stopped_after_a_confirmation() {
         let w = World::new();
         let mut e = ReconcileEngine::new(TIMINGS, 0);
-        e.wake(true, true);
+        e.wake(Some(1), true);
         let observed = BTreeMap::from([(wid(9), running_on_n0())]);
         let pass = e.pass(&w.state, &observed, &owns_n0, 0);
         assert_eq!(
             kinds(&pass.steps),
-            vec!["confirm leadership", &format!("stop {}", wid(9))]
+            vec!["confirm leadership in term 1", &format!("stop {}", wid(9))]
         );
         assert!(!pass.again);
     }
@@ -458,7 +497,7 @@ mod tests {
         let mut w = World::new();
         let b = w.place("b", "n1");
         let mut e = ReconcileEngine::new(TIMINGS, 0);
-        e.wake(true, true);
+        e.wake(Some(1), true);
         let first = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 0);
         assert_eq!(
             kinds(&first.steps),
@@ -471,7 +510,10 @@ mod tests {
         let owned = e.pass(&w.state, &BTreeMap::new(), &owns_all, 500);
         assert_eq!(
             kinds(&owned.steps),
-            vec!["confirm leadership", &format!("launch {}", wid(b))]
+            vec![
+                "confirm leadership in term 1",
+                &format!("launch {}", wid(b))
+            ]
         );
         let again = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 750);
         assert_eq!(
@@ -486,14 +528,14 @@ mod tests {
         let mut w = World::new();
         w.place("a", "n0");
         let mut e = ReconcileEngine::new(TIMINGS, 0);
-        e.wake(true, true);
+        e.wake(Some(1), true);
         // The launch is not observed yet (the executor is slow): each pass
         // launches again, which the executor ignores for a known identity.
         let again: Vec<bool> = (0..3)
             .map(|_| e.pass(&w.state, &BTreeMap::new(), &owns_n0, 0).again)
             .collect();
         assert_eq!(again, vec![true, true, false]);
-        e.wake(true, true);
+        e.wake(Some(1), true);
         assert!(e.pass(&w.state, &BTreeMap::new(), &owns_n0, 0).again);
     }
 
@@ -507,7 +549,7 @@ mod tests {
         assert_eq!(e.after_passes(3_000), vec![Step::FlushProgress]);
         assert_eq!(e.after_passes(4_999), vec![], "once an interval");
         // An exit flushes progress first, and that counts as the interval's.
-        e.wake(true, true);
+        e.wake(Some(1), true);
         let observed = BTreeMap::from([(
             wid(a),
             Observed::Exited {
@@ -536,7 +578,7 @@ mod tests {
         let mut never_led = ReconcileEngine::new(TIMINGS, 0);
         assert_eq!(never_led.stop(true, &exited), vec![], "touches nothing");
         let mut leader = ReconcileEngine::new(TIMINGS, 0);
-        leader.wake(true, true);
+        leader.wake(Some(1), true);
         assert_eq!(
             kinds(&leader.stop(true, &exited)),
             vec![
@@ -547,7 +589,7 @@ mod tests {
         );
         assert!(!leader.holding());
         let mut deposed = ReconcileEngine::new(TIMINGS, 0);
-        deposed.wake(true, true);
+        deposed.wake(Some(1), true);
         assert_eq!(
             deposed.stop(false, &exited),
             vec![Step::Shutdown],

@@ -354,11 +354,11 @@ impl LogPort for SimLog {
         }
     }
 
-    async fn confirm_leadership(&self) -> bool {
+    async fn confirm_leadership(&self, term: u64) -> bool {
         matches!(
             tokio::time::timeout(Duration::from_secs(2), self.raft.ensure_linearizable()).await,
             Ok(Ok(_))
-        )
+        ) && self.raft.metrics().borrow().current_term == term
     }
 }
 
@@ -480,7 +480,7 @@ pub(crate) async fn reconcile(
             stop_grace: Duration::from_secs(1),
             confirm: !unconfirmed,
         };
-        let (steps, run_passes) = engine.wake(ready, leads);
+        let (steps, run_passes) = engine.wake(ready.then_some(term), leads);
         let _ = performer.perform(steps).await;
         if !run_passes {
             continue;
