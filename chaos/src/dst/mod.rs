@@ -17,7 +17,8 @@
 //! stale plans race), finish and cancel jobs against whichever replica
 //! they believe leads; every replica runs the scheduler's pure engine
 //! (`scheduler`: the heterogeneity-aware LAS in one-second rounds, its
-//! memory in the log) and proposes its rounds while it leads; meanwhile a
+//! memory in the log) and proposes its rounds while it leads, and the
+//! reconcile engine (`reconciler`) over simulated machines; meanwhile a
 //! seeded schedule crashes replicas (losing
 //! what their disks had not flushed), isolates them, partitions the
 //! cluster, cuts links one way, loses messages at random and slows disks.
@@ -39,10 +40,15 @@
 //! - every scheduling decision that carries a policy memory, planned again
 //!   from its journal's state at its `based_on` index, is the logged entry
 //!   (a scheduler that kept memory outside the log fails this in every
-//!   seed).
+//!   seed);
+//! - no replica launches or stops a worker after another replica took the
+//!   workers over (the `stale_leader` fault pauses a leader's reconcile
+//!   loop between deciding and acting; loops that skip the quorum's
+//!   confirmation fail this).
 //!
 //! What it does not model: bytes on a real disk (the chaos suite's real
-//! replicas and `kill -9` cover the WAL and sled), SIGSTOP, clock skew
+//! replicas and `kill -9` cover the WAL and sled), a whole process's
+//! SIGSTOP (only the reconcile loop's pause), clock skew
 //! (entries carry the leader's clock; here it is the virtual one).
 
 pub mod log_store;
