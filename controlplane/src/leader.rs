@@ -174,23 +174,48 @@ fn publish(reports: &SchedulingReports, report: SchedulingReport) {
     *guard = report;
 }
 
+/// What the scheduling loop runs with.
+pub struct SchedulingSetup {
+    /// The policy when the log names none.
+    pub default_policy: Arc<dyn Policy>,
+    pub options: PolicyOptions,
+    /// Why the executor cannot run space-sharing policies, if it cannot
+    /// ([`Executor::cannot_share_gpus`]).
+    pub cannot_share_gpus: Option<&'static str>,
+    /// The wall clock the entries are stamped with.
+    pub clock: Clock,
+    pub settings: LoopSettings,
+}
+
+impl std::fmt::Debug for SchedulingSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SchedulingSetup")
+            .field("default_policy", &self.default_policy.name())
+            .field("cannot_share_gpus", &self.cannot_share_gpus)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The scheduling loop: the async driver of
 /// [`keel_scheduling::engine::SchedulingEngine`], which decides when a round
 /// runs, which policy runs it and what it proposes; this loop only reads the
 /// state and the clocks, waits, proposes and logs. Returns when `stop`
 /// turns true.
-#[allow(clippy::too_many_arguments)]
 pub async fn scheduling_loop(
     node: Arc<RaftNode>,
     proposer: Proposer,
-    default_policy: Arc<dyn Policy>,
-    options: PolicyOptions,
-    cannot_share_gpus: Option<&'static str>,
-    clock: Clock,
-    settings: LoopSettings,
+    setup: SchedulingSetup,
     reports: SchedulingReports,
     mut stop: watch::Receiver<bool>,
 ) {
+    let SchedulingSetup {
+        default_policy,
+        options,
+        cannot_share_gpus,
+        clock,
+        settings,
+    } = setup;
     let shared = node.state_machine.shared();
     let mut applied = shared.subscribe();
     let mut gate = LeaderGate::new("scheduling");

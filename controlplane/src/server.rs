@@ -215,11 +215,15 @@ impl Server {
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
             proposer.clone(),
-            self.config.policy.clone(),
-            self.config.policy_options.clone(),
-            keel_executors::Executor::cannot_share_gpus(self.executor.as_ref()),
-            self.clock.clone(),
-            self.config.loops.clone(),
+            crate::leader::SchedulingSetup {
+                default_policy: self.config.policy.clone(),
+                options: self.config.policy_options.clone(),
+                cannot_share_gpus: keel_executors::Executor::cannot_share_gpus(
+                    self.executor.as_ref(),
+                ),
+                clock: self.clock.clone(),
+                settings: self.config.loops.clone(),
+            },
             reports.clone(),
             stop_rx.clone(),
         ));
