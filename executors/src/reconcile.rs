@@ -231,48 +231,75 @@ pub fn reconcile(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use keel_state::fixtures::job_spec;
     use keel_state::{Command, Gpu, JobPlacement, LogEntry};
 
-    struct World {
-        state: ClusterState,
+    /// A state built entry by entry, for the reconciler's tests and its
+    /// engine's.
+    pub(crate) struct World {
+        pub(crate) state: ClusterState,
         index: u64,
     }
 
     impl World {
-        fn new() -> World {
+        /// Node n0: 4 V100s at 10.0.0.5.
+        pub(crate) fn new() -> World {
             let mut w = World {
                 state: ClusterState::new(),
                 index: 0,
             };
-            w.apply(Command::RegisterNode {
-                name: "n0".into(),
-                address: "10.0.0.5".into(),
-                gpus: (0..4)
+            w.add_node("n0", "10.0.0.5", 4);
+            w
+        }
+
+        pub(crate) fn add_node(&mut self, name: &str, address: &str, gpus: u32) {
+            self.apply(Command::RegisterNode {
+                name: name.into(),
+                address: address.into(),
+                gpus: (0..gpus)
                     .map(|index| Gpu {
                         index,
                         gpu_type: "v100".into(),
                     })
                     .collect(),
             });
-            w
         }
-        fn apply(&mut self, command: Command) {
+
+        /// Submits a job of `gpus` GPUs in one worker; its id.
+        pub(crate) fn submit(&mut self, name: &str, gpus: u32) -> u64 {
+            self.apply(Command::SubmitJob {
+                spec: job_spec(name, gpus, 1),
+            });
+            self.state.jobs().keys().copied().max().unwrap_or(0)
+        }
+
+        pub(crate) fn apply(&mut self, command: Command) {
             self.index += 1;
             self.state
                 .apply(self.index, &LogEntry::new(1, command))
                 .expect("applies");
         }
         fn place(&mut self, job_id: u64, gpus: &[u32]) {
+            self.place_on(job_id, "n0", gpus);
+        }
+
+        /// Places `job_id` on `gpus` of `node`.
+        pub(crate) fn place_on(&mut self, job_id: u64, node: &str, gpus: &[u32]) {
             self.apply(Command::DecideAllocation {
                 based_on: self.index,
                 policy: "test".into(),
                 round: 1,
                 placements: vec![JobPlacement {
                     job_id,
-                    gpus: gpus.iter().map(|i| gpu(*i)).collect(),
+                    gpus: gpus
+                        .iter()
+                        .map(|index| GpuRef {
+                            node: node.into(),
+                            index: *index,
+                        })
+                        .collect(),
                     share_with: None,
                 }],
                 memory: None,

@@ -278,8 +278,8 @@ impl ReconcileEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_state::fixtures::job_spec;
-    use keel_state::{Command, Gpu, GpuRef, JobPlacement, LogEntry};
+    use crate::reconcile::tests::World;
+    use keel_state::GpuRef;
 
     const TIMINGS: ReconcileTimings = ReconcileTimings {
         every_ms: 250,
@@ -287,66 +287,18 @@ mod tests {
         progress_every_ms: 2_000,
     };
 
-    struct World {
-        state: ClusterState,
-        index: u64,
-        jobs: u64,
+    /// Node n0 (4 GPUs, owned) and n1 (2 GPUs, known from heartbeats).
+    fn world() -> World {
+        let mut w = World::new();
+        w.add_node("n1", "10.0.0.6", 2);
+        w
     }
 
-    impl World {
-        /// Node n0 (4 GPUs, owned) and n1 (2 GPUs, known from heartbeats).
-        fn new() -> World {
-            let mut w = World {
-                state: ClusterState::new(),
-                index: 0,
-                jobs: 0,
-            };
-            for (name, gpus) in [("n0", 4), ("n1", 2)] {
-                w.apply(Command::RegisterNode {
-                    name: name.into(),
-                    address: format!("{name}.example"),
-                    gpus: (0..gpus)
-                        .map(|index| Gpu {
-                            index,
-                            gpu_type: "v100".into(),
-                        })
-                        .collect(),
-                });
-            }
-            w
-        }
-
-        fn apply(&mut self, command: Command) {
-            self.index += 1;
-            self.state
-                .apply(self.index, &LogEntry::new(1, command))
-                .expect("applies");
-        }
-
-        /// Submits a one-GPU job and places it on `node`'s GPU 0.
-        fn place(&mut self, name: &str, node: &str) -> u64 {
-            self.apply(Command::SubmitJob {
-                spec: job_spec(name, 1, 1),
-            });
-            // Job ids are handed out in order from 1.
-            self.jobs += 1;
-            let job_id = self.jobs;
-            self.apply(Command::DecideAllocation {
-                based_on: self.index,
-                policy: "test".into(),
-                round: 1,
-                placements: vec![JobPlacement {
-                    job_id,
-                    gpus: vec![GpuRef {
-                        node: node.into(),
-                        index: 0,
-                    }],
-                    share_with: None,
-                }],
-                memory: None,
-            });
-            job_id
-        }
+    /// Submits a one-GPU job and places it on `node`'s GPU 0.
+    fn place(w: &mut World, name: &str, node: &str) -> u64 {
+        let job_id = w.submit(name, 1);
+        w.place_on(job_id, node, &[0]);
+        job_id
     }
 
     fn owns_n0(node: &str) -> bool {
@@ -427,7 +379,7 @@ mod tests {
         );
         assert_eq!(e.wake(Some(50), true), (vec![], true));
         // Its stops are confirmed in the term they were decided in.
-        let w = World::new();
+        let w = world();
         let observed = BTreeMap::from([(wid(9), running_on_n0())]);
         let pass = e.pass(&w.state, &observed, &owns_n0, 0);
         assert_eq!(pass.steps[0], Step::ConfirmLeadership { term: 50 });
@@ -435,8 +387,8 @@ mod tests {
 
     #[test]
     fn a_pass_records_exits_after_progress_then_confirms_before_it_launches() {
-        let mut w = World::new();
-        let a = w.place("a", "n0");
+        let mut w = world();
+        let a = place(&mut w, "a", "n0");
         let mut e = ReconcileEngine::new(TIMINGS, 0);
         e.wake(Some(1), true);
         let pass = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 100);
@@ -480,7 +432,7 @@ mod tests {
 
     #[test]
     fn an_unwanted_worker_is_stopped_after_a_confirmation() {
-        let w = World::new();
+        let w = world();
         let mut e = ReconcileEngine::new(TIMINGS, 0);
         e.wake(Some(1), true);
         let observed = BTreeMap::from([(wid(9), running_on_n0())]);
@@ -494,8 +446,8 @@ mod tests {
 
     #[test]
     fn a_worker_on_a_node_not_owned_is_said_once_and_never_launched() {
-        let mut w = World::new();
-        let b = w.place("b", "n1");
+        let mut w = world();
+        let b = place(&mut w, "b", "n1");
         let mut e = ReconcileEngine::new(TIMINGS, 0);
         e.wake(Some(1), true);
         let first = e.pass(&w.state, &BTreeMap::new(), &owns_n0, 0);
@@ -525,8 +477,8 @@ mod tests {
 
     #[test]
     fn passes_repeat_while_they_launch_at_most_three_times_a_wake() {
-        let mut w = World::new();
-        w.place("a", "n0");
+        let mut w = world();
+        place(&mut w, "a", "n0");
         let mut e = ReconcileEngine::new(TIMINGS, 0);
         e.wake(Some(1), true);
         // The launch is not observed yet (the executor is slow): each pass
@@ -541,8 +493,8 @@ mod tests {
 
     #[test]
     fn progress_is_proposed_once_an_interval_on_the_virtual_clock() {
-        let mut w = World::new();
-        let a = w.place("a", "n0");
+        let mut w = world();
+        let a = place(&mut w, "a", "n0");
         let mut e = ReconcileEngine::new(TIMINGS, 1_000);
         assert_eq!(e.after_passes(1_000), vec![]);
         assert_eq!(e.after_passes(2_999), vec![]);

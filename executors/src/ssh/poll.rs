@@ -178,7 +178,7 @@ impl SshExecutor {
                 return;
             }
             let name = host.node.name.clone();
-            let probe = match self.poll_once(&host).await {
+            let probe = match self.poll_once(&host, generation).await {
                 Ok(gpus) => {
                     wait = interval;
                     NodeProbe::Answered(NodeReport {
@@ -203,15 +203,13 @@ impl SshExecutor {
         }
     }
 
-    /// One poll of `host`. Returns the node's GPUs.
-    async fn poll_once(&self, host: &Host) -> Result<Vec<Gpu>, RunError> {
+    /// One poll of `host` by the loop of `generation` (what it finds is
+    /// dropped if that generation ended meanwhile). Returns the node's GPUs.
+    async fn poll_once(&self, host: &Host, generation: u64) -> Result<Vec<Gpu>, RunError> {
         let name = &host.node.name;
         let book = &self.shared.book;
         let started = book.now();
-        let (plan, generation) = {
-            let b = book.lock();
-            (plan_poll(&b, name), b.generation())
-        };
+        let plan = plan_poll(&book.lock(), name);
         let config = &self.shared.config;
         let connection = host.connect(config).await?;
         let argv = poll_request(connection.workers_dir(), &plan.forgets, &plan.reads);
