@@ -186,6 +186,8 @@ enum Cmd {
     },
     /// Submit a job from a YAML or JSON spec file (`-` reads stdin).
     Submit {
+        /// The job's YAML spec (name, command or image, gpus, workers, ...;
+        /// see examples/).
         #[arg(short = 'f', long = "file")]
         file: PathBuf,
     },
@@ -348,6 +350,7 @@ enum PolicyCmd {
     /// scale_factors, priority_weights, ...); prints each policy's
     /// allocation and effective throughputs as JSON. Runs locally.
     Eval {
+        /// The JSON input (for instance examples/policy-case.json).
         #[arg(long)]
         input: PathBuf,
         /// One policy (default: every one Keel has).
@@ -584,6 +587,8 @@ async fn main() -> std::process::ExitCode {
     let args = Args::parse();
     match run(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader went away (`keel jobs | head`): nothing more to say.
+        Err(e) if closed_pipe(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             #[allow(clippy::print_stderr)]
             {
@@ -592,6 +597,15 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Whether `e` is a write to a pipe whose reader has gone.
+fn closed_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {

@@ -1,8 +1,15 @@
 //! Human tables and JSON for the CLI. JSON field names are stable.
 
-#![allow(clippy::print_stdout)]
-
 use std::io::Write;
+
+/// `println!` that returns the write's error instead of panicking: a reader
+/// that closed the pipe (`keel jobs | head`) ends the command quietly
+/// (`main` treats a broken pipe as the end of the output).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout().lock(), $($arg)*)?
+    };
+}
 
 use keel_proto::api;
 use keel_proto::entry as pb;
@@ -16,7 +23,8 @@ pub enum Output {
 
 pub(crate) fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
-    serde_json::to_writer_pretty(&mut stdout, value)?;
+    // As an io::Error, so a closed pipe reads as one (`main`).
+    serde_json::to_writer_pretty(&mut stdout, value).map_err(std::io::Error::from)?;
     writeln!(stdout)?;
     Ok(())
 }
@@ -274,10 +282,10 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
         Output::Table => {
             print_table(&JOB_HEADER, &[job_row(&view)])?;
             if !view.message.is_empty() {
-                println!("message: {}", view.message);
+                outln!("message: {}", view.message);
             }
             if view.max_retries > 0 {
-                println!("retries: {} of {}", view.retries, view.max_retries);
+                outln!("retries: {} of {}", view.retries, view.max_retries);
             }
             if let Some(e) = &view.estimate {
                 let left = e
@@ -287,13 +295,17 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
                             .to_string()
                     })
                     .unwrap_or_else(|| "unknown".into());
-                println!(
+                outln!(
                     "estimated remaining: {left} ({:.0} steps at {:.2} steps/s on {}x{}, speed {})",
-                    e.remaining_steps, e.steps_per_s, e.gpus, e.gpu_type, e.speed_source
+                    e.remaining_steps,
+                    e.steps_per_s,
+                    e.gpus,
+                    e.gpu_type,
+                    e.speed_source
                 );
             }
             for w in &job.workers {
-                println!(
+                outln!(
                     "worker rank {} epoch {} on {}: {}{}",
                     w.rank,
                     w.epoch,
@@ -304,7 +316,7 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
                         .unwrap_or_default()
                 );
             }
-            println!("history:");
+            outln!("history:");
             for record in &history.entries {
                 let what = record
                     .events
@@ -313,10 +325,10 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
                     .map(describe_event)
                     .collect::<Vec<_>>()
                     .join("; ");
-                println!("{:>8}  {}  {}", record.index, time(record.at_ms), what);
+                outln!("{:>8}  {}  {}", record.index, time(record.at_ms), what);
             }
             if history.truncated {
-                println!("(older entries only; the history is longer)");
+                outln!("(older entries only; the history is longer)");
             }
             Ok(())
         }
@@ -454,7 +466,7 @@ pub fn node_state_set(name: &str, state: &str, index: u64, out: Output) -> anyho
             print_json(&serde_json::json!({"node": name, "state": state, "index": index}))
         }
         Output::Table => {
-            println!("node {name} marked {state} (log index {index})");
+            outln!("node {name} marked {state} (log index {index})");
             Ok(())
         }
     }
@@ -468,10 +480,10 @@ pub fn node_removed(name: &str, resp: &api::RemoveNodeResponse, out: Output) -> 
             "requeued": resp.requeued,
         })),
         Output::Table => {
-            println!("node {name} removed (log index {})", resp.index);
+            outln!("node {name} removed (log index {})", resp.index);
             if !resp.requeued.is_empty() {
                 let ids: Vec<String> = resp.requeued.iter().map(u64::to_string).collect();
-                println!("jobs back in the queue: {}", ids.join(", "));
+                outln!("jobs back in the queue: {}", ids.join(", "));
             }
             Ok(())
         }
@@ -482,7 +494,7 @@ pub fn policy_set(name: &str, index: u64, out: Output) -> anyhow::Result<()> {
     match out {
         Output::Json => print_json(&serde_json::json!({"policy": name, "index": index})),
         Output::Table => {
-            println!("policy set to {name} (log index {index})");
+            outln!("policy set to {name} (log index {index})");
             Ok(())
         }
     }
@@ -493,8 +505,8 @@ pub fn policy_show(policy: &str, out: Output) -> anyhow::Result<()> {
     match out {
         Output::Json => print_json(&serde_json::json!({"policy": policy, "known": known})),
         Output::Table => {
-            println!("policy {policy}");
-            println!("known: {}", known.join(", "));
+            outln!("policy {policy}");
+            outln!("known: {}", known.join(", "));
             Ok(())
         }
     }
@@ -504,7 +516,7 @@ pub fn submitted(resp: &api::SubmitJobResponse, out: Output) -> anyhow::Result<(
     match out {
         Output::Json => print_json(&serde_json::json!({"id": resp.job_id, "index": resp.index})),
         Output::Table => {
-            println!("job {} submitted (log index {})", resp.job_id, resp.index);
+            outln!("job {} submitted (log index {})", resp.job_id, resp.index);
             Ok(())
         }
     }
@@ -514,7 +526,7 @@ pub fn cancelled(id: u64, resp: &api::CancelJobResponse, out: Output) -> anyhow:
     match out {
         Output::Json => print_json(&serde_json::json!({"id": id, "index": resp.index})),
         Output::Table => {
-            println!("job {id} cancelled (log index {})", resp.index);
+            outln!("job {id} cancelled (log index {})", resp.index);
             Ok(())
         }
     }
@@ -641,7 +653,7 @@ pub fn applied_entry(record: &pb::AppliedEntry, out: Output) -> anyhow::Result<(
     match out {
         Output::Json => {
             let mut stdout = std::io::stdout().lock();
-            serde_json::to_writer(&mut stdout, record)?;
+            serde_json::to_writer(&mut stdout, record).map_err(std::io::Error::from)?;
             writeln!(stdout)?;
             stdout.flush()?;
             Ok(())
@@ -677,7 +689,7 @@ pub fn membership(m: &api::MembershipResponse, out: Output) -> anyhow::Result<()
         Output::Json => print_json(m),
         Output::Table => {
             let ids = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
-            println!(
+            outln!(
                 "voters {{{}}}, learners {{{}}} (log index {})",
                 ids(&m.voters),
                 ids(&m.learners),
@@ -715,7 +727,7 @@ pub fn forced_membership(
                     format!("{{{}}}", ids.join(","))
                 })
                 .collect();
-            println!(
+            outln!(
                 "member {member} ({}) is now the only voter (membership entry {}, term {}); \
                  it was {}{}.",
                 forced.address,
@@ -728,7 +740,7 @@ pub fn forced_membership(
                 },
                 shown.join(" + "),
             );
-            println!(
+            outln!(
                 "Start it again: it elects itself and commits its whole log (entries after {} \
                  were not known committed). Wipe the other members' data directories before \
                  adding them back with `keel cluster add`.",
@@ -825,9 +837,9 @@ pub fn cluster_status(
         }),
         Output::Table => {
             let opt = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
-            println!("cluster {}", contacted.cluster_id);
+            outln!("cluster {}", contacted.cluster_id);
             if !contacted.policy.is_empty() {
-                println!("policy {}", contacted.policy);
+                outln!("policy {}", contacted.policy);
             }
             if !contacted.policy_counters.is_empty() {
                 let counters: Vec<String> = contacted
@@ -835,7 +847,7 @@ pub fn cluster_status(
                     .iter()
                     .map(|(k, v)| format!("{k} {v}"))
                     .collect();
-                println!("policy counters: {}", counters.join(", "));
+                outln!("policy counters: {}", counters.join(", "));
             }
             for v in &views {
                 if let Some(other) = v
@@ -843,7 +855,7 @@ pub fn cluster_status(
                     .as_ref()
                     .filter(|c| !c.is_empty() && **c != contacted.cluster_id)
                 {
-                    println!("member {} belongs to another cluster: {other}", v.id);
+                    outln!("member {} belongs to another cluster: {other}", v.id);
                 }
             }
             let rows: Vec<Vec<String>> = views
@@ -905,25 +917,29 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             })),
         })),
         Output::Table => {
-            println!(
-                "replayed {} entries ({} refused) up to index {}",
-                s.entries, s.refused, s.last_index
+            // A log index holds a batch of commands: say both.
+            outln!(
+                "replayed log indexes {} to {}: {} commands ({} refused)",
+                s.started_after + 1,
+                s.last_index,
+                s.entries,
+                s.refused
             );
             if s.started_after > 0 {
-                println!("started from the checkpoint at index {}", s.started_after);
+                outln!("started from the checkpoint at index {}", s.started_after);
             }
             if s.from_log > 0 {
-                println!(
+                outln!(
                     "{} entries past the journal's end came from the Raft log",
                     s.from_log
                 );
             }
-            println!("nodes: {}", s.nodes);
+            outln!("nodes: {}", s.nodes);
             for (state, n) in &s.jobs_by_state {
-                println!("jobs {state}: {n}");
+                outln!("jobs {state}: {n}");
             }
             if let Some(m) = s.state.policy_memory() {
-                println!(
+                outln!(
                     "policy memory: {} (format {}, {} bytes){}",
                     m.policy,
                     m.format,
@@ -940,7 +956,7 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
                     }
                 );
             }
-            println!("state hash: {}", s.state_hash);
+            outln!("state hash: {}", s.state_hash);
             Ok(())
         }
     }

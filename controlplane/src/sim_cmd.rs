@@ -1,8 +1,6 @@
 //! `keel sim`: reads the inputs, runs [`keel_sim::simulate`], prints
 //! the summary and writes per-job results.
 
-#![allow(clippy::print_stdout)]
-
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;

@@ -440,3 +440,52 @@ fn gavel_generate_draws_gavels_stream_for_the_round_simulator() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--throughputs"));
 }
+
+/// The README's `keel policy eval --input examples/policy-case.json` runs:
+/// every policy answers the shipped example with an allocation for each of
+/// its jobs, none over a whole GPU's time.
+#[test]
+fn the_shipped_policy_case_is_evaluated_by_every_policy() {
+    let input = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policy-case.json");
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input", input])
+        .output()
+        .expect("run keel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let policies = results.as_object().expect("one entry per policy");
+    assert!(policies.len() >= 5, "{results}");
+    for (policy, result) in policies {
+        assert!(result.get("error").is_none(), "{policy}: {result}");
+        for job in 0..4 {
+            let shares = result["allocation"][job.to_string()]
+                .as_object()
+                .unwrap_or_else(|| panic!("{policy}: no allocation for job {job}: {result}"));
+            let time: f64 = shares.values().filter_map(serde_json::Value::as_f64).sum();
+            assert!(time <= 1.0 + 1e-6, "{policy}: job {job} gets {time}");
+        }
+    }
+}
+
+/// A reader that closed the pipe ends the output quietly: no error, no
+/// panic, status 0 (`keel ... | head`).
+#[test]
+fn a_closed_pipe_ends_the_output_quietly() {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let input = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policy-case.json");
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input", input])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("run keel");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("Broken pipe"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
