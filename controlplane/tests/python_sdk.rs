@@ -22,6 +22,9 @@ fn repo_root() -> PathBuf {
 
 #[test]
 fn the_sdk_unit_tests_pass() {
+    if !support::available_or_skip("python3", "the_sdk_unit_tests_pass", "KEEL_REQUIRE_PYTHON") {
+        return;
+    }
     let out = Command::new("python3")
         .args(["-m", "unittest", "discover", "-v", "-s"])
         .arg(repo_root().join("sdk/python/tests"))
@@ -39,6 +42,13 @@ fn the_sdk_unit_tests_pass() {
 
 #[test]
 fn python_workers_stop_checkpoint_and_resume_through_the_sdk() {
+    if !support::available_or_skip(
+        "python3",
+        "python_workers_stop_checkpoint_and_resume_through_the_sdk",
+        "KEEL_REQUIRE_PYTHON",
+    ) {
+        return;
+    }
     let dir = tempfile::tempdir().expect("tempdir");
     let server = ServerProcess::start(
         &dir.path().join("data"),

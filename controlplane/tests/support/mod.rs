@@ -9,6 +9,31 @@ use std::time::{Duration, Instant};
 
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
+/// Whether `program` runs here. Where it does not, says on the terminal
+/// (past the harness's capture) that `test` did not run and why, so that
+/// `cargo test` needs nothing but the Rust toolchain; with the environment
+/// variable `require` set (CI sets it), its absence fails the test.
+pub fn available_or_skip(program: &str, test: &str, require: &str) -> bool {
+    use std::io::Write;
+    let runs = Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok();
+    if !runs {
+        assert!(
+            std::env::var_os(require).is_none(),
+            "{require} is set and {program} is not installed"
+        );
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {test}: {program} is not installed (set {require}=1 to make this a failure)"
+        );
+    }
+    runs
+}
+
 /// Where a server's log goes: the file `KEEL_TEST_SERVER_LOG` names, else
 /// `DATA_DIR/test-server.log` (removed with the test's temporary
 /// directory). Appended to, so a restarted server's log follows the killed
