@@ -560,8 +560,13 @@ impl KubernetesArgs {
     }
 }
 
-/// Reads and checks an SSH nodes file.
-fn read_ssh_nodes(path: &std::path::Path) -> anyhow::Result<keel_executors::SshConfig> {
+/// Reads and checks an SSH nodes file. Host keys go to the file it names
+/// (`known_hosts_file`), else to `DATA_DIR/ssh_known_hosts`: Keel's own,
+/// not the operator's `~/.ssh/known_hosts`.
+fn read_ssh_nodes(
+    path: &std::path::Path,
+    data_dir: &std::path::Path,
+) -> anyhow::Result<keel_executors::SshConfig> {
     use keel_executors::ssh::{parse_nodes_file, NODES_FILE_MAX_BYTES};
     let len = std::fs::metadata(path)
         .with_context(|| format!("--ssh-nodes {}", path.display()))?
@@ -576,7 +581,12 @@ fn read_ssh_nodes(path: &std::path::Path) -> anyhow::Result<keel_executors::SshC
         std::fs::read_to_string(path).with_context(|| format!("--ssh-nodes {}", path.display()))?;
     // Control sockets need a short path (at most 107 bytes).
     let control_dir = std::env::temp_dir().join("keel-ssh");
-    parse_nodes_file(&text, control_dir).with_context(|| format!("--ssh-nodes {}", path.display()))
+    let mut config = parse_nodes_file(&text, control_dir)
+        .with_context(|| format!("--ssh-nodes {}", path.display()))?;
+    if config.known_hosts_file.is_none() {
+        config.known_hosts_file = Some(data_dir.join("ssh_known_hosts"));
+    }
+    Ok(config)
 }
 
 #[tokio::main]
@@ -658,6 +668,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     keel_executors::kubernetes::CANNOT_SHARE_GPUS
                 );
             }
+            let ssh = ssh_nodes
+                .as_deref()
+                .map(|path| read_ssh_nodes(path, &data_dir))
+                .transpose()?;
             let config = ServerConfig {
                 id,
                 data_dir,
@@ -676,7 +690,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     inventory(simulated_gpus, simulated_nodes, node_name)?
                 },
                 executor_dir,
-                ssh: ssh_nodes.as_deref().map(read_ssh_nodes).transpose()?,
+                ssh,
                 kubernetes: kubernetes.target()?,
                 policy: policy.into(),
                 policy_options,
