@@ -586,6 +586,8 @@ fn read_ssh_nodes(
     if config.known_hosts_file.is_none() {
         config.known_hosts_file = Some(data_dir.join("ssh_known_hosts"));
     }
+    // This binary goes to the hosts, so job files run `keel trainer` there.
+    config.keel_binary = Some(std::env::current_exe().context("finding the keel binary")?);
     Ok(config)
 }
 

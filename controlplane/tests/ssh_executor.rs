@@ -92,9 +92,11 @@ fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
     // A two-worker job of two GPUs each: one worker per host. About 28 s
     // at full speed (180 steps/s on four v100s at x4), so that it is still
     // running when the server is killed even if this machine is slow to
-    // show its first progress (CI once saw it past step 2,000 there).
+    // show its first progress (CI once saw it past step 2,000 there). Bare
+    // `keel`, as in the README's examples: the hosts' login PATH has none,
+    // so it runs the keel the executor installed on each host.
     let spec = format!(
-        "name: over-ssh\ncommand: [\"{KEEL}\", trainer, --speedup, \"4\", --report-every-s, \"0.1\"]\n\
+        "name: over-ssh\ncommand: [keel, trainer, --speedup, \"4\", --report-every-s, \"0.1\"]\n\
          gpus: 2\nworkers: 2\nmodel: resnet50\ntotal_steps: {TOTAL_STEPS}\n"
     );
     let spec_path = dir.path().join("job.yaml");
@@ -116,6 +118,16 @@ fn a_job_runs_over_ssh_and_a_restarted_server_re_adopts_its_workers() {
         .filter_map(|w| w["node"].as_str().map(String::from))
         .collect();
     assert_eq!(hosts.len(), 2, "one worker per host: {running}");
+    // The server installed itself on each host, once per version.
+    for host in ["a", "b"] {
+        let installed: Vec<_> = std::fs::read_dir(dir.path().join(format!("work-{host}/bin")))
+            .expect("the hosts' bin directory")
+            .flatten()
+            .map(|e| e.path().join("keel"))
+            .collect();
+        assert_eq!(installed.len(), 1, "{installed:?}");
+        assert!(installed[0].is_file(), "{installed:?}");
+    }
 
     // kill -9 of the server: the workers run on; the restarted server
     // finds them on the hosts and relaunches nothing.

@@ -66,7 +66,7 @@ use crate::contract::{checkpoint_dir_name, environment, gpu_refs, ProgressLines,
 use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
 use crate::reconcile::Observed;
 use crate::WorkerId;
-use connection::{Host, RunError};
+use connection::{Host, RunError, ShippedKeel};
 use protocol::{parse_logs, release_request};
 
 /// The longest wait between attempts to reach a host that does not answer.
@@ -126,10 +126,19 @@ impl SshExecutor {
         std::fs::create_dir_all(&config.control_dir).map_err(|e| {
             ExecutorError::Other(format!("creating {}: {e}", config.control_dir.display()))
         })?;
+        let ship = match (&config.keel_binary, config.install_keel) {
+            (Some(path), true) => Some(ShippedKeel::new(path).map_err(|e| {
+                ExecutorError::Other(format!(
+                    "reading {} to install it on the hosts: {e}",
+                    path.display()
+                ))
+            })?),
+            _ => None,
+        };
         let hosts = config
             .nodes
             .iter()
-            .map(|n| (n.name.clone(), Arc::new(Host::new(n.clone()))))
+            .map(|n| (n.name.clone(), Arc::new(Host::new(n.clone(), ship.clone()))))
             .collect();
         Ok(SshExecutor {
             shared: Arc::new(Shared {
@@ -267,7 +276,11 @@ impl SshExecutor {
                     connection.work_dir,
                     checkpoint_dir_name(id.job_id)
                 );
-                let env = environment(launch, port, &checkpoint);
+                let mut env = environment(launch, port, &checkpoint);
+                if let Some(dir) = &connection.bin_dir {
+                    // The helper puts it first on the worker's PATH.
+                    env.insert("KEEL_BIN_DIR".into(), dir.clone());
+                }
                 let gpus = if launch.gpus.is_empty() {
                     "-".to_string()
                 } else {

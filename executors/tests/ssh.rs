@@ -705,3 +705,63 @@ fn the_helper_launches_one_worker_identity_once() {
         "once\nonce\n"
     );
 }
+
+/// A host with nothing of Keel's installed runs job files that call bare
+/// `keel`: the executor installs the binary it is given next to its helper
+/// (once per version, whatever the number of connections) and puts it first
+/// on the workers' PATH.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_without_keel_runs_the_keel_the_executor_installs() {
+    support::sshd::init_tracing();
+    let Some(sshd) = Sshd::start_or_skip("a_host_without_keel_runs_the_keel_the_executor_installs")
+    else {
+        return;
+    };
+    // A stand-in for the keel binary: it says what it was asked.
+    let fake = sshd.dir.path().join("fake-keel");
+    std::fs::write(&fake, "#!/bin/sh\necho \"shipped keel: $*\"\n").expect("fake keel");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let mut config = sshd.config(vec![sshd.node("a", sshd.port, Some("2xv100"))]);
+    config.install_keel = true;
+    config.keel_binary = Some(fake);
+    let exec = SshExecutor::new(config.clone()).expect("executor");
+    exec.take_over().await;
+    let mut l = launch("a", 3, 0, "");
+    l.command = vec![
+        "keel".into(),
+        "trainer".into(),
+        "--speedup".into(),
+        "4".into(),
+    ];
+    exec.launch(l.clone()).await.expect("launch");
+    assert_eq!(
+        wait_exit(&exec, &l.id).await,
+        (Some(0), "exited with code 0".to_string())
+    );
+    wait_log(&exec, 3, "shipped keel: trainer --speedup 4").await;
+    let bin = std::path::Path::new(&sshd.node("a", sshd.port, None).work_dir).join("bin");
+    let installed: Vec<_> = std::fs::read_dir(&bin)
+        .expect("bin")
+        .flatten()
+        .map(|e| e.path().join("keel"))
+        .collect();
+    assert_eq!(installed.len(), 1, "{installed:?}");
+    let modified = || {
+        std::fs::metadata(&installed[0])
+            .and_then(|m| m.modified())
+            .ok()
+    };
+    let first = modified();
+    // Another executor (a new leader) connects again: nothing is sent again.
+    exec.release().await;
+    let next = SshExecutor::new(config).expect("executor");
+    next.take_over().await;
+    let mut again = launch("a", 4, 0, "");
+    again.command = vec!["keel".into(), "again".into()];
+    next.launch(again.clone()).await.expect("launch");
+    assert_eq!(wait_exit(&next, &again.id).await.0, Some(0));
+    wait_log(&next, 4, "shipped keel: again").await;
+    assert_eq!(modified(), first, "installed once per version");
+    assert_eq!(std::fs::read_dir(&bin).expect("bin").count(), 1);
+}

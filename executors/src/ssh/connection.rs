@@ -172,6 +172,8 @@ pub(super) struct Connection {
     /// The work directory's absolute path on the host.
     pub work_dir: String,
     pub gpus: Vec<Gpu>,
+    /// Where the shipped `keel` is on the host, if one was shipped.
+    pub bin_dir: Option<String>,
 }
 
 impl Connection {
@@ -195,17 +197,42 @@ impl Connection {
     }
 }
 
+/// The `keel` binary shipped to the hosts: where it is here and its
+/// content-hashed directory name there.
+#[derive(Debug, Clone)]
+pub(super) struct ShippedKeel {
+    pub path: std::path::PathBuf,
+    /// `keel-<hash>`: hosts keep one directory per version.
+    pub dir_name: String,
+}
+
+impl ShippedKeel {
+    /// Hashes `path` (blake3, read in 1 MiB blocks).
+    pub fn new(path: &std::path::Path) -> std::io::Result<ShippedKeel> {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update_reader(std::fs::File::open(path)?)?;
+        let hash = hasher.finalize().to_hex();
+        Ok(ShippedKeel {
+            path: path.to_path_buf(),
+            dir_name: format!("keel-{}", &hash[..16]),
+        })
+    }
+}
+
 /// One host of the nodes file and its connection, if made.
 #[derive(Debug)]
 pub(super) struct Host {
     pub node: SshNode,
+    /// The `keel` to install there, if any.
+    ship: Option<ShippedKeel>,
     connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
 }
 
 impl Host {
-    pub fn new(node: SshNode) -> Host {
+    pub fn new(node: SshNode, ship: Option<ShippedKeel>) -> Host {
         Host {
             node,
+            ship,
             connection: tokio::sync::Mutex::new(None),
         }
     }
@@ -248,6 +275,10 @@ impl Host {
             )));
         }
         let work_dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let bin_dir = match &self.ship {
+            Some(ship) => Some(install_keel(&session, &work_dir, ship, &node.host).await?),
+            None => None,
+        };
         let session = Arc::new(session);
         let helper = format!("{work_dir}/{}", helper_name());
         let mut agents = Vec::with_capacity(AGENTS_PER_HOST);
@@ -280,6 +311,7 @@ impl Host {
             next_agent: AtomicU64::new(0),
             work_dir,
             gpus,
+            bin_dir,
         };
         tracing::info!(node = %node.name, host = %node.host, work_dir = %connection.work_dir, gpus = connection.gpus.len(), "connected over SSH");
         let connection = Arc::new(connection);
@@ -333,6 +365,65 @@ impl Host {
             ))),
         }
     }
+}
+
+/// Installs `ship` under `WORK_DIR/bin/keel-<hash>/keel` unless it is
+/// there (written to a temporary name, then renamed: a host never runs a
+/// partial binary). Returns the directory.
+async fn install_keel(
+    session: &Session,
+    work_dir: &str,
+    ship: &ShippedKeel,
+    host: &str,
+) -> Result<String, RunError> {
+    let dir = format!("{work_dir}/bin/{}", ship.dir_name);
+    let there = session
+        .command("test")
+        .arg("-x")
+        .arg(format!("{dir}/keel"))
+        .status()
+        .await
+        .map_err(|e| RunError::Unreachable(describe_error(&e)))?;
+    if there.success() {
+        return Ok(dir);
+    }
+    let mut child = session
+        .command("sh")
+        .arg("-c")
+        .arg("mkdir -p \"$1\" && cat > \"$1/keel.$$\" && chmod 755 \"$1/keel.$$\" && mv -f \"$1/keel.$$\" \"$1/keel\"")
+        .arg("sh")
+        .arg(&dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .await
+        .map_err(|e| RunError::Unreachable(describe_error(&e)))?;
+    let Some(mut stdin) = child.stdin().take() else {
+        return Err(RunError::Failed("the upload's stdin is missing".into()));
+    };
+    let mut file = tokio::fs::File::open(&ship.path)
+        .await
+        .map_err(|e| RunError::Failed(format!("reading {}: {e}", ship.path.display())))?;
+    let copied = tokio::io::copy(&mut file, &mut stdin).await;
+    drop(stdin);
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| RunError::Unreachable(describe_error(&e)))?;
+    if let Err(e) = copied {
+        return Err(RunError::Unreachable(format!(
+            "sending keel to {host}: {e}"
+        )));
+    }
+    if !out.status.success() {
+        return Err(RunError::Failed(format!(
+            "installing keel in {dir} on {host}: {}",
+            clip(&String::from_utf8_lossy(&out.stderr))
+        )));
+    }
+    tracing::info!(%host, %dir, "installed keel on the host");
+    Ok(dir)
 }
 
 /// How long a request may take before its connection counts as broken.

@@ -91,6 +91,12 @@ launch() {
         shift
         n=$((n - 1))
     done
+    # The keel the executor installed here, first on the PATH (job files
+    # run `keel trainer`).
+    if [ -n "${KEEL_BIN_DIR:-}" ]; then
+        PATH="$KEEL_BIN_DIR:$PATH"
+        export PATH
+    fi
     set -- "$l_port" "$l_gpus" "$@"
     mkdir -p "${base%/*}" "$ckpt" || exit 1
     # Where the follower of this run's progress starts.

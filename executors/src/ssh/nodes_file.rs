@@ -92,6 +92,15 @@ pub struct SshConfig {
     /// Where the local control sockets live (short: a socket path has at
     /// most 107 bytes).
     pub control_dir: PathBuf,
+    /// Whether to install `keel_binary` on the hosts (the file's
+    /// `install_keel`, default true).
+    pub install_keel: bool,
+    /// The `keel` binary installed on every host next to the helper (once
+    /// per version, under `WORK_DIR/bin/keel-<hash>/keel`) and put first on
+    /// the workers' PATH, so job files run `keel trainer` on hosts where
+    /// nothing of Keel's is installed. The server sets it to itself; `None`
+    /// ships nothing.
+    pub keel_binary: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -103,6 +112,8 @@ struct RawFile {
     known_hosts: Option<String>,
     #[serde(default)]
     known_hosts_file: Option<PathBuf>,
+    #[serde(default)]
+    install_keel: Option<bool>,
     #[serde(default)]
     connect_timeout_s: Option<f64>,
     #[serde(default)]
@@ -273,6 +284,8 @@ pub fn parse_nodes_file(text: &str, control_dir: PathBuf) -> Result<SshConfig, N
         connect_timeout: seconds("connect_timeout_s", raw.connect_timeout_s, 5.0)?,
         poll_interval: seconds("poll_interval_s", raw.poll_interval_s, 1.0)?,
         control_dir,
+        install_keel: raw.install_keel.unwrap_or(true),
+        keel_binary: None,
     })
 }
 
@@ -305,6 +318,12 @@ mod tests {
         assert_eq!(c.nodes[1].user.as_deref(), Some("train"));
         assert_eq!(c.nodes[1].address, "10.1.0.2");
         assert_eq!(c.poll_interval, Duration::from_secs(1));
+        assert!(c.install_keel, "keel is installed on the hosts by default");
+        assert_eq!(c.keel_binary, None, "the server names itself");
+        let off =
+            parse("install_keel: false\nnodes:\n  - name: a\n    host: h\n    gpus: 1xv100\n")
+                .expect("parses");
+        assert!(!off.install_keel);
     }
 
     #[test]

@@ -243,6 +243,8 @@ impl Sshd {
             connect_timeout: Duration::from_secs(2),
             poll_interval: Duration::from_millis(100),
             control_dir,
+            install_keel: false,
+            keel_binary: None,
         }
     }
 }
