@@ -25,6 +25,10 @@ use keel::raft_node::RaftSettings;
 use keel::server::{shutdown_signal, Server, ServerConfig};
 use keel_scheduling::policy::QueueOptions;
 
+/// The heading of the client commands' options in every `--help` (clap
+/// lists global options under each subcommand; `keel server` ignores them).
+const CLIENT_OPTIONS: &str = "Client options (not used by `keel server`)";
+
 #[derive(Parser, Debug)]
 #[command(
     name = "keel",
@@ -38,15 +42,16 @@ struct Args {
         long,
         global = true,
         env = "KEEL_ADDR",
-        default_value = "127.0.0.1:7070"
+        default_value = "127.0.0.1:7070",
+        help_heading = CLIENT_OPTIONS
     )]
     addr: String,
     /// Read this replica's state as it is, without a linearizable read
     /// (answers from a follower may lag the leader).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = CLIENT_OPTIONS)]
     stale: bool,
     /// Output format of read commands.
-    #[arg(long, short = 'o', global = true, value_enum, default_value_t = render::Output::Table)]
+    #[arg(long, short = 'o', global = true, value_enum, default_value_t = render::Output::Table, help_heading = CLIENT_OPTIONS)]
     output: render::Output,
     #[command(subcommand)]
     command: Cmd,
