@@ -18,6 +18,7 @@ pub mod executors;
 pub mod grpc_status;
 pub mod inventory;
 pub mod leader;
+pub mod log_limit;
 pub mod membership;
 pub mod node_liveness;
 pub mod proposer;

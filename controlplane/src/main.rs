@@ -497,10 +497,20 @@ fn init_tracing() {
         )
     });
     // Colour only on a terminal: a log redirected to a file stays plain text.
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
+    // openraft's repeated warnings and errors (one per failed heartbeat
+    // while a member is down) at most once a minute per place in its code.
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let repeats = keel::log_limit::RepeatLimit::new(vec!["openraft"], Duration::from_secs(60));
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_writer(std::io::stderr)
+                .with_filter(filter)
+                .with_filter(repeats),
+        )
         .init();
 }
 

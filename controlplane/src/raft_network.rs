@@ -192,6 +192,8 @@ struct PeerFormat {
     /// The format last logged as the one written to it (a change is logged
     /// once, not at every reconnection).
     logged: Option<u32>,
+    /// Its silence was said (once, until it answers again).
+    silent: bool,
 }
 
 impl PeerFormats {
@@ -211,6 +213,21 @@ impl PeerFormats {
         if let Some(p) = self.lock().get_mut(&peer) {
             p.reads = None;
         }
+    }
+
+    /// `peer` did not answer: whether that is news (it answered, or was
+    /// never heard of, until now), to say once.
+    fn went_silent(&self, peer: u64) -> bool {
+        let mut all = self.lock();
+        let p = all.entry(peer).or_default();
+        !std::mem::replace(&mut p.silent, true)
+    }
+
+    /// `peer` answered: whether it had been said to be silent.
+    fn heard(&self, peer: u64) -> bool {
+        self.lock()
+            .get_mut(&peer)
+            .is_some_and(|p| std::mem::replace(&mut p.silent, false))
     }
 
     /// `peer` answered saying it reads up to `reads`: the format to write
@@ -317,6 +334,21 @@ impl GrpcPeer {
         Ok(client)
     }
 
+    /// Says, once until it answers again, that the peer does not answer and
+    /// what to check (openraft retries it every heartbeat, and says so at
+    /// most once a minute: see `log_limit`).
+    fn say_silent(&self, why: &str) {
+        if self.formats.went_silent(self.target) {
+            tracing::warn!(
+                peer = %membership::show(self.target),
+                addr = %self.addr,
+                error = %why,
+                "a peer does not answer; Raft keeps trying it. Check that it runs and \
+                 that --peers gives its address (this is said again only after it has answered)"
+            );
+        }
+    }
+
     /// Forgets the channel, and with it what the peer said it reads (a
     /// replica restarted at the address may run another release).
     fn disconnect(&mut self) {
@@ -369,12 +401,13 @@ impl GrpcPeer {
         };
         let reply = match tokio::time::timeout(ttl, call).await {
             Err(_) => {
+                self.say_silent(&format!("no answer within {} ms", ttl.as_millis()));
                 return Err(RPCError::Timeout(Timeout {
                     action: kind.action(),
                     id: 0,
                     target: self.target,
                     timeout: ttl,
-                }))
+                }));
             }
             Ok(Err(status)) => {
                 // Another incarnation of the member answered: it takes no
@@ -391,6 +424,7 @@ impl GrpcPeer {
                     status.code(),
                     tonic::Code::Unavailable | tonic::Code::Unknown
                 ) {
+                    self.say_silent(status.message());
                     self.disconnect();
                     return Err(RPCError::Unreachable(Unreachable::new(
                         &std::io::Error::other(status.message().to_string()),
@@ -404,6 +438,9 @@ impl GrpcPeer {
             }
             Ok(Ok(reply)) => {
                 self.strangers.answered(self.target);
+                if self.formats.heard(self.target) {
+                    tracing::info!(peer = %membership::show(self.target), addr = %self.addr, "the peer answers again");
+                }
                 reply.into_inner()
             }
         };

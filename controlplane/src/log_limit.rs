@@ -1,0 +1,144 @@
+//! Repeated warnings and errors of the libraries Keel runs on, shown once a
+//! window per place in their code.
+//!
+//! openraft logs an error at every failed heartbeat while a member is down
+//! (twice a second) and a warning at every bootstrap. Keel says once what
+//! is wrong and what to do (`raft_network`'s "a peer does not answer");
+//! [`RepeatLimit`] keeps the library's own repeats from burying it: an event
+//! at WARN or ERROR from one of `targets` passes if its call site has not
+//! passed in the last `window`; others always pass.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tracing::{Level, Metadata};
+use tracing_subscriber::layer::{Context, Filter};
+
+/// Where the filter reads the time (the machine's clock, or a test's).
+pub type Now = Arc<dyn Fn() -> Instant + Send + Sync>;
+
+/// The filter; see the module's documentation.
+pub struct RepeatLimit {
+    targets: Vec<&'static str>,
+    window: Duration,
+    now: Now,
+    /// When each call site (file, line) last passed.
+    last: Mutex<BTreeMap<(String, u32), Instant>>,
+}
+
+impl std::fmt::Debug for RepeatLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RepeatLimit")
+            .field("targets", &self.targets)
+            .field("window", &self.window)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RepeatLimit {
+    /// Limits the warnings and errors of `targets` (module path prefixes) to
+    /// one per call site per `window`.
+    pub fn new(targets: Vec<&'static str>, window: Duration) -> RepeatLimit {
+        RepeatLimit::with_clock(targets, window, Arc::new(Instant::now))
+    }
+
+    pub fn with_clock(targets: Vec<&'static str>, window: Duration, now: Now) -> RepeatLimit {
+        RepeatLimit {
+            targets,
+            window,
+            now,
+            last: Mutex::default(),
+        }
+    }
+
+    fn passes(&self, meta: &Metadata<'_>) -> bool {
+        if !meta.is_event()
+            || *meta.level() > Level::WARN
+            || !self.targets.iter().any(|t| meta.target().starts_with(t))
+        {
+            return true;
+        }
+        let key = (
+            meta.file().unwrap_or(meta.target()).to_string(),
+            meta.line().unwrap_or(0),
+        );
+        let now = (self.now)();
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        match last.get(&key) {
+            Some(t) if now.saturating_duration_since(*t) < self.window => false,
+            _ => {
+                last.insert(key, now);
+                true
+            }
+        }
+    }
+}
+
+impl<S> Filter<S> for RepeatLimit {
+    fn enabled(&self, meta: &Metadata<'_>, _cx: &Context<'_, S>) -> bool {
+        self.passes(meta)
+    }
+
+    fn callsite_enabled(&self, _meta: &'static Metadata<'static>) -> tracing::subscriber::Interest {
+        // Asked at every event: whether it passes depends on the time.
+        tracing::subscriber::Interest::sometimes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::Layer;
+
+    /// A writer the test reads back.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn failed_heartbeat() {
+        tracing::error!(target: "openraft::replication", "Unreachable node");
+    }
+
+    #[test]
+    fn a_librarys_repeated_errors_pass_once_a_window_and_keels_always() {
+        let lines = Lines::default();
+        let clock = Arc::new(Mutex::new(Instant::now()));
+        let reading = clock.clone();
+        let now: Now = Arc::new(move || *reading.lock().unwrap_or_else(|e| e.into_inner()));
+        let limit = RepeatLimit::with_clock(vec!["openraft"], Duration::from_secs(60), now);
+        let writer = lines.clone();
+        let layer = tracing_subscriber::fmt::layer()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .with_filter(limit);
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, || {
+            for _ in 0..5 {
+                failed_heartbeat();
+                tracing::warn!(target: "keel::raft_network", "a peer does not answer");
+                tracing::info!(target: "openraft::engine", "info passes");
+            }
+            *clock.lock().unwrap_or_else(|e| e.into_inner()) += Duration::from_secs(61);
+            failed_heartbeat();
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .unwrap_or_default();
+        assert_eq!(text.matches("Unreachable node").count(), 2, "{text}");
+        assert_eq!(text.matches("a peer does not answer").count(), 5, "{text}");
+        assert_eq!(text.matches("info passes").count(), 5, "{text}");
+    }
+}
