@@ -195,6 +195,33 @@ fn job_view(job: &api::Job) -> JobView {
     }
 }
 
+/// The estimate in words: how long, from what speed, and how sure (a
+/// speed from the throughput table is the model's published pace on that
+/// GPU type, a guess until the job reports its own).
+fn describe_estimate(e: &EstimateView) -> String {
+    let left = e
+        .remaining_s
+        .map(|s| {
+            humantime::format_duration(std::time::Duration::from_secs(s.round() as u64)).to_string()
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let at = format!(
+        "{:.0} steps at {:.2} steps/s on {}x{}",
+        e.remaining_steps, e.steps_per_s, e.gpus, e.gpu_type
+    );
+    match e.speed_source.as_str() {
+        "table" => format!(
+            "estimated remaining: {left}, a guess ({at}: the throughput table's pace for its \
+             model; nothing measured yet, its own speed replaces it once it reports progress)"
+        ),
+        "measured" => format!("estimated remaining: {left} ({at}, its measured speed)"),
+        "fitted" => format!(
+            "estimated remaining: {left} ({at}, from its speed model fitted to its progress)"
+        ),
+        other => format!("estimated remaining: {left} ({at}, speed {other})"),
+    }
+}
+
 fn job_row(v: &JobView) -> Vec<String> {
     let workers = if v.min_workers == v.max_workers {
         v.max_workers.to_string()
@@ -288,21 +315,7 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
                 outln!("retries: {} of {}", view.retries, view.max_retries);
             }
             if let Some(e) = &view.estimate {
-                let left = e
-                    .remaining_s
-                    .map(|s| {
-                        humantime::format_duration(std::time::Duration::from_secs(s.round() as u64))
-                            .to_string()
-                    })
-                    .unwrap_or_else(|| "unknown".into());
-                outln!(
-                    "estimated remaining: {left} ({:.0} steps at {:.2} steps/s on {}x{}, speed {})",
-                    e.remaining_steps,
-                    e.steps_per_s,
-                    e.gpus,
-                    e.gpu_type,
-                    e.speed_source
-                );
+                outln!("{}", describe_estimate(e));
             }
             for w in &job.workers {
                 outln!(
@@ -959,5 +972,42 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             outln!("state hash: {}", s.state_hash);
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn estimate(source: &str) -> EstimateView {
+        EstimateView {
+            remaining_steps: 9_000.0,
+            steps_per_s: 10.0,
+            remaining_s: Some(900.0),
+            gpus: 1,
+            gpu_type: "v100".into(),
+            speed_source: source.into(),
+        }
+    }
+
+    #[test]
+    fn an_estimate_says_where_its_speed_comes_from_and_how_sure_it_is() {
+        let table = describe_estimate(&estimate("table"));
+        assert!(
+            table.starts_with("estimated remaining: 15m, a guess"),
+            "{table}"
+        );
+        assert!(table.contains("nothing measured yet"), "{table}");
+        let measured = describe_estimate(&estimate("measured"));
+        assert_eq!(
+            measured,
+            "estimated remaining: 15m (9000 steps at 10.00 steps/s on 1xv100, its measured speed)"
+        );
+        assert!(describe_estimate(&estimate("fitted")).contains("fitted to its progress"));
+        let unknown = EstimateView {
+            remaining_s: None,
+            ..estimate("table")
+        };
+        assert!(describe_estimate(&unknown).starts_with("estimated remaining: unknown"));
     }
 }
