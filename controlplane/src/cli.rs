@@ -43,8 +43,21 @@ pub type Client = KeelClient<tonic::service::interceptor::InterceptedService<Cha
 
 /// Connects to the first reachable of the comma-separated addresses.
 async fn connect(addrs: &str) -> anyhow::Result<Client> {
+    connect_from(addrs, 0).await
+}
+
+/// Connects to the first reachable of the comma-separated addresses,
+/// starting at the `first`-th (modulo their number): a write sent again
+/// after a send that got no answer tries the next replica first.
+async fn connect_from(addrs: &str, first: usize) -> anyhow::Result<Client> {
     let mut last_error = None;
-    for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+    let list: Vec<&str> = addrs
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .collect();
+    let start = first % list.len().max(1);
+    for &addr in list[start..].iter().chain(&list[..start]) {
         let url = if addr.contains("://") {
             addr.to_string()
         } else {
@@ -73,6 +86,26 @@ async fn connect(addrs: &str) -> anyhow::Result<Client> {
 
 /// How long the CLI keeps sending a write that got no answer.
 const WRITE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How long one send of a write waits for its answer: a server that stopped
+/// (SIGSTOP, a stall) keeps the connection open and answers nothing, so the
+/// send counts as in doubt and goes again, to the next address that answers.
+const WRITE_ATTEMPT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// One send of a write, at most [`WRITE_ATTEMPT_TIMEOUT`] long (past it, a
+/// `DEADLINE_EXCEEDED`: in doubt).
+async fn attempt<T>(
+    send: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<tonic::Response<T>, tonic::Status> {
+    tokio::time::timeout(WRITE_ATTEMPT_TIMEOUT, send)
+        .await
+        .unwrap_or_else(|_| {
+            Err(tonic::Status::deadline_exceeded(format!(
+                "no answer within {} s",
+                WRITE_ATTEMPT_TIMEOUT.as_secs()
+            )))
+        })
+}
 
 /// Whether a write's failure leaves it in doubt or undone, so that it is
 /// sent again (with the same request id, so it applies at most once): no
@@ -105,14 +138,19 @@ where
     let request_id = new_request_id();
     let deadline = std::time::Instant::now() + WRITE_RETRY_FOR;
     let mut sent = false;
+    let mut first = 0;
     loop {
-        match connect(addrs).await {
+        match connect_from(addrs, first).await {
             Ok(client) => {
                 sent = true;
-                match call(client, request_id.clone()).await {
+                match attempt(call(client, request_id.clone())).await {
                     Ok(resp) => return Ok(resp.into_inner()),
                     Err(status) if retryable(&status) && std::time::Instant::now() < deadline => {
                         tracing::debug!(%request_id, %status, "write in doubt; sending it again");
+                        if status.code() == tonic::Code::DeadlineExceeded {
+                            // That replica may be stopped: another first.
+                            first += 1;
+                        }
                     }
                     Err(status) => return Err(status_error(status)),
                 }

@@ -1162,8 +1162,20 @@ fn a_leader_paused_between_deciding_and_launching_launches_nothing_when_it_wakes
         "name: once\ncommand: [sh, -c, \"echo started; sleep 2\"]\ngpus: 1\n",
     )
     .expect("spec");
+    // To the leader first, then the others: the leader may freeze before
+    // it answers, and the CLI then sends the write again (one request id)
+    // to the next replica.
+    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
+    let mut addrs = vec![leader_addr.clone()];
+    addrs.extend(
+        cluster
+            .replicas
+            .iter()
+            .filter(|r| r.addr != leader_addr)
+            .map(|r| r.addr.clone()),
+    );
     let out = cli(
-        &cluster.replicas[leader as usize - 1].addr,
+        &addrs.join(","),
         &["submit", "-f", spec.to_str().expect("utf-8")],
     );
     assert!(
