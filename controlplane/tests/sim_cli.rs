@@ -1,5 +1,6 @@
 //! `keel sim` as a user runs it: files in, a summary out, clear errors.
 
+use std::path::Path;
 use std::process::Command;
 
 const KEEL: &str = env!("CARGO_BIN_EXE_keel");
@@ -10,6 +11,22 @@ fn sim(args: &[&str]) -> std::process::Output {
         .args(args)
         .output()
         .expect("run keel sim")
+}
+
+/// `keel policy eval --input INPUT EXTRA...`, which must succeed: its JSON.
+fn policy_eval(input: &Path, extra: &[&str]) -> serde_json::Value {
+    let out = Command::new(KEEL)
+        .args(["policy", "eval", "--input"])
+        .arg(input)
+        .args(extra)
+        .output()
+        .expect("run keel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
 }
 
 #[test]
@@ -198,16 +215,7 @@ fn policy_eval_prints_gavel_shaped_allocations_and_names_bad_fields() {
     let dir = tempfile::tempdir().expect("tempdir");
     let input = dir.path().join("case.json");
     std::fs::write(&input, golden["cases"][1].to_string()).expect("write");
-    let out = Command::new(KEEL)
-        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
-        .output()
-        .expect("run keel");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let results = policy_eval(&input, &[]);
     let expected = &golden["cases"][1]["expected_effective_throughput"]["max_min_fairness_perf"];
     for job in 0..6 {
         let ours = results["max_min_fairness_perf"]["effective_throughput"][job.to_string()]
@@ -222,16 +230,7 @@ fn policy_eval_prints_gavel_shaped_allocations_and_names_bad_fields() {
     let mut multi = golden["cases"][1].clone();
     multi["scale_factors"]["0"] = serde_json::json!(2);
     std::fs::write(&input, multi.to_string()).expect("write");
-    let out = Command::new(KEEL)
-        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
-        .output()
-        .expect("run keel");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let results = policy_eval(&input, &[]);
     let error = results["allox"]["error"].as_str().unwrap_or_default();
     assert!(error.contains("scale_factors"), "{results}");
     assert!(results["max_min_fairness_perf"]["allocation"]["0"]["v100"].is_number());
@@ -266,17 +265,7 @@ fn policy_eval_lists_the_pairs_that_share_gpus() {
     let dir = tempfile::tempdir().expect("tempdir");
     let input = dir.path().join("case.json");
     std::fs::write(&input, case.to_string()).expect("write");
-    let out = Command::new(KEEL)
-        .args(["policy", "eval", "--input", input.to_str().expect("utf-8")])
-        .args(["--policy", "max_min_fairness_packed"])
-        .output()
-        .expect("run keel");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let results = policy_eval(&input, &["--policy", "max_min_fairness_packed"]);
     let packed = &results["max_min_fairness_packed"];
     assert_eq!(
         packed["pair_allocation"][0]["jobs"],
@@ -447,16 +436,7 @@ fn gavel_generate_draws_gavels_stream_for_the_round_simulator() {
 #[test]
 fn the_shipped_policy_case_is_evaluated_by_every_policy() {
     let input = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policy-case.json");
-    let out = Command::new(KEEL)
-        .args(["policy", "eval", "--input", input])
-        .output()
-        .expect("run keel");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let results: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let results = policy_eval(Path::new(input), &[]);
     let policies = results.as_object().expect("one entry per policy");
     assert!(policies.len() >= 5, "{results}");
     for (policy, result) in policies {
