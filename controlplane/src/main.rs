@@ -380,6 +380,14 @@ struct TrainerArgs {
     fail_at_step: Option<u64>,
     #[arg(long, default_value_t = 1)]
     exit_code: i32,
+    /// Hold at this step (still reporting it) until --hold-until-file
+    /// exists: a run that waits for you rather than one sized to outlast
+    /// you.
+    #[arg(long, requires = "hold_until_file")]
+    hold_at_step: Option<u64>,
+    /// The file that lets a run held at --hold-at-step go on.
+    #[arg(long, requires = "hold_at_step")]
+    hold_until_file: Option<PathBuf>,
     /// Seconds between progress lines.
     #[arg(long, default_value_t = 1.0)]
     report_every_s: f64,
@@ -883,7 +891,7 @@ fn inventory(
 /// `keel trainer`: each setting from its flag, else the worker contract's
 /// environment, else its default (clap reads all three).
 async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
-    use keel_executors::trainer::{run, TrainerOptions};
+    use keel_executors::trainer::{run, Hold, TrainerOptions};
     let opts = TrainerOptions {
         model: t.model,
         total_steps: t.total_steps,
@@ -903,6 +911,13 @@ async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
                 .map(|_| keel_scheduling::throughput::GENERIC_MODEL.into())
         }),
         seed: t.job_id,
+        hold: t
+            .hold_at_step
+            .zip(t.hold_until_file)
+            .map(|(at_step, until_file)| Hold {
+                at_step,
+                until_file,
+            }),
     };
     let mut stdout = std::io::stdout();
     let code = run(opts, &mut stdout).await?;

@@ -2,8 +2,8 @@
 //! real replicas of this build, every fault kind dealt once per seed
 //! (SIGKILL of the leader, a follower and a majority; SIGSTOP of the
 //! leader; the leader or a follower cut off; one-way drops both ways; a
-//! follower wiped; built with `--features failpoints`, as `.ci/run` does in
-//! a second pass, also a follower's disk slow or full), with fixed seeds.
+//! follower wiped; a follower's disk slow or full, since the tests build
+//! `keel` with `--features failpoints`), with fixed seeds.
 //! Every check must pass: nothing
 //! acknowledged lost or duplicated, the replicas equal (live and replayed
 //! from disk after a kill -9), no invariant broken at any index, the job
@@ -20,9 +20,7 @@ const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 fn a_short_chaos_pass_finds_nothing() {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     let mut kinds = keel_chaos::faults::FaultKind::ALL.to_vec();
-    if cfg!(feature = "failpoints") {
-        kinds.extend(keel_chaos::faults::FaultKind::DISK);
-    }
+    kinds.extend(keel_chaos::faults::FaultKind::DISK);
     for seed in [1, 2] {
         let mut config = RunConfig::new(KEEL.into(), seed, kinds.len() as u32);
         config.kinds = kinds.clone();

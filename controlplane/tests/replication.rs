@@ -1120,7 +1120,6 @@ fn a_replica_of_another_cluster_is_refused_not_overwritten() {
 /// worker's identity in the executor directory the replicas share. The
 /// worker starts once (its log says so once; one "worker started" in all
 /// the replicas' logs) and the job succeeds.
-#[cfg(feature = "failpoints")]
 #[test]
 fn a_leader_paused_between_deciding_and_launching_launches_nothing_when_it_wakes() {
     let shared = tempfile::tempdir().expect("tempdir");

@@ -734,7 +734,8 @@ fn the_policy_is_switched_at_run_time_by_a_logged_entry() {
 /// `max_min_fairness_perf` with 2-second rounds, two jobs share one GPU
 /// round by round — each is checkpointed when its round ends and relaunched
 /// from its checkpoint at its next one — and both finish. Decisions are
-/// logged under the policy's name.
+/// logged under the policy's name. Each job needs about 4 s of the GPU at
+/// ×20, so two or more rounds each.
 #[test]
 fn gavel_rounds_time_share_one_gpu_by_checkpoint_and_relaunch() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -742,7 +743,7 @@ fn gavel_rounds_time_share_one_gpu_by_checkpoint_and_relaunch() {
     let trainer = |name: &str| {
         format!(
             "name: {name}\ncommand: [keel, trainer, --speedup, \"20\", --report-every-s, \"0.1\", --checkpoint-every-steps, \"20\"]\n\
-             gpus: 1\nmodel: resnet50\ntotal_steps: 2000\n"
+             gpus: 1\nmodel: resnet50\ntotal_steps: 1000\n"
         )
     };
     let a = server.submit(dir.path(), "a", &trainer("a"));
@@ -788,15 +789,19 @@ fn gavel_rounds_time_share_one_gpu_by_checkpoint_and_relaunch() {
 fn the_packed_policy_runs_two_jobs_on_one_gpu_at_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     let server = start_gavel(&dir.path().join("data"), "max_min_fairness_packed");
+    // Each holds at step 100 until the test has seen the pair run (job a
+    // runs alone until the round after b's submission pairs them, which on
+    // a loaded machine takes seconds); then a few seconds to the end.
+    let release = dir.path().join("release");
     let trainer = |name: &str| {
         format!(
             "name: {name}\ncommand: [sh, -c, 'echo partner=$KEEL_SHARED_WITH_JOB devices=$CUDA_VISIBLE_DEVICES; \
-             exec keel trainer --speedup 20 --report-every-s 0.1 --checkpoint-every-steps 20']\n\
-             gpus: 1\nmodel: resnet18\ntotal_steps: 4000\n"
+             exec keel trainer --speedup 20 --report-every-s 0.1 --checkpoint-every-steps 20 \
+             --hold-at-step 100 --hold-until-file {}']\n\
+             gpus: 1\nmodel: resnet18\ntotal_steps: 1000\n",
+            release.display()
         )
     };
-    // About 14 s alone at ×20: job a runs alone until the round after b's
-    // submission pairs them, which on a loaded machine takes seconds.
     let a = server.submit(dir.path(), "a", &trainer("a"));
     let b = server.submit(dir.path(), "b", &trainer("b"));
     // Both run at the same time, each naming the other.
@@ -813,6 +818,7 @@ fn the_packed_policy_runs_two_jobs_on_one_gpu_at_once() {
     let node = &nodes[0];
     assert_eq!(node["gpu_holders"]["0"].as_u64(), Some(a), "{nodes}");
     assert_eq!(node["gpu_sharers"]["0"].as_u64(), Some(b), "{nodes}");
+    std::fs::write(&release, b"").expect("release the pair");
     for job in [a, b] {
         wait_for("both jobs to succeed", || {
             (server.job(job)["state"] == "succeeded").then_some(())

@@ -6,7 +6,9 @@
 //! `speedup`, so simulated hours pass in seconds), prints progress lines with
 //! a loss falling along Optimus's curve `1/(b0·k + b1) + b2` (with seeded
 //! noise), checkpoints its step (periodically and on SIGTERM) and resumes
-//! from the checkpoint when relaunched. It can be told to fail at a step.
+//! from the checkpoint when relaunched. It can be told to fail at a step,
+//! or to hold at a step until a file exists (a run that waits for a test or
+//! a demo to let it finish, instead of one sized to outlast it).
 //!
 //! Exit codes: 0 when all steps are done, 143 after a SIGTERM checkpoint,
 //! `exit_code` (default 1) when told to fail, 2 on bad configuration.
@@ -48,6 +50,53 @@ pub struct TrainerOptions {
     /// GPU is shared as the table's interference model says
     /// ([`keel_scheduling::throughput::ModelProfile::shared_fraction`]).
     pub shared_with_model: Option<String>,
+    /// Hold at this step (reporting it) until the file exists, then go on.
+    /// A relaunch that resumes at or before the step holds there again.
+    pub hold: Option<Hold>,
+}
+
+/// A step the trainer stops at until a file exists.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hold {
+    pub at_step: u64,
+    pub until_file: PathBuf,
+}
+
+/// Where the run is: steps advance with the wall clock from an origin, and
+/// stop at a hold until its file exists (the origin then moves there).
+struct Pace {
+    origin: tokio::time::Instant,
+    origin_step: u64,
+    steps_per_wall_s: f64,
+    total_steps: u64,
+    hold: Option<Hold>,
+}
+
+impl Pace {
+    fn step(&mut self) -> u64 {
+        let run = (self.origin.elapsed().as_secs_f64() * self.steps_per_wall_s) as u64;
+        let step = (self.origin_step + run).min(self.total_steps);
+        let Some(hold) = &self.hold else {
+            return step;
+        };
+        if step < hold.at_step {
+            return step;
+        }
+        let at = hold.at_step;
+        if hold.until_file.exists() {
+            self.origin = tokio::time::Instant::now();
+            self.origin_step = at;
+            self.hold = None;
+        }
+        at
+    }
+
+    /// The next step the run stops at on its own: the end or the hold.
+    fn next_stop(&self) -> u64 {
+        self.hold
+            .as_ref()
+            .map_or(self.total_steps, |h| h.at_step.min(self.total_steps))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -147,15 +196,17 @@ pub async fn run(opts: TrainerOptions, out: &mut (dyn Write + Send)) -> Result<i
         )
         .map_err(TrainerError::Output)?;
     }
-    let began = tokio::time::Instant::now();
-    let step_now = |began: tokio::time::Instant| {
-        let done = (began.elapsed().as_secs_f64() * steps_per_wall_s) as u64;
-        (start_step + done).min(opts.total_steps)
+    let mut pace = Pace {
+        origin: tokio::time::Instant::now(),
+        origin_step: start_step,
+        steps_per_wall_s,
+        total_steps: opts.total_steps,
+        hold: opts.hold.clone().filter(|h| h.at_step >= start_step),
     };
     let mut last_checkpoint = start_step;
     let report_every = Duration::from_secs_f64(opts.report_every_s.max(0.01));
     loop {
-        let step = step_now(began);
+        let step = pace.step();
         if let Some(fail) = opts.fail_at_step {
             if step >= fail && start_step < fail {
                 writeln!(out, "keel trainer: failing at step {step} as asked")
@@ -188,17 +239,21 @@ pub async fn run(opts: TrainerOptions, out: &mut (dyn Write + Send)) -> Result<i
         if step >= opts.total_steps {
             return Ok(0);
         }
-        // Sleep until the next report, the end, or the failure step.
-        let mut target = opts.total_steps;
+        // Sleep until the next report, the end or hold, or the failure step.
+        let mut target = pace.next_stop().max(step);
         if let Some(fail) = opts.fail_at_step.filter(|f| *f > step) {
             target = target.min(fail);
         }
-        let until_target = Duration::from_secs_f64((target - step) as f64 / steps_per_wall_s);
+        let until_target = match target - step {
+            // Held: look for the file at every report.
+            0 => report_every,
+            steps => Duration::from_secs_f64(steps as f64 / steps_per_wall_s),
+        };
         let nap = report_every.min(until_target + Duration::from_millis(1));
         tokio::select! {
             _ = tokio::time::sleep(nap) => {}
             _ = sigterm.recv() => {
-                let step = step_now(began);
+                let step = pace.step();
                 if leader {
                     if let Some(dir) = &opts.checkpoint_dir {
                         write_checkpoint(dir, step, profile.model)?;
@@ -231,6 +286,7 @@ mod tests {
             checkpoint_dir: Some(dir.to_path_buf()),
             seed: 1,
             shared_with_model: None,
+            hold: None,
         }
     }
 
@@ -272,5 +328,37 @@ mod tests {
         let text = String::from_utf8(out).expect("utf8");
         assert!(text.contains(&format!("from step {saved}")), "{text}");
         assert_eq!(code, 7, "{text}");
+    }
+
+    /// On tokio's paused clock: ten seconds pass (the run would be over in
+    /// a fraction of one) and it is still at its hold; the file lets it end.
+    #[tokio::test(start_paused = true)]
+    async fn holds_at_its_step_until_the_file_exists() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let release = dir.path().join("release");
+        let mut o = opts(dir.path());
+        o.hold = Some(Hold {
+            at_step: 100,
+            until_file: release.clone(),
+        });
+        let run = tokio::spawn(async move {
+            let mut out = Vec::new();
+            let code = run(o, &mut out).await;
+            (code, out)
+        });
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(!run.is_finished(), "it waits for the file");
+        assert_eq!(read_checkpoint(dir.path()).expect("checkpoint"), 100);
+        std::fs::write(&release, b"").expect("release");
+        let (code, out) = run.await.expect("joins");
+        assert_eq!(code.expect("runs"), 0);
+        let text = String::from_utf8(out).expect("utf8");
+        let steps: Vec<u64> = text
+            .lines()
+            .filter_map(|l| crate::contract::parse_progress_line(l, 0))
+            .map(|s| s.step)
+            .collect();
+        assert!(steps.iter().filter(|s| **s == 100).count() > 1, "{text}");
+        assert_eq!(steps.last(), Some(&200), "{text}");
     }
 }
