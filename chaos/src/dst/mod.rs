@@ -51,6 +51,7 @@
 //! SIGSTOP (only the reconcile loop's pause), clock skew
 //! (entries carry the leader's clock; here it is the virtual one).
 
+mod leadership;
 pub mod log_store;
 pub mod net;
 mod reconciler;

@@ -24,6 +24,7 @@
 //! nothing (a run that skips the confirmation, `DstConfig::unconfirmed`,
 //! must fail).
 
+use super::leadership::{Leadership, TermGate};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,7 +35,6 @@ use keel_executors::contract::{gpu_refs, WorkerLaunch};
 use keel_executors::reconcile_engine::{ReconcileEngine, ReconcileTimings};
 use keel_executors::{Executor, ExecutorError, Observed, WorkerId, WorkerLog};
 use keel_state::{Command, JobId, ProgressSample};
-use openraft::ServerState;
 use tokio::sync::watch;
 
 use super::net::{Net, Raft};
@@ -432,7 +432,7 @@ pub(crate) async fn reconcile(
     let mut engine = ReconcileEngine::new(timings, trace.now_ms());
     // The executor lives as long as the server process: a crash loses it.
     let mut executor = SimExecutor::new(member, machines.clone());
-    let mut ready_term = None;
+    let mut gate = TermGate::default();
     let mut incarnation = net.incarnation(member);
     loop {
         tokio::select! {
@@ -447,27 +447,12 @@ pub(crate) async fn reconcile(
             incarnation = net.incarnation(member);
             executor = SimExecutor::new(member, machines.clone());
             engine = ReconcileEngine::new(timings, trace.now_ms());
-            ready_term = None;
+            gate.reset();
         }
-        let (leads, term) = {
-            let m = raft.metrics();
-            let m = m.borrow();
-            (m.state == ServerState::Leader, m.current_term)
+        let (leads, ready_term) = match gate.check(&raft, Duration::from_secs(2)).await {
+            Leadership::NotLeading => (false, None),
+            Leadership::Leading { term, confirmed } => (true, confirmed.then_some(term)),
         };
-        let mut ready = leads && ready_term == Some(term);
-        if leads && !ready {
-            let confirmed = matches!(
-                tokio::time::timeout(Duration::from_secs(2), raft.ensure_linearizable()).await,
-                Ok(Ok(_))
-            );
-            if confirmed {
-                ready_term = Some(term);
-                ready = true;
-            }
-        }
-        if !leads {
-            ready_term = None;
-        }
         let log = SimLog {
             raft: raft.clone(),
             member,
@@ -480,7 +465,7 @@ pub(crate) async fn reconcile(
             stop_grace: Duration::from_secs(1),
             confirm: !unconfirmed,
         };
-        let (steps, run_passes) = engine.wake(ready.then_some(term), leads);
+        let (steps, run_passes) = engine.wake(ready_term, leads);
         let _ = performer.perform(steps).await;
         if !run_passes {
             continue;

@@ -17,6 +17,7 @@
 //! instance that knows only the state at its `based_on` index and its
 //! round's start, is exactly the logged entry.
 
+use super::leadership::{Leadership, TermGate};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -27,7 +28,6 @@ use keel_scheduling::policy::{
     decide, describe_memory, GavelOptions, GavelRounds, Policy, PolicyOptions,
 };
 use keel_state::{ClusterState, Command};
-use openraft::ServerState;
 use tokio::sync::watch;
 
 use super::net::Net;
@@ -71,8 +71,7 @@ pub(crate) async fn schedule(
     };
     let policy: Arc<dyn Policy> = Arc::new(policy());
     let mut engine = SchedulingEngine::new(timings, policy, options(), None, trace.now_ms());
-    // The term this replica confirmed its leadership in.
-    let mut ready_term = None;
+    let mut gate = TermGate::default();
     loop {
         tokio::select! {
             _ = stop.changed() => return,
@@ -80,30 +79,18 @@ pub(crate) async fn schedule(
         }
         let (Some(raft), Some(shared)) = (net.raft(member), net.shared(member)) else {
             engine.not_leading();
-            ready_term = None;
+            gate.reset();
             continue;
         };
-        let (leads, term) = {
-            let m = raft.metrics();
-            let m = m.borrow();
-            (m.state == ServerState::Leader, m.current_term)
-        };
-        if !leads {
-            engine.not_leading();
-            ready_term = None;
-            continue;
-        }
-        if ready_term != Some(term) {
-            // Applies the term's first entry (and so every earlier one)
-            // before it returns.
-            let confirmed = matches!(
-                tokio::time::timeout(Duration::from_secs(5), raft.ensure_linearizable()).await,
-                Ok(Ok(_))
-            );
-            if !confirmed {
+        match gate.check(&raft, Duration::from_secs(5)).await {
+            Leadership::NotLeading => {
+                engine.not_leading();
                 continue;
             }
-            ready_term = Some(term);
+            Leadership::Leading {
+                confirmed: false, ..
+            } => continue,
+            Leadership::Leading { .. } => {}
         }
         let now_ms = trace.now_ms();
         let round = {
