@@ -12,17 +12,15 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use keel_executors::book::{Clock, SystemClock};
 use tracing::{Level, Metadata};
 use tracing_subscriber::layer::{Context, Filter};
-
-/// Where the filter reads the time (the machine's clock, or a test's).
-pub type Now = Arc<dyn Fn() -> Instant + Send + Sync>;
 
 /// The filter; see the module's documentation.
 pub struct RepeatLimit {
     targets: Vec<&'static str>,
     window: Duration,
-    now: Now,
+    clock: Arc<dyn Clock>,
     /// When each call site (file, line) last passed.
     last: Mutex<BTreeMap<(String, u32), Instant>>,
 }
@@ -40,14 +38,19 @@ impl RepeatLimit {
     /// Limits the warnings and errors of `targets` (module path prefixes) to
     /// one per call site per `window`.
     pub fn new(targets: Vec<&'static str>, window: Duration) -> RepeatLimit {
-        RepeatLimit::with_clock(targets, window, Arc::new(Instant::now))
+        RepeatLimit::with_clock(targets, window, Arc::new(SystemClock))
     }
 
-    pub fn with_clock(targets: Vec<&'static str>, window: Duration, now: Now) -> RepeatLimit {
+    /// The same, reading the time from `clock` (a test's).
+    pub fn with_clock(
+        targets: Vec<&'static str>,
+        window: Duration,
+        clock: Arc<dyn Clock>,
+    ) -> RepeatLimit {
         RepeatLimit {
             targets,
             window,
-            now,
+            clock,
             last: Mutex::default(),
         }
     }
@@ -63,7 +66,7 @@ impl RepeatLimit {
             meta.file().unwrap_or(meta.target()).to_string(),
             meta.line().unwrap_or(0),
         );
-        let now = (self.now)();
+        let now = self.clock.now();
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
         match last.get(&key) {
             Some(t) if now.saturating_duration_since(*t) < self.window => false,
@@ -89,6 +92,7 @@ impl<S> Filter<S> for RepeatLimit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use keel_executors::book::ManualClock;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::Layer;
 
@@ -116,10 +120,9 @@ mod tests {
     #[test]
     fn a_librarys_repeated_errors_pass_once_a_window_and_keels_always() {
         let lines = Lines::default();
-        let clock = Arc::new(Mutex::new(Instant::now()));
-        let reading = clock.clone();
-        let now: Now = Arc::new(move || *reading.lock().unwrap_or_else(|e| e.into_inner()));
-        let limit = RepeatLimit::with_clock(vec!["openraft"], Duration::from_secs(60), now);
+        let clock = Arc::new(ManualClock::new(0));
+        let limit =
+            RepeatLimit::with_clock(vec!["openraft"], Duration::from_secs(60), clock.clone());
         let writer = lines.clone();
         let layer = tracing_subscriber::fmt::layer()
             .with_ansi(false)
@@ -132,7 +135,7 @@ mod tests {
                 tracing::warn!(target: "keel::raft_network", "a peer does not answer");
                 tracing::info!(target: "openraft::engine", "info passes");
             }
-            *clock.lock().unwrap_or_else(|e| e.into_inner()) += Duration::from_secs(61);
+            clock.advance(Duration::from_secs(61));
             failed_heartbeat();
         });
         let text = String::from_utf8(lines.0.lock().unwrap_or_else(|e| e.into_inner()).clone())

@@ -4,12 +4,15 @@
 //! hashes at equal applied indexes, and a wiped member rejoining through a
 //! snapshot. Waits are bounded polls, never fixed sleeps.
 
+mod support;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use support::json_of;
 
 const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
@@ -202,6 +205,19 @@ impl Cluster {
         })
     }
 
+    /// Every replica's address, `leader`'s first, comma-separated: a CLI
+    /// talks to the leader until it dies or stops answering.
+    fn addrs_leader_first(&self, leader: u64) -> String {
+        let (first, rest): (Vec<&Replica>, Vec<&Replica>) =
+            self.replicas.iter().partition(|r| r.id == leader);
+        first
+            .iter()
+            .chain(&rest)
+            .map(|r| r.addr.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// Waits until every live replica has applied the same index with the
     /// same state hash; returns (index, hash).
     fn converged(&self) -> (u64, String) {
@@ -389,18 +405,12 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     // at the index they agreed on, and a replay up to now reaches at least
     // that.
     let replay = |extra: &[&str]| -> Value {
-        let out = Command::new(KEEL)
-            .args(["replay", "-o", "json", "--data-dir"])
-            .arg(&replica.data)
-            .args(extra)
-            .output()
-            .expect("replay");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).expect("json")
+        json_of(
+            Command::new(KEEL)
+                .args(["replay", "-o", "json", "--data-dir"])
+                .arg(&replica.data)
+                .args(extra),
+        )
     };
     let at_index = replay(&["--until", &index.to_string()]);
     assert_eq!(at_index["state_hash"], hash.as_str(), "{at_index}");
@@ -442,15 +452,7 @@ fn submissions_in_flight_at_a_kill_9_are_retried_and_applied_once() {
     let mut cluster = Cluster::start(&[]);
     let leader = cluster.leader();
     // The leader first: the CLIs talk to it until it dies.
-    let mut addrs = vec![cluster.replicas[leader as usize - 1].addr.clone()];
-    addrs.extend(
-        cluster
-            .replicas
-            .iter()
-            .filter(|r| r.id != leader)
-            .map(|r| r.addr.clone()),
-    );
-    let addrs = addrs.join(",");
+    let addrs = cluster.addrs_leader_first(leader);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let submitters: Vec<_> = (0..16)
         .map(|t| {
@@ -1164,17 +1166,8 @@ fn a_leader_paused_between_deciding_and_launching_launches_nothing_when_it_wakes
     // To the leader first, then the others: the leader may freeze before
     // it answers, and the CLI then sends the write again (one request id)
     // to the next replica.
-    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
-    let mut addrs = vec![leader_addr.clone()];
-    addrs.extend(
-        cluster
-            .replicas
-            .iter()
-            .filter(|r| r.addr != leader_addr)
-            .map(|r| r.addr.clone()),
-    );
     let out = cli(
-        &addrs.join(","),
+        &cluster.addrs_leader_first(leader),
         &["submit", "-f", spec.to_str().expect("utf-8")],
     );
     assert!(

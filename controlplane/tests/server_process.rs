@@ -11,7 +11,7 @@ use keel_proto::entry::JobSpec;
 
 mod support;
 
-use support::{ServerProcess, KEEL};
+use support::{json_of, ServerProcess, KEEL};
 
 /// A server with no nodes.
 fn start(data_dir: &Path) -> ServerProcess {
@@ -26,17 +26,11 @@ fn start_with(data_dir: &Path, extra: &[&str]) -> ServerProcess {
 
 /// `keel replay -o json` on a data directory no server is using.
 fn replay_offline(data: &Path) -> serde_json::Value {
-    let out = Command::new(KEEL)
-        .args(["replay", "-o", "json", "--data-dir"])
-        .arg(data)
-        .output()
-        .expect("replay");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("json")
+    json_of(
+        Command::new(KEEL)
+            .args(["replay", "-o", "json", "--data-dir"])
+            .arg(data),
+    )
 }
 
 fn write_spec(dir: &Path, name: &str, body: &str) -> PathBuf {
@@ -591,4 +585,26 @@ fn force_new_cluster_refuses_bad_inputs_and_writes_nothing() {
 
     assert_eq!(replay_offline(&data), before, "a refusal wrote nothing");
     assert!(wal() == wal_before, "a refusal left the Raft log as it was");
+}
+
+/// `keel trainer`'s hold takes both flags, and a step that is a number:
+/// each refusal names the flag.
+#[test]
+fn the_trainers_hold_needs_both_flags_and_a_step_number() {
+    let trainer = |args: &[&str]| {
+        let out = Command::new(KEEL)
+            .arg("trainer")
+            .args(args)
+            .output()
+            .expect("run keel trainer");
+        assert!(!out.status.success(), "{args:?} was accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(trainer(&["--hold-at-step", "5"]).contains("--hold-until-file"));
+    assert!(trainer(&["--hold-until-file", "go"]).contains("--hold-at-step"));
+    let error = trainer(&["--hold-at-step", "soon", "--hold-until-file", "go"]);
+    assert!(
+        error.contains("--hold-at-step") && error.contains("soon"),
+        "{error}"
+    );
 }

@@ -1,9 +1,11 @@
 //! `keel sim` as a user runs it: files in, a summary out, clear errors.
 
+mod support;
+
 use std::path::Path;
 use std::process::Command;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+use support::{json_of, KEEL};
 
 fn sim(args: &[&str]) -> std::process::Output {
     Command::new(KEEL)
@@ -15,18 +17,12 @@ fn sim(args: &[&str]) -> std::process::Output {
 
 /// `keel policy eval --input INPUT EXTRA...`, which must succeed: its JSON.
 fn policy_eval(input: &Path, extra: &[&str]) -> serde_json::Value {
-    let out = Command::new(KEEL)
-        .args(["policy", "eval", "--input"])
-        .arg(input)
-        .args(extra)
-        .output()
-        .expect("run keel");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("json")
+    json_of(
+        Command::new(KEEL)
+            .args(["policy", "eval", "--input"])
+            .arg(input)
+            .args(extra),
+    )
 }
 
 #[test]

@@ -9,6 +9,18 @@ use std::time::{Duration, Instant};
 
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
+/// Runs `command` (a `keel` that needs no server: `replay`, `policy eval`,
+/// ...), which must succeed, and parses its JSON output.
+pub fn json_of(command: &mut Command) -> serde_json::Value {
+    let out = command.output().expect("run keel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
 /// Whether `program` runs here. Where it does not, says on the terminal
 /// (past the harness's capture) that `test` did not run and why, so that
 /// `cargo test` needs nothing but the Rust toolchain; with the environment
