@@ -187,7 +187,7 @@ fn main() {
         };
         let server = Server::start(&config, system_clock()).await.expect("start");
         let addr = server.addr.to_string();
-        let raft = server.node.raft.clone();
+        let node = server.node.clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(server.serve(async {
             let _ = stopped.await;
@@ -211,7 +211,7 @@ fn main() {
         // The same through the proposer in-process, without gRPC: what the
         // replica itself sustains when the load generator and the API do not
         // share its two cores.
-        let proposer = keel::proposer::Proposer::spawn(raft, system_clock());
+        let proposer = keel::proposer::Proposer::spawn(node);
         rows.push(proposals(&proposer, 1, secs).await);
         rows.push(proposals(&proposer, 64, secs).await);
         let _ = stop.send(());

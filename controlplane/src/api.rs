@@ -500,7 +500,19 @@ impl Keel for KeelApi {
             Err(poisoned) => poisoned.into_inner().clone(),
         };
         use crate::membership::{incarnation_of, member_of};
+        let leading = metrics.state == ServerState::Leader;
+        let clock = self.node.clock.status(leading);
+        let peer_offsets = if leading {
+            self.node.clock.peer_offsets()
+        } else {
+            Default::default()
+        };
         Ok(Response::new(api::ClusterStatusResponse {
+            wall_clock_ms: clock.wall_ms,
+            log_time_ms: clock.log_time_ms,
+            clock_offset_ms: clock.offset_ms,
+            max_clock_offset_ms: self.node.clock.max_offset_ms(),
+            clock_refusal: clock.refused.map(|r| r.to_string()).unwrap_or_default(),
             member_id: member_of(metrics.id),
             incarnation: incarnation_of(metrics.id),
             role: role.to_string(),
@@ -526,6 +538,11 @@ impl Keel for KeelApi {
                         incarnation: incarnation_of(*id),
                         address: node.addr.clone(),
                         voter: voters.contains(id),
+                        clock_offset_ms: if *id == metrics.id {
+                            clock.offset_ms.filter(|_| leading)
+                        } else {
+                            peer_offsets.get(id).copied()
+                        },
                         matched_index: metrics.replication.as_ref().and_then(|r| {
                             if *id == metrics.id {
                                 metrics.last_log_index

@@ -4,6 +4,7 @@
 //! - [`raft_network`]: Raft between replicas over gRPC.
 //! - [`api`]: the `keel.api.v1.Keel` gRPC service.
 //! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
+//! - [`clock`]: log time and the replicas' clock offsets.
 //! - [`proposer`]: group commit: concurrent commands share one Raft entry.
 //! - [`convert`]: domain objects to their API messages.
 //! - [`inventory`]: this server's nodes and GPUs (discovered or simulated)
@@ -13,6 +14,7 @@
 //!   shutdown.
 
 pub mod api;
+pub mod clock;
 pub mod convert;
 pub mod executors;
 pub mod grpc_status;

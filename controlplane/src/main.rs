@@ -93,6 +93,13 @@ enum Cmd {
                   keel_storage::raft_wire::RAFT_WIRE_FORMAT_PREVIOUS as i64
                       ..=keel_storage::raft_wire::RAFT_WIRE_FORMAT as i64))]
         raft_wire_format: u32,
+        /// How far (ms) this replica's clock may be from the middle of the
+        /// cluster's clocks: beyond it, a replica warns, and one ahead does
+        /// not lead until its clock is fixed. Log time never goes backwards
+        /// and moves at most this far at a change of leader.
+        #[arg(long, default_value_t = keel_state::log_time::MAX_CLOCK_OFFSET_MS_DEFAULT,
+              value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+        max_clock_offset_ms: u64,
         /// Log entries kept behind a snapshot (a follower further behind
         /// catches up by installing the snapshot).
         #[arg(long, default_value_t = 1000)]
@@ -655,6 +662,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             snapshot_every,
             peer_source_ip,
             raft_wire_format,
+            max_clock_offset_ms,
             keep_log_entries,
             simulated_gpus,
             simulated_nodes,
@@ -707,6 +715,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     keep_log_after_snapshot: keep_log_entries,
                     peer_source_ip,
                     wire_format: raft_wire_format,
+                    max_clock_offset_ms,
                     ..RaftSettings::default()
                 },
                 nodes: if no_local_node || ssh_nodes.is_some() || kubernetes.kubernetes {

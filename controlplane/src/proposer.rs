@@ -8,14 +8,15 @@
 //! proposal was being made durable as one [`Proposal`]. Each command still
 //! gets its own outcome.
 
+use std::sync::Arc;
+
 use keel_state::codec::entry_to_proto;
 use keel_state::{Command, Event, LogEntry, Proposal};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::api::Clock;
 use crate::grpc_status::ApiError;
-use crate::raft_node::Raft;
+use crate::raft_node::RaftNode;
 
 /// Most commands in one proposal.
 pub const PROPOSAL_MAX_COMMANDS: usize = 1024;
@@ -40,10 +41,11 @@ pub struct Proposer {
 }
 
 impl Proposer {
-    /// Starts the proposer task on the current tokio runtime.
-    pub fn spawn(raft: Raft, clock: Clock) -> Proposer {
+    /// Starts the proposer task on the current tokio runtime. It stamps
+    /// entries with the node's log time (`crate::clock`).
+    pub fn spawn(node: Arc<RaftNode>) -> Proposer {
         let (tx, rx) = mpsc::channel(QUEUE);
-        tokio::spawn(run(raft, clock, rx));
+        tokio::spawn(run(node, rx));
         Proposer { tx }
     }
 
@@ -69,8 +71,22 @@ impl Proposer {
     }
 }
 
-async fn run(raft: Raft, clock: Clock, mut rx: mpsc::Receiver<Pending>) {
+/// Before the first stamp of a term: waits until this leader applied every
+/// entry of the terms before (its own term's first entry committed), so its
+/// stamps are later than theirs. Returns the term, or `None` if this
+/// replica cannot tell (not leading: the write is refused anyway).
+async fn caught_up_term(node: &RaftNode) -> Option<u64> {
+    let term = node.raft.metrics().borrow().current_term;
+    node.raft.ensure_linearizable().await.ok()?;
+    let last = node.state_machine.shared().read().state.last_entry_at_ms();
+    node.clock.saw_entry(last);
+    Some(term)
+}
+
+async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
+    let raft = node.raft.clone();
     let mut carried: Option<Pending> = None;
+    let mut stamping_term: Option<u64> = None;
     loop {
         let first = match carried.take() {
             Some(p) => p,
@@ -79,7 +95,33 @@ async fn run(raft: Raft, clock: Clock, mut rx: mpsc::Receiver<Pending>) {
                 None => return,
             },
         };
-        let at_ms = clock();
+        if stamping_term != Some(raft.metrics().borrow().current_term) {
+            stamping_term = caught_up_term(&node).await;
+        }
+        // This replica's clock, checked against the voters' now (not at
+        // the watch loop's next tick): a leader an hour ahead stamps
+        // nothing once it has heard the others.
+        let leading = {
+            let metrics = raft.metrics();
+            let m = metrics.borrow();
+            node.clock
+                .set_voters(m.membership_config.membership().voter_ids());
+            m.current_leader == Some(m.id)
+        };
+        node.clock.check(leading);
+        let at_ms = match node.clock.stamp() {
+            Ok(at_ms) => at_ms,
+            Err(refused) => {
+                // This replica's clock is too far ahead to lead: nothing
+                // is proposed (clients go to another replica).
+                let e = ApiError::Unavailable(refused.to_string());
+                let _ = first.reply.send(Err(e.clone()));
+                while let Ok(p) = rx.try_recv() {
+                    let _ = p.reply.send(Err(e.clone()));
+                }
+                continue;
+            }
+        };
         let mut entries = Vec::new();
         let mut replies = Vec::new();
         let mut bytes = 0;

@@ -46,6 +46,7 @@ use openraft::BasicNode;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
+use crate::clock::ServerClock;
 use crate::membership::{self, Strangers};
 use crate::raft_node::Raft;
 
@@ -177,6 +178,7 @@ pub struct GrpcNetwork {
     strangers: Strangers,
     wire_format: u32,
     formats: PeerFormats,
+    clock: Arc<ServerClock>,
 }
 
 /// What each peer said it reads, shared by the clients openraft makes for
@@ -254,6 +256,7 @@ impl GrpcNetwork {
         source_ip: Option<std::net::IpAddr>,
         strangers: Strangers,
         wire_format: u32,
+        clock: Arc<ServerClock>,
     ) -> GrpcNetwork {
         GrpcNetwork {
             identity,
@@ -261,6 +264,7 @@ impl GrpcNetwork {
             strangers,
             wire_format,
             formats: PeerFormats::default(),
+            clock,
         }
     }
 }
@@ -274,6 +278,7 @@ impl RaftNetworkFactory<TypeConfig> for GrpcNetwork {
         peer.strangers = self.strangers.clone();
         peer.wire_format = self.wire_format;
         peer.formats = self.formats.clone();
+        peer.clock = Some(self.clock.clone());
         peer
     }
 }
@@ -295,6 +300,9 @@ pub struct GrpcPeer {
     /// id and the bytes so far): sent once whole, in the snapshot format
     /// that release reads.
     gathered: Option<(String, Vec<u8>)>,
+    /// This replica's clocks: each message says its wall clock and log
+    /// time and the peer's offset, each reply the peer's clock.
+    clock: Option<Arc<ServerClock>>,
 }
 
 impl GrpcPeer {
@@ -308,6 +316,7 @@ impl GrpcPeer {
             strangers: Strangers::default(),
             wire_format: raft_wire::RAFT_WIRE_FORMAT,
             formats: PeerFormats::default(),
+            clock: None,
             gathered: None,
         }
     }
@@ -377,10 +386,20 @@ impl GrpcPeer {
             RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e.to_string())))
         })?;
         let ttl = option.hard_ttl();
+        let sent = self.clock.as_ref().map(|c| (c.wall_ms(), c.mono_ms()));
         let mut req = Request::new(RaftMessage {
             payload,
             format_version: format,
             reads_up_to: self.wire_format,
+            sent_at_ms: sent.map_or(0, |(wall, _)| wall),
+            log_time_ms: match (&self.clock, kind) {
+                (Some(c), RpcKind::AppendEntries) => c.now_ms(),
+                _ => 0,
+            },
+            clock_offset_ms: match (&self.clock, kind) {
+                (Some(c), RpcKind::AppendEntries) => c.offset_of_peer(self.target),
+                _ => None,
+            },
         });
         req.set_timeout(ttl);
         if let Some(id) = self
@@ -437,6 +456,14 @@ impl GrpcPeer {
                 return Err(network(&status));
             }
             Ok(Ok(reply)) => {
+                if let (Some(clock), Some((wall, mono))) = (&self.clock, sent) {
+                    clock.peer_answered(
+                        self.target,
+                        wall,
+                        reply.get_ref().sent_at_ms,
+                        clock.mono_ms().saturating_sub(mono),
+                    );
+                }
                 self.strangers.answered(self.target);
                 if self.formats.heard(self.target) {
                     tracing::info!(peer = %membership::show(self.target), addr = %self.addr, "the peer answers again");
@@ -684,6 +711,7 @@ pub struct RaftService {
     /// The addressee of the last message refused as not for this replica
     /// (a refusal is logged when it names another than the last).
     last_refused: Arc<Mutex<Option<Option<u64>>>>,
+    clock: Arc<ServerClock>,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -698,6 +726,7 @@ impl RaftService {
         me: u64,
         identity: Arc<ClusterIdentity>,
         wire_format: u32,
+        clock: Arc<ServerClock>,
     ) -> RaftService {
         RaftService {
             raft,
@@ -705,6 +734,7 @@ impl RaftService {
             me,
             identity,
             last_refused: Arc::default(),
+            clock,
         }
     }
 
@@ -762,6 +792,9 @@ impl RaftService {
             payload,
             format_version: format,
             reads_up_to: self.wire_format,
+            sent_at_ms: self.clock.wall_ms(),
+            log_time_ms: 0,
+            clock_offset_ms: None,
         }))
     }
 }
@@ -775,7 +808,20 @@ impl RaftRpc for RaftService {
         self.admit(&request, true)?;
         let (format, req): (_, AppendEntriesRequest<TypeConfig>) =
             self.decode(request.get_ref())?;
-        self.reply(format, &self.raft.append_entries(req).await)
+        let result = self.raft.append_entries(req).await;
+        // A leader this replica follows: its log time is the log's, and
+        // what it measured of this replica's clock counts.
+        if matches!(
+            result,
+            Ok(AppendEntriesResponse::Success
+                | AppendEntriesResponse::PartialSuccess(_)
+                | AppendEntriesResponse::Conflict)
+        ) {
+            let message = request.get_ref();
+            self.clock
+                .heard_leader(message.log_time_ms, message.clock_offset_ms);
+        }
+        self.reply(format, &result)
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use keel_storage::{DataDir, LogStore, StateMachineStore, TypeConfig};
 use openraft::{BasicNode, Config, SnapshotPolicy};
 
+use crate::clock::ServerClock;
 use crate::membership::{self, Strangers};
 use crate::raft_network::{ClusterIdentity, GrpcNetwork};
 
@@ -297,6 +298,8 @@ pub struct RaftNode {
     pub identity: Arc<ClusterIdentity>,
     pub state_machine: StateMachineStore,
     pub log: LogStore,
+    /// Log time and the clocks' offsets ([`crate::clock`]).
+    pub clock: Arc<ServerClock>,
     /// Held for the life of the node: the data directory's lock.
     pub data_dir: DataDir,
     /// See [`RaftSettings::peer_source_ip`].
@@ -325,6 +328,11 @@ pub struct RaftSettings {
     /// (`keel_storage::raft_wire`): the current one, or the one before to
     /// behave as the release before it did (mixed-release tests).
     pub wire_format: u32,
+    /// How far replicas' clocks may differ (`--max-clock-offset-ms`): a
+    /// replica further ahead of the middle of the cluster's clocks does not
+    /// lead, and log time moves at most this far ahead of what a new leader
+    /// heard (`keel_state::log_time`).
+    pub max_clock_offset_ms: u64,
 }
 
 impl Default for RaftSettings {
@@ -343,6 +351,7 @@ impl Default for RaftSettings {
             keep_log_after_snapshot: 1000,
             peer_source_ip: None,
             wire_format: keel_storage::raft_wire::RAFT_WIRE_FORMAT,
+            max_clock_offset_ms: keel_state::log_time::MAX_CLOCK_OFFSET_MS_DEFAULT,
         }
     }
 }
@@ -394,6 +403,7 @@ impl RaftNode {
         peers: &Peers,
         data_dir: DataDir,
         settings: &RaftSettings,
+        clock: Arc<ServerClock>,
     ) -> Result<RaftNode, RaftNodeError> {
         let id = member;
         if !membership::is_member_id(id) {
@@ -442,6 +452,8 @@ impl RaftNode {
         let raft_id = membership::raft_id(member, incarnation);
         let strangers = Strangers::default();
         let state_machine = StateMachineStore::open(&data_dir.state_dir())?;
+        // No stamp is earlier than what the log already holds.
+        clock.saw_entry(state_machine.shared().read().state.last_entry_at_ms());
         // Pinned to the wire format before: its snapshot format too.
         state_machine.use_snapshot_format(keel_storage::snapshot_codec::snapshot_format_for_wire(
             settings.wire_format,
@@ -462,6 +474,7 @@ impl RaftNode {
                 settings.peer_source_ip,
                 strangers.clone(),
                 settings.wire_format,
+                clock.clone(),
             ),
             log.clone(),
             state_machine.clone(),
@@ -541,6 +554,7 @@ impl RaftNode {
             identity,
             state_machine,
             log,
+            clock,
             data_dir,
             peer_source_ip: settings.peer_source_ip,
             wire_format: settings.wire_format,
@@ -634,6 +648,7 @@ mod tests {
                 &Peers::new(),
                 DataDir::open(dir.path().join(format!("r{id}"))).expect("data dir"),
                 &RaftSettings::default(),
+                ServerClock::new(crate::api::system_clock(), 500),
             )
             .await
             .expect_err("refused");
@@ -666,6 +681,7 @@ mod tests {
             &peers,
             DataDir::open(&root).expect("data dir"),
             &RaftSettings::default(),
+            ServerClock::new(crate::api::system_clock(), 500),
         )
         .await
         .expect("a replica that only voted starts");

@@ -786,6 +786,11 @@ struct MemberView {
     cluster_id: Option<String>,
     /// Entries the leader has that it has not yet replicated to the member.
     replication_lag: Option<u64>,
+    /// Its clock against the middle of the cluster's (ms): as the leader
+    /// measured it, else as the member said.
+    clock_offset_ms: Option<i64>,
+    /// Why it does not lead (its clock too far ahead), if so.
+    clock_refusal: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -804,12 +809,13 @@ pub fn cluster_status(
     let views: Vec<MemberView> = members
         .iter()
         .map(|(m, s)| {
-            let lag = leader.and_then(|l| {
-                let matched = l
-                    .members
+            let at_leader = leader.and_then(|l| {
+                l.members
                     .iter()
                     .find(|x| x.id == m.id && x.incarnation == m.incarnation)
-                    .and_then(|x| x.matched_index)?;
+            });
+            let lag = leader.and_then(|l| {
+                let matched = at_leader.and_then(|x| x.matched_index)?;
                 Some(l.last_log_index.saturating_sub(matched))
             });
             let incarnation = |i: u64| {
@@ -840,6 +846,13 @@ pub fn cluster_status(
                 state_hash: s.as_ref().map(|s| s.state_hash.clone()),
                 cluster_id: s.as_ref().map(|s| s.cluster_id.clone()),
                 replication_lag: lag,
+                clock_offset_ms: at_leader
+                    .and_then(|x| x.clock_offset_ms)
+                    .or_else(|| s.as_ref().and_then(|s| s.clock_offset_ms)),
+                clock_refusal: s
+                    .as_ref()
+                    .map(|s| s.clock_refusal.clone())
+                    .filter(|r| !r.is_empty()),
             }
         })
         .collect();
@@ -871,6 +884,32 @@ pub fn cluster_status(
                     outln!("member {} belongs to another cluster: {other}", v.id);
                 }
             }
+            if contacted.log_time_ms > 0 {
+                outln!(
+                    "log time {} (member {}'s clock {})",
+                    time(contacted.log_time_ms),
+                    contacted.member_id,
+                    signed_ms(keel_state::log_time::signed_difference(
+                        contacted.wall_clock_ms,
+                        contacted.log_time_ms
+                    ))
+                );
+            }
+            for v in &views {
+                if let Some(why) = &v.clock_refusal {
+                    outln!("member {} does not lead: {why}", v.id);
+                } else if let Some(off) = v
+                    .clock_offset_ms
+                    .filter(|o| o.unsigned_abs() > contacted.max_clock_offset_ms)
+                {
+                    outln!(
+                        "member {}'s clock is {} from the middle of the cluster's, beyond the {} ms bound: fix its time (NTP)",
+                        v.id,
+                        signed_ms(off),
+                        contacted.max_clock_offset_ms
+                    );
+                }
+            }
             let rows: Vec<Vec<String>> = views
                 .iter()
                 .map(|v| {
@@ -888,6 +927,7 @@ pub fn cluster_status(
                         opt(v.last_log_index),
                         opt(v.last_applied_index),
                         opt(v.replication_lag),
+                        v.clock_offset_ms.map_or_else(|| "-".into(), signed_ms),
                         v.state_hash.clone().unwrap_or_else(|| "-".into()),
                     ]
                 })
@@ -903,12 +943,18 @@ pub fn cluster_status(
                     "LAST LOG",
                     "APPLIED",
                     "LAG",
+                    "CLOCK",
                     "STATE HASH",
                 ],
                 &rows,
             )
         }
     }
+}
+
+/// A signed duration in milliseconds, as an operator reads it: `+3600000 ms`.
+fn signed_ms(ms: i64) -> String {
+    format!("{ms:+} ms")
 }
 
 pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()> {

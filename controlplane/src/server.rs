@@ -16,6 +16,7 @@ use keel_executors::{
 use keel_scheduling::policy::Policy;
 
 use crate::api::{Clock, KeelApi};
+use crate::clock::ServerClock;
 use crate::executors::AnyExecutor;
 use crate::inventory::NodeInventory;
 use crate::leader::LoopSettings;
@@ -91,7 +92,6 @@ pub struct Server {
     pub addr: SocketAddr,
     pub node: Arc<RaftNode>,
     listener: TcpListener,
-    clock: Clock,
     config: ServerConfig,
     executor: Arc<AnyExecutor>,
 }
@@ -180,13 +180,20 @@ impl Server {
             .get(&config.id)
             .cloned()
             .unwrap_or_else(|| addr.to_string());
-        let node =
-            RaftNode::start(config.id, &advertise, &config.peers, data_dir, &config.raft).await?;
+        let server_clock = ServerClock::new(clock.clone(), config.raft.max_clock_offset_ms);
+        let node = RaftNode::start(
+            config.id,
+            &advertise,
+            &config.peers,
+            data_dir,
+            &config.raft,
+            server_clock,
+        )
+        .await?;
         Ok(Server {
             addr,
             node: Arc::new(node),
             listener,
-            clock,
             config: config.clone(),
             executor: Arc::new(executor),
         })
@@ -194,14 +201,21 @@ impl Server {
 
     /// Serves the API until `shutdown` resolves, then stops Raft and flushes.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
-        let proposer = Proposer::spawn(self.node.raft.clone(), self.clock.clone());
+        let proposer = Proposer::spawn(self.node.clone());
+        // The leader's loops measure durations in log time.
+        let log_time = self.node.clock.log_time();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let heartbeats = Arc::new(HeartbeatInbox::new(self.clock.clone()));
+        let clock_watch = tokio::spawn(crate::clock::clock_watch_loop(
+            self.node.raft.clone(),
+            self.node.clock.clone(),
+            stop_rx.clone(),
+        ));
+        let heartbeats = Arc::new(HeartbeatInbox::new(log_time.clone()));
         let liveness = tokio::spawn(crate::node_liveness::liveness_loop(
             self.node.clone(),
             proposer.clone(),
             heartbeats.clone(),
-            self.clock.clone(),
+            log_time.clone(),
             self.config.loops.clone(),
             stop_rx.clone(),
         ));
@@ -221,7 +235,7 @@ impl Server {
                 cannot_share_gpus: keel_executors::Executor::cannot_share_gpus(
                     self.executor.as_ref(),
                 ),
-                clock: self.clock.clone(),
+                clock: log_time.clone(),
                 settings: self.config.loops.clone(),
             },
             reports.clone(),
@@ -270,6 +284,7 @@ impl Server {
             self.node.id,
             self.node.identity.clone(),
             self.node.wire_format,
+            self.node.clock.clone(),
         ))
         .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);
@@ -321,6 +336,7 @@ impl Server {
         let _ = beating.await;
         let _ = probing.await;
         let _ = repairing.await;
+        let _ = clock_watch.await;
         watchdog.step("stopping Raft and flushing the log");
         let fatal = fatal.lock().ok().and_then(|mut f| f.take());
         let stopped = self.node.shutdown().await;

@@ -77,6 +77,15 @@ fn json(addr: &str, args: &[&str]) -> Option<Value> {
 
 impl Cluster {
     fn start(extra: &[&str]) -> Cluster {
+        let mut cluster = Cluster::new();
+        for id in 1..=3 {
+            cluster.spawn(id, extra);
+        }
+        cluster
+    }
+
+    /// Three replicas' addresses and directories; none started.
+    fn new() -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let replicas: Vec<Replica> = (1..=3)
             .map(|id| Replica {
@@ -91,15 +100,11 @@ impl Cluster {
             .map(|r| format!("{}={}", r.id, r.addr))
             .collect::<Vec<_>>()
             .join(",");
-        let mut cluster = Cluster {
+        Cluster {
             replicas,
             peers,
             _dir: dir,
-        };
-        for id in 1..=3 {
-            cluster.spawn(id, extra);
         }
-        cluster
     }
 
     fn spawn(&mut self, id: u64, extra: &[&str]) {
@@ -1607,4 +1612,240 @@ fn a_cluster_upgraded_one_member_at_a_time_keeps_committing() {
         let said = cluster.logs(leader);
         (said.matches("writing Raft wire format 2").count() >= 2).then_some(())
     });
+}
+
+/// libfaketime's preload library (Debian's `faketime` package), to run a
+/// replica whose clock is off; `None` (the test says it skipped) where it
+/// is not installed. CI installs it and sets `KEEL_REQUIRE_FAKETIME`.
+fn libfaketime(test: &str) -> Option<String> {
+    if !support::available_or_skip("faketime", test, "KEEL_REQUIRE_FAKETIME") {
+        return None;
+    }
+    let roots = ["/usr/lib", "/usr/local/lib", "/usr/lib64"];
+    let candidates = roots.iter().flat_map(|root| {
+        let nested = std::fs::read_dir(root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path().join("faketime/libfaketime.so.1"));
+        std::iter::once(Path::new(root).join("faketime/libfaketime.so.1")).chain(nested)
+    });
+    let found = candidates
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .next();
+    assert!(
+        found.is_some(),
+        "faketime is installed, but no libfaketime.so.1 was found under {roots:?}"
+    );
+    found
+}
+
+/// The times of every applied entry, in log order.
+fn entry_times(addrs: &str) -> Vec<(u64, u64)> {
+    let out = cli(addrs, &["events", "-o", "json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::Deserializer::from_slice(&out.stdout)
+        .into_iter::<Value>()
+        .map(|r| {
+            let r = r.expect("a JSON record");
+            (
+                r["index"].as_u64().expect("an index"),
+                r["at_ms"].as_u64().expect("a time"),
+            )
+        })
+        .collect()
+}
+
+/// Log time across leaders whose clocks are an hour off (issue 29). A
+/// replica an hour ahead founds the cluster and leads it alone, so the log
+/// is stamped an hour ahead; a job fails under it and waits out a 10 s
+/// backoff. Once two replicas with true clocks join, it steps down and
+/// says why; the new leader carries log time on from where it was, so the
+/// backoff ends 10 s (of log time) after the failure, not an hour later.
+/// Then a replica an hour behind leads: the next job's backoff ends on
+/// time too, no entry's time is earlier than the one before it, and
+/// `keel cluster status` shows the offsets.
+#[test]
+fn a_clock_an_hour_off_neither_leads_nor_stalls_log_time() {
+    let Some(lib) = libfaketime("a_clock_an_hour_off_neither_leads_nor_stalls_log_time") else {
+        return;
+    };
+    const HOUR_MS: i64 = 3_600_000;
+    let skewed = |offset: &str| {
+        vec![
+            ("LD_PRELOAD", lib.clone()),
+            ("FAKETIME", offset.to_string()),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+        ]
+    };
+    let shared = tempfile::tempdir().expect("tempdir");
+    let shared_dir = shared.path().to_str().expect("utf-8").to_string();
+    let extra = [
+        "--simulated-gpus",
+        "1xv100",
+        "--node-name",
+        "m",
+        "--executor-dir",
+        &shared_dir,
+    ];
+    // A job that fails its first attempt and succeeds its second, 10 s of
+    // log time later.
+    let flaky = |name: &str| {
+        let flag = shared.path().join(format!("{name}.failed-once"));
+        let spec = shared.path().join(format!("{name}.yaml"));
+        std::fs::write(
+            &spec,
+            format!(
+                "name: {name}\ncommand: [sh, -c, \"test -e {flag} || {{ touch {flag}; exit 3; }}\"]\n\
+                 gpus: 1\nmax_retries: 1\nretry_backoff_s: 10\n",
+                flag = flag.display()
+            ),
+        )
+        .expect("spec");
+        spec
+    };
+    let mut cluster = Cluster::new();
+    let all = cluster.all_addrs();
+    let everyone = cluster.peers.clone();
+
+    // Replica 1, an hour ahead, founds the cluster alone and leads.
+    cluster.peers = format!("1={}", cluster.replicas[0].addr);
+    let env = skewed("+1h");
+    let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    cluster.spawn_with_env(1, &extra, &pairs);
+    wait_for("replica 1 to lead", || {
+        (cluster.status(1)?["role"] == "leader").then_some(())
+    });
+    cluster.wait_node("m-0", "alive", &[]);
+    let first = json(
+        &all,
+        &["submit", "-f", flaky("first").to_str().expect("utf-8")],
+    )
+    .and_then(|v| v["id"].as_u64())
+    .expect("submitted");
+    let job = |id: u64| json(&all, &["job", &id.to_string()]);
+    wait_for("the first attempt to fail", || {
+        (job(first)?["retries"].as_u64()? == 1).then_some(())
+    });
+
+    // Two replicas with true clocks join; replica 1 steps down.
+    cluster.peers = everyone;
+    for id in [2, 3] {
+        cluster.spawn(id, &extra);
+        let addr = cluster.replicas[id as usize - 1].addr.clone();
+        wait_for(&format!("member {id} to be a voter"), || {
+            let status = json(&all, &["cluster", "status"])?;
+            let voters = status["voters"].as_array()?.clone();
+            if voters.iter().any(|v| v.as_u64() == Some(id)) {
+                return Some(());
+            }
+            // Sent again if a change of leader cut it short.
+            let _ = cli(
+                &all,
+                &[
+                    "cluster",
+                    "add",
+                    "--id",
+                    &id.to_string(),
+                    "--member-addr",
+                    &addr,
+                ],
+            );
+            None
+        });
+    }
+    let leader = wait_for("a leader other than replica 1", || {
+        let l = (2..=3).find(|id| cluster.status(*id).is_some_and(|s| s["role"] == "leader"))?;
+        Some(l)
+    });
+    let refused = wait_for("replica 1 to say why it does not lead", || {
+        let s = cluster.status(1)?;
+        let why = s["clock_refusal"].as_str()?.to_string();
+        (!why.is_empty() && s["role"] != "leader").then_some(why)
+    });
+    assert!(refused.contains("ahead of the middle"), "{refused}");
+    assert!(
+        cluster
+            .logs(1)
+            .contains("does not lead until its clock is fixed"),
+        "replica 1 did not say it in its log"
+    );
+    // The leader measured replica 1 an hour ahead of the middle.
+    let offset = wait_for("the leader's measure of replica 1", || {
+        let s = cluster.status(leader)?;
+        s["members"].as_array()?.iter().find(|m| m["id"] == 1)?["clock_offset_ms"].as_i64()
+    });
+    assert!(
+        (offset - HOUR_MS).abs() < 60_000,
+        "replica 1 measured {offset} ms off"
+    );
+    let table = String::from_utf8_lossy(&cli(&all, &["cluster", "status"]).stdout).to_string();
+    assert!(
+        table.contains("CLOCK") && table.contains("member 1 does not lead"),
+        "{table}"
+    );
+
+    // The backoff begun under replica 1 ends 10 s of log time after the
+    // failure, under a leader whose clock is an hour behind that time.
+    let backoff_kept = |id: u64| {
+        let history = wait_for("the retry to succeed", || {
+            let j = job(id)?;
+            (j["state"] == "succeeded").then(|| j["history"].clone())
+        });
+        let at = |command: &str| -> Vec<u64> {
+            history
+                .as_array()
+                .expect("history")
+                .iter()
+                .filter(|r| r["command"] == command)
+                .filter_map(|r| r["at_ms"].as_u64())
+                .collect()
+        };
+        let failed_at = at("record_worker_exited")[0];
+        let placed = at("decide_allocation");
+        assert_eq!(placed.len(), 2, "{history}");
+        assert!(
+            placed[1] >= failed_at + 10_000,
+            "retried {} ms after the failure",
+            placed[1] - failed_at
+        );
+    };
+    backoff_kept(first);
+
+    // A replica an hour behind takes over: the other true one goes, and
+    // the leader is killed.
+    let behind = if leader == 2 { 3 } else { 2 };
+    cluster.terminate(behind);
+    let env = skewed("-1h");
+    let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    cluster.spawn_with_env(behind, &extra, &pairs);
+    cluster.converged();
+    cluster.kill9(leader);
+    wait_for("the replica an hour behind to lead", || {
+        (cluster.status(behind)?["role"] == "leader").then_some(())
+    });
+    let second = json(
+        &all,
+        &["submit", "-f", flaky("second").to_str().expect("utf-8")],
+    )
+    .and_then(|v| v["id"].as_u64())
+    .expect("submitted");
+    backoff_kept(second);
+    assert_eq!(
+        cluster.status(1).expect("replica 1")["role"],
+        "follower",
+        "replica 1 still does not lead"
+    );
+
+    // No entry's time is earlier than the one before it.
+    let times = entry_times(&all);
+    assert!(times.len() > 10, "{times:?}");
+    for pair in times.windows(2) {
+        assert!(pair[1].1 >= pair[0].1, "time went backwards: {pair:?}");
+    }
 }

@@ -244,7 +244,7 @@ pub fn decode_snapshot_up_to(bytes: &[u8], newest: u32) -> Result<ClusterState, 
 
 /// A snapshot taken under the state's lock, to encode after it.
 enum PendingSnapshot {
-    Message(keel_proto::entry::StateSnapshot),
+    Message(Box<keel_proto::entry::StateSnapshot>),
     Encoded(Vec<u8>),
 }
 
@@ -521,7 +521,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             let data = if format == SNAPSHOT_FORMAT_VERSION {
                 let mut message = applied.state.to_snapshot_proto();
                 message.format_version = SNAPSHOT_FORMAT_VERSION;
-                PendingSnapshot::Message(message)
+                PendingSnapshot::Message(Box::new(message))
             } else {
                 PendingSnapshot::Encoded(
                     encode_snapshot_as(&applied.state, format)

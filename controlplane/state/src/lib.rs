@@ -21,6 +21,7 @@ pub mod event;
 pub mod fixtures;
 pub mod free_gpus;
 pub mod liveness;
+pub mod log_time;
 pub mod model;
 pub mod perf_history;
 pub mod policy_memory;

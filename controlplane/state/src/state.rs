@@ -110,6 +110,13 @@ pub struct ClusterState {
     gpu_holders: BTreeMap<GpuRef, GpuHolders>,
     /// Index of the last log entry applied, refused or not.
     last_index: u64,
+    /// The latest time on an entry applied, refused or not: a new leader
+    /// stamps later ([`crate::log_time`]). Bookkeeping about the log, not
+    /// content: nothing `apply` decides reads it, so it is kept out of the
+    /// hash and out of equality (snapshots before format 8 did not keep
+    /// it), and carried by snapshots.
+    #[serde(skip)]
+    last_entry_at_ms: EntryTimeFloor,
     /// Bumped by every applied entry that changes what the scheduler must
     /// place or where it can place it (jobs arriving, ending, requeued or
     /// preempted; nodes registered, lost or recovered; allocations decided).
@@ -140,6 +147,17 @@ pub struct ClusterState {
     /// and given back (a state nobody schedules on never builds it).
     #[serde(skip)]
     free: FreeCache,
+}
+
+/// [`ClusterState`]'s latest entry time: any two compare equal (see the
+/// field).
+#[derive(Debug, Clone, Copy, Default)]
+struct EntryTimeFloor(u64);
+
+impl PartialEq for EntryTimeFloor {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// A lazily built index of free GPUs. It is derived data: any two compare
@@ -240,6 +258,8 @@ impl<'de> Deserialize<'de> for ClusterState {
             nodes: e.nodes,
             gpu_holders: e.gpu_holders,
             last_index: e.last_index,
+            // Postcard snapshots (before format 8) did not keep it.
+            last_entry_at_ms: EntryTimeFloor(0),
             supply_demand_version: e.supply_demand_version,
             last_round: e.last_round,
             policy: e.policy,
@@ -375,6 +395,12 @@ impl ClusterState {
         self.last_index
     }
 
+    /// The latest time on an entry applied (0: none, or a snapshot written
+    /// before it was kept): a leader stamps later.
+    pub fn last_entry_at_ms(&self) -> u64 {
+        self.last_entry_at_ms.0
+    }
+
     /// See the field: moves whenever a scheduling round could decide
     /// something new.
     pub fn supply_demand_version(&self) -> u64 {
@@ -444,6 +470,7 @@ impl ClusterState {
     /// client the first outcome.
     pub fn apply(&mut self, index: u64, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         self.last_index = index;
+        self.last_entry_at_ms.0 = self.last_entry_at_ms.0.max(entry.at_ms);
         let Some(request_id) = &entry.request_id else {
             return self.apply_entry(entry);
         };

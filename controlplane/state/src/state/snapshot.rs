@@ -62,6 +62,7 @@ impl ClusterState {
                 bytes: m.bytes.clone(),
             }),
             policy_memory_changed_at: self.policy_memory.changed_at,
+            last_entry_at_ms: self.last_entry_at_ms(),
         }
     }
 
@@ -142,6 +143,7 @@ impl ClusterState {
             nodes,
             gpu_holders,
             last_index: m.last_index,
+            last_entry_at_ms: super::EntryTimeFloor(m.last_entry_at_ms),
             supply_demand_version: m.supply_demand_version,
             last_round: m.last_round,
             policy: m.policy,

@@ -1,0 +1,484 @@
+//! This replica's clocks: log time for the entries it stamps, and how far
+//! its wall clock is from its peers'.
+//!
+//! - **Log time** ([`keel_state::log_time::LogClock`]): the proposer stamps
+//!   with [`ServerClock::stamp`], the leader's loops measure durations with
+//!   [`ServerClock::now_ms`], a follower carries the log time its leader's
+//!   heartbeats say ([`ServerClock::heard_leader`]).
+//! - **Offsets**: every Raft message carries its sender's wall clock and
+//!   every reply the replier's, so the leader measures each peer's offset
+//!   (the NTP estimate: the reply's clock against the middle of the round
+//!   trip) and tells each follower how far it is from the middle (the
+//!   median) of the cluster's clocks. A replica whose clock is ahead of the
+//!   middle by more than `max_offset_ms` does not lead: a leader steps down
+//!   (it stops heartbeats and proposes nothing), a follower stops standing
+//!   for election, until its clock is back within the bound
+//!   ([`clock_watch_loop`]). Either way it says so, loudly and in
+//!   `keel cluster status`. A clock behind the middle is reported too but
+//!   harms nothing: log time is carried forward at the local rate.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use keel_state::log_time::{signed_difference, LogClock};
+
+use crate::api::Clock;
+
+/// A peer's offset reading is used for this long.
+const READING_FRESH_MS: u64 = 10_000;
+/// What a leader told this replica of its clock is used for this long.
+const TOLD_FRESH_MS: u64 = 10_000;
+/// How often the watch loop re-checks, and repeats a warning.
+const WATCH_INTERVAL: Duration = Duration::from_millis(200);
+const WARN_AGAIN_MS: u64 = 30_000;
+
+/// Why this replica does not lead: its clock is too far ahead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("this replica's clock is {ahead_ms} ms ahead of the middle of the cluster's clocks (the bound is {max_offset_ms} ms, --max-clock-offset-ms): it does not lead until its clock is fixed")]
+pub struct ClockTooFarAhead {
+    pub ahead_ms: i64,
+    pub max_offset_ms: u64,
+}
+
+/// A peer's wall clock against this replica's, as last measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PeerReading {
+    /// Its clock minus this replica's.
+    offset_ms: i64,
+    round_trip_ms: u64,
+    at_mono_ms: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    log: LogClock,
+    peers: BTreeMap<u64, PeerReading>,
+    /// How far a leader last said this replica's clock is from the middle,
+    /// and when.
+    told: Option<(i64, u64)>,
+    /// Set while this replica does not lead because of its clock.
+    refused: Option<ClockTooFarAhead>,
+    /// The voters: only their clocks make the cluster's middle (a learner
+    /// catching up does not vote on it). Empty: not known, every peer
+    /// counts.
+    voters: std::collections::BTreeSet<u64>,
+}
+
+/// One replica's clocks. Shared by the proposer, the Raft network, the
+/// leader's loops and the API.
+pub struct ServerClock {
+    wall: Clock,
+    origin: Instant,
+    max_offset_ms: u64,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for ServerClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerClock")
+            .field("max_offset_ms", &self.max_offset_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What this replica knows of its own clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClockStatus {
+    pub wall_ms: u64,
+    pub log_time_ms: u64,
+    /// Its clock minus the middle of the cluster's (None: not measured).
+    pub offset_ms: Option<i64>,
+    pub refused: Option<ClockTooFarAhead>,
+}
+
+impl ServerClock {
+    /// Clocks over `wall` (Unix milliseconds), with healthy clocks at most
+    /// `max_offset_ms` apart.
+    pub fn new(wall: Clock, max_offset_ms: u64) -> Arc<ServerClock> {
+        Arc::new(ServerClock {
+            wall,
+            origin: Instant::now(),
+            max_offset_ms,
+            inner: Mutex::new(Inner {
+                log: LogClock::new(max_offset_ms),
+                peers: BTreeMap::new(),
+                told: None,
+                refused: None,
+                voters: Default::default(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This machine's wall clock, Unix milliseconds.
+    pub fn wall_ms(&self) -> u64 {
+        (self.wall)()
+    }
+
+    /// Milliseconds since this clock was made, on the monotonic clock.
+    pub fn mono_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The bound on clock offsets.
+    pub fn max_offset_ms(&self) -> u64 {
+        self.max_offset_ms
+    }
+
+    /// The log's time now, by this replica's reckoning.
+    pub fn now_ms(&self) -> u64 {
+        let (wall, mono) = (self.wall_ms(), self.mono_ms());
+        self.lock().log.now_ms(wall, mono)
+    }
+
+    /// Log time as a [`Clock`], for the loops that measure durations.
+    pub fn log_time(self: &Arc<Self>) -> Clock {
+        let me = self.clone();
+        Arc::new(move || me.now_ms())
+    }
+
+    /// The time for the next proposal, later than every entry before it;
+    /// refused while this replica's clock is too far ahead to lead.
+    pub fn stamp(&self) -> Result<u64, ClockTooFarAhead> {
+        let (wall, mono) = (self.wall_ms(), self.mono_ms());
+        let mut inner = self.lock();
+        if let Some(refused) = &inner.refused {
+            return Err(refused.clone());
+        }
+        Ok(inner.log.stamp(wall, mono))
+    }
+
+    /// An entry stamped `at_ms` is in the log.
+    pub fn saw_entry(&self, at_ms: u64) {
+        self.lock().log.saw_entry(at_ms);
+    }
+
+    /// A leader's AppendEntries was accepted: the log's time it said, and
+    /// how far it measured this replica's clock from the middle.
+    pub fn heard_leader(&self, log_time_ms: u64, offset_ms: Option<i64>) {
+        let mono = self.mono_ms();
+        let mut inner = self.lock();
+        if log_time_ms > 0 {
+            inner.log.heard(log_time_ms, mono);
+        }
+        if let Some(offset) = offset_ms {
+            inner.told = Some((offset, mono));
+        }
+    }
+
+    /// A peer answered a message sent at `sent_wall_ms` (this clock), its
+    /// reply saying its clock read `peer_wall_ms`; `round_trip_ms` on the
+    /// monotonic clock.
+    pub fn peer_answered(
+        &self,
+        peer: u64,
+        sent_wall_ms: u64,
+        peer_wall_ms: u64,
+        round_trip_ms: u64,
+    ) {
+        if peer_wall_ms == 0 {
+            // A release before clock checks says nothing of its clock.
+            return;
+        }
+        let middle = sent_wall_ms.saturating_add(round_trip_ms / 2);
+        let reading = PeerReading {
+            offset_ms: signed_difference(peer_wall_ms, middle),
+            round_trip_ms,
+            at_mono_ms: self.mono_ms(),
+        };
+        self.lock().peers.insert(peer, reading);
+    }
+
+    /// Forgets a peer (removed from the cluster).
+    pub fn forget_peer(&self, peer: u64) {
+        self.lock().peers.remove(&peer);
+    }
+
+    /// The voters, from the membership this replica knows.
+    pub fn set_voters(&self, voters: impl IntoIterator<Item = u64>) {
+        self.lock().voters = voters.into_iter().collect();
+    }
+
+    /// The offset of the middle of the voters' measured clocks (this
+    /// replica's included, at 0) from this replica's clock, over fresh
+    /// readings.
+    fn middle_ms(inner: &Inner, mono: u64) -> Option<i64> {
+        let mut offsets: Vec<i64> = inner
+            .peers
+            .iter()
+            .filter(|(id, _)| inner.voters.is_empty() || inner.voters.contains(id))
+            .map(|(_, r)| r)
+            .filter(|r| mono.saturating_sub(r.at_mono_ms) <= READING_FRESH_MS)
+            .map(|r| r.offset_ms)
+            .collect();
+        if offsets.is_empty() {
+            return None;
+        }
+        offsets.push(0);
+        offsets.sort_unstable();
+        let n = offsets.len();
+        Some(if n % 2 == 1 {
+            offsets[n / 2]
+        } else {
+            // Between the two middle clocks.
+            offsets[n / 2 - 1] / 2 + offsets[n / 2] / 2
+        })
+    }
+
+    /// How far `peer`'s clock is from the middle of the cluster's, as this
+    /// replica (leading) measured it; told to the peer in each message.
+    pub fn offset_of_peer(&self, peer: u64) -> Option<i64> {
+        let mono = self.mono_ms();
+        let inner = self.lock();
+        let reading = inner
+            .peers
+            .get(&peer)
+            .filter(|r| mono.saturating_sub(r.at_mono_ms) <= READING_FRESH_MS)?;
+        let middle = Self::middle_ms(&inner, mono)?;
+        Some(reading.offset_ms.saturating_sub(middle))
+    }
+
+    /// Every peer's offset from the middle, as measured here (leader).
+    pub fn peer_offsets(&self) -> BTreeMap<u64, i64> {
+        let mono = self.mono_ms();
+        let inner = self.lock();
+        let Some(middle) = Self::middle_ms(&inner, mono) else {
+            return BTreeMap::new();
+        };
+        inner
+            .peers
+            .iter()
+            .filter(|(_, r)| mono.saturating_sub(r.at_mono_ms) <= READING_FRESH_MS)
+            .map(|(id, r)| (*id, r.offset_ms.saturating_sub(middle)))
+            .collect()
+    }
+
+    /// This replica's clock against the middle of the cluster's: measured
+    /// here while leading, else as the leader last said.
+    pub fn own_offset_ms(&self, leading: bool) -> Option<i64> {
+        let mono = self.mono_ms();
+        let inner = self.lock();
+        if leading {
+            Self::middle_ms(&inner, mono).map(|m| m.saturating_neg())
+        } else {
+            inner
+                .told
+                .filter(|(_, at)| mono.saturating_sub(*at) <= TOLD_FRESH_MS)
+                .map(|(offset, _)| offset)
+        }
+    }
+
+    /// Re-checks this replica's clock: refused leadership while it is
+    /// ahead of the middle by more than the bound, allowed again once it is
+    /// back within it. Returns the refusal now in force.
+    pub fn check(&self, leading: bool) -> Option<ClockTooFarAhead> {
+        let offset = self.own_offset_ms(leading);
+        let mut inner = self.lock();
+        let refused = match offset {
+            Some(ahead_ms) if ahead_ms > i64::try_from(self.max_offset_ms).unwrap_or(i64::MAX) => {
+                Some(ClockTooFarAhead {
+                    ahead_ms,
+                    max_offset_ms: self.max_offset_ms,
+                })
+            }
+            // Not measured: as it was (a follower keeps what its last
+            // leader said until a new one says otherwise).
+            None => inner.refused.clone(),
+            Some(_) => None,
+        };
+        if refused.is_some() && inner.refused.is_none() {
+            // Only what a leader says from now on lifts it.
+            inner.told = None;
+        }
+        inner.refused = refused.clone();
+        refused
+    }
+
+    /// What `keel cluster status` shows of this replica's clock.
+    pub fn status(&self, leading: bool) -> ClockStatus {
+        let offset_ms = self.own_offset_ms(leading);
+        ClockStatus {
+            wall_ms: self.wall_ms(),
+            log_time_ms: self.now_ms(),
+            offset_ms,
+            refused: self.lock().refused.clone(),
+        }
+    }
+}
+
+/// Keeps this replica from leading while its clock is too far ahead of the
+/// cluster's, and says so: a leader stops heartbeats (its followers elect
+/// another) and its proposer refuses to stamp; a follower stops standing
+/// for election. Warns while any clock it knows of is beyond the bound.
+pub async fn clock_watch_loop(
+    raft: crate::raft_node::Raft,
+    clock: Arc<ServerClock>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut last_warned: BTreeMap<u64, u64> = BTreeMap::new();
+    // Whether Raft was last set to let this replica lead.
+    let mut allowed = true;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(WATCH_INTERVAL) => {}
+        }
+        let leading = {
+            let metrics = raft.metrics();
+            let m = metrics.borrow();
+            clock.set_voters(m.membership_config.membership().voter_ids());
+            m.current_leader == Some(m.id)
+        };
+        let refused = clock.check(leading);
+        if refused.is_none() != allowed {
+            allowed = refused.is_none();
+            match &refused {
+                Some(refused) => tracing::error!(
+                    "{refused}; {}",
+                    if leading {
+                        "stepping down"
+                    } else {
+                        "not standing for election"
+                    }
+                ),
+                None => tracing::warn!(
+                    "this replica's clock is back within the bound: it may lead again"
+                ),
+            }
+            raft.runtime_config().elect(allowed);
+            raft.runtime_config().heartbeat(allowed);
+        }
+        let bound = i64::try_from(clock.max_offset_ms()).unwrap_or(i64::MAX);
+        let now = clock.mono_ms();
+        let mut warn = |who: u64, offset: i64| {
+            let due = last_warned
+                .get(&who)
+                .is_none_or(|at| now.saturating_sub(*at) >= WARN_AGAIN_MS);
+            if offset.abs() > bound && due {
+                last_warned.insert(who, now);
+                tracing::warn!(
+                    member = who,
+                    offset_ms = offset,
+                    max_offset_ms = bound,
+                    "a replica's clock is beyond the bound from the middle of the cluster's clocks; fix its time (NTP)"
+                );
+            }
+        };
+        if leading {
+            for (peer, offset) in clock.peer_offsets() {
+                warn(crate::membership::member_of(peer), offset);
+            }
+        }
+        if let Some(offset) = clock.own_offset_ms(leading) {
+            let me = crate::membership::member_of(raft.metrics().borrow().id);
+            warn(me, offset);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    const T0: u64 = 1_800_000_000_000;
+    const HOUR_MS: i64 = 3_600_000;
+
+    fn clock_at(wall: Arc<AtomicU64>) -> Arc<ServerClock> {
+        ServerClock::new(Arc::new(move || wall.load(Ordering::SeqCst)), 500)
+    }
+
+    #[test]
+    fn a_leader_an_hour_ahead_of_both_followers_refuses_to_stamp() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        // Both followers read an hour behind this replica (0 ms trips).
+        clock.peer_answered(2, T0, T0 - HOUR_MS as u64, 0);
+        clock.peer_answered(3, T0, T0 - HOUR_MS as u64, 0);
+        assert_eq!(clock.own_offset_ms(true), Some(HOUR_MS));
+        assert_eq!(clock.offset_of_peer(2), Some(0));
+        assert_eq!(
+            clock.check(true),
+            Some(ClockTooFarAhead {
+                ahead_ms: HOUR_MS,
+                max_offset_ms: 500
+            })
+        );
+        let refused = clock.stamp().expect_err("refused");
+        assert!(
+            refused.to_string().contains("3600000 ms ahead"),
+            "{refused}"
+        );
+    }
+
+    #[test]
+    fn a_leader_with_one_follower_an_hour_ahead_tells_it_so_and_leads_on() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        clock.peer_answered(2, T0, T0 + HOUR_MS as u64, 0);
+        clock.peer_answered(3, T0, T0 + 20, 0);
+        assert_eq!(clock.own_offset_ms(true), Some(-20));
+        assert_eq!(clock.offset_of_peer(2), Some(HOUR_MS - 20));
+        assert_eq!(clock.check(true), None);
+        assert!(clock.stamp().is_ok());
+    }
+
+    #[test]
+    fn a_follower_acts_on_what_its_leader_said_until_told_otherwise() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        assert_eq!(clock.check(false), None, "nothing said: nothing refused");
+        clock.heard_leader(T0, Some(HOUR_MS));
+        assert!(clock.check(false).is_some());
+        clock.heard_leader(T0, None);
+        assert!(clock.check(false).is_some(), "still refused");
+        assert!(clock.status(false).refused.is_some());
+        clock.heard_leader(T0, Some(100));
+        assert_eq!(clock.check(false), None, "lifted");
+        assert!(clock.stamp().is_ok());
+    }
+
+    #[test]
+    fn only_the_voters_clocks_make_the_middle() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        // A learner catching up an hour behind: this sole voter is the
+        // middle, and leads on.
+        clock.set_voters([1]);
+        clock.peer_answered(2, T0, T0 - HOUR_MS as u64, 0);
+        assert_eq!(clock.own_offset_ms(true), None);
+        assert_eq!(clock.check(true), None);
+        // Promoted to voter: two clocks an hour apart; the one ahead does
+        // not lead.
+        clock.set_voters([1, 2]);
+        assert_eq!(clock.own_offset_ms(true), Some(HOUR_MS / 2));
+        assert!(clock.check(true).is_some());
+    }
+
+    #[test]
+    fn the_round_trip_is_split_in_the_middle() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        // Sent at T0, answered 40 ms later by a clock reading T0 + 20:
+        // in step with this one.
+        clock.peer_answered(2, T0, T0 + 20, 40);
+        assert_eq!(clock.offset_of_peer(2), Some(0));
+        // A release that does not say its clock is not measured.
+        clock.peer_answered(3, T0, 0, 40);
+        assert_eq!(clock.peer_offsets().len(), 1);
+    }
+
+    #[test]
+    fn log_time_is_carried_from_the_leader_when_this_clock_is_behind() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall.clone());
+        clock.heard_leader(T0 + HOUR_MS as u64, Some(-HOUR_MS));
+        let stamped = clock.stamp().expect("behind is no reason to refuse");
+        assert!(stamped >= T0 + HOUR_MS as u64, "{stamped}");
+        assert!(clock.now_ms() >= stamped);
+    }
+}
