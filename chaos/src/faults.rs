@@ -48,6 +48,12 @@ pub enum FaultKind {
     /// it still leads, while the new leader has launched the worker. The
     /// process table is watched for two live workers of one identity.
     PauseLeaderBeforeLaunch,
+    /// Restart a replica (the leader or a follower, as drawn) with its
+    /// clock off by a seeded offset from a second to hours, ahead or behind
+    /// (libfaketime); the heal restarts it with the true clock. One ahead
+    /// by more than the bound does not lead, and log time never goes
+    /// backwards: the replays check every entry.
+    SkewedClock,
 }
 
 impl FaultKind {
@@ -72,6 +78,9 @@ impl FaultKind {
         FaultKind::PauseLeaderBeforeLaunch,
     ];
 
+    /// The kinds that need libfaketime ([`libfaketime`]).
+    pub const CLOCK: [FaultKind; 1] = [FaultKind::SkewedClock];
+
     pub fn as_str(self) -> &'static str {
         match self {
             FaultKind::KillLeader => "kill_leader",
@@ -87,6 +96,7 @@ impl FaultKind {
             FaultKind::SlowDiskFollower => "slow_disk_follower",
             FaultKind::FullDiskFollower => "full_disk_follower",
             FaultKind::PauseLeaderBeforeLaunch => "pause_leader_before_launch",
+            FaultKind::SkewedClock => "skewed_clock",
         }
     }
 
@@ -94,6 +104,7 @@ impl FaultKind {
         FaultKind::ALL
             .into_iter()
             .chain(FaultKind::DISK)
+            .chain(FaultKind::CLOCK)
             .find(|k| k.as_str() == s)
     }
 
@@ -124,6 +135,45 @@ pub fn lagging_followers(others: &[u64], wiped: u64, replicas: u64) -> Vec<u64> 
         .filter(|r| *r != wiped)
         .take((replicas / 2) as usize)
         .collect()
+}
+
+/// A skewed clock's offset in seconds, drawn from `pick`: ahead or behind,
+/// from a second to about three hours, each power of ten as likely.
+pub fn clock_skew_s(pick: u64) -> i64 {
+    let magnitude = 10i64.pow(((pick >> 1) % 4) as u32) * (1 + ((pick >> 3) % 10) as i64);
+    if pick & 1 == 0 {
+        magnitude
+    } else {
+        -magnitude
+    }
+}
+
+/// libfaketime's preload library, where Debian's `faketime` package (or a
+/// local build) installs it; `None` where it is not installed.
+pub fn libfaketime() -> Option<std::path::PathBuf> {
+    let roots = ["/usr/lib", "/usr/local/lib", "/usr/lib64"];
+    roots
+        .iter()
+        .flat_map(|root| {
+            let nested = std::fs::read_dir(root)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path().join("faketime/libfaketime.so.1"));
+            std::iter::once(std::path::Path::new(root).join("faketime/libfaketime.so.1"))
+                .chain(nested)
+        })
+        .find(|p| p.exists())
+}
+
+/// The environment that runs a replica with its clock `skew_s` seconds off.
+pub fn skewed_clock_env(lib: &std::path::Path, skew_s: i64) -> Vec<(&'static str, String)> {
+    vec![
+        ("LD_PRELOAD", lib.display().to_string()),
+        ("FAKETIME", format!("{skew_s:+}")),
+        // Only the wall clock: timers run as they would.
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ]
 }
 
 /// One round of the schedule.
@@ -178,6 +228,14 @@ mod tests {
         }
         assert!(a.iter().all(|r| (1000..=3000).contains(&r.hold_ms)));
         let c = schedule(8, 20, &FaultKind::ALL);
+        let skews: Vec<i64> = (0..64).map(clock_skew_s).collect();
+        assert!(skews.iter().any(|s| *s < 0) && skews.iter().any(|s| *s > 0));
+        assert!(skews.iter().all(|s| (1..=10_000).contains(&s.abs())));
+        assert!(skews.iter().any(|s| s.abs() < 10) && skews.iter().any(|s| s.abs() >= 1000));
+        assert_eq!(
+            FaultKind::parse("skewed_clock"),
+            Some(FaultKind::SkewedClock)
+        );
         assert_eq!(lagging_followers(&[2, 3], 3, 3), vec![2]);
         assert_eq!(lagging_followers(&[1, 2, 4, 5], 2, 5), vec![1, 4]);
         assert_ne!(

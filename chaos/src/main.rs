@@ -36,6 +36,11 @@ struct Args {
     /// `keel` binary must be built with `--features failpoints`.
     #[arg(long)]
     disk_faults: bool,
+    /// Deal the skewed-clock fault too (a replica restarted with its clock
+    /// seconds to hours off); needs libfaketime (`apt-get install
+    /// faketime`).
+    #[arg(long)]
+    clock_faults: bool,
     /// The `keel` binary (default: next to this one, else on PATH).
     #[arg(long)]
     keel: Option<PathBuf>,
@@ -93,6 +98,9 @@ fn main() -> anyhow::Result<()> {
         if args.disk_faults {
             all.extend(FaultKind::DISK);
         }
+        if args.clock_faults {
+            all.extend(FaultKind::CLOCK);
+        }
         all
     } else {
         args.faults
@@ -104,6 +112,7 @@ fn main() -> anyhow::Result<()> {
                         FaultKind::ALL
                             .into_iter()
                             .chain(FaultKind::DISK)
+                            .chain(FaultKind::CLOCK)
                             .map(FaultKind::as_str)
                             .collect::<Vec<_>>()
                             .join(", ")
@@ -120,6 +129,9 @@ fn main() -> anyhow::Result<()> {
     config.replicas = args.replicas;
     config.clients = args.clients;
     config.rate_per_client = args.rate;
+    if kinds.contains(&FaultKind::SkewedClock) && config.faketime.is_none() {
+        anyhow::bail!("the skewed-clock fault needs libfaketime: apt-get install faketime");
+    }
     config.kinds = kinds;
     config.dir = args.dir;
     config.stale_reads = args.stale_reads;

@@ -37,6 +37,8 @@ pub struct RunConfig {
     /// Clients read stale (see [`WorkloadConfig::stale_reads`]): the
     /// checker must then find violations.
     pub stale_reads: bool,
+    /// libfaketime, for the skewed-clock fault (found where installed).
+    pub faketime: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -53,6 +55,7 @@ impl RunConfig {
             liveness_bound: Duration::from_secs(20),
             calm: Duration::from_millis(500),
             stale_reads: false,
+            faketime: crate::faults::libfaketime(),
         }
     }
 
@@ -495,6 +498,28 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
                 cluster.restart_with(follower, &[("FAILPOINTS", "wal-append=3*off->return")])?;
                 vec![follower]
             }
+            FaultKind::SkewedClock => {
+                let victim = if round.pick & 2 == 0 {
+                    leader
+                } else {
+                    follower
+                };
+                let skew_s = crate::faults::clock_skew_s(round.pick >> 8);
+                match &config.faketime {
+                    Some(lib) => {
+                        let env = crate::faults::skewed_clock_env(lib, skew_s);
+                        let pairs: Vec<(&str, &str)> =
+                            env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                        tracing::info!(victim, skew_s, "restarting a replica with its clock off");
+                        cluster.restart_with(victim, &pairs)?;
+                    }
+                    None => probes.liveness.push(format!(
+                        "round {}: skewed_clock: libfaketime is not installed (apt-get install faketime)",
+                        rounds.len()
+                    )),
+                }
+                vec![victim]
+            }
             FaultKind::PauseLeaderBeforeLaunch => {
                 // Arm the pause, and give the leader a worker to launch.
                 let trigger = cluster.pause_trigger();
@@ -588,7 +613,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
             cluster.resume(*id);
             if matches!(
                 round.kind,
-                FaultKind::SlowDiskFollower | FaultKind::FullDiskFollower
+                FaultKind::SlowDiskFollower | FaultKind::FullDiskFollower | FaultKind::SkewedClock
             ) {
                 cluster.restart_with(*id, &[])?;
             } else {

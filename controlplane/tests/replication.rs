@@ -1614,29 +1614,17 @@ fn a_cluster_upgraded_one_member_at_a_time_keeps_committing() {
     });
 }
 
-/// libfaketime's preload library (Debian's `faketime` package), to run a
-/// replica whose clock is off; `None` (the test says it skipped) where it
-/// is not installed. CI installs it and sets `KEEL_REQUIRE_FAKETIME`.
-fn libfaketime(test: &str) -> Option<String> {
+/// libfaketime's preload library, to run a replica whose clock is off;
+/// `None` (the test says it skipped) where it is not installed. CI installs
+/// it and sets `KEEL_REQUIRE_FAKETIME`.
+fn libfaketime(test: &str) -> Option<PathBuf> {
     if !support::available_or_skip("faketime", test, "KEEL_REQUIRE_FAKETIME") {
         return None;
     }
-    let roots = ["/usr/lib", "/usr/local/lib", "/usr/lib64"];
-    let candidates = roots.iter().flat_map(|root| {
-        let nested = std::fs::read_dir(root)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path().join("faketime/libfaketime.so.1"));
-        std::iter::once(Path::new(root).join("faketime/libfaketime.so.1")).chain(nested)
-    });
-    let found = candidates
-        .filter(|p| p.exists())
-        .map(|p| p.display().to_string())
-        .next();
+    let found = keel_chaos::faults::libfaketime();
     assert!(
         found.is_some(),
-        "faketime is installed, but no libfaketime.so.1 was found under {roots:?}"
+        "faketime is installed, but its libfaketime.so.1 was not found"
     );
     found
 }
@@ -1676,13 +1664,7 @@ fn a_clock_an_hour_off_neither_leads_nor_stalls_log_time() {
         return;
     };
     const HOUR_MS: i64 = 3_600_000;
-    let skewed = |offset: &str| {
-        vec![
-            ("LD_PRELOAD", lib.clone()),
-            ("FAKETIME", offset.to_string()),
-            ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
-        ]
-    };
+    let skewed = |hours: i64| keel_chaos::faults::skewed_clock_env(&lib, hours * 3600);
     let shared = tempfile::tempdir().expect("tempdir");
     let shared_dir = shared.path().to_str().expect("utf-8").to_string();
     let extra = [
@@ -1715,7 +1697,7 @@ fn a_clock_an_hour_off_neither_leads_nor_stalls_log_time() {
 
     // Replica 1, an hour ahead, founds the cluster alone and leads.
     cluster.peers = format!("1={}", cluster.replicas[0].addr);
-    let env = skewed("+1h");
+    let env = skewed(1);
     let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     cluster.spawn_with_env(1, &extra, &pairs);
     wait_for("replica 1 to lead", || {
@@ -1821,7 +1803,7 @@ fn a_clock_an_hour_off_neither_leads_nor_stalls_log_time() {
     // the leader is killed.
     let behind = if leader == 2 { 3 } else { 2 };
     cluster.terminate(behind);
-    let env = skewed("-1h");
+    let env = skewed(-1);
     let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     cluster.spawn_with_env(behind, &extra, &pairs);
     cluster.converged();

@@ -9,6 +9,7 @@
 
 use keel_proto::entry as pb;
 use keel_state::codec::{entry_from_proto, entry_to_proto};
+use keel_state::log_time::earlier_than_before;
 use keel_state::{ClusterState, LogEntry};
 use prost::Message;
 
@@ -148,11 +149,16 @@ pub(crate) fn apply_journal(
                 if let Some(visit) = visit.as_mut() {
                     visit(index, &entry, state);
                 }
+                let backwards = check
+                    .then(|| earlier_than_before(state.last_entry_at_ms(), entry.at_ms))
+                    .flatten();
                 if state.apply(index, &entry).is_err() {
                     out.refused += 1;
                 }
                 if check && out.first_violation.is_none() {
-                    if let Err(broken) = state.check_invariants() {
+                    if let Some(backwards) = backwards {
+                        out.first_violation = Some((index, backwards));
+                    } else if let Err(broken) = state.check_invariants() {
                         out.first_violation = Some((index, broken));
                     }
                 }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use keel_state::log_time::earlier_than_before;
 use keel_state::{ClusterState, StateHash};
 
 use crate::journal::{apply_journal, Visitor};
@@ -80,7 +81,8 @@ pub fn replay_data_dir(dir: &crate::DataDir, until: Until) -> Result<ReplaySumma
 
 /// [`replay_data_dir`], checking the state's invariants after
 /// every entry (no GPU held by two jobs outside a declared pair, indexes
-/// agreeing with the jobs, ...): what a chaos run holds every replica to.
+/// agreeing with the jobs, ...) and that no entry's time is earlier than
+/// the one before it: what a chaos run holds every replica to.
 pub fn replay_data_dir_checked(
     dir: &crate::DataDir,
     until: Until,
@@ -137,11 +139,16 @@ fn replay_dir(
                 if e.at_ms > until_ms {
                     break 'entries;
                 }
+                let backwards = check
+                    .then(|| earlier_than_before(state.last_entry_at_ms(), e.at_ms))
+                    .flatten();
                 if state.apply(index, e).is_err() {
                     refused += 1;
                 }
                 if check && invariant_violation.is_none() {
-                    if let Err(broken) = state.check_invariants() {
+                    if let Some(backwards) = backwards {
+                        invariant_violation = Some((index, backwards));
+                    } else if let Err(broken) = state.check_invariants() {
                         invariant_violation = Some((index, broken));
                     }
                 }

@@ -256,3 +256,54 @@ async fn replay_of_a_data_dir_takes_the_journal_tail_from_the_raft_log() {
     assert_eq!(until.last_index, 6);
     assert_eq!(until.from_log, 2);
 }
+
+/// The checked replays (what chaos runs and the deterministic simulation
+/// hold every replica to) find an entry stamped earlier than the one
+/// before it, in the journal and in the Raft log's tail alike.
+#[tokio::test]
+async fn a_checked_replay_finds_log_time_going_backwards() {
+    use openraft::storage::RaftLogStorage;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut all = history(1, 6);
+    // Entry 6 stamped before entry 5 (a leader whose clock was behind).
+    let backwards = |entry: &mut Entry| {
+        if let EntryPayload::Normal(p) = &mut entry.payload {
+            p.entries[0].at_ms = 10;
+        }
+    };
+    backwards(&mut all[5]);
+    let last = all.last().map(|e| e.log_id).expect("entries");
+    {
+        let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
+        let mut log = keel_storage::LogStore::open(&dir.raft_log_dir()).expect("log");
+        log.append_durable(&all).expect("append");
+        log.save_committed(Some(last)).await.expect("commit");
+        let mut sm = StateMachineStore::open(&dir.state_dir()).expect("open");
+        sm.apply(all[..4].to_vec()).await.expect("apply");
+        sm.flush().expect("flush");
+    }
+    let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
+    let from_log =
+        keel_storage::replay_data_dir_checked(&dir, keel_storage::Until::End).expect("replays");
+    let (index, why) = from_log.invariant_violation.expect("found");
+    assert_eq!(index, 6);
+    assert!(why.contains("went backwards"), "{why}");
+    // Unchecked, the same log replays (what an operator's `keel replay`
+    // does with an old log).
+    assert!(
+        keel_storage::replay_data_dir(&dir, keel_storage::Until::End)
+            .expect("replays")
+            .invariant_violation
+            .is_none()
+    );
+
+    // The same in the journal.
+    let journal = tempfile::tempdir().expect("tempdir");
+    let mut sm = StateMachineStore::open(journal.path()).expect("open");
+    sm.apply(all).await.expect("apply");
+    sm.flush().expect("flush");
+    drop(sm);
+    let summary = keel_storage::replay_until_checked(journal.path(), keel_storage::Until::End)
+        .expect("replays");
+    assert_eq!(summary.invariant_violation.map(|(i, _)| i), Some(6));
+}

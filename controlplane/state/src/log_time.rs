@@ -128,6 +128,17 @@ impl LogClock {
     }
 }
 
+/// What is wrong with an entry stamped `at_ms` after entries up to
+/// `latest_ms`: its time is earlier (an invariant of the log that replays
+/// check, as they check the state's after every entry).
+pub fn earlier_than_before(latest_ms: u64, at_ms: u64) -> Option<String> {
+    (at_ms < latest_ms).then(|| {
+        format!(
+            "log time went backwards: an entry stamped {at_ms} ms after one stamped {latest_ms} ms"
+        )
+    })
+}
+
 /// `a - b` as a signed number of milliseconds (saturating).
 pub fn signed_difference(a: u64, b: u64) -> i64 {
     if a >= b {
