@@ -152,6 +152,32 @@ impl ServerClock {
         Ok(inner.log.stamp(wall, mono))
     }
 
+    /// The log time this replica tells its peers
+    /// ([`LogClock::told_ms`]; 0: nothing yet).
+    pub fn told_ms(&self) -> u64 {
+        let mono = self.mono_ms();
+        self.lock().log.told_ms(mono).unwrap_or(0)
+    }
+
+    /// After catching up as a new leader: carries its own reckoning if it
+    /// heard none ([`LogClock::seed`]).
+    pub fn seed(&self) {
+        let (wall, mono) = (self.wall_ms(), self.mono_ms());
+        self.lock().log.seed(wall, mono);
+    }
+
+    /// A peer's reply said it carries log time `log_time_ms` (0: nothing),
+    /// `round_trip_ms` ago at most: a replica fresh from a restart learns
+    /// the log's time before it stamps.
+    pub fn heard_peer(&self, log_time_ms: u64, round_trip_ms: u64) {
+        if log_time_ms > 0 {
+            let mono = self.mono_ms();
+            self.lock()
+                .log
+                .heard(log_time_ms.saturating_add(round_trip_ms / 2), mono);
+        }
+    }
+
     /// An entry stamped `at_ms` is in the log.
     pub fn saw_entry(&self, at_ms: u64) {
         self.lock().log.saw_entry(at_ms);
@@ -470,6 +496,21 @@ mod tests {
         // A release that does not say its clock is not measured.
         clock.peer_answered(3, T0, 0, 40);
         assert_eq!(clock.peer_offsets().len(), 1);
+    }
+
+    #[test]
+    fn a_replica_fresh_from_a_restart_takes_the_log_time_its_peers_carry() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        // The log runs two hours behind this replica's clock (a clock that
+        // far behind founded the cluster); a peer's reply says so.
+        let log = T0 - 2 * HOUR_MS as u64;
+        clock.heard_peer(log, 0);
+        let stamped = clock.stamp().expect("stamps");
+        // Within the bound of the carried time (the test's own run time
+        // aside), not two hours on.
+        assert!((log + 500..log + 1_500).contains(&stamped), "{stamped}");
+        assert!((log..log + 1_000).contains(&clock.told_ms()));
     }
 
     #[test]

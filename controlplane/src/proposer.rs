@@ -22,6 +22,8 @@ use crate::raft_node::RaftNode;
 pub const PROPOSAL_MAX_COMMANDS: usize = 1024;
 /// Most encoded bytes in one proposal (a single larger command goes alone).
 pub const PROPOSAL_MAX_BYTES: usize = 4 * 1024 * 1024;
+/// How long a new leader waits to apply its log before its first stamp.
+const CATCH_UP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Commands waiting for a proposal before callers wait to queue.
 const QUEUE: usize = 8192;
 
@@ -73,14 +75,38 @@ impl Proposer {
 
 /// Before the first stamp of a term: waits until this leader applied every
 /// entry of the terms before (its own term's first entry committed), so its
-/// stamps are later than theirs. Returns the term, or `None` if this
-/// replica cannot tell (not leading: the write is refused anyway).
-async fn caught_up_term(node: &RaftNode) -> Option<u64> {
-    let term = node.raft.metrics().borrow().current_term;
-    node.raft.ensure_linearizable().await.ok()?;
+/// stamps are later than theirs. Returns the term; an error (not leading,
+/// no quorum) when it cannot: then nothing may be stamped.
+async fn caught_up_term(node: &RaftNode) -> Result<u64, ApiError> {
+    let (term, last_log_index) = {
+        let metrics = node.raft.metrics();
+        let m = metrics.borrow();
+        (m.current_term, m.last_log_index)
+    };
+    node.raft.ensure_linearizable().await?;
+    // Everything in this leader's log, too: a leader restarted into its
+    // own term (openraft resumes a committed vote) may hold entries it
+    // stamped before the crash that are not committed yet.
+    node.raft
+        .wait(Some(CATCH_UP_TIMEOUT))
+        .applied_index_at_least(last_log_index, "applying the log before stamping")
+        .await
+        .map_err(|e| ApiError::Unavailable(e.to_string()))?;
     let last = node.state_machine.shared().read().state.last_entry_at_ms();
     node.clock.saw_entry(last);
-    Some(term)
+    // The replies of that round told it the log time its peers carry; if
+    // none carries one, its own reckoning becomes the reference.
+    node.clock.seed();
+    Ok(term)
+}
+
+/// Fails a batch before it was proposed: the first command and every one
+/// queued behind it.
+fn refuse_queued(first: Pending, rx: &mut mpsc::Receiver<Pending>, e: &ApiError) {
+    let _ = first.reply.send(Err(e.clone()));
+    while let Ok(p) = rx.try_recv() {
+        let _ = p.reply.send(Err(e.clone()));
+    }
 }
 
 async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
@@ -96,7 +122,13 @@ async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
             },
         };
         if stamping_term != Some(raft.metrics().borrow().current_term) {
-            stamping_term = caught_up_term(&node).await;
+            match caught_up_term(&node).await {
+                Ok(term) => stamping_term = Some(term),
+                Err(e) => {
+                    refuse_queued(first, &mut rx, &e);
+                    continue;
+                }
+            }
         }
         // This replica's clock, checked against the voters' now (not at
         // the watch loop's next tick): a leader an hour ahead stamps
@@ -114,11 +146,7 @@ async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
             Err(refused) => {
                 // This replica's clock is too far ahead to lead: nothing
                 // is proposed (clients go to another replica).
-                let e = ApiError::Unavailable(refused.to_string());
-                let _ = first.reply.send(Err(e.clone()));
-                while let Ok(p) = rx.try_recv() {
-                    let _ = p.reply.send(Err(e.clone()));
-                }
+                refuse_queued(first, &mut rx, &ApiError::Unavailable(refused.to_string()));
                 continue;
             }
         };

@@ -393,7 +393,7 @@ impl GrpcPeer {
             reads_up_to: self.wire_format,
             sent_at_ms: sent.map_or(0, |(wall, _)| wall),
             log_time_ms: match (&self.clock, kind) {
-                (Some(c), RpcKind::AppendEntries) => c.now_ms(),
+                (Some(c), RpcKind::AppendEntries) => c.told_ms(),
                 _ => 0,
             },
             clock_offset_ms: match (&self.clock, kind) {
@@ -457,12 +457,14 @@ impl GrpcPeer {
             }
             Ok(Ok(reply)) => {
                 if let (Some(clock), Some((wall, mono))) = (&self.clock, sent) {
+                    let round_trip_ms = clock.mono_ms().saturating_sub(mono);
                     clock.peer_answered(
                         self.target,
                         wall,
                         reply.get_ref().sent_at_ms,
-                        clock.mono_ms().saturating_sub(mono),
+                        round_trip_ms,
                     );
+                    clock.heard_peer(reply.get_ref().log_time_ms, round_trip_ms);
                 }
                 self.strangers.answered(self.target);
                 if self.formats.heard(self.target) {
@@ -793,7 +795,7 @@ impl RaftService {
             format_version: format,
             reads_up_to: self.wire_format,
             sent_at_ms: self.clock.wall_ms(),
-            log_time_ms: 0,
+            log_time_ms: self.clock.told_ms(),
             clock_offset_ms: None,
         }))
     }

@@ -48,9 +48,12 @@
 //!
 //! What it does not model: bytes on a real disk (the chaos suite's real
 //! replicas and `kill -9` cover the WAL and sled), a whole process's
-//! SIGSTOP (only the reconcile loop's pause), clock skew
-//! (entries carry the leader's clock; here it is the virtual one).
+//! SIGSTOP (only the reconcile loop's pause). Each replica has its own
+//! skewed, drifting wall clock and stamps entries with its log clock
+//! ([`clocks`]), so failovers between clocks that disagree are simulated
+//! too.
 
+pub mod clocks;
 mod leadership;
 pub mod log_store;
 pub mod net;

@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -77,6 +78,8 @@ impl NetState {
 /// draws of delay and loss.
 pub struct Net {
     state: Mutex<NetState>,
+    /// Every replica's clocks (skewed, drifting; their log clocks).
+    pub clocks: super::clocks::Clocks,
 }
 
 impl std::fmt::Debug for Net {
@@ -102,6 +105,7 @@ impl Net {
                 delivered: 0,
                 lost: 0,
             }),
+            clocks: super::clocks::Clocks::new(seed),
         })
     }
 
@@ -363,13 +367,39 @@ impl RaftNetwork<TypeConfig> for SimPeer {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.call(
-            RPCTypes::AppendEntries,
-            rpc,
-            &option,
-            |raft, r| async move { raft.append_entries(r).await },
-        )
-        .await
+        // The leader's log time travels with the message; a follower that
+        // accepts it carries it on, and its reply carries what it carries
+        // (as `raft_network` does).
+        let log_ms = self.net.clocks.told_ms(self.from);
+        let (net, to) = (self.net.clone(), self.to);
+        let replied = Arc::new(AtomicU64::new(0));
+        let reply = replied.clone();
+        let result = self
+            .call(
+                RPCTypes::AppendEntries,
+                rpc,
+                &option,
+                |raft, r| async move {
+                    let result = raft.append_entries(r).await;
+                    if matches!(
+                        result,
+                        Ok(AppendEntriesResponse::Success
+                            | AppendEntriesResponse::PartialSuccess(_)
+                            | AppendEntriesResponse::Conflict)
+                    ) {
+                        net.clocks.heard(to, log_ms);
+                    }
+                    reply.store(net.clocks.told_ms(to), Ordering::SeqCst);
+                    result
+                },
+            )
+            .await;
+        if result.is_ok() {
+            self.net
+                .clocks
+                .heard(self.from, replied.load(Ordering::SeqCst));
+        }
+        result
     }
 
     async fn install_snapshot(
@@ -394,9 +424,23 @@ impl RaftNetwork<TypeConfig> for SimPeer {
         rpc: VoteRequest<u64>,
         option: RPCOption,
     ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.call(RPCTypes::Vote, rpc, &option, |raft, r| async move {
-            raft.vote(r).await
-        })
-        .await
+        // A candidate fresh from a restart learns the log's time from the
+        // replies to its vote requests.
+        let (net, to) = (self.net.clone(), self.to);
+        let replied = Arc::new(AtomicU64::new(0));
+        let reply = replied.clone();
+        let result = self
+            .call(RPCTypes::Vote, rpc, &option, |raft, r| async move {
+                let result = raft.vote(r).await;
+                reply.store(net.clocks.told_ms(to), Ordering::SeqCst);
+                result
+            })
+            .await;
+        if result.is_ok() {
+            self.net
+                .clocks
+                .heard(self.from, replied.load(Ordering::SeqCst));
+        }
+        result
     }
 }

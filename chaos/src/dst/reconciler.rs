@@ -322,6 +322,7 @@ impl Executor for SimExecutor {
 /// The log port over a simulated replica.
 struct SimLog {
     raft: Raft,
+    net: Arc<Net>,
     member: u64,
     trace: Trace,
     history: History,
@@ -334,7 +335,7 @@ impl LogPort for SimLog {
             Command::RecordWorkerStarted { .. } => "record_start",
             _ => "progress",
         };
-        let (outcome, _) = write(&self.raft, command, None, self.trace.now_ms()).await;
+        let (outcome, _) = write(&self.net, self.member, &self.raft, command, None).await;
         self.trace
             .note(format_args!("{kind} by {}: {outcome:?}", self.member));
         record(
@@ -455,6 +456,7 @@ pub(crate) async fn reconcile(
         };
         let log = SimLog {
             raft: raft.clone(),
+            net: net.clone(),
             member,
             trace: trace.clone(),
             history: history.clone(),

@@ -159,6 +159,8 @@ impl Replica {
         let state_machine = StateMachineStore::open(&self.state_dir)?;
         let (log, flusher) = SimLogStore::open(self.disk.clone());
         let epoch = net.begin(self.id);
+        // A new process: its log clock has heard nothing.
+        net.clocks.restarted(self.id);
         let strangers = keel::membership::Strangers::default();
         let raft = Raft::new(
             self.raft_id,
@@ -174,6 +176,24 @@ impl Replica {
         )
         .await
         .map_err(|e| DstError::Raft(format!("replica {}: {e}", self.id)))?;
+        // A clock too far ahead of the voters' does not stand for election
+        // (the server's `clock_watch_loop`, told by its leader).
+        let voters: Vec<u64> = raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .map(keel::membership::member_of)
+            .collect();
+        if !net.clocks.may_lead(self.id, &voters) {
+            raft.runtime_config().elect(false);
+            trace.note(format_args!(
+                "replica {} does not stand for election: its clock is {} ms ahead",
+                self.id,
+                net.clocks.ahead_of_middle_ms(self.id, &voters)
+            ));
+        }
         self.starts += 1;
         let mut metrics = raft.metrics();
         let (id, incarnation, leaders, trace) =

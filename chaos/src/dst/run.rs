@@ -9,7 +9,7 @@ use keel_state::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal}
 use keel_state::fixtures::{job_spec, SplitMix64};
 use keel_state::model::{Gpu, GpuRef, JobState};
 use keel_state::ClusterState;
-use openraft::error::{ClientWriteError, RaftError};
+use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
 use openraft::{BasicNode, ServerState};
 use serde::Serialize;
 use tokio::sync::watch;
@@ -198,18 +198,69 @@ const SUBMIT_ATTEMPTS: u32 = 3;
 /// Stamps of the entries: a fixed epoch plus virtual time.
 pub(crate) const EPOCH_MS: u64 = 1_700_000_000_000;
 
-/// Proposes one command on `raft`: the outcome, and the leader it named if
-/// it was not the leader.
+/// Proposes one command on `raft` (member `member`'s), stamped by its log
+/// clock as the server's proposer stamps (after catching up at a new
+/// term): the outcome, and the leader it named if it was not the leader.
 pub(crate) async fn write(
+    net: &Net,
+    member: u64,
     raft: &Raft,
     command: Command,
     request_id: Option<String>,
-    at_ms: u64,
 ) -> (Outcome, Option<u64>) {
+    let (term, last_log_index) = {
+        let metrics = raft.metrics();
+        let m = metrics.borrow();
+        (m.current_term, m.last_log_index)
+    };
+    if net.clocks.needs_catch_up(member, term) {
+        let caught_up = async {
+            raft.ensure_linearizable().await?;
+            // Its whole log (a leader restarted into its own term holds
+            // entries it stamped before the crash, not committed yet).
+            let _ = raft
+                .wait(Some(Duration::from_secs(3)))
+                .applied_index_at_least(last_log_index, "applying the log before stamping")
+                .await;
+            Ok::<_, RaftError<u64, CheckIsLeaderError<u64, BasicNode>>>(
+                raft.metrics().borrow().last_applied.map(|l| l.index) >= last_log_index,
+            )
+        };
+        match tokio::time::timeout(Duration::from_secs(3), caught_up).await {
+            Ok(Ok(true)) => {
+                let latest = net
+                    .shared(member)
+                    .map_or(0, |s| s.read().state.last_entry_at_ms());
+                net.clocks.caught_up(member, term, latest);
+            }
+            // Not caught up: nothing is proposed (a stamp now could be
+            // earlier than an entry of the terms before).
+            Ok(Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)))) => {
+                return (Outcome::NotLeader, f.leader_id)
+            }
+            _ => return (Outcome::NotLeader, None),
+        }
+    }
+    // A clock too far ahead of the voters' does not lead (the server's
+    // `clock_watch_loop`): it steps down and proposes nothing.
+    let voters: Vec<u64> = raft
+        .metrics()
+        .borrow()
+        .membership_config
+        .membership()
+        .voter_ids()
+        .map(keel::membership::member_of)
+        .collect();
+    if !net.clocks.may_lead(member, &voters) {
+        raft.runtime_config().elect(false);
+        raft.runtime_config().heartbeat(false);
+        return (Outcome::NotLeader, None);
+    }
     let proposal = Proposal::new(vec![LogEntry {
         request_id,
-        ..LogEntry::new(EPOCH_MS + at_ms, command)
+        ..LogEntry::new(net.clocks.stamp(member), command)
     }]);
+
     match tokio::time::timeout(Duration::from_secs(3), raft.client_write(proposal)).await {
         Err(_) => (Outcome::Indeterminate, None),
         Ok(Ok(r)) => (
@@ -351,10 +402,11 @@ impl Client {
             // it must apply once however often it arrives.
             let request_id = name.clone();
             let (mut outcome, leader) = write(
+                &self.net,
+                target,
                 &raft,
                 command.clone(),
                 request_id.clone(),
-                self.trace.now_ms(),
             )
             .await;
             let mut target = target;
@@ -382,10 +434,11 @@ impl Client {
                 };
                 target = retry_at;
                 let (again, leader) = write(
+                    &self.net,
+                    retry_at,
                     &raft,
                     command.clone(),
                     request_id.clone(),
-                    self.trace.now_ms(),
                 )
                 .await;
                 if let Some(l) = leader {
@@ -638,14 +691,14 @@ async fn probe(
     let mut attempt = 0u32;
     while tokio::time::Instant::now() < deadline {
         let target = leader_of(replicas).or_else(|| net.running().first().copied());
-        if let Some(raft) = target.and_then(|t| net.raft(t)) {
+        if let Some((t, raft)) = target.and_then(|t| net.raft(t).map(|r| (t, r))) {
             attempt += 1;
             // Each attempt its own job: one that timed out may still commit.
             let name = format!("{name}-{attempt}");
             let command = Command::SubmitJob {
                 spec: job_spec(&name, 1, 1),
             };
-            let (outcome, _) = write(&raft, command, None, trace.now_ms()).await;
+            let (outcome, _) = write(net, t, &raft, command, None).await;
             trace.note(format_args!("probe {name}: {outcome:?}"));
             let committed = matches!(outcome, Outcome::Committed { accepted: true, .. });
             let definite = matches!(outcome, Outcome::NotLeader);
@@ -801,8 +854,8 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
         let deadline = tokio::time::Instant::now() + config.liveness_bound;
         loop {
             let target = leader_of(&replicas);
-            if let Some(raft) = target.and_then(|t| net.raft(t)) {
-                let (outcome, _) = write(&raft, command.clone(), None, trace.now_ms()).await;
+            if let Some((t, raft)) = target.and_then(|t| net.raft(t).map(|r| (t, r))) {
+                let (outcome, _) = write(&net, t, &raft, command.clone(), None).await;
                 trace.note(format_args!("register n{n}: {outcome:?}"));
                 if matches!(outcome, Outcome::Committed { .. }) {
                     break;

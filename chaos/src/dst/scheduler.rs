@@ -32,7 +32,7 @@ use tokio::sync::watch;
 
 use super::net::Net;
 use super::replica::Trace;
-use super::run::{record, write, History, Op, EPOCH_MS};
+use super::run::{record, write, History, Op};
 
 /// The policy the simulated leaders run.
 pub(crate) const POLICY: &str = "max_min_fairness_perf";
@@ -96,7 +96,8 @@ pub(crate) async fn schedule(
         let round = {
             let applied = shared.read();
             let state = &applied.state;
-            let wall_ms = EPOCH_MS + now_ms;
+            // Durations in log time, as the server's loops measure them.
+            let wall_ms = net.clocks.now_ms(member);
             let due = match engine.wait(
                 state.supply_demand_version(),
                 now_ms,
@@ -113,7 +114,7 @@ pub(crate) async fn schedule(
         let Some(command) = round.and_then(|r| r.command) else {
             continue;
         };
-        let (outcome, _) = write(&raft, command, None, now_ms).await;
+        let (outcome, _) = write(&net, member, &raft, command, None).await;
         trace.note(format_args!("schedule by {member}: {outcome:?}"));
         record(
             &history,

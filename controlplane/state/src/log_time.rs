@@ -11,8 +11,9 @@
 //!   stamped or saw applied (`last + 1 ms`); a new leader proposes only
 //!   after it applied every entry of the terms before its own.
 //! - **Carried at the local rate.** What a replica hears live (a leader's
-//!   log time in the heartbeats it accepted) is carried forward by the
-//!   local monotonic clock. A leader whose wall clock is behind that
+//!   log time in the heartbeats it accepted, or its peers' in their
+//!   replies, so a new leader fresh from a restart learns it too) is
+//!   carried forward by the local monotonic clock. A leader whose wall clock is behind that
 //!   reckoning stamps the carried time: a job's 20 s backoff ends 20 s later
 //!   under any leader, however wrong its clock.
 //! - **Moved forward a bounded step.** A wall clock ahead of the carried
@@ -108,6 +109,25 @@ impl LogClock {
             Some(carried) => wall_ms.clamp(carried, carried.saturating_add(self.max_offset_ms)),
         };
         reckoned.max(self.last_ms)
+    }
+
+    /// The log time this replica tells its peers (a leader in its
+    /// AppendEntries, any replica in its replies): what it carries, not its
+    /// own stamps (so that echoes cannot ratchet log time forward); `None`
+    /// until it carries something. A replica fresh from a restart says
+    /// nothing until it has heard, so it cannot spread its own clock.
+    pub fn told_ms(&self, mono_ms: u64) -> Option<u64> {
+        self.carried_ms(mono_ms)
+    }
+
+    /// A leader that caught up (its peers' replies heard) and carries
+    /// nothing: nobody it heard has a reference, so its own reckoning
+    /// becomes the one it carries and tells.
+    pub fn seed(&mut self, wall_ms: u64, mono_ms: u64) {
+        if self.heard.is_none() {
+            let log_ms = self.now_ms(wall_ms, mono_ms);
+            self.heard = Some(Reading { log_ms, mono_ms });
+        }
     }
 
     /// The time for the next proposal: the log's time now, and later than
@@ -224,6 +244,27 @@ mod tests {
         assert_eq!(clock.carried_ms(1_000), Some(T0 + 11_000));
         clock.heard(T0 + 12_000, 1_000);
         assert_eq!(clock.carried_ms(2_000), Some(T0 + 13_000));
+    }
+
+    #[test]
+    fn what_it_tells_is_what_it_carries_so_echoes_do_not_ratchet() {
+        let mut leader = LogClock::new(500);
+        // Nothing heard: nothing to tell, until it seeds its own.
+        assert_eq!(leader.told_ms(0), None);
+        leader.seed(T0, 0);
+        assert_eq!(leader.told_ms(0), Some(T0));
+        // Its clock an hour ahead: it stamps at most 500 ms ahead...
+        assert_eq!(leader.stamp(T0 + 3_600_000, 0), T0 + 500);
+        // ...and tells what it carries, which a follower echoes back.
+        let told = leader.told_ms(10).expect("carried");
+        assert_eq!(told, T0 + 10);
+        let mut follower = LogClock::new(500);
+        follower.heard(told, 0);
+        leader.heard(follower.told_ms(5).expect("carried"), 15);
+        assert_eq!(leader.stamp(T0 + 3_600_000, 20), T0 + 520);
+        // A seed changes nothing once something is carried.
+        leader.seed(T0 + 3_600_000, 20);
+        assert_eq!(leader.told_ms(20), Some(T0 + 20));
     }
 
     #[test]
