@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use keel_state::log_time::{signed_difference, LogClock};
+use keel_state::log_time::{median_ms, signed_difference, LogClock};
 
 use crate::api::Clock;
 
@@ -46,7 +46,6 @@ pub struct ClockTooFarAhead {
 struct PeerReading {
     /// Its clock minus this replica's.
     offset_ms: i64,
-    round_trip_ms: u64,
     at_mono_ms: u64,
 }
 
@@ -213,15 +212,9 @@ impl ServerClock {
         let middle = sent_wall_ms.saturating_add(round_trip_ms / 2);
         let reading = PeerReading {
             offset_ms: signed_difference(peer_wall_ms, middle),
-            round_trip_ms,
             at_mono_ms: self.mono_ms(),
         };
         self.lock().peers.insert(peer, reading);
-    }
-
-    /// Forgets a peer (removed from the cluster).
-    pub fn forget_peer(&self, peer: u64) {
-        self.lock().peers.remove(&peer);
     }
 
     /// The voters, from the membership this replica knows.
@@ -229,30 +222,35 @@ impl ServerClock {
         self.lock().voters = voters.into_iter().collect();
     }
 
+    /// Takes the voters from Raft's metrics; whether this replica leads.
+    pub fn observe(&self, raft: &crate::raft_node::Raft) -> bool {
+        let metrics = raft.metrics();
+        let m = metrics.borrow();
+        self.set_voters(m.membership_config.membership().voter_ids());
+        m.current_leader == Some(m.id)
+    }
+
+    /// The fresh readings (of voters only, once the voters are known).
+    fn fresh_readings(inner: &Inner, mono: u64) -> impl Iterator<Item = (&u64, &PeerReading)> {
+        inner
+            .peers
+            .iter()
+            .filter(move |(_, r)| mono.saturating_sub(r.at_mono_ms) <= READING_FRESH_MS)
+    }
+
     /// The offset of the middle of the voters' measured clocks (this
     /// replica's included, at 0) from this replica's clock, over fresh
     /// readings.
     fn middle_ms(inner: &Inner, mono: u64) -> Option<i64> {
-        let mut offsets: Vec<i64> = inner
-            .peers
-            .iter()
+        let offsets: Vec<i64> = Self::fresh_readings(inner, mono)
             .filter(|(id, _)| inner.voters.is_empty() || inner.voters.contains(id))
-            .map(|(_, r)| r)
-            .filter(|r| mono.saturating_sub(r.at_mono_ms) <= READING_FRESH_MS)
-            .map(|r| r.offset_ms)
+            .map(|(_, r)| r.offset_ms)
+            .chain([0])
             .collect();
-        if offsets.is_empty() {
+        if offsets.len() < 2 {
             return None;
         }
-        offsets.push(0);
-        offsets.sort_unstable();
-        let n = offsets.len();
-        Some(if n % 2 == 1 {
-            offsets[n / 2]
-        } else {
-            // Between the two middle clocks.
-            offsets[n / 2 - 1] / 2 + offsets[n / 2] / 2
-        })
+        median_ms(offsets)
     }
 
     /// How far `peer`'s clock is from the middle of the cluster's, as this
@@ -260,10 +258,7 @@ impl ServerClock {
     pub fn offset_of_peer(&self, peer: u64) -> Option<i64> {
         let mono = self.mono_ms();
         let inner = self.lock();
-        let reading = inner
-            .peers
-            .get(&peer)
-            .filter(|r| mono.saturating_sub(r.at_mono_ms) <= READING_FRESH_MS)?;
+        let (_, reading) = Self::fresh_readings(&inner, mono).find(|(id, _)| **id == peer)?;
         let middle = Self::middle_ms(&inner, mono)?;
         Some(reading.offset_ms.saturating_sub(middle))
     }
@@ -275,10 +270,7 @@ impl ServerClock {
         let Some(middle) = Self::middle_ms(&inner, mono) else {
             return BTreeMap::new();
         };
-        inner
-            .peers
-            .iter()
-            .filter(|(_, r)| mono.saturating_sub(r.at_mono_ms) <= READING_FRESH_MS)
+        Self::fresh_readings(&inner, mono)
             .map(|(id, r)| (*id, r.offset_ms.saturating_sub(middle)))
             .collect()
     }
@@ -353,12 +345,7 @@ pub async fn clock_watch_loop(
             _ = stop.changed() => return,
             _ = tokio::time::sleep(WATCH_INTERVAL) => {}
         }
-        let leading = {
-            let metrics = raft.metrics();
-            let m = metrics.borrow();
-            clock.set_voters(m.membership_config.membership().voter_ids());
-            m.current_leader == Some(m.id)
-        };
+        let leading = clock.observe(&raft);
         let refused = clock.check(leading);
         if refused.is_none() != allowed {
             allowed = refused.is_none();

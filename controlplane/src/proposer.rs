@@ -9,6 +9,7 @@
 //! gets its own outcome.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use keel_state::codec::entry_to_proto;
 use keel_state::{Command, Event, LogEntry, Proposal};
@@ -16,14 +17,16 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::grpc_status::ApiError;
-use crate::raft_node::RaftNode;
+use crate::raft_node::{Raft, RaftNode};
+use openraft::error::{CheckIsLeaderError, RaftError};
+use openraft::BasicNode;
 
 /// Most commands in one proposal.
 pub const PROPOSAL_MAX_COMMANDS: usize = 1024;
 /// Most encoded bytes in one proposal (a single larger command goes alone).
 pub const PROPOSAL_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// How long a new leader waits to apply its log before its first stamp.
-const CATCH_UP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Commands waiting for a proposal before callers wait to queue.
 const QUEUE: usize = 8192;
 
@@ -73,29 +76,49 @@ impl Proposer {
     }
 }
 
-/// Before the first stamp of a term: waits until this leader applied every
-/// entry of the terms before (its own term's first entry committed), so its
-/// stamps are later than theirs. Returns the term; an error (not leading,
-/// no quorum) when it cannot: then nothing may be stamped.
-async fn caught_up_term(node: &RaftNode) -> Result<u64, ApiError> {
+/// Why a leader could not catch up before stamping.
+#[derive(Debug, thiserror::Error)]
+pub enum CatchUpError {
+    /// Not leading, or no quorum to confirm it.
+    #[error(transparent)]
+    NotLeader(#[from] RaftError<u64, CheckIsLeaderError<u64, BasicNode>>),
+    /// Its log was not applied in time.
+    #[error("{0}")]
+    NotApplied(#[from] openraft::metrics::WaitError),
+}
+
+/// What a leader does before its first stamp of a term, so its stamps are
+/// later than every entry before them: confirms it leads (its term's first
+/// entry committed), then applies its whole log, not only up to the commit
+/// index (a leader restarted into its own term, as openraft resumes a
+/// committed vote, may hold entries it stamped before the crash and that
+/// are not committed yet). Returns the term it caught up in. The server's
+/// proposer and `keel-dst` both run it.
+pub async fn apply_whole_log(raft: &Raft, timeout: Duration) -> Result<u64, CatchUpError> {
     let (term, last_log_index) = {
-        let metrics = node.raft.metrics();
+        let metrics = raft.metrics();
         let m = metrics.borrow();
         (m.current_term, m.last_log_index)
     };
-    node.raft.ensure_linearizable().await?;
-    // Everything in this leader's log, too: a leader restarted into its
-    // own term (openraft resumes a committed vote) may hold entries it
-    // stamped before the crash that are not committed yet.
-    node.raft
-        .wait(Some(CATCH_UP_TIMEOUT))
+    raft.ensure_linearizable().await?;
+    raft.wait(Some(timeout))
         .applied_index_at_least(last_log_index, "applying the log before stamping")
+        .await?;
+    Ok(term)
+}
+
+/// [`apply_whole_log`], then no stamp earlier than the latest entry, and
+/// the log time the replies of that round said (if none carried one, this
+/// leader's own reckoning becomes the reference).
+async fn caught_up_term(node: &RaftNode) -> Result<u64, ApiError> {
+    let term = apply_whole_log(&node.raft, CATCH_UP_TIMEOUT)
         .await
-        .map_err(|e| ApiError::Unavailable(e.to_string()))?;
+        .map_err(|e| match e {
+            CatchUpError::NotLeader(e) => ApiError::from(e),
+            CatchUpError::NotApplied(e) => ApiError::Unavailable(e.to_string()),
+        })?;
     let last = node.state_machine.shared().read().state.last_entry_at_ms();
     node.clock.saw_entry(last);
-    // The replies of that round told it the log time its peers carry; if
-    // none carries one, its own reckoning becomes the reference.
     node.clock.seed();
     Ok(term)
 }
@@ -133,14 +156,7 @@ async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
         // This replica's clock, checked against the voters' now (not at
         // the watch loop's next tick): a leader an hour ahead stamps
         // nothing once it has heard the others.
-        let leading = {
-            let metrics = raft.metrics();
-            let m = metrics.borrow();
-            node.clock
-                .set_voters(m.membership_config.membership().voter_ids());
-            m.current_leader == Some(m.id)
-        };
-        node.clock.check(leading);
+        node.clock.check(node.clock.observe(&raft));
         let at_ms = match node.clock.stamp() {
             Ok(at_ms) => at_ms,
             Err(refused) => {

@@ -214,12 +214,33 @@ async fn journal_compaction_keeps_content_and_order() {
     assert_eq!(partial.state_hash, before);
 }
 
+/// A data directory at `root` whose Raft log holds `all` entries,
+/// committed, and whose journal only the first `journaled` (a replica
+/// killed before its journal writer caught up).
+async fn journal_behind_the_log(
+    root: &std::path::Path,
+    all: &[Entry],
+    journaled: usize,
+) -> keel_storage::DataDir {
+    use openraft::storage::RaftLogStorage;
+    let last = all.last().map(|e| e.log_id).expect("entries");
+    {
+        let dir = keel_storage::DataDir::open(root).expect("data dir");
+        let mut log = keel_storage::LogStore::open(&dir.raft_log_dir()).expect("log");
+        log.append_durable(all).expect("append");
+        log.save_committed(Some(last)).await.expect("commit");
+        let mut sm = StateMachineStore::open(&dir.state_dir()).expect("open");
+        sm.apply(all[..journaled].to_vec()).await.expect("apply");
+        sm.flush().expect("flush");
+    }
+    keel_storage::DataDir::open(root).expect("data dir")
+}
+
 /// A replica killed before its journal writer caught up: the Raft log holds
 /// committed entries the journal does not. The offline replay takes them
 /// from the log and reaches the state that applying everything gives.
 #[tokio::test]
 async fn replay_of_a_data_dir_takes_the_journal_tail_from_the_raft_log() {
-    use openraft::storage::RaftLogStorage;
     let tmp = tempfile::tempdir().expect("tempdir");
     let all = history(1, 6);
     let last = all.last().map(|e| e.log_id).expect("entries");
@@ -230,17 +251,8 @@ async fn replay_of_a_data_dir_takes_the_journal_tail_from_the_raft_log() {
         let hash = sm.shared().read().state.state_hash();
         hash
     };
-    {
-        let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
-        let mut log = keel_storage::LogStore::open(&dir.raft_log_dir()).expect("log");
-        log.append_durable(&all).expect("append");
-        log.save_committed(Some(last)).await.expect("commit");
-        // The journal got only the first four entries.
-        let mut sm = StateMachineStore::open(&dir.state_dir()).expect("open");
-        sm.apply(all[..4].to_vec()).await.expect("apply");
-        sm.flush().expect("flush");
-    }
-    let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
+    // The journal got only the first four entries.
+    let dir = journal_behind_the_log(tmp.path(), &all, 4).await;
     let journal_only = replay(&dir.state_dir(), None).expect("journal replay");
     assert_eq!(journal_only.last_index, 4);
     assert_ne!(journal_only.state_hash, expected);
@@ -262,7 +274,6 @@ async fn replay_of_a_data_dir_takes_the_journal_tail_from_the_raft_log() {
 /// before it, in the journal and in the Raft log's tail alike.
 #[tokio::test]
 async fn a_checked_replay_finds_log_time_going_backwards() {
-    use openraft::storage::RaftLogStorage;
     let tmp = tempfile::tempdir().expect("tempdir");
     let mut all = history(1, 6);
     // Entry 6 stamped before entry 5 (a leader whose clock was behind).
@@ -272,17 +283,7 @@ async fn a_checked_replay_finds_log_time_going_backwards() {
         }
     };
     backwards(&mut all[5]);
-    let last = all.last().map(|e| e.log_id).expect("entries");
-    {
-        let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
-        let mut log = keel_storage::LogStore::open(&dir.raft_log_dir()).expect("log");
-        log.append_durable(&all).expect("append");
-        log.save_committed(Some(last)).await.expect("commit");
-        let mut sm = StateMachineStore::open(&dir.state_dir()).expect("open");
-        sm.apply(all[..4].to_vec()).await.expect("apply");
-        sm.flush().expect("flush");
-    }
-    let dir = keel_storage::DataDir::open(tmp.path()).expect("data dir");
+    let dir = journal_behind_the_log(tmp.path(), &all, 4).await;
     let from_log =
         keel_storage::replay_data_dir_checked(&dir, keel_storage::Until::End).expect("replays");
     let (index, why) = from_log.invariant_violation.expect("found");

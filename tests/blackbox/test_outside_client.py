@@ -404,5 +404,67 @@ class RaftEnvelope(OneServer):
         self.assert_serving(["after"])
 
 
+class RaftClockFields(OneServer):
+    """Issue 29: the clock fields of the Raft envelope (the sender's clock,
+    the log time, the offset a leader tells a follower) from an outside
+    caller. Only a leader's AppendEntries that the replica accepts is heard:
+    forged values on a message it refuses or does not accept change neither
+    its log time nor its leadership."""
+
+    def append(self, message, to):
+        call = self.server.channel.unary_unary(
+            "/keel.raft.v1.Raft/AppendEntries",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=raft.RaftMessage.FromString,
+        )
+        return call(message, timeout=10, metadata=[("keel-to", str(to))])
+
+    def test_forged_clock_fields_change_nothing(self):
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.append(raft.RaftMessage(format_version=2), to=0)
+        me = dict(caught.exception.trailing_metadata())["keel-raft-id"]
+        before = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        forged = dict(
+            sent_at_ms=2**63,
+            log_time_ms=2**63,
+            clock_offset_ms=10**12,
+        )
+        # A stale leader's AppendEntries (term 0): answered, not accepted;
+        # the answer says this replica's own clock.
+        stale = replication.AppendEntriesRequest(
+            vote=replication.Vote(term=0, node=9, committed=True)
+        )
+        reply = self.append(
+            raft.RaftMessage(
+                payload=stale.SerializeToString(),
+                format_version=2,
+                reads_up_to=2,
+                **forged,
+            ),
+            to=me,
+        )
+        self.assertGreater(reply.sent_at_ms, 0)
+        self.assertLess(reply.sent_at_ms, 2**62)
+        # One that does not decode: refused.
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.append(
+                raft.RaftMessage(payload=b"\xff" * 16, format_version=2, **forged),
+                to=me,
+            )
+        self.assertEqual(caught.exception.code(), CODE.INVALID_ARGUMENT)
+        # Still leading in the same term, no refusal, log time near its
+        # clock, and writable.
+        after = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        self.assertEqual(after.role, "leader")
+        self.assertEqual(after.term, before.term)
+        self.assertEqual(after.clock_refusal, "")
+        self.assertLess(
+            abs(after.log_time_ms - after.wall_clock_ms),
+            after.max_clock_offset_ms + 60_000,
+        )
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("after-forged")), timeout=20)
+        self.assert_serving(["after-forged"])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -15,10 +15,21 @@
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
-use keel_state::log_time::LogClock;
+use keel_state::log_time::{median_ms, LogClock};
 use keel_state::rng::SplitMix64;
 
 use super::run::EPOCH_MS;
+
+/// The member ids of the voters `raft`'s membership names.
+pub fn voters_of(raft: &super::net::Raft) -> Vec<u64> {
+    raft.metrics()
+        .borrow()
+        .membership_config
+        .membership()
+        .voter_ids()
+        .map(keel::membership::member_of)
+        .collect()
+}
 
 /// The bound on healthy clock offsets (the server's default).
 const MAX_OFFSET_MS: u64 = keel_state::log_time::MAX_CLOCK_OFFSET_MS_DEFAULT;
@@ -145,16 +156,8 @@ impl Clocks {
     /// here it is known).
     pub fn ahead_of_middle_ms(&self, member: u64, voters: &[u64]) -> i64 {
         let wall = |id: u64| self.with(id, |_, wall, _| wall as i64);
-        let mut walls: Vec<i64> = voters.iter().map(|v| wall(*v)).collect();
-        if walls.is_empty() {
+        let Some(middle) = median_ms(voters.iter().map(|v| wall(*v)).collect()) else {
             return 0;
-        }
-        walls.sort_unstable();
-        let n = walls.len();
-        let middle = if n % 2 == 1 {
-            walls[n / 2]
-        } else {
-            walls[n / 2 - 1] / 2 + walls[n / 2] / 2
         };
         wall(member) - middle
     }

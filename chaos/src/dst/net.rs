@@ -10,7 +10,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -346,6 +345,9 @@ impl SimPeer {
         let Ok(result) = tokio::time::timeout(left, deliver(raft, request)).await else {
             return Err(timeout());
         };
+        // Every reply carries the log time its sender carries (as
+        // `raft_network`'s do), so a replica fresh from a restart learns it.
+        let told_ms = self.net.clocks.told_ms(self.to);
         let Some(back) = self.net.reply(self.to, self.from) else {
             tokio::time::sleep(ttl.saturating_sub(started.elapsed())).await;
             return Err(timeout());
@@ -356,6 +358,7 @@ impl SimPeer {
             return Err(timeout());
         }
         let result = wire(&result).map_err(broken)?;
+        self.net.clocks.heard(self.from, told_ms);
         self.strangers.answered(self.target);
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
@@ -368,38 +371,27 @@ impl RaftNetwork<TypeConfig> for SimPeer {
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
         // The leader's log time travels with the message; a follower that
-        // accepts it carries it on, and its reply carries what it carries
-        // (as `raft_network` does).
+        // accepts it carries it on (as `raft_network` does).
         let log_ms = self.net.clocks.told_ms(self.from);
         let (net, to) = (self.net.clone(), self.to);
-        let replied = Arc::new(AtomicU64::new(0));
-        let reply = replied.clone();
-        let result = self
-            .call(
-                RPCTypes::AppendEntries,
-                rpc,
-                &option,
-                |raft, r| async move {
-                    let result = raft.append_entries(r).await;
-                    if matches!(
-                        result,
-                        Ok(AppendEntriesResponse::Success
-                            | AppendEntriesResponse::PartialSuccess(_)
-                            | AppendEntriesResponse::Conflict)
-                    ) {
-                        net.clocks.heard(to, log_ms);
-                    }
-                    reply.store(net.clocks.told_ms(to), Ordering::SeqCst);
-                    result
-                },
-            )
-            .await;
-        if result.is_ok() {
-            self.net
-                .clocks
-                .heard(self.from, replied.load(Ordering::SeqCst));
-        }
-        result
+        self.call(
+            RPCTypes::AppendEntries,
+            rpc,
+            &option,
+            |raft, r| async move {
+                let result = raft.append_entries(r).await;
+                if matches!(
+                    result,
+                    Ok(AppendEntriesResponse::Success
+                        | AppendEntriesResponse::PartialSuccess(_)
+                        | AppendEntriesResponse::Conflict)
+                ) {
+                    net.clocks.heard(to, log_ms);
+                }
+                result
+            },
+        )
+        .await
     }
 
     async fn install_snapshot(
@@ -424,23 +416,9 @@ impl RaftNetwork<TypeConfig> for SimPeer {
         rpc: VoteRequest<u64>,
         option: RPCOption,
     ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        // A candidate fresh from a restart learns the log's time from the
-        // replies to its vote requests.
-        let (net, to) = (self.net.clone(), self.to);
-        let replied = Arc::new(AtomicU64::new(0));
-        let reply = replied.clone();
-        let result = self
-            .call(RPCTypes::Vote, rpc, &option, |raft, r| async move {
-                let result = raft.vote(r).await;
-                reply.store(net.clocks.told_ms(to), Ordering::SeqCst);
-                result
-            })
-            .await;
-        if result.is_ok() {
-            self.net
-                .clocks
-                .heard(self.from, replied.load(Ordering::SeqCst));
-        }
-        result
+        self.call(RPCTypes::Vote, rpc, &option, |raft, r| async move {
+            raft.vote(r).await
+        })
+        .await
     }
 }

@@ -178,14 +178,7 @@ impl Replica {
         .map_err(|e| DstError::Raft(format!("replica {}: {e}", self.id)))?;
         // A clock too far ahead of the voters' does not stand for election
         // (the server's `clock_watch_loop`, told by its leader).
-        let voters: Vec<u64> = raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .voter_ids()
-            .map(keel::membership::member_of)
-            .collect();
+        let voters = super::clocks::voters_of(&raft);
         if !net.clocks.may_lead(self.id, &voters) {
             raft.runtime_config().elect(false);
             trace.note(format_args!(

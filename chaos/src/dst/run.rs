@@ -208,26 +208,11 @@ pub(crate) async fn write(
     command: Command,
     request_id: Option<String>,
 ) -> (Outcome, Option<u64>) {
-    let (term, last_log_index) = {
-        let metrics = raft.metrics();
-        let m = metrics.borrow();
-        (m.current_term, m.last_log_index)
-    };
+    let term = raft.metrics().borrow().current_term;
     if net.clocks.needs_catch_up(member, term) {
-        let caught_up = async {
-            raft.ensure_linearizable().await?;
-            // Its whole log (a leader restarted into its own term holds
-            // entries it stamped before the crash, not committed yet).
-            let _ = raft
-                .wait(Some(Duration::from_secs(3)))
-                .applied_index_at_least(last_log_index, "applying the log before stamping")
-                .await;
-            Ok::<_, RaftError<u64, CheckIsLeaderError<u64, BasicNode>>>(
-                raft.metrics().borrow().last_applied.map(|l| l.index) >= last_log_index,
-            )
-        };
+        let caught_up = keel::proposer::apply_whole_log(raft, Duration::from_secs(3));
         match tokio::time::timeout(Duration::from_secs(3), caught_up).await {
-            Ok(Ok(true)) => {
+            Ok(Ok(term)) => {
                 let latest = net
                     .shared(member)
                     .map_or(0, |s| s.read().state.last_entry_at_ms());
@@ -235,23 +220,15 @@ pub(crate) async fn write(
             }
             // Not caught up: nothing is proposed (a stamp now could be
             // earlier than an entry of the terms before).
-            Ok(Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)))) => {
-                return (Outcome::NotLeader, f.leader_id)
-            }
+            Ok(Err(keel::proposer::CatchUpError::NotLeader(RaftError::APIError(
+                CheckIsLeaderError::ForwardToLeader(f),
+            )))) => return (Outcome::NotLeader, f.leader_id),
             _ => return (Outcome::NotLeader, None),
         }
     }
     // A clock too far ahead of the voters' does not lead (the server's
     // `clock_watch_loop`): it steps down and proposes nothing.
-    let voters: Vec<u64> = raft
-        .metrics()
-        .borrow()
-        .membership_config
-        .membership()
-        .voter_ids()
-        .map(keel::membership::member_of)
-        .collect();
-    if !net.clocks.may_lead(member, &voters) {
+    if !net.clocks.may_lead(member, &super::clocks::voters_of(raft)) {
         raft.runtime_config().elect(false);
         raft.runtime_config().heartbeat(false);
         return (Outcome::NotLeader, None);

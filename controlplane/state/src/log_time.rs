@@ -159,6 +159,19 @@ pub fn earlier_than_before(latest_ms: u64, at_ms: u64) -> Option<String> {
     })
 }
 
+/// The median of `values` (the mean of the two middle ones for an even
+/// count, rounded toward zero); `None` for none. The middle of a cluster's
+/// clocks, which a replica too far ahead of may not lead.
+pub fn median_ms(mut values: Vec<i64>) -> Option<i64> {
+    values.sort_unstable();
+    let n = values.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(values[n / 2]),
+        _ => Some(values[n / 2 - 1] / 2 + values[n / 2] / 2),
+    }
+}
+
 /// `a - b` as a signed number of milliseconds (saturating).
 pub fn signed_difference(a: u64, b: u64) -> i64 {
     if a >= b {
@@ -265,6 +278,14 @@ mod tests {
         // A seed changes nothing once something is carried.
         leader.seed(T0 + 3_600_000, 20);
         assert_eq!(leader.told_ms(20), Some(T0 + 20));
+    }
+
+    #[test]
+    fn the_median_of_an_even_count_is_between_the_middle_two() {
+        assert_eq!(median_ms(vec![]), None);
+        assert_eq!(median_ms(vec![5, -3, 0]), Some(0));
+        assert_eq!(median_ms(vec![0, -3_600_000]), Some(-1_800_000));
+        assert_eq!(median_ms(vec![i64::MAX, i64::MAX]), Some(i64::MAX - 1));
     }
 
     #[test]

@@ -530,47 +530,40 @@ fn a_size_refusal_names_its_unit() {
 /// entries too, survives a snapshot, and is neither content nor hash.
 #[test]
 fn the_latest_entry_time_counts_every_entry_and_survives_a_snapshot() {
-    let mut state = ClusterState::new();
-    state
-        .apply(
-            1,
-            &LogEntry::new(
-                5_000,
-                Command::SubmitJob {
-                    spec: spec("a", 1, 1),
-                },
-            ),
-        )
-        .expect("submitted");
-    let hash = state.state_hash();
     let refused = Command::CancelJob {
         job_id: 99,
         reason: String::new(),
     };
-    assert!(state
-        .apply(2, &LogEntry::new(9_000, refused.clone()))
-        .is_err());
+    // A job submitted at 5 s, then a refused entry stamped `refused_at_ms`.
+    let state_with = |refused_at_ms: u64| {
+        let mut state = ClusterState::new();
+        let submit = Command::SubmitJob {
+            spec: spec("a", 1, 1),
+        };
+        state
+            .apply(1, &LogEntry::new(5_000, submit))
+            .expect("submitted");
+        assert!(state
+            .apply(2, &LogEntry::new(refused_at_ms, refused.clone()))
+            .is_err());
+        state
+    };
+    let mut state = state_with(9_000);
     assert_eq!(state.last_entry_at_ms(), 9_000);
     // An entry stamped earlier (a log written before log time was kept
     // monotonic) does not move it back.
-    assert!(state.apply(3, &LogEntry::new(7_000, refused)).is_err());
+    assert!(state
+        .apply(3, &LogEntry::new(7_000, refused.clone()))
+        .is_err());
     assert_eq!(state.last_entry_at_ms(), 9_000);
     let back = ClusterState::from_snapshot_proto(state.to_snapshot_proto()).expect("decodes");
     assert_eq!(back.last_entry_at_ms(), 9_000);
-    // Refused entries move only the last index; the time is no content.
-    let mut other = ClusterState::new();
-    other
-        .apply(
-            1,
-            &LogEntry::new(
-                5_000,
-                Command::SubmitJob {
-                    spec: spec("a", 1, 1),
-                },
-            ),
-        )
-        .expect("submitted");
-    assert_eq!(other.state_hash(), hash);
+    // The time is no content: two states that differ only in it are equal
+    // and hash alike.
+    let (late, early) = (state_with(9_000), state_with(6_000));
+    assert_ne!(late.last_entry_at_ms(), early.last_entry_at_ms());
+    assert_eq!(late.state_hash(), early.state_hash());
+    assert_eq!(late, early);
 }
 
 #[test]
