@@ -548,16 +548,18 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
                     id,
                     exit_code,
                     reason,
+                    not_admitted,
                 } => {
-                    let mut exits = vec![(id, exit_code, reason)];
+                    let mut exits = vec![(id, exit_code, reason, not_admitted)];
                     while let Some(Step::RecordExit { .. }) = steps.peek() {
                         if let Some(Step::RecordExit {
                             id,
                             exit_code,
                             reason,
+                            not_admitted,
                         }) = steps.next()
                         {
-                            exits.push((id, exit_code, reason));
+                            exits.push((id, exit_code, reason, not_admitted));
                         }
                     }
                     record_exits(self.log, self.executor, exits).await;
@@ -638,20 +640,23 @@ fn not_owned(id: &WorkerId, node: &str) {
 async fn record_exits<E: Executor, L: LogPort>(
     log: &L,
     executor: &E,
-    exits: Vec<(WorkerId, Option<i32>, String)>,
+    exits: Vec<(WorkerId, Option<i32>, String, bool)>,
 ) {
-    let proposals = exits.into_iter().map(|(id, exit_code, reason)| async move {
-        let outcome = log
-            .propose(Command::RecordWorkerExited {
-                job_id: id.job_id,
-                epoch: id.epoch,
-                rank: id.rank,
-                exit_code,
-                reason,
-            })
-            .await;
-        (id, outcome)
-    });
+    let proposals = exits
+        .into_iter()
+        .map(|(id, exit_code, reason, not_admitted)| async move {
+            let outcome = log
+                .propose(Command::RecordWorkerExited {
+                    job_id: id.job_id,
+                    epoch: id.epoch,
+                    rank: id.rank,
+                    exit_code,
+                    reason,
+                    not_admitted,
+                })
+                .await;
+            (id, outcome)
+        });
     for (id, outcome) in futures::future::join_all(proposals).await {
         match outcome {
             Ok(()) => executor.forget(&id).await,

@@ -555,6 +555,24 @@ struct KubernetesArgs {
     /// proxy`'s `http://127.0.0.1:8001`) instead of the kubeconfig.
     #[arg(long, requires = "kubernetes")]
     k8s_api_url: Option<String>,
+    /// A taint Keel's Pods tolerate, `KEY[=VALUE][:EFFECT]` (repeat for
+    /// more): put on every Pod, and a Node tainted only with these takes
+    /// workers.
+    #[arg(
+        long = "k8s-tolerate",
+        value_name = "KEY[=VALUE][:EFFECT]",
+        requires = "kubernetes"
+    )]
+    k8s_tolerate: Vec<String>,
+    /// Seconds one API call may take before it counts as failed (creates
+    /// and deletes are then tried again in the background).
+    #[arg(long, default_value_t = 10.0, requires = "kubernetes")]
+    k8s_call_timeout_s: f64,
+    /// Force-delete a stopped Pod still Terminating 60 s after its grace
+    /// (its containers may still run on the GPUs: only where the node is
+    /// known to be gone).
+    #[arg(long, requires = "kubernetes")]
+    k8s_force_delete: bool,
 }
 
 impl KubernetesArgs {
@@ -583,6 +601,17 @@ impl KubernetesArgs {
         config.default_image = self.k8s_default_image.clone();
         config.checkpoint_claim = self.k8s_checkpoint_claim.clone();
         config.pending_timeout = Duration::from_secs_f64(s);
+        let t = self.k8s_call_timeout_s;
+        if !(t.is_finite() && (0.1..=600.0).contains(&t)) {
+            anyhow::bail!("--k8s-call-timeout-s must be between 0.1 and 600 seconds, not {t}");
+        }
+        config.call_timeout = Duration::from_secs_f64(t);
+        config.force_delete = self.k8s_force_delete;
+        for text in &self.k8s_tolerate {
+            let toleration = keel_executors::KubeConfig::parse_toleration(text)
+                .map_err(|e| anyhow::anyhow!("--k8s-tolerate {e}"))?;
+            config.tolerations.push(toleration);
+        }
         Ok(Some(keel::server::KubernetesTarget {
             api_url: self.k8s_api_url.clone(),
             config,

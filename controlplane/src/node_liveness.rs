@@ -109,6 +109,7 @@ pub fn reports_from_proto(nodes: Vec<pb::RegisterNode>) -> Vec<NodeReport> {
                 .into_iter()
                 .map(keel_state::codec::gpu_from_proto)
                 .collect(),
+            note: n.note,
         })
         .collect()
 }
@@ -132,6 +133,7 @@ pub async fn heartbeat_loop(
                 name: n.name.clone(),
                 address: n.address.clone(),
                 gpus: n.gpus.iter().map(keel_state::codec::gpu_to_proto).collect(),
+                note: String::new(),
             })
             .collect(),
     };

@@ -144,18 +144,23 @@ impl Server {
             .unwrap_or_else(|| data_dir.root().to_path_buf());
         let executor = match (&config.ssh, &config.kubernetes) {
             (_, Some(k8s)) => {
-                let client = match &k8s.api_url {
+                // Keel retries in the background, not the client (see
+                // `keel_executors::kubernetes::calls`).
+                let kube_config = match &k8s.api_url {
                     Some(url) => {
                         let uri = url.parse().map_err(|e| {
                             ServerError::Kubernetes(format!("--k8s-api-url {url}: {e}"))
                         })?;
                         let mut c = kube::Config::new(uri);
                         c.default_namespace = k8s.config.namespace.clone();
-                        kube::Client::try_from(c)
+                        c
                     }
-                    None => kube::Client::try_default().await,
-                }
-                .map_err(|e| ServerError::Kubernetes(e.to_string()))?;
+                    None => kube::Config::infer()
+                        .await
+                        .map_err(|e| ServerError::Kubernetes(e.to_string()))?,
+                };
+                let client = keel_executors::kubernetes::calls::client(kube_config)
+                    .map_err(|e| ServerError::Kubernetes(e.to_string()))?;
                 AnyExecutor::Kube(KubeExecutor::new(client, k8s.config.clone()))
             }
             (Some(ssh), None) => AnyExecutor::Ssh(SshExecutor::new(ssh.clone())?),

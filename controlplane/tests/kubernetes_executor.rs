@@ -118,3 +118,102 @@ fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
     server.terminate();
     drop(rt);
 }
+
+/// Issue 30, items 1 and 2 end to end: another tenant's Pod holds three of
+/// a node's four GPUs before Keel has seen it; the kubelet rejects Keel's
+/// two-GPU Pod. The job goes back to the queue without spending its only
+/// try, `keel nodes` shows the node offering one GPU and why, and once the
+/// tenant is done the job runs there and succeeds.
+#[test]
+fn a_pod_the_kubelet_rejects_costs_the_job_no_retry() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let api = rt.block_on(StandIn::start());
+    api.add_node("gpu-a", 4, "NVIDIA-A100-SXM4-80GB", true);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--kubernetes",
+            "--k8s-api-url",
+            &api.url,
+            "--k8s-namespace",
+            "train",
+            "--k8s-default-image",
+            "registry.example/train:1",
+            "--progress-interval-s",
+            "0.2",
+            "--round-s",
+            "0.5",
+        ],
+    );
+    wait_for("gpu-a with 4 GPUs", || {
+        let nodes = server.json(&["nodes"]);
+        node(&nodes, "gpu-a")
+            .is_some_and(|n| n["gpus"].as_array().map_or(0, Vec::len) == 4)
+            .then_some(())
+    });
+    // Another tenant lands on gpu-a while the API server's watches lag:
+    // the kubelet sees it, Keel does not yet.
+    api.lag_watches_of("team-b");
+    api.add_tenant_pod("team-b", "bert-0", "gpu-a", 3);
+    let spec = dir.path().join("job.yaml");
+    std::fs::write(
+        &spec,
+        "name: strict\ncommand: [python3, train.py]\ngpus: 2\nworkers: 1\nmax_retries: 0\n",
+    )
+    .expect("spec");
+    let id = server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+        .as_u64()
+        .expect("job id");
+    let job = id.to_string();
+    let view = wait_for("the rejection to requeue the job", || {
+        let view = server.json(&["job", &job]);
+        assert_ne!(
+            view["state"], "failed",
+            "a rejection spent the job's only try: {view}"
+        );
+        view["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("was not admitted on node gpu-a"))
+            .then_some(view)
+    });
+    let message = view["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("no retry spent") && message.contains("UnexpectedAdmissionError"),
+        "{view}"
+    );
+    assert_eq!(view["retries"], 0, "{view}");
+    // The watch catches up: gpu-a offers the one GPU left, and says why.
+    api.catch_up_watches();
+    let nodes = wait_for("gpu-a to offer 1 GPU", || {
+        let nodes = server.json(&["nodes"]);
+        node(&nodes, "gpu-a")
+            .is_some_and(|n| n["gpus"].as_array().map_or(0, Vec::len) == 1)
+            .then_some(nodes)
+    });
+    let message = node(&nodes, "gpu-a")
+        .map(|n| n["message"].to_string())
+        .unwrap_or_default();
+    assert!(
+        message.contains("offers 1 of 4") && message.contains("team-b/bert-0"),
+        "{nodes}"
+    );
+    // The tenant finishes: the job runs on gpu-a and succeeds.
+    api.finish_tenant_pod("team-b", "bert-0");
+    let pod = wait_for("the job's pod, admitted", || {
+        api.pod_names()
+            .into_iter()
+            .filter(|n| n.starts_with(&format!("keel-j{id}-")))
+            .filter_map(|n| api.pod(&n).map(|p| (n, p)))
+            .find(|(_, p)| p["status"]["phase"] == "Pending")
+    });
+    api.run(&pod.0);
+    api.exit(&pod.0, 0);
+    let done = wait_for("the job to succeed", || {
+        let view = server.json(&["job", &job]);
+        (view["state"] == "succeeded").then_some(view)
+    });
+    assert_eq!(done["retries"], 0, "{done}");
+    server.terminate();
+    drop(rt);
+}

@@ -915,6 +915,7 @@ fn a_node_known_from_a_heartbeat_alone_runs_nothing() {
                             index: 0,
                             gpu_type: "v100".into(),
                         }],
+                        note: String::new(),
                     }],
                 })
                 .await

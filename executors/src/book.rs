@@ -104,6 +104,28 @@ impl Clock for ManualClock {
 /// ended it) and why.
 pub type Exit = (Option<i32>, String);
 
+/// The marker that ends a reason cut to fit.
+const CUT: &str = " [... cut to fit]";
+
+/// `reason` cut to the longest the log accepts
+/// ([`keel_state::state::limits::REASON_MAX_LEN`]), at a character
+/// boundary, marked as cut: an exit whose reason is too long (a 4 KiB
+/// termination message, a long stderr line) is still recorded, never
+/// refused and retried.
+pub fn fit_reason(mut reason: String) -> String {
+    let max = keel_state::state::limits::REASON_MAX_LEN;
+    if reason.len() <= max {
+        return reason;
+    }
+    let mut end = max - CUT.len();
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason.truncate(end);
+    reason.push_str(CUT);
+    reason
+}
+
 /// One worker in the book.
 #[derive(Debug)]
 pub struct Worker<X> {
@@ -113,6 +135,9 @@ pub struct Worker<X> {
     pub exited: Option<Exit>,
     /// Keel asked it to stop ([`Book::begin_stop`]).
     pub stopping: bool,
+    /// Its node refused to start it ([`Book::record_not_admitted`]): its
+    /// exit spends none of the job's retries.
+    pub not_admitted: bool,
     /// What the executor keeps besides (a pid, a log offset, a Pod's state).
     pub extra: X,
 }
@@ -125,6 +150,7 @@ impl<X> Worker<X> {
             gpus,
             exited: None,
             stopping: false,
+            not_admitted: false,
             extra,
         }
     }
@@ -188,9 +214,27 @@ impl<X, S: Default> Book<X, S> {
         if w.exited.is_some() {
             return false;
         }
-        let reason = exit_reason(w.stopping, reason);
+        let reason = fit_reason(exit_reason(w.stopping, reason));
         tracing::info!(worker = %id, code = ?code, %reason, "worker exited");
         w.exited = Some((code, reason));
+        true
+    }
+
+    /// Records that the worker's node refused to start it (a kubelet
+    /// admission error), unless an exit is recorded already; says whether
+    /// it did. Reported as [`Observed::NotAdmitted`], which spends none of
+    /// the job's retries.
+    pub fn record_not_admitted(&mut self, id: &WorkerId, reason: String) -> bool {
+        let Some(w) = self.workers.get_mut(id) else {
+            return false;
+        };
+        if w.exited.is_some() {
+            return false;
+        }
+        let reason = fit_reason(reason);
+        tracing::warn!(worker = %id, node = %w.node, %reason, "worker not admitted by its node");
+        w.exited = Some((None, reason));
+        w.not_admitted = true;
         true
     }
 
@@ -351,6 +395,7 @@ impl<X, S: Default> WorkerBook<X, S> {
 
     /// Records a worker that could not start, with why.
     pub fn insert_not_started(&self, id: &WorkerId, node: &str, exit: Exit, extra: X) {
+        let exit = (exit.0, fit_reason(exit.1));
         tracing::warn!(worker = %id, reason = %exit.1, "worker did not start");
         self.lock()
             .workers
@@ -374,7 +419,15 @@ impl<X, S: Default> WorkerBook<X, S> {
         self.lock()
             .workers
             .iter()
-            .map(|(id, w)| (id.clone(), Observed::of(&w.exited, &w.gpus)))
+            .map(|(id, w)| {
+                let observed = match &w.exited {
+                    Some((_, reason)) if w.not_admitted => Observed::NotAdmitted {
+                        reason: reason.clone(),
+                    },
+                    exited => Observed::of(exited, &w.gpus),
+                };
+                (id.clone(), observed)
+            })
             .collect()
     }
 
@@ -505,6 +558,7 @@ mod tests {
             name: "n".into(),
             address: "n".into(),
             gpus: Vec::new(),
+            note: String::new(),
         });
         assert!(b.set_probe(next, answered.clone()));
         assert_eq!(b.take_probes(), vec![answered], "newest per node");

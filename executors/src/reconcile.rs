@@ -24,6 +24,11 @@ pub enum Observed {
         exit_code: Option<i32>,
         reason: String,
     },
+    /// Its node refused to start it (a kubelet admission error: no device
+    /// free): recorded as an exit that spends none of the job's retries.
+    NotAdmitted {
+        reason: String,
+    },
 }
 
 impl Observed {
@@ -59,6 +64,8 @@ pub enum Action {
         id: WorkerId,
         exit_code: Option<i32>,
         reason: String,
+        /// Its node refused to start it ([`Observed::NotAdmitted`]).
+        not_admitted: bool,
     },
     /// Stop a worker that is no longer wanted (SIGTERM, grace, SIGKILL).
     Stop { id: WorkerId },
@@ -186,6 +193,13 @@ pub fn reconcile(
                 id: id.clone(),
                 exit_code: *exit_code,
                 reason: reason.clone(),
+                not_admitted: false,
+            }),
+            Observed::NotAdmitted { reason } => actions.push(Action::RecordExit {
+                id: id.clone(),
+                exit_code: None,
+                reason: reason.clone(),
+                not_admitted: true,
             }),
             Observed::Running { gpus } => {
                 for g in gpus {
@@ -264,6 +278,7 @@ pub(crate) mod tests {
                         gpu_type: "v100".into(),
                     })
                     .collect(),
+                note: String::new(),
             });
         }
 
@@ -500,6 +515,7 @@ pub(crate) mod tests {
             rank: 1,
             exit_code: Some(0),
             reason: String::new(),
+            not_admitted: false,
         });
         let observed: BTreeMap<_, _> = [(wid(1, 1, 0), running(&[0]))].into_iter().collect();
         let actions = w.actions(&observed);

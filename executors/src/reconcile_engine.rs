@@ -70,6 +70,8 @@ pub enum Step {
         id: WorkerId,
         exit_code: Option<i32>,
         reason: String,
+        /// Its node refused to start it: the attempt spends no retry.
+        not_admitted: bool,
     },
     /// Confirm with a quorum that this replica leads, still in `term` (the
     /// leadership the pass was decided in: a confirmation in a later term
@@ -186,10 +188,12 @@ impl ReconcileEngine {
                     id,
                     exit_code,
                     reason,
+                    not_admitted,
                 } => exits.push(Step::RecordExit {
                     id,
                     exit_code,
                     reason,
+                    not_admitted,
                 }),
                 Action::Stop { id } => touches.push(Step::Stop { id }),
                 Action::Launch(launch) if !owns(&launch.node) => {
@@ -261,6 +265,13 @@ impl ReconcileEngine {
                         id: id.clone(),
                         exit_code: *exit_code,
                         reason: reason.clone(),
+                        not_admitted: false,
+                    }),
+                    Observed::NotAdmitted { reason } => Some(Step::RecordExit {
+                        id: id.clone(),
+                        exit_code: None,
+                        reason: reason.clone(),
+                        not_admitted: true,
                     }),
                     Observed::Running { .. } => None,
                 })

@@ -95,6 +95,7 @@ fn examples() -> Vec<(&'static str, LogEntry)> {
                             gpu_type: if index < 2 { "v100" } else { "k80" }.into(),
                         })
                         .collect(),
+                    note: String::new(),
                 },
             ),
         ),
@@ -197,6 +198,7 @@ fn examples() -> Vec<(&'static str, LogEntry)> {
                     rank: 0,
                     exit_code: Some(0),
                     reason: "exited".into(),
+                    not_admitted: false,
                 },
             ),
         ),

@@ -35,6 +35,7 @@ fn history(from: u64, jobs: u64) -> Vec<Entry> {
                     gpu_type: "v100".into(),
                 })
                 .collect(),
+            note: String::new(),
         },
     ));
     for j in 0..jobs {

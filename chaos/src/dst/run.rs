@@ -827,6 +827,7 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
                     gpu_type: "v100".into(),
                 })
                 .collect(),
+            note: String::new(),
         };
         let deadline = tokio::time::Instant::now() + config.liveness_bound;
         loop {

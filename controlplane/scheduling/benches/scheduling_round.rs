@@ -48,6 +48,7 @@ fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
                         gpu_type: TYPES[(n % 3) as usize].into(),
                     })
                     .collect(),
+                note: String::new(),
             },
         );
     }

@@ -253,6 +253,7 @@ mod tests {
                             gpu_type: t.to_string(),
                         })
                         .collect(),
+                    note: String::new(),
                 },
                 request_id: None,
             };

@@ -57,6 +57,7 @@ fn world(nodes: &[(u32, bool)], jobs: &[JobShape]) -> (ClusterState, u64) {
                         gpu_type: if *v100 { "v100" } else { "k80" }.into(),
                     })
                     .collect(),
+                note: String::new(),
             },
         );
     }

@@ -409,6 +409,7 @@ impl Engine<'_> {
                     rank,
                     exit_code: Some(0),
                     reason: "finished".into(),
+                    not_admitted: false,
                 });
             }
             self.running.remove(job_id);
@@ -607,6 +608,7 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             name: node.name.clone(),
             address: "10.0.0.1".into(),
             gpus: node.gpus.clone(),
+            note: String::new(),
         });
     }
     let round_s = if config.round_s.is_finite() && config.round_s > 0.0 {

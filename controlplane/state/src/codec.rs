@@ -106,10 +106,12 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             name,
             address,
             gpus,
+            note,
         } => C::RegisterNode(pb::RegisterNode {
             name: name.clone(),
             address: address.clone(),
             gpus: gpus.iter().map(gpu_to_proto).collect(),
+            note: note.clone(),
         }),
         Command::MarkNodeLost { name, reason } => C::MarkNodeLost(pb::MarkNodeLost {
             name: name.clone(),
@@ -166,12 +168,14 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             rank,
             exit_code,
             reason,
+            not_admitted,
         } => C::RecordWorkerExited(pb::RecordWorkerExited {
             job_id: *job_id,
             epoch: *epoch,
             rank: *rank,
             exit_code: *exit_code,
             reason: reason.clone(),
+            not_admitted: *not_admitted,
         }),
         Command::ReportProgress { job_id, samples } => C::ReportProgress(pb::ReportProgress {
             job_id: *job_id,
@@ -241,6 +245,7 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             name: c.name,
             address: c.address,
             gpus: c.gpus.into_iter().map(gpu_from_proto).collect(),
+            note: c.note,
         },
         Some(C::MarkNodeLost(c)) => Command::MarkNodeLost {
             name: c.name,
@@ -285,6 +290,7 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             rank: c.rank,
             exit_code: c.exit_code,
             reason: c.reason,
+            not_admitted: c.not_admitted,
         },
         Some(C::ReportProgress(c)) => Command::ReportProgress {
             job_id: c.job_id,

@@ -114,6 +114,9 @@ pub enum Command {
         name: String,
         address: String,
         gpus: Vec<Gpu>,
+        /// Why the node offers these GPUs when it has more (unhealthy
+        /// devices, other workloads', cordoned); empty when it offers all.
+        note: String,
     },
     MarkNodeLost {
         name: String,
@@ -158,6 +161,9 @@ pub enum Command {
         rank: u32,
         exit_code: Option<i32>,
         reason: String,
+        /// The node refused to start it (a kubelet admission error): the
+        /// attempt was not the job's, so it spends no retry.
+        not_admitted: bool,
     },
     /// A batch of progress samples for one job.
     ReportProgress {

@@ -61,6 +61,7 @@ impl TestCluster {
                         gpu_type: "v100".into(),
                     })
                     .collect(),
+                note: String::new(),
             });
         }
         c
@@ -118,6 +119,7 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
                         gpu_type: if n % 2 == 0 { "v100" } else { "k80" }.into(),
                     })
                     .collect(),
+                note: String::new(),
             },
             at_ms,
         );

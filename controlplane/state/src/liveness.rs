@@ -41,6 +41,9 @@ pub struct NodeReport {
     /// Where its workers reach each other (the rendezvous address).
     pub address: String,
     pub gpus: Vec<Gpu>,
+    /// Why it offers these GPUs when it has more (empty when it offers
+    /// all): recorded with the registration, shown by `keel nodes`.
+    pub note: String,
 }
 
 impl NodeReport {
@@ -50,6 +53,13 @@ impl NodeReport {
     /// naming rules: entries already in a log replay as they were.
     pub fn validate(&self) -> Result<(), ApplyError> {
         validate_node(&self.name, &self.address, &self.gpus)?;
+        if self.note.len() > crate::state::limits::NODE_NOTE_MAX_LEN {
+            return Err(ApplyError::TooLarge {
+                field: "note".into(),
+                len: self.note.len(),
+                limit: crate::state::limits::NODE_NOTE_MAX_LEN,
+            });
+        }
         if !crate::spec::is_valid_name(&self.name) {
             return Err(ApplyError::Invalid {
                 field: "node name".into(),
@@ -207,6 +217,7 @@ impl NodeLiveness {
                 name: name.clone(),
                 address: String::new(),
                 gpus: Vec::new(),
+                note: String::new(),
             });
             out.push(Command::MarkNodeLost {
                 name: name.clone(),
@@ -226,6 +237,7 @@ impl NodeLiveness {
             }
             let same_inventory = known.is_some_and(|n| {
                 n.address == report.address
+                    && (n.state == NodeState::Lost || n.message == report.note)
                     && n.gpus.len() == report.gpus.len()
                     && report
                         .gpus
@@ -237,6 +249,7 @@ impl NodeLiveness {
                     name: name.clone(),
                     address: report.address.clone(),
                     gpus: report.gpus.clone(),
+                    note: report.note.clone(),
                 });
             } else if lost_by_us {
                 out.push(Command::MarkNodeRecovered { name: name.clone() });
@@ -263,6 +276,7 @@ mod tests {
                     gpu_type: "v100".into(),
                 })
                 .collect(),
+            note: String::new(),
         }
     }
 

@@ -30,6 +30,12 @@ pub mod limits {
     pub const NODE_ADDRESS_MAX_LEN: usize = 512;
     pub const NODE_GPUS_MAX: usize = 1024;
     pub const REASON_MAX_LEN: usize = 4096;
+    /// A node's note (why it offers fewer GPUs than it has).
+    pub const NODE_NOTE_MAX_LEN: usize = 1024;
+    /// How long a job whose worker a node refused to start waits before it
+    /// is placed again (the executor's next look at the node corrects what
+    /// it offers meanwhile), in log time.
+    pub const NOT_ADMITTED_WAIT_MS: u64 = 5_000;
     pub const POLICY_NAME_MAX_LEN: usize = 64;
     pub const PROGRESS_SAMPLES_MAX: usize = 4096;
 }
@@ -570,7 +576,8 @@ impl ClusterState {
                 name,
                 address,
                 gpus,
-            } => self.register_node(name, address, gpus, at_ms),
+                note,
+            } => self.register_node(name, address, gpus, note, at_ms),
             Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason, at_ms),
             Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
             Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
@@ -719,6 +726,7 @@ impl ClusterState {
                 rank,
                 exit_code,
                 reason,
+                not_admitted,
             } => {
                 check_len("reason", reason, limits::REASON_MAX_LEN)?;
                 let job = self
@@ -757,7 +765,9 @@ impl ClusterState {
                         },
                     );
                     let current = job.allocation.as_ref().is_some_and(|a| a.epoch == *epoch);
-                    if current {
+                    if current && *not_admitted && *exit_code != Some(0) {
+                        events.extend(self.requeue_not_admitted(*job_id, *rank, reason, at_ms));
+                    } else if current {
                         events.extend(self.settle_attempt(*job_id, *rank, *exit_code, at_ms));
                     }
                 }
@@ -945,9 +955,11 @@ impl ClusterState {
         name: &str,
         address: &str,
         gpus: &[Gpu],
+        note: &str,
         at_ms: u64,
     ) -> Result<Vec<Event>, ApplyError> {
         let inventory = validate_node(name, address, gpus)?;
+        check_len("note", note, limits::NODE_NOTE_MAX_LEN)?;
         // Re-registration may not drop a GPU that a job holds.
         for (gpu, holder) in self.gpus_held_on(name) {
             if !inventory.contains_key(&gpu.index) {
@@ -962,7 +974,7 @@ impl ClusterState {
                 gpus: inventory,
                 state: NodeState::Alive,
                 registered_at_ms: at_ms,
-                message: String::new(),
+                message: note.to_string(),
             },
         );
         Ok(vec![Event::NodeRegistered {
@@ -1062,6 +1074,50 @@ impl ClusterState {
             None => None,
         };
         self.release(job_id, released);
+    }
+
+    /// A worker of the job's current allocation that its node refused to
+    /// start (a kubelet admission error: the device plugin had no free
+    /// device): the attempt was the cluster's, not the job's, so the job
+    /// goes back to the queue without spending a retry, and waits
+    /// [`limits::NOT_ADMITTED_WAIT_MS`] so the node's corrected inventory
+    /// is in before it is placed again.
+    fn requeue_not_admitted(
+        &mut self,
+        job_id: JobId,
+        rank: u32,
+        reason: &str,
+        at_ms: u64,
+    ) -> Vec<Event> {
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return Vec::new();
+        };
+        let node = job
+            .workers
+            .get(&rank)
+            .map(|w| w.node.clone())
+            .unwrap_or_default();
+        let released = job.close_allocation(at_ms);
+        job.state = JobState::Pending;
+        job.not_before_ms = Some(at_ms.saturating_add(limits::NOT_ADMITTED_WAIT_MS));
+        let mut message = format!(
+            "worker {rank} was not admitted on node {node}; requeued, no retry spent: {reason}"
+        );
+        if message.len() > limits::REASON_MAX_LEN {
+            let mut end = limits::REASON_MAX_LEN;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+        }
+        job.message = message;
+        let event = Event::JobRequeued {
+            job_id,
+            retries: job.retries,
+            reason: job.message.clone(),
+        };
+        self.release(job_id, released);
+        vec![event]
     }
 
     /// A worker of the job's current allocation exited on its own (the

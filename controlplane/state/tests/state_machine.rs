@@ -66,6 +66,7 @@ impl Harness {
                     gpu_type: "v100".into(),
                 })
                 .collect(),
+            note: String::new(),
         })
         .expect("register");
     }
@@ -349,6 +350,7 @@ impl Harness {
             rank,
             exit_code: code,
             reason: String::new(),
+            not_admitted: false,
         })
         .expect("exit recorded")
     }
@@ -417,6 +419,56 @@ fn a_failed_worker_requeues_the_job_until_retries_run_out() {
         job.message
     );
     assert!(h.state.gpu_holders().is_empty());
+}
+
+/// Issue 30, item 1: a worker its node did not admit (a kubelet admission
+/// error) requeues the job without spending a retry, even with none left,
+/// and holds it back for a moment so the node's corrected offer comes in.
+#[test]
+fn a_worker_its_node_did_not_admit_spends_no_retry() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let j = h.submit(spec("strict", 1, 1));
+    h.place(vec![(j, vec![gpu("n0", 0)])]);
+    h.start(j, 1, 0, "n0");
+    let ev = h
+        .apply(Command::RecordWorkerExited {
+            job_id: j,
+            epoch: 1,
+            rank: 0,
+            exit_code: None,
+            reason: "could not start: UnexpectedAdmissionError".into(),
+            not_admitted: true,
+        })
+        .expect("exit recorded");
+    assert!(
+        matches!(ev.last(), Some(Event::JobRequeued { retries: 0, .. })),
+        "{ev:?}"
+    );
+    let job = h.state.job(j).expect("job");
+    assert_eq!(job.state, JobState::Pending);
+    assert_eq!(job.retries, 0);
+    assert!(
+        job.message.contains("was not admitted on node n0")
+            && job.message.contains("no retry spent"),
+        "{}",
+        job.message
+    );
+    assert!(
+        job.not_before_ms.is_some(),
+        "held back for the node's correction"
+    );
+    assert!(h.state.gpu_holders().is_empty());
+    // The same exit without the mark fails the job (no retries).
+    h.place(vec![(j, vec![gpu("n0", 1)])]);
+    let ev = h.exit(j, 2, 0, None);
+    assert!(matches!(
+        ev.last(),
+        Some(Event::JobFinished {
+            state: JobState::Failed,
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -518,6 +570,7 @@ fn a_size_refusal_names_its_unit() {
                     gpu_type: "v100".into(),
                 })
                 .collect(),
+            note: String::new(),
         })
         .expect_err("too many");
     assert!(
@@ -803,6 +856,7 @@ fn removal_needs_an_ended_job_and_re_registration_keeps_held_gpus() {
             index: 0,
             gpu_type: "v100".into(),
         }],
+        note: String::new(),
     });
     assert!(matches!(shrink, Err(ApplyError::GpuInUse { .. })));
 }
@@ -841,7 +895,8 @@ fn arb_command() -> impl Strategy<Value = Command> {
                     gpu_type: if index % 2 == 0 { "v100" } else { "k80" }.into()
                 })
                 .collect(),
-        }),
+                note: String::new(),
+            }),
         1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeLost {
             name: NODES[n].into(),
             reason: "r".into()
@@ -887,7 +942,8 @@ fn arb_command() -> impl Strategy<Value = Command> {
         }),
         1 => (job.clone(), 0u64..4, 0u32..3, proptest::option::of(-2i32..3)).prop_map(
             |(job_id, epoch, rank, exit_code)| Command::RecordWorkerExited {
-                job_id, epoch, rank, exit_code, reason: String::new()
+                job_id, epoch, rank, exit_code, reason: String::new(),
+                not_admitted: false,
             }),
         1 => (job.clone(), 0u64..100).prop_map(|(job_id, step)| Command::ReportProgress {
             job_id,

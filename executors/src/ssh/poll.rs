@@ -185,6 +185,7 @@ impl SshExecutor {
                         name: name.clone(),
                         address: host.node.address.clone(),
                         gpus,
+                        note: String::new(),
                     })
                 }
                 Err(e) => {

@@ -193,6 +193,7 @@ mod tests {
             rank: 0,
             exit_code: Some(0),
             reason: String::new(),
+            not_admitted: false,
         });
         assert_eq!(w.state.job(1).map(|j| j.state), Some(JobState::Succeeded));
         assert_eq!(w.round(&fifo), vec![3]);
@@ -222,6 +223,7 @@ mod tests {
             rank: 0,
             exit_code: Some(1),
             reason: String::new(),
+            not_admitted: false,
         });
         let job = w.state.job(1).expect("job");
         assert_eq!(job.not_before_ms, Some(10_001));

@@ -387,6 +387,7 @@ mod tests {
                     index: 0,
                     gpu_type: "v100".into(),
                 }],
+                note: String::new(),
             },
             Command::SubmitJob {
                 spec: job_spec("a", 1, 1),

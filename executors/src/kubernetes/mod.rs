@@ -15,27 +15,45 @@
 //!   exit with the reason.
 //! - **Progress**: rank 0's log, followed (`follow=true`), parsed for
 //!   progress lines; a restarted stream skips steps already reported.
-//! - **Stop**: delete with the grace period (the kubelet sends SIGTERM, then
-//!   SIGKILL).
+//! - **Not admitted**: a Pod the kubelet rejects (no free device:
+//!   `UnexpectedAdmissionError`, `OutOfnvidia.com/gpu`) never ran: it is
+//!   reported as [`crate::Observed::NotAdmitted`] (the job is requeued
+//!   without spending a retry) and the Node is looked at again at once.
+//! - **Stop**: delete with the grace period rounded up to whole seconds (0
+//!   only with `force_delete`: the API server takes 0 as "delete now"); the
+//!   Pod runs until the kubelet confirms, and its worker (with its GPUs)
+//!   stays running until then. One still terminating `terminating_timeout`
+//!   after its grace is reported, its GPUs kept out of what the Node offers,
+//!   and given up on when its Node is not Ready.
+//! - **API calls** have a deadline (`call_timeout`); creates and deletes that
+//!   fail transiently (no answer, 429, 5xx) are retried in the background
+//!   after the server's `Retry-After` ([`calls`]), so a slow API server
+//!   holds no reconcile pass. A 409 on create is this worker's Pod (its
+//!   labels say so) or a conflict reported as the worker's exit.
 //! - **Take over**: the watch's first list finds the Pods an earlier leader
 //!   created: running ones are re-adopted, finished ones reported.
 //! - **Nodes**: Node objects with `nvidia.com/gpu` capacity; the GPU type
-//!   from a label (`nvidia.com/gpu.product`); Ready nodes answer, others are
-//!   reported unreachable with their condition.
+//!   from a label (`nvidia.com/gpu.product`); what each offers Keel is
+//!   [`offer`]'s: allocatable, less other workloads' Pods (a cluster-wide
+//!   watch) and Keel's stuck terminating Pods; cordoned and tainted Nodes
+//!   take no new workers.
+
+pub mod calls;
+pub mod follow;
+pub mod offer;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{AsyncBufReadExt, StreamExt, TryStreamExt};
+use futures::{AsyncReadExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{
     Container, EnvVar, Node, Pod, PodSpec, ResourceRequirements, Service, ServicePort, ServiceSpec,
-    Volume, VolumeMount,
+    Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use keel_state::liveness::NodeReport;
-use keel_state::{Gpu, JobId, ProgressSample};
+use keel_state::{JobId, ProgressSample};
 use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use kube::runtime::watcher;
 
@@ -43,10 +61,12 @@ use crate::book::{Clock, Exit, SystemClock, Worker, WorkerBook};
 use crate::contract::{
     checkpoint_dir_name, environment, gpu_refs, parse_progress_line, WorkerLaunch,
 };
-use crate::discovery::gpu_type_of;
 use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
 use crate::reconcile::Observed;
 use crate::WorkerId;
+use calls::{bounded, retry_delay, CallError};
+use follow::{next_line, ResumePoint};
+use offer::{offer, pod_gpus, NodeUse, OfferRules};
 
 /// The label every Pod and Service Keel creates carries.
 pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
@@ -80,6 +100,20 @@ pub struct KubeConfig {
     pub pending_timeout: Duration,
     /// How often Nodes are listed (their probes).
     pub node_poll_interval: Duration,
+    /// Taints Keel's Pods tolerate: they go on every Pod, and a Node
+    /// tainted only with these takes workers.
+    pub tolerations: Vec<Toleration>,
+    /// The longest one API call may take before it counts as failed (and,
+    /// for a create or delete, is tried again in the background).
+    pub call_timeout: Duration,
+    /// How long past its grace a stopped Pod may stay Terminating before it
+    /// is reported (and its GPUs kept out of the Node's offer).
+    pub terminating_timeout: Duration,
+    /// Force-delete (`gracePeriodSeconds: 0`) a stopped Pod still
+    /// terminating past `terminating_timeout`, and stop with no grace when
+    /// asked for none. Off: the API server's force delete removes the Pod
+    /// object while its containers may still run on the GPUs.
+    pub force_delete: bool,
 }
 
 impl KubeConfig {
@@ -92,8 +126,53 @@ impl KubeConfig {
             checkpoint_claim: None,
             pending_timeout: Duration::from_secs(300),
             node_poll_interval: Duration::from_secs(2),
+            tolerations: Vec::new(),
+            call_timeout: Duration::from_secs(10),
+            terminating_timeout: Duration::from_secs(60),
+            force_delete: false,
         }
     }
+
+    /// A toleration from `KEY[=VALUE][:EFFECT]` (`--k8s-tolerate`): with a
+    /// value it must equal the taint's; without one any value is
+    /// tolerated; without an effect, every effect.
+    pub fn parse_toleration(text: &str) -> Result<Toleration, String> {
+        let (rest, effect) = match text.rsplit_once(':') {
+            Some((r, e)) => (r, Some(e)),
+            None => (text, None),
+        };
+        if let Some(e) = effect {
+            if !matches!(e, "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+                return Err(format!(
+                    "{text:?}: the effect must be NoSchedule, PreferNoSchedule or NoExecute, not {e:?}"
+                ));
+            }
+        }
+        let (key, value) = match rest.split_once('=') {
+            Some((k, v)) => (k, Some(v)),
+            None => (rest, None),
+        };
+        if key.is_empty() || key.len() > 316 {
+            return Err(format!("{text:?}: the key must be 1 to 316 characters"));
+        }
+        Ok(Toleration {
+            key: Some(key.to_string()),
+            operator: Some(if value.is_some() { "Equal" } else { "Exists" }.into()),
+            value: value.map(str::to_string),
+            effect: effect.map(str::to_string),
+            toleration_seconds: None,
+        })
+    }
+}
+
+/// The grace period a stop asks the API server for: whole seconds, rounded
+/// up, at least 1 unless `force` (0 means "delete now" to the API server).
+pub fn grace_seconds(grace: Duration, force: bool) -> i64 {
+    if force && grace.is_zero() {
+        return 0;
+    }
+    let ceil = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
+    i64::try_from(ceil.max(1)).unwrap_or(i64::MAX)
 }
 
 /// A worker's Pod name: `keel-jJ-eE-rR`.
@@ -116,6 +195,17 @@ fn worker_of(pod: &Pod) -> Option<WorkerId> {
     })
 }
 
+/// Whether `pod` is one of this executor's (its label and namespace).
+fn is_ours(pod: &Pod, namespace: &str) -> bool {
+    pod.metadata.namespace.as_deref() == Some(namespace)
+        && pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(MANAGED_BY))
+            .is_some_and(|v| v == "keel")
+}
+
 /// What a Pod's status says about its worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum PodState {
@@ -127,6 +217,9 @@ enum PodState {
     /// Cannot start (an image that cannot be pulled, a bad spec): delete it
     /// and report this.
     Stuck(String),
+    /// The kubelet refused it (no device free, a node predicate): it never
+    /// ran.
+    NotAdmitted(String),
 }
 
 fn pod_state(pod: &Pod) -> PodState {
@@ -138,7 +231,20 @@ fn pod_state(pod: &Pod) -> PodState {
     let terminated = container
         .and_then(|c| c.state.as_ref())
         .and_then(|s| s.terminated.as_ref());
+    let started = container
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|s| s.running.is_some() || s.terminated.is_some());
     match phase {
+        // A Pod the kubelet rejected at admission fails with a reason and
+        // no container that ever ran.
+        "Failed" if !started && status.and_then(|s| s.reason.as_ref()).is_some() => {
+            let s = status.cloned().unwrap_or_default();
+            PodState::NotAdmitted(format!(
+                "could not start: the kubelet did not admit it ({}: {})",
+                s.reason.unwrap_or_default(),
+                s.message.unwrap_or_default()
+            ))
+        }
         "Succeeded" | "Failed" => {
             let (code, reason) = match terminated {
                 Some(t) => (
@@ -197,6 +303,27 @@ struct PodWorker {
     pending_exit: Option<Exit>,
     /// The highest step reported (a restarted log stream skips up to it).
     last_step: Option<u64>,
+    /// Where rank 0's followed log was read to.
+    log_at: ResumePoint,
+    /// When Keel asked for the Pod's deletion, and the grace it gave.
+    stop_asked: Option<(Instant, Duration)>,
+    /// Still terminating past its grace and `terminating_timeout`: said
+    /// once, and its GPUs kept out of the Node's offer.
+    stuck: bool,
+}
+
+/// What the executor sees of the cluster besides its own workers (cleared
+/// with them when leadership ends).
+#[derive(Debug, Default)]
+struct Cluster {
+    /// Other workloads' unfinished Pods that request GPUs, by
+    /// `namespace/name`: their Node and GPUs.
+    others: BTreeMap<String, (String, u32)>,
+    /// Why other workloads' Pods cannot be seen (RBAC, an API error), when
+    /// they cannot.
+    others_unseen: Option<String>,
+    /// Nodes the last listing found not Ready.
+    not_ready: BTreeSet<String>,
 }
 
 /// Runs workers as Pods. Cheap to clone (shared state).
@@ -204,9 +331,12 @@ struct PodWorker {
 pub struct KubeExecutor {
     client: kube::Client,
     config: Arc<KubeConfig>,
-    book: Arc<WorkerBook<PodWorker>>,
+    book: Arc<WorkerBook<PodWorker, Cluster>>,
     /// The GPU Nodes of the last listing: what the executor owns.
     listed_nodes: Arc<Mutex<BTreeSet<String>>>,
+    /// Wakes the Node probe at once (a Pod was not admitted, a Pod is
+    /// stuck terminating).
+    reprobe: Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for KubeExecutor {
@@ -217,22 +347,16 @@ impl std::fmt::Debug for KubeExecutor {
     }
 }
 
-fn api_error(e: kube::Error) -> String {
-    match &e {
-        kube::Error::Api(status) => format!("{} ({})", status.message, status.reason),
-        _ => e.to_string(),
-    }
-}
-
 impl KubeExecutor {
     /// An executor on `client` (from the kubeconfig, the in-cluster
-    /// account, or a URL).
+    /// account, or a URL; build it with [`calls::client`] so that Keel, not
+    /// the client, retries).
     pub fn new(client: kube::Client, config: KubeConfig) -> KubeExecutor {
         KubeExecutor::with_clock(client, config, Arc::new(SystemClock))
     }
 
-    /// An executor reading the time from `clock` (the pending timeout, the
-    /// progress samples' time).
+    /// An executor reading the time from `clock` (the pending and
+    /// terminating timeouts, the progress samples' time).
     pub fn with_clock(
         client: kube::Client,
         config: KubeConfig,
@@ -243,10 +367,15 @@ impl KubeExecutor {
             config: Arc::new(config),
             book: Arc::new(WorkerBook::new(clock)),
             listed_nodes: Arc::default(),
+            reprobe: Arc::default(),
         }
     }
 
     fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.config.namespace)
+    }
+
+    fn services(&self) -> Api<Service> {
         Api::namespaced(self.client.clone(), &self.config.namespace)
     }
 
@@ -335,6 +464,8 @@ impl KubeExecutor {
             spec: Some(PodSpec {
                 node_name: Some(launch.node.clone()),
                 restart_policy: Some("Never".into()),
+                tolerations: (!self.config.tolerations.is_empty())
+                    .then(|| self.config.tolerations.clone()),
                 hostname: (multi && id.rank == 0).then(|| pod_name(id)),
                 containers: vec![Container {
                     name: "worker".into(),
@@ -399,7 +530,10 @@ impl KubeExecutor {
         }
     }
 
-    async fn launch_pod(&self, launch: WorkerLaunch) {
+    /// Starts a worker: its Pod (and, for rank 0 of a multi-worker job, the
+    /// rendezvous Service) is created in the background, so a slow API
+    /// server holds no reconcile pass.
+    fn launch_pod(&self, launch: WorkerLaunch) {
         let id = launch.id.clone();
         let pod = match self.pod_for(&launch) {
             Ok(p) => p,
@@ -417,82 +551,134 @@ impl KubeExecutor {
         let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
         self.book
             .insert(&id, Worker::running(&launch.node, gpus, extra));
-        if launch.world_size > 1 && id.rank == 0 {
-            let services: Api<Service> =
-                Api::namespaced(self.client.clone(), &self.config.namespace);
-            match services
-                .create(
-                    &PostParams::default(),
-                    &self.service_for(id.job_id, id.epoch),
-                )
-                .await
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 409 => {}
-                Err(e) => {
-                    tracing::warn!(worker = %id, error = %api_error(e), "rendezvous service not created")
-                }
-            }
-        }
         let generation = self.book.generation();
-        if self.create_pod(&id, &pod).await {
-            return;
-        }
-        // The API server did not answer (or is overloaded): keep trying in
-        // the background until it takes the Pod, or the worker is stopped.
-        let this = self.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                {
-                    let mut book = this.book.lock();
-                    if !book.is_current(generation) {
-                        return;
-                    }
-                    let Some(w) = book.workers.get_mut(&id) else {
-                        return;
-                    };
-                    if !w.is_running() {
-                        return;
-                    }
-                    if w.stopping {
-                        w.exited = Some((
-                            None,
-                            "stopped before it started: the API server did not take its pod".into(),
-                        ));
-                        return;
-                    }
-                }
-                if this.create_pod(&id, &pod).await {
-                    return;
-                }
-            }
-        });
+        let service =
+            (launch.world_size > 1 && id.rank == 0).then(|| self.service_for(id.job_id, id.epoch));
+        tokio::spawn(self.clone().create(id, pod, service, generation));
     }
 
-    /// One attempt at creating a worker's Pod. False when it may succeed
-    /// later (no answer, 5xx, 429); a refusal is recorded as the worker's
-    /// exit.
-    async fn create_pod(&self, id: &WorkerId, pod: &Pod) -> bool {
-        match self.pods().create(&PostParams::default(), pod).await {
-            Ok(_) => {
-                tracing::info!(worker = %id, "pod created");
-                true
-            }
-            // Already there (a launch retried after a lost answer): the
-            // watch reports it.
-            Err(kube::Error::Api(s)) if s.code == 409 => true,
-            Err(kube::Error::Api(s)) if s.code < 500 && s.code != 429 => {
-                let reason = format!(
-                    "the API server refused the pod: {} ({})",
-                    s.message, s.reason
-                );
-                self.record_exit(id, Some(127), reason);
-                true
-            }
-            Err(e) => {
-                tracing::warn!(worker = %id, error = %api_error(e), "pod not created yet; will retry");
+    /// Whether a task of `generation` should go on with `id`: it leads,
+    /// the worker is in the book and has not ended. A worker Keel stops
+    /// before its Pod was taken ends here.
+    fn still_wanted(&self, id: &WorkerId, generation: u64) -> bool {
+        let mut book = self.book.lock();
+        if !book.is_current(generation) {
+            return false;
+        }
+        match book.workers.get_mut(id) {
+            Some(w) if w.is_running() && w.stopping => {
+                w.exited = Some((
+                    None,
+                    "stopped before it started: the API server had not taken its pod".into(),
+                ));
                 false
+            }
+            Some(w) => w.is_running(),
+            None => false,
+        }
+    }
+
+    /// Creates a worker's Pod, trying again after transient failures (no
+    /// answer, 429 after its `Retry-After`, 5xx) until it is taken,
+    /// refused, or no longer wanted.
+    async fn create(self, id: WorkerId, pod: Pod, service: Option<Service>, generation: u64) {
+        let deadline = self.config.call_timeout;
+        if let Some(svc) = service {
+            match bounded(
+                deadline,
+                self.services().create(&PostParams::default(), &svc),
+            )
+            .await
+            {
+                Ok(_) | Err(CallError::Conflict(_)) => {}
+                Err(e) => {
+                    tracing::warn!(worker = %id, error = %e, "rendezvous service not created")
+                }
+            }
+        }
+        let name = pod_name(&id);
+        let mut attempt = 0u32;
+        while self.still_wanted(&id, generation) {
+            let wait = match bounded(deadline, self.pods().create(&PostParams::default(), &pod))
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(worker = %id, "pod created");
+                    return;
+                }
+                // There already: this worker's (a create that was taken but
+                // answered with an error, a launch retried by a new leader),
+                // or someone else's.
+                Err(CallError::Conflict(message)) => {
+                    match bounded(deadline, self.pods().get(&name)).await {
+                        Ok(existing)
+                            if is_ours(&existing, &self.config.namespace)
+                                && worker_of(&existing).as_ref() == Some(&id) =>
+                        {
+                            tracing::info!(worker = %id, "pod already there: this worker's");
+                            return;
+                        }
+                        Ok(existing) => {
+                            let labels = existing.metadata.labels.unwrap_or_default();
+                            self.record_exit(
+                                &id,
+                                Some(127),
+                                format!(
+                                    "could not start: a pod named {name} exists that is not this worker's \
+                                     (its labels: {labels:?}): {message}"
+                                ),
+                            );
+                            return;
+                        }
+                        // Gone meanwhile: create it again.
+                        Err(CallError::NotFound) => Duration::ZERO,
+                        Err(e) => retry_delay(attempt, retry_after(&e)),
+                    }
+                }
+                Err(e @ (CallError::Refused { .. } | CallError::NotFound)) => {
+                    self.record_exit(
+                        &id,
+                        Some(127),
+                        format!("could not start: the API server refused the pod: {e}"),
+                    );
+                    return;
+                }
+                Err(e @ CallError::Transient { .. }) => {
+                    let wait = retry_delay(attempt, retry_after(&e));
+                    tracing::warn!(worker = %id, error = %e, retry_in_s = wait.as_secs_f64(), "pod not created yet");
+                    wait
+                }
+            };
+            attempt = attempt.saturating_add(1);
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Deletes a Pod with `grace_s`, trying again after transient failures
+    /// while this generation leads and the worker is in the book.
+    async fn delete(self, id: WorkerId, grace_s: i64, generation: u64) {
+        let params = DeleteParams {
+            grace_period_seconds: Some(u32::try_from(grace_s).unwrap_or(u32::MAX)),
+            ..DeleteParams::default()
+        };
+        let name = pod_name(&id);
+        let mut attempt = 0u32;
+        loop {
+            if !self.book.is_current(generation) || !self.book.contains(&id) {
+                return;
+            }
+            match bounded(self.config.call_timeout, self.pods().delete(&name, &params)).await {
+                Ok(_) | Err(CallError::NotFound) => return,
+                Err(e @ (CallError::Refused { .. } | CallError::Conflict(_))) => {
+                    tracing::error!(worker = %id, error = %e, "the API server refused to delete the pod");
+                    return;
+                }
+                Err(e @ CallError::Transient { .. }) => {
+                    let wait = retry_delay(attempt, retry_after(&e));
+                    tracing::warn!(worker = %id, error = %e, "pod not deleted yet; trying again");
+                    attempt = attempt.saturating_add(1);
+                    tokio::time::sleep(wait).await;
+                }
             }
         }
     }
@@ -527,18 +713,30 @@ impl KubeExecutor {
                     .and_then(|a| a.get(ANNOTATION_GPUS))
                     .map(|csv| gpu_refs(&node, csv.split(',').filter_map(|g| g.parse().ok())))
                     .unwrap_or_default();
+                let terminating = pod.metadata.deletion_timestamp.is_some();
                 let extra = PodWorker {
                     pending_since: Some(now),
+                    // Being deleted already: timed as a stop from now.
+                    stop_asked: terminating.then(|| {
+                        let grace = pod
+                            .metadata
+                            .deletion_grace_period_seconds
+                            .and_then(|g| u64::try_from(g).ok())
+                            .unwrap_or(30);
+                        (now, Duration::from_secs(grace))
+                    }),
                     ..PodWorker::default()
                 };
-                Worker::running(&node, gpus, extra)
+                let mut w = Worker::running(&node, gpus, extra);
+                w.stopping = terminating;
+                w
             });
             if entry.exited.is_some() {
                 return;
             }
             let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
             match &state {
-                // A Pod still Pending is timed by `give_up_on_pending`.
+                // A Pod still Pending is timed by `check_timeouts`.
                 PodState::Running => {
                     if running {
                         entry.extra.pending_since = None;
@@ -549,6 +747,13 @@ impl KubeExecutor {
                     }
                 }
                 PodState::Stuck(reason) => give_up = Some(reason.clone()),
+                PodState::NotAdmitted(reason) => {
+                    book.record_not_admitted(&id, reason.clone());
+                    drop(book);
+                    // What the Node offers is looked at again now.
+                    self.reprobe.notify_one();
+                    return;
+                }
                 PodState::Exited { code, reason } => {
                     if entry.extra.following {
                         // The follower records it once the log is read.
@@ -560,7 +765,7 @@ impl KubeExecutor {
         }
         match state {
             PodState::Exited { code, reason } => self.record_exit(&id, code, reason),
-            PodState::Stuck(_) | PodState::Running => {
+            PodState::Stuck(_) | PodState::Running | PodState::NotAdmitted(_) => {
                 if let Some(reason) = give_up {
                     self.abandon(&id, &reason);
                 } else if follow {
@@ -585,34 +790,58 @@ impl KubeExecutor {
             (Some((code, reason)), _) | (None, PodState::Exited { code, reason }) => {
                 self.record_exit(&id, code, reason)
             }
+            (None, PodState::NotAdmitted(reason)) => {
+                self.book.lock().record_not_admitted(&id, reason);
+            }
             _ => self.record_exit(&id, None, "its pod was deleted".into()),
         }
     }
 
     /// Follows rank 0's log for progress until the Pod ends or this server
-    /// stops leading; a broken stream is opened again, skipping the steps
-    /// already reported.
+    /// stops leading. The log is read as bytes (a worker may print
+    /// anything; lines are decoded lossily), a line at a time; a stream
+    /// that ends before the container (the kubelet rotated the file, the
+    /// connection broke) is opened again from the last line read.
     async fn follow_progress(self, id: WorkerId, generation: u64) {
         let name = pod_name(&id);
         loop {
+            let resume = match self.book.lock().workers.get(&id) {
+                Some(w) => w.extra.log_at.clone(),
+                None => return,
+            };
             let params = LogParams {
                 container: Some("worker".into()),
                 follow: true,
+                timestamps: true,
+                since_time: resume.since(),
                 ..LogParams::default()
             };
-            match self.pods().log_stream(&name, &params).await {
+            match bounded(
+                self.config.call_timeout,
+                self.pods().log_stream(&name, &params),
+            )
+            .await
+            {
                 Ok(stream) => {
-                    let mut lines = stream.lines();
-                    while let Some(Ok(line)) = lines.next().await {
-                        let Some(sample) = parse_progress_line(&line, self.book.unix_ms()) else {
+                    let mut stream = std::pin::pin!(stream);
+                    let mut replay = resume.reopened();
+                    while let Some(line) = next_line(&mut stream).await {
+                        if replay.read_before(&line) {
                             continue;
-                        };
+                        }
                         let mut book = self.book.lock();
                         if !book.is_current(generation) {
                             return;
                         }
                         let Some(w) = book.workers.get_mut(&id) else {
                             return;
+                        };
+                        let Some(text) = w.extra.log_at.take(&line) else {
+                            continue;
+                        };
+                        let text = String::from_utf8_lossy(text);
+                        let Some(sample) = parse_progress_line(&text, self.book.unix_ms()) else {
+                            continue;
                         };
                         if w.extra.last_step.is_some_and(|s| sample.step <= s) {
                             continue;
@@ -622,7 +851,7 @@ impl KubeExecutor {
                     }
                 }
                 Err(e) => {
-                    tracing::debug!(worker = %id, error = %api_error(e), "log stream not opened")
+                    tracing::debug!(worker = %id, error = %e, "log stream not opened")
                 }
             }
             // The stream ends when the container does: an exit the watch
@@ -654,7 +883,7 @@ impl KubeExecutor {
         let mut last_check = Instant::now();
         loop {
             if last_check.elapsed() > Duration::from_millis(200) {
-                self.give_up_on_pending();
+                self.check_timeouts();
                 last_check = Instant::now();
             }
             let next = tokio::select! {
@@ -663,7 +892,7 @@ impl KubeExecutor {
                     if !self.book.is_current(generation) {
                         return;
                     }
-                    self.give_up_on_pending();
+                    self.check_timeouts();
                     continue;
                 }
             };
@@ -711,27 +940,84 @@ impl KubeExecutor {
         }
     }
 
-    /// Pods Pending past the timeout (no event comes for them): deleted,
-    /// and their workers reported as not started.
-    fn give_up_on_pending(&self) {
-        let timeout = self.config.pending_timeout;
+    /// Pods Pending past the timeout (deleted, their workers reported as
+    /// not started), and stopped Pods still terminating past their grace
+    /// and `terminating_timeout` (reported once, their GPUs kept out of
+    /// the Node's offer; given up on when the Node is not Ready; deleted
+    /// by force when configured).
+    fn check_timeouts(&self) {
+        let pending_timeout = self.config.pending_timeout;
         let now = self.book.now();
-        let stuck: Vec<WorkerId> = self
-            .book
-            .lock()
-            .workers
-            .iter()
-            .filter(|(_, w)| {
-                w.is_running()
-                    && w.extra
-                        .pending_since
-                        .is_some_and(|t| now.saturating_duration_since(t) > timeout)
-            })
-            .map(|(id, _)| id.clone())
-            .collect();
-        let reason = format!("pending for more than {:.0} s", timeout.as_secs_f64());
-        for id in stuck {
+        let mut stuck_pending = Vec::new();
+        let mut newly_stuck = Vec::new();
+        let mut lost = Vec::new();
+        {
+            let mut book = self.book.lock();
+            let not_ready = book.shared.not_ready.clone();
+            for (id, w) in book.workers.iter_mut() {
+                if !w.is_running() {
+                    continue;
+                }
+                if w.extra
+                    .pending_since
+                    .is_some_and(|t| now.saturating_duration_since(t) > pending_timeout)
+                    && !w.stopping
+                {
+                    stuck_pending.push(id.clone());
+                }
+                let Some((asked, grace)) = w.extra.stop_asked else {
+                    continue;
+                };
+                if now.saturating_duration_since(asked) <= grace + self.config.terminating_timeout {
+                    continue;
+                }
+                if !w.extra.stuck {
+                    w.extra.stuck = true;
+                    newly_stuck.push((
+                        id.clone(),
+                        w.node.clone(),
+                        now.saturating_duration_since(asked),
+                    ));
+                }
+                if not_ready.contains(&w.node) {
+                    lost.push((id.clone(), w.node.clone()));
+                }
+            }
+        }
+        let reason = format!(
+            "pending for more than {:.0} s",
+            pending_timeout.as_secs_f64()
+        );
+        for id in stuck_pending {
             self.abandon(&id, &reason);
+        }
+        for (id, node, waited) in &newly_stuck {
+            tracing::warn!(
+                worker = %id,
+                pod = %pod_name(id),
+                node = %node,
+                waited_s = waited.as_secs(),
+                "pod still terminating past its grace: the kubelet has not confirmed; \
+                 its GPUs are not reused on the node until it does or the node is declared lost"
+            );
+            if self.config.force_delete {
+                tracing::warn!(worker = %id, "force-deleting the pod (--k8s-force-delete)");
+                tokio::spawn(self.clone().delete(id.clone(), 0, self.book.generation()));
+            }
+        }
+        if !newly_stuck.is_empty() {
+            self.reprobe.notify_one();
+        }
+        for (id, node) in lost {
+            self.record_exit(
+                &id,
+                None,
+                format!(
+                    "its pod {} is still terminating on node {node}, which is not Ready: \
+                     given up on (the kubelet removes it when the node is back)",
+                    pod_name(&id)
+                ),
+            );
         }
     }
 
@@ -739,107 +1025,192 @@ impl KubeExecutor {
     /// and its Pod deleted.
     fn abandon(&self, id: &WorkerId, reason: &str) {
         self.record_exit(id, Some(127), format!("could not start: {reason}"));
-        let this = self.clone();
-        let name = pod_name(id);
-        tokio::spawn(async move {
-            let _ = this.pods().delete(&name, &DeleteParams::default()).await;
-        });
+        tokio::spawn(self.clone().delete(id.clone(), 1, self.book.generation()));
     }
 
-    /// Lists Nodes every `node_poll_interval` as their probes, until this
-    /// server stops leading.
-    async fn probe_nodes(self, generation: u64) {
-        let nodes: Api<Node> = Api::all(self.client.clone());
+    /// Watches every unfinished Pod in the cluster for those of other
+    /// workloads that request GPUs (what they use is not Keel's to offer),
+    /// until this server stops leading.
+    async fn watch_others(self, generation: u64) {
+        let api: Api<Pod> = Api::all(self.client.clone());
+        let config =
+            watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
+        let mut stream = watcher(api, config).boxed();
+        let mut fresh: Option<BTreeMap<String, (String, u32)>> = None;
         loop {
-            let (probes, listed) = match nodes.list(&ListParams::default()).await {
-                Ok(list) => {
-                    let probes = list
-                        .items
-                        .iter()
-                        .filter_map(|n| self.node_probe(n))
-                        .collect::<Vec<_>>();
-                    let listed = probes
-                        .iter()
-                        .map(|p| match p {
-                            NodeProbe::Answered(r) => r.name.clone(),
-                            NodeProbe::Unreachable { name, .. } => name.clone(),
-                        })
-                        .collect();
-                    (probes, Some(listed))
-                }
-                Err(e) => {
-                    tracing::warn!(error = %api_error(e), "cannot list nodes");
-                    (Vec::new(), None)
+            let next = tokio::select! {
+                n = stream.try_next() => n,
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                    if !self.book.is_current(generation) {
+                        return;
+                    }
+                    continue;
                 }
             };
+            let failed = {
+                let mut book = self.book.lock();
+                if !book.is_current(generation) {
+                    return;
+                }
+                match next {
+                    Ok(Some(watcher::Event::Init)) => {
+                        fresh = Some(BTreeMap::new());
+                        false
+                    }
+                    Ok(Some(watcher::Event::InitApply(pod))) => {
+                        if let (Some(f), Some((key, use_))) = (fresh.as_mut(), self.other_use(&pod))
+                        {
+                            f.insert(key, use_);
+                        }
+                        false
+                    }
+                    Ok(Some(watcher::Event::InitDone)) => {
+                        if let Some(f) = fresh.take() {
+                            book.shared.others = f;
+                        }
+                        book.shared.others_unseen = None;
+                        false
+                    }
+                    Ok(Some(watcher::Event::Apply(pod))) => {
+                        match self.other_use(&pod) {
+                            Some((key, use_)) => {
+                                book.shared.others.insert(key, use_);
+                            }
+                            None => {
+                                book.shared.others.remove(&pod_key(&pod));
+                            }
+                        }
+                        false
+                    }
+                    Ok(Some(watcher::Event::Delete(pod))) => {
+                        book.shared.others.remove(&pod_key(&pod));
+                        false
+                    }
+                    Ok(None) => return,
+                    Err(e) => {
+                        let why = e.to_string();
+                        if book.shared.others_unseen.as_deref() != Some(why.as_str()) {
+                            tracing::warn!(error = %why, "cannot watch other workloads' pods: their GPUs are not counted");
+                            book.shared.others_unseen = Some(why);
+                        }
+                        true
+                    }
+                }
+            };
+            if failed {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    }
+
+    /// An unfinished Pod that is not this executor's and requests GPUs on a
+    /// Node: its key and (Node, GPUs).
+    fn other_use(&self, pod: &Pod) -> Option<(String, (String, u32))> {
+        if is_ours(pod, &self.config.namespace) {
+            return None;
+        }
+        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+        if matches!(phase, Some("Succeeded" | "Failed")) {
+            return None;
+        }
+        let node = pod.spec.as_ref()?.node_name.clone()?;
+        let gpus = pod_gpus(pod, &self.config.gpu_resource);
+        (gpus > 0).then(|| (pod_key(pod), (node, gpus)))
+    }
+
+    /// What uses `node`'s GPUs besides Keel's running workers.
+    fn node_use(&self, node: &str, book: &crate::book::Book<PodWorker, Cluster>) -> NodeUse {
+        let mut usage = NodeUse::default();
+        for (key, (on, gpus)) in &book.shared.others {
+            if on == node {
+                usage.others.push((key.clone(), *gpus));
+            }
+        }
+        for (id, w) in &book.workers {
+            if w.node != node {
+                continue;
+            }
+            let indexes = w.gpus.iter().map(|g| g.index);
+            if w.stopping && w.extra.stuck && w.is_running() {
+                usage.stuck.push((pod_name(id), indexes.collect()));
+            } else if !w.stopping {
+                usage.held.extend(indexes);
+            }
+        }
+        usage.others_unseen = book.shared.others_unseen.clone();
+        usage
+    }
+
+    /// Lists Nodes every `node_poll_interval` (or at once when woken) as
+    /// their probes, until this server stops leading.
+    async fn probe_nodes(self, generation: u64) {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let rules = OfferRules {
+            gpu_resource: &self.config.gpu_resource,
+            gpu_type_label: &self.config.gpu_type_label,
+            tolerations: &self.config.tolerations,
+        };
+        loop {
+            let listing =
+                bounded(self.config.call_timeout, nodes.list(&ListParams::default())).await;
             {
                 let mut book = self.book.lock();
                 if !book.is_current(generation) {
                     return;
                 }
-                // A failed listing keeps the last one.
-                if let Some(listed) = listed {
-                    *self.listed_nodes.lock().unwrap_or_else(|e| e.into_inner()) = listed;
-                }
-                for p in probes {
-                    book.set_probe(generation, p);
+                match listing {
+                    Ok(list) => {
+                        let probes: Vec<NodeProbe> = list
+                            .items
+                            .iter()
+                            .filter_map(|n| {
+                                let name = n.metadata.name.as_deref()?;
+                                offer(n, &rules, &self.node_use(name, &book))
+                            })
+                            .collect();
+                        let mut listed = BTreeSet::new();
+                        let mut not_ready = BTreeSet::new();
+                        for p in &probes {
+                            match p {
+                                NodeProbe::Answered(r) => listed.insert(r.name.clone()),
+                                NodeProbe::Unreachable { name, .. } => {
+                                    not_ready.insert(name.clone());
+                                    listed.insert(name.clone())
+                                }
+                            };
+                        }
+                        *self.listed_nodes.lock().unwrap_or_else(|e| e.into_inner()) = listed;
+                        book.shared.not_ready = not_ready;
+                        for p in probes {
+                            book.set_probe(generation, p);
+                        }
+                    }
+                    // A failed listing keeps the last one.
+                    Err(e) => tracing::warn!(error = %e, "cannot list nodes"),
                 }
             }
-            tokio::time::sleep(self.config.node_poll_interval).await;
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.node_poll_interval) => {}
+                _ = self.reprobe.notified() => {}
+            }
         }
     }
+}
 
-    /// A Node's probe: its GPUs when Ready, else why not. Nodes without
-    /// GPUs are not Keel's.
-    fn node_probe(&self, node: &Node) -> Option<NodeProbe> {
-        let name = node.metadata.name.clone()?;
-        let status = node.status.as_ref()?;
-        let count: u32 = status
-            .capacity
-            .as_ref()
-            .and_then(|c| c.get(&self.config.gpu_resource))
-            .and_then(|q| q.0.parse().ok())
-            .unwrap_or(0);
-        if count == 0 {
-            return None;
-        }
-        let ready = status
-            .conditions
-            .as_ref()
-            .and_then(|c| c.iter().find(|c| c.type_ == "Ready"));
-        if ready.is_none_or(|c| c.status != "True") {
-            let why = ready
-                .map(|c| {
-                    format!(
-                        "not Ready ({}: {})",
-                        c.reason.clone().unwrap_or_default(),
-                        c.message.clone().unwrap_or_default()
-                    )
-                })
-                .unwrap_or_else(|| "no Ready condition".into());
-            return Some(NodeProbe::Unreachable { name, reason: why });
-        }
-        let gpu_type = node
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(&self.config.gpu_type_label))
-            .map_or_else(|| "gpu".to_string(), |p| gpu_type_of(p));
-        let address = status
-            .addresses
-            .as_ref()
-            .and_then(|a| a.iter().find(|a| a.type_ == "InternalIP"))
-            .map_or_else(|| name.clone(), |a| a.address.clone());
-        Some(NodeProbe::Answered(NodeReport {
-            name,
-            address,
-            gpus: (0..count)
-                .map(|index| Gpu {
-                    index,
-                    gpu_type: gpu_type.clone(),
-                })
-                .collect(),
-        }))
+/// A Pod's `namespace/name`.
+fn pod_key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or(""),
+        pod.metadata.name.as_deref().unwrap_or("")
+    )
+}
+
+/// What the server asked a transient failure to wait.
+fn retry_after(e: &CallError) -> Option<Duration> {
+    match e {
+        CallError::Transient { retry_after, .. } => *retry_after,
+        _ => None,
     }
 }
 
@@ -865,33 +1236,25 @@ impl Executor for KubeExecutor {
         if self.book.contains(&launch.id) {
             return Ok(());
         }
-        self.launch_pod(launch).await;
+        self.launch_pod(launch);
         Ok(())
     }
 
     async fn stop(&self, id: &WorkerId, grace: Duration) -> Result<(), ExecutorError> {
-        if self.book.begin_stop(id).is_none() {
+        let Some(generation) = self.book.begin_stop(id) else {
             return Ok(());
-        }
-        let params = DeleteParams {
-            grace_period_seconds: Some(u32::try_from(grace.as_secs()).unwrap_or(u32::MAX)),
-            ..DeleteParams::default()
         };
-        match self.pods().delete(&pod_name(id), &params).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-            Err(e) => {
-                // Not deleted: try again on the next pass.
-                if let Some(w) = self.book.lock().workers.get_mut(id) {
-                    w.stopping = false;
-                }
-                Err(ExecutorError::Other(format!(
-                    "deleting pod {}: {}",
-                    pod_name(id),
-                    api_error(e)
-                )))
-            }
+        let grace_s = grace_seconds(grace, self.config.force_delete);
+        if let Some(w) = self.book.lock().workers.get_mut(id) {
+            w.extra.stop_asked = Some((
+                self.book.now(),
+                Duration::from_secs(u64::try_from(grace_s).unwrap_or(0)),
+            ));
         }
+        // The Pod runs until the kubelet confirms; the watch records the
+        // exit then. The delete itself is retried in the background.
+        tokio::spawn(self.clone().delete(id.clone(), grace_s, generation));
+        Ok(())
     }
 
     async fn observe(&self) -> Result<BTreeMap<WorkerId, Observed>, ExecutorError> {
@@ -908,20 +1271,22 @@ impl Executor for KubeExecutor {
         if !known {
             return;
         }
-        // The exit is in the log: the finished Pod (and the epoch's Service,
-        // with rank 0) can go.
-        let _ = self
-            .pods()
-            .delete(&pod_name(id), &DeleteParams::default())
-            .await;
-        if id.rank == 0 {
-            let services: Api<Service> =
-                Api::namespaced(self.client.clone(), &self.config.namespace);
-            let _ = services
-                .delete(&service_name(id.job_id, id.epoch), &DeleteParams::default())
-                .await;
-        }
         self.book.forget(id);
+        // The exit is in the log: the finished Pod (and the epoch's Service,
+        // with rank 0) can go, in the background.
+        let (pods, services) = (self.pods(), self.services());
+        let (name, deadline) = (pod_name(id), self.config.call_timeout);
+        let service = (id.rank == 0).then(|| service_name(id.job_id, id.epoch));
+        tokio::spawn(async move {
+            if let Err(e) = bounded(deadline, pods.delete(&name, &DeleteParams::default())).await {
+                if e != CallError::NotFound {
+                    tracing::debug!(pod = %name, error = %e, "finished pod not deleted");
+                }
+            }
+            if let Some(svc) = service {
+                let _ = bounded(deadline, services.delete(&svc, &DeleteParams::default())).await;
+            }
+        });
     }
 
     async fn take_progress(&self) -> BTreeMap<JobId, Vec<ProgressSample>> {
@@ -929,14 +1294,17 @@ impl Executor for KubeExecutor {
     }
 
     async fn logs(&self, job_id: JobId, tail_bytes: u64) -> Result<Vec<WorkerLog>, ExecutorError> {
-        let list = self
-            .pods()
-            .list(
+        let deadline = self.config.call_timeout;
+        let list = bounded(
+            deadline,
+            self.pods().list(
                 &ListParams::default()
                     .labels(&format!("{},{LABEL_JOB}={job_id}", Self::selector())),
-            )
-            .await
-            .map_err(|e| ExecutorError::Other(api_error(e)))?;
+            ),
+        )
+        .await
+        .map_err(|e| ExecutorError::Other(e.to_string()))?;
+        let keep = usize::try_from(tail_bytes).unwrap_or(usize::MAX);
         let mut out = Vec::new();
         for pod in list.items {
             let Some(id) = worker_of(&pod) else {
@@ -944,22 +1312,34 @@ impl Executor for KubeExecutor {
             };
             let params = LogParams {
                 container: Some("worker".into()),
-                limit_bytes: None,
                 ..LogParams::default()
             };
-            let text = self
-                .pods()
-                .logs(&pod_name(&id), &params)
-                .await
-                .unwrap_or_default();
-            let bytes = text.into_bytes();
-            let total_bytes = bytes.len() as u64;
-            let start = bytes
-                .len()
-                .saturating_sub(usize::try_from(tail_bytes).unwrap_or(usize::MAX));
+            // Bytes, whatever the worker printed; the last `tail_bytes` kept.
+            let read = async {
+                let mut stream =
+                    std::pin::pin!(self.pods().log_stream(&pod_name(&id), &params).await?);
+                let (mut tail, mut total) = (Vec::new(), 0u64);
+                let mut chunk = vec![0u8; 64 * 1024];
+                loop {
+                    let n = stream
+                        .read(&mut chunk)
+                        .await
+                        .map_err(kube::Error::ReadEvents)?;
+                    if n == 0 {
+                        break;
+                    }
+                    total += n as u64;
+                    tail.extend_from_slice(&chunk[..n]);
+                    if tail.len() > keep {
+                        tail.drain(..tail.len() - keep);
+                    }
+                }
+                Ok::<_, kube::Error>((tail, total))
+            };
+            let (content, total_bytes) = bounded(deadline, read).await.unwrap_or_default();
             out.push(WorkerLog {
                 id,
-                content: bytes[start..].to_vec(),
+                content,
                 total_bytes,
             });
         }
@@ -972,6 +1352,7 @@ impl Executor for KubeExecutor {
             return;
         };
         tokio::spawn(self.clone().watch_pods(generation));
+        tokio::spawn(self.clone().watch_others(generation));
         tokio::spawn(self.clone().probe_nodes(generation));
     }
 
