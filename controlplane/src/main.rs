@@ -193,7 +193,23 @@ enum Cmd {
     Supervise {
         #[arg(long)]
         exit_file: PathBuf,
+        /// Run the worker in this cgroup (made if missing) and stop what it
+        /// leaves in it before writing the exit.
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
+        /// How long processes the worker left get between SIGTERM and the
+        /// kill, in milliseconds.
+        #[arg(long, default_value_t = 10_000)]
+        leftover_grace_ms: u64,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
+    /// (Internal: how `keel supervise --cgroup` starts a worker.) Enter the
+    /// cgroup DIR, then run COMMAND in place of this process.
+    #[command(hide = true)]
+    CgroupExec {
+        dir: PathBuf,
+        #[arg(allow_hyphen_values = true, required = true, last = true)]
         command: Vec<String>,
     },
     /// Submit a job from a YAML or JSON spec file (`-` reads stdin).
@@ -851,9 +867,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
             command: PolicyCmd::Eval { input, policy },
         } => policy_eval(&input, policy.as_deref()),
         Cmd::Trainer(t) => trainer(t).await,
-        Cmd::Supervise { exit_file, command } => {
-            let code = keel_executors::supervisor::supervise(exit_file, command).await;
+        Cmd::Supervise {
+            exit_file,
+            command,
+            cgroup,
+            leftover_grace_ms,
+        } => {
+            let code = keel_executors::supervisor::supervise(
+                exit_file,
+                command,
+                cgroup,
+                Duration::from_millis(leftover_grace_ms),
+            )
+            .await;
             std::process::exit(code);
+        }
+        Cmd::CgroupExec { dir, command } => {
+            let why = keel_executors::containment::enter_and_exec(&dir, &command);
+            let _ =
+                std::io::Write::write_fmt(&mut std::io::stderr(), format_args!("keel: {why}\n"));
+            std::process::exit(127);
         }
         Cmd::Events { from, follow } => cli::events(&args.addr, from, follow, out).await,
         Cmd::Cluster {
@@ -978,4 +1011,15 @@ fn parse_peer(s: &str) -> Result<(u64, String), String> {
         return Err(format!("{addr:?} in {s:?} is not HOST:PORT"));
     }
     Ok((id, addr.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of the whole command line (conflicting argument
+    /// settings panic at parse time otherwise, as `cgroup-exec`'s once did).
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        super::Args::command().debug_assert();
+    }
 }

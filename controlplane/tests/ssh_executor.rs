@@ -12,7 +12,7 @@ mod sshd;
 use serde_json::Value;
 
 use sshd::{free_port, Sshd};
-use support::{wait_for, ServerProcess, KEEL};
+use support::{cgroups_or_skip, marked, wait_for, ServerProcess, KEEL};
 
 fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
     let node = |name: &str, port: u16, key: &std::path::Path| {
@@ -281,4 +281,92 @@ fn a_host_cut_off_is_lost_and_its_job_resumes_when_it_comes_back() {
     assert!(resumed, "resumed from its checkpoint:\n{logs}");
     server.terminate();
     drop(rt);
+}
+
+/// Issue 31 over SSH: the host helper runs each worker in its own cgroup,
+/// so a process the worker starts with `setsid` is stopped when the worker
+/// ends, or is cancelled, before its exit is recorded (checked in the
+/// host's process table: the sshd's host is this machine).
+#[test]
+fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
+    const TEST: &str = "a_worker_over_ssh_that_calls_setsid_leaves_nothing_running";
+    let Some(sshd) = Sshd::start_or_skip(TEST) else {
+        return;
+    };
+    if !cgroups_or_skip(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = dir.path().join("nodes.yaml");
+    std::fs::write(
+        &nodes,
+        format!(
+            "known_hosts: accept\nknown_hosts_file: {kh}\nconnect_timeout_s: 2\npoll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 1xv100\n    work_dir: {work}\n",
+            kh = dir.path().join("known_hosts").display(),
+            port = sshd.port,
+            user = sshd.user,
+            key = sshd.key.display(),
+            work = dir.path().join("work-a").display(),
+        ),
+    )
+    .expect("nodes file");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--ssh-nodes",
+            nodes.to_str().expect("utf-8"),
+            "--round-s",
+            "0.3",
+        ],
+    );
+    let mark = format!("ssh-contain-{}", std::process::id());
+    let submit = |name: &str, script: String| {
+        let spec = dir.path().join(format!("{name}.json"));
+        let body = serde_json::json!({
+            "name": name, "command": ["sh", "-c", script], "gpus": 1, "workers": 1
+        });
+        std::fs::write(&spec, body.to_string()).expect("spec");
+        server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+            .as_u64()
+            .expect("job id")
+            .to_string()
+    };
+    let ends = submit(
+        "ends",
+        format!("KEEL_MARK={mark}-a setsid sleep 3001 & sleep 1"),
+    );
+    wait_for("the job over SSH to succeed", || {
+        (server.json(&["job", &ends])["state"] == "succeeded").then_some(())
+    });
+    assert_eq!(
+        marked(&format!("{mark}-a")),
+        Vec::<u32>::new(),
+        "left running"
+    );
+    let log = server.cli_ok(&["logs", &ends]);
+    assert!(
+        log.contains("stopped 1 process(es) the worker left running"),
+        "the escaped process was there to stop: {log}"
+    );
+    let cancelled = submit(
+        "cancelled",
+        format!("KEEL_MARK={mark}-b setsid sleep 3001 & exec sleep 3000"),
+    );
+    wait_for("the escaped process of the second job", || {
+        (!marked(&format!("{mark}-b")).is_empty()).then_some(())
+    });
+    server.cli_ok(&["cancel", &cancelled]);
+    wait_for("the cancelled worker's exit to be recorded", || {
+        server
+            .cli_ok(&["events"])
+            .lines()
+            .any(|l| l.contains(&format!("job {cancelled} worker 0 (epoch 1):")))
+            .then_some(())
+    });
+    assert_eq!(
+        marked(&format!("{mark}-b")),
+        Vec::<u32>::new(),
+        "left running"
+    );
+    server.terminate();
 }

@@ -23,6 +23,7 @@
 //! launches nothing twice, and a new allocation epoch is a new worker.
 
 pub mod book;
+pub mod containment;
 pub mod contract;
 pub mod discovery;
 pub mod executor;

@@ -34,6 +34,7 @@ use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;
 
 use crate::book::{Clock, SystemClock, Worker, WorkerBook};
+use crate::containment::{Cgroups, WorkerCgroup};
 use crate::contract::{checkpoint_dir_name, environment, gpu_refs, WorkerLaunch};
 use crate::executor::{Executor, ExecutorError, WorkerLog};
 use crate::reconcile::Observed;
@@ -68,6 +69,9 @@ struct PidFile {
     start: u64,
     node: String,
     gpus: Vec<u32>,
+    /// The worker's cgroup, when it has one.
+    #[serde(default)]
+    cgroup: Option<PathBuf>,
 }
 
 /// What a `.claim` file holds: the server process that launched (or is
@@ -111,6 +115,8 @@ enum Claimed {
 #[derive(Debug)]
 struct LocalWorker {
     pid: Option<u32>,
+    /// The cgroup holding every process it started, when it has one.
+    cgroup: Option<WorkerCgroup>,
 }
 
 /// The rendezvous port of each live (job, epoch).
@@ -124,7 +130,14 @@ struct Ports {
 pub struct LocalExecutor {
     config: Arc<LocalConfig>,
     book: Arc<WorkerBook<LocalWorker, Ports>>,
+    /// Where each worker's cgroup goes (with a supervisor, where a cgroup
+    /// hierarchy is writable); `None`: process groups only.
+    cgroups: Option<Arc<Cgroups>>,
 }
+
+/// How long a worker's leftover processes get after its main process
+/// exited, between SIGTERM and the kill.
+pub const LEFTOVER_GRACE: Duration = Duration::from_secs(10);
 
 /// How often a re-adopted worker (not our child: no wait) is checked.
 const ADOPTED_POLL: Duration = Duration::from_millis(200);
@@ -180,10 +193,32 @@ impl LocalExecutor {
             std::fs::create_dir_all(dir)
                 .map_err(|e| ExecutorError::Other(format!("creating {}: {e}", dir.display())))?;
         }
+        let cgroups = match &config.supervisor {
+            None => None,
+            Some(_) => {
+                let tag = blake3::hash(config.workers_dir.to_string_lossy().as_bytes()).to_hex();
+                match Cgroups::detect(&tag[..16]) {
+                    Ok(c) => {
+                        tracing::info!(parent = %c.parent.display(), flavour = ?c.flavour, "each worker runs in its own cgroup");
+                        Some(Arc::new(c))
+                    }
+                    Err(why) => {
+                        tracing::warn!(%why, "workers are contained by their process group only: a process that calls setsid escapes it");
+                        None
+                    }
+                }
+            }
+        };
         Ok(LocalExecutor {
             config: Arc::new(config),
             book: Arc::new(WorkerBook::new(clock)),
+            cgroups,
         })
+    }
+
+    /// Whether each worker runs in its own cgroup.
+    pub fn contains_in_cgroups(&self) -> bool {
+        self.cgroups.is_some()
     }
 
     /// Declares this server's nodes as run by this machine: any server
@@ -324,7 +359,15 @@ impl LocalExecutor {
             Some(p) if self.config.supervisor.is_some() => {
                 tracing::info!(worker = %id, pid = p.pid, "re-adopting a worker left by an earlier server");
                 let gpus = gpu_refs(&p.node, p.gpus.iter().copied());
-                let extra = LocalWorker { pid: Some(p.pid) };
+                let cgroup = p
+                    .cgroup
+                    .clone()
+                    .filter(|_| self.cgroups.is_some())
+                    .map(WorkerCgroup::at);
+                let extra = LocalWorker {
+                    pid: Some(p.pid),
+                    cgroup,
+                };
                 self.book.insert(&id, Worker::running(&p.node, gpus, extra));
                 let start = std::fs::metadata(log_path).map(|m| m.len()).unwrap_or(0);
                 let this = self.clone();
@@ -364,8 +407,17 @@ impl LocalExecutor {
                 tracing::info!(worker = %id, reason = %record.reason, "a worker ended while no server watched it");
                 let node = pid_file.map(|p| p.node).unwrap_or_default();
                 let exit = (record.exit_code, record.reason);
-                self.book
-                    .insert(&id, Worker::ended(&node, exit, LocalWorker { pid: None }));
+                self.book.insert(
+                    &id,
+                    Worker::ended(
+                        &node,
+                        exit,
+                        LocalWorker {
+                            pid: None,
+                            cgroup: None,
+                        },
+                    ),
+                );
             }
         }
     }
@@ -488,14 +540,21 @@ impl LocalExecutor {
         let start = log.metadata().map(|m| m.len()).unwrap_or(0);
         let exit_path = log_path.with_extension("exit");
         let _ = std::fs::remove_file(&exit_path);
+        let cgroup = self
+            .cgroups
+            .as_ref()
+            .map(|c| c.worker(&format!("j{}-e{}-r{}", id.job_id, id.epoch, id.rank)));
         let mut cmd = match &self.config.supervisor {
             Some(keel) => {
                 let mut c = tokio::process::Command::new(keel);
-                c.arg("supervise")
-                    .arg("--exit-file")
-                    .arg(&exit_path)
-                    .arg("--")
-                    .args(&launch.command);
+                c.arg("supervise").arg("--exit-file").arg(&exit_path);
+                if let Some(cg) = &cgroup {
+                    c.arg("--cgroup")
+                        .arg(&cg.dir)
+                        .arg("--leftover-grace-ms")
+                        .arg(LEFTOVER_GRACE.as_millis().to_string());
+                }
+                c.arg("--").args(&launch.command);
                 c
             }
             None => {
@@ -537,6 +596,7 @@ impl LocalExecutor {
                     start,
                     node: launch.node.clone(),
                     gpus: launch.gpus.clone(),
+                    cgroup: cgroup.as_ref().map(|c| c.dir.clone()),
                 };
                 if let Ok(body) = serde_json::to_vec(&record) {
                     let _ = std::fs::write(pid_path(&log_path), body);
@@ -547,7 +607,7 @@ impl LocalExecutor {
         let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
         self.book.insert(
             &id,
-            Worker::running(&launch.node, gpus, LocalWorker { pid }),
+            Worker::running(&launch.node, gpus, LocalWorker { pid, cgroup }),
         );
         drop(log);
         let this = self.clone();
@@ -599,21 +659,37 @@ impl LocalExecutor {
             let _ = f.write_all(format!("keel: {reason}\n").as_bytes()).await;
         }
         let exit = (Some(127), reason.to_string());
-        self.book
-            .insert_not_started(id, node, exit, LocalWorker { pid: None });
+        self.book.insert_not_started(
+            id,
+            node,
+            exit,
+            LocalWorker {
+                pid: None,
+                cgroup: None,
+            },
+        );
     }
 
     fn signal(&self, id: &WorkerId, signal: Signal) {
-        let pid = {
+        let (pid, cgroup) = {
             let book = self.book.lock();
             match book.workers.get(id) {
                 Some(w) if w.is_running() => match w.extra.pid {
-                    Some(pid) => pid,
+                    Some(pid) => (pid, w.extra.cgroup.clone()),
                     None => return,
                 },
                 _ => return,
             }
         };
+        // Every process of the worker, the ones that left its process group
+        // too (the supervisor is not in the cgroup: it records the end).
+        if let Some(cg) = &cgroup {
+            if signal == Signal::SIGKILL {
+                cg.kill_all();
+            } else {
+                cg.signal(signal);
+            }
+        }
         if signal == Signal::SIGKILL && self.config.supervisor.is_some() {
             // Spare the supervisor (the group's leader), so that it records
             // the worker's end; it exits right after.

@@ -63,8 +63,17 @@ pub fn describe(status: std::process::ExitStatus) -> ExitRecord {
 }
 
 /// Runs `command` to its end, writes its exit to `exit_file`, and returns
-/// the code to exit with.
-pub async fn supervise(exit_file: PathBuf, command: Vec<String>) -> i32 {
+/// the code to exit with. With `cgroup`, the worker runs in that cgroup
+/// (made here, entered before `exec`), and once its main process exits
+/// every process left in it is stopped (SIGTERM, `leftover_grace`, then
+/// killed) before the exit is written: the worker's GPUs are free when
+/// its exit is known.
+pub async fn supervise(
+    exit_file: PathBuf,
+    command: Vec<String>,
+    cgroup: Option<PathBuf>,
+    leftover_grace: std::time::Duration,
+) -> i32 {
     use tokio::signal::unix::{signal, SignalKind};
     // Our own SIGTERM handler: the group's SIGTERM is for the worker.
     let mut term = signal(SignalKind::terminate()).ok();
@@ -76,11 +85,40 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>) -> i32 {
         let _ = write_exit(&exit_file, &record);
         return 127;
     };
-    let mut child = match tokio::process::Command::new(program)
-        .args(&command[1..])
-        .kill_on_drop(false)
-        .spawn()
-    {
+    let cgroup = cgroup.map(crate::containment::WorkerCgroup::at);
+    let mut cmd = match &cgroup {
+        // The worker starts as `keel cgroup-exec DIR -- COMMAND`, which
+        // enters the cgroup and then execs the command: everything it
+        // starts is in the cgroup from its first instruction on.
+        Some(cg) => match (cg.create(), std::env::current_exe()) {
+            (Ok(()), Ok(keel)) => {
+                let mut c = tokio::process::Command::new(keel);
+                c.arg("cgroup-exec").arg(&cg.dir).arg("--").args(&command);
+                c
+            }
+            (made, exe) => {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "keel: the worker runs without its cgroup {}: {}",
+                    cg.dir.display(),
+                    made.err()
+                        .map(|e| e.to_string())
+                        .or(exe.err().map(|e| e.to_string()))
+                        .unwrap_or_default()
+                );
+                let mut c = tokio::process::Command::new(program);
+                c.args(&command[1..]);
+                c
+            }
+        },
+        None => {
+            let mut c = tokio::process::Command::new(program);
+            c.args(&command[1..]);
+            c
+        }
+    };
+    cmd.kill_on_drop(false);
+    let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
             let record = ExitRecord {
@@ -110,6 +148,17 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>) -> i32 {
             reason: format!("could not wait for the worker: {e}"),
         },
     };
+    if let Some(cg) = cgroup {
+        let left = tokio::task::spawn_blocking(move || cg.drain(leftover_grace))
+            .await
+            .unwrap_or(0);
+        if left > 0 {
+            let _ = writeln!(
+                std::io::stderr(),
+                "keel: stopped {left} process(es) the worker left running"
+            );
+        }
+    }
     let _ = write_exit(&exit_file, &record);
     // Signals cannot be re-raised safely here; 128 + n is the shell's
     // convention for "killed by signal n".

@@ -21,6 +21,45 @@ pub fn json_of(command: &mut Command) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("JSON output")
 }
 
+/// Whether this machine lets Keel make a cgroup per worker. Where it does
+/// not, says on the terminal that `test` did not run and why; with
+/// `KEEL_REQUIRE_CGROUP` set (`.ci/run` sets it where a hierarchy is
+/// writable), that fails the test.
+pub fn cgroups_or_skip(test: &str) -> bool {
+    use std::io::Write;
+    let tag = format!("probe-{}", std::process::id());
+    match keel_executors::containment::Cgroups::detect(&tag) {
+        Ok(_) => true,
+        Err(why) => {
+            assert!(
+                std::env::var_os("KEEL_REQUIRE_CGROUP").is_none(),
+                "KEEL_REQUIRE_CGROUP is set and {why}"
+            );
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: {why} (set KEEL_REQUIRE_CGROUP=1 to make this a failure)"
+            );
+            false
+        }
+    }
+}
+
+/// The processes whose environment holds `KEEL_MARK=mark`, from the
+/// process table (not from Keel's records).
+pub fn marked(mark: &str) -> Vec<u32> {
+    let needle = format!("KEEL_MARK={mark}\0");
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.windows(needle.len()).any(|w| w == needle.as_bytes()))
+        })
+        .collect()
+}
+
 /// Whether `program` runs here. Where it does not, says on the terminal
 /// (past the harness's capture) that `test` did not run and why, so that
 /// `cargo test` needs nothing but the Rust toolchain; with the environment

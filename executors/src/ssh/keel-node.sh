@@ -19,7 +19,10 @@
 #          is never taken for it); the job's rendezvous port; its GPUs;
 #   .exit  "CODE REASON", written by the supervisor when the worker ends;
 #   .claim the pid of the agent that launched it, created exclusively: one
-#          launch per identity, however many servers ask.
+#          launch per identity, however many servers ask;
+#   .cgroup the worker's cgroup, where the host lets Keel make one: every
+#          process the worker starts is in it (a setsid does not leave it),
+#          stopped with it, and gone before its exit is written.
 # The supervisor runs in its own session (setsid), with no pipe to SSH, so
 # the worker survives the SSH connection and the server that opened it.
 set -u
@@ -35,6 +38,88 @@ start_time() {
     [ "$1" != Z ] && [ "$1" != X ] || return 1
     shift 19
     st=$1
+}
+
+# Sets cg_parent to a cgroup directory Keel may make the workers' cgroups of
+# work directory $1 in (cgroup v2 under this process's own cgroup, else
+# v1's freezer), or fails with why in cg_why.
+cgroup_parent() {
+    w_dir=$1
+    cg_parent= cg_why="no cgroup v2 or v1 freezer hierarchy is mounted"
+    for want in cgroup2 freezer; do
+        own=
+        while IFS=: read -r c_id c_ctl c_path; do
+            if [ "$want" = cgroup2 ] && [ "$c_id" = 0 ] && [ -z "$c_ctl" ]; then own=$c_path; fi
+            case ",$c_ctl," in *",$want,"*) own=$c_path ;; esac
+        done < /proc/self/cgroup
+        [ -n "$own" ] || continue
+        while read -r m_line; do
+            case "$m_line" in
+                *" - cgroup2 "*) [ "$want" = cgroup2 ] || continue ;;
+                *" - cgroup "*[,\ ]freezer*) [ "$want" = freezer ] || continue ;;
+                *) continue ;;
+            esac
+            # shellcheck disable=SC2086
+            set -- $m_line
+            dir="$5${own%/}/keel"
+            if mkdir -p "$dir" 2> /dev/null; then
+                cg_parent=$dir
+                cg_tag="ssh$(printf '%s' "$w_dir" | cksum | cut -d' ' -f1)"
+                return 0
+            fi
+            cg_why="cannot make $dir"
+        done < /proc/self/mountinfo
+    done
+    return 1
+}
+
+# Signals every process in cgroup $2 with $1 (KILL: at once, with
+# cgroup.kill where the kernel has it, else frozen so none can fork).
+cgroup_signal() {
+    if [ "$1" = KILL ]; then
+        echo 1 > "$2/cgroup.kill" 2> /dev/null && return 0
+        frozen=
+        if [ -f "$2/freezer.state" ]; then
+            echo FROZEN > "$2/freezer.state" 2> /dev/null && frozen="freezer.state THAWED"
+        else
+            echo 1 > "$2/cgroup.freeze" 2> /dev/null && frozen="cgroup.freeze 0"
+        fi
+    fi
+    while read -r c_pid; do
+        kill -s "$1" "$c_pid" 2> /dev/null
+    done < "$2/cgroup.procs"
+    if [ -n "${frozen:-}" ]; then
+        # shellcheck disable=SC2086
+        set -- "$2" $frozen
+        echo "$3" > "$1/$2" 2> /dev/null
+    fi
+}
+
+# Whether cgroup $1 still holds a process.
+cgroup_busy() {
+    { read -r _ < "$1/cgroup.procs"; } 2> /dev/null
+}
+
+# Stops what the worker left in cgroup $1: SIGTERM, up to $2 tenths of a
+# second, then kills until it is empty; removes it. Says what it stopped.
+cgroup_drain() {
+    cgroup_busy "$1" || { rmdir "$1" 2> /dev/null; return 0; }
+    left=0
+    while read -r _; do left=$((left + 1)); done < "$1/cgroup.procs"
+    cgroup_signal TERM "$1"
+    i=0
+    while cgroup_busy "$1" && [ "$i" -lt "$2" ]; do
+        sleep 0.1
+        i=$((i + 1))
+    done
+    i=0
+    while cgroup_busy "$1" && [ "$i" -lt 300 ]; do
+        cgroup_signal KILL "$1"
+        sleep 0.1
+        i=$((i + 1))
+    done
+    rmdir "$1" 2> /dev/null
+    echo "keel: stopped $left process(es) the worker left running" >&2
 }
 
 # Whether the supervisor recorded in $1.pid still runs.
@@ -60,7 +145,26 @@ supervise() {
         mv -f "$base.exit.tmp" "$base.exit"
         exit 127
     fi
-    "$@" &
+    # The worker's own cgroup, entered before its command runs.
+    cg=
+    if cgroup_parent "${base%/*/*}"; then
+        # jJ-eE-rR, from WORKERS/job-J/eE-rR.
+        j=${base%/*}
+        cg="$cg_parent/$cg_tag-j${j##*/job-}-${base##*/}"
+        if mkdir -p "$cg" 2> /dev/null; then
+            printf '%s\n' "$cg" > "$base.cgroup"
+        else
+            echo "keel: the worker runs without a cgroup: cannot make $cg" >&2
+            cg=
+        fi
+    else
+        echo "keel: the worker runs without a cgroup ($cg_why): a process it starts with setsid escapes it" >&2
+    fi
+    if [ -n "$cg" ]; then
+        (echo 0 > "$cg/cgroup.procs" && exec "$@") &
+    else
+        "$@" &
+    fi
     child=$!
     while :; do
         wait "$child"
@@ -68,6 +172,9 @@ supervise() {
         # A signal to the supervisor interrupts wait; the worker goes on.
         kill -0 "$child" 2> /dev/null || break
     done
+    if [ -n "$cg" ]; then
+        cgroup_drain "$cg" "${KEEL_LEFTOVER_GRACE_DS:-100}"
+    fi
     if [ "$code" -gt 128 ] && name=$(kill -l "$((code - 128))" 2> /dev/null); then
         reason="killed by SIG$name (status $code)"
     else
@@ -156,8 +263,8 @@ poll() {
     shift
     for req in "$@"; do
         case $req in
-            F:*) rm -f "${req#F:}.exit" "${req#F:}.pid" ;;
-            R:*) rm -f "${req#R:}.exit" "${req#R:}.pid" "${req#R:}.claim" ;;
+            F:*) rm -f "${req#F:}.exit" "${req#F:}.pid" "${req#F:}.cgroup" ;;
+            R:*) rm -f "${req#R:}.exit" "${req#R:}.pid" "${req#R:}.claim" "${req#R:}.cgroup" ;;
         esac
     done
     last=
@@ -208,6 +315,10 @@ poll() {
 signal() {
     alive "$2" || exit 0
     read -r s_pid _ < "$2.pid"
+    # Every process of the worker, the ones that left its session too.
+    if read -r s_cg < "$2.cgroup" 2> /dev/null && [ -d "$s_cg" ]; then
+        cgroup_signal "$1" "$s_cg"
+    fi
     if [ "$1" = KILL ]; then
         for d in /proc/[0-9]*; do
             p=${d#/proc/}
@@ -280,7 +391,7 @@ dispatch() {
     shift
     case $cmd in
         supervise | launch | poll | signal | logs | probe | serve) "$cmd" "$@" ;;
-        forget) rm -f "$1.exit" "$1.pid" ;;
+        forget) rm -f "$1.exit" "$1.pid" "$1.cgroup" ;;
         *)
             echo "keel-node.sh: unknown command $cmd" >&2
             exit 2

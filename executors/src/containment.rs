@@ -1,0 +1,265 @@
+//! Containing every process a worker starts: one cgroup per worker.
+//!
+//! A process group does not contain a worker: anything that calls
+//! `setsid` (launchers, daemons, data-loader and MPI helpers) leaves it,
+//! and would keep running on the worker's GPU after Keel handed the GPU
+//! on. A cgroup cannot be left by an unprivileged process, so the
+//! supervisor (`keel supervise --cgroup DIR`) moves the worker into its own
+//! cgroup before `exec`, and when the worker's main process exits, or the
+//! worker is stopped, every process left in it is stopped (SIGTERM, then
+//! after the grace `cgroup.kill`, or freeze-and-SIGKILL on cgroup v1); the
+//! worker's exit is written only once the cgroup is empty, so its GPUs are
+//! not handed on while any process of it runs (Slurm's `proctrack/cgroup`,
+//! a container's end under Kubernetes).
+//!
+//! [`Cgroups::detect`] finds a hierarchy Keel may write: cgroup v2 (the
+//! unified hierarchy, under this process's own cgroup), else cgroup v1's
+//! freezer. Where neither is writable, workers are contained by their
+//! process group only, and the server says so once.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// Which kind of cgroup hierarchy holds the workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavour {
+    /// cgroup v2: `cgroup.kill` (Linux 5.14+) or `cgroup.freeze`.
+    V2,
+    /// cgroup v1's freezer: `freezer.state`.
+    V1Freezer,
+}
+
+/// Where Keel makes its workers' cgroups.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cgroups {
+    pub flavour: Flavour,
+    /// The directory the workers' cgroups go in (`.../keel`).
+    pub parent: PathBuf,
+    /// What starts this executor's workers' cgroup names (so executors of
+    /// different directories on one machine never meet), with nothing
+    /// left behind when they are gone.
+    pub tag: String,
+}
+
+/// This process's cgroup in the hierarchy `matches` picks from
+/// `/proc/self/cgroup` lines (`ID:CONTROLLERS:PATH`).
+fn own_path(proc_cgroup: &str, matches: impl Fn(&str, &str) -> bool) -> Option<String> {
+    proc_cgroup.lines().find_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let (id, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        matches(id, controllers).then(|| path.to_string())
+    })
+}
+
+/// The mount points of `fstype` (and, for v1, with `option` among the
+/// super options) from `/proc/self/mountinfo`.
+fn mount_of(mountinfo: &str, fstype: &str, option: Option<&str>) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let mut r = right.split_whitespace();
+        let (ty, _source, options) = (r.next()?, r.next()?, r.next().unwrap_or(""));
+        if ty != fstype || option.is_some_and(|o| !options.split(',').any(|x| x == o)) {
+            return None;
+        }
+        left.split_whitespace().nth(4).map(PathBuf::from)
+    })
+}
+
+impl Cgroups {
+    /// A writable hierarchy for the workers of the executor called `tag`
+    /// (unique per executor directory), or why there is none.
+    pub fn detect(tag: &str) -> Result<Cgroups, String> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .map_err(|e| format!("cannot read /proc/self/cgroup: {e}"))?;
+        let mut tried = Vec::new();
+        let candidates = [
+            (
+                Flavour::V2,
+                mount_of(&mountinfo, "cgroup2", None),
+                own_path(&own, |id, c| id == "0" && c.is_empty()),
+            ),
+            (
+                Flavour::V1Freezer,
+                mount_of(&mountinfo, "cgroup", Some("freezer")),
+                own_path(&own, |_, c| c.split(',').any(|x| x == "freezer")),
+            ),
+        ];
+        for (flavour, mount, path) in candidates {
+            let (Some(mount), Some(path)) = (mount, path) else {
+                continue;
+            };
+            let parent = mount.join(path.trim_start_matches('/')).join("keel");
+            match std::fs::create_dir_all(&parent) {
+                Ok(()) => {
+                    return Ok(Cgroups {
+                        flavour,
+                        parent,
+                        tag: tag.to_string(),
+                    })
+                }
+                Err(e) => tried.push(format!("{}: {e}", parent.display())),
+            }
+        }
+        Err(if tried.is_empty() {
+            "no cgroup v2 or v1 freezer hierarchy is mounted".into()
+        } else {
+            format!("no cgroup may be made here ({})", tried.join("; "))
+        })
+    }
+
+    /// The cgroup of the worker called `name` (not made yet).
+    pub fn worker(&self, name: &str) -> WorkerCgroup {
+        WorkerCgroup {
+            flavour: self.flavour,
+            dir: self.parent.join(format!("{}-{name}", self.tag)),
+        }
+    }
+}
+
+/// One worker's cgroup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerCgroup {
+    pub flavour: Flavour,
+    pub dir: PathBuf,
+}
+
+impl WorkerCgroup {
+    /// The cgroup at `dir` (its flavour from the files a v1 freezer has).
+    pub fn at(dir: PathBuf) -> WorkerCgroup {
+        let parent_is_v1 = dir
+            .parent()
+            .is_some_and(|p| p.join("freezer.state").exists() || p.join("tasks").exists());
+        WorkerCgroup {
+            flavour: if parent_is_v1 {
+                Flavour::V1Freezer
+            } else {
+                Flavour::V2
+            },
+            dir,
+        }
+    }
+
+    /// Makes the cgroup (it may exist from an earlier run of the worker).
+    pub fn create(&self) -> std::io::Result<()> {
+        std::fs::create_dir_all(&self.dir)
+    }
+
+    /// The file a process writes `0` to in order to enter the cgroup.
+    pub fn procs_file(&self) -> PathBuf {
+        self.dir.join("cgroup.procs")
+    }
+
+    /// The processes in it now (none when it is gone).
+    pub fn pids(&self) -> Vec<u32> {
+        pids_in(&self.dir)
+    }
+
+    /// Sends `signal` to every process in it.
+    pub fn signal(&self, signal: Signal) {
+        for pid in self.pids() {
+            let _ = kill(Pid::from_raw(pid as i32), signal);
+        }
+    }
+
+    /// Kills every process in it at once: `cgroup.kill` where the kernel
+    /// has it, else freeze, SIGKILL each, thaw (no process can fork while
+    /// frozen, so none escapes the sweep).
+    pub fn kill_all(&self) {
+        if self.flavour == Flavour::V2 && std::fs::write(self.dir.join("cgroup.kill"), "1").is_ok()
+        {
+            return;
+        }
+        let (file, freeze, thaw) = match self.flavour {
+            Flavour::V2 => ("cgroup.freeze", "1", "0"),
+            Flavour::V1Freezer => ("freezer.state", "FROZEN", "THAWED"),
+        };
+        let frozen = std::fs::write(self.dir.join(file), freeze).is_ok();
+        self.signal(Signal::SIGKILL);
+        if frozen {
+            let _ = std::fs::write(self.dir.join(file), thaw);
+        }
+    }
+
+    /// Stops whatever is left in it: SIGTERM, then, after `grace` (or at
+    /// once when it empties), [`WorkerCgroup::kill_all`] until it is empty;
+    /// then removes it. How many processes were left.
+    pub fn drain(&self, grace: Duration) -> usize {
+        let left = self.pids().len();
+        if left > 0 {
+            self.signal(Signal::SIGTERM);
+            wait_empty(&self.dir, grace);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !self.pids().is_empty() && Instant::now() < deadline {
+                self.kill_all();
+                wait_empty(&self.dir, Duration::from_millis(200));
+            }
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+        left
+    }
+}
+
+/// `keel cgroup-exec DIR -- COMMAND`: enters the cgroup at `dir`, then
+/// becomes `command` (exec). Returns only on failure, with why.
+pub fn enter_and_exec(dir: &Path, command: &[String]) -> String {
+    use std::os::unix::process::CommandExt;
+    let Some(program) = command.first() else {
+        return "no command to run".into();
+    };
+    if let Err(e) = std::fs::write(dir.join("cgroup.procs"), "0") {
+        return format!("cannot enter the cgroup {}: {e}", dir.display());
+    }
+    let e = std::process::Command::new(program)
+        .args(&command[1..])
+        .exec();
+    format!("could not start {program:?}: {e}")
+}
+
+fn pids_in(dir: &Path) -> Vec<u32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+fn wait_empty(dir: &Path, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !pids_in(dir).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hierarchies_are_found_from_mountinfo_and_proc_cgroup() {
+        let mountinfo = "\
+30 25 0:26 / /sys/fs/cgroup/unified rw,relatime shared:5 - cgroup2 cgroup2 rw
+35 25 0:31 / /sys/fs/cgroup/freezer rw,relatime shared:9 - cgroup cgroup rw,freezer
+36 25 0:32 / /sys/fs/cgroup/pids rw,relatime shared:10 - cgroup cgroup rw,pids";
+        assert_eq!(
+            mount_of(mountinfo, "cgroup2", None),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        assert_eq!(
+            mount_of(mountinfo, "cgroup", Some("freezer")),
+            Some(PathBuf::from("/sys/fs/cgroup/freezer"))
+        );
+        assert_eq!(mount_of(mountinfo, "cgroup", Some("memory")), None);
+        let own = "6:freezer:/a/b\n4:memory:/m\n0::/user.slice/x.scope";
+        assert_eq!(
+            own_path(own, |id, c| id == "0" && c.is_empty()).as_deref(),
+            Some("/user.slice/x.scope")
+        );
+        assert_eq!(
+            own_path(own, |_, c| c.split(',').any(|x| x == "freezer")).as_deref(),
+            Some("/a/b")
+        );
+    }
+}
