@@ -204,14 +204,6 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         command: Vec<String>,
     },
-    /// (Internal: how `keel supervise --cgroup` starts a worker.) Enter the
-    /// cgroup DIR, then run COMMAND in place of this process.
-    #[command(hide = true)]
-    CgroupExec {
-        dir: PathBuf,
-        #[arg(allow_hyphen_values = true, required = true, last = true)]
-        command: Vec<String>,
-    },
     /// Submit a job from a YAML or JSON spec file (`-` reads stdin).
     Submit {
         /// The job's YAML spec (name, command or image, gpus, workers, ...;
@@ -882,12 +874,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .await;
             std::process::exit(code);
         }
-        Cmd::CgroupExec { dir, command } => {
-            let why = keel_executors::containment::enter_and_exec(&dir, &command);
-            let _ =
-                std::io::Write::write_fmt(&mut std::io::stderr(), format_args!("keel: {why}\n"));
-            std::process::exit(127);
-        }
         Cmd::Events { from, follow } => cli::events(&args.addr, from, follow, out).await,
         Cmd::Cluster {
             command: ClusterCmd::Status,
@@ -1016,7 +1002,7 @@ fn parse_peer(s: &str) -> Result<(u64, String), String> {
 #[cfg(test)]
 mod tests {
     /// clap's own checks of the whole command line (conflicting argument
-    /// settings panic at parse time otherwise, as `cgroup-exec`'s once did).
+    /// settings otherwise panic only when that subcommand is parsed).
     #[test]
     fn the_command_line_is_well_formed() {
         use clap::CommandFactory;

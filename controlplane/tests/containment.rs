@@ -95,3 +95,53 @@ fn a_worker_that_calls_setsid_leaves_nothing_running_and_its_gpu_waits_for_the_l
     );
     server.terminate();
 }
+
+/// A server killed with SIGKILL while its worker runs: the restarted
+/// server re-adopts the worker (its cgroup from the pid file), and when the
+/// worker ends, what it started with `setsid` is stopped before the exit
+/// is recorded.
+#[test]
+fn a_worker_re_adopted_after_a_kill_9_still_leaves_nothing_running() {
+    const TEST: &str = "a_worker_re_adopted_after_a_kill_9_still_leaves_nothing_running";
+    if !cgroups_or_skip(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let args = ["--simulated-gpus", "1xv100", "--round-s", "0.3"];
+    let server = ServerProcess::start(&data, &args);
+    let mark = format!("readopt-{}", std::process::id());
+    let hold = dir.path().join("release");
+    let id = submit(
+        &server,
+        dir.path(),
+        "held",
+        &format!(
+            "KEEL_MARK={mark} setsid sleep 3001 & until [ -f {} ]; do sleep 0.1; done",
+            hold.display()
+        ),
+    );
+    wait_for("the escaped process", || {
+        (!marked(&mark).is_empty()).then_some(())
+    });
+    server.kill9();
+    let server = ServerProcess::start(&data, &args);
+    wait_for("the worker to be re-adopted", || {
+        server
+            .log_text()
+            .contains("re-adopting a worker left by an earlier server")
+            .then_some(())
+    });
+    assert!(!marked(&mark).is_empty(), "the escaped process runs on");
+    std::fs::write(&hold, "").expect("release");
+    wait_for("the job to succeed", || {
+        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
+    });
+    assert_eq!(marked(&mark), Vec::<u32>::new(), "left running");
+    let log = server.cli_ok(&["logs", &id]);
+    assert!(
+        log.contains("stopped 1 process(es) the worker left running"),
+        "{log}"
+    );
+    server.terminate();
+}

@@ -260,7 +260,10 @@ fn cancel_stops_workers_failures_retry_and_a_lost_node_requeues() {
             .split('/')
             .next()?
             .to_string();
-        (job["state"] == "running" && running).then_some(node)
+        // Its trainer reported a step: it runs, with its SIGTERM handler
+        // (a worker stopped before that dies unprepared, as it should).
+        let reported = job["progress"]["step"].is_u64();
+        (job["state"] == "running" && running && reported).then_some(node)
     });
     // Its node is lost: it is preempted and placed on the other node.
     server.cli_ok(&["node", "lost", &first_node, "--reason", "test"]);

@@ -4,8 +4,9 @@
 //! `setsid` (launchers, daemons, data-loader and MPI helpers) leaves it,
 //! and would keep running on the worker's GPU after Keel handed the GPU
 //! on. A cgroup cannot be left by an unprivileged process, so the
-//! supervisor (`keel supervise --cgroup DIR`) moves the worker into its own
-//! cgroup before `exec`, and when the worker's main process exits, or the
+//! supervisor (`keel supervise --cgroup DIR`) starts the worker as a shell
+//! that moves itself into the worker's own cgroup and then execs it
+//! ([`ENTER_AND_EXEC`]), and when the worker's main process exits, or the
 //! worker is stopped, every process left in it is stopped (SIGTERM, then
 //! after the grace `cgroup.kill`, or freeze-and-SIGKILL on cgroup v1); the
 //! worker's exit is written only once the cgroup is empty, so its GPUs are
@@ -204,21 +205,11 @@ impl WorkerCgroup {
     }
 }
 
-/// `keel cgroup-exec DIR -- COMMAND`: enters the cgroup at `dir`, then
-/// becomes `command` (exec). Returns only on failure, with why.
-pub fn enter_and_exec(dir: &Path, command: &[String]) -> String {
-    use std::os::unix::process::CommandExt;
-    let Some(program) = command.first() else {
-        return "no command to run".into();
-    };
-    if let Err(e) = std::fs::write(dir.join("cgroup.procs"), "0") {
-        return format!("cannot enter the cgroup {}: {e}", dir.display());
-    }
-    let e = std::process::Command::new(program)
-        .args(&command[1..])
-        .exec();
-    format!("could not start {program:?}: {e}")
-}
+/// The shell script a worker starts as, with its cgroup's directory as
+/// `$0` and its command as the arguments: it moves itself into the cgroup,
+/// then becomes the command. Exits 127, saying why, when it cannot.
+pub const ENTER_AND_EXEC: &str = r#"echo 0 > "$0/cgroup.procs" || { echo "keel: cannot enter the cgroup $0" >&2; exit 127; }
+exec "$@""#;
 
 fn pids_in(dir: &Path) -> Vec<u32> {
     std::fs::read_to_string(dir.join("cgroup.procs"))

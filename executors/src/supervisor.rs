@@ -87,24 +87,25 @@ pub async fn supervise(
     };
     let cgroup = cgroup.map(crate::containment::WorkerCgroup::at);
     let mut cmd = match &cgroup {
-        // The worker starts as `keel cgroup-exec DIR -- COMMAND`, which
-        // enters the cgroup and then execs the command: everything it
-        // starts is in the cgroup from its first instruction on.
-        Some(cg) => match (cg.create(), std::env::current_exe()) {
-            (Ok(()), Ok(keel)) => {
-                let mut c = tokio::process::Command::new(keel);
-                c.arg("cgroup-exec").arg(&cg.dir).arg("--").args(&command);
+        // The worker starts as a shell that enters the cgroup (writing `0`
+        // moves the writer) and then execs the command: everything it
+        // starts is in the cgroup from its first instruction on. A shell,
+        // not `keel`, so the hop costs a millisecond, not the start of a
+        // large binary (a worker stopped during it would die unprepared).
+        Some(cg) => match cg.create() {
+            Ok(()) => {
+                let mut c = tokio::process::Command::new("/bin/sh");
+                c.arg("-c")
+                    .arg(crate::containment::ENTER_AND_EXEC)
+                    .arg(&cg.dir)
+                    .args(&command);
                 c
             }
-            (made, exe) => {
+            Err(e) => {
                 let _ = writeln!(
                     std::io::stderr(),
-                    "keel: the worker runs without its cgroup {}: {}",
+                    "keel: the worker runs without its cgroup {}: {e}",
                     cg.dir.display(),
-                    made.err()
-                        .map(|e| e.to_string())
-                        .or(exe.err().map(|e| e.to_string()))
-                        .unwrap_or_default()
                 );
                 let mut c = tokio::process::Command::new(program);
                 c.args(&command[1..]);

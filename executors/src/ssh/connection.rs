@@ -174,6 +174,9 @@ pub(super) struct Connection {
     pub gpus: Vec<Gpu>,
     /// Where the shipped `keel` is on the host, if one was shipped.
     pub bin_dir: Option<String>,
+    /// Why the host's workers get no cgroup (said in the node's note), or
+    /// `None` when they do.
+    pub uncontained: Option<String>,
 }
 
 impl Connection {
@@ -300,9 +303,32 @@ impl Host {
                 &reply.stderr,
             ))));
         }
+        // "K ..." lines say whether workers get cgroups; the rest is
+        // nvidia-smi's listing.
+        let text = String::from_utf8_lossy(&reply.stdout);
+        let (kinds, listing): (Vec<&str>, Vec<&str>) =
+            text.lines().partition(|l| l.starts_with("K "));
+        let uncontained = kinds
+            .iter()
+            .find_map(|l| l.strip_prefix("K none "))
+            .map(|why| {
+                let mut note = format!(
+                    "workers contained by their session only ({}): a process that calls setsid escapes",
+                    why.trim()
+                );
+                let mut end = note.len().min(keel_state::state::limits::NODE_NOTE_MAX_LEN);
+                while !note.is_char_boundary(end) {
+                    end -= 1;
+                }
+                note.truncate(end);
+                note
+            });
+        if let Some(note) = &uncontained {
+            tracing::warn!(node = %node.name, %note, "no cgroups on this host");
+        }
         let gpus = match &node.gpus {
             Some(declared) => declared.clone(),
-            None => parse_nvidia_smi(&String::from_utf8_lossy(&reply.stdout))
+            None => parse_nvidia_smi(&listing.join("\n"))
                 .map_err(|e| RunError::Failed(e.to_string()))?,
         };
         let connection = Connection {
@@ -312,6 +338,7 @@ impl Host {
             work_dir,
             gpus,
             bin_dir,
+            uncontained,
         };
         tracing::info!(node = %node.name, host = %node.host, work_dir = %connection.work_dir, gpus = connection.gpus.len(), "connected over SSH");
         let connection = Arc::new(connection);

@@ -348,12 +348,18 @@ logs() {
     done
 }
 
-# probe: what a node needs, and its GPUs when asked ("probe gpus").
+# probe: what a node needs, whether its workers get cgroups ("K cgroup", or
+# "K none WHY"), and its GPUs when asked ("probe gpus").
 probe() {
     command -v setsid > /dev/null 2>&1 || {
         echo "setsid is not installed on this host (util-linux)" >&2
         exit 3
     }
+    if cgroup_parent probe; then
+        echo "K cgroup"
+    else
+        echo "K none $cg_why"
+    fi
     if [ "${1:-}" = gpus ]; then
         command -v nvidia-smi > /dev/null 2>&1 || {
             echo "nvidia-smi is not installed on this host: declare the node's gpus in the nodes file" >&2

@@ -179,13 +179,13 @@ impl SshExecutor {
             }
             let name = host.node.name.clone();
             let probe = match self.poll_once(&host, generation).await {
-                Ok(gpus) => {
+                Ok((gpus, uncontained)) => {
                     wait = interval;
                     NodeProbe::Answered(NodeReport {
                         name: name.clone(),
                         address: host.node.address.clone(),
                         gpus,
-                        note: String::new(),
+                        note: uncontained.unwrap_or_default(),
                     })
                 }
                 Err(e) => {
@@ -205,8 +205,13 @@ impl SshExecutor {
     }
 
     /// One poll of `host` by the loop of `generation` (what it finds is
-    /// dropped if that generation ended meanwhile). Returns the node's GPUs.
-    async fn poll_once(&self, host: &Host, generation: u64) -> Result<Vec<Gpu>, RunError> {
+    /// dropped if that generation ended meanwhile). Returns the node's GPUs,
+    /// and why its workers get no cgroup when they do not.
+    async fn poll_once(
+        &self,
+        host: &Host,
+        generation: u64,
+    ) -> Result<(Vec<Gpu>, Option<String>), RunError> {
         let name = &host.node.name;
         let book = &self.shared.book;
         let started = book.now();
@@ -221,7 +226,7 @@ impl SshExecutor {
         if b.is_current(generation) {
             apply_poll(&mut b, name, &plan, report, started, now, at_ms);
         }
-        Ok(connection.gpus.clone())
+        Ok((connection.gpus.clone(), connection.uncontained.clone()))
     }
 }
 
