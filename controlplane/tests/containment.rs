@@ -9,19 +9,10 @@
 
 mod support;
 
-use support::{cgroups_or_skip, marked, wait_for, ServerProcess};
-
-fn submit(server: &ServerProcess, dir: &std::path::Path, name: &str, script: &str) -> String {
-    let spec = dir.join(format!("{name}.json"));
-    let body = serde_json::json!({
-        "name": name, "command": ["sh", "-c", script], "gpus": 1, "workers": 1
-    });
-    std::fs::write(&spec, body.to_string()).expect("spec");
-    server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
-        .as_u64()
-        .expect("job id")
-        .to_string()
-}
+use support::{
+    assert_succeeded_leaving_nothing, cgroups_or_skip, marked, submit_script as submit, wait_for,
+    ServerProcess,
+};
 
 #[test]
 fn a_worker_that_calls_setsid_leaves_nothing_running_and_its_gpu_waits_for_the_last_process() {
@@ -46,19 +37,7 @@ fn a_worker_that_calls_setsid_leaves_nothing_running_and_its_gpu_waits_for_the_l
         "ends",
         &format!("KEEL_MARK={mark}-a setsid sleep 3001 & sleep 1"),
     );
-    wait_for("the first job to succeed", || {
-        (server.json(&["job", &ends])["state"] == "succeeded").then_some(())
-    });
-    assert_eq!(
-        marked(&format!("{mark}-a")),
-        Vec::<u32>::new(),
-        "left running"
-    );
-    let log = server.cli_ok(&["logs", &ends]);
-    assert!(
-        log.contains("stopped 1 process(es) the worker left running"),
-        "the escaped process was there to stop: {log}"
-    );
+    assert_succeeded_leaving_nothing(&server, &ends, &format!("{mark}-a"));
 
     // Cancelled while its escaped process runs; the next job on the only
     // GPU looks at the process table when it starts.
@@ -134,14 +113,6 @@ fn a_worker_re_adopted_after_a_kill_9_still_leaves_nothing_running() {
     });
     assert!(!marked(&mark).is_empty(), "the escaped process runs on");
     std::fs::write(&hold, "").expect("release");
-    wait_for("the job to succeed", || {
-        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
-    });
-    assert_eq!(marked(&mark), Vec::<u32>::new(), "left running");
-    let log = server.cli_ok(&["logs", &id]);
-    assert!(
-        log.contains("stopped 1 process(es) the worker left running"),
-        "{log}"
-    );
+    assert_succeeded_leaving_nothing(&server, &id, &mark);
     server.terminate();
 }

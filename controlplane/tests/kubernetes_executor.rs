@@ -19,6 +19,25 @@ fn node<'a>(nodes: &'a Value, name: &str) -> Option<&'a Value> {
     nodes.as_array()?.iter().find(|n| n["name"] == name)
 }
 
+/// A server on the stand-in, in namespace `train`, with `extra` flags.
+fn start(api: &StandIn, dir: &std::path::Path, extra: &[&str]) -> ServerProcess {
+    let mut args = vec![
+        "--kubernetes",
+        "--k8s-api-url",
+        &api.url,
+        "--k8s-namespace",
+        "train",
+        "--k8s-default-image",
+        "registry.example/train:1",
+        "--progress-interval-s",
+        "0.2",
+        "--round-s",
+        "0.5",
+    ];
+    args.extend_from_slice(extra);
+    ServerProcess::start(&dir.join("data"), &args)
+}
+
 #[test]
 fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
@@ -26,24 +45,7 @@ fn a_job_runs_as_a_pod_on_the_node_keel_chose() {
     api.add_node("gpu-a", 4, "NVIDIA-A100-SXM4-80GB", true);
     api.add_node("gpu-b", 2, "Tesla-V100-SXM2-16GB", false);
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(
-        &dir.path().join("data"),
-        &[
-            "--kubernetes",
-            "--k8s-api-url",
-            &api.url,
-            "--k8s-namespace",
-            "train",
-            "--k8s-default-image",
-            "registry.example/train:1",
-            "--node-timeout-s",
-            "3",
-            "--progress-interval-s",
-            "0.2",
-            "--round-s",
-            "0.5",
-        ],
-    );
+    let server = start(&api, dir.path(), &["--node-timeout-s", "3"]);
     let nodes = wait_for("the GPU nodes to be shown", || {
         let nodes = server.json(&["nodes"]);
         let ready = node(&nodes, "gpu-a").is_some_and(|n| n["state"] == "alive")
@@ -130,22 +132,7 @@ fn a_pod_the_kubelet_rejects_costs_the_job_no_retry() {
     let api = rt.block_on(StandIn::start());
     api.add_node("gpu-a", 4, "NVIDIA-A100-SXM4-80GB", true);
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = ServerProcess::start(
-        &dir.path().join("data"),
-        &[
-            "--kubernetes",
-            "--k8s-api-url",
-            &api.url,
-            "--k8s-namespace",
-            "train",
-            "--k8s-default-image",
-            "registry.example/train:1",
-            "--progress-interval-s",
-            "0.2",
-            "--round-s",
-            "0.5",
-        ],
-    );
+    let server = start(&api, dir.path(), &[]);
     wait_for("gpu-a with 4 GPUs", || {
         let nodes = server.json(&["nodes"]);
         node(&nodes, "gpu-a")

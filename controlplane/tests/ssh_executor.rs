@@ -12,7 +12,10 @@ mod sshd;
 use serde_json::Value;
 
 use sshd::{free_port, Sshd};
-use support::{cgroups_or_skip, marked, wait_for, ServerProcess, KEEL};
+use support::{
+    assert_succeeded_leaving_nothing, cgroups_or_skip, marked, submit_script, wait_for,
+    ServerProcess, KEEL,
+};
 
 fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
     let node = |name: &str, port: u16, key: &std::path::Path| {
@@ -320,34 +323,12 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
         ],
     );
     let mark = format!("ssh-contain-{}", std::process::id());
-    let submit = |name: &str, script: String| {
-        let spec = dir.path().join(format!("{name}.json"));
-        let body = serde_json::json!({
-            "name": name, "command": ["sh", "-c", script], "gpus": 1, "workers": 1
-        });
-        std::fs::write(&spec, body.to_string()).expect("spec");
-        server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
-            .as_u64()
-            .expect("job id")
-            .to_string()
-    };
+    let submit = |name: &str, script: String| submit_script(&server, dir.path(), name, &script);
     let ends = submit(
         "ends",
         format!("KEEL_MARK={mark}-a setsid sleep 3001 & sleep 1"),
     );
-    wait_for("the job over SSH to succeed", || {
-        (server.json(&["job", &ends])["state"] == "succeeded").then_some(())
-    });
-    assert_eq!(
-        marked(&format!("{mark}-a")),
-        Vec::<u32>::new(),
-        "left running"
-    );
-    let log = server.cli_ok(&["logs", &ends]);
-    assert!(
-        log.contains("stopped 1 process(es) the worker left running"),
-        "the escaped process was there to stop: {log}"
-    );
+    assert_succeeded_leaving_nothing(&server, &ends, &format!("{mark}-a"));
     let cancelled = submit(
         "cancelled",
         format!("KEEL_MARK={mark}-b setsid sleep 3001 & exec sleep 3000"),

@@ -60,6 +60,35 @@ pub fn marked(mark: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Submits a one-GPU, one-worker job that runs `script` with `sh -c`;
+/// its id.
+pub fn submit_script(server: &ServerProcess, dir: &Path, name: &str, script: &str) -> String {
+    let spec = dir.join(format!("{name}.json"));
+    let body = serde_json::json!({
+        "name": name, "command": ["sh", "-c", script], "gpus": 1, "workers": 1
+    });
+    std::fs::write(&spec, body.to_string()).expect("spec");
+    server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+        .as_u64()
+        .expect("job id")
+        .to_string()
+}
+
+/// Waits for job `id` to succeed, then checks from the process table that
+/// nothing marked `mark` runs, and from the worker's log that its
+/// supervisor stopped the one process the worker left.
+pub fn assert_succeeded_leaving_nothing(server: &ServerProcess, id: &str, mark: &str) {
+    wait_for(&format!("job {id} to succeed"), || {
+        (server.json(&["job", id])["state"] == "succeeded").then_some(())
+    });
+    assert_eq!(marked(mark), Vec::<u32>::new(), "left running");
+    let log = server.cli_ok(&["logs", id]);
+    assert!(
+        log.contains("stopped 1 process(es) the worker left running"),
+        "the escaped process was there to stop: {log}"
+    );
+}
+
 /// Whether `program` runs here. Where it does not, says on the terminal
 /// (past the harness's capture) that `test` did not run and why, so that
 /// `cargo test` needs nothing but the Rust toolchain; with the environment
