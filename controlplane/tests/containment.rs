@@ -116,3 +116,68 @@ fn a_worker_re_adopted_after_a_kill_9_still_leaves_nothing_running() {
     assert_succeeded_leaving_nothing(&server, &id, &mark);
     server.terminate();
 }
+
+/// Preempted (srjf hands the only GPU to a shorter job): the long job's
+/// `setsid` child is gone before the short job starts on that GPU, as the
+/// short job finds in the process table when it starts.
+#[test]
+fn a_preempted_worker_leaves_nothing_running_for_the_job_that_takes_its_gpu() {
+    const TEST: &str = "a_preempted_worker_leaves_nothing_running_for_the_job_that_takes_its_gpu";
+    if !cgroups_or_skip(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--simulated-gpus",
+            "1xv100",
+            "--policy",
+            "srjf",
+            "--round-s",
+            "0.3",
+        ],
+    );
+    let mark = format!("preempt-{}", std::process::id());
+    let trainer = "keel trainer --speedup 50 --report-every-s 0.1 --checkpoint-every-steps 50";
+    let job = |name: &str, script: String, steps: u64| {
+        let spec = dir.path().join(format!("{name}.json"));
+        let body = serde_json::json!({
+            "name": name, "command": ["sh", "-c", script], "gpus": 1,
+            "model": "resnet50", "total_steps": steps
+        });
+        std::fs::write(&spec, body.to_string()).expect("spec");
+        server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+            .as_u64()
+            .expect("job id")
+            .to_string()
+    };
+    let long = job(
+        "long",
+        format!("KEEL_MARK={mark} setsid sleep 3001 & exec {trainer}"),
+        10_000_000,
+    );
+    wait_for("the long job to make progress", || {
+        let step = server.json(&["job", &long])["progress"]["step"].as_u64()?;
+        (step >= 50 && !marked(&mark).is_empty()).then_some(())
+    });
+    let short = job(
+        "short",
+        format!(
+            "echo leftovers=$(grep -l -a 'KEEL_MARK={mark}' /proc/[0-9]*/environ 2>/dev/null | wc -l); exec {trainer}"
+        ),
+        500,
+    );
+    wait_for("the short job to succeed", || {
+        (server.json(&["job", &short])["state"] == "succeeded").then_some(())
+    });
+    let history = server.json(&["job", &long])["history"].to_string();
+    assert!(history.contains("preempted"), "{history}");
+    let log = server.cli_ok(&["logs", &short]);
+    assert!(
+        log.contains("leftovers=0"),
+        "the short job started beside the preempted job's process: {log}"
+    );
+    server.cli_ok(&["cancel", &long]);
+    server.terminate();
+}
