@@ -976,6 +976,7 @@ fn a_silent_node_is_marked_lost_and_timers_follow_the_leader() {
 #[test]
 fn a_new_leader_re_adopts_the_running_workers() {
     let shared = tempfile::tempdir().expect("tempdir");
+    let _reaper = support::WorkerReaper(shared.path().to_path_buf());
     let shared_dir = shared.path().to_str().expect("utf-8").to_string();
     let extra = [
         "--simulated-gpus",
@@ -1133,6 +1134,7 @@ fn a_replica_of_another_cluster_is_refused_not_overwritten() {
 #[test]
 fn a_leader_paused_between_deciding_and_launching_launches_nothing_when_it_wakes() {
     let shared = tempfile::tempdir().expect("tempdir");
+    let _reaper = support::WorkerReaper(shared.path().to_path_buf());
     let shared_dir = shared.path().to_str().expect("utf-8").to_string();
     let extra = [
         "--simulated-gpus",
@@ -1348,6 +1350,7 @@ fn a_new_leader_plans_the_next_rounds_from_the_policy_memory_in_the_log() {
     use keel_state::{ClusterState, Command as Entry};
 
     let shared = tempfile::tempdir().expect("tempdir");
+    let _reaper = support::WorkerReaper(shared.path().to_path_buf());
     let shared_dir = shared.path().to_str().expect("utf-8").to_string();
     let extra = [
         "--simulated-gpus",
@@ -1669,6 +1672,7 @@ fn a_clock_an_hour_off_neither_leads_nor_stalls_log_time() {
     const HOUR_MS: i64 = 3_600_000;
     let skewed = |hours: i64| keel_chaos::faults::skewed_clock_env(&lib, hours * 3600);
     let shared = tempfile::tempdir().expect("tempdir");
+    let _reaper = support::WorkerReaper(shared.path().to_path_buf());
     let shared_dir = shared.path().to_str().expect("utf-8").to_string();
     let extra = [
         "--simulated-gpus",

@@ -89,6 +89,50 @@ pub fn assert_succeeded_leaving_nothing(server: &ServerProcess, id: &str, mark: 
     );
 }
 
+/// Kills, when dropped, every worker still running under the executor
+/// directory `0` (supervised workers outlive their servers by design, so a
+/// test whose servers end leaves them otherwise): each supervisor's process
+/// group, and what is left in the worker's cgroup.
+pub struct WorkerReaper(pub std::path::PathBuf);
+
+impl Drop for WorkerReaper {
+    fn drop(&mut self) {
+        let jobs = std::fs::read_dir(self.0.join("workers"))
+            .into_iter()
+            .flatten();
+        for job in jobs.flatten() {
+            for file in std::fs::read_dir(job.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if file.path().extension().is_none_or(|e| e != "pid") {
+                    continue;
+                }
+                let Ok(record) = std::fs::read(file.path()) else {
+                    continue;
+                };
+                let Ok(record) = serde_json::from_slice::<serde_json::Value>(&record) else {
+                    continue;
+                };
+                if let Some(pid) = record["pid"].as_u64() {
+                    let _ = Command::new("kill")
+                        .args(["-9", "--", &format!("-{pid}")])
+                        .stderr(Stdio::null())
+                        .status();
+                }
+                if let Some(cgroup) = record["cgroup"].as_str() {
+                    let _ = std::fs::write(Path::new(cgroup).join("cgroup.kill"), "1");
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    while std::fs::remove_dir(cgroup).is_err() && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Whether `program` runs here. Where it does not, says on the terminal
 /// (past the harness's capture) that `test` did not run and why, so that
 /// `cargo test` needs nothing but the Rust toolchain; with the environment
