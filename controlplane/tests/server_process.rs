@@ -525,6 +525,39 @@ fn a_shutdown_timeout_shorter_than_the_stop_grace_is_refused() {
     );
 }
 
+/// Issue 30's flags refuse what they cannot take, naming the flag and the
+/// limit, before anything starts.
+#[test]
+fn the_kubernetes_flags_refuse_bad_values() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (args, expected) in [
+        (
+            ["--k8s-tolerate", "gpu:Sometimes"],
+            "--k8s-tolerate \"gpu:Sometimes\": the effect must be NoSchedule, PreferNoSchedule or NoExecute",
+        ),
+        (
+            ["--k8s-tolerate", "=v:NoSchedule"],
+            "the key must be 1 to 316 characters",
+        ),
+        (
+            ["--k8s-call-timeout-s", "0"],
+            "--k8s-call-timeout-s must be between 0.1 and 600 seconds, not 0",
+        ),
+    ] {
+        let out = Command::new(support::KEEL)
+            .args(["server", "--listen", "127.0.0.1:0", "--kubernetes"])
+            .args(["--k8s-api-url", "http://127.0.0.1:1"])
+            .args(args)
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .output()
+            .expect("keel server");
+        assert!(!out.status.success(), "{args:?} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+}
+
 /// `keel cluster force-new-cluster` refuses what it cannot recover, naming
 /// why, and writes nothing when it refuses: a directory a server holds, one
 /// that is no data directory, a member id out of range, a member that is

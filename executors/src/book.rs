@@ -117,11 +117,7 @@ pub fn fit_reason(mut reason: String) -> String {
     if reason.len() <= max {
         return reason;
     }
-    let mut end = max - CUT.len();
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    reason.truncate(end);
+    keel_state::state::limits::cut_to(&mut reason, max - CUT.len());
     reason.push_str(CUT);
     reason
 }

@@ -110,7 +110,7 @@ class RetriedWrites(OneServer):
 class NodesFromHeartbeats(OneServer):
     """Items 2, 5 and 6: what a heartbeat from anyone can and cannot do."""
 
-    def heartbeat(self, name, gpu_type="v100"):
+    def heartbeat(self, name, gpu_type="v100", note=""):
         return self.stub.NodeHeartbeat(
             api.NodeHeartbeatRequest(
                 nodes=[
@@ -118,6 +118,7 @@ class NodesFromHeartbeats(OneServer):
                         name=name,
                         address="10.0.0.9",
                         gpus=[entry.Gpu(index=0, gpu_type=gpu_type)],
+                        note=note,
                     )
                 ]
             ),
@@ -187,6 +188,21 @@ class NodesFromHeartbeats(OneServer):
             "type",
         )
         self.assertEqual(list(self.stub.ListNodes(api.ListNodesRequest(), timeout=10).nodes), [])
+        self.assert_serving([])
+
+    def test_a_heartbeats_note_has_a_limit_and_is_shown(self):
+        """Issue 30: a report's note (why a node offers fewer GPUs) is held
+        to 1 KiB, refused whole beyond it, and shown as the node's message."""
+        self.refused(
+            lambda r, timeout: self.heartbeat("n1", note="x" * 1025),
+            None,
+            CODE.INVALID_ARGUMENT,
+            "note is 1025 bytes long; the limit is 1024",
+        )
+        self.assertIsNone(self.node("n1"))
+        self.heartbeat("n1", note="offers 1 of 4 GPUs: 3 requested by other workloads")
+        node = wait_for("n1 registered with its note", lambda: self.node("n1"))
+        self.assertEqual(node.message, "offers 1 of 4 GPUs: 3 requested by other workloads")
         self.assert_serving([])
 
 

@@ -138,13 +138,7 @@ impl NodeLiveness {
     /// Records that a probe could not reach node `name` at `at_ms`.
     pub fn unreachable(&mut self, name: &str, reason: &str, at_ms: u64) {
         let mut reason = reason.to_string();
-        if reason.len() > UNREACHABLE_REASON_MAX_LEN {
-            let mut end = UNREACHABLE_REASON_MAX_LEN;
-            while !reason.is_char_boundary(end) {
-                end -= 1;
-            }
-            reason.truncate(end);
-        }
+        crate::state::limits::cut_to(&mut reason, UNREACHABLE_REASON_MAX_LEN);
         match self.failed.get(name) {
             Some((last, _)) if *last > at_ms => {}
             _ => {

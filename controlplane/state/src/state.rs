@@ -38,6 +38,20 @@ pub mod limits {
     pub const NOT_ADMITTED_WAIT_MS: u64 = 5_000;
     pub const POLICY_NAME_MAX_LEN: usize = 64;
     pub const PROGRESS_SAMPLES_MAX: usize = 4096;
+
+    /// Cuts `text` to at most `max_len` bytes, at a character boundary:
+    /// how a text made longer than a limit (a reason with a prefix, a
+    /// long message from outside) is brought back under it.
+    pub fn cut_to(text: &mut String, max_len: usize) {
+        if text.len() <= max_len {
+            return;
+        }
+        let mut end = max_len;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
 }
 
 /// Why an entry was refused. The state is unchanged after a refusal.
@@ -1103,13 +1117,7 @@ impl ClusterState {
         let mut message = format!(
             "worker {rank} was not admitted on node {node}; requeued, no retry spent: {reason}"
         );
-        if message.len() > limits::REASON_MAX_LEN {
-            let mut end = limits::REASON_MAX_LEN;
-            while !message.is_char_boundary(end) {
-                end -= 1;
-            }
-            message.truncate(end);
-        }
+        limits::cut_to(&mut message, limits::REASON_MAX_LEN);
         job.message = message;
         let event = Event::JobRequeued {
             job_id,

@@ -232,14 +232,7 @@ pub fn offer(node: &Node, rules: &OfferRules<'_>, usage: &NodeUse) -> Option<Nod
             why.join("; ")
         )
     };
-    let max = keel_state::state::limits::NODE_NOTE_MAX_LEN;
-    if note.len() > max {
-        let mut end = max;
-        while !note.is_char_boundary(end) {
-            end -= 1;
-        }
-        note.truncate(end);
-    }
+    keel_state::state::limits::cut_to(&mut note, keel_state::state::limits::NODE_NOTE_MAX_LEN);
     let gpu_type = node
         .metadata
         .labels

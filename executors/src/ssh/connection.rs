@@ -316,11 +316,10 @@ impl Host {
                     "workers contained by their session only ({}): a process that calls setsid escapes",
                     why.trim()
                 );
-                let mut end = note.len().min(keel_state::state::limits::NODE_NOTE_MAX_LEN);
-                while !note.is_char_boundary(end) {
-                    end -= 1;
-                }
-                note.truncate(end);
+                keel_state::state::limits::cut_to(
+                    &mut note,
+                    keel_state::state::limits::NODE_NOTE_MAX_LEN,
+                );
                 note
             });
         if let Some(note) = &uncontained {

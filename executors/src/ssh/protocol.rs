@@ -49,15 +49,9 @@ pub fn helper_name() -> String {
 
 /// Text on one line, at most [`REASON_MAX_LEN`] bytes.
 pub(super) fn clip(s: &str) -> String {
-    let one_line = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    if one_line.len() <= REASON_MAX_LEN {
-        return one_line;
-    }
-    let mut end = REASON_MAX_LEN;
-    while !one_line.is_char_boundary(end) {
-        end -= 1;
-    }
-    one_line[..end].to_string()
+    let mut one_line = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    keel_state::state::limits::cut_to(&mut one_line, REASON_MAX_LEN);
+    one_line
 }
 
 /// A worker's files, relative to the workers directory: `job-J/eE-rR`.
