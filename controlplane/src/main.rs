@@ -201,6 +201,18 @@ enum Cmd {
         /// kill, in milliseconds.
         #[arg(long, default_value_t = 10_000)]
         leftover_grace_ms: u64,
+        /// The cgroup holding the worker's memory limit (its own on v2).
+        #[arg(long)]
+        memory_cgroup: Option<PathBuf>,
+        /// The cgroup holding its CPU limit.
+        #[arg(long)]
+        cpu_cgroup: Option<PathBuf>,
+        /// The worker's memory limit, in bytes.
+        #[arg(long)]
+        memory_max_bytes: Option<u64>,
+        /// The worker's CPU limit, in thousandths of a CPU.
+        #[arg(long)]
+        cpu_max_millis: Option<u32>,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         command: Vec<String>,
     },
@@ -864,14 +876,24 @@ async fn run(args: Args) -> anyhow::Result<()> {
             command,
             cgroup,
             leftover_grace_ms,
+            memory_cgroup,
+            cpu_cgroup,
+            memory_max_bytes,
+            cpu_max_millis,
         } => {
-            let code = keel_executors::supervisor::supervise(
-                exit_file,
-                command,
+            let containment = keel_executors::supervisor::Containment {
                 cgroup,
-                Duration::from_millis(leftover_grace_ms),
-            )
-            .await;
+                limits: keel_executors::containment::Limits {
+                    memory_dir: memory_cgroup,
+                    cpu_dir: cpu_cgroup,
+                },
+                resources: keel_state::spec::Resources {
+                    cpu_millis: cpu_max_millis,
+                    memory_bytes: memory_max_bytes,
+                },
+                leftover_grace: Duration::from_millis(leftover_grace_ms),
+            };
+            let code = keel_executors::supervisor::supervise(exit_file, command, containment).await;
             std::process::exit(code);
         }
         Cmd::Events { from, follow } => cli::events(&args.addr, from, follow, out).await,

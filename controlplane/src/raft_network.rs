@@ -380,7 +380,10 @@ impl GrpcPeer {
         let network = |e: &dyn std::error::Error| {
             RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
         };
-        let format = self.formats.send_format(self.target, self.wire_format);
+        let format = self
+            .formats
+            .send_format(self.target, self.wire_format)
+            .max(request.oldest_format().min(self.wire_format));
         let payload = request.encode(format).map_err(|e| network(&e))?;
         let mut client = self.client().map_err(|e| {
             RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e.to_string())))

@@ -104,6 +104,9 @@ struct JobView {
     priority: i32,
     command: Vec<String>,
     image: String,
+    /// The worker's CPU and memory limits (`{cpus, memory}`), when it has any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resources: Option<keel_state::spec::Resources>,
     allocation: Option<AllocationView>,
     progress: Option<ProgressView>,
     submitted_at_ms: u64,
@@ -152,6 +155,10 @@ fn job_view(job: &api::Job) -> JobView {
         priority: spec.priority,
         command: spec.command,
         image: spec.image,
+        resources: spec.resources.map(|r| keel_state::spec::Resources {
+            cpu_millis: r.cpu_millis,
+            memory_bytes: r.memory_bytes,
+        }),
         allocation: job.allocation.as_ref().map(|a| AllocationView {
             epoch: a.epoch,
             gpus: a.gpus.iter().map(gpu_ref).collect(),
@@ -313,6 +320,9 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
             }
             if view.max_retries > 0 {
                 outln!("retries: {} of {}", view.retries, view.max_retries);
+            }
+            if let Some(r) = &view.resources {
+                outln!("limits per worker: {r}");
             }
             if let Some(e) = &view.estimate {
                 outln!("{}", describe_estimate(e));

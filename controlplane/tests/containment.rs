@@ -181,3 +181,93 @@ fn a_preempted_worker_leaves_nothing_running_for_the_job_that_takes_its_gpu() {
     server.cli_ok(&["cancel", &long]);
     server.terminate();
 }
+
+/// `resources.memory`: a worker that goes over its limit is killed by the
+/// kernel and its job fails saying "out of memory", not "killed by signal
+/// 9"; a worker within its limits succeeds, and its log shows none of the
+/// "not enforced" warnings.
+#[test]
+fn a_worker_over_its_memory_limit_ends_out_of_memory() {
+    const TEST: &str = "a_worker_over_its_memory_limit_ends_out_of_memory";
+    if !cgroups_or_skip(TEST) {
+        return;
+    }
+    let limits =
+        keel_executors::containment::Cgroups::detect(&format!("probe-{}", std::process::id()))
+            .expect("detected above");
+    if limits.memory_parent.is_none() {
+        assert!(
+            std::env::var_os("KEEL_REQUIRE_CGROUP").is_none(),
+            "KEEL_REQUIRE_CGROUP is set and no memory controller is writable ({})",
+            limits.describe()
+        );
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {TEST}: no memory cgroup controller is writable here"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &["--simulated-gpus", "1xv100", "--round-s", "0.3"],
+    );
+    let job = |name: &str, script: &str| {
+        let spec = dir.path().join(format!("{name}.json"));
+        let body = serde_json::json!({
+            "name": name, "command": ["sh", "-c", script], "gpus": 1,
+            "resources": {"memory": "32Mi", "cpus": 0.5}
+        });
+        std::fs::write(&spec, body.to_string()).expect("spec");
+        server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+            .as_u64()
+            .expect("job id")
+            .to_string()
+    };
+    // `tail -n 1` keeps the current line in memory, and /dev/zero has no
+    // line ends: it grows until the kernel kills it.
+    let greedy = job(
+        "greedy",
+        "head -c 400000000 /dev/zero | tail -n 1 > /dev/null",
+    );
+    wait_for("the greedy job to fail", || {
+        (server.json(&["job", &greedy])["state"] == "failed").then_some(())
+    });
+    let shown = server.json(&["job", &greedy]).to_string();
+    assert!(
+        shown.contains("out of memory: over its limit of 32Mi"),
+        "the job does not say it ran out of memory: {shown}"
+    );
+    assert_eq!(
+        server.json(&["job", &greedy])["resources"],
+        serde_json::json!({"cpus": 0.5, "memory": "32Mi"}),
+        "the job shows its limits"
+    );
+    // Within its limits: it succeeds, and finds them on its own cgroups
+    // (v1's quota of 50 ms per 100 ms, or v2's `cpu.max`; 32 MiB).
+    let modest = job(
+        "modest",
+        "head -c 1000000 /dev/zero | wc -c; \
+         for l in $(cat /proc/self/cgroup); do p=${l#*:}; p=${p#*:}; [ \"$p\" = / ] && continue; \
+           for f in /sys/fs/cgroup$p/cpu.max /sys/fs/cgroup/*$p/cpu.max /sys/fs/cgroup/*$p/cpu.cfs_quota_us \
+                    /sys/fs/cgroup$p/memory.max /sys/fs/cgroup/*$p/memory.max /sys/fs/cgroup/*$p/memory.limit_in_bytes; do \
+             [ -f \"$f\" ] && echo \"limit $(basename $f)=$(cat $f)\"; done; done; true",
+    );
+    wait_for("the modest job to succeed", || {
+        (server.json(&["job", &modest])["state"] == "succeeded").then_some(())
+    });
+    let log = server.cli_ok(&["logs", &modest]);
+    assert!(log.contains("1000000"), "{log}");
+    assert!(!log.contains("not enforced"), "{log}");
+    assert!(
+        log.contains("limit cpu.cfs_quota_us=50000") || log.contains("limit cpu.max=50000 100000"),
+        "the CPU limit is not on the worker's cgroup: {log}"
+    );
+    assert!(
+        log.contains("limit memory.limit_in_bytes=33554432")
+            || log.contains("limit memory.max=33554432"),
+        "the memory limit is not on the worker's cgroup: {log}"
+    );
+    server.terminate();
+}

@@ -17,6 +17,15 @@
 //! unified hierarchy, under this process's own cgroup), else cgroup v1's
 //! freezer. Where neither is writable, workers are contained by their
 //! process group only, and the server says so once.
+//!
+//! A job's `resources` are enforced by the memory and cpu controllers:
+//! v2's when they are delegated to Keel's cgroup (`memory.max`,
+//! `cpu.max`), else v1's memory and cpu hierarchies
+//! (`memory.limit_in_bytes`, `cpu.cfs_quota_us`), where the worker enters
+//! a cgroup of the same name too. A worker the kernel killed for memory
+//! ends "out of memory", not "killed by SIGKILL" ([`Limits::oom_kills`]).
+//! Where no controller is writable, a limit is not enforced and the
+//! worker's log says so.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -43,6 +52,11 @@ pub struct Cgroups {
     /// different directories on one machine never meet), with nothing
     /// left behind when they are gone.
     pub tag: String,
+    /// Where the workers' memory limits go (`.../keel` of a hierarchy with
+    /// the memory controller: `parent` itself on v2), if anywhere.
+    pub memory_parent: Option<PathBuf>,
+    /// Where their CPU limits go, likewise.
+    pub cpu_parent: Option<PathBuf>,
 }
 
 /// This process's cgroup in the hierarchy `matches` picks from
@@ -97,11 +111,18 @@ impl Cgroups {
             let parent = mount.join(path.trim_start_matches('/')).join("keel");
             match std::fs::create_dir_all(&parent) {
                 Ok(()) => {
+                    let limits = |controller: &str| {
+                        (flavour == Flavour::V2 && delegate_v2(&parent, controller))
+                            .then(|| parent.clone())
+                            .or_else(|| v1_parent(&mountinfo, &own, controller))
+                    };
                     return Ok(Cgroups {
                         flavour,
+                        memory_parent: limits("memory"),
+                        cpu_parent: limits("cpu"),
                         parent,
                         tag: tag.to_string(),
-                    })
+                    });
                 }
                 Err(e) => tried.push(format!("{}: {e}", parent.display())),
             }
@@ -118,6 +139,176 @@ impl Cgroups {
         WorkerCgroup {
             flavour: self.flavour,
             dir: self.parent.join(format!("{}-{name}", self.tag)),
+        }
+    }
+
+    /// Where the limits of the worker called `name` go.
+    pub fn limits(&self, name: &str) -> Limits {
+        let leaf = format!("{}-{name}", self.tag);
+        Limits {
+            memory_dir: self.memory_parent.as_ref().map(|p| p.join(&leaf)),
+            cpu_dir: self.cpu_parent.as_ref().map(|p| p.join(&leaf)),
+        }
+    }
+
+    /// What the node can enforce, for its note: `cgroup v2 (memory, cpu
+    /// limits)`, `cgroup v1 freezer (no memory limits)`...
+    pub fn describe(&self) -> String {
+        let kind = match self.flavour {
+            Flavour::V2 => "cgroup v2",
+            Flavour::V1Freezer => "cgroup v1 freezer",
+        };
+        let can: Vec<&str> = [
+            ("memory", self.memory_parent.is_some()),
+            ("cpu", self.cpu_parent.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(c, yes)| yes.then_some(c))
+        .collect();
+        if can.is_empty() {
+            format!("{kind} (no memory or cpu limits)")
+        } else {
+            format!("{kind} ({} limits)", can.join(", "))
+        }
+    }
+}
+
+/// Whether `controller` is enabled for `parent`'s children on cgroup v2
+/// (enabling it when it is delegated to `parent`).
+fn delegate_v2(parent: &Path, controller: &str) -> bool {
+    let has = |file: &str| {
+        std::fs::read_to_string(parent.join(file))
+            .is_ok_and(|s| s.split_whitespace().any(|c| c == controller))
+    };
+    if !has("cgroup.controllers") {
+        return false;
+    }
+    let _ = std::fs::write(
+        parent.join("cgroup.subtree_control"),
+        format!("+{controller}"),
+    );
+    has("cgroup.subtree_control")
+}
+
+/// `.../keel` in the cgroup v1 hierarchy of `controller`, made, if one is
+/// mounted and writable.
+fn v1_parent(mountinfo: &str, own: &str, controller: &str) -> Option<PathBuf> {
+    let mount = mount_of(mountinfo, "cgroup", Some(controller))?;
+    let path = own_path(own, |id, c| {
+        id != "0" && c.split(',').any(|x| x == controller)
+    })?;
+    let parent = mount.join(path.trim_start_matches('/')).join("keel");
+    std::fs::create_dir_all(&parent).ok().map(|()| parent)
+}
+
+/// Where one worker's memory and CPU limits are written (a cgroup with
+/// the memory, resp. cpu, controller; on v2 the worker's own cgroup).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_dir: Option<PathBuf>,
+    pub cpu_dir: Option<PathBuf>,
+}
+
+/// The CFS period Keel writes CPU quotas against (100 ms, the kernel's
+/// default).
+const CPU_PERIOD_US: u64 = 100_000;
+
+fn is_v2(dir: &Path) -> bool {
+    dir.parent()
+        .is_some_and(|p| p.join("cgroup.controllers").exists())
+}
+
+impl Limits {
+    /// The cgroups the worker must enter besides its own (`own`): the v1
+    /// ones; on v2 the limits are on its own cgroup.
+    pub fn extra_dirs(&self, own: &Path) -> Vec<PathBuf> {
+        let mut out: Vec<PathBuf> = Vec::new();
+        for dir in [&self.memory_dir, &self.cpu_dir].into_iter().flatten() {
+            if dir != own && !out.contains(dir) {
+                out.push(dir.clone());
+            }
+        }
+        out
+    }
+
+    /// Makes the cgroups and writes the limits asked for. What was asked
+    /// and cannot be enforced here, as lines for the worker's log.
+    pub fn apply(&self, resources: &keel_state::spec::Resources) -> Vec<String> {
+        for dir in [&self.memory_dir, &self.cpu_dir].into_iter().flatten() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let mut unenforced = Vec::new();
+        if let Some(bytes) = resources.memory_bytes {
+            let written = self.memory_dir.as_ref().is_some_and(|dir| {
+                if is_v2(dir) {
+                    let ok = std::fs::write(dir.join("memory.max"), bytes.to_string()).is_ok();
+                    // Beyond the limit the worker is killed, not swapped out.
+                    let _ = std::fs::write(dir.join("memory.swap.max"), "0");
+                    ok
+                } else {
+                    let ok = std::fs::write(dir.join("memory.limit_in_bytes"), bytes.to_string())
+                        .is_ok();
+                    let _ =
+                        std::fs::write(dir.join("memory.memsw.limit_in_bytes"), bytes.to_string());
+                    ok
+                }
+            });
+            if !written {
+                unenforced.push(format!(
+                    "resources.memory ({}) is not enforced on this node: no writable memory cgroup controller",
+                    keel_state::resources::show_memory(bytes)
+                ));
+            }
+        }
+        if let Some(millis) = resources.cpu_millis {
+            let quota_us = u64::from(millis) * CPU_PERIOD_US / 1000;
+            let written = self.cpu_dir.as_ref().is_some_and(|dir| {
+                if is_v2(dir) {
+                    std::fs::write(dir.join("cpu.max"), format!("{quota_us} {CPU_PERIOD_US}"))
+                        .is_ok()
+                } else {
+                    std::fs::write(dir.join("cpu.cfs_period_us"), CPU_PERIOD_US.to_string()).is_ok()
+                        && std::fs::write(dir.join("cpu.cfs_quota_us"), quota_us.to_string())
+                            .is_ok()
+                }
+            });
+            if !written {
+                unenforced.push(format!(
+                    "resources.cpus ({}) is not enforced on this node: no writable cpu cgroup controller",
+                    keel_state::resources::show_cpus(millis)
+                ));
+            }
+        }
+        unenforced
+    }
+
+    /// How many times the kernel killed a process of the worker for
+    /// memory (v2 `memory.events`, v1 `memory.oom_control`).
+    pub fn oom_kills(&self) -> u64 {
+        let Some(dir) = &self.memory_dir else {
+            return 0;
+        };
+        ["memory.events", "memory.oom_control"]
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+            .find_map(|text| {
+                text.lines().find_map(|l| {
+                    l.strip_prefix("oom_kill ")
+                        .and_then(|n| n.trim().parse().ok())
+                })
+            })
+            .unwrap_or(0)
+    }
+
+    /// Removes the cgroups (once the worker's processes are gone).
+    pub fn remove(&self, own: &Path) {
+        for dir in self.extra_dirs(own) {
+            for _ in 0..50 {
+                if std::fs::remove_dir(&dir).is_ok() || !dir.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 }
@@ -205,10 +396,12 @@ impl WorkerCgroup {
     }
 }
 
-/// The shell script a worker starts as, with its cgroup's directory as
-/// `$0` and its command as the arguments: it moves itself into the cgroup,
+/// The shell script a worker starts as, with the directories of its
+/// cgroups (its own, then those holding its limits on cgroup v1), `--`
+/// and its command as the arguments: it moves itself into each cgroup,
 /// then becomes the command. Exits 127, saying why, when it cannot.
-pub const ENTER_AND_EXEC: &str = r#"echo 0 > "$0/cgroup.procs" || { echo "keel: cannot enter the cgroup $0" >&2; exit 127; }
+pub const ENTER_AND_EXEC: &str = r#"while [ "$1" != -- ]; do echo 0 > "$1/cgroup.procs" || { echo "keel: cannot enter the cgroup $1" >&2; exit 127; }; shift; done
+shift
 exec "$@""#;
 
 fn pids_in(dir: &Path) -> Vec<u32> {

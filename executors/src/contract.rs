@@ -70,6 +70,8 @@ pub struct WorkerLaunch {
     /// Space sharing: the job whose workers run on the same GPUs at the
     /// same time, and its model.
     pub shared_with: Option<SharedWith>,
+    /// The worker's CPU and memory limits (the job's `resources`).
+    pub resources: keel_state::spec::Resources,
 }
 
 /// The partner of a worker whose GPUs are shared (space sharing).
@@ -296,6 +298,7 @@ mod tests {
             model: None,
             total_steps: Some(100),
             shared_with: None,
+            resources: Default::default(),
         };
         let env = environment(&launch, 29500, "/ckpt/job-4");
         assert_eq!(env["RANK"], "1");

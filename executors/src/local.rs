@@ -540,19 +540,33 @@ impl LocalExecutor {
         let start = log.metadata().map(|m| m.len()).unwrap_or(0);
         let exit_path = log_path.with_extension("exit");
         let _ = std::fs::remove_file(&exit_path);
-        let cgroup = self
-            .cgroups
-            .as_ref()
-            .map(|c| c.worker(&format!("j{}-e{}-r{}", id.job_id, id.epoch, id.rank)));
+        let name = format!("j{}-e{}-r{}", id.job_id, id.epoch, id.rank);
+        let cgroup = self.cgroups.as_ref().map(|c| c.worker(&name));
         let mut cmd = match &self.config.supervisor {
             Some(keel) => {
                 let mut c = tokio::process::Command::new(keel);
                 c.arg("supervise").arg("--exit-file").arg(&exit_path);
-                if let Some(cg) = &cgroup {
+                if let (Some(cg), Some(cgroups)) = (&cgroup, &self.cgroups) {
                     c.arg("--cgroup")
                         .arg(&cg.dir)
                         .arg("--leftover-grace-ms")
                         .arg(LEFTOVER_GRACE.as_millis().to_string());
+                    // The cgroups of the limits asked for (on v1, more
+                    // for the worker to enter).
+                    let limits = cgroups.limits(&name);
+                    let asked = launch.resources;
+                    if let Some(dir) = limits.memory_dir.filter(|_| asked.memory_bytes.is_some()) {
+                        c.arg("--memory-cgroup").arg(dir);
+                    }
+                    if let Some(dir) = limits.cpu_dir.filter(|_| asked.cpu_millis.is_some()) {
+                        c.arg("--cpu-cgroup").arg(dir);
+                    }
+                }
+                if let Some(bytes) = launch.resources.memory_bytes {
+                    c.arg("--memory-max-bytes").arg(bytes.to_string());
+                }
+                if let Some(millis) = launch.resources.cpu_millis {
+                    c.arg("--cpu-max-millis").arg(millis.to_string());
                 }
                 c.arg("--").args(&launch.command);
                 c
@@ -882,6 +896,7 @@ mod tests {
             model: None,
             total_steps: None,
             shared_with: None,
+            resources: Default::default(),
         }
     }
 

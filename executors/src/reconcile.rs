@@ -150,6 +150,7 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
                     model: job.spec.model.clone(),
                     total_steps: job.spec.total_steps,
                     shared_with,
+                    resources: job.spec.resources,
                 },
             );
         }

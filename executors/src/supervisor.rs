@@ -62,18 +62,33 @@ pub fn describe(status: std::process::ExitStatus) -> ExitRecord {
     }
 }
 
+/// How the supervisor contains its worker.
+#[derive(Debug, Clone, Default)]
+pub struct Containment {
+    /// The worker's own cgroup (made here), if it has one.
+    pub cgroup: Option<PathBuf>,
+    /// Where its limits go.
+    pub limits: crate::containment::Limits,
+    /// The limits (from the job's spec).
+    pub resources: keel_state::spec::Resources,
+    /// What processes the worker left get between SIGTERM and the kill.
+    pub leftover_grace: std::time::Duration,
+}
+
 /// Runs `command` to its end, writes its exit to `exit_file`, and returns
-/// the code to exit with. With `cgroup`, the worker runs in that cgroup
-/// (made here, entered before `exec`), and once its main process exits
-/// every process left in it is stopped (SIGTERM, `leftover_grace`, then
-/// killed) before the exit is written: the worker's GPUs are free when
-/// its exit is known.
-pub async fn supervise(
-    exit_file: PathBuf,
-    command: Vec<String>,
-    cgroup: Option<PathBuf>,
-    leftover_grace: std::time::Duration,
-) -> i32 {
+/// the code to exit with. With a cgroup, the worker runs in it (made here,
+/// entered before `exec`, with the cgroups of its limits), and once its
+/// main process exits every process left in it is stopped (SIGTERM, the
+/// leftover grace, then killed) before the exit is written: the worker's
+/// GPUs are free when its exit is known. A worker the kernel killed for
+/// memory ends "out of memory".
+pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Containment) -> i32 {
+    let Containment {
+        cgroup,
+        limits,
+        resources,
+        leftover_grace,
+    } = containment;
     use tokio::signal::unix::{signal, SignalKind};
     // Our own SIGTERM handler: the group's SIGTERM is for the worker.
     let mut term = signal(SignalKind::terminate()).ok();
@@ -95,10 +110,16 @@ pub async fn supervise(
         // CI-like machine), and a worker stopped during it dies unprepared.
         Some(cg) => match cg.create() {
             Ok(()) => {
+                for line in limits.apply(&resources) {
+                    let _ = writeln!(std::io::stderr(), "keel: {line}");
+                }
                 let mut c = tokio::process::Command::new("/bin/sh");
                 c.arg("-c")
                     .arg(crate::containment::ENTER_AND_EXEC)
+                    .arg("keel-enter")
                     .arg(&cg.dir)
+                    .args(limits.extra_dirs(&cg.dir))
+                    .arg("--")
                     .args(&command);
                 c
             }
@@ -114,6 +135,10 @@ pub async fn supervise(
             }
         },
         None => {
+            // No cgroup: no limit can be enforced; the log says so.
+            for line in crate::containment::Limits::default().apply(&resources) {
+                let _ = writeln!(std::io::stderr(), "keel: {line}");
+            }
             let mut c = tokio::process::Command::new(program);
             c.args(&command[1..]);
             c
@@ -143,17 +168,32 @@ pub async fn supervise(
             } => {}
         }
     };
-    let record = match status {
+    let mut record = match status {
         Ok(s) => describe(s),
         Err(e) => ExitRecord {
             exit_code: None,
             reason: format!("could not wait for the worker: {e}"),
         },
     };
+    if record.exit_code != Some(0) && limits.oom_kills() > 0 {
+        record.reason = match resources.memory_bytes {
+            Some(b) => format!(
+                "out of memory: over its limit of {} ({})",
+                keel_state::resources::show_memory(b),
+                record.reason
+            ),
+            None => format!("out of memory ({})", record.reason),
+        };
+    }
     if let Some(cg) = cgroup {
-        let left = tokio::task::spawn_blocking(move || cg.drain(leftover_grace))
-            .await
-            .unwrap_or(0);
+        let own = cg.dir.clone();
+        let left = tokio::task::spawn_blocking(move || {
+            let left = cg.drain(leftover_grace);
+            limits.remove(&own);
+            left
+        })
+        .await
+        .unwrap_or(0);
         if left > 0 {
             let _ = writeln!(
                 std::io::stderr(),

@@ -35,6 +35,7 @@ fn launch(job_id: u64, epoch: u64, rank: u32, world_size: u32) -> WorkerLaunch {
         model: None,
         total_steps: Some(100),
         shared_with: None,
+        resources: Default::default(),
     }
 }
 
@@ -947,4 +948,40 @@ async fn watches_survive_expiry_bookmarks_and_deletions_while_down() {
     api.run(&pod_name(&next.id));
     api.exit(&pod_name(&next.id), 0);
     assert_eq!(wait_exit(&exec, &next.id).await.0, Some(0));
+}
+
+/// A job's `resources` become the container's CPU and memory limits, and
+/// a container the kernel killed for going over its memory limit ends
+/// "out of memory", not "exited with code 137".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resource_limits_go_on_the_container_and_an_oom_kill_says_out_of_memory() {
+    support::sshd::init_tracing();
+    let api = StandIn::start().await;
+    let exec = KubeExecutor::new(api.client("train"), config());
+    exec.take_over().await;
+    let mut limited = launch(8, 1, 0, 1);
+    limited.resources = keel_state::spec::Resources {
+        cpu_millis: Some(1500),
+        memory_bytes: Some(64 << 20),
+    };
+    let plain = launch(9, 1, 0, 1);
+    exec.launch(limited.clone()).await.expect("launch");
+    exec.launch(plain.clone()).await.expect("launch");
+    let pod = created(&api, &limited.id).await;
+    let limits = &pod["spec"]["containers"][0]["resources"]["limits"];
+    assert_eq!(limits["cpu"], "1500m");
+    assert_eq!(limits["memory"], (64u64 << 20).to_string());
+    assert_eq!(limits["nvidia.com/gpu"], "2");
+    let pod = created(&api, &plain.id).await;
+    let limits = &pod["spec"]["containers"][0]["resources"]["limits"];
+    assert!(
+        limits["cpu"].is_null() && limits["memory"].is_null(),
+        "{limits}"
+    );
+
+    api.run(&pod_name(&limited.id));
+    api.oom_kill(&pod_name(&limited.id));
+    let (code, reason) = wait_exit(&exec, &limited.id).await;
+    assert_eq!(code, Some(137));
+    assert!(reason.starts_with("out of memory"), "{reason}");
 }

@@ -50,6 +50,10 @@ pub enum WireError {
     Postcard(#[from] postcard::Error),
     #[error("undecodable Raft message (format 2, protobuf): {0}")]
     Protobuf(#[from] prost::DecodeError),
+    #[error(
+        "Raft wire format {format} cannot carry this message whole (it needs format {oldest})"
+    )]
+    NotCarried { format: u32, oldest: u32 },
     #[error("Raft message without its required field {0}")]
     Missing(&'static str),
     #[error("Raft message with an invalid {field}: {reason}")]
@@ -79,15 +83,36 @@ pub trait WireMessage: Sized {
     fn encode(&self, format: u32) -> Result<Vec<u8>, WireError>;
     /// Decodes from `format` (1 or 2).
     fn decode(bytes: &[u8], format: u32) -> Result<Self, WireError>;
+    /// The oldest format that carries it whole: format 1 leaves out what
+    /// entries gained after it (a job's `resources`), so such a message
+    /// goes in format 2, which a replica of the release before refuses
+    /// rather than apply less than the leader did.
+    fn oldest_format(&self) -> u32 {
+        RAFT_WIRE_FORMAT_PREVIOUS
+    }
 }
 
 /// Implements [`WireMessage`] by postcard (format 1) and by conversion to
 /// and from protobuf message `$pb` (format 2).
 macro_rules! wire_message {
     ($t:ty, $pb:ty, $to:expr, $from:expr) => {
+        wire_message!($t, $pb, $to, $from, |_| RAFT_WIRE_FORMAT_PREVIOUS);
+    };
+    ($t:ty, $pb:ty, $to:expr, $from:expr, $oldest:expr) => {
         impl WireMessage for $t {
+            fn oldest_format(&self) -> u32 {
+                let oldest: fn(&$t) -> u32 = $oldest;
+                oldest(self)
+            }
+
             fn encode(&self, format: u32) -> Result<Vec<u8>, WireError> {
                 match format {
+                    RAFT_WIRE_FORMAT_PREVIOUS if self.oldest_format() > format => {
+                        Err(WireError::NotCarried {
+                            format,
+                            oldest: self.oldest_format(),
+                        })
+                    }
                     RAFT_WIRE_FORMAT_PREVIOUS => postcard_encode(self),
                     RAFT_WIRE_FORMAT => {
                         let to: fn(&$t) -> $pb = $to;
@@ -129,7 +154,18 @@ wire_message!(
     AppendEntriesRequest<TypeConfig>,
     pb::AppendEntriesRequest,
     append_request_to_proto,
-    append_request_from_proto
+    append_request_from_proto,
+    |r| {
+        let whole = r.entries.iter().all(|e| match &e.payload {
+            EntryPayload::Normal(p) => p.postcard_carries_whole(),
+            _ => true,
+        });
+        if whole {
+            RAFT_WIRE_FORMAT_PREVIOUS
+        } else {
+            RAFT_WIRE_FORMAT
+        }
+    }
 );
 wire_message!(
     VoteRequest<u64>,
@@ -506,6 +542,67 @@ fn raft_error_from_proto<E: ApiError + std::error::Error>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entries_with_resource_limits_travel_in_protobuf_only() {
+        use keel_state::{Command, LogEntry, Proposal};
+        let request = |limited: bool| {
+            let mut spec = keel_state::fixtures::job_spec("limited", 1, 1);
+            if limited {
+                spec.resources.memory_bytes = Some(64 << 20);
+                spec.resources.cpu_millis = Some(1500);
+            }
+            let proposal = Proposal::new(vec![LogEntry::new(1_000, Command::SubmitJob { spec })]);
+            AppendEntriesRequest::<TypeConfig> {
+                vote: Vote::new_committed(1, 1),
+                prev_log_id: None,
+                entries: vec![crate::Entry {
+                    log_id: openraft::LogId::new(CommittedLeaderId::new(1, 1), 1),
+                    payload: EntryPayload::Normal(proposal),
+                }],
+                leader_commit: None,
+            }
+        };
+        let spec_of = |r: &AppendEntriesRequest<TypeConfig>| match &r.entries[0].payload {
+            EntryPayload::Normal(p) => match &p.entries[0].command {
+                keel_state::Command::SubmitJob { spec } => spec.clone(),
+                other => panic!("not a submission: {other:?}"),
+            },
+            other => panic!("not a proposal: {other:?}"),
+        };
+        // Without limits, format 1 carries it as before.
+        let plain = request(false);
+        assert_eq!(plain.oldest_format(), RAFT_WIRE_FORMAT_PREVIOUS);
+        let back = AppendEntriesRequest::<TypeConfig>::decode(
+            &plain.encode(RAFT_WIRE_FORMAT_PREVIOUS).expect("format 1"),
+            RAFT_WIRE_FORMAT_PREVIOUS,
+        )
+        .expect("decodes");
+        assert_eq!(spec_of(&back), spec_of(&plain));
+        // With them, format 1 refuses rather than drop them; format 2 keeps them.
+        let limited = request(true);
+        assert_eq!(limited.oldest_format(), RAFT_WIRE_FORMAT);
+        let refused = limited
+            .encode(RAFT_WIRE_FORMAT_PREVIOUS)
+            .expect_err("format 1 cannot carry resources");
+        assert!(
+            matches!(
+                refused,
+                WireError::NotCarried {
+                    format: 1,
+                    oldest: 2
+                }
+            ),
+            "{refused}"
+        );
+        let back = AppendEntriesRequest::<TypeConfig>::decode(
+            &limited.encode(RAFT_WIRE_FORMAT).expect("format 2"),
+            RAFT_WIRE_FORMAT,
+        )
+        .expect("decodes");
+        assert_eq!(spec_of(&back).resources, spec_of(&limited).resources);
+        assert_eq!(spec_of(&back).resources.memory_bytes, Some(64 << 20));
+    }
 
     #[test]
     fn a_sender_writes_the_newest_format_both_ends_read() {

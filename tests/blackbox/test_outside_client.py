@@ -244,6 +244,29 @@ class BadInputs(OneServer):
         self.refused(self.stub.SubmitJob, api.SubmitJobRequest(spec=s), CODE.INVALID_ARGUMENT, "epochs")
         self.assert_serving([])
 
+    def test_resource_limits_out_of_range_are_refused_and_kept_when_valid(self):
+        s = spec("tiny")
+        s.resources.memory_bytes = 1000
+        self.refused(
+            self.stub.SubmitJob,
+            api.SubmitJobRequest(spec=s),
+            CODE.INVALID_ARGUMENT,
+            "resources.memory",
+            "4Mi",
+        )
+        s = spec("tiny")
+        s.resources.cpu_millis = 0
+        self.refused(
+            self.stub.SubmitJob, api.SubmitJobRequest(spec=s), CODE.INVALID_ARGUMENT, "resources.cpus"
+        )
+        s = spec("limited")
+        s.resources.memory_bytes = 64 << 20
+        s.resources.cpu_millis = 1500
+        job = self.stub.SubmitJob(api.SubmitJobRequest(spec=s), timeout=10)
+        got = self.stub.GetJob(api.GetJobRequest(job_id=job.job_id), timeout=10).spec.resources
+        self.assertEqual((got.memory_bytes, got.cpu_millis), (64 << 20, 1500))
+        self.assert_serving(["limited"])
+
     def test_limits_name_the_field_and_the_unit(self):
         job = self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("j")), timeout=10)
         self.refused(

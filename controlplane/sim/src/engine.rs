@@ -346,6 +346,7 @@ impl Engine<'_> {
             priority: job.priority,
             max_retries: 0,
             retry_backoff_s: 0,
+            resources: Default::default(),
         };
         let (id, arrival_s, model, gpus) = (
             job.id,

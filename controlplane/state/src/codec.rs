@@ -342,6 +342,12 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
         priority: s.priority,
         max_retries: s.max_retries,
         retry_backoff_s: Some(s.retry_backoff_s),
+        // Absent when unset, so specs without limits encode (and digest)
+        // as they did before the field existed.
+        resources: (!s.resources.is_unset()).then_some(pb::Resources {
+            cpu_millis: s.resources.cpu_millis,
+            memory_bytes: s.resources.memory_bytes,
+        }),
     }
 }
 
@@ -376,6 +382,13 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
         retry_backoff_s: s
             .retry_backoff_s
             .unwrap_or(crate::spec::DEFAULT_RETRY_BACKOFF_S),
+        resources: s
+            .resources
+            .map(|r| crate::spec::Resources {
+                cpu_millis: r.cpu_millis,
+                memory_bytes: r.memory_bytes,
+            })
+            .unwrap_or_default(),
     }
 }
 

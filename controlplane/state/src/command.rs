@@ -57,6 +57,16 @@ impl Proposal {
             encoded: EncodedOnce::default(),
         }
     }
+
+    /// Whether its postcard form (serde's binary form: Raft wire format 1)
+    /// carries it whole. Fields added after that format (a job's
+    /// `resources`) travel in protobuf only.
+    pub fn postcard_carries_whole(&self) -> bool {
+        self.entries.iter().all(|e| match &e.command {
+            Command::SubmitJob { spec } => spec.resources.is_unset(),
+            _ => true,
+        })
+    }
 }
 
 impl PartialEq for Proposal {

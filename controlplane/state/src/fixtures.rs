@@ -33,6 +33,7 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         priority: 0,
         max_retries: 0,
         retry_backoff_s: 0,
+        resources: Default::default(),
     }
 }
 

@@ -26,6 +26,7 @@ pub mod model;
 pub mod perf_history;
 pub mod policy_memory;
 pub mod requests;
+pub mod resources;
 pub mod rng;
 pub mod spec;
 pub mod state;

@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::resources::Resources;
+
 /// Size and range limits on a job spec. Public so clients can show them.
 pub mod limits {
     pub const NAME_MAX_LEN: usize = 128;
@@ -34,8 +36,15 @@ pub mod limits {
 }
 
 /// What a user asks to run.
+///
+/// Its written form (YAML, JSON: human-readable serde) is derived; its
+/// binary form (postcard: the state's hash, snapshots up to format 6 and
+/// Raft wire format 1) is [`SpecRecord`], the layout before `resources`
+/// existed, so states and snapshots of earlier releases read and hash as
+/// they did. `resources` travels in protobuf (entries, snapshots, Raft
+/// wire format 2) and is hashed apart ([`crate::ClusterState::state_hash`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct JobSpec {
     pub name: String,
     #[serde(default)]
@@ -73,6 +82,99 @@ pub struct JobSpec {
     /// long as the one before, up to `limits::RETRY_BACKOFF_CAP_S`.
     #[serde(default = "default_retry_backoff_s")]
     pub retry_backoff_s: u32,
+    /// CPU and memory limits on each worker (none: unlimited).
+    #[serde(default, skip_serializing_if = "Resources::is_unset")]
+    pub resources: Resources,
+}
+
+/// The binary layout of a [`JobSpec`] (without `resources`), frozen: see
+/// [`JobSpec`].
+#[derive(Serialize)]
+struct SpecRecordRef<'a> {
+    name: &'a String,
+    user: &'a String,
+    command: &'a Vec<String>,
+    image: &'a Option<String>,
+    env: &'a BTreeMap<String, String>,
+    gpus: u32,
+    workers: Workers,
+    gpu_types: &'a GpuTypes,
+    model: &'a Option<String>,
+    total_steps: Option<u64>,
+    epochs: Option<u32>,
+    priority: i32,
+    max_retries: u32,
+    retry_backoff_s: u32,
+}
+
+/// [`SpecRecordRef`], read back.
+#[derive(Deserialize)]
+struct SpecRecord {
+    name: String,
+    user: String,
+    command: Vec<String>,
+    image: Option<String>,
+    env: BTreeMap<String, String>,
+    gpus: u32,
+    workers: Workers,
+    gpu_types: GpuTypes,
+    model: Option<String>,
+    total_steps: Option<u64>,
+    epochs: Option<u32>,
+    priority: i32,
+    max_retries: u32,
+    retry_backoff_s: u32,
+}
+
+impl Serialize for JobSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            return JobSpec::serialize(self, s);
+        }
+        SpecRecordRef {
+            name: &self.name,
+            user: &self.user,
+            command: &self.command,
+            image: &self.image,
+            env: &self.env,
+            gpus: self.gpus,
+            workers: self.workers,
+            gpu_types: &self.gpu_types,
+            model: &self.model,
+            total_steps: self.total_steps,
+            epochs: self.epochs,
+            priority: self.priority,
+            max_retries: self.max_retries,
+            retry_backoff_s: self.retry_backoff_s,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for JobSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if d.is_human_readable() {
+            return JobSpec::deserialize(d);
+        }
+        let r = SpecRecord::deserialize(d)?;
+        Ok(JobSpec {
+            name: r.name,
+            user: r.user,
+            command: r.command,
+            image: r.image,
+            env: r.env,
+            gpus: r.gpus,
+            workers: r.workers,
+            gpu_types: r.gpu_types,
+            model: r.model,
+            total_steps: r.total_steps,
+            epochs: r.epochs,
+            priority: r.priority,
+            max_retries: r.max_retries,
+            retry_backoff_s: r.retry_backoff_s,
+            resources: Resources::default(),
+        })
+    }
 }
 
 /// The default wait before a first retry.
@@ -356,6 +458,7 @@ impl JobSpec {
             0,
             RETRY_BACKOFF_MAX_S.into(),
         )?;
+        self.resources.validate()?;
         Ok(())
     }
 
@@ -426,6 +529,36 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("unknown field `gpu`"), "{err}");
+    }
+
+    #[test]
+    fn resources_are_written_in_the_spec_and_checked() {
+        let s: JobSpec = serde_json::from_str(
+            r#"{"name":"a","command":["x"],"resources":{"cpus":2,"memory":"1Gi"}}"#,
+        )
+        .expect("parses");
+        assert_eq!(s.resources.cpu_millis, Some(2000));
+        assert_eq!(s.resources.memory_bytes, Some(1 << 30));
+        assert_eq!(s.validate(), Ok(()));
+        // Written back the same way; a spec without them has no such key.
+        let json = serde_json::to_string(&s).expect("encodes");
+        assert!(
+            json.contains(r#""resources":{"cpus":2,"memory":"1Gi"}"#),
+            "{json}"
+        );
+        assert!(!serde_json::to_string(&minimal())
+            .expect("encodes")
+            .contains("resources"));
+        let mut s = minimal();
+        s.resources.memory_bytes = Some(1 << 10);
+        let e = s.validate().expect_err("too little memory").to_string();
+        assert!(e.starts_with("spec.resources.memory is invalid"), "{e}");
+        let e = serde_json::from_str::<JobSpec>(
+            r#"{"name":"a","command":["x"],"resources":{"cpus":"lots"}}"#,
+        )
+        .expect_err("not a number")
+        .to_string();
+        assert!(e.contains("resources.cpus"), "{e}");
     }
 
     #[test]

@@ -478,6 +478,18 @@ impl ClusterState {
         if !self.policy_memory.is_unset() {
             let _ = postcard::to_io(&self.policy_memory, &mut writer);
         }
+        // The jobs' resource limits, which the spec's binary form leaves out
+        // (see `JobSpec`), once any job has them: states without them hash
+        // as they did before they existed.
+        let limits: Vec<(JobId, &crate::spec::Resources)> = self
+            .jobs
+            .iter()
+            .filter(|(_, job)| !job.spec.resources.is_unset())
+            .map(|(id, job)| (*id, &job.spec.resources))
+            .collect();
+        if !limits.is_empty() {
+            let _ = postcard::to_io(&limits, &mut writer);
+        }
         StateHash(*hasher.finalize().as_bytes())
     }
 

@@ -620,6 +620,35 @@ fn the_latest_entry_time_counts_every_entry_and_survives_a_snapshot() {
 }
 
 #[test]
+fn a_jobs_resource_limits_are_kept_by_snapshots_and_hashed() {
+    let state_with = |memory_bytes: Option<u64>| {
+        let mut spec = spec("limited", 1, 1);
+        spec.resources.memory_bytes = memory_bytes;
+        spec.resources.cpu_millis = memory_bytes.map(|_| 500);
+        let mut h = Harness::new();
+        h.submit(spec);
+        h.state
+    };
+    let (unlimited, small, large) = (
+        state_with(None),
+        state_with(Some(64 << 20)),
+        state_with(Some(128 << 20)),
+    );
+    // The limits are content: they tell states apart, hash included (the
+    // spec's binary form leaves them out, the hash adds them).
+    assert_ne!(small, large);
+    assert_ne!(small.state_hash(), large.state_hash());
+    assert_ne!(small.state_hash(), unlimited.state_hash());
+    // A snapshot keeps them.
+    let back = ClusterState::from_snapshot_proto(small.to_snapshot_proto()).expect("decodes");
+    assert_eq!(back, small);
+    assert_eq!(back.state_hash(), small.state_hash());
+    let job = back.jobs().values().next().expect("a job");
+    assert_eq!(job.spec.resources.memory_bytes, Some(64 << 20));
+    assert_eq!(job.spec.resources.cpu_millis, Some(500));
+}
+
+#[test]
 fn cancel_of_a_finished_job_is_refused() {
     let mut h = Harness::new();
     let j = h.submit(spec("a", 1, 1));

@@ -250,6 +250,11 @@ fn pod_state(pod: &Pod) -> PodState {
                 Some(t) => (
                     Some(t.exit_code),
                     match (&t.reason, &t.message) {
+                        // The kubelet's word for the kernel's memory kill.
+                        (Some(r), _) if r == "OOMKilled" => format!(
+                            "out of memory: over the container's limit (exited with code {})",
+                            t.exit_code
+                        ),
                         (Some(r), Some(m)) => {
                             format!("exited with code {} ({r}: {m})", t.exit_code)
                         }
@@ -430,12 +435,22 @@ impl KubeExecutor {
             .map(u32::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let limits = (!launch.gpus.is_empty()).then(|| {
-            BTreeMap::from([(
+        // GPUs, and the job's CPU and memory limits (requests default to
+        // the limits: the scheduler sees what the worker may use).
+        let mut limits = BTreeMap::new();
+        if !launch.gpus.is_empty() {
+            limits.insert(
                 self.config.gpu_resource.clone(),
                 Quantity(launch.gpus.len().to_string()),
-            )])
-        });
+            );
+        }
+        if let Some(millis) = launch.resources.cpu_millis {
+            limits.insert("cpu".to_string(), Quantity(format!("{millis}m")));
+        }
+        if let Some(bytes) = launch.resources.memory_bytes {
+            limits.insert("memory".to_string(), Quantity(bytes.to_string()));
+        }
+        let limits = (!limits.is_empty()).then_some(limits);
         let volume = match &self.config.checkpoint_claim {
             Some(claim) => Volume {
                 name: "checkpoints".into(),
@@ -1413,7 +1428,7 @@ mod tests {
             pod_state(&done),
             PodState::Exited {
                 code: Some(137),
-                reason: "exited with code 137 (OOMKilled)".into()
+                reason: "out of memory: over the container's limit (exited with code 137)".into()
             }
         );
         let pull = pod_with(

@@ -1029,6 +1029,24 @@ impl StandIn {
         );
     }
 
+    /// The kernel killed the container for going over its memory limit:
+    /// as the kubelet reports it (`OOMKilled`, exit code 137). Only a
+    /// container with a memory limit is killed so (panics otherwise: the
+    /// test asked for what a cluster does not do).
+    pub fn oom_kill(&self, name: &str) {
+        let limited = self.pod(name).is_some_and(|p| {
+            !p["spec"]["containers"][0]["resources"]["limits"]["memory"].is_null()
+        });
+        assert!(limited, "{name} has no memory limit to go over");
+        self.update(
+            name,
+            json!({"phase": "Failed",
+                "containerStatuses": [{"name": "worker", "ready": false, "restartCount": 0,
+                "image": "", "imageID": "",
+                "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}),
+        );
+    }
+
     /// The container is waiting, e.g. `ErrImagePull`.
     pub fn wait(&self, name: &str, reason: &str, message: &str) {
         self.update(
