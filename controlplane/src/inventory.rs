@@ -15,6 +15,9 @@ pub struct NodeInventory {
     /// Where its workers reach each other (the rendezvous address).
     pub address: String,
     pub gpus: Vec<Gpu>,
+    /// Its GPUs are real (found by `nvidia-smi`), not simulated: the
+    /// driver can say which processes use them.
+    pub discovered: bool,
 }
 
 /// The GPUs declared by default when none are given and none are found: a
@@ -36,6 +39,7 @@ pub fn simulated(
             name: format!("{prefix}-{i}"),
             address: "127.0.0.1".into(),
             gpus,
+            discovered: false,
         })
         .collect())
 }
@@ -57,5 +61,6 @@ pub fn discovered() -> Result<Option<NodeInventory>, DiscoveryError> {
         name: hostname(),
         address: "127.0.0.1".into(),
         gpus,
+        discovered: true,
     }))
 }

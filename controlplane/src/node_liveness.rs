@@ -126,7 +126,7 @@ pub async fn heartbeat_loop(
     if nodes.is_empty() {
         return;
     }
-    let request = NodeHeartbeatRequest {
+    let mut request = NodeHeartbeatRequest {
         nodes: nodes
             .iter()
             .map(|n| pb::RegisterNode {
@@ -141,7 +141,18 @@ pub async fn heartbeat_loop(
     // out on time (a beat stuck on a dead connection must not silence the
     // node for good).
     let deadline = settings.heartbeat_every.max(Duration::from_secs(1)) * 2;
+    let discovered = nodes.iter().any(|n| n.discovered);
+    let mut gpus_checked: Option<tokio::time::Instant> = None;
     loop {
+        if discovered && gpus_checked.is_none_or(|t| t.elapsed() >= GPU_PROCESSES_EVERY) {
+            gpus_checked = Some(tokio::time::Instant::now());
+            let note = strangers_note().await;
+            for (node, inventory) in request.nodes.iter_mut().zip(&nodes) {
+                if inventory.discovered {
+                    node.note.clone_from(&note);
+                }
+            }
+        }
         let beat = api.node_heartbeat(tonic::Request::new(request.clone()));
         let wait = match tokio::time::timeout(deadline, beat).await {
             Ok(Ok(_)) => settings.heartbeat_every,
@@ -163,6 +174,33 @@ pub async fn heartbeat_loop(
             return;
         }
     }
+}
+
+/// How often a server with real GPUs asks the driver which processes use
+/// them, for its node's note.
+const GPU_PROCESSES_EVERY: Duration = Duration::from_secs(2);
+
+/// The processes on this machine's GPUs that no Keel worker started, as
+/// the node's note ("GPU 0 busy: pid P (name)"; empty when none): the
+/// executor refuses those GPUs, and `keel nodes` says why.
+async fn strangers_note() -> String {
+    use keel_executors::discovery;
+    let found = tokio::task::spawn_blocking(|| {
+        discovery::gpu_processes().map(|all| {
+            all.into_iter()
+                .filter(|p| discovery::keel_job_of(p.pid).is_none())
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+        })
+    })
+    .await;
+    let mut note = match found {
+        Ok(Ok(busy)) => busy.join("; "),
+        Ok(Err(e)) => format!("cannot list the processes on its GPUs: {e}"),
+        Err(_) => String::new(),
+    };
+    keel_state::state::limits::cut_to(&mut note, keel_state::state::limits::NODE_NOTE_MAX_LEN);
+    note
 }
 
 /// The leader's liveness timers. Returns when `stop` turns true.

@@ -173,6 +173,7 @@ impl Server {
                     // Workers run under `keel supervise`, so they outlive this
                     // process and a restarted server re-adopts them.
                     supervisor: exe,
+                    check_gpu_processes: config.nodes.iter().any(|n| n.discovered),
                 })?;
                 // This server's nodes run here: whichever server sharing
                 // the executor directory leads runs their workers.

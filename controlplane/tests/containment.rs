@@ -271,3 +271,83 @@ fn a_worker_over_its_memory_limit_ends_out_of_memory() {
     );
     server.terminate();
 }
+
+/// With real GPUs (here a stand-in `nvidia-smi` on the server's PATH that
+/// reports one A100 and, as the driver would, the processes using it), a
+/// GPU that a process of no job uses is refused: the waiting job says
+/// "GPU 0 busy: pid P (name)" and spends no retry, the node says the same,
+/// and once the process is gone the job runs.
+#[test]
+fn a_gpu_another_process_uses_is_refused_until_it_is_free() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bin = dir.path().join("bin");
+    std::fs::create_dir_all(&bin).expect("bin");
+    let apps = dir.path().join("compute-apps.csv");
+    std::fs::write(&apps, "").expect("apps");
+    let fake = bin.join("nvidia-smi");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in\n\
+             --query-gpu=index,name) echo '0, NVIDIA A100-SXM4-40GB' ;;\n\
+             --query-gpu=index,uuid) echo '0, GPU-5f3e-test' ;;\n\
+             --query-compute-apps=*) cat '{}' ;;\n\
+             *) echo \"unexpected: $*\" >&2; exit 2 ;;\nesac\n",
+            apps.display()
+        ),
+    )
+    .expect("fake nvidia-smi");
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = std::env::join_paths(std::iter::once(bin.clone()).chain(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    )))
+    .expect("PATH");
+
+    // A process of no job on GPU 0, as the driver reports it.
+    let mut rogue = std::process::Command::new("sleep")
+        .arg("3002")
+        .env_remove("KEEL_JOB_ID")
+        .spawn()
+        .expect("rogue");
+    let busy = format!("GPU 0 busy: pid {} (sleep)", rogue.id());
+    std::fs::write(&apps, format!("GPU-5f3e-test, {}, sleep\n", rogue.id())).expect("apps");
+
+    let server = ServerProcess::start_with_env(
+        &dir.path().join("data"),
+        &["--round-s", "0.3", "--node-name", "gpu-host"],
+        &[("PATH", path)],
+    );
+    wait_for("the node with its A100", || {
+        (server.json(&["nodes"])[0]["gpus"][0]["gpu_type"] == "a100").then_some(())
+    });
+    let id = submit(&server, dir.path(), "waits", "echo ran");
+    wait_for("the job to say the GPU is busy", || {
+        let job = server.json(&["job", &id]);
+        job.to_string().contains(&busy).then_some(())
+    });
+    let job = server.json(&["job", &id]);
+    assert_ne!(job["state"], "failed", "{job}");
+    assert_eq!(job["retries"], 0, "a busy GPU spends no retry: {job}");
+    wait_for("the node to say the GPU is busy", || {
+        server.json(&["nodes"])[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&busy))
+            .then_some(())
+    });
+
+    let _ = rogue.kill();
+    let _ = rogue.wait();
+    std::fs::write(&apps, "").expect("apps");
+    wait_for("the job to run once the GPU is free", || {
+        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
+    });
+    assert!(server.cli_ok(&["logs", &id]).contains("ran"));
+    wait_for("the node's note to clear", || {
+        server.json(&["nodes"])[0]["message"]
+            .as_str()
+            .is_some_and(str::is_empty)
+            .then_some(())
+    });
+    server.terminate();
+}

@@ -398,6 +398,16 @@ impl<X, S: Default> WorkerBook<X, S> {
             .insert(id.clone(), Worker::ended(node, exit, extra));
     }
 
+    /// Records a worker its node refused to start (a GPU another process
+    /// uses): the job waits and is placed again without spending a retry.
+    pub fn insert_not_admitted(&self, id: &WorkerId, node: &str, reason: String, extra: X) {
+        let reason = fit_reason(reason);
+        tracing::warn!(worker = %id, %node, %reason, "worker not admitted by its node");
+        let mut worker = Worker::ended(node, (None, reason), extra);
+        worker.not_admitted = true;
+        self.lock().workers.insert(id.clone(), worker);
+    }
+
     pub fn record_exit(&self, id: &WorkerId, code: Option<i32>, reason: String) -> bool {
         self.lock().record_exit(id, code, reason)
     }

@@ -167,9 +167,159 @@ pub fn discover_nvidia_gpus() -> Result<Vec<Gpu>, DiscoveryError> {
     }
 }
 
+/// A process using a GPU, as `nvidia-smi --query-compute-apps` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuProcess {
+    pub gpu_index: u32,
+    pub pid: u32,
+    /// Its name as the driver reports it (often the executable's path).
+    pub name: String,
+}
+
+impl std::fmt::Display for GpuProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GPU {} busy: pid {} ({})",
+            self.gpu_index, self.pid, self.name
+        )
+    }
+}
+
+/// The arguments that list the GPUs' UUIDs.
+pub const NVIDIA_SMI_UUID_ARGS: &[&str] = &["--query-gpu=index,uuid", "--format=csv,noheader"];
+/// The arguments that list the processes using GPUs.
+pub const NVIDIA_SMI_APPS_ARGS: &[&str] = &[
+    "--query-compute-apps=gpu_uuid,pid,process_name",
+    "--format=csv,noheader",
+];
+
+/// Parses the two listings into the processes on each GPU (by index).
+/// A process on a GPU not in `uuids` (it vanished between the two calls)
+/// is left out.
+pub fn parse_gpu_processes(uuids: &str, apps: &str) -> Result<Vec<GpuProcess>, DiscoveryError> {
+    let bad = |line: &str| DiscoveryError::NvidiaSmi(format!("unexpected line {line:?}"));
+    let mut index_of = BTreeMap::new();
+    for line in uuids.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let (index, uuid) = line.split_once(',').ok_or_else(|| bad(line))?;
+        let index: u32 = index.trim().parse().map_err(|_| bad(line))?;
+        index_of.insert(uuid.trim().to_string(), index);
+    }
+    let mut out = Vec::new();
+    for line in apps.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        // "No running processes found" in some driver versions.
+        if !line.contains(',') {
+            continue;
+        }
+        let mut parts = line.splitn(3, ',').map(str::trim);
+        let (uuid, pid, name) = (
+            parts.next().unwrap_or(""),
+            parts.next().unwrap_or(""),
+            parts.next().unwrap_or(""),
+        );
+        let pid: u32 = pid.parse().map_err(|_| bad(line))?;
+        if let Some(&gpu_index) = index_of.get(uuid) {
+            out.push(GpuProcess {
+                gpu_index,
+                pid,
+                name: name.to_string(),
+            });
+        }
+    }
+    out.sort_by_key(|p| (p.gpu_index, p.pid));
+    Ok(out)
+}
+
+fn run_nvidia_smi(args: &[&str]) -> Result<String, DiscoveryError> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args(args)
+        .output()
+        .map_err(|e| DiscoveryError::NvidiaSmi(e.to_string()))?;
+    if !out.status.success() {
+        return Err(DiscoveryError::NvidiaSmi(format!(
+            "{}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The processes using this machine's GPUs now (`nvidia-smi`).
+pub fn gpu_processes() -> Result<Vec<GpuProcess>, DiscoveryError> {
+    let uuids = run_nvidia_smi(NVIDIA_SMI_UUID_ARGS)?;
+    let apps = run_nvidia_smi(NVIDIA_SMI_APPS_ARGS)?;
+    parse_gpu_processes(&uuids, &apps)
+}
+
+/// The Keel job a process belongs to, from the `KEEL_JOB_ID` of its
+/// environment (`None`: not a Keel worker's, or not readable).
+pub fn keel_job_of(pid: u32) -> Option<keel_state::JobId> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|b| *b == 0).find_map(|var| {
+        std::str::from_utf8(var.strip_prefix(b"KEEL_JOB_ID=")?)
+            .ok()?
+            .parse()
+            .ok()
+    })
+}
+
+/// The processes on `gpus` that belong to no job in `allowed`: what makes
+/// those GPUs busy for a worker of another job.
+pub fn busy(
+    processes: &[GpuProcess],
+    gpus: &[u32],
+    allowed: &[keel_state::JobId],
+    job_of: impl Fn(u32) -> Option<keel_state::JobId>,
+) -> Vec<GpuProcess> {
+    processes
+        .iter()
+        .filter(|p| gpus.contains(&p.gpu_index))
+        .filter(|p| job_of(p.pid).is_none_or(|j| !allowed.contains(&j)))
+        .cloned()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_processes_parse_and_only_strangers_make_a_gpu_busy() {
+        let uuids = "0, GPU-aaa\n1, GPU-bbb\n";
+        let apps = "GPU-bbb, 4242, /usr/bin/python3\nGPU-aaa, 17, train\nGPU-zzz, 9, gone\n";
+        let procs = parse_gpu_processes(uuids, apps).expect("parses");
+        assert_eq!(
+            procs,
+            vec![
+                GpuProcess {
+                    gpu_index: 0,
+                    pid: 17,
+                    name: "train".into()
+                },
+                GpuProcess {
+                    gpu_index: 1,
+                    pid: 4242,
+                    name: "/usr/bin/python3".into()
+                },
+            ]
+        );
+        assert_eq!(
+            procs[1].to_string(),
+            "GPU 1 busy: pid 4242 (/usr/bin/python3)"
+        );
+        assert_eq!(
+            parse_gpu_processes(uuids, "No running processes found\n").expect("none"),
+            vec![]
+        );
+        assert!(parse_gpu_processes(uuids, "GPU-aaa, nope, x").is_err());
+        // Pid 17 is job 5's; 4242 is nobody's.
+        let job_of = |pid: u32| (pid == 17).then_some(5);
+        assert_eq!(busy(&procs, &[0], &[5], job_of), vec![]);
+        assert_eq!(busy(&procs, &[0], &[6], job_of), vec![procs[0].clone()]);
+        assert_eq!(busy(&procs, &[0, 1], &[5], job_of), vec![procs[1].clone()]);
+        assert_eq!(busy(&procs, &[2], &[], job_of), vec![]);
+    }
 
     #[test]
     fn simulated_specs_parse_and_split() {

@@ -59,6 +59,10 @@ pub struct LocalConfig {
     /// `None`: workers are direct children of the server; a later executor
     /// kills the ones it finds instead of re-adopting them.
     pub supervisor: Option<PathBuf>,
+    /// The GPUs are real (found by `nvidia-smi`): before a worker starts,
+    /// ask the driver which processes use its GPUs, and refuse a GPU that
+    /// a process of another job, or of no job, uses.
+    pub check_gpu_processes: bool,
 }
 
 /// What a `.pid` file holds.
@@ -509,6 +513,20 @@ impl LocalExecutor {
         let job_dir = self.job_dir(id.job_id);
         tokio::fs::create_dir_all(&job_dir).await.map_err(io)?;
         let log_path = job_dir.join(format!("{}.log", log_name(&id)));
+        if let Some(busy) = self.busy_gpus(&launch).await {
+            let reason = format!("could not start: {busy}");
+            append_line(&log_path, &format!("keel: {reason}")).await;
+            self.book.insert_not_admitted(
+                &id,
+                &launch.node,
+                reason,
+                LocalWorker {
+                    pid: None,
+                    cgroup: None,
+                },
+            );
+            return Ok(());
+        }
         if self.claim(&id, &log_path).map_err(io)? == Claimed::Elsewhere {
             return Ok(());
         }
@@ -663,15 +681,43 @@ impl LocalExecutor {
         }
     }
 
-    async fn fail_to_start(&self, id: &WorkerId, node: &str, log_path: &Path, reason: &str) {
-        if let Ok(mut f) = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log_path)
-            .await
-        {
-            let _ = f.write_all(format!("keel: {reason}\n").as_bytes()).await;
+    /// With real GPUs: what uses the launch's GPUs that is not Keel's
+    /// (its job's space-sharing partner may), as "GPU 0 busy: pid P (name)";
+    /// `None` when they are free, or when the driver cannot say (a worker
+    /// then starts as it did before the check existed, and the server says
+    /// why).
+    async fn busy_gpus(&self, launch: &WorkerLaunch) -> Option<String> {
+        if !self.config.check_gpu_processes || launch.gpus.is_empty() {
+            return None;
         }
+        let gpus = launch.gpus.clone();
+        let allowed: Vec<JobId> = launch.shared_with.iter().map(|s| s.job_id).collect();
+        let found = tokio::task::spawn_blocking(crate::discovery::gpu_processes).await;
+        match found {
+            Ok(Ok(processes)) => {
+                let busy = crate::discovery::busy(
+                    &processes,
+                    &gpus,
+                    &allowed,
+                    crate::discovery::keel_job_of,
+                );
+                (!busy.is_empty()).then(|| {
+                    busy.iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                })
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(worker = %launch.id, error = %e, "cannot ask nvidia-smi which processes use the worker's GPUs: starting it unchecked");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    async fn fail_to_start(&self, id: &WorkerId, node: &str, log_path: &Path, reason: &str) {
+        append_line(log_path, &format!("keel: {reason}")).await;
         let exit = (Some(127), reason.to_string());
         self.book.insert_not_started(
             id,
@@ -715,6 +761,18 @@ impl LocalExecutor {
         if let Err(e) = killpg(Pid::from_raw(pid as i32), signal) {
             tracing::debug!(worker = %id, %signal, error = %e, "signal not delivered");
         }
+    }
+}
+
+/// Appends `line` to the worker's log at `path` (made if missing).
+async fn append_line(path: &Path, line: &str) {
+    if let Ok(mut f) = tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .await
+    {
+        let _ = f.write_all(format!("{line}\n").as_bytes()).await;
     }
 }
 
@@ -907,6 +965,7 @@ mod tests {
             nodes_dir: dir.join("nodes"),
             path_prepend: None,
             supervisor: None,
+            check_gpu_processes: false,
         })
         .expect("executor")
     }

@@ -195,9 +195,19 @@ impl ServerProcess {
     /// Starts `keel server --listen 127.0.0.1:0 --data-dir DIR ARGS...` and
     /// waits until it has a leader and answers.
     pub fn start(data_dir: &Path, args: &[&str]) -> ServerProcess {
+        ServerProcess::start_with_env(data_dir, args, &[])
+    }
+
+    /// [`ServerProcess::start`] with `env` set for the server.
+    pub fn start_with_env(
+        data_dir: &Path,
+        args: &[&str],
+        env: &[(&str, std::ffi::OsString)],
+    ) -> ServerProcess {
         let _ = std::fs::remove_file(data_dir.join("server.addr"));
         let (log, stderr) = server_log(data_dir);
         let child = Command::new(KEEL)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(args)
