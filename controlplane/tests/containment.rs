@@ -351,3 +351,64 @@ fn a_gpu_another_process_uses_is_refused_until_it_is_free() {
     });
     server.terminate();
 }
+
+/// The server and the worker's supervisor both killed with SIGKILL (the
+/// supervisor's whole process group, as an operator's `kill -9 -PGID`
+/// does): the worker's main process dies with them, its `setsid` child
+/// does not. The restarted server finds the child by the worker's cgroup
+/// and stops it before it reports the worker's end, so the job's GPU is
+/// free when the exit is known.
+#[test]
+fn a_worker_whose_supervisor_was_killed_is_found_by_its_cgroup_after_a_restart() {
+    const TEST: &str =
+        "a_worker_whose_supervisor_was_killed_is_found_by_its_cgroup_after_a_restart";
+    if !cgroups_or_skip(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let args = ["--simulated-gpus", "1xv100", "--round-s", "0.3"];
+    let server = ServerProcess::start(&data, &args);
+    let mark = format!("orphan-{}", std::process::id());
+    let id = submit(
+        &server,
+        dir.path(),
+        "orphaned",
+        &format!("KEEL_MARK={mark} setsid sleep 3001 & exec sleep 3000"),
+    );
+    wait_for("the escaped process", || {
+        (!marked(&mark).is_empty()).then_some(())
+    });
+    let pid_file = data.join(format!("workers/job-{id}/e1-r0.pid"));
+    let supervisor: u32 = wait_for("the worker's pid file", || {
+        let body: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&pid_file).ok()?).ok()?;
+        body["pid"].as_u64().map(|p| p as u32)
+    });
+    server.kill9();
+    let killed = std::process::Command::new("kill")
+        .args(["-9", "--", &format!("-{supervisor}")])
+        .status()
+        .expect("kill");
+    assert!(killed.success(), "the supervisor's group was there to kill");
+    wait_for("the supervisor to be gone", || {
+        (!std::path::Path::new(&format!("/proc/{supervisor}/stat")).exists()
+            || std::fs::read_to_string(format!("/proc/{supervisor}/stat"))
+                .is_ok_and(|s| s.contains(") Z ")))
+        .then_some(())
+    });
+    assert!(!marked(&mark).is_empty(), "the escaped process runs on");
+
+    let server = ServerProcess::start(&data, &args);
+    wait_for("the worker's end to be recorded", || {
+        let job = server.json(&["job", &id]);
+        (job["state"] == "failed").then_some(())
+    });
+    assert_eq!(marked(&mark), Vec::<u32>::new(), "left running");
+    let log = server.cli_ok(&["logs", &id]);
+    assert!(
+        log.contains("stopped 1 process(es) the worker left running"),
+        "{log}"
+    );
+    server.terminate();
+}

@@ -392,6 +392,9 @@ impl LocalExecutor {
             Some(p) => {
                 tracing::warn!(worker = %id, pid = p.pid, "killing a worker left by an earlier server");
                 let _ = killpg(Pid::from_raw(p.pid as i32), Signal::SIGKILL);
+                if let Some(cg) = p.cgroup.clone().map(WorkerCgroup::at) {
+                    cg.kill_all();
+                }
                 let _ = std::fs::remove_file(pid_path(log_path));
                 let _ = std::fs::remove_file(&exit_path);
                 // Killed, not ended: it may be launched again.
@@ -409,19 +412,61 @@ impl LocalExecutor {
                     reason: "ended while no server watched it (no exit record)".into(),
                 });
                 tracing::info!(worker = %id, reason = %record.reason, "a worker ended while no server watched it");
+                // Its supervisor is gone, but what the worker started may
+                // not be (its supervisor killed with it, before draining):
+                // found by its cgroup, stopped before the exit is reported,
+                // so its GPUs are free when the next worker gets them.
+                let cgroup = pid_file
+                    .as_ref()
+                    .and_then(|p| p.cgroup.clone())
+                    .filter(|_| self.cgroups.is_some())
+                    .map(WorkerCgroup::at)
+                    .filter(|cg| !cg.pids().is_empty());
                 let node = pid_file.map(|p| p.node).unwrap_or_default();
-                let exit = (record.exit_code, record.reason);
+                let Some(cg) = cgroup else {
+                    let exit = (record.exit_code, record.reason);
+                    self.book.insert(
+                        &id,
+                        Worker::ended(
+                            &node,
+                            exit,
+                            LocalWorker {
+                                pid: None,
+                                cgroup: None,
+                            },
+                        ),
+                    );
+                    return;
+                };
+                let left = cg.pids().len();
+                tracing::warn!(worker = %id, left, cgroup = %cg.dir.display(), "its supervisor is gone but processes it started run on: stopping them before its exit is reported");
                 self.book.insert(
                     &id,
-                    Worker::ended(
+                    Worker::running(
                         &node,
-                        exit,
+                        Vec::new(),
                         LocalWorker {
                             pid: None,
-                            cgroup: None,
+                            cgroup: Some(cg.clone()),
                         },
                     ),
                 );
+                let this = self.clone();
+                let generation = self.book.generation();
+                let log_path = log_path.to_path_buf();
+                tokio::spawn(async move {
+                    let left = tokio::task::spawn_blocking(move || cg.drain(LEFTOVER_GRACE))
+                        .await
+                        .unwrap_or(0);
+                    append_line(
+                        &log_path,
+                        &format!("keel: stopped {left} process(es) the worker left running"),
+                    )
+                    .await;
+                    if this.book.is_current(generation) {
+                        this.book.record_exit(&id, record.exit_code, record.reason);
+                    }
+                });
             }
         }
     }
