@@ -349,5 +349,121 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
         Vec::<u32>::new(),
         "left running"
     );
+
+    // `resources.memory` on the host: over it, the job ends out of memory.
+    let memory =
+        keel_executors::containment::Cgroups::detect(&format!("probe-{}", std::process::id()))
+            .is_ok_and(|c| c.memory_parent.is_some());
+    assert!(
+        memory || std::env::var_os("KEEL_REQUIRE_CGROUP").is_none(),
+        "KEEL_REQUIRE_CGROUP is set and no memory controller is writable"
+    );
+    if memory {
+        let spec = dir.path().join("greedy.json");
+        let body = serde_json::json!({
+            "name": "greedy", "gpus": 1, "resources": {"memory": "32Mi", "cpus": 1},
+            "command": ["sh", "-c", "head -c 400000000 /dev/zero | tail -n 1 > /dev/null"]
+        });
+        std::fs::write(&spec, body.to_string()).expect("spec");
+        let greedy = server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
+            .as_u64()
+            .expect("job id")
+            .to_string();
+        wait_for("the greedy job to fail", || {
+            (server.json(&["job", &greedy])["state"] == "failed").then_some(())
+        });
+        let shown = server.json(&["job", &greedy]).to_string();
+        assert!(
+            shown.contains("out of memory: over its limit of 32Mi"),
+            "{shown}"
+        );
+        let log = server.cli_ok(&["logs", &greedy]);
+        assert!(!log.contains("not enforced"), "{log}");
+    }
+    server.terminate();
+}
+
+/// A host with real GPUs (a stand-in `nvidia-smi` on the SSH sessions'
+/// PATH, listing a process of no job on GPU 0): the helper refuses the GPU,
+/// the job says "GPU 0 busy: pid P (sleep)" and spends no retry; once the
+/// process is gone the job runs there.
+#[test]
+fn a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free() {
+    use std::os::unix::fs::PermissionsExt;
+    const TEST: &str = "a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bin = dir.path().join("bin");
+    std::fs::create_dir_all(&bin).expect("bin");
+    let apps = dir.path().join("compute-apps.csv");
+    std::fs::write(&apps, "").expect("apps");
+    let fake = bin.join("nvidia-smi");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in\n\
+             --query-gpu=index,uuid) echo '0, GPU-77aa-test' ;;\n\
+             --query-compute-apps=*) cat '{}' ;;\n\
+             *) echo \"unexpected: $*\" >&2; exit 2 ;;\nesac\n",
+            apps.display()
+        ),
+    )
+    .expect("fake nvidia-smi");
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    // SKIPPED without OpenSSH (a failure under KEEL_REQUIRE_SSHD); this
+    // test's sshd sets the sessions' PATH.
+    if Sshd::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let sshd = Sshd::start_with(&format!(
+        "SetEnv PATH={}:/usr/local/bin:/usr/bin:/bin\n",
+        bin.display()
+    ));
+    let nodes = dir.path().join("nodes.yaml");
+    std::fs::write(
+        &nodes,
+        format!(
+            "known_hosts: accept\nknown_hosts_file: {kh}\nconnect_timeout_s: 2\npoll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 1xa100\n    work_dir: {work}\n",
+            kh = dir.path().join("known_hosts").display(),
+            port = sshd.port,
+            user = sshd.user,
+            key = sshd.key.display(),
+            work = dir.path().join("work-a").display(),
+        ),
+    )
+    .expect("nodes file");
+    let mut rogue = std::process::Command::new("sleep")
+        .arg("3003")
+        .env_remove("KEEL_JOB_ID")
+        .spawn()
+        .expect("rogue");
+    let busy = format!("GPU 0 busy: pid {} (sleep)", rogue.id());
+    std::fs::write(&apps, format!("GPU-77aa-test, {}, sleep\n", rogue.id())).expect("apps");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--ssh-nodes",
+            nodes.to_str().expect("utf-8"),
+            "--round-s",
+            "0.3",
+        ],
+    );
+    let id = submit_script(&server, dir.path(), "waits", "echo ran");
+    wait_for("the job to say the GPU is busy", || {
+        server
+            .json(&["job", &id])
+            .to_string()
+            .contains(&busy)
+            .then_some(())
+    });
+    let job = server.json(&["job", &id]);
+    assert_ne!(job["state"], "failed", "{job}");
+    assert_eq!(job["retries"], 0, "a busy GPU spends no retry: {job}");
+    let _ = rogue.kill();
+    let _ = rogue.wait();
+    std::fs::write(&apps, "").expect("apps");
+    wait_for("the job to run once the GPU is free", || {
+        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
+    });
+    assert!(server.cli_ok(&["logs", &id]).contains("ran"));
     server.terminate();
 }

@@ -281,6 +281,14 @@ impl SshExecutor {
                     // The helper puts it first on the worker's PATH.
                     env.insert("KEEL_BIN_DIR".into(), dir.clone());
                 }
+                // The job's limits, for the helper's supervisor (which
+                // takes them out of the worker's environment).
+                if let Some(bytes) = launch.resources.memory_bytes {
+                    env.insert("KEEL_LIMIT_MEMORY_BYTES".into(), bytes.to_string());
+                }
+                if let Some(millis) = launch.resources.cpu_millis {
+                    env.insert("KEEL_LIMIT_CPU_MILLIS".into(), millis.to_string());
+                }
                 let gpus = if launch.gpus.is_empty() {
                     "-".to_string()
                 } else {
@@ -311,7 +319,16 @@ impl SshExecutor {
         }
         match result {
             Ok((_, stdout)) => {
-                let offset = String::from_utf8_lossy(&stdout)
+                let stdout = String::from_utf8_lossy(&stdout);
+                // "N WHY": the host refused a GPU another process uses.
+                if let Some(why) = stdout.lines().find_map(|l| l.strip_prefix("N ")) {
+                    book.record_not_admitted(id, format!("could not start: {}", why.trim()));
+                    if let Some(w) = book.workers.get_mut(id) {
+                        w.extra.settled = Some(now);
+                    }
+                    return true;
+                }
+                let offset = stdout
                     .lines()
                     .next()
                     .and_then(|l| l.trim().parse().ok())

@@ -63,7 +63,7 @@ cgroup_parent() {
             set -- $m_line
             dir="$5${own%/}/keel"
             if mkdir -p "$dir" 2> /dev/null; then
-                cg_parent=$dir
+                cg_parent=$dir cg_kind=$want
                 cg_tag="ssh$(printf '%s' "$w_dir" | cksum | cut -d' ' -f1)"
                 return 0
             fi
@@ -71,6 +71,115 @@ cgroup_parent() {
         done < /proc/self/mountinfo
     done
     return 1
+}
+
+# Sets lim_dir to the cgroup for the worker's $1 (memory or cpu) limit:
+# its own cgroup $2 on v2 when the controller is delegated to Keel's, else
+# one of the same name in v1's hierarchy of $1 (made); fails when none is
+# writable.
+limit_dir() {
+    l_ctl=$1 l_own=$2 lim_dir=
+    if [ "${cg_kind:-}" = cgroup2 ]; then
+        l_parent=${l_own%/*}
+        read -r l_have < "$l_parent/cgroup.controllers" 2> /dev/null || l_have=
+        case " $l_have " in
+            *" $l_ctl "*)
+                echo "+$l_ctl" > "$l_parent/cgroup.subtree_control" 2> /dev/null
+                read -r l_on < "$l_parent/cgroup.subtree_control" 2> /dev/null || l_on=
+                case " $l_on " in *" $l_ctl "*)
+                    lim_dir=$l_own
+                    return 0
+                    ;;
+                esac
+                ;;
+        esac
+    fi
+    l_path=
+    while IFS=: read -r c_id c_ctl c_path; do
+        [ "$c_id" = 0 ] && continue
+        case ",$c_ctl," in *",$l_ctl,"*) l_path=$c_path ;; esac
+    done < /proc/self/cgroup
+    [ -n "$l_path" ] || return 1
+    while read -r m_line; do
+        case "$m_line" in *" - cgroup "*) ;; *) continue ;; esac
+        case ",${m_line##* }," in *",$l_ctl,"*) ;; *) continue ;; esac
+        # shellcheck disable=SC2086
+        set -- $m_line
+        lim_dir="$5${l_path%/}/keel/${l_own##*/}"
+        mkdir -p "$lim_dir" 2> /dev/null && return 0
+    done < /proc/self/mountinfo
+    lim_dir=
+    return 1
+}
+
+# A byte count as a spec writes it (4Gi, 512Mi), else bytes.
+show_memory() {
+    for u in Ti:1099511627776 Gi:1073741824 Mi:1048576 Ki:1024; do
+        if [ "$1" -ge "${u#*:}" ] && [ $(($1 % ${u#*:})) -eq 0 ]; then
+            echo "$(($1 / ${u#*:}))${u%%:*}"
+            return
+        fi
+    done
+    echo "$1"
+}
+
+# Writes the worker's limits (KEEL_LIMIT_MEMORY_BYTES, KEEL_LIMIT_CPU_MILLIS,
+# from its launch) for its cgroup $1 (empty: it has none). Sets lim_enter
+# to the other cgroups the worker enters (v1's) and lim_mem to where its
+# memory is counted; what cannot be enforced, the worker's log says.
+apply_limits() {
+    lim_enter= lim_mem=
+    if [ -n "${KEEL_LIMIT_MEMORY_BYTES:-}" ]; then
+        ok=
+        if [ -n "$1" ] && limit_dir memory "$1"; then
+            if [ -f "$lim_dir/memory.max" ]; then
+                echo "$KEEL_LIMIT_MEMORY_BYTES" > "$lim_dir/memory.max" 2> /dev/null && ok=1
+                echo 0 > "$lim_dir/memory.swap.max" 2> /dev/null
+            elif echo "$KEEL_LIMIT_MEMORY_BYTES" > "$lim_dir/memory.limit_in_bytes" 2> /dev/null; then
+                ok=1
+                echo "$KEEL_LIMIT_MEMORY_BYTES" > "$lim_dir/memory.memsw.limit_in_bytes" 2> /dev/null
+            fi
+        fi
+        if [ -n "$ok" ]; then
+            lim_mem=$lim_dir lim_mem_bytes=$KEEL_LIMIT_MEMORY_BYTES
+            [ "$lim_dir" = "$1" ] || lim_enter="$lim_enter $lim_dir"
+        else
+            echo "keel: resources.memory ($(show_memory "$KEEL_LIMIT_MEMORY_BYTES")) is not enforced on this node: no writable memory cgroup controller" >&2
+        fi
+    fi
+    if [ -n "${KEEL_LIMIT_CPU_MILLIS:-}" ]; then
+        ok=
+        quota=$((KEEL_LIMIT_CPU_MILLIS * 100))
+        if [ -n "$1" ] && limit_dir cpu "$1"; then
+            if [ -f "$lim_dir/cpu.max" ]; then
+                echo "$quota 100000" > "$lim_dir/cpu.max" 2> /dev/null && ok=1
+            elif echo 100000 > "$lim_dir/cpu.cfs_period_us" 2> /dev/null &&
+                echo "$quota" > "$lim_dir/cpu.cfs_quota_us" 2> /dev/null; then
+                ok=1
+            fi
+        fi
+        if [ -n "$ok" ]; then
+            [ "$lim_dir" = "$1" ] || lim_enter="$lim_enter $lim_dir"
+        else
+            echo "keel: resources.cpus ($KEEL_LIMIT_CPU_MILLIS thousandths) is not enforced on this node: no writable cpu cgroup controller" >&2
+        fi
+    fi
+    unset KEEL_LIMIT_MEMORY_BYTES KEEL_LIMIT_CPU_MILLIS
+}
+
+# How many times the kernel killed a process in memory cgroup $1 for
+# memory (0 without one).
+oom_kills() {
+    o_n=0
+    if [ -n "$1" ]; then
+        for f in "$1/memory.events" "$1/memory.oom_control"; do
+            [ -f "$f" ] || continue
+            while read -r o_k o_v; do
+                [ "$o_k" = oom_kill ] && o_n=$o_v
+            done < "$f"
+        done
+    fi
+    echo "$o_n"
 }
 
 # Signals every process in cgroup $2 with $1 (KILL: at once, with
@@ -160,8 +269,18 @@ supervise() {
     else
         echo "keel: the worker runs without a cgroup ($cg_why): a process it starts with setsid escapes it" >&2
     fi
+    apply_limits "$cg"
     if [ -n "$cg" ]; then
-        (echo 0 > "$cg/cgroup.procs" && exec "$@") &
+        (
+            echo 0 > "$cg/cgroup.procs" || exit 127
+            for d in $lim_enter; do
+                echo 0 > "$d/cgroup.procs" || {
+                    echo "keel: cannot enter the cgroup $d" >&2
+                    exit 127
+                }
+            done
+            exec "$@"
+        ) &
     else
         "$@" &
     fi
@@ -172,24 +291,59 @@ supervise() {
         # A signal to the supervisor interrupts wait; the worker goes on.
         kill -0 "$child" 2> /dev/null || break
     done
+    ooms=$(oom_kills "$lim_mem")
     if [ -n "$cg" ]; then
         cgroup_drain "$cg" "${KEEL_LEFTOVER_GRACE_DS:-100}"
+        for d in $lim_enter; do
+            i=0
+            while ! rmdir "$d" 2> /dev/null && [ -d "$d" ] && [ "$i" -lt 50 ]; do
+                i=$((i + 1))
+                sleep 0.02
+            done
+        done
     fi
     if [ "$code" -gt 128 ] && name=$(kill -l "$((code - 128))" 2> /dev/null); then
         reason="killed by SIG$name (status $code)"
     else
         reason="exited with code $code"
     fi
+    if [ "$code" -ne 0 ] && [ "$ooms" -gt 0 ]; then
+        reason="out of memory: over its limit of $(show_memory "$lim_mem_bytes") ($reason)"
+    fi
     printf '%s %s\n' "$code" "$reason" > "$base.exit.tmp"
     mv -f "$base.exit.tmp" "$base.exit"
     exit "$code"
+}
+
+# Prints "GPU I busy: pid P (NAME)" for each process nvidia-smi lists on
+# GPUs $1 (comma-separated, or -) that belongs to no Keel job, or to
+# another than $2 (the worker's own job's space-sharing partner, or
+# empty); nothing where nvidia-smi is not installed or cannot answer.
+gpus_busy() {
+    [ "$1" != - ] || return 0
+    command -v nvidia-smi > /dev/null 2>&1 || return 0
+    b_uuids=$(nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2> /dev/null) || return 0
+    b_apps=$(nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name --format=csv,noheader 2> /dev/null) || return 0
+    printf '%s\n' "$b_apps" | while IFS=, read -r a_uuid a_pid a_name; do
+        a_uuid=${a_uuid# } a_pid=${a_pid# } a_name=${a_name# }
+        case $a_pid in '' | *[!0-9]*) continue ;; esac
+        a_index=$(printf '%s\n' "$b_uuids" | while IFS=, read -r u_index u_uuid; do
+            [ "${u_uuid# }" = "$a_uuid" ] && echo "$u_index"
+        done)
+        case ",$1," in *",$a_index,"*) ;; *) continue ;; esac
+        a_job=$(tr '\0' '\n' < "/proc/$a_pid/environ" 2> /dev/null | sed -n 's/^KEEL_JOB_ID=//p')
+        if [ -z "$a_job" ] || [ "$a_job" != "$2" ]; then
+            echo "GPU $a_index busy: pid $a_pid ($a_name)"
+        fi
+    done
 }
 
 # launch BASE CHECKPOINT_DIR PORT GPUS N NAME=VALUE... CMD...: start CMD,
 # with the N variables in its environment, under a supervisor in a new
 # session, unless the worker already runs; prints the log's size before the
 # start and returns once the supervisor has written its pid file (or its
-# exit).
+# exit). A GPU of the worker that another process uses (gpus_busy) starts
+# nothing: a second line "N GPU I busy: ..." says why.
 launch() {
     base=$1 ckpt=$2 l_port=$3 l_gpus=$4 n=$5
     shift 5
@@ -210,6 +364,13 @@ launch() {
     size=$({ wc -c < "$base.log"; } 2> /dev/null) || size=0
     echo "$((size))"
     if alive "$base"; then
+        exit 0
+    fi
+    # A GPU another process uses is refused: "N WHY" (not admitted), and
+    # nothing starts.
+    busy=$(gpus_busy "$l_gpus" "${KEEL_SHARED_WITH_JOB:-}")
+    if [ -n "$busy" ]; then
+        echo "N $(printf '%s' "$busy" | tr '\n' ';')"
         exit 0
     fi
     # One launch per worker, whichever server asks: the claim is created

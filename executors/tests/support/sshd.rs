@@ -128,6 +128,12 @@ impl Sshd {
     }
 
     pub fn start() -> Sshd {
+        Sshd::start_with("")
+    }
+
+    /// [`Sshd::start`] with `extra` lines in its configuration (e.g.
+    /// `SetEnv PATH=...` for the sessions).
+    pub fn start_with(extra: &str) -> Sshd {
         let sshd = sshd_binary();
         // sshd started as root wants its privilege-separation directory.
         let _ = std::fs::create_dir_all("/run/sshd");
@@ -163,7 +169,7 @@ impl Sshd {
                     "Port {port}\nListenAddress 127.0.0.1\nHostKey {host}\nAuthorizedKeysFile {auth}\n\
                      PidFile {pid}\nStrictModes no\nPasswordAuthentication no\n\
                      KbdInteractiveAuthentication no\nUsePAM no\nPermitRootLogin yes\n\
-                     MaxSessions 100\nMaxStartups 100\nLogLevel ERROR\n",
+                     MaxSessions 100\nMaxStartups 100\nLogLevel ERROR\n{extra}",
                     host = host_key.display(),
                     auth = dir.path().join("authorized_keys").display(),
                     pid = dir.path().join("sshd.pid").display(),
