@@ -458,6 +458,12 @@ fn a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free() {
     let job = server.json(&["job", &id]);
     assert_ne!(job["state"], "failed", "{job}");
     assert_eq!(job["retries"], 0, "a busy GPU spends no retry: {job}");
+    wait_for("the node to say the GPU is busy", || {
+        server.json(&["nodes"])[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&busy))
+            .then_some(())
+    });
     let _ = rogue.kill();
     let _ = rogue.wait();
     std::fs::write(&apps, "").expect("apps");
@@ -465,5 +471,11 @@ fn a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free() {
         (server.json(&["job", &id])["state"] == "succeeded").then_some(())
     });
     assert!(server.cli_ok(&["logs", &id]).contains("ran"));
+    wait_for("the node's note to clear", || {
+        server.json(&["nodes"])[0]["message"]
+            .as_str()
+            .is_some_and(|m| !m.contains("busy"))
+            .then_some(())
+    });
     server.terminate();
 }

@@ -177,6 +177,9 @@ pub(super) struct Connection {
     /// Why the host's workers get no cgroup (said in the node's note), or
     /// `None` when they do.
     pub uncontained: Option<String>,
+    /// The host has `nvidia-smi`: the driver can say which processes use
+    /// its GPUs (asked for the node's note, `busy`).
+    pub lists_gpu_processes: bool,
 }
 
 impl Connection {
@@ -330,7 +333,9 @@ impl Host {
             None => parse_nvidia_smi(&listing.join("\n"))
                 .map_err(|e| RunError::Failed(e.to_string()))?,
         };
+        let lists_gpu_processes = kinds.contains(&"K nvidia-smi");
         let connection = Connection {
+            lists_gpu_processes,
             _session: session,
             agents,
             next_agent: AtomicU64::new(0),

@@ -316,9 +316,10 @@ supervise() {
 }
 
 # Prints "GPU I busy: pid P (NAME)" for each process nvidia-smi lists on
-# GPUs $1 (comma-separated, or -) that belongs to no Keel job, or to
-# another than $2 (the worker's own job's space-sharing partner, or
-# empty); nothing where nvidia-smi is not installed or cannot answer.
+# GPUs $1 (comma-separated; - none, * all) that belongs to no Keel job, or
+# to another than $2 (the worker's own job's space-sharing partner, or
+# empty; * any job); nothing where nvidia-smi is not installed or cannot
+# answer. `busy` (for the node's note) lists those of no job on any GPU.
 gpus_busy() {
     [ "$1" != - ] || return 0
     command -v nvidia-smi > /dev/null 2>&1 || return 0
@@ -330,9 +331,9 @@ gpus_busy() {
         a_index=$(printf '%s\n' "$b_uuids" | while IFS=, read -r u_index u_uuid; do
             [ "${u_uuid# }" = "$a_uuid" ] && echo "$u_index"
         done)
-        case ",$1," in *",$a_index,"*) ;; *) continue ;; esac
+        case ",$1," in *",$a_index,"* | ",*,") ;; *) continue ;; esac
         a_job=$(tr '\0' '\n' < "/proc/$a_pid/environ" 2> /dev/null | sed -n 's/^KEEL_JOB_ID=//p')
-        if [ -z "$a_job" ] || [ "$a_job" != "$2" ]; then
+        if [ -z "$a_job" ] || { [ "$2" != '*' ] && [ "$a_job" != "$2" ]; }; then
             echo "GPU $a_index busy: pid $a_pid ($a_name)"
         fi
     done
@@ -521,6 +522,9 @@ probe() {
     else
         echo "K none $cg_why"
     fi
+    if command -v nvidia-smi > /dev/null 2>&1; then
+        echo "K nvidia-smi"
+    fi
     if [ "${1:-}" = gpus ]; then
         command -v nvidia-smi > /dev/null 2>&1 || {
             echo "nvidia-smi is not installed on this host: declare the node's gpus in the nodes file" >&2
@@ -559,6 +563,7 @@ dispatch() {
     case $cmd in
         supervise | launch | poll | signal | logs | probe | serve) "$cmd" "$@" ;;
         forget) rm -f "$1.exit" "$1.pid" "$1.cgroup" ;;
+        busy) gpus_busy '*' '*' ;;
         *)
             echo "keel-node.sh: unknown command $cmd" >&2
             exit 2

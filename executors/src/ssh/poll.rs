@@ -168,24 +168,54 @@ fn found_ended(node: &str, now: Instant) -> Worker<SshWorker> {
     Worker::running(node, Vec::new(), extra)
 }
 
+/// How often a host with `nvidia-smi` is asked which processes of no job
+/// use its GPUs, for its node's note.
+const GPU_PROCESSES_EVERY: Duration = Duration::from_secs(2);
+
 impl SshExecutor {
     /// Polls one host until this server stops leading.
     pub(super) async fn poll_loop(self, host: Arc<Host>, generation: u64) {
         let interval = self.shared.config.poll_interval;
         let mut wait = interval;
+        // What the driver last said of processes of no job on the host's
+        // GPUs, and when it was asked.
+        let mut busy: (Option<tokio::time::Instant>, String) = (None, String::new());
         loop {
             if !self.shared.book.is_current(generation) {
                 return;
             }
             let name = host.node.name.clone();
             let probe = match self.poll_once(&host, generation).await {
-                Ok((gpus, uncontained)) => {
+                Ok((gpus, uncontained, lists_gpu_processes)) => {
                     wait = interval;
+                    if lists_gpu_processes
+                        && busy.0.is_none_or(|t| t.elapsed() >= GPU_PROCESSES_EVERY)
+                    {
+                        busy.0 = Some(tokio::time::Instant::now());
+                        let config = &self.shared.config;
+                        if let Ok((_, out)) = host.run(config, vec!["busy".into()]).await {
+                            busy.1 = String::from_utf8_lossy(&out)
+                                .lines()
+                                .map(str::trim)
+                                .filter(|l| !l.is_empty())
+                                .collect::<Vec<_>>()
+                                .join("; ");
+                        }
+                    }
+                    let mut note = [uncontained.unwrap_or_default(), busy.1.clone()]
+                        .into_iter()
+                        .filter(|n| !n.is_empty())
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                    keel_state::state::limits::cut_to(
+                        &mut note,
+                        keel_state::state::limits::NODE_NOTE_MAX_LEN,
+                    );
                     NodeProbe::Answered(NodeReport {
                         name: name.clone(),
                         address: host.node.address.clone(),
                         gpus,
-                        note: uncontained.unwrap_or_default(),
+                        note,
                     })
                 }
                 Err(e) => {
@@ -211,7 +241,7 @@ impl SshExecutor {
         &self,
         host: &Host,
         generation: u64,
-    ) -> Result<(Vec<Gpu>, Option<String>), RunError> {
+    ) -> Result<(Vec<Gpu>, Option<String>, bool), RunError> {
         let name = &host.node.name;
         let book = &self.shared.book;
         let started = book.now();
@@ -226,7 +256,11 @@ impl SshExecutor {
         if b.is_current(generation) {
             apply_poll(&mut b, name, &plan, report, started, now, at_ms);
         }
-        Ok((connection.gpus.clone(), connection.uncontained.clone()))
+        Ok((
+            connection.gpus.clone(),
+            connection.uncontained.clone(),
+            connection.lists_gpu_processes,
+        ))
     }
 }
 
