@@ -380,6 +380,41 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
         let log = server.cli_ok(&["logs", &greedy]);
         assert!(!log.contains("not enforced"), "{log}");
     }
+
+    // The worker's supervisor killed with it (`kill -9` of its group on the
+    // host): the helper's poll finds what the worker started by its cgroup
+    // and kills it before the worker is reported gone.
+    let orphaned = submit(
+        "orphaned",
+        format!("KEEL_MARK={mark}-c setsid sleep 3001 & exec sleep 3000"),
+    );
+    wait_for("the escaped process of the orphaned job", || {
+        (!marked(&format!("{mark}-c")).is_empty()).then_some(())
+    });
+    let pid_file = dir
+        .path()
+        .join(format!("work-a/workers/job-{orphaned}/e1-r0.pid"));
+    let supervisor = wait_for("the supervisor's pid file", || {
+        std::fs::read_to_string(&pid_file)
+            .ok()?
+            .split_whitespace()
+            .next()?
+            .parse::<u32>()
+            .ok()
+    });
+    let killed = std::process::Command::new("kill")
+        .args(["-9", "--", &format!("-{supervisor}")])
+        .status()
+        .expect("kill");
+    assert!(killed.success(), "the supervisor's group was there to kill");
+    wait_for("the orphaned job to fail", || {
+        (server.json(&["job", &orphaned])["state"] == "failed").then_some(())
+    });
+    assert_eq!(
+        marked(&format!("{mark}-c")),
+        Vec::<u32>::new(),
+        "left running"
+    );
     server.terminate();
 }
 

@@ -447,7 +447,20 @@ poll() {
             IFS= read -r rec < "$b.exit"
             echo "X $b $rec"
         elif [ -f "$b.pid" ]; then
-            echo "G $b"
+            # Its supervisor is gone without a record (killed with the
+            # worker); what the worker started may not be: killed by its
+            # cgroup, and reported running until the cgroup is empty, so
+            # its GPUs are not handed on beside it.
+            g_cg=
+            read -r g_cg < "$b.cgroup" 2> /dev/null
+            if [ -n "$g_cg" ] && [ -d "$g_cg" ] && cgroup_busy "$g_cg"; then
+                cgroup_signal KILL "$g_cg"
+                read -r _ _ port gpus < "$b.pid"
+                echo "R $b $port $gpus"
+            else
+                [ -z "$g_cg" ] || rmdir "$g_cg" 2> /dev/null
+                echo "G $b"
+            fi
         fi
     done
     for req in "$@"; do
