@@ -10,8 +10,9 @@
 mod support;
 
 use support::{
-    assert_succeeded_leaving_nothing, cgroups_or_skip, marked, submit_script as submit, wait_for,
-    ServerProcess,
+    assert_refused_while_busy_then_run, assert_succeeded_leaving_nothing, cgroups_or_skip,
+    kill9_group, marked, submit_script as submit, submit_spec, wait_for, FakeNvidiaSmi,
+    ServerProcess, Stranger,
 };
 
 #[test]
@@ -141,16 +142,14 @@ fn a_preempted_worker_leaves_nothing_running_for_the_job_that_takes_its_gpu() {
     let mark = format!("preempt-{}", std::process::id());
     let trainer = "keel trainer --speedup 50 --report-every-s 0.1 --checkpoint-every-steps 50";
     let job = |name: &str, script: String, steps: u64| {
-        let spec = dir.path().join(format!("{name}.json"));
-        let body = serde_json::json!({
-            "name": name, "command": ["sh", "-c", script], "gpus": 1,
-            "model": "resnet50", "total_steps": steps
-        });
-        std::fs::write(&spec, body.to_string()).expect("spec");
-        server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
-            .as_u64()
-            .expect("job id")
-            .to_string()
+        submit_spec(
+            &server,
+            dir.path(),
+            serde_json::json!({
+                "name": name, "command": ["sh", "-c", script], "gpus": 1,
+                "model": "resnet50", "total_steps": steps
+            }),
+        )
     };
     let long = job(
         "long",
@@ -214,16 +213,14 @@ fn a_worker_over_its_memory_limit_ends_out_of_memory() {
         &["--simulated-gpus", "1xv100", "--round-s", "0.3"],
     );
     let job = |name: &str, script: &str| {
-        let spec = dir.path().join(format!("{name}.json"));
-        let body = serde_json::json!({
-            "name": name, "command": ["sh", "-c", script], "gpus": 1,
-            "resources": {"memory": "32Mi", "cpus": 0.5}
-        });
-        std::fs::write(&spec, body.to_string()).expect("spec");
-        server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
-            .as_u64()
-            .expect("job id")
-            .to_string()
+        submit_spec(
+            &server,
+            dir.path(),
+            serde_json::json!({
+                "name": name, "command": ["sh", "-c", script], "gpus": 1,
+                "resources": {"memory": "32Mi", "cpus": 0.5}
+            }),
+        )
     };
     // `tail -n 1` keeps the current line in memory, and /dev/zero has no
     // line ends: it grows until the kernel kills it.
@@ -279,75 +276,25 @@ fn a_worker_over_its_memory_limit_ends_out_of_memory() {
 /// and once the process is gone the job runs.
 #[test]
 fn a_gpu_another_process_uses_is_refused_until_it_is_free() {
-    use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().expect("tempdir");
-    let bin = dir.path().join("bin");
-    std::fs::create_dir_all(&bin).expect("bin");
-    let apps = dir.path().join("compute-apps.csv");
-    std::fs::write(&apps, "").expect("apps");
-    let fake = bin.join("nvidia-smi");
-    std::fs::write(
-        &fake,
-        format!(
-            "#!/bin/sh\ncase \"$1\" in\n\
-             --query-gpu=index,name) echo '0, NVIDIA A100-SXM4-40GB' ;;\n\
-             --query-gpu=index,uuid) echo '0, GPU-5f3e-test' ;;\n\
-             --query-compute-apps=*) cat '{}' ;;\n\
-             *) echo \"unexpected: $*\" >&2; exit 2 ;;\nesac\n",
-            apps.display()
-        ),
-    )
-    .expect("fake nvidia-smi");
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let path = std::env::join_paths(std::iter::once(bin.clone()).chain(std::env::split_paths(
-        &std::env::var_os("PATH").unwrap_or_default(),
-    )))
-    .expect("PATH");
-
+    let driver = FakeNvidiaSmi::new(dir.path(), "GPU-5f3e-test");
     // A process of no job on GPU 0, as the driver reports it.
-    let mut rogue = std::process::Command::new("sleep")
-        .arg("3002")
-        .env_remove("KEEL_JOB_ID")
-        .spawn()
-        .expect("rogue");
-    let busy = format!("GPU 0 busy: pid {} (sleep)", rogue.id());
-    std::fs::write(&apps, format!("GPU-5f3e-test, {}, sleep\n", rogue.id())).expect("apps");
+    let stranger = Stranger::start("3002");
+    let busy = format!("GPU 0 busy: pid {} (sleep)", stranger.pid());
+    driver.lists(Some((stranger.pid(), "sleep")));
 
     let server = ServerProcess::start_with_env(
         &dir.path().join("data"),
         &["--round-s", "0.3", "--node-name", "gpu-host"],
-        &[("PATH", path)],
+        &[("PATH", driver.path())],
     );
     wait_for("the node with its A100", || {
         (server.json(&["nodes"])[0]["gpus"][0]["gpu_type"] == "a100").then_some(())
     });
     let id = submit(&server, dir.path(), "waits", "echo ran");
-    wait_for("the job to say the GPU is busy", || {
-        let job = server.json(&["job", &id]);
-        job.to_string().contains(&busy).then_some(())
-    });
-    let job = server.json(&["job", &id]);
-    assert_ne!(job["state"], "failed", "{job}");
-    assert_eq!(job["retries"], 0, "a busy GPU spends no retry: {job}");
-    wait_for("the node to say the GPU is busy", || {
-        server.json(&["nodes"])[0]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains(&busy))
-            .then_some(())
-    });
-
-    let _ = rogue.kill();
-    let _ = rogue.wait();
-    std::fs::write(&apps, "").expect("apps");
-    wait_for("the job to run once the GPU is free", || {
-        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
-    });
-    assert!(server.cli_ok(&["logs", &id]).contains("ran"));
-    wait_for("the node's note to clear", || {
-        server.json(&["nodes"])[0]["message"]
-            .as_str()
-            .is_some_and(str::is_empty)
-            .then_some(())
+    assert_refused_while_busy_then_run(&server, &id, &busy, move || {
+        drop(stranger);
+        driver.lists(None);
     });
     server.terminate();
 }
@@ -386,11 +333,7 @@ fn a_worker_whose_supervisor_was_killed_is_found_by_its_cgroup_after_a_restart()
         body["pid"].as_u64().map(|p| p as u32)
     });
     server.kill9();
-    let killed = std::process::Command::new("kill")
-        .args(["-9", "--", &format!("-{supervisor}")])
-        .status()
-        .expect("kill");
-    assert!(killed.success(), "the supervisor's group was there to kill");
+    kill9_group(supervisor);
     wait_for("the supervisor to be gone", || {
         (!std::path::Path::new(&format!("/proc/{supervisor}/stat")).exists()
             || std::fs::read_to_string(format!("/proc/{supervisor}/stat"))

@@ -13,8 +13,9 @@ use serde_json::Value;
 
 use sshd::{free_port, Sshd};
 use support::{
-    assert_succeeded_leaving_nothing, cgroups_or_skip, marked, submit_script, wait_for,
-    ServerProcess, KEEL,
+    assert_refused_while_busy_then_run, assert_succeeded_leaving_nothing, cgroups_or_skip,
+    kill9_group, marked, submit_script, submit_spec, wait_for, FakeNvidiaSmi, ServerProcess,
+    Stranger, KEEL,
 };
 
 fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
@@ -37,6 +38,31 @@ fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
     let path = dir.join("nodes.yaml");
     std::fs::write(&path, text).expect("nodes file");
     path
+}
+
+/// A nodes file in `dir` with one node, `a`, reached at `port` on
+/// 127.0.0.1 as `sshd`'s user, with `gpus`; `settings` are more top-level
+/// lines (`connect_timeout_s: 2\n`, ...).
+fn one_node_file(
+    sshd: &Sshd,
+    port: u16,
+    dir: &std::path::Path,
+    settings: &str,
+    gpus: &str,
+) -> std::path::PathBuf {
+    let nodes = dir.join("nodes.yaml");
+    std::fs::write(
+        &nodes,
+        format!(
+            "known_hosts: accept\nknown_hosts_file: {kh}\n{settings}poll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: {gpus}\n    work_dir: {work}\n",
+            kh = dir.join("known_hosts").display(),
+            user = sshd.user,
+            key = sshd.key.display(),
+            work = dir.join("work-a").display(),
+        ),
+    )
+    .expect("nodes file");
+    nodes
 }
 
 fn node<'a>(nodes: &'a Value, name: &str) -> Option<&'a Value> {
@@ -189,19 +215,13 @@ fn a_host_cut_off_is_lost_and_its_job_resumes_when_it_comes_back() {
     };
     let proxy = rt.block_on(sshd::Proxy::start(sshd.port));
     let dir = tempfile::tempdir().expect("tempdir");
-    let nodes = dir.path().join("nodes.yaml");
-    std::fs::write(
-        &nodes,
-        format!(
-            "known_hosts: accept\nknown_hosts_file: {kh}\nconnect_timeout_s: 1\npoll_interval_s: 0.2\ninstall_keel: false\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 1xv100\n    work_dir: {work}\n",
-            kh = dir.path().join("known_hosts").display(),
-            port = proxy.port,
-            user = sshd.user,
-            key = sshd.key.display(),
-            work = dir.path().join("work").display(),
-        ),
-    )
-    .expect("nodes file");
+    let nodes = one_node_file(
+        &sshd,
+        proxy.port,
+        dir.path(),
+        "connect_timeout_s: 1\ninstall_keel: false\n",
+        "1xv100",
+    );
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &[
@@ -300,19 +320,13 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let nodes = dir.path().join("nodes.yaml");
-    std::fs::write(
-        &nodes,
-        format!(
-            "known_hosts: accept\nknown_hosts_file: {kh}\nconnect_timeout_s: 2\npoll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 1xv100\n    work_dir: {work}\n",
-            kh = dir.path().join("known_hosts").display(),
-            port = sshd.port,
-            user = sshd.user,
-            key = sshd.key.display(),
-            work = dir.path().join("work-a").display(),
-        ),
-    )
-    .expect("nodes file");
+    let nodes = one_node_file(
+        &sshd,
+        sshd.port,
+        dir.path(),
+        "connect_timeout_s: 2\n",
+        "1xv100",
+    );
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &[
@@ -359,16 +373,14 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
         "KEEL_REQUIRE_CGROUP is set and no memory controller is writable"
     );
     if memory {
-        let spec = dir.path().join("greedy.json");
-        let body = serde_json::json!({
-            "name": "greedy", "gpus": 1, "resources": {"memory": "32Mi", "cpus": 1},
-            "command": ["sh", "-c", "head -c 400000000 /dev/zero | tail -n 1 > /dev/null"]
-        });
-        std::fs::write(&spec, body.to_string()).expect("spec");
-        let greedy = server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
-            .as_u64()
-            .expect("job id")
-            .to_string();
+        let greedy = submit_spec(
+            &server,
+            dir.path(),
+            serde_json::json!({
+                "name": "greedy", "gpus": 1, "resources": {"memory": "32Mi", "cpus": 1},
+                "command": ["sh", "-c", "head -c 400000000 /dev/zero | tail -n 1 > /dev/null"]
+            }),
+        );
         wait_for("the greedy job to fail", || {
             (server.json(&["job", &greedy])["state"] == "failed").then_some(())
         });
@@ -402,11 +414,7 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
             .parse::<u32>()
             .ok()
     });
-    let killed = std::process::Command::new("kill")
-        .args(["-9", "--", &format!("-{supervisor}")])
-        .status()
-        .expect("kill");
-    assert!(killed.success(), "the supervisor's group was there to kill");
+    kill9_group(supervisor);
     wait_for("the orphaned job to fail", || {
         (server.json(&["job", &orphaned])["state"] == "failed").then_some(())
     });
@@ -424,55 +432,28 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
 /// process is gone the job runs there.
 #[test]
 fn a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free() {
-    use std::os::unix::fs::PermissionsExt;
     const TEST: &str = "a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free";
-    let dir = tempfile::tempdir().expect("tempdir");
-    let bin = dir.path().join("bin");
-    std::fs::create_dir_all(&bin).expect("bin");
-    let apps = dir.path().join("compute-apps.csv");
-    std::fs::write(&apps, "").expect("apps");
-    let fake = bin.join("nvidia-smi");
-    std::fs::write(
-        &fake,
-        format!(
-            "#!/bin/sh\ncase \"$1\" in\n\
-             --query-gpu=index,uuid) echo '0, GPU-77aa-test' ;;\n\
-             --query-compute-apps=*) cat '{}' ;;\n\
-             *) echo \"unexpected: $*\" >&2; exit 2 ;;\nesac\n",
-            apps.display()
-        ),
-    )
-    .expect("fake nvidia-smi");
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     // SKIPPED without OpenSSH (a failure under KEEL_REQUIRE_SSHD); this
     // test's sshd sets the sessions' PATH.
     if Sshd::start_or_skip(TEST).is_none() {
         return;
     }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let driver = FakeNvidiaSmi::new(dir.path(), "GPU-77aa-test");
     let sshd = Sshd::start_with(&format!(
         "SetEnv PATH={}:/usr/local/bin:/usr/bin:/bin\n",
-        bin.display()
+        driver.bin.display()
     ));
-    let nodes = dir.path().join("nodes.yaml");
-    std::fs::write(
-        &nodes,
-        format!(
-            "known_hosts: accept\nknown_hosts_file: {kh}\nconnect_timeout_s: 2\npoll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: 1xa100\n    work_dir: {work}\n",
-            kh = dir.path().join("known_hosts").display(),
-            port = sshd.port,
-            user = sshd.user,
-            key = sshd.key.display(),
-            work = dir.path().join("work-a").display(),
-        ),
-    )
-    .expect("nodes file");
-    let mut rogue = std::process::Command::new("sleep")
-        .arg("3003")
-        .env_remove("KEEL_JOB_ID")
-        .spawn()
-        .expect("rogue");
-    let busy = format!("GPU 0 busy: pid {} (sleep)", rogue.id());
-    std::fs::write(&apps, format!("GPU-77aa-test, {}, sleep\n", rogue.id())).expect("apps");
+    let nodes = one_node_file(
+        &sshd,
+        sshd.port,
+        dir.path(),
+        "connect_timeout_s: 2\n",
+        "1xa100",
+    );
+    let stranger = Stranger::start("3003");
+    let busy = format!("GPU 0 busy: pid {} (sleep)", stranger.pid());
+    driver.lists(Some((stranger.pid(), "sleep")));
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &[
@@ -483,34 +464,9 @@ fn a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free() {
         ],
     );
     let id = submit_script(&server, dir.path(), "waits", "echo ran");
-    wait_for("the job to say the GPU is busy", || {
-        server
-            .json(&["job", &id])
-            .to_string()
-            .contains(&busy)
-            .then_some(())
-    });
-    let job = server.json(&["job", &id]);
-    assert_ne!(job["state"], "failed", "{job}");
-    assert_eq!(job["retries"], 0, "a busy GPU spends no retry: {job}");
-    wait_for("the node to say the GPU is busy", || {
-        server.json(&["nodes"])[0]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains(&busy))
-            .then_some(())
-    });
-    let _ = rogue.kill();
-    let _ = rogue.wait();
-    std::fs::write(&apps, "").expect("apps");
-    wait_for("the job to run once the GPU is free", || {
-        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
-    });
-    assert!(server.cli_ok(&["logs", &id]).contains("ran"));
-    wait_for("the node's note to clear", || {
-        server.json(&["nodes"])[0]["message"]
-            .as_str()
-            .is_some_and(|m| !m.contains("busy"))
-            .then_some(())
+    assert_refused_while_busy_then_run(&server, &id, &busy, move || {
+        drop(stranger);
+        driver.lists(None);
     });
     server.terminate();
 }

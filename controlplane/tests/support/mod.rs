@@ -63,15 +63,118 @@ pub fn marked(mark: &str) -> Vec<u32> {
 /// Submits a one-GPU, one-worker job that runs `script` with `sh -c`;
 /// its id.
 pub fn submit_script(server: &ServerProcess, dir: &Path, name: &str, script: &str) -> String {
+    submit_spec(
+        server,
+        dir,
+        serde_json::json!({
+            "name": name, "command": ["sh", "-c", script], "gpus": 1, "workers": 1
+        }),
+    )
+}
+
+/// Submits the job spec `body` (written as a JSON file in `dir`); its id.
+pub fn submit_spec(server: &ServerProcess, dir: &Path, body: serde_json::Value) -> String {
+    let name = body["name"].as_str().expect("a spec has a name");
     let spec = dir.join(format!("{name}.json"));
-    let body = serde_json::json!({
-        "name": name, "command": ["sh", "-c", script], "gpus": 1, "workers": 1
-    });
     std::fs::write(&spec, body.to_string()).expect("spec");
     server.json(&["submit", "-f", spec.to_str().expect("utf-8")])["id"]
         .as_u64()
         .expect("job id")
         .to_string()
+}
+
+/// A stand-in `nvidia-smi` in `DIR/bin`: one GPU (index 0, an A100 with
+/// UUID `uuid`), and the processes on it that [`FakeNvidiaSmi::lists`]
+/// says, as the driver's `--query-compute-apps` would.
+pub struct FakeNvidiaSmi {
+    pub bin: std::path::PathBuf,
+    apps: std::path::PathBuf,
+    uuid: String,
+}
+
+impl FakeNvidiaSmi {
+    pub fn new(dir: &Path, uuid: &str) -> FakeNvidiaSmi {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = dir.join("bin");
+        std::fs::create_dir_all(&bin).expect("bin");
+        let apps = dir.join("compute-apps.csv");
+        std::fs::write(&apps, "").expect("apps");
+        let fake = bin.join("nvidia-smi");
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\ncase \"$1\" in\n\
+                 --query-gpu=index,name) echo '0, NVIDIA A100-SXM4-40GB' ;;\n\
+                 --query-gpu=index,uuid) echo '0, {uuid}' ;;\n\
+                 --query-compute-apps=*) cat '{}' ;;\n\
+                 *) echo \"unexpected: $*\" >&2; exit 2 ;;\nesac\n",
+                apps.display()
+            ),
+        )
+        .expect("fake nvidia-smi");
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        FakeNvidiaSmi {
+            bin,
+            apps,
+            uuid: uuid.to_string(),
+        }
+    }
+
+    /// PATH with the stand-in first.
+    pub fn path(&self) -> std::ffi::OsString {
+        std::env::join_paths(
+            std::iter::once(self.bin.clone()).chain(std::env::split_paths(
+                &std::env::var_os("PATH").unwrap_or_default(),
+            )),
+        )
+        .expect("PATH")
+    }
+
+    /// From now on the driver lists `pid` (called `name`) on GPU 0; `None`:
+    /// nothing.
+    pub fn lists(&self, process: Option<(u32, &str)>) {
+        let body = process.map_or(String::new(), |(pid, name)| {
+            format!("{}, {pid}, {name}\n", self.uuid)
+        });
+        std::fs::write(&self.apps, body).expect("apps");
+    }
+}
+
+/// Kills process group `pgid` with SIGKILL (as an operator's `kill -9
+/// -PGID`), which must exist.
+pub fn kill9_group(pgid: u32) {
+    let killed = Command::new("kill")
+        .args(["-9", "--", &format!("-{pgid}")])
+        .status()
+        .expect("kill");
+    assert!(killed.success(), "process group {pgid} was there to kill");
+}
+
+/// A process of no job (`sleep SECONDS`, no `KEEL_JOB_ID`), killed when
+/// dropped.
+pub struct Stranger(pub Child);
+
+impl Stranger {
+    pub fn start(seconds: &str) -> Stranger {
+        Stranger(
+            Command::new("sleep")
+                .arg(seconds)
+                .env_remove("KEEL_JOB_ID")
+                .spawn()
+                .expect("a process of no job"),
+        )
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Stranger {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Waits for job `id` to succeed, then checks from the process table that
@@ -87,6 +190,45 @@ pub fn assert_succeeded_leaving_nothing(server: &ServerProcess, id: &str, mark: 
         log.contains("stopped 1 process(es) the worker left running"),
         "the escaped process was there to stop: {log}"
     );
+}
+
+/// Job `id` waits on a GPU a process of no job uses: it says `busy`
+/// ("GPU 0 busy: pid P (name)"), is not failed and spent no retry, and its
+/// node says the same; once `free` ran, it runs and succeeds, and the
+/// node's note clears.
+pub fn assert_refused_while_busy_then_run(
+    server: &ServerProcess,
+    id: &str,
+    busy: &str,
+    free: impl FnOnce(),
+) {
+    wait_for("the job to say the GPU is busy", || {
+        server
+            .json(&["job", id])
+            .to_string()
+            .contains(busy)
+            .then_some(())
+    });
+    let job = server.json(&["job", id]);
+    assert_ne!(job["state"], "failed", "{job}");
+    assert_eq!(job["retries"], 0, "a busy GPU spends no retry: {job}");
+    wait_for("the node to say the GPU is busy", || {
+        server.json(&["nodes"])[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(busy))
+            .then_some(())
+    });
+    free();
+    wait_for("the job to run once the GPU is free", || {
+        (server.json(&["job", id])["state"] == "succeeded").then_some(())
+    });
+    assert!(server.cli_ok(&["logs", id]).contains("ran"));
+    wait_for("the node's note to clear", || {
+        server.json(&["nodes"])[0]["message"]
+            .as_str()
+            .is_some_and(|m| !m.contains("busy"))
+            .then_some(())
+    });
 }
 
 /// Kills, when dropped, every worker still running under the executor
