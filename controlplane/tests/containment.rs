@@ -10,9 +10,9 @@
 mod support;
 
 use support::{
-    assert_refused_while_busy_then_run, assert_succeeded_leaving_nothing, cgroups_or_skip,
-    kill9_group, marked, submit_script as submit, submit_spec, wait_for, FakeNvidiaSmi,
-    ServerProcess, Stranger,
+    assert_preemption_leaves_nothing, assert_refused_while_busy_then_run,
+    assert_succeeded_leaving_nothing, cgroups_or_skip, kill9_group, marked,
+    submit_script as submit, submit_spec, wait_for, FakeNvidiaSmi, ServerProcess, Stranger,
 };
 
 #[test]
@@ -140,44 +140,7 @@ fn a_preempted_worker_leaves_nothing_running_for_the_job_that_takes_its_gpu() {
         ],
     );
     let mark = format!("preempt-{}", std::process::id());
-    let trainer = "keel trainer --speedup 50 --report-every-s 0.1 --checkpoint-every-steps 50";
-    let job = |name: &str, script: String, steps: u64| {
-        submit_spec(
-            &server,
-            dir.path(),
-            serde_json::json!({
-                "name": name, "command": ["sh", "-c", script], "gpus": 1,
-                "model": "resnet50", "total_steps": steps
-            }),
-        )
-    };
-    let long = job(
-        "long",
-        format!("KEEL_MARK={mark} setsid sleep 3001 & exec {trainer}"),
-        10_000_000,
-    );
-    wait_for("the long job to make progress", || {
-        let step = server.json(&["job", &long])["progress"]["step"].as_u64()?;
-        (step >= 50 && !marked(&mark).is_empty()).then_some(())
-    });
-    let short = job(
-        "short",
-        format!(
-            "echo leftovers=$(grep -l -a 'KEEL_MARK={mark}' /proc/[0-9]*/environ 2>/dev/null | wc -l); exec {trainer}"
-        ),
-        500,
-    );
-    wait_for("the short job to succeed", || {
-        (server.json(&["job", &short])["state"] == "succeeded").then_some(())
-    });
-    let history = server.json(&["job", &long])["history"].to_string();
-    assert!(history.contains("preempted"), "{history}");
-    let log = server.cli_ok(&["logs", &short]);
-    assert!(
-        log.contains("leftovers=0"),
-        "the short job started beside the preempted job's process: {log}"
-    );
-    server.cli_ok(&["cancel", &long]);
+    assert_preemption_leaves_nothing(&server, dir.path(), &mark);
     server.terminate();
 }
 

@@ -13,9 +13,9 @@ use serde_json::Value;
 
 use sshd::{free_port, Sshd};
 use support::{
-    assert_refused_while_busy_then_run, assert_succeeded_leaving_nothing, cgroups_or_skip,
-    kill9_group, marked, submit_script, submit_spec, wait_for, FakeNvidiaSmi, ServerProcess,
-    Stranger, KEEL,
+    assert_preemption_leaves_nothing, assert_refused_while_busy_then_run,
+    assert_succeeded_leaving_nothing, cgroups_or_skip, kill9_group, marked, submit_script,
+    submit_spec, wait_for, FakeNvidiaSmi, ServerProcess, Stranger, KEEL,
 };
 
 fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
@@ -468,5 +468,55 @@ fn a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free() {
         drop(stranger);
         driver.lists(None);
     });
+    server.terminate();
+}
+
+/// Over SSH too: a worker's `setsid` child is gone before the job that
+/// preempts it starts on its GPU, and a worker that outlived a `kill -9`
+/// of its server leaves nothing running when it ends under the restarted
+/// one.
+#[test]
+fn preempted_and_re_adopted_workers_over_ssh_leave_nothing_running() {
+    const TEST: &str = "preempted_and_re_adopted_workers_over_ssh_leave_nothing_running";
+    let Some(sshd) = Sshd::start_or_skip(TEST) else {
+        return;
+    };
+    if !cgroups_or_skip(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = one_node_file(
+        &sshd,
+        sshd.port,
+        dir.path(),
+        "connect_timeout_s: 2\n",
+        "1xv100",
+    );
+    let data = dir.path().join("data");
+    let nodes = nodes.to_str().expect("utf-8");
+    let args = ["--ssh-nodes", nodes, "--policy", "srjf", "--round-s", "0.3"];
+    let server = ServerProcess::start(&data, &args);
+    let mark = format!("ssh-preempt-{}", std::process::id());
+    assert_preemption_leaves_nothing(&server, dir.path(), &mark);
+
+    let mark = format!("ssh-restart-{}", std::process::id());
+    let hold = dir.path().join("release");
+    let held = submit_script(
+        &server,
+        dir.path(),
+        "held",
+        &format!(
+            "KEEL_MARK={mark} setsid sleep 3001 & until [ -f {} ]; do sleep 0.1; done",
+            hold.display()
+        ),
+    );
+    wait_for("the escaped process", || {
+        (!marked(&mark).is_empty()).then_some(())
+    });
+    server.kill9();
+    let server = ServerProcess::start(&data, &args);
+    assert!(!marked(&mark).is_empty(), "the escaped process runs on");
+    std::fs::write(&hold, "").expect("release");
+    assert_succeeded_leaving_nothing(&server, &held, &mark);
     server.terminate();
 }

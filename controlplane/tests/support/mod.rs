@@ -140,6 +140,51 @@ impl FakeNvidiaSmi {
     }
 }
 
+/// Preemption on a server with one GPU under `srjf`: a long job whose
+/// worker left a `setsid` child (marked `mark`) is preempted by a short
+/// one, which counts the long job's processes in the process table when
+/// it starts: none.
+pub fn assert_preemption_leaves_nothing(server: &ServerProcess, dir: &Path, mark: &str) {
+    let trainer = "keel trainer --speedup 50 --report-every-s 0.1 --checkpoint-every-steps 50";
+    let job = |name: &str, script: String, steps: u64| {
+        submit_spec(
+            server,
+            dir,
+            serde_json::json!({
+                "name": name, "command": ["sh", "-c", script], "gpus": 1,
+                "model": "resnet50", "total_steps": steps
+            }),
+        )
+    };
+    let long = job(
+        "long",
+        format!("KEEL_MARK={mark} setsid sleep 3001 & exec {trainer}"),
+        10_000_000,
+    );
+    wait_for("the long job to make progress", || {
+        let step = server.json(&["job", &long])["progress"]["step"].as_u64()?;
+        (step >= 50 && !marked(mark).is_empty()).then_some(())
+    });
+    let short = job(
+        "short",
+        format!(
+            "echo leftovers=$(grep -l -a 'KEEL_MARK={mark}' /proc/[0-9]*/environ 2>/dev/null | wc -l); exec {trainer}"
+        ),
+        500,
+    );
+    wait_for("the short job to succeed", || {
+        (server.json(&["job", &short])["state"] == "succeeded").then_some(())
+    });
+    let history = server.json(&["job", &long])["history"].to_string();
+    assert!(history.contains("preempted"), "{history}");
+    let log = server.cli_ok(&["logs", &short]);
+    assert!(
+        log.contains("leftovers=0"),
+        "the short job started beside the preempted job's process: {log}"
+    );
+    server.cli_ok(&["cancel", &long]);
+}
+
 /// Kills process group `pgid` with SIGKILL (as an operator's `kill -9
 /// -PGID`), which must exist.
 pub fn kill9_group(pgid: u32) {
