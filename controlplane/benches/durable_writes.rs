@@ -179,6 +179,7 @@ fn main() {
             // figure is the write path's.
             nodes: Vec::new(),
             executor_dir: None,
+            worker_logs: Default::default(),
             ssh: None,
             kubernetes: None,
             policy: std::sync::Arc::new(keel_scheduling::policy::Fifo::default()),

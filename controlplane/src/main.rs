@@ -163,6 +163,8 @@ enum Cmd {
         /// At most one progress entry per job this often, in seconds.
         #[arg(long, default_value_t = 2.0)]
         progress_interval_s: f64,
+        #[command(flatten)]
+        worker_logs: ServerLogArgs,
     },
     /// Show the logs of a job's workers (every epoch and rank).
     Logs {
@@ -213,8 +215,17 @@ enum Cmd {
         /// The worker's CPU limit, in thousandths of a CPU.
         #[arg(long)]
         cpu_max_millis: Option<u32>,
+        #[command(flatten)]
+        log: WorkerLogArgs,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         command: Vec<String>,
+    },
+    /// Copy standard input to a worker's log, rotated (used by the SSH
+    /// executor's host helper, where the supervisor is a shell).
+    #[command(hide = true)]
+    LogWriter {
+        #[command(flatten)]
+        log: WorkerLogArgs,
     },
     /// Submit a job from a YAML or JSON spec file (`-` reads stdin).
     Submit {
@@ -525,6 +536,78 @@ fn policy_eval(input: &std::path::Path, policy: Option<&str>) -> anyhow::Result<
     render::print_json(&results)
 }
 
+/// How the server's executor writes its workers' logs.
+#[derive(clap::Args, Debug)]
+struct ServerLogArgs {
+    /// Rotate each worker's log at this many bytes (64 KiB to 1 GiB).
+    #[arg(long, default_value_t = keel_executors::worker_log::DEFAULT_LOG_ROTATION.max_file_bytes)]
+    worker_log_max_file_bytes: u64,
+    /// Keep this many files of each worker's log, the current one included
+    /// (2 to 100): a log holds at most this times the file size.
+    #[arg(long, default_value_t = keel_executors::worker_log::DEFAULT_LOG_ROTATION.max_files)]
+    worker_log_max_files: u32,
+    /// Pause a worker's log (dropping its output, saying so) while the
+    /// filesystem it is on has less than this many bytes free, so that a
+    /// noisy job cannot fill the disk the Raft log needs (0: never).
+    #[arg(long, default_value_t = keel_executors::worker_log::DEFAULT_MIN_FREE_BYTES)]
+    worker_log_min_free_bytes: u64,
+}
+
+impl ServerLogArgs {
+    fn settings(&self) -> anyhow::Result<keel_executors::worker_log::LogSettings> {
+        let rotation = keel_executors::worker_log::Rotation {
+            max_file_bytes: self.worker_log_max_file_bytes,
+            max_files: self.worker_log_max_files,
+        }
+        .checked("--worker-log-max-file-bytes/--worker-log-max-files")
+        .map_err(anyhow::Error::msg)?;
+        Ok(keel_executors::worker_log::LogSettings {
+            rotation,
+            min_free_bytes: self.worker_log_min_free_bytes,
+        })
+    }
+}
+
+/// Where and how a worker's output is written (`keel supervise`, `keel
+/// log-writer`).
+#[derive(clap::Args, Debug)]
+struct WorkerLogArgs {
+    /// The worker's log; without it, the output goes where stdout does.
+    #[arg(long)]
+    log: Option<PathBuf>,
+    /// Rotate the log at this many bytes.
+    #[arg(long, default_value_t = keel_executors::worker_log::DEFAULT_LOG_ROTATION.max_file_bytes)]
+    log_max_file_bytes: u64,
+    /// Keep this many of its files.
+    #[arg(long, default_value_t = keel_executors::worker_log::DEFAULT_LOG_ROTATION.max_files)]
+    log_max_files: u32,
+    /// Pause the log while its filesystem has less than this free (0: never).
+    #[arg(long, default_value_t = 0)]
+    log_min_free_bytes: u64,
+}
+
+impl WorkerLogArgs {
+    fn output(&self) -> anyhow::Result<Option<keel_executors::supervisor::WorkerOutput>> {
+        use keel_executors::worker_log::{FreeSpaceFloor, Rotation};
+        let Some(log) = &self.log else {
+            return Ok(None);
+        };
+        let rotation = Rotation {
+            max_file_bytes: self.log_max_file_bytes,
+            max_files: self.log_max_files,
+        }
+        .checked("--log-max-file-bytes/--log-max-files")
+        .map_err(anyhow::Error::msg)?;
+        Ok(Some(keel_executors::supervisor::WorkerOutput {
+            log: log.clone(),
+            rotation,
+            floor: (self.log_min_free_bytes > 0).then_some(FreeSpaceFloor {
+                min_free_bytes: self.log_min_free_bytes,
+            }),
+        }))
+    }
+}
+
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new(
@@ -729,8 +812,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
             stop_grace_s,
             shutdown_timeout_s,
             progress_interval_s,
+            worker_logs,
         } => {
             init_tracing();
+            let worker_logs = worker_logs.settings()?;
             let seconds = |name: &str, s: f64| -> anyhow::Result<Duration> {
                 if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
                     anyhow::bail!("--{name} must be between 0 and 86400 seconds, not {s}");
@@ -753,7 +838,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let ssh = ssh_nodes
                 .as_deref()
                 .map(|path| read_ssh_nodes(path, &data_dir))
-                .transpose()?;
+                .transpose()?
+                .map(|mut ssh| {
+                    ssh.logs = worker_logs;
+                    ssh
+                });
             let config = ServerConfig {
                 id,
                 data_dir,
@@ -773,6 +862,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     inventory(simulated_gpus, simulated_nodes, node_name)?
                 },
                 executor_dir,
+                worker_logs,
                 ssh,
                 kubernetes: kubernetes.target()?,
                 policy: policy.into(),
@@ -880,7 +970,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             cpu_cgroup,
             memory_max_bytes,
             cpu_max_millis,
+            log,
         } => {
+            let output = log.output()?;
             let containment = keel_executors::supervisor::Containment {
                 cgroup,
                 limits: keel_executors::containment::Limits {
@@ -893,8 +985,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 },
                 leftover_grace: Duration::from_millis(leftover_grace_ms),
             };
-            let code = keel_executors::supervisor::supervise(exit_file, command, containment).await;
+            let code =
+                keel_executors::supervisor::supervise(exit_file, command, containment, output)
+                    .await;
             std::process::exit(code);
+        }
+        Cmd::LogWriter { log } => {
+            let output = log.output()?.context("keel log-writer needs --log")?;
+            // The host helper's supervisor and the group's signals are for
+            // the worker: this copies on until its input ends.
+            let _ = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+            tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+                let mut writer = keel_executors::worker_log::StreamWriter::open(
+                    &output.log,
+                    output.rotation,
+                    output.floor,
+                )
+                .with_context(|| format!("opening {}", output.log.display()))?;
+                keel_executors::worker_log::copy_to_end(std::io::stdin().lock(), |b| {
+                    writer.write(b)
+                })?;
+                Ok(())
+            })
+            .await??;
+            Ok(())
         }
         Cmd::Events { from, follow } => cli::events(&args.addr, from, follow, out).await,
         Cmd::Cluster {

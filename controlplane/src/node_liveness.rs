@@ -120,6 +120,7 @@ pub fn reports_from_proto(nodes: Vec<pb::RegisterNode>) -> Vec<NodeReport> {
 pub async fn heartbeat_loop(
     api: Arc<KeelApi>,
     nodes: Vec<NodeInventory>,
+    logs_floor: Option<LogsFloor>,
     settings: LoopSettings,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -142,15 +143,32 @@ pub async fn heartbeat_loop(
     // node for good).
     let deadline = settings.heartbeat_every.max(Duration::from_secs(1)) * 2;
     let discovered = nodes.iter().any(|n| n.discovered);
-    let mut gpus_checked: Option<tokio::time::Instant> = None;
+    let mut checked: Option<tokio::time::Instant> = None;
     loop {
-        if discovered && gpus_checked.is_none_or(|t| t.elapsed() >= GPU_PROCESSES_EVERY) {
-            gpus_checked = Some(tokio::time::Instant::now());
-            let note = strangers_note().await;
+        if checked.is_none_or(|t| t.elapsed() >= NOTE_EVERY) {
+            checked = Some(tokio::time::Instant::now());
+            let strangers = if discovered {
+                strangers_note().await
+            } else {
+                String::new()
+            };
+            let logs = match &logs_floor {
+                Some(floor) => floor.note().await,
+                None => String::new(),
+            };
             for (node, inventory) in request.nodes.iter_mut().zip(&nodes) {
-                if inventory.discovered {
-                    node.note.clone_from(&note);
+                let mut parts = Vec::new();
+                if inventory.discovered && !strangers.is_empty() {
+                    parts.push(strangers.as_str());
                 }
+                if !logs.is_empty() {
+                    parts.push(logs.as_str());
+                }
+                node.note = parts.join("; ");
+                keel_state::state::limits::cut_to(
+                    &mut node.note,
+                    keel_state::state::limits::NODE_NOTE_MAX_LEN,
+                );
             }
         }
         let beat = api.node_heartbeat(tonic::Request::new(request.clone()));
@@ -176,9 +194,48 @@ pub async fn heartbeat_loop(
     }
 }
 
-/// How often a server with real GPUs asks the driver which processes use
-/// them, for its node's note.
-const GPU_PROCESSES_EVERY: Duration = Duration::from_secs(2);
+/// Where a server's workers write their logs, and the free space below
+/// which their supervisors pause them.
+#[derive(Debug, Clone)]
+pub struct LogsFloor {
+    pub dir: std::path::PathBuf,
+    pub min_free_bytes: u64,
+}
+
+impl LogsFloor {
+    /// "worker logs paused: ..." while the filesystem is below the floor
+    /// (the supervisors pause each worker's log then), else empty.
+    async fn note(&self) -> String {
+        let dir = self.dir.clone();
+        let free = tokio::task::spawn_blocking(move || {
+            // The directory may not exist before the first worker.
+            let mut at = dir.as_path();
+            while !at.exists() {
+                match at.parent() {
+                    Some(p) => at = p,
+                    None => break,
+                }
+            }
+            keel_executors::worker_log::free_bytes(at)
+        })
+        .await;
+        match free {
+            Ok(Ok(free)) if free < self.min_free_bytes => {
+                use keel_executors::worker_log::show_bytes;
+                format!(
+                    "worker logs paused: their filesystem has {} free, under the floor of {} (--worker-log-min-free-bytes)",
+                    show_bytes(free),
+                    show_bytes(self.min_free_bytes)
+                )
+            }
+            _ => String::new(),
+        }
+    }
+}
+
+/// How often a server looks at what its nodes' note says: with real GPUs,
+/// which processes use them; whether its workers' logs are paused.
+const NOTE_EVERY: Duration = Duration::from_secs(2);
 
 /// The processes on this machine's GPUs that no Keel worker started, as
 /// the node's note ("GPU 0 busy: pid P (name)"; empty when none): the

@@ -42,6 +42,9 @@ pub struct ServerConfig {
     /// that share one let a new leader re-adopt the workers the last one
     /// started.
     pub executor_dir: Option<PathBuf>,
+    /// How workers' logs are rotated, and when they pause for want of space
+    /// (local and SSH executors).
+    pub worker_logs: keel_executors::worker_log::LogSettings,
     /// Run workers on these SSH hosts instead of local processes (the
     /// leader's executor probes them: they need no heartbeats).
     pub ssh: Option<SshConfig>,
@@ -94,6 +97,9 @@ pub struct Server {
     listener: TcpListener,
     config: ServerConfig,
     executor: Arc<AnyExecutor>,
+    /// Where this server's local workers' logs are, and the free space
+    /// below which they pause (for its nodes' note).
+    logs_floor: Option<crate::node_liveness::LogsFloor>,
 }
 
 impl std::fmt::Debug for Server {
@@ -174,6 +180,7 @@ impl Server {
                     // process and a restarted server re-adopts them.
                     supervisor: exe,
                     check_gpu_processes: config.nodes.iter().any(|n| n.discovered),
+                    logs: config.worker_logs,
                 })?;
                 // This server's nodes run here: whichever server sharing
                 // the executor directory leads runs their workers.
@@ -196,12 +203,19 @@ impl Server {
             server_clock,
         )
         .await?;
+        let logs_floor = matches!(executor, AnyExecutor::Local(_))
+            .then(|| crate::node_liveness::LogsFloor {
+                dir: executor_dir.join("workers"),
+                min_free_bytes: config.worker_logs.min_free_bytes,
+            })
+            .filter(|f| f.min_free_bytes > 0);
         Ok(Server {
             addr,
             node: Arc::new(node),
             listener,
             config: config.clone(),
             executor: Arc::new(executor),
+            logs_floor,
         })
     }
 
@@ -265,6 +279,7 @@ impl Server {
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),
             self.config.nodes.clone(),
+            self.logs_floor.clone(),
             self.config.loops.clone(),
             stop_rx,
         ));

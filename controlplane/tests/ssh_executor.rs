@@ -13,9 +13,10 @@ use serde_json::Value;
 
 use sshd::{free_port, Sshd};
 use support::{
-    assert_preemption_leaves_nothing, assert_refused_while_busy_then_run,
-    assert_succeeded_leaving_nothing, cgroups_or_skip, kill9_group, marked, submit_script,
-    submit_spec, wait_for, FakeNvidiaSmi, ServerProcess, Stranger, KEEL,
+    assert_noisy_job_kept_its_rotation, assert_preemption_leaves_nothing,
+    assert_refused_while_busy_then_run, assert_succeeded_leaving_nothing, cgroups_or_skip,
+    kill9_group, marked, noisy_script, submit_script, submit_spec, wait_for, FakeNvidiaSmi,
+    ServerProcess, Stranger, KEEL,
 };
 
 fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
@@ -522,5 +523,46 @@ fn preempted_and_re_adopted_workers_over_ssh_leave_nothing_running() {
     assert!(!marked(&mark).is_empty(), "the escaped process runs on");
     std::fs::write(&hold, "").expect("release");
     assert_succeeded_leaving_nothing(&server, &held, &mark);
+    server.terminate();
+}
+
+/// Issue 32 over SSH: the host's log writer (`keel log-writer`, shipped
+/// with the helper) rotates a worker's log under the server's
+/// `--worker-log-*` settings, `keel logs -f` follows it through every
+/// rotation, and the last progress line reaches the server.
+#[test]
+fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
+    const TEST: &str = "a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host";
+    let Some(sshd) = Sshd::start_or_skip(TEST) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = one_node_file(
+        &sshd,
+        sshd.port,
+        dir.path(),
+        "connect_timeout_s: 2\n",
+        "1xv100",
+    );
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--ssh-nodes",
+            nodes.to_str().expect("utf-8"),
+            "--round-s",
+            "0.3",
+            "--worker-log-max-file-bytes",
+            "1048576",
+            "--worker-log-max-files",
+            "5",
+        ],
+    );
+    let id = submit_script(&server, dir.path(), "noisy", &noisy_script(200));
+    let job_dir = dir
+        .path()
+        .join("work-a")
+        .join("workers")
+        .join(format!("job-{id}"));
+    assert_noisy_job_kept_its_rotation(&server, &id, &job_dir);
     server.terminate();
 }

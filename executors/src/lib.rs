@@ -34,6 +34,7 @@ pub mod reconcile_engine;
 pub mod ssh;
 pub mod supervisor;
 pub mod trainer;
+pub mod worker_log;
 
 use keel_state::JobId;
 

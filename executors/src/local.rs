@@ -23,7 +23,6 @@
 //! next one now owns.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,6 +62,10 @@ pub struct LocalConfig {
     /// ask the driver which processes use its GPUs, and refuse a GPU that
     /// a process of another job, or of no job, uses.
     pub check_gpu_processes: bool,
+    /// How the supervisor rotates each worker's log, and the free space
+    /// below which it pauses it (so that a noisy worker cannot fill the
+    /// disk the Raft log needs).
+    pub logs: crate::worker_log::LogSettings,
 }
 
 /// What a `.pid` file holds.
@@ -150,15 +153,24 @@ const ADOPTED_POLL: Duration = Duration::from_millis(200);
 const PROGRESS_POLL: Duration = Duration::from_millis(200);
 
 /// The bytes of `path` from `offset` on (at most 1 MiB per read).
-async fn read_from(path: &Path, offset: u64) -> Vec<u8> {
-    use tokio::io::{AsyncReadExt, AsyncSeekExt};
-    let mut out = Vec::new();
-    if let Ok(mut f) = tokio::fs::File::open(path).await {
-        if f.seek(SeekFrom::Start(offset)).await.is_ok() {
-            let _ = f.take(1 << 20).read_to_end(&mut out).await;
-        }
-    }
-    out
+/// Up to 1 MiB of stream `path` from `offset` (see [`crate::worker_log`]):
+/// where the bytes start (later than `offset` when rotation took what was
+/// there) and the bytes.
+async fn read_from(path: &Path, offset: u64) -> (u64, Vec<u8>) {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || crate::worker_log::read_from(&path, offset, 1 << 20))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .map_or((offset, Vec::new()), |(at, bytes, _)| (at, bytes))
+}
+
+/// Stream `path`'s length (0 when it is missing or unreadable).
+async fn stream_len(path: &Path) -> u64 {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || crate::worker_log::segments(&path).map_or(0, |s| s.total()))
+        .await
+        .unwrap_or(0)
 }
 
 fn log_name(id: &WorkerId) -> String {
@@ -373,13 +385,18 @@ impl LocalExecutor {
                     cgroup,
                 };
                 self.book.insert(&id, Worker::running(&p.node, gpus, extra));
-                let start = std::fs::metadata(log_path).map(|m| m.len()).unwrap_or(0);
+                // Its progress stream, or the log of a worker started
+                // before there were progress streams.
+                let progress = Some(crate::worker_log::progress_path(log_path))
+                    .filter(|p| p.exists())
+                    .unwrap_or_else(|| log_path.to_path_buf());
+                let start = crate::worker_log::segments(&progress).map_or(0, |s| s.total());
                 let this = self.clone();
                 let (pid, started) = (p.pid, p.start);
                 let log_path = log_path.to_path_buf();
                 let generation = self.book.generation();
                 tokio::spawn(async move {
-                    let follower = this.start_follower(&id, &log_path, start, generation);
+                    let follower = this.start_follower(&id, &progress, start, generation);
                     while process_start_time(pid) == Some(started)
                         && this.book.is_current(generation)
                     {
@@ -471,11 +488,11 @@ impl LocalExecutor {
         }
     }
 
-    /// Follows rank 0's log for progress; `None` for other ranks.
+    /// Follows rank 0's progress stream; `None` for other ranks.
     fn start_follower(
         &self,
         id: &WorkerId,
-        log_path: &Path,
+        stream: &Path,
         start: u64,
         generation: u64,
     ) -> Option<(
@@ -486,7 +503,7 @@ impl LocalExecutor {
             let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
             let this = self.clone();
             let id = id.clone();
-            let path = log_path.to_path_buf();
+            let path = stream.to_path_buf();
             let task = tokio::spawn(async move {
                 this.follow_progress(id, path, start, done_rx, generation)
                     .await
@@ -580,11 +597,6 @@ impl LocalExecutor {
             .checkpoints_dir
             .join(checkpoint_dir_name(id.job_id));
         tokio::fs::create_dir_all(&checkpoint).await.map_err(io)?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(io)?;
         let port = self.port_for(id.job_id, id.epoch);
         let env = environment(&launch, port, &checkpoint.to_string_lossy());
         let Some(program) = launch.command.first() else {
@@ -597,10 +609,16 @@ impl LocalExecutor {
             .await;
             return Ok(());
         };
-        // Follow the log from where this run begins (a relaunch with the
-        // same identity appends to the same file); taken before the spawn,
-        // so a fast worker's first lines are not skipped.
-        let start = log.metadata().map(|m| m.len()).unwrap_or(0);
+        // Progress is read from the supervisor's progress stream (or, for
+        // an unsupervised worker, from its log), from where this run
+        // begins (a relaunch with the same identity appends to the same
+        // stream); taken before the spawn, so a fast worker's first lines
+        // are not skipped.
+        let progress = match self.config.supervisor {
+            Some(_) => crate::worker_log::progress_path(&log_path),
+            None => log_path.clone(),
+        };
+        let start = stream_len(&progress).await;
         let exit_path = log_path.with_extension("exit");
         let _ = std::fs::remove_file(&exit_path);
         let name = format!("j{}-e{}-r{}", id.job_id, id.epoch, id.rank);
@@ -631,19 +649,38 @@ impl LocalExecutor {
                 if let Some(millis) = launch.resources.cpu_millis {
                     c.arg("--cpu-max-millis").arg(millis.to_string());
                 }
+                // The supervisor writes the log, rotated.
+                let rotation = self.config.logs.rotation;
+                c.arg("--log")
+                    .arg(&log_path)
+                    .arg("--log-max-file-bytes")
+                    .arg(rotation.max_file_bytes.to_string())
+                    .arg("--log-max-files")
+                    .arg(rotation.max_files.to_string())
+                    .arg("--log-min-free-bytes")
+                    .arg(self.config.logs.min_free_bytes.to_string());
                 c.arg("--").args(&launch.command);
+                c.stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null());
                 c
             }
             None => {
+                // Unsupervised (tests): the worker writes its log itself,
+                // unrotated.
+                let log = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log_path)
+                    .map_err(io)?;
                 let mut c = tokio::process::Command::new(program);
-                c.args(&launch.command[1..]);
+                c.args(&launch.command[1..])
+                    .stdout(log.try_clone().map_err(io)?)
+                    .stderr(log);
                 c
             }
         };
         cmd.envs(&env)
             .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone().map_err(io)?)
-            .stderr(log.try_clone().map_err(io)?)
             .process_group(0)
             .kill_on_drop(false);
         if let Some(dir) = &self.config.path_prepend {
@@ -686,11 +723,10 @@ impl LocalExecutor {
             &id,
             Worker::running(&launch.node, gpus, LocalWorker { pid, cgroup }),
         );
-        drop(log);
         let this = self.clone();
         let generation = self.book.generation();
         tokio::spawn(async move {
-            let follower = this.start_follower(&id, &log_path, start, generation);
+            let follower = this.start_follower(&id, &progress, start, generation);
             let status = child.wait().await;
             this.finish(&id, &log_path, follower, Some(status), generation)
                 .await;
@@ -709,18 +745,28 @@ impl LocalExecutor {
         generation: u64,
     ) {
         let mut lines = crate::contract::ProgressLines::default();
+        let mut finished = false;
         loop {
-            let finished = tokio::select! {
-                _ = &mut done => true,
-                _ = tokio::time::sleep(PROGRESS_POLL) => false,
-            };
-            let chunk = read_from(&path, offset).await;
-            offset += chunk.len() as u64;
+            if !finished {
+                finished = tokio::select! {
+                    _ = &mut done => true,
+                    _ = tokio::time::sleep(PROGRESS_POLL) => false,
+                };
+            }
+            let (at, chunk) = read_from(&path, offset).await;
+            if at > offset {
+                // Rotated away unread (more than the progress stream holds
+                // came since the last read): newer samples follow.
+                tracing::debug!(worker = %id, lost_bytes = at - offset, "progress lines rotated away unread");
+                lines = crate::contract::ProgressLines::default();
+            }
+            offset = at + chunk.len() as u64;
             let samples = lines.push(&chunk, self.book.unix_ms());
             if !self.book.add_progress(generation, id.job_id, samples) {
                 return;
             }
-            if finished {
+            // After the end, read on until everything was read.
+            if finished && chunk.is_empty() {
                 return;
             }
         }
@@ -919,14 +965,8 @@ impl Executor for LocalExecutor {
             let Some((epoch, rank)) = parse_log_name(&name) else {
                 continue;
             };
-            let read = || -> std::io::Result<(Vec<u8>, u64)> {
-                let mut f = std::fs::File::open(entry.path())?;
-                let total = f.metadata()?.len();
-                f.seek(SeekFrom::Start(total.saturating_sub(tail_bytes)))?;
-                let mut content = Vec::new();
-                f.take(tail_bytes).read_to_end(&mut content)?;
-                Ok((content, total))
-            };
+            // Across its rotated files; its length counts every byte.
+            let read = || crate::worker_log::read_tail(&entry.path(), tail_bytes);
             let id = WorkerId {
                 job_id,
                 epoch,
@@ -1010,6 +1050,7 @@ mod tests {
             nodes_dir: dir.join("nodes"),
             path_prepend: None,
             supervisor: None,
+            logs: Default::default(),
             check_gpu_processes: false,
         })
         .expect("executor")

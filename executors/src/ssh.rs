@@ -289,6 +289,21 @@ impl SshExecutor {
                 if let Some(millis) = launch.resources.cpu_millis {
                     env.insert("KEEL_LIMIT_CPU_MILLIS".into(), millis.to_string());
                 }
+                // How the host's log writer rotates the worker's log (the
+                // supervisor takes these out too).
+                let logs = &config.logs;
+                env.insert(
+                    "KEEL_LOG_MAX_FILE_BYTES".into(),
+                    logs.rotation.max_file_bytes.to_string(),
+                );
+                env.insert(
+                    "KEEL_LOG_MAX_FILES".into(),
+                    logs.rotation.max_files.to_string(),
+                );
+                env.insert(
+                    "KEEL_LOG_MIN_FREE_BYTES".into(),
+                    logs.min_free_bytes.to_string(),
+                );
                 let gpus = if launch.gpus.is_empty() {
                     "-".to_string()
                 } else {

@@ -75,14 +75,53 @@ pub struct Containment {
     pub leftover_grace: std::time::Duration,
 }
 
+/// Where the supervisor writes its worker's output.
+#[derive(Debug, Clone)]
+pub struct WorkerOutput {
+    /// The worker's log (a stream of rotated files, see [`crate::worker_log`]).
+    pub log: PathBuf,
+    pub rotation: crate::worker_log::Rotation,
+    /// Below this much free space the log is paused.
+    pub floor: Option<crate::worker_log::FreeSpaceFloor>,
+}
+
+/// How long the supervisor waits, once the worker and what it left are
+/// gone, for the last of its output: a process that escaped a worker with
+/// no cgroup may hold the pipe open for ever.
+const LAST_OUTPUT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Says `line` in the worker's log: through its writer when the supervisor
+/// writes the log, else on stderr (the log the executor opened for it).
+fn say(writer: Option<&SharedWriter>, line: &str) {
+    match writer {
+        Some(w) => w
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .write(format!("keel: {line}\n").as_bytes()),
+        None => {
+            let _ = writeln!(std::io::stderr(), "keel: {line}");
+        }
+    }
+}
+
+type SharedWriter = std::sync::Arc<std::sync::Mutex<crate::worker_log::StreamWriter>>;
+
 /// Runs `command` to its end, writes its exit to `exit_file`, and returns
 /// the code to exit with. With a cgroup, the worker runs in it (made here,
 /// entered before `exec`, with the cgroups of its limits), and once its
 /// main process exits every process left in it is stopped (SIGTERM, the
 /// leftover grace, then killed) before the exit is written: the worker's
 /// GPUs are free when its exit is known. A worker the kernel killed for
-/// memory ends "out of memory".
-pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Containment) -> i32 {
+/// memory ends "out of memory". With `output`, the worker's stdout and
+/// stderr are one pipe the supervisor copies to the rotated log (and its
+/// progress lines to the progress stream); the exit is written after the
+/// last of it.
+pub async fn supervise(
+    exit_file: PathBuf,
+    command: Vec<String>,
+    containment: Containment,
+    output: Option<WorkerOutput>,
+) -> i32 {
     let Containment {
         cgroup,
         limits,
@@ -92,6 +131,21 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Co
     use tokio::signal::unix::{signal, SignalKind};
     // Our own SIGTERM handler: the group's SIGTERM is for the worker.
     let mut term = signal(SignalKind::terminate()).ok();
+    let writer: Option<SharedWriter> = match &output {
+        Some(o) => match crate::worker_log::StreamWriter::open(&o.log, o.rotation, o.floor) {
+            Ok(w) => Some(std::sync::Arc::new(std::sync::Mutex::new(w))),
+            Err(e) => {
+                let record = ExitRecord {
+                    exit_code: Some(127),
+                    reason: format!("could not open its log {}: {e}", o.log.display()),
+                };
+                let _ = write_exit(&exit_file, &record);
+                return 127;
+            }
+        },
+        None => None,
+    };
+    let say = |line: &str| say(writer.as_ref(), line);
     let Some(program) = command.first() else {
         let record = ExitRecord {
             exit_code: Some(127),
@@ -111,7 +165,7 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Co
         Some(cg) => match cg.create() {
             Ok(()) => {
                 for line in limits.apply(&resources) {
-                    let _ = writeln!(std::io::stderr(), "keel: {line}");
+                    say(&line);
                 }
                 let mut c = tokio::process::Command::new("/bin/sh");
                 c.arg("-c")
@@ -124,11 +178,10 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Co
                 c
             }
             Err(e) => {
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "keel: the worker runs without its cgroup {}: {e}",
+                say(&format!(
+                    "the worker runs without its cgroup {}: {e}",
                     cg.dir.display(),
-                );
+                ));
                 let mut c = tokio::process::Command::new(program);
                 c.args(&command[1..]);
                 c
@@ -137,7 +190,7 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Co
         None => {
             // No cgroup: no limit can be enforced; the log says so.
             for line in crate::containment::Limits::default().apply(&resources) {
-                let _ = writeln!(std::io::stderr(), "keel: {line}");
+                say(&line);
             }
             let mut c = tokio::process::Command::new(program);
             c.args(&command[1..]);
@@ -145,14 +198,36 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Co
         }
     };
     cmd.kill_on_drop(false);
-    let mut child = match cmd.spawn() {
+    // The worker's stdout and stderr: one pipe (their order kept), copied
+    // to the log by a thread of the supervisor's, outside the worker's
+    // cgroup, so that draining the cgroup never loses its last lines.
+    let mut copier = None;
+    if let Some(w) = &writer {
+        match std::io::pipe().and_then(|(r, wr)| Ok((r, wr.try_clone()?, wr))) {
+            Ok((reader, out, err)) => {
+                cmd.stdout(out).stderr(err);
+                let w = w.clone();
+                copier = Some(std::thread::spawn(move || {
+                    let _ = crate::worker_log::copy_to_end(reader, |bytes| {
+                        w.lock().unwrap_or_else(|e| e.into_inner()).write(bytes)
+                    });
+                }));
+            }
+            Err(e) => say(&format!("the worker's output is lost: no pipe: {e}")),
+        }
+    }
+    let spawned = cmd.spawn();
+    // The pipe's write ends are the worker's alone now: its end is the
+    // copier's end of input.
+    drop(cmd);
+    let mut child = match spawned {
         Ok(c) => c,
         Err(e) => {
             let record = ExitRecord {
                 exit_code: Some(127),
                 reason: format!("could not start {program:?}: {e}"),
             };
-            let _ = writeln!(std::io::stderr(), "keel: {}", record.reason);
+            say(&record.reason);
             let _ = write_exit(&exit_file, &record);
             return 127;
         }
@@ -195,10 +270,15 @@ pub async fn supervise(exit_file: PathBuf, command: Vec<String>, containment: Co
         .await
         .unwrap_or(0);
         if left > 0 {
-            let _ = writeln!(
-                std::io::stderr(),
-                "keel: stopped {left} process(es) the worker left running"
-            );
+            say(&format!(
+                "stopped {left} process(es) the worker left running"
+            ));
+        }
+    }
+    if let Some(copier) = copier {
+        let done = tokio::task::spawn_blocking(move || copier.join());
+        if tokio::time::timeout(LAST_OUTPUT_WAIT, done).await.is_err() {
+            say("the worker's output pipe is still open (a process it started outside its cgroup); the log ends here");
         }
     }
     let _ = write_exit(&exit_file, &record);

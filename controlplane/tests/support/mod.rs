@@ -510,3 +510,146 @@ pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
         std::thread::sleep(Duration::from_millis(25));
     }
 }
+
+/// A tmpfs of its own at a path, unmounted when dropped: a small
+/// filesystem for a data directory, so a test can fill it.
+pub struct SmallFilesystem(std::path::PathBuf);
+
+impl SmallFilesystem {
+    /// Mounts a tmpfs of `mib` MiB at `at` (made), or says on the terminal
+    /// that `test` did not run and why (mounting needs root); with
+    /// `KEEL_REQUIRE_MOUNT` set (`.ci/run` sets it where it can mount),
+    /// that fails the test.
+    pub fn mount_or_skip(test: &str, at: &Path, mib: u32) -> Option<SmallFilesystem> {
+        use std::io::Write;
+        std::fs::create_dir_all(at).expect("mount point");
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(at)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(SmallFilesystem(at.to_path_buf())),
+            other => {
+                let why = match other {
+                    Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+                    Err(e) => e.to_string(),
+                };
+                assert!(
+                    std::env::var_os("KEEL_REQUIRE_MOUNT").is_none(),
+                    "KEEL_REQUIRE_MOUNT is set and a tmpfs cannot be mounted: {why}"
+                );
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIPPED {test}: cannot mount a tmpfs ({why}; set KEEL_REQUIRE_MOUNT=1 to make this a failure)"
+                );
+                None
+            }
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for SmallFilesystem {
+    fn drop(&mut self) {
+        // Lazily: a process of the test may still hold a file there.
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Bytes free on the filesystem holding `path`.
+pub fn free_bytes(path: &Path) -> u64 {
+    keel_executors::worker_log::free_bytes(path).expect("statvfs")
+}
+
+/// A shell script that prints `mb` MB as fast as it can (100-byte lines),
+/// a progress line after each MB, then a last progress line and `the-end`.
+pub fn noisy_script(mb: u32) -> String {
+    format!(
+        "i=0; while [ $i -lt {mb} ]; do \
+           yes xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx | head -c 1000000; \
+           i=$((i+1)); echo \"KEEL_PROGRESS {{\\\"step\\\": $i, \\\"total_steps\\\": {total}}}\"; \
+         done; echo \"KEEL_PROGRESS {{\\\"step\\\": {total}, \\\"total_steps\\\": {total}}}\"; echo the-end",
+        total = mb + 1
+    )
+}
+
+/// The bytes on disk under `dir`, and its largest file.
+fn disk_use(dir: &Path) -> (u64, u64, Vec<String>) {
+    let mut total = 0;
+    let mut largest = 0;
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir)
+        .expect("the job's log directory")
+        .flatten()
+    {
+        let len = entry.metadata().map(|m| m.len()).unwrap_or(0);
+        total += len;
+        largest = largest.max(len);
+        names.push(entry.file_name().to_string_lossy().to_string());
+    }
+    names.sort();
+    (total, largest, names)
+}
+
+/// Follows job `id` (a [`noisy_script`] of 200 MB under a 5 × 1 MiB
+/// rotation) with `keel logs -f` to its end, then checks that its log
+/// directory `job_dir` holds at most the rotation, that the log's length
+/// counts every byte and its tail is the last line, and that the last
+/// progress line was recorded.
+pub fn assert_noisy_job_kept_its_rotation(server: &ServerProcess, id: &str, job_dir: &Path) {
+    // `keel logs -f` from the start: it follows through every rotation and
+    // ends with the job.
+    let follower = Command::new(KEEL)
+        .args(["--addr", &server.addr, "logs", "-f", id])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("keel logs -f");
+    wait_for("the noisy job to succeed", || {
+        let job = server.json(&["job", id]);
+        assert_ne!(job["state"], "failed", "{job}");
+        (job["state"] == "succeeded").then_some(())
+    });
+    let followed = follower.wait_with_output().expect("keel logs -f ends");
+    assert!(followed.status.success(), "{followed:?}");
+    let out = String::from_utf8_lossy(&followed.stdout);
+    assert!(
+        out.trim_end().ends_with("the-end"),
+        "keel logs -f did not follow to the end: ...{}",
+        &out[out.len().saturating_sub(300)..]
+    );
+
+    // On disk: at most 5 files of at most 1 MiB, whatever was printed.
+    let (total, largest, names) = disk_use(job_dir);
+    let logs: Vec<&String> = names.iter().filter(|n| n.contains(".log")).collect();
+    assert!(logs.len() <= 5, "{names:?}");
+    assert!(
+        largest <= 1024 * 1024,
+        "a file of {largest} bytes: {names:?}"
+    );
+    // The log's 5 MiB, the progress stream's 512 KiB, the exit record.
+    assert!(
+        total <= 5 * 1024 * 1024 + 512 * 1024 + 4096,
+        "{total} bytes on disk: {names:?}"
+    );
+
+    // The stream's length counts every byte printed.
+    let logs = server.json(&["logs", id, "--tail-bytes", "100"]);
+    let printed = logs["logs"][0]["total_bytes"]
+        .as_u64()
+        .expect("total_bytes");
+    assert!(printed > 200_000_000, "{logs}");
+    assert!(
+        logs["logs"][0]["content"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("the-end\n")),
+        "{logs}"
+    );
+
+    // The last progress line was recorded (it reached the log last).
+    let job = server.json(&["job", id]);
+    assert_eq!(job["progress"]["step"], 201, "{job}");
+}

@@ -12,8 +12,14 @@
 #
 # Each worker has a base path WORKERS/job-J/eE-rR (job, allocation epoch,
 # rank: the worker's identity) and these files:
-#   .log   the worker's stdout and stderr (the executor reads progress lines
-#          and `keel logs` from it);
+#   .log   the worker's stdout and stderr, written by `keel log-writer`
+#          where keel is on the host: rotated (.log.START: the files rotated
+#          out, named by the log's offset of their first byte), paused while
+#          the disk is below its floor (.paused says why); else appended to
+#          by the worker itself, unrotated;
+#   .progress the worker's progress lines, copied aside by the log writer
+#          (the executor follows it; a log rotated faster than it reads
+#          loses none), rotated the same way;
 #   .pid   "PID START PORT GPUS": the supervisor, which leads the worker's
 #          process group and session; its kernel start time (so a reused pid
 #          is never taken for it); the job's rendezvous port; its GPUs;
@@ -238,6 +244,69 @@ alive() {
     start_time "$a_pid" && [ "$st" = "$a_start" ]
 }
 
+# Sets r_list to the starts of stream $1's rotated files (its files
+# $1.START), r_max and r_min to the greatest and least (empty with none).
+rotated_list() {
+    r_list= r_max= r_min=
+    for r_f in "$1".[0-9]*; do
+        [ -f "$r_f" ] || continue
+        r_s=${r_f##*.}
+        case $r_s in *[!0-9]*) continue ;; esac
+        r_list="$r_list $r_s"
+        if [ -z "$r_max" ] || [ "$r_s" -gt "$r_max" ]; then r_max=$r_s; fi
+        if [ -z "$r_min" ] || [ "$r_s" -lt "$r_min" ]; then r_min=$r_s; fi
+    done
+}
+
+# Sets s_total to stream $1's length (every byte ever written to it),
+# s_start to where its current file $1 starts (where the newest rotated
+# file ends), s_first to its first offset still on disk. Listed again
+# until no rotation came between the listing and the current file's size.
+stream_len() {
+    rotated_list "$1"
+    while :; do
+        s_before=$r_list
+        s_cur=$({ wc -c < "$1"; } 2> /dev/null) || s_cur=0
+        s_last=0
+        [ -z "$r_max" ] || s_last=$({ wc -c < "$1.$r_max"; } 2> /dev/null) || s_last=0
+        rotated_list "$1"
+        [ "$r_list" = "$s_before" ] && break
+    done
+    s_start=0
+    [ -z "$r_max" ] || s_start=$((r_max + s_last))
+    s_total=$((s_start + s_cur))
+    s_first=${r_min:-$s_start}
+}
+
+# stream_read STREAM OFFSET N: writes up to N bytes of the stream from
+# OFFSET (at least s_first), across its files in order.
+stream_read() {
+    sr_s=$1 sr_at=$2 sr_n=$3
+    stream_len "$sr_s"
+    while [ "$sr_n" -gt 0 ]; do
+        # The file holding sr_at: the current one, or the rotated one with
+        # the greatest start not after it.
+        sr_f= sr_from=-1
+        if [ "$s_start" -le "$sr_at" ]; then
+            sr_f=$sr_s sr_from=$s_start
+        else
+            for r_s in $r_list; do
+                if [ "$r_s" -le "$sr_at" ] && [ "$r_s" -gt "$sr_from" ]; then
+                    sr_f=$sr_s.$r_s sr_from=$r_s
+                fi
+            done
+        fi
+        [ -n "$sr_f" ] || return 0
+        sr_len=$({ wc -c < "$sr_f"; } 2> /dev/null) || return 0
+        sr_take=$((sr_from + sr_len - sr_at))
+        [ "$sr_take" -gt "$sr_n" ] && sr_take=$sr_n
+        [ "$sr_take" -gt 0 ] || return 0
+        tail -c "+$((sr_at - sr_from + 1))" "$sr_f" | head -c "$sr_take"
+        sr_at=$((sr_at + sr_take))
+        sr_n=$((sr_n - sr_take))
+    done
+}
+
 # supervise BASE PORT GPUS CMD...: run CMD, record its end in BASE.exit.
 supervise() {
     base=$1 port=$2 gpus=$3
@@ -248,6 +317,26 @@ supervise() {
     start_time $$ || st=0
     printf '%s %s %s %s\n' $$ "$st" "$port" "$gpus" > "$base.pid.tmp" &&
         mv -f "$base.pid.tmp" "$base.pid"
+    # The worker's output, and this supervisor's, goes through keel's log
+    # writer when launch chose it (it made the progress stream): rotated,
+    # progress lines copied aside, paused below the free-space floor. In a
+    # session of its own, outside the worker's cgroup: the worker's signals
+    # and its cgroup's end are not for it; it ends at its input's end.
+    writer=
+    if [ -f "$base.progress" ] && lw=$(command -v keel) && rm -f "$base.fifo" &&
+        mkfifo "$base.fifo" 2> /dev/null; then
+        setsid "$lw" log-writer --log "$base.log" \
+            --log-max-file-bytes "${KEEL_LOG_MAX_FILE_BYTES:-10485760}" \
+            --log-max-files "${KEEL_LOG_MAX_FILES:-5}" \
+            --log-min-free-bytes "${KEEL_LOG_MIN_FREE_BYTES:-0}" \
+            < "$base.fifo" > /dev/null 2>&1 &
+        writer=$!
+        exec > "$base.fifo" 2>&1
+        rm -f "$base.fifo"
+    else
+        echo "keel: this host has no keel binary on its PATH: the worker's log is not rotated" >&2
+    fi
+    unset KEEL_LOG_MAX_FILE_BYTES KEEL_LOG_MAX_FILES KEEL_LOG_MIN_FREE_BYTES
     if ! command -v "$1" > /dev/null 2>&1; then
         echo "keel: could not start \"$1\": not found" >&2
         printf '127 could not start "%s": not found\n' "$1" > "$base.exit.tmp"
@@ -310,6 +399,17 @@ supervise() {
     if [ "$code" -ne 0 ] && [ "$ooms" -gt 0 ]; then
         reason="out of memory: over its limit of $(show_memory "$lim_mem_bytes") ($reason)"
     fi
+    # The last of the output is in the log before the exit is recorded (up
+    # to 2 s: a process that escaped a worker with no cgroup may hold the
+    # pipe open for ever).
+    if [ -n "$writer" ]; then
+        exec > /dev/null 2>&1
+        i=0
+        while start_time "$writer" && [ "$i" -lt 200 ]; do
+            sleep 0.01
+            i=$((i + 1))
+        done
+    fi
     printf '%s %s\n' "$code" "$reason" > "$base.exit.tmp"
     mv -f "$base.exit.tmp" "$base.exit"
     exit "$code"
@@ -361,9 +461,16 @@ launch() {
     fi
     set -- "$l_port" "$l_gpus" "$@"
     mkdir -p "${base%/*}" "$ckpt" || exit 1
-    # Where the follower of this run's progress starts.
-    size=$({ wc -c < "$base.log"; } 2> /dev/null) || size=0
-    echo "$((size))"
+    # Where the follower of this run's progress starts: in the progress
+    # stream when keel's log writer is here (made now, so the poll reads
+    # it from the first line), else in the log.
+    if [ -f "$base.progress" ] || { ! alive "$base" && command -v keel > /dev/null 2>&1; }; then
+        : >> "$base.progress"
+        stream_len "$base.progress"
+    else
+        stream_len "$base.log"
+    fi
+    echo "$s_total"
     if alive "$base"; then
         exit 0
     fi
@@ -417,6 +524,8 @@ launch() {
 # BASE:OFFSET the log's bytes from OFFSET (at most 256 KiB): "P BASE OFFSET
 # LEN" followed by exactly LEN bytes; BASE:end gives "P BASE SIZE 0", where
 # a follower that starts now starts. "END" last. Listing forks nothing.
+# The bytes are the progress stream's where the worker has one, else its
+# log's; OFFSET is later than asked when rotation took what was there.
 poll() {
     cd "$1" 2> /dev/null || {
         echo END
@@ -469,19 +578,35 @@ poll() {
         esac
         b=${req%:*}
         off=${req##*:}
-        [ -f "$b.log" ] || continue
-        size=$(wc -c < "$b.log")
+        s=$b.log
+        [ -f "$b.progress" ] && s=$b.progress
+        [ -f "$s" ] || continue
+        stream_len "$s"
         if [ "$off" = end ]; then
-            echo "P $b $((size)) 0"
+            echo "P $b $s_total 0"
             continue
         fi
-        n=$((size - off))
+        [ "$off" -lt "$s_first" ] && off=$s_first
+        n=$((s_total - off))
         [ "$n" -gt 262144 ] && n=262144
         [ "$n" -gt 0 ] || continue
-        echo "P $b $off $n"
-        tail -c "+$((off + 1))" "$b.log" | head -c "$n"
+        emit_exactly "P $b $off" stream_read "$s" "$off" "$n"
     done
     echo END
+}
+
+# emit_exactly HEAD CMD...: runs CMD and prints "HEAD LEN" then its LEN
+# bytes of output (a file may be rotated away while it is read: the count
+# is what was read, never what was expected).
+emit_exactly() {
+    e_head=$1
+    shift
+    e_tmp=${TMPDIR:-/tmp}/keel-node.$$.read
+    "$@" > "$e_tmp"
+    e_n=$(wc -c < "$e_tmp")
+    echo "$e_head $((e_n))"
+    cat "$e_tmp"
+    rm -f "$e_tmp"
 }
 
 # signal SIGNAL BASE: signal the worker's process group, if it runs. KILL
@@ -510,16 +635,17 @@ signal() {
 }
 
 # logs WORKERS JOB TAIL_BYTES: "L NAME SIZE LEN" then exactly LEN bytes (the
-# log's end) for each log of the job on this host.
+# log's end, across its rotated files; SIZE counts every byte written) for
+# each log of the job on this host.
 logs() {
     cd "$1/$2" 2> /dev/null || exit 0
     for f in e*-r*.log; do
         [ -f "$f" ] || continue
-        size=$(wc -c < "$f")
+        stream_len "$f"
         n=$3
-        [ "$size" -lt "$n" ] && n=$size
-        echo "L $f $size $n"
-        tail -c "$n" "$f" | head -c "$n"
+        from=$((s_total - n))
+        [ "$from" -lt "$s_first" ] && from=$s_first
+        emit_exactly "L $f $s_total" stream_read "$f" "$from" "$((s_total - from))"
     done
 }
 

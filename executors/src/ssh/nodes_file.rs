@@ -101,6 +101,10 @@ pub struct SshConfig {
     /// nothing of Keel's is installed. The server sets it to itself; `None`
     /// ships nothing.
     pub keel_binary: Option<PathBuf>,
+    /// How the hosts rotate workers' logs (`keel log-writer`, where keel is
+    /// on the host) and pause them below a free-space floor: the server's
+    /// `--worker-log-*` settings.
+    pub logs: crate::worker_log::LogSettings,
 }
 
 #[derive(Debug, Deserialize)]
@@ -286,6 +290,7 @@ pub fn parse_nodes_file(text: &str, control_dir: PathBuf) -> Result<SshConfig, N
         control_dir,
         install_keel: raw.install_keel.unwrap_or(true),
         keel_binary: None,
+        logs: Default::default(),
     })
 }
 

@@ -90,8 +90,16 @@ pub(super) fn apply_poll(
                 w.extra.offset = Some(offset);
                 continue;
             }
-            Some(o) if o != offset => continue,
-            Some(_) => w.extra.offset = Some(offset + chunk.len() as u64),
+            Some(o) if offset < o => continue,
+            Some(o) => {
+                if offset > o {
+                    // Rotated away unread (more came than the progress
+                    // stream holds): newer lines follow.
+                    tracing::debug!(worker = %id, lost_bytes = offset - o, "progress lines rotated away unread");
+                    w.extra.lines = Default::default();
+                }
+                w.extra.offset = Some(offset + chunk.len() as u64);
+            }
         }
         let samples = w.extra.lines.push(&chunk, at_ms);
         book.add_progress(generation, id.job_id, samples);

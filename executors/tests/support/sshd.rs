@@ -251,6 +251,7 @@ impl Sshd {
             control_dir,
             install_keel: false,
             keel_binary: None,
+            logs: Default::default(),
         }
     }
 }

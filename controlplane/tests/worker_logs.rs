@@ -1,0 +1,99 @@
+//! Issue 32: a worker's log cannot fill the control plane's disk. Real
+//! `keel server` processes with the local executor: the supervisor rotates
+//! what a worker prints, copies its progress lines aside so that rotation
+//! never loses the last one, and pauses the log while the filesystem is
+//! below its floor; `keel logs -f` follows through every rotation.
+
+mod support;
+
+use support::{
+    assert_noisy_job_kept_its_rotation, noisy_script, submit_script, wait_for, ServerProcess,
+};
+
+#[test]
+fn a_worker_printing_200_mb_leaves_its_rotation_on_disk_and_its_last_progress_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let server = ServerProcess::start(
+        &data,
+        &[
+            "--simulated-gpus",
+            "1xv100",
+            "--round-s",
+            "0.3",
+            "--worker-log-max-file-bytes",
+            "1048576",
+            "--worker-log-max-files",
+            "5",
+        ],
+    );
+    let id = submit_script(&server, dir.path(), "noisy", &noisy_script(200));
+    assert_noisy_job_kept_its_rotation(
+        &server,
+        &id,
+        &data.join("workers").join(format!("job-{id}")),
+    );
+    server.terminate();
+}
+
+/// A data directory on a filesystem of its own, 96 MiB (tmpfs), and a job
+/// that prints without end under a rotation far larger than the disk: the
+/// floor pauses its log, the replica goes on committing, and `keel nodes`
+/// and the log say why.
+#[test]
+fn a_noisy_job_cannot_fill_the_disk_the_raft_log_needs() {
+    let test = "a_noisy_job_cannot_fill_the_disk_the_raft_log_needs";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(mount) = support::SmallFilesystem::mount_or_skip(test, &dir.path().join("small"), 96)
+    else {
+        return;
+    };
+    let data = mount.path().join("data");
+    let server = ServerProcess::start(
+        &data,
+        &[
+            "--simulated-gpus",
+            "2xv100",
+            "--round-s",
+            "0.3",
+            "--worker-log-max-file-bytes",
+            "104857600",
+            "--worker-log-max-files",
+            "10",
+            "--worker-log-min-free-bytes",
+            "33554432",
+        ],
+    );
+    let noisy = submit_script(
+        &server,
+        dir.path(),
+        "noisy",
+        "yes 'a noisy job prints this line without end, as fast as it can' ",
+    );
+    wait_for("the noisy job's log to pause", || {
+        let free = support::free_bytes(mount.path());
+        let nodes = server.cli_ok(&["nodes"]);
+        assert!(free > 0, "the disk filled up");
+        nodes.contains("worker logs paused").then_some(nodes)
+    });
+    // The replica still commits: a job submitted now runs and succeeds,
+    // and the noisy one's log says why it stopped growing.
+    let quiet = submit_script(&server, dir.path(), "quiet", "echo quiet-done");
+    wait_for("the quiet job to succeed", || {
+        (server.json(&["job", &quiet])["state"] == "succeeded").then_some(())
+    });
+    let log = server.cli_ok(&["logs", &noisy, "--tail-bytes", "4096"]);
+    assert!(
+        log.contains("keel: worker log paused: the filesystem holding it has"),
+        "{log}"
+    );
+    assert!(
+        support::free_bytes(mount.path()) >= 16 * 1024 * 1024,
+        "the floor was not kept"
+    );
+    server.cli_ok(&["cancel", &noisy]);
+    wait_for("the noisy job to be cancelled", || {
+        (server.json(&["job", &noisy])["state"] == "cancelled").then_some(())
+    });
+    server.terminate();
+}
