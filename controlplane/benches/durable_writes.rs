@@ -180,6 +180,7 @@ fn main() {
             nodes: Vec::new(),
             executor_dir: None,
             worker_logs: Default::default(),
+            retain_logs: None,
             ssh: None,
             kubernetes: None,
             policy: std::sync::Arc::new(keel_scheduling::policy::Fifo::default()),

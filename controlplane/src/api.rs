@@ -646,6 +646,7 @@ impl Keel for KeelApi {
                     rank: l.id.rank,
                     content: l.content,
                     total_bytes: l.total_bytes,
+                    paused: l.paused.unwrap_or_default(),
                 })
                 .collect(),
         }))

@@ -282,7 +282,31 @@ pub async fn job(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
         .map_err(status_error)?
         .into_inner();
     let history = history(&mut client, id).await?;
-    render::job(&job, &history, out)
+    // A running job's logs that are paused for want of space (asked of the
+    // leader's executor; a failure to ask leaves the job shown without).
+    let mut logs_paused = Vec::new();
+    if job.state == "running" {
+        let logs = client
+            .get_logs(api::GetLogsRequest {
+                job_id: id,
+                tail_bytes: 1,
+            })
+            .await;
+        if let Ok(logs) = logs {
+            logs_paused = logs
+                .into_inner()
+                .logs
+                .into_iter()
+                .filter(|l| !l.paused.is_empty())
+                .map(|l| render::PausedLog {
+                    epoch: l.epoch,
+                    rank: l.rank,
+                    why: l.paused,
+                })
+                .collect();
+        }
+    }
+    render::job(&job, &history, logs_paused, out)
 }
 
 pub async fn logs(addr: &str, id: u64, tail_bytes: u64, out: Output) -> anyhow::Result<()> {

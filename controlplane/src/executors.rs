@@ -58,6 +58,13 @@ impl Executor for AnyExecutor {
         each!(self, e => e.logs(job_id, tail_bytes).await)
     }
 
+    async fn remove_logs(
+        &self,
+        job_id: JobId,
+    ) -> Result<Option<keel_executors::RemovedLogs>, ExecutorError> {
+        each!(self, e => e.remove_logs(job_id).await)
+    }
+
     fn cannot_share_gpus(&self) -> Option<&'static str> {
         each!(self, e => e.cannot_share_gpus())
     }

@@ -93,7 +93,7 @@ async fn confirm_leadership(node: &RaftNode) -> bool {
     is_leader(node) && quorum_confirms(node, Duration::from_secs(2)).await
 }
 
-fn is_leader(node: &RaftNode) -> bool {
+pub(crate) fn is_leader(node: &RaftNode) -> bool {
     let m = node.raft.metrics();
     let m = m.borrow();
     m.state == ServerState::Leader && m.current_leader == Some(node.id)

@@ -10,6 +10,8 @@
 //! - [`inventory`]: this server's nodes and GPUs (discovered or simulated)
 //!   and their registration.
 //! - [`leader`]: the leader's scheduling and reconcile loops.
+//! - [`log_retention`]: finished jobs' worker logs removed after
+//!   `--retain-logs-s`.
 //! - [`server`]: the `keel server` process: data dir, Raft, API, loops,
 //!   shutdown.
 
@@ -21,6 +23,7 @@ pub mod grpc_status;
 pub mod inventory;
 pub mod leader;
 pub mod log_limit;
+pub mod log_retention;
 pub mod membership;
 pub mod node_liveness;
 pub mod proposer;

@@ -551,9 +551,21 @@ struct ServerLogArgs {
     /// noisy job cannot fill the disk the Raft log needs (0: never).
     #[arg(long, default_value_t = keel_executors::worker_log::DEFAULT_MIN_FREE_BYTES)]
     worker_log_min_free_bytes: u64,
+    /// Remove a finished job's worker logs this many seconds after it
+    /// finished (0: keep them).
+    #[arg(long, default_value_t = 7.0 * 86_400.0)]
+    retain_logs_s: f64,
 }
 
 impl ServerLogArgs {
+    fn retain(&self) -> anyhow::Result<Option<Duration>> {
+        let s = self.retain_logs_s;
+        if !(s.is_finite() && (0.0..=3_650.0 * 86_400.0).contains(&s)) {
+            anyhow::bail!("--retain-logs-s must be between 0 and 315360000 seconds, not {s}");
+        }
+        Ok((s > 0.0).then(|| Duration::from_secs_f64(s)))
+    }
+
     fn settings(&self) -> anyhow::Result<keel_executors::worker_log::LogSettings> {
         let rotation = keel_executors::worker_log::Rotation {
             max_file_bytes: self.worker_log_max_file_bytes,
@@ -815,6 +827,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             worker_logs,
         } => {
             init_tracing();
+            let retain_logs = worker_logs.retain()?;
             let worker_logs = worker_logs.settings()?;
             let seconds = |name: &str, s: f64| -> anyhow::Result<Duration> {
                 if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
@@ -863,6 +876,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 },
                 executor_dir,
                 worker_logs,
+                retain_logs,
                 ssh,
                 kubernetes: kubernetes.target()?,
                 policy: policy.into(),

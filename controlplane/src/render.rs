@@ -303,15 +303,31 @@ struct JobWithHistory<'a> {
     job: JobView,
     history: &'a [pb::AppliedEntry],
     history_truncated: bool,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    logs_paused: Vec<PausedLog>,
 }
 
-pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> anyhow::Result<()> {
+/// A worker log whose writer drops output (below the free-space floor).
+#[derive(Serialize)]
+pub struct PausedLog {
+    pub epoch: u64,
+    pub rank: u32,
+    pub why: String,
+}
+
+pub fn job(
+    job: &api::Job,
+    history: &api::JobHistoryResponse,
+    logs_paused: Vec<PausedLog>,
+    out: Output,
+) -> anyhow::Result<()> {
     let view = job_view(job);
     match out {
         Output::Json => print_json(&JobWithHistory {
             job: view,
             history: &history.entries,
             history_truncated: history.truncated,
+            logs_paused,
         }),
         Output::Table => {
             print_table(&JOB_HEADER, &[job_row(&view)])?;
@@ -338,6 +354,9 @@ pub fn job(job: &api::Job, history: &api::JobHistoryResponse, out: Output) -> an
                         .map(|c| format!(" (exit {c})"))
                         .unwrap_or_default()
                 );
+            }
+            for p in &logs_paused {
+                outln!("log of rank {} epoch {}: {}", p.rank, p.epoch, p.why);
             }
             outln!("history:");
             for record in &history.entries {
@@ -428,6 +447,7 @@ pub fn logs(job_id: u64, resp: &api::GetLogsResponse, out: Output) -> anyhow::Re
                         "epoch": l.epoch,
                         "rank": l.rank,
                         "total_bytes": l.total_bytes,
+                        "paused": l.paused,
                         "content": String::from_utf8_lossy(&l.content),
                     })
                 })
@@ -451,6 +471,9 @@ pub fn logs(job_id: u64, resp: &api::GetLogsResponse, out: Output) -> anyhow::Re
                     "==> job {job_id} epoch {} rank {}{note} <==",
                     l.epoch, l.rank
                 )?;
+                if !l.paused.is_empty() {
+                    writeln!(stdout, "(keel: {})", l.paused)?;
+                }
                 stdout.write_all(&l.content)?;
                 if !l.content.ends_with(b"\n") && !l.content.is_empty() {
                     writeln!(stdout)?;

@@ -529,7 +529,8 @@ fn preempted_and_re_adopted_workers_over_ssh_leave_nothing_running() {
 /// Issue 32 over SSH: the host's log writer (`keel log-writer`, shipped
 /// with the helper) rotates a worker's log under the server's
 /// `--worker-log-*` settings, `keel logs -f` follows it through every
-/// rotation, and the last progress line reaches the server.
+/// rotation, the last progress line reaches the server, and the logs are
+/// removed from the host after `--retain-logs-s`.
 #[test]
 fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
     const TEST: &str = "a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host";
@@ -555,6 +556,8 @@ fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
             "1048576",
             "--worker-log-max-files",
             "5",
+            "--retain-logs-s",
+            "15",
         ],
     );
     let id = submit_script(&server, dir.path(), "noisy", &noisy_script(200));
@@ -564,5 +567,15 @@ fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
         .join("workers")
         .join(format!("job-{id}"));
     assert_noisy_job_kept_its_rotation(&server, &id, &job_dir);
+    // And the host removes them once they are older than the retention.
+    wait_for("the logs on the host to be removed", || {
+        (!job_dir.exists()).then_some(())
+    });
+    assert!(
+        server
+            .log_text()
+            .contains("removed the logs of a job finished longer ago than --retain-logs-s"),
+        "the removal is logged"
+    );
     server.terminate();
 }

@@ -8,12 +8,14 @@ mod support;
 
 use support::{
     assert_noisy_job_kept_its_rotation, noisy_script, submit_script, wait_for, ServerProcess,
+    WorkerReaper,
 };
 
 #[test]
 fn a_worker_printing_200_mb_leaves_its_rotation_on_disk_and_its_last_progress_line() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
+    let _reaper = WorkerReaper(data.clone());
     let server = ServerProcess::start(
         &data,
         &[
@@ -49,6 +51,7 @@ fn a_noisy_job_cannot_fill_the_disk_the_raft_log_needs() {
         return;
     };
     let data = mount.path().join("data");
+    let _reaper = WorkerReaper(data.clone());
     let server = ServerProcess::start(
         &data,
         &[
@@ -87,6 +90,12 @@ fn a_noisy_job_cannot_fill_the_disk_the_raft_log_needs() {
         log.contains("keel: worker log paused: the filesystem holding it has"),
         "{log}"
     );
+    // `keel job` says so too, while the job runs.
+    let job = server.cli_ok(&["job", &noisy]);
+    assert!(
+        job.contains("log of rank 0 epoch 1: worker log paused: the filesystem holding it has"),
+        "{job}"
+    );
     assert!(
         support::free_bytes(mount.path()) >= 16 * 1024 * 1024,
         "the floor was not kept"
@@ -95,5 +104,45 @@ fn a_noisy_job_cannot_fill_the_disk_the_raft_log_needs() {
     wait_for("the noisy job to be cancelled", || {
         (server.json(&["job", &noisy])["state"] == "cancelled").then_some(())
     });
+    server.terminate();
+}
+
+/// `--retain-logs-s`: a finished job's logs are removed that long after it
+/// finished, and the server says so.
+#[test]
+fn a_finished_jobs_logs_are_removed_after_the_retention() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let server = ServerProcess::start(
+        &data,
+        &[
+            "--simulated-gpus",
+            "1xv100",
+            "--round-s",
+            "0.3",
+            "--retain-logs-s",
+            "3",
+        ],
+    );
+    let _reaper = WorkerReaper(data.clone());
+    let id = submit_script(&server, dir.path(), "short", "echo short-lived");
+    wait_for("the job to succeed", || {
+        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
+    });
+    let job_dir = data.join("workers").join(format!("job-{id}"));
+    wait_for("its logs to be removed", || {
+        (!job_dir.exists()).then_some(())
+    });
+    let removed = server
+        .log_text()
+        .lines()
+        .find(|l| l.contains("removed the logs of a job finished longer ago than --retain-logs-s"))
+        .map(str::to_string)
+        .expect("the removal is logged");
+    assert!(removed.contains(&format!("job_id={id}")), "{removed}");
+    assert!(
+        server.cli_ok(&["logs", &id]).contains("has no worker logs"),
+        "the logs are gone for keel logs too"
+    );
     server.terminate();
 }

@@ -33,6 +33,16 @@ pub struct WorkerLog {
     pub content: Vec<u8>,
     /// The log's whole length, to say how much was left out.
     pub total_bytes: u64,
+    /// Why its writer drops the worker's output, while it does (the
+    /// filesystem is below the free-space floor).
+    pub paused: Option<String>,
+}
+
+/// What [`Executor::remove_logs`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemovedLogs {
+    pub files: u64,
+    pub bytes: u64,
 }
 
 /// What an executor learned about one of its nodes by reaching it (the SSH
@@ -83,6 +93,18 @@ pub trait Executor: Send + Sync + 'static {
         job_id: JobId,
         tail_bytes: u64,
     ) -> impl Future<Output = Result<Vec<WorkerLog>, ExecutorError>> + Send;
+
+    /// Removes the logs of a finished job (retention): its files, and on
+    /// every host. `Ok(None)` when a worker of the job still runs here
+    /// (nothing removed; asked again later). Executors whose logs live
+    /// elsewhere (the kubelet's) remove nothing.
+    fn remove_logs(
+        &self,
+        job_id: JobId,
+    ) -> impl Future<Output = Result<Option<RemovedLogs>, ExecutorError>> + Send {
+        let _ = job_id;
+        async { Ok(Some(RemovedLogs::default())) }
+    }
 
     /// This server starts to lead: find the workers an earlier leader (or an
     /// earlier run of this server) left, re-adopt the running ones and

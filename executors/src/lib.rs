@@ -38,7 +38,7 @@ pub mod worker_log;
 
 use keel_state::JobId;
 
-pub use executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
+pub use executor::{Executor, ExecutorError, NodeProbe, RemovedLogs, WorkerLog};
 pub use kubernetes::{KubeConfig, KubeExecutor};
 pub use local::{LocalConfig, LocalExecutor};
 pub use reconcile::{Action, Observed};

@@ -35,7 +35,7 @@ use tokio::io::AsyncWriteExt;
 use crate::book::{Clock, SystemClock, Worker, WorkerBook};
 use crate::containment::{Cgroups, WorkerCgroup};
 use crate::contract::{checkpoint_dir_name, environment, gpu_refs, WorkerLaunch};
-use crate::executor::{Executor, ExecutorError, WorkerLog};
+use crate::executor::{Executor, ExecutorError, RemovedLogs, WorkerLog};
 use crate::reconcile::Observed;
 use crate::supervisor::{read_exit, ExitRecord};
 use crate::WorkerId;
@@ -888,6 +888,26 @@ fn group_members(pgid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Removes directory `dir` and what it holds (no directories below);
+/// what it removed. A missing one removes nothing.
+fn remove_dir_counting(dir: &Path) -> std::io::Result<RemovedLogs> {
+    let mut removed = RemovedLogs::default();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let len = entry.metadata().map_or(0, |m| m.len());
+        std::fs::remove_file(entry.path())?;
+        removed.files += 1;
+        removed.bytes += len;
+    }
+    std::fs::remove_dir(dir)?;
+    Ok(removed)
+}
+
 fn pid_path(log_path: &Path) -> PathBuf {
     log_path.with_extension("pid")
 }
@@ -977,12 +997,26 @@ impl Executor for LocalExecutor {
                     id,
                     content,
                     total_bytes,
+                    paused: std::fs::read_to_string(crate::worker_log::paused_path(&entry.path()))
+                        .ok(),
                 }),
                 Err(source) => return Err(ExecutorError::Io { id, source }),
             }
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(out)
+    }
+
+    async fn remove_logs(&self, job_id: JobId) -> Result<Option<RemovedLogs>, ExecutorError> {
+        if self.book.running().iter().any(|id| id.job_id == job_id) {
+            return Ok(None);
+        }
+        let dir = self.job_dir(job_id);
+        let removed = tokio::task::spawn_blocking(move || remove_dir_counting(&dir))
+            .await
+            .map_err(|e| ExecutorError::Other(e.to_string()))?
+            .map_err(|e| ExecutorError::Other(format!("removing the logs of job {job_id}: {e}")))?;
+        Ok(Some(removed))
     }
 
     async fn take_over(&self) {

@@ -63,7 +63,7 @@ pub use protocol::{helper_name, HELPER_SCRIPT};
 
 use crate::book::{Book, Clock, SystemClock, Worker, WorkerBook};
 use crate::contract::{checkpoint_dir_name, environment, gpu_refs, ProgressLines, WorkerLaunch};
-use crate::executor::{Executor, ExecutorError, NodeProbe, WorkerLog};
+use crate::executor::{Executor, ExecutorError, NodeProbe, RemovedLogs, WorkerLog};
 use crate::reconcile::Observed;
 use crate::WorkerId;
 use connection::{Host, RunError, ShippedKeel};
@@ -459,6 +459,51 @@ impl Executor for SshExecutor {
 
     async fn take_progress(&self) -> BTreeMap<JobId, Vec<ProgressSample>> {
         self.book().take_progress()
+    }
+
+    async fn remove_logs(&self, job_id: JobId) -> Result<Option<RemovedLogs>, ExecutorError> {
+        if self.book().running().iter().any(|id| id.job_id == job_id) {
+            return Ok(None);
+        }
+        let mut tasks = tokio::task::JoinSet::new();
+        for host in self.shared.hosts.values() {
+            let this = self.clone();
+            let host = host.clone();
+            tasks.spawn(async move {
+                let config = &this.shared.config;
+                let connection = host.connect(config).await?;
+                let argv = vec![
+                    "remove_logs".to_string(),
+                    connection.workers_dir(),
+                    format!("job-{job_id}"),
+                ];
+                let (_, out) = host.run(config, argv).await?;
+                Ok::<_, RunError>(String::from_utf8_lossy(&out).trim().to_string())
+            });
+        }
+        let mut removed = RemovedLogs::default();
+        let mut running = false;
+        let mut errors = Vec::new();
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                Ok(Ok(answer)) if answer == "running" => running = true,
+                Ok(Ok(answer)) => {
+                    let mut f = answer.split(' ').map(|n| n.parse::<u64>().unwrap_or(0));
+                    removed.files += f.next().unwrap_or(0);
+                    removed.bytes += f.next().unwrap_or(0);
+                }
+                Ok(Err(e)) => errors.push(e.to_string()),
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        // A host that did not answer keeps its files: asked again later.
+        if !errors.is_empty() {
+            return Err(ExecutorError::Other(format!(
+                "removing the logs of job {job_id}: {}",
+                errors.join("; ")
+            )));
+        }
+        Ok((!running).then_some(removed))
     }
 
     async fn logs(&self, job_id: JobId, tail_bytes: u64) -> Result<Vec<WorkerLog>, ExecutorError> {

@@ -459,17 +459,18 @@ impl StreamWriter {
 
     fn check_space(&mut self) {
         self.since_check = 0;
-        let Some(floor) = self.floor else {
-            return;
-        };
         let dir = self.log.base.parent().unwrap_or(Path::new("."));
-        let free = match free_bytes(dir) {
-            Ok(f) => f,
-            Err(_) => return,
+        // Without a floor, a log paused by a failed write tries again.
+        let below = match self.floor {
+            Some(floor) => match free_bytes(dir) {
+                Ok(free) => (free < floor.min_free_bytes).then_some((free, floor)),
+                Err(_) => return,
+            },
+            None => None,
         };
-        match (&mut self.paused, free < floor.min_free_bytes) {
-            (Some((at, _)), true) => *at = Instant::now(),
-            (None, true) => self.pause(
+        match (&mut self.paused, below) {
+            (Some((at, _)), Some(_)) => *at = Instant::now(),
+            (None, Some((free, floor))) => self.pause(
                 format!(
                     "the filesystem holding it has {} free, under the floor of {}",
                     show_bytes(free),
@@ -477,7 +478,7 @@ impl StreamWriter {
                 ),
                 0,
             ),
-            (Some((_, dropped)), false) => {
+            (Some((_, dropped)), None) => {
                 let dropped = *dropped;
                 self.paused = None;
                 let _ = std::fs::remove_file(paused_path(&self.log.base));
@@ -486,7 +487,7 @@ impl StreamWriter {
                 );
                 let _ = self.log.write(line.as_bytes());
             }
-            (None, false) => {}
+            (None, None) => {}
         }
     }
 

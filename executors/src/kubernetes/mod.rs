@@ -1356,6 +1356,7 @@ impl Executor for KubeExecutor {
                 id,
                 content,
                 total_bytes,
+                paused: None,
             });
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));

@@ -595,17 +595,25 @@ poll() {
     echo END
 }
 
-# emit_exactly HEAD CMD...: runs CMD and prints "HEAD LEN" then its LEN
-# bytes of output (a file may be rotated away while it is read: the count
-# is what was read, never what was expected).
+# emit_exactly HEAD CMD ARG1 ARG2 ARG3 [TRAILER]: runs CMD with the three
+# arguments and prints "HEAD LEN" then its LEN bytes of output (a file may
+# be rotated away while it is read: the count is what was read, never what
+# was expected); with TRAILER, "HEAD LEN TLEN", then TRAILER's TLEN bytes.
 emit_exactly() {
     e_head=$1
     shift
     e_tmp=${TMPDIR:-/tmp}/keel-node.$$.read
-    "$@" > "$e_tmp"
+    "$1" "$2" "$3" "$4" > "$e_tmp"
     e_n=$(wc -c < "$e_tmp")
-    echo "$e_head $((e_n))"
-    cat "$e_tmp"
+    if [ -n "${5:-}" ]; then
+        e_t=$(printf '%s' "$5" | wc -c)
+        echo "$e_head $((e_n)) $((e_t))"
+        cat "$e_tmp"
+        printf '%s' "$5"
+    else
+        echo "$e_head $((e_n))"
+        cat "$e_tmp"
+    fi
     rm -f "$e_tmp"
 }
 
@@ -634,9 +642,10 @@ signal() {
     kill -s "$1" -- "-$s_pid" 2> /dev/null || kill -s "$1" "$s_pid" 2> /dev/null || true
 }
 
-# logs WORKERS JOB TAIL_BYTES: "L NAME SIZE LEN" then exactly LEN bytes (the
-# log's end, across its rotated files; SIZE counts every byte written) for
-# each log of the job on this host.
+# logs WORKERS JOB TAIL_BYTES: "L NAME SIZE LEN [WHY_LEN]" then exactly LEN
+# bytes (the log's end, across its rotated files; SIZE counts every byte
+# written), then WHY_LEN bytes saying why the log is paused (while it is),
+# for each log of the job on this host.
 logs() {
     cd "$1/$2" 2> /dev/null || exit 0
     for f in e*-r*.log; do
@@ -645,8 +654,39 @@ logs() {
         n=$3
         from=$((s_total - n))
         [ "$from" -lt "$s_first" ] && from=$s_first
-        emit_exactly "L $f $s_total" stream_read "$f" "$from" "$((s_total - from))"
+        why=
+        [ -f "${f%.log}.paused" ] && why=$(head -c 1000 "${f%.log}.paused")
+        emit_exactly "L $f $s_total" stream_read "$f" "$from" "$((s_total - from))" "$why"
     done
+}
+
+# remove_logs WORKERS JOB: removes the job's files on this host (its
+# logs; its workers have ended) unless one of its workers still runs
+# there ("running"); else prints "FILES BYTES" removed.
+remove_logs() {
+    cd "$1" 2> /dev/null || {
+        echo "0 0"
+        exit 0
+    }
+    [ -d "$2" ] || {
+        echo "0 0"
+        exit 0
+    }
+    for p in "$2"/e*-r*.pid; do
+        [ -f "$p" ] || continue
+        if alive "${p%.pid}"; then
+            echo running
+            exit 0
+        fi
+    done
+    r_files=0 r_bytes=0
+    for f in "$2"/*; do
+        [ -f "$f" ] || continue
+        r_files=$((r_files + 1))
+        r_bytes=$((r_bytes + $(wc -c < "$f")))
+    done
+    rm -rf "$2"
+    echo "$r_files $r_bytes"
 }
 
 # probe: what a node needs, whether its workers get cgroups ("K cgroup", or
@@ -700,7 +740,7 @@ dispatch() {
     cmd=$1
     shift
     case $cmd in
-        supervise | launch | poll | signal | logs | probe | serve) "$cmd" "$@" ;;
+        supervise | launch | poll | signal | logs | remove_logs | probe | serve) "$cmd" "$@" ;;
         forget) rm -f "$1.exit" "$1.pid" "$1.cgroup" ;;
         busy) gpus_busy '*' '*' ;;
         *)

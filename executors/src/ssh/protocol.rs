@@ -322,21 +322,25 @@ pub(super) fn parse_logs(job_id: JobId, mut out: &[u8]) -> Vec<WorkerLog> {
         let (Ok(total_bytes), Ok(len)) = (total.parse::<u64>(), len.parse::<usize>()) else {
             break;
         };
+        // Why the log is paused, when it is: that many more bytes.
+        let why_len = f.get(4).and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
         let Some(id) = name
             .strip_suffix(".log")
             .and_then(|stem| parse_base(&format!("job-{job_id}/{stem}")))
         else {
             break;
         };
-        if rest.len() < len {
+        if rest.len() < len + why_len {
             break;
         }
+        let why = &rest[len..len + why_len];
         logs.push(WorkerLog {
             id,
             content: rest[..len].to_vec(),
             total_bytes,
+            paused: (why_len > 0).then(|| clip(&String::from_utf8_lossy(why))),
         });
-        out = &rest[len..];
+        out = &rest[len + why_len..];
     }
     logs
 }
@@ -497,8 +501,10 @@ mod tests {
 
     #[test]
     fn log_answers_parse() {
-        let logs = parse_logs(4, b"L e1-r0.log 100 3\nabcL e2-r1.log 2 2\nxy");
+        let logs = parse_logs(4, b"L e1-r0.log 100 3\nabcL e2-r1.log 2 2 5\nxyfull!");
         assert_eq!(logs.len(), 2);
+        assert_eq!(logs[0].paused, None);
+        assert_eq!(logs[1].paused.as_deref(), Some("full!"));
         assert_eq!(logs[0].content, b"abc");
         assert_eq!(logs[0].total_bytes, 100);
         assert_eq!(
