@@ -224,6 +224,10 @@ enum Cmd {
     /// executor's host helper, where the supervisor is a shell).
     #[command(hide = true)]
     LogWriter {
+        /// Only say `keel-log-writer 1` (the host helper's check that the
+        /// `keel` it finds is one that writes logs).
+        #[arg(long)]
+        probe: bool,
         #[command(flatten)]
         log: WorkerLogArgs,
     },
@@ -1004,7 +1008,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     .await;
             std::process::exit(code);
         }
-        Cmd::LogWriter { log } => {
+        Cmd::LogWriter { probe: true, .. } => {
+            use std::io::Write;
+            writeln!(std::io::stdout(), "keel-log-writer 1")?;
+            Ok(())
+        }
+        Cmd::LogWriter { probe: false, log } => {
             let output = log.output()?.context("keel log-writer needs --log")?;
             // The host helper's supervisor and the group's signals are for
             // the worker: this copies on until its input ends.

@@ -107,6 +107,10 @@ struct JobView {
     /// The worker's CPU and memory limits (`{cpus, memory}`), when it has any.
     #[serde(skip_serializing_if = "Option::is_none")]
     resources: Option<keel_state::spec::Resources>,
+    /// How its workers' logs are rotated (`{max_file_size, max_files}`),
+    /// when the job asks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logs: Option<keel_state::spec::LogLimits>,
     allocation: Option<AllocationView>,
     progress: Option<ProgressView>,
     submitted_at_ms: u64,
@@ -158,6 +162,10 @@ fn job_view(job: &api::Job) -> JobView {
         resources: spec.resources.map(|r| keel_state::spec::Resources {
             cpu_millis: r.cpu_millis,
             memory_bytes: r.memory_bytes,
+        }),
+        logs: spec.logs.map(|l| keel_state::spec::LogLimits {
+            max_file_bytes: l.max_file_bytes,
+            max_files: l.max_files,
         }),
         allocation: job.allocation.as_ref().map(|a| AllocationView {
             epoch: a.epoch,
@@ -339,6 +347,9 @@ pub fn job(
             }
             if let Some(r) = &view.resources {
                 outln!("limits per worker: {r}");
+            }
+            if let Some(l) = &view.logs {
+                outln!("logs per worker: at most {l} (within the server's maximum)");
             }
             if let Some(e) = &view.estimate {
                 outln!("{}", describe_estimate(e));

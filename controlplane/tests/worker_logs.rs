@@ -146,3 +146,86 @@ fn a_finished_jobs_logs_are_removed_after_the_retention() {
     );
     server.terminate();
 }
+
+/// A job's `logs: {max_file_size, max_files}` rotate its workers' logs
+/// within the server's maximum; what it asks above that is cut to it, and
+/// its log says so.
+#[test]
+fn a_job_rotates_its_logs_as_it_asks_within_the_servers_maximum() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let _reaper = WorkerReaper(data.clone());
+    let server = ServerProcess::start(
+        &data,
+        &[
+            "--simulated-gpus",
+            "2xv100",
+            "--round-s",
+            "0.3",
+            "--worker-log-max-file-bytes",
+            "1048576",
+            "--worker-log-max-files",
+            "5",
+        ],
+    );
+    let script = |mb: u32| serde_json::json!(["sh", "-c", noisy_script(mb)]);
+    let small = support::submit_spec(
+        &server,
+        dir.path(),
+        serde_json::json!({
+            "name": "small", "command": script(20), "gpus": 1, "workers": 1,
+            "logs": {"max_file_size": "256Ki", "max_files": 2}
+        }),
+    );
+    let greedy = support::submit_spec(
+        &server,
+        dir.path(),
+        serde_json::json!({
+            "name": "greedy", "command": script(2), "gpus": 1, "workers": 1,
+            "logs": {"max_file_size": "1Gi", "max_files": 3}
+        }),
+    );
+    for id in [&small, &greedy] {
+        wait_for("the job to succeed", || {
+            (server.json(&["job", id])["state"] == "succeeded").then_some(())
+        });
+    }
+    let on_disk = |id: &str| -> Vec<(String, u64)> {
+        let mut files: Vec<(String, u64)> =
+            std::fs::read_dir(data.join("workers").join(format!("job-{id}")))
+                .expect("the job's log directory")
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().contains(".log"))
+                .map(|e| {
+                    let len = e.metadata().map(|m| m.len()).unwrap_or(0);
+                    (e.file_name().to_string_lossy().to_string(), len)
+                })
+                .collect();
+        files.sort();
+        files
+    };
+    let small_files = on_disk(&small);
+    assert!(small_files.len() <= 2, "{small_files:?}");
+    assert!(
+        small_files.iter().all(|(_, len)| *len <= 256 * 1024),
+        "{small_files:?}"
+    );
+    let greedy_files = on_disk(&greedy);
+    assert!(greedy_files.len() <= 3, "{greedy_files:?}");
+    assert!(
+        greedy_files.iter().all(|(_, len)| *len <= 1024 * 1024),
+        "the server's 1 MiB is the most: {greedy_files:?}"
+    );
+    assert_eq!(
+        server.json(&["job", &small])["logs"],
+        serde_json::json!({"max_file_size": "256Ki", "max_files": 2})
+    );
+    // Its log says where it got less than it asked.
+    let log = server.cli_ok(&["logs", &greedy, "--tail-bytes", "4000000"]);
+    assert!(
+        log.contains("keel: logs.max_file_size 1Gi is above this server's maximum of 1Mi"),
+        "{}",
+        &log[..log.len().min(500)]
+    );
+    server.terminate();
+}

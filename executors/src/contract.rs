@@ -72,6 +72,9 @@ pub struct WorkerLaunch {
     pub shared_with: Option<SharedWith>,
     /// The worker's CPU and memory limits (the job's `resources`).
     pub resources: keel_state::spec::Resources,
+    /// How the job asks its workers' logs to be rotated (within the
+    /// server's maximum).
+    pub logs: keel_state::spec::LogLimits,
 }
 
 /// The partner of a worker whose GPUs are shared (space sharing).
@@ -299,6 +302,7 @@ mod tests {
             total_steps: Some(100),
             shared_with: None,
             resources: Default::default(),
+            logs: Default::default(),
         };
         let env = environment(&launch, 29500, "/ckpt/job-4");
         assert_eq!(env["RANK"], "1");

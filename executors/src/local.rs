@@ -649,8 +649,12 @@ impl LocalExecutor {
                 if let Some(millis) = launch.resources.cpu_millis {
                     c.arg("--cpu-max-millis").arg(millis.to_string());
                 }
-                // The supervisor writes the log, rotated.
-                let rotation = self.config.logs.rotation;
+                // The supervisor writes the log, rotated as the job asks
+                // within this server's maximum (the log says where not).
+                let (rotation, notes) = self.config.logs.for_job(&launch.logs);
+                for note in notes {
+                    append_line(&log_path, &format!("keel: {note}")).await;
+                }
                 c.arg("--log")
                     .arg(&log_path)
                     .arg("--log-max-file-bytes")
@@ -1074,6 +1078,7 @@ mod tests {
             total_steps: None,
             shared_with: None,
             resources: Default::default(),
+            logs: Default::default(),
         }
     }
 

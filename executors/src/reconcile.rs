@@ -151,6 +151,7 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
                     total_steps: job.spec.total_steps,
                     shared_with,
                     resources: job.spec.resources,
+                    logs: job.spec.logs,
                 },
             );
         }

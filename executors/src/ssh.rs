@@ -289,21 +289,22 @@ impl SshExecutor {
                 if let Some(millis) = launch.resources.cpu_millis {
                     env.insert("KEEL_LIMIT_CPU_MILLIS".into(), millis.to_string());
                 }
-                // How the host's log writer rotates the worker's log (the
-                // supervisor takes these out too).
-                let logs = &config.logs;
+                // How the host's log writer rotates the worker's log: as
+                // the job asks within the server's maximum (the supervisor
+                // takes these out too, and says where the job asked more).
+                let (rotation, notes) = config.logs.for_job(&launch.logs);
                 env.insert(
                     "KEEL_LOG_MAX_FILE_BYTES".into(),
-                    logs.rotation.max_file_bytes.to_string(),
+                    rotation.max_file_bytes.to_string(),
                 );
-                env.insert(
-                    "KEEL_LOG_MAX_FILES".into(),
-                    logs.rotation.max_files.to_string(),
-                );
+                env.insert("KEEL_LOG_MAX_FILES".into(), rotation.max_files.to_string());
                 env.insert(
                     "KEEL_LOG_MIN_FREE_BYTES".into(),
-                    logs.min_free_bytes.to_string(),
+                    config.logs.min_free_bytes.to_string(),
                 );
+                if !notes.is_empty() {
+                    env.insert("KEEL_LOG_NOTE".into(), notes.join("; "));
+                }
                 let gpus = if launch.gpus.is_empty() {
                     "-".to_string()
                 } else {

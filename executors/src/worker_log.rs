@@ -56,6 +56,48 @@ pub struct LogSettings {
     pub min_free_bytes: u64,
 }
 
+impl LogSettings {
+    /// The rotation of a worker of a job that asks for `job` (its spec's
+    /// `logs`): what it asks within this server's maximum, and a line for
+    /// the worker's log for each part asked above it.
+    pub fn for_job(&self, job: &keel_state::spec::LogLimits) -> (Rotation, Vec<String>) {
+        use keel_state::resources::show_memory;
+        let server = self.rotation;
+        let mut notes = Vec::new();
+        let max_file_bytes = match job.max_file_bytes {
+            Some(b) if b > server.max_file_bytes => {
+                notes.push(format!(
+                    "logs.max_file_size {} is above this server's maximum of {} (--worker-log-max-file-bytes): {} it is",
+                    show_memory(b),
+                    show_memory(server.max_file_bytes),
+                    show_memory(server.max_file_bytes)
+                ));
+                server.max_file_bytes
+            }
+            Some(b) => b,
+            None => server.max_file_bytes,
+        };
+        let max_files = match job.max_files {
+            Some(n) if n > server.max_files => {
+                notes.push(format!(
+                    "logs.max_files {n} is above this server's maximum of {} (--worker-log-max-files): {} it is",
+                    server.max_files, server.max_files
+                ));
+                server.max_files
+            }
+            Some(n) => n,
+            None => server.max_files,
+        };
+        (
+            Rotation {
+                max_file_bytes,
+                max_files,
+            },
+            notes,
+        )
+    }
+}
+
 impl Default for LogSettings {
     fn default() -> Self {
         LogSettings {
@@ -74,10 +116,11 @@ pub const PROGRESS_ROTATION: Rotation = Rotation {
     max_files: 2,
 };
 
-/// The smallest and largest rotation a server or a job may ask for.
-pub const MIN_FILE_BYTES: u64 = 64 * 1024;
-pub const MAX_FILE_BYTES: u64 = 1024 * 1024 * 1024;
-pub const MAX_FILES: u32 = 100;
+/// The smallest and largest rotation a server or a job may ask for (the
+/// job spec's ranges).
+pub const MIN_FILE_BYTES: u64 = keel_state::resources::log_limits::FILE_BYTES_MIN;
+pub const MAX_FILE_BYTES: u64 = keel_state::resources::log_limits::FILE_BYTES_MAX;
+pub const MAX_FILES: u32 = keel_state::resources::log_limits::FILES_MAX;
 
 impl Rotation {
     /// The rotation, or why it is out of range (`field` names it).
@@ -88,9 +131,10 @@ impl Rotation {
                 self.max_file_bytes
             ));
         }
-        if !(2..=MAX_FILES).contains(&self.max_files) {
+        let min_files = keel_state::resources::log_limits::FILES_MIN;
+        if !(min_files..=MAX_FILES).contains(&self.max_files) {
             return Err(format!(
-                "{field}: {} files is outside 2 to {MAX_FILES}",
+                "{field}: {} files is outside {min_files} to {MAX_FILES}",
                 self.max_files
             ));
         }
@@ -647,6 +691,28 @@ mod tests {
         // Progress lines still reach the executor (their stream is small).
         let (_, progress, _) = read_from(&progress_path(&base), 0, 1 << 20).unwrap();
         assert_eq!(progress, b"KEEL_PROGRESS {\"step\": 1}\n");
+    }
+
+    #[test]
+    fn a_job_gets_what_it_asks_within_the_servers_maximum() {
+        let server = LogSettings::default();
+        let (r, notes) = server.for_job(&keel_state::spec::LogLimits {
+            max_file_bytes: Some(256 << 10),
+            max_files: Some(2),
+        });
+        assert_eq!(
+            (r.max_file_bytes, r.max_files, notes.len()),
+            (256 << 10, 2, 0)
+        );
+        let (r, notes) = server.for_job(&keel_state::spec::LogLimits {
+            max_file_bytes: Some(1 << 30),
+            max_files: None,
+        });
+        assert_eq!(r, DEFAULT_LOG_ROTATION);
+        assert_eq!(
+            notes,
+            vec!["logs.max_file_size 1Gi is above this server's maximum of 10Mi (--worker-log-max-file-bytes): 10Mi it is"]
+        );
     }
 
     #[test]

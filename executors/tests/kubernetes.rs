@@ -36,6 +36,7 @@ fn launch(job_id: u64, epoch: u64, rank: u32, world_size: u32) -> WorkerLaunch {
         total_steps: Some(100),
         shared_with: None,
         resources: Default::default(),
+        logs: Default::default(),
     }
 }
 

@@ -31,6 +31,7 @@ fn launch(node: &str, job_id: u64, rank: u32, script: &str) -> WorkerLaunch {
         total_steps: Some(10),
         shared_with: None,
         resources: Default::default(),
+        logs: Default::default(),
     }
 }
 

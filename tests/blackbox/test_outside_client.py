@@ -267,6 +267,33 @@ class BadInputs(OneServer):
         self.assertEqual((got.memory_bytes, got.cpu_millis), (64 << 20, 1500))
         self.assert_serving(["limited"])
 
+    def test_log_rotation_out_of_range_is_refused_and_kept_when_valid(self):
+        s = spec("one-file")
+        s.logs.max_files = 1
+        self.refused(
+            self.stub.SubmitJob,
+            api.SubmitJobRequest(spec=s),
+            CODE.INVALID_ARGUMENT,
+            "logs.max_files",
+            "2 to 100",
+        )
+        s = spec("huge-files")
+        s.logs.max_file_bytes = 2 << 30
+        self.refused(
+            self.stub.SubmitJob,
+            api.SubmitJobRequest(spec=s),
+            CODE.INVALID_ARGUMENT,
+            "logs.max_file_size",
+            "1Gi",
+        )
+        s = spec("rotated")
+        s.logs.max_file_bytes = 1 << 20
+        s.logs.max_files = 3
+        job = self.stub.SubmitJob(api.SubmitJobRequest(spec=s), timeout=10)
+        got = self.stub.GetJob(api.GetJobRequest(job_id=job.job_id), timeout=10).spec.logs
+        self.assertEqual((got.max_file_bytes, got.max_files), (1 << 20, 3))
+        self.assert_serving(["rotated"])
+
     def test_limits_name_the_field_and_the_unit(self):
         job = self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("j")), timeout=10)
         self.refused(

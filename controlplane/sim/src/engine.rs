@@ -347,6 +347,7 @@ impl Engine<'_> {
             max_retries: 0,
             retry_backoff_s: 0,
             resources: Default::default(),
+            logs: Default::default(),
         };
         let (id, arrival_s, model, gpus) = (
             job.id,

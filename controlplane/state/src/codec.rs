@@ -348,6 +348,10 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
             cpu_millis: s.resources.cpu_millis,
             memory_bytes: s.resources.memory_bytes,
         }),
+        logs: (!s.logs.is_unset()).then_some(pb::LogLimits {
+            max_file_bytes: s.logs.max_file_bytes,
+            max_files: s.logs.max_files,
+        }),
     }
 }
 
@@ -387,6 +391,13 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
             .map(|r| crate::spec::Resources {
                 cpu_millis: r.cpu_millis,
                 memory_bytes: r.memory_bytes,
+            })
+            .unwrap_or_default(),
+        logs: s
+            .logs
+            .map(|l| crate::spec::LogLimits {
+                max_file_bytes: l.max_file_bytes,
+                max_files: l.max_files,
             })
             .unwrap_or_default(),
     }

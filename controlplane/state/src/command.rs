@@ -60,10 +60,10 @@ impl Proposal {
 
     /// Whether its postcard form (serde's binary form: Raft wire format 1)
     /// carries it whole. Fields added after that format (a job's
-    /// `resources`) travel in protobuf only.
+    /// `resources` and `logs`) travel in protobuf only.
     pub fn postcard_carries_whole(&self) -> bool {
         self.entries.iter().all(|e| match &e.command {
-            Command::SubmitJob { spec } => spec.resources.is_unset(),
+            Command::SubmitJob { spec } => spec.resources.is_unset() && spec.logs.is_unset(),
             _ => true,
         })
     }

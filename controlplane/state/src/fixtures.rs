@@ -34,6 +34,7 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         max_retries: 0,
         retry_backoff_s: 0,
         resources: Default::default(),
+        logs: Default::default(),
     }
 }
 

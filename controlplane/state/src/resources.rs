@@ -272,9 +272,179 @@ impl<'de> Deserialize<'de> for Resources {
     }
 }
 
+/// How a job's worker logs are rotated, where the job asks (`logs:
+/// {max_file_size, max_files}` in its spec): within the server's own
+/// maximum (`--worker-log-max-file-bytes`, `--worker-log-max-files`),
+/// which the executor applies when the job asks for more. Unset: the
+/// server's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LogLimits {
+    pub max_file_bytes: Option<u64>,
+    pub max_files: Option<u32>,
+}
+
+/// The ranges of [`LogLimits`] (and of the servers' settings).
+pub mod log_limits {
+    /// 64 KiB: a few hundred lines.
+    pub const FILE_BYTES_MIN: u64 = 64 << 10;
+    /// 1 GiB.
+    pub const FILE_BYTES_MAX: u64 = 1 << 30;
+    /// Two: the current file and one rotated out (the stream's offsets
+    /// need the newest rotated file).
+    pub const FILES_MIN: u32 = 2;
+    pub const FILES_MAX: u32 = 100;
+}
+
+impl LogLimits {
+    /// Whether the job leaves both to the server.
+    pub fn is_unset(&self) -> bool {
+        self.max_file_bytes.is_none() && self.max_files.is_none()
+    }
+
+    /// Checks both against [`log_limits`], naming the field and the range.
+    pub fn validate(&self) -> Result<(), crate::SpecError> {
+        use log_limits::*;
+        if let Some(b) = self.max_file_bytes {
+            if !(FILE_BYTES_MIN..=FILE_BYTES_MAX).contains(&b) {
+                return Err(crate::SpecError::Invalid {
+                    field: "logs.max_file_size".into(),
+                    reason: format!(
+                        "{b} bytes is outside {} to {}",
+                        show_memory(FILE_BYTES_MIN),
+                        show_memory(FILE_BYTES_MAX)
+                    ),
+                });
+            }
+        }
+        if let Some(n) = self.max_files {
+            if !(FILES_MIN..=FILES_MAX).contains(&n) {
+                return Err(crate::SpecError::Invalid {
+                    field: "logs.max_files".into(),
+                    reason: format!("{n} files is outside {FILES_MIN} to {FILES_MAX}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for LogLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let files = self
+            .max_files
+            .map_or("the server's number of".to_string(), |n| n.to_string());
+        let size = self
+            .max_file_bytes
+            .map_or("the server's size".to_string(), show_memory);
+        write!(f, "{files} files of {size}")
+    }
+}
+
+/// The written form of [`LogLimits`]: `{max_file_size, max_files}`.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WrittenLogs {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_file_size: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_files: Option<u32>,
+}
+
+/// The binary form (postcard: the state's hash).
+#[derive(Serialize, Deserialize)]
+struct BinaryLogs {
+    max_file_bytes: Option<u64>,
+    max_files: Option<u32>,
+}
+
+impl Serialize for LogLimits {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            WrittenLogs {
+                max_file_size: self
+                    .max_file_bytes
+                    .map(|b| serde_json::Value::from(show_memory(b))),
+                max_files: self.max_files,
+            }
+            .serialize(s)
+        } else {
+            BinaryLogs {
+                max_file_bytes: self.max_file_bytes,
+                max_files: self.max_files,
+            }
+            .serialize(s)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LogLimits {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        if !d.is_human_readable() {
+            let b = BinaryLogs::deserialize(d)?;
+            return Ok(LogLimits {
+                max_file_bytes: b.max_file_bytes,
+                max_files: b.max_files,
+            });
+        }
+        let w = WrittenLogs::deserialize(d)?;
+        let max_file_bytes = match w.max_file_size {
+            Some(v) => {
+                let text = serde_json::from_value::<NumberOrText>(v)
+                    .map(NumberOrText::text)
+                    .map_err(|_| D::Error::custom("logs.max_file_size: a number or a string"))?;
+                Some(
+                    parse_memory(&text)
+                        .map_err(|e| D::Error::custom(format!("logs.max_file_size: {e}")))?,
+                )
+            }
+            None => None,
+        };
+        Ok(LogLimits {
+            max_file_bytes,
+            max_files: w.max_files,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_limits_are_written_as_sizes_and_checked() {
+        let l: LogLimits =
+            serde_json::from_str(r#"{"max_file_size": "1Mi", "max_files": 3}"#).unwrap();
+        assert_eq!(l.max_file_bytes, Some(1 << 20));
+        assert_eq!(l.max_files, Some(3));
+        assert_eq!(
+            serde_json::to_string(&l).unwrap(),
+            r#"{"max_file_size":"1Mi","max_files":3}"#
+        );
+        let e = LogLimits {
+            max_files: Some(1),
+            ..l
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("logs.max_files") && e.contains("1 files is outside 2 to 100"),
+            "{e}"
+        );
+        let e = LogLimits {
+            max_file_bytes: Some(1000),
+            ..l
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("logs.max_file_size") && e.contains("64Ki to 1Gi"),
+            "{e}"
+        );
+        assert!(serde_json::from_str::<LogLimits>(r#"{"max_file_size": "lots"}"#).is_err());
+    }
 
     #[test]
     fn cpus_parse_as_numbers_or_millicores() {

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::resources::Resources;
+pub use crate::resources::{LogLimits, Resources};
 
 /// Size and range limits on a job spec. Public so clients can show them.
 pub mod limits {
@@ -41,8 +41,9 @@ pub mod limits {
 /// binary form (postcard: the state's hash, snapshots up to format 6 and
 /// Raft wire format 1) is [`SpecRecord`], the layout before `resources`
 /// existed, so states and snapshots of earlier releases read and hash as
-/// they did. `resources` travels in protobuf (entries, snapshots, Raft
-/// wire format 2) and is hashed apart ([`crate::ClusterState::state_hash`]).
+/// they did. `resources` and `logs` travel in protobuf (entries,
+/// snapshots, Raft wire format 2) and are hashed apart
+/// ([`crate::ClusterState::state_hash`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(remote = "Self", deny_unknown_fields)]
 pub struct JobSpec {
@@ -85,6 +86,10 @@ pub struct JobSpec {
     /// CPU and memory limits on each worker (none: unlimited).
     #[serde(default, skip_serializing_if = "Resources::is_unset")]
     pub resources: Resources,
+    /// How each worker's log is rotated, within the server's maximum
+    /// (none: the server's settings).
+    #[serde(default, skip_serializing_if = "LogLimits::is_unset")]
+    pub logs: LogLimits,
 }
 
 /// The binary layout of a [`JobSpec`] (without `resources`), frozen: see
@@ -173,6 +178,7 @@ impl<'de> Deserialize<'de> for JobSpec {
             max_retries: r.max_retries,
             retry_backoff_s: r.retry_backoff_s,
             resources: Resources::default(),
+            logs: LogLimits::default(),
         })
     }
 }
@@ -459,6 +465,7 @@ impl JobSpec {
             RETRY_BACKOFF_MAX_S.into(),
         )?;
         self.resources.validate()?;
+        self.logs.validate()?;
         Ok(())
     }
 

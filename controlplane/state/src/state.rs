@@ -490,6 +490,16 @@ impl ClusterState {
         if !limits.is_empty() {
             let _ = postcard::to_io(&limits, &mut writer);
         }
+        // Likewise their log rotation, once any job asks for one.
+        let logs: Vec<(JobId, &crate::spec::LogLimits)> = self
+            .jobs
+            .iter()
+            .filter(|(_, job)| !job.spec.logs.is_unset())
+            .map(|(id, job)| (*id, &job.spec.logs))
+            .collect();
+        if !logs.is_empty() {
+            let _ = postcard::to_io(&logs, &mut writer);
+        }
         StateHash(*hasher.finalize().as_bytes())
     }
 

@@ -649,6 +649,29 @@ fn a_jobs_resource_limits_are_kept_by_snapshots_and_hashed() {
 }
 
 #[test]
+fn a_jobs_log_rotation_is_kept_by_snapshots_and_hashed() {
+    let state_with = |max_files: Option<u32>| {
+        let mut spec = spec("rotated", 1, 1);
+        spec.logs.max_files = max_files;
+        spec.logs.max_file_bytes = max_files.map(|_| 1 << 20);
+        let mut h = Harness::new();
+        h.submit(spec);
+        h.state
+    };
+    let (plain, two, three) = (state_with(None), state_with(Some(2)), state_with(Some(3)));
+    assert_ne!(two.state_hash(), three.state_hash());
+    assert_ne!(two.state_hash(), plain.state_hash());
+    let back = ClusterState::from_snapshot_proto(two.to_snapshot_proto()).expect("decodes");
+    assert_eq!(back, two);
+    assert_eq!(back.state_hash(), two.state_hash());
+    let job = back.jobs().values().next().expect("a job");
+    assert_eq!(
+        (job.spec.logs.max_files, job.spec.logs.max_file_bytes),
+        (Some(2), Some(1 << 20))
+    );
+}
+
+#[test]
 fn cancel_of_a_finished_job_is_refused() {
     let mut h = Harness::new();
     let j = h.submit(spec("a", 1, 1));

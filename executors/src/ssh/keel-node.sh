@@ -307,6 +307,12 @@ stream_read() {
     done
 }
 
+# Whether the `keel` on the PATH writes logs (`keel log-writer`): the one
+# the executor installed, or the host's own; not a stand-in of that name.
+log_writer_here() {
+    [ "$(keel log-writer --probe 2> /dev/null)" = "keel-log-writer 1" ]
+}
+
 # supervise BASE PORT GPUS CMD...: run CMD, record its end in BASE.exit.
 supervise() {
     base=$1 port=$2 gpus=$3
@@ -334,9 +340,12 @@ supervise() {
         exec > "$base.fifo" 2>&1
         rm -f "$base.fifo"
     else
-        echo "keel: this host has no keel binary on its PATH: the worker's log is not rotated" >&2
+        # Without the log writer, the poll reads progress from the log.
+        rm -f "$base.progress"
+        echo "keel: this host has no keel log writer on its PATH: the worker's log is not rotated" >&2
     fi
-    unset KEEL_LOG_MAX_FILE_BYTES KEEL_LOG_MAX_FILES KEEL_LOG_MIN_FREE_BYTES
+    [ -z "${KEEL_LOG_NOTE:-}" ] || echo "keel: $KEEL_LOG_NOTE" >&2
+    unset KEEL_LOG_MAX_FILE_BYTES KEEL_LOG_MAX_FILES KEEL_LOG_MIN_FREE_BYTES KEEL_LOG_NOTE
     if ! command -v "$1" > /dev/null 2>&1; then
         echo "keel: could not start \"$1\": not found" >&2
         printf '127 could not start "%s": not found\n' "$1" > "$base.exit.tmp"
@@ -463,8 +472,9 @@ launch() {
     mkdir -p "${base%/*}" "$ckpt" || exit 1
     # Where the follower of this run's progress starts: in the progress
     # stream when keel's log writer is here (made now, so the poll reads
-    # it from the first line), else in the log.
-    if [ -f "$base.progress" ] || { ! alive "$base" && command -v keel > /dev/null 2>&1; }; then
+    # it from the first line, and the supervisor writes through the log
+    # writer because it exists), else in the log.
+    if [ -f "$base.progress" ] || { ! alive "$base" && log_writer_here; }; then
         : >> "$base.progress"
         stream_len "$base.progress"
     else
