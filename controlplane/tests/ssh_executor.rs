@@ -571,11 +571,12 @@ fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
     wait_for("the logs on the host to be removed", || {
         (!job_dir.exists()).then_some(())
     });
-    assert!(
+    // Logged once the host has answered (after the files went).
+    wait_for("the removal to be logged", || {
         server
             .log_text()
-            .contains("removed the logs of a job finished longer ago than --retain-logs-s"),
-        "the removal is logged"
-    );
+            .contains("removed the logs of a job finished longer ago than --retain-logs-s")
+            .then_some(())
+    });
     server.terminate();
 }

@@ -133,12 +133,16 @@ fn a_finished_jobs_logs_are_removed_after_the_retention() {
     wait_for("its logs to be removed", || {
         (!job_dir.exists()).then_some(())
     });
-    let removed = server
-        .log_text()
-        .lines()
-        .find(|l| l.contains("removed the logs of a job finished longer ago than --retain-logs-s"))
-        .map(str::to_string)
-        .expect("the removal is logged");
+    // Logged once the files went.
+    let removed = wait_for("the removal to be logged", || {
+        server
+            .log_text()
+            .lines()
+            .find(|l| {
+                l.contains("removed the logs of a job finished longer ago than --retain-logs-s")
+            })
+            .map(str::to_string)
+    });
     assert!(removed.contains(&format!("job_id={id}")), "{removed}");
     assert!(
         server.cli_ok(&["logs", &id]).contains("has no worker logs"),
