@@ -215,11 +215,13 @@ async fn stop_sends_sigterm_then_sigkill_and_a_killed_worker_is_reported() {
         .await
         .expect("stop");
     let (code, reason) = wait_exit(&exec, &polite.id).await;
-    assert_eq!(code, Some(143));
+    // The reason says which path recorded it (a fresh .ci/run once saw
+    // no code here, without saying why).
+    assert_eq!(code, Some(143), "{reason}");
     assert!(reason.contains("stopped by keel"), "{reason}");
     wait_log(&exec, 1, "checkpointed").await;
     let (code, reason) = wait_exit(&exec, &stubborn.id).await;
-    assert_eq!(code, Some(137));
+    assert_eq!(code, Some(137), "{reason}");
     assert!(reason.contains("SIGKILL"), "{reason}");
     // kill -9 of the worker itself (not its supervisor).
     let pid: i32 = text
@@ -234,7 +236,7 @@ async fn stop_sends_sigterm_then_sigkill_and_a_killed_worker_is_reported() {
     )
     .expect("kill -9");
     let (code, reason) = wait_exit(&exec, &victim.id).await;
-    assert_eq!(code, Some(137));
+    assert_eq!(code, Some(137), "{reason}");
     assert!(reason.contains("killed by SIGKILL"), "{reason}");
     assert!(!reason.contains("stopped by keel"), "{reason}");
 }
