@@ -179,6 +179,7 @@ fn main() {
             // figure is the write path's.
             nodes: Vec::new(),
             executor_dir: None,
+            gpu_kernel_log: None,
             worker_logs: Default::default(),
             retain_logs: None,
             ssh: None,

@@ -741,17 +741,18 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::NodeHeartbeatResponse>, Status> {
         route!(self, request, node_heartbeat, true);
         let req = request.into_inner();
-        if req.nodes.len() > HEARTBEAT_NODES_MAX {
-            return Err(ApiError::InvalidArgument {
-                field: "nodes",
-                message: format!(
-                    "{} nodes in one heartbeat; the limit is {HEARTBEAT_NODES_MAX}",
-                    req.nodes.len()
-                ),
+        for (field, len) in [("nodes", req.nodes.len()), ("reports", req.reports.len())] {
+            if len > HEARTBEAT_NODES_MAX {
+                return Err(ApiError::InvalidArgument {
+                    field,
+                    message: format!(
+                        "{len} nodes in one heartbeat; the limit is {HEARTBEAT_NODES_MAX}"
+                    ),
+                }
+                .into());
             }
-            .into());
         }
-        let reports = reports_from_proto(req.nodes);
+        let reports = reports_from_proto(req);
         for r in &reports {
             r.validate().map_err(ApiError::from)?;
         }

@@ -82,5 +82,15 @@ pub fn node_to_proto<'a>(
             .collect(),
         unowned: !owned,
         message: node.message.clone(),
+        gone_gpus: node
+            .gone_gpus
+            .iter()
+            .map(|(index, g)| keel_proto::entry::GoneGpu {
+                index: *index,
+                gpu_type: g.gpu_type.clone(),
+                reason: g.reason.clone(),
+                since_ms: g.since_ms,
+            })
+            .collect(),
     }
 }

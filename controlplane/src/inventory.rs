@@ -55,12 +55,20 @@ pub fn hostname() -> String {
 }
 
 /// The local machine with its NVIDIA GPUs, or `None` when it has none.
+/// The GPUs are the ones the driver lists now; the heartbeat loop lists
+/// them again and reads the kernel's log for Xids
+/// ([`keel_executors::gpu_health`]).
 pub fn discovered() -> Result<Option<NodeInventory>, DiscoveryError> {
-    let gpus = discovery::discover_nvidia_gpus()?;
-    Ok((!gpus.is_empty()).then(|| NodeInventory {
+    let Some(listing) = keel_executors::gpu_health::list_nvidia_gpus()? else {
+        return Ok(None);
+    };
+    if listing.gpus.is_empty() && listing.lost.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(NodeInventory {
         name: hostname(),
         address: "127.0.0.1".into(),
-        gpus,
+        gpus: listing.offered(),
         discovered: true,
     }))
 }

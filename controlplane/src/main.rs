@@ -117,6 +117,11 @@ enum Cmd {
         /// GPUs, the prefix of the simulated nodes' names (default: `sim`).
         #[arg(long, conflicts_with = "no_local_node")]
         node_name: Option<String>,
+        /// With real GPUs: the kernel log read for the driver's Xid
+        /// records (a GPU with a critical Xid is offered no more, and its
+        /// job goes back to the queue). Read from the server's start.
+        #[arg(long, default_value = "/dev/kmsg")]
+        gpu_kernel_log: PathBuf,
         /// Where the local executor keeps worker logs, pid and exit records
         /// and checkpoints (default: the data directory). Replicas on one
         /// machine that share one let a new leader re-adopt the workers the
@@ -815,6 +820,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             simulated_gpus,
             simulated_nodes,
             node_name,
+            gpu_kernel_log,
             executor_dir,
             ssh_nodes,
             kubernetes,
@@ -879,6 +885,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     inventory(simulated_gpus, simulated_nodes, node_name)?
                 },
                 executor_dir,
+                gpu_kernel_log: Some(gpu_kernel_log),
                 worker_logs,
                 retain_logs,
                 ssh,

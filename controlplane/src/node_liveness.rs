@@ -32,6 +32,7 @@ use crate::inventory::NodeInventory;
 use crate::leader::{LeaderGate, LoopSettings};
 use crate::proposer::Proposer;
 use crate::raft_node::RaftNode;
+use keel_executors::gpu_health::{GpuHealth, HealthReport, KernelLog};
 
 /// Most nodes in one heartbeat.
 pub const HEARTBEAT_NODES_MAX: usize = 4096;
@@ -97,29 +98,87 @@ impl HeartbeatInbox {
     }
 }
 
-/// The reports in a heartbeat request.
-pub fn reports_from_proto(nodes: Vec<pb::RegisterNode>) -> Vec<NodeReport> {
-    nodes
+/// The reports in a heartbeat request: `reports` when it has any (a
+/// server of this release), `nodes` otherwise (the release before).
+pub fn reports_from_proto(request: NodeHeartbeatRequest) -> Vec<NodeReport> {
+    use keel_state::codec::gpu_from_proto;
+    if !request.reports.is_empty() {
+        return request
+            .reports
+            .into_iter()
+            .map(|n| NodeReport {
+                name: n.name,
+                address: n.address,
+                gpus: n.gpus.into_iter().map(gpu_from_proto).collect(),
+                failed: n
+                    .failed
+                    .into_iter()
+                    .map(|f| keel_state::FailedGpu {
+                        index: f.index,
+                        gpu_type: f.gpu_type,
+                        reason: f.reason,
+                    })
+                    .collect(),
+                note: n.note,
+            })
+            .collect();
+    }
+    request
+        .nodes
         .into_iter()
         .map(|n| NodeReport {
             name: n.name,
             address: n.address,
-            gpus: n
-                .gpus
-                .into_iter()
-                .map(keel_state::codec::gpu_from_proto)
-                .collect(),
+            gpus: n.gpus.into_iter().map(gpu_from_proto).collect(),
+            failed: Vec::new(),
             note: n.note,
         })
         .collect()
 }
 
+/// A heartbeat carrying `reports`, in both of its forms.
+fn heartbeat_request(reports: &[NodeReport]) -> NodeHeartbeatRequest {
+    use keel_state::codec::gpu_to_proto;
+    NodeHeartbeatRequest {
+        nodes: reports
+            .iter()
+            .map(|r| pb::RegisterNode {
+                name: r.name.clone(),
+                address: r.address.clone(),
+                gpus: r.gpus.iter().map(gpu_to_proto).collect(),
+                note: r.note.clone(),
+            })
+            .collect(),
+        reports: reports
+            .iter()
+            .map(|r| pb::RecordNodeInventory {
+                name: r.name.clone(),
+                address: r.address.clone(),
+                gpus: r.gpus.iter().map(gpu_to_proto).collect(),
+                failed: r
+                    .failed
+                    .iter()
+                    .map(|f| pb::FailedGpu {
+                        index: f.index,
+                        gpu_type: f.gpu_type.clone(),
+                        reason: f.reason.clone(),
+                    })
+                    .collect(),
+                note: r.note.clone(),
+            })
+            .collect(),
+    }
+}
+
 /// Reports this server's nodes every `settings.heartbeat_every`, through
-/// its own API (which forwards to the leader). Returns when `stop` turns
-/// true.
+/// its own API (which forwards to the leader). With real GPUs, it lists
+/// them again every [`NOTE_EVERY`] and reads `gpu_kernel_log` for Xids
+/// ([`GpuHealth`]): a GPU lost or failed is reported failed, with why.
+/// Returns when `stop` turns true.
 pub async fn heartbeat_loop(
     api: Arc<KeelApi>,
     nodes: Vec<NodeInventory>,
+    gpu_kernel_log: Option<std::path::PathBuf>,
     logs_floor: Option<LogsFloor>,
     settings: LoopSettings,
     mut stop: watch::Receiver<bool>,
@@ -127,22 +186,22 @@ pub async fn heartbeat_loop(
     if nodes.is_empty() {
         return;
     }
-    let mut request = NodeHeartbeatRequest {
-        nodes: nodes
-            .iter()
-            .map(|n| pb::RegisterNode {
-                name: n.name.clone(),
-                address: n.address.clone(),
-                gpus: n.gpus.iter().map(keel_state::codec::gpu_to_proto).collect(),
-                note: String::new(),
-            })
-            .collect(),
-    };
+    let mut reports: Vec<NodeReport> = nodes
+        .iter()
+        .map(|n| NodeReport {
+            name: n.name.clone(),
+            address: n.address.clone(),
+            gpus: n.gpus.clone(),
+            failed: Vec::new(),
+            note: String::new(),
+        })
+        .collect();
     // A beat that is not answered in time is abandoned: the next one goes
     // out on time (a beat stuck on a dead connection must not silence the
     // node for good).
     let deadline = settings.heartbeat_every.max(Duration::from_secs(1)) * 2;
     let discovered = nodes.iter().any(|n| n.discovered);
+    let mut health = discovered.then(|| GpuHealth::new(open_kernel_log(gpu_kernel_log.as_deref())));
     let mut checked: Option<tokio::time::Instant> = None;
     loop {
         if checked.is_none_or(|t| t.elapsed() >= NOTE_EVERY) {
@@ -152,26 +211,52 @@ pub async fn heartbeat_loop(
             } else {
                 String::new()
             };
+            let gpus = match health.take() {
+                Some(h) => {
+                    let (h, found) = check_gpus(h).await;
+                    health = h;
+                    found
+                }
+                None => GpusFound::Unchanged(String::new()),
+            };
             let logs = match &logs_floor {
                 Some(floor) => floor.note().await,
                 None => String::new(),
             };
-            for (node, inventory) in request.nodes.iter_mut().zip(&nodes) {
+            for (report, inventory) in reports.iter_mut().zip(&nodes) {
                 let mut parts = Vec::new();
-                if inventory.discovered && !strangers.is_empty() {
-                    parts.push(strangers.as_str());
+                if inventory.discovered {
+                    match &gpus {
+                        GpusFound::Now(found) => {
+                            for f in &found.failed {
+                                if !report.failed.contains(f) {
+                                    tracing::warn!(node = %report.name, gpu = f.index, reason = %f.reason, "a GPU failed: it is offered no more, and its job goes back to the queue");
+                                }
+                            }
+                            report.gpus.clone_from(&found.gpus);
+                            report.failed.clone_from(&found.failed);
+                            if !found.note.is_empty() {
+                                parts.push(found.note.clone());
+                            }
+                        }
+                        GpusFound::Unchanged(why) if !why.is_empty() => parts.push(why.clone()),
+                        GpusFound::Unchanged(_) => {}
+                    }
+                    if !strangers.is_empty() {
+                        parts.push(strangers.clone());
+                    }
                 }
                 if !logs.is_empty() {
-                    parts.push(logs.as_str());
+                    parts.push(logs.clone());
                 }
-                node.note = parts.join("; ");
+                report.note = parts.join("; ");
                 keel_state::state::limits::cut_to(
-                    &mut node.note,
+                    &mut report.note,
                     keel_state::state::limits::NODE_NOTE_MAX_LEN,
                 );
             }
         }
-        let beat = api.node_heartbeat(tonic::Request::new(request.clone()));
+        let beat = api.node_heartbeat(tonic::Request::new(heartbeat_request(&reports)));
         let wait = match tokio::time::timeout(deadline, beat).await {
             Ok(Ok(_)) => settings.heartbeat_every,
             Ok(Err(status)) => {
@@ -191,6 +276,49 @@ pub async fn heartbeat_loop(
         if *stop.borrow() {
             return;
         }
+    }
+}
+
+/// The kernel log, opened at its end; `None` (said once) when it cannot be
+/// read, e.g. `/dev/kmsg` without `CAP_SYSLOG`.
+fn open_kernel_log(path: Option<&std::path::Path>) -> Option<KernelLog> {
+    let path = path?;
+    match KernelLog::open_at_end(path) {
+        Ok(log) => Some(log),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "GPU Xids are not read: the kernel log cannot be opened (GPUs the driver lost are still found)");
+            None
+        }
+    }
+}
+
+/// What a GPU check found.
+enum GpusFound {
+    /// The GPUs now.
+    Now(HealthReport),
+    /// Nothing new: why, when `nvidia-smi` failed (for the node's note).
+    Unchanged(String),
+}
+
+/// Lists the GPUs and reads the kernel log, off the runtime.
+async fn check_gpus(mut health: GpuHealth) -> (Option<GpuHealth>, GpusFound) {
+    let checked = tokio::task::spawn_blocking(move || {
+        let found = keel_executors::gpu_health::list_nvidia_gpus()
+            .map(|listing| listing.map(|l| health.check(&l)));
+        (health, found)
+    })
+    .await;
+    match checked {
+        Ok((health, Ok(Some(report)))) => (Some(health), GpusFound::Now(report)),
+        Ok((health, Ok(None))) => (
+            Some(health),
+            GpusFound::Unchanged("nvidia-smi is gone: GPUs not checked".into()),
+        ),
+        Ok((health, Err(e))) => (
+            Some(health),
+            GpusFound::Unchanged(format!("cannot list its GPUs: {e}")),
+        ),
+        Err(_) => (None, GpusFound::Unchanged(String::new())),
     }
 }
 
@@ -234,7 +362,8 @@ impl LogsFloor {
 }
 
 /// How often a server looks at what its nodes' note says: with real GPUs,
-/// which processes use them; whether its workers' logs are paused.
+/// which GPUs it has and which processes use them; whether its workers'
+/// logs are paused.
 const NOTE_EVERY: Duration = Duration::from_secs(2);
 
 /// The processes on this machine's GPUs that no Keel worker started, as
@@ -315,8 +444,25 @@ pub async fn liveness_loop(
                 tracing::warn!(node = %name, %reason, "marking a silent node lost");
             }
             let kind = command.kind();
-            if let Err(e) = proposer.propose(command).await {
-                tracing::warn!(error = %e, kind, "liveness entry not committed");
+            match proposer.propose(command.clone()).await {
+                Ok(_) => {}
+                // Committed and refused by the state machine: the same
+                // report waits, longer each time (issue 33), and the reason
+                // is said once per report.
+                Err(crate::grpc_status::ApiError::Refused(e)) => {
+                    let name = match &command {
+                        Command::RecordNodeInventory { name, .. } => name.as_str(),
+                        _ => "",
+                    };
+                    if liveness.refused(&command, clock()) {
+                        tracing::warn!(node = %name, error = %e, kind, "a node's report was refused; it is proposed again only after a wait that doubles up to 5 minutes, or when the node reports something else. Fix what the error names on the node (its inventory or note), or remove the node (keel node remove)");
+                    } else {
+                        tracing::debug!(node = %name, error = %e, kind, "a node's report was refused again");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, kind, "liveness entry not committed");
+                }
             }
         }
     }

@@ -438,6 +438,7 @@ fn event_job_id(e: &pb::Event) -> Option<u64> {
         K::JobRequeued(x) => Some(x.job_id),
         K::JobRemoved(x) => Some(x.job_id),
         K::NodeRegistered(_)
+        | K::NodeInventoryChanged(_)
         | K::NodeLost(_)
         | K::NodeRecovered(_)
         | K::NodeRemoved(_)
@@ -610,14 +611,7 @@ pub fn nodes(nodes: &[api::Node], out: Output) -> anyhow::Result<()> {
                             .join(","),
                         format!("{}/{}", n.gpu_holders.len(), n.gpus.len()),
                         n.address.clone(),
-                        if n.unowned {
-                            format!(
-                                "unowned: no executor runs workers here (known from heartbeats only){}",
-                                if n.message.is_empty() { String::new() } else { format!("; {}", n.message) }
-                            )
-                        } else {
-                            n.message.clone()
-                        },
+                        node_message(n),
                     ]
                 })
                 .collect();
@@ -629,12 +623,49 @@ pub fn nodes(nodes: &[api::Node], out: Output) -> anyhow::Result<()> {
     }
 }
 
+/// What `keel nodes` says of a node: unowned, its message, and each GPU
+/// it no longer offers with why ("GPU 1 (v100) gone: Xid 79: ...").
+fn node_message(n: &api::Node) -> String {
+    let mut parts = Vec::new();
+    if n.unowned {
+        parts.push(
+            "unowned: no executor runs workers here (known from heartbeats only)".to_string(),
+        );
+    }
+    if !n.message.is_empty() {
+        parts.push(n.message.clone());
+    }
+    for g in &n.gone_gpus {
+        parts.push(format!(
+            "GPU {} ({}) gone: {}",
+            g.index, g.gpu_type, g.reason
+        ));
+    }
+    parts.join("; ")
+}
+
 fn describe_event(e: &pb::Event) -> String {
     use pb::event::Kind as K;
     match &e.kind {
         None => "unknown event".into(),
         Some(K::NodeRegistered(x)) => {
             format!("node {} registered with {} GPUs", x.name, x.gpus.len())
+        }
+        Some(K::NodeInventoryChanged(x)) => {
+            let mut parts: Vec<String> = x
+                .gone
+                .iter()
+                .map(|g| format!("GPU {} ({}) gone: {}", g.index, g.gpu_type, g.reason))
+                .collect();
+            if !x.added.is_empty() {
+                let added: Vec<String> = x
+                    .added
+                    .iter()
+                    .map(|g| format!("{} ({})", g.index, g.gpu_type))
+                    .collect();
+                parts.push(format!("GPUs added: {}", added.join(", ")));
+            }
+            format!("node {}: {}", x.name, parts.join("; "))
         }
         Some(K::NodeLost(x)) => format!("node {} lost: {}", x.name, x.reason),
         Some(K::NodeRecovered(x)) => format!("node {} recovered", x.name),

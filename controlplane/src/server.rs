@@ -42,6 +42,9 @@ pub struct ServerConfig {
     /// that share one let a new leader re-adopt the workers the last one
     /// started.
     pub executor_dir: Option<PathBuf>,
+    /// With real GPUs, the kernel log read for the driver's Xid records
+    /// (`/dev/kmsg`; `None`: none read).
+    pub gpu_kernel_log: Option<PathBuf>,
     /// How workers' logs are rotated, and when they pause for want of space
     /// (local and SSH executors).
     pub worker_logs: keel_executors::worker_log::LogSettings,
@@ -291,6 +294,7 @@ impl Server {
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),
             self.config.nodes.clone(),
+            self.config.gpu_kernel_log.clone(),
             self.logs_floor.clone(),
             self.config.loops.clone(),
             stop_rx,

@@ -920,6 +920,8 @@ fn a_node_known_from_a_heartbeat_alone_runs_nothing() {
                         }],
                         note: String::new(),
                     }],
+                    // As a server of the release before sends it.
+                    reports: Vec::new(),
                 })
                 .await
                 .expect("a heartbeat is taken");

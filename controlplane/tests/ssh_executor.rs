@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use sshd::{free_port, Sshd};
 use support::{
-    assert_noisy_job_kept_its_rotation, assert_preemption_leaves_nothing,
+    a100_at, assert_noisy_job_kept_its_rotation, assert_preemption_leaves_nothing,
     assert_refused_while_busy_then_run, assert_succeeded_leaving_nothing, cgroups_or_skip,
     kill9_group, marked, noisy_script, submit_script, submit_spec, wait_for, FakeNvidiaSmi,
     ServerProcess, Stranger, KEEL,
@@ -42,8 +42,9 @@ fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
 }
 
 /// A nodes file in `dir` with one node, `a`, reached at `port` on
-/// 127.0.0.1 as `sshd`'s user, with `gpus`; `settings` are more top-level
-/// lines (`connect_timeout_s: 2\n`, ...).
+/// 127.0.0.1 as `sshd`'s user, with `gpus` (empty: none declared, found
+/// with the host's `nvidia-smi`); `settings` are more top-level lines
+/// (`connect_timeout_s: 2\n`, ...).
 fn one_node_file(
     sshd: &Sshd,
     port: u16,
@@ -55,7 +56,12 @@ fn one_node_file(
     std::fs::write(
         &nodes,
         format!(
-            "known_hosts: accept\nknown_hosts_file: {kh}\n{settings}poll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n    gpus: {gpus}\n    work_dir: {work}\n",
+            "known_hosts: accept\nknown_hosts_file: {kh}\n{settings}poll_interval_s: 0.2\nnodes:\n  - name: a\n    host: 127.0.0.1\n    port: {port}\n    user: {user}\n    key: {key}\n{gpus}    work_dir: {work}\n",
+            gpus = if gpus.is_empty() {
+                String::new()
+            } else {
+                format!("    gpus: {gpus}\n")
+            },
             kh = dir.join("known_hosts").display(),
             user = sshd.user,
             key = sshd.key.display(),
@@ -578,5 +584,118 @@ fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
             .contains("removed the logs of a job finished longer ago than --retain-logs-s")
             .then_some(())
     });
+    server.terminate();
+}
+
+/// Issue 33 over SSH: a host whose GPUs (found with its `nvidia-smi`)
+/// change between connections. Two jobs hold its two GPUs; the driver
+/// loses GPU 1 and the connection drops; on reconnecting, the host offers
+/// GPU 0 only: GPU 1 is gone with the driver's words, in one entry, the
+/// job on it is requeued and runs on GPU 0 once that is free.
+#[test]
+fn a_host_whose_gpus_change_between_connections_loses_the_gone_one() {
+    const TEST: &str = "a_host_whose_gpus_change_between_connections_loses_the_gone_one";
+    if Sshd::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let driver = FakeNvidiaSmi::new(dir.path(), "GPU-33bb-test");
+    driver.lists_gpus(&format!("{}{}", a100_at(0, "3B"), a100_at(1, "86")));
+    let sshd = Sshd::start_with(&format!(
+        "SetEnv PATH={}:/usr/local/bin:/usr/bin:/bin\n",
+        driver.bin.display()
+    ));
+    let proxy = rt.block_on(sshd::Proxy::start(sshd.port));
+    let nodes = one_node_file(&sshd, proxy.port, dir.path(), "connect_timeout_s: 2\n", "");
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--ssh-nodes",
+            nodes.to_str().expect("utf-8"),
+            "--round-s",
+            "0.3",
+            "--node-timeout-s",
+            "30",
+        ],
+    );
+    let hold = |name: &str| {
+        let release = dir.path().join(format!("release-{name}"));
+        let id = submit_script(
+            &server,
+            dir.path(),
+            name,
+            &format!("until [ -f {} ]; do sleep 0.1; done", release.display()),
+        );
+        (id, release)
+    };
+    let (a, release_a) = hold("a");
+    let (b, release_b) = hold("b");
+    let gpu_of = |id: &str| -> Option<String> {
+        let view = server.json(&["job", id]);
+        (view["state"] == "running").then_some(())?;
+        view["allocation"]["gpus"][0].as_str().map(str::to_string)
+    };
+    let on_1 = wait_for("both jobs to run", || {
+        let (ga, gb) = (gpu_of(&a)?, gpu_of(&b)?);
+        Some(if ga == "a/1" {
+            a.clone()
+        } else if gb == "a/1" {
+            b.clone()
+        } else {
+            return None;
+        })
+    });
+    let (on_0, release_0, release_1) = if on_1 == a {
+        (b.clone(), release_b, release_a)
+    } else {
+        (a.clone(), release_a, release_b)
+    };
+    // GPU 1 falls off the bus; the connection drops and is made again.
+    let lost = "GPU is lost.  Reboot the system to recover this GPU";
+    driver.lists_gpus(&format!(
+        "{}Unable to determine the device handle for GPU 0000:86:00.0: {lost}\n",
+        a100_at(0, "3B")
+    ));
+    proxy.cut();
+    proxy.heal();
+    let view = wait_for("the job on GPU 1 to be requeued", || {
+        let view = server.json(&["job", &on_1]);
+        (view["state"] == "pending" || view["state"] == "preempted").then_some(view)
+    });
+    let why = format!("lost by the driver: {lost}");
+    assert_eq!(view["message"], format!("GPU a/1 gone: {why}"), "{view}");
+    assert_eq!(view["retries"], 0, "{view}");
+    let node = node(&server.json(&["nodes"]), "a")
+        .cloned()
+        .expect("node a");
+    assert_eq!(node["gpus"].as_array().map(Vec::len), Some(1), "{node}");
+    assert_eq!(node["gone_gpus"][0]["reason"], why.as_str(), "{node}");
+    assert_eq!(node["state"], "alive", "{node}");
+    assert_eq!(gpu_of(&on_0).as_deref(), Some("a/0"), "kept its GPU");
+    std::fs::write(&release_0, b"").expect("release");
+    wait_for("the requeued job to run on GPU 0", || {
+        (gpu_of(&on_1)? == "a/0").then_some(())
+    });
+    std::fs::write(&release_1, b"").expect("release");
+    wait_for("both jobs to succeed", || {
+        let done = |id: &str| server.json(&["job", id])["state"] == "succeeded";
+        (done(&on_0) && done(&on_1)).then_some(())
+    });
+    // One entry for the registration, one for the change; none refused.
+    let mut inventories = 0;
+    for line in server.cli_ok(&["events", "-o", "json"]).lines() {
+        let record: Value = serde_json::from_str(line).expect("JSON");
+        let command = record["command"].as_str().unwrap_or_default();
+        if matches!(command, "register_node" | "record_node_inventory") {
+            assert_eq!(
+                record["refused"].as_str().unwrap_or_default(),
+                "",
+                "{record}"
+            );
+            inventories += 1;
+        }
+    }
+    assert_eq!(inventories, 2, "registration and the change");
     server.terminate();
 }

@@ -564,6 +564,7 @@ mod tests {
             name: "n".into(),
             address: "n".into(),
             gpus: Vec::new(),
+            failed: Vec::new(),
             note: String::new(),
         });
         assert!(b.set_probe(next, answered.clone()));

@@ -100,29 +100,6 @@ pub fn split_over_nodes(
     Ok(out)
 }
 
-/// The arguments Keel runs `nvidia-smi` with.
-pub const NVIDIA_SMI_ARGS: &[&str] = &["--query-gpu=index,name", "--format=csv,noheader"];
-
-/// Parses `nvidia-smi --query-gpu=index,name --format=csv,noheader` output,
-/// e.g. `0, Tesla V100-SXM2-16GB`, into GPUs with short type names.
-pub fn parse_nvidia_smi(output: &str) -> Result<Vec<Gpu>, DiscoveryError> {
-    let mut gpus = BTreeMap::new();
-    for line in output.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        let (index, name) = line
-            .split_once(',')
-            .ok_or_else(|| DiscoveryError::NvidiaSmi(format!("unexpected line {line:?}")))?;
-        let index: u32 = index
-            .trim()
-            .parse()
-            .map_err(|_| DiscoveryError::NvidiaSmi(format!("bad GPU index in {line:?}")))?;
-        gpus.insert(index, gpu_type_of(name.trim()));
-    }
-    Ok(gpus
-        .into_iter()
-        .map(|(index, gpu_type)| Gpu { index, gpu_type })
-        .collect())
-}
-
 /// A short, lower-case type name from a marketing name:
 /// "Tesla V100-SXM2-16GB" → "v100", "NVIDIA H100 80GB HBM3" → "h100",
 /// "NVIDIA GeForce RTX 4090" → "rtx4090".
@@ -147,23 +124,6 @@ pub fn gpu_type_of(name: &str) -> String {
         "gpu".into()
     } else {
         cleaned
-    }
-}
-
-/// Runs `nvidia-smi`. `Ok(empty)` when it is not installed (no GPUs here).
-pub fn discover_nvidia_gpus() -> Result<Vec<Gpu>, DiscoveryError> {
-    match std::process::Command::new("nvidia-smi")
-        .args(NVIDIA_SMI_ARGS)
-        .output()
-    {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(DiscoveryError::NvidiaSmi(e.to_string())),
-        Ok(out) if !out.status.success() => Err(DiscoveryError::NvidiaSmi(format!(
-            "{}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))),
-        Ok(out) => parse_nvidia_smi(&String::from_utf8_lossy(&out.stdout)),
     }
 }
 
@@ -283,6 +243,7 @@ pub fn busy(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu_health::parse_gpu_listing;
 
     #[test]
     fn gpu_processes_parse_and_only_strangers_make_a_gpu_busy() {
@@ -354,13 +315,13 @@ mod tests {
     #[test]
     fn nvidia_smi_output_parses_into_short_types() {
         let out = "0, Tesla V100-SXM2-16GB\n1, Tesla V100-SXM2-16GB\n2, NVIDIA H100 80GB HBM3\n3, NVIDIA GeForce RTX 4090\n4, NVIDIA A100-SXM4-80GB\n";
-        let gpus = parse_nvidia_smi(out).expect("parses");
+        let gpus = parse_gpu_listing(out).expect("parses").offered();
         let types: Vec<&str> = gpus.iter().map(|g| g.gpu_type.as_str()).collect();
         assert_eq!(types, vec!["v100", "v100", "h100", "rtx4090", "a100"]);
         // Captured from a lent H200 machine (2026-11-26).
-        let h200 = parse_nvidia_smi("0, NVIDIA H200\n").expect("parses");
-        assert_eq!(h200[0].gpu_type, "h200");
-        assert!(parse_nvidia_smi("garbage").is_err());
-        assert_eq!(parse_nvidia_smi("").expect("empty"), vec![]);
+        let h200 = parse_gpu_listing("0, NVIDIA H200\n").expect("parses");
+        assert_eq!(h200.offered()[0].gpu_type, "h200");
+        assert!(parse_gpu_listing("garbage").is_err());
+        assert_eq!(parse_gpu_listing("").expect("empty").offered(), vec![]);
     }
 }

@@ -17,6 +17,8 @@
 //! - [`supervisor`]: `keel supervise`, the parent that lets a worker outlive
 //!   its server and keeps its exit status;
 //! - [`discovery`]: GPU inventory from `nvidia-smi`, or simulated;
+//! - [`gpu_health`]: which GPUs a machine can offer, and why not the
+//!   others (lost by the driver, a critical Xid in the kernel's log);
 //! - [`trainer`]: the simulated trainer behind `keel trainer`.
 //!
 //! A worker's identity is (job, allocation epoch, rank): reconciling twice
@@ -27,6 +29,7 @@ pub mod containment;
 pub mod contract;
 pub mod discovery;
 pub mod executor;
+pub mod gpu_health;
 pub mod kubernetes;
 pub mod local;
 pub mod reconcile;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use keel_state::codec::{decode_entry, decode_proposal, encode_entry, encode_proposal};
 use keel_state::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 use keel_state::fixtures::job_spec;
-use keel_state::model::{Gpu, GpuRef, ProgressSample};
+use keel_state::model::{FailedGpu, Gpu, GpuRef, ProgressSample};
 use keel_state::policy_memory::PolicyMemory;
 use keel_state::ClusterState;
 use keel_storage::snapshot_codec::{decode_snapshot, encode_snapshot};
@@ -48,6 +48,7 @@ fn golden(name: &str, fresh: &[u8]) -> Vec<u8> {
 const fn every_kind(c: &Command) {
     match c {
         Command::RegisterNode { .. }
+        | Command::RecordNodeInventory { .. }
         | Command::MarkNodeLost { .. }
         | Command::MarkNodeRecovered { .. }
         | Command::RemoveNode { .. }
@@ -62,7 +63,7 @@ const fn every_kind(c: &Command) {
         | Command::SetPolicy { .. } => {}
     }
 }
-const KINDS: usize = 13;
+const KINDS: usize = 14;
 
 fn gpu(index: u32) -> GpuRef {
     GpuRef {
@@ -250,9 +251,49 @@ fn examples() -> Vec<(&'static str, LogEntry)> {
     ]
 }
 
+/// Kinds added after the proposal, journal page and snapshot fixtures
+/// were written (which hold [`examples`] only), each with the entry that
+/// goes before it when applied (not a golden of its own).
+fn later_examples() -> Vec<(&'static str, LogEntry, LogEntry)> {
+    let v100 = |index| Gpu {
+        index,
+        gpu_type: "v100".into(),
+    };
+    vec![(
+        // Issue 33: a node's inventory with a GPU failed, one gone missing
+        // and one added.
+        "record_node_inventory",
+        LogEntry::new(
+            20_000,
+            Command::RegisterNode {
+                name: "n1".into(),
+                address: "10.0.0.2:7070".into(),
+                gpus: (0..3).map(v100).collect(),
+                note: String::new(),
+            },
+        ),
+        LogEntry::new(
+            21_000,
+            Command::RecordNodeInventory {
+                name: "n1".into(),
+                address: "10.0.0.2:7070".into(),
+                gpus: vec![v100(0), v100(3)],
+                failed: vec![FailedGpu {
+                    index: 1,
+                    gpu_type: "v100".into(),
+                    reason: "Xid 79: GPU has fallen off the bus.".into(),
+                }],
+                note: "offers 2 of 4 GPUs".into(),
+            },
+        ),
+    )]
+}
+
 #[test]
 fn every_entry_kind_decodes_from_its_golden_bytes() {
-    let examples = examples();
+    let mut examples = examples();
+    let first = examples.len();
+    examples.extend(later_examples().into_iter().map(|(name, _, e)| (name, e)));
     let kinds: std::collections::BTreeSet<&str> = examples
         .iter()
         .map(|(_, e)| {
@@ -269,7 +310,8 @@ fn every_entry_kind_decodes_from_its_golden_bytes() {
             "entry-{name}.bin no longer decodes to its value"
         );
     }
-    // All of them as one proposal (one Raft entry's payload).
+    // The first ones as one proposal (one Raft entry's payload).
+    examples.truncate(first);
     let proposal = Proposal::new(examples.into_iter().map(|(_, e)| e).collect());
     let bytes = golden("proposal.bin", &encode_proposal(&proposal));
     assert_eq!(decode_proposal(&bytes), Ok(proposal));
@@ -296,6 +338,18 @@ fn a_journal_page_and_applied_records_decode_from_their_golden_bytes() {
     for (i, (name, entry)) in examples().into_iter().enumerate() {
         let outcome = state.apply(i as u64 + 1, &entry);
         let record = applied_entry_to_proto(i as u64 + 1, 0, &entry, &outcome);
+        let bytes = golden(&format!("applied-{name}.bin"), &record.encode_to_vec());
+        assert_eq!(
+            keel_proto::entry::AppliedEntry::decode(bytes.as_slice()).as_ref(),
+            Ok(&record),
+            "applied-{name}.bin decodes to another record"
+        );
+    }
+    for (name, before, entry) in later_examples() {
+        let mut state = ClusterState::new();
+        state.apply(1, &before).expect("applies");
+        let outcome = state.apply(2, &entry);
+        let record = applied_entry_to_proto(2, 0, &entry, &outcome);
         let bytes = golden(&format!("applied-{name}.bin"), &record.encode_to_vec());
         assert_eq!(
             keel_proto::entry::AppliedEntry::decode(bytes.as_slice()).as_ref(),
@@ -341,6 +395,22 @@ fn a_snapshot_decodes_from_its_golden_bytes_to_the_same_state() {
     let decoded = decode_snapshot(&bytes).expect("the format-7 snapshot decodes");
     assert_eq!(decoded, state);
     assert_eq!(decoded.state_hash().to_string(), SNAPSHOT_STATE_HASH);
+}
+
+/// Issue 33: a snapshot of a node with gone GPUs (snapshot field 7 of a
+/// node record) decodes to the same state and hash.
+#[test]
+fn a_snapshot_with_gone_gpus_decodes_from_its_golden_bytes() {
+    let mut state = ClusterState::new();
+    for (_, before, entry) in later_examples() {
+        state.apply(1, &before).expect("applies");
+        state.apply(2, &entry).expect("applies");
+    }
+    assert_eq!(state.nodes()["n1"].gone_gpus.len(), 2);
+    let bytes = golden("snapshot-v8-gone-gpus.bin", &encode_snapshot(&state));
+    let decoded = decode_snapshot(&bytes).expect("the golden snapshot decodes");
+    assert_eq!(decoded, state);
+    assert_eq!(decoded.state_hash(), state.state_hash());
 }
 
 #[test]

@@ -35,6 +35,7 @@ def _generate_stubs():
         f"--python_out={out}",
         f"--grpc_python_out={out}",
         "keel/entry/v1/entry.proto",
+        "keel/entry/v1/snapshot.proto",
         "keel/api/v1/api.proto",
         "keel/raft/v1/raft.proto",
         "keel/replication/v1/replication.proto",

@@ -206,6 +206,52 @@ class NodesFromHeartbeats(OneServer):
         self.assert_serving([])
 
 
+    def report(self, name, gpus, failed):
+        return self.stub.NodeHeartbeat(
+            api.NodeHeartbeatRequest(
+                reports=[
+                    entry.RecordNodeInventory(
+                        name=name,
+                        address="10.0.0.9",
+                        gpus=[entry.Gpu(index=i, gpu_type="v100") for i in gpus],
+                        failed=[
+                            entry.FailedGpu(index=i, gpu_type="v100", reason=why)
+                            for i, why in failed
+                        ],
+                    )
+                ]
+            ),
+            timeout=10,
+        )
+
+    def test_a_report_of_failed_gpus_is_checked_and_shown(self):
+        """Issue 33: a report's failed GPUs are held to the limits of a
+        reason (4 KiB) and a GPU type, refused whole beyond them, and shown
+        as gone GPUs with their reason once the node has them."""
+        self.refused(
+            lambda r, timeout: self.report("n2", [0], [(1, "x" * 4097)]),
+            None,
+            CODE.INVALID_ARGUMENT,
+            "failure reason is 4097 bytes long; the limit is 4096",
+        )
+        self.assertIsNone(self.node("n2"))
+        self.report("n2", [0, 1], [])
+        wait_for("n2 with two GPUs", lambda: (self.node("n2") or api.Node()).gpus or None)
+        self.report("n2", [0], [(1, "Xid 79: GPU has fallen off the bus.")])
+
+        def gone():
+            node = self.node("n2")
+            return node if node is not None and node.gone_gpus else None
+
+        node = wait_for("GPU 1 gone", gone)
+        self.assertEqual([g.index for g in node.gpus], [0])
+        self.assertEqual(
+            [(g.index, g.reason) for g in node.gone_gpus],
+            [(1, "Xid 79: GPU has fallen off the bus.")],
+        )
+        self.assert_serving([])
+
+
 class BadInputs(OneServer):
     """Items 7, 8, 9 and 13: bad input gets a clear error and changes nothing."""
 

@@ -14,7 +14,7 @@ use prost::Message;
 
 use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 use crate::event::Event;
-use crate::model::{Gpu, GpuRef, ProgressSample};
+use crate::model::{FailedGpu, Gpu, GpuRef, ProgressSample};
 use crate::policy_memory::PolicyMemory;
 use crate::spec::{GpuTypes, JobSpec, Workers};
 
@@ -99,6 +99,22 @@ pub fn decode_proposal_owned(bytes: Vec<u8>) -> Result<Proposal, DecodeError> {
     Ok(proposal)
 }
 
+fn failed_gpu_to_proto(f: &FailedGpu) -> pb::FailedGpu {
+    pb::FailedGpu {
+        index: f.index,
+        gpu_type: f.gpu_type.clone(),
+        reason: f.reason.clone(),
+    }
+}
+
+fn failed_gpu_from_proto(f: pb::FailedGpu) -> FailedGpu {
+    FailedGpu {
+        index: f.index,
+        gpu_type: f.gpu_type,
+        reason: f.reason,
+    }
+}
+
 pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     use pb::log_entry::Command as C;
     let command = match &entry.command {
@@ -111,6 +127,19 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             name: name.clone(),
             address: address.clone(),
             gpus: gpus.iter().map(gpu_to_proto).collect(),
+            note: note.clone(),
+        }),
+        Command::RecordNodeInventory {
+            name,
+            address,
+            gpus,
+            failed,
+            note,
+        } => C::RecordNodeInventory(pb::RecordNodeInventory {
+            name: name.clone(),
+            address: address.clone(),
+            gpus: gpus.iter().map(gpu_to_proto).collect(),
+            failed: failed.iter().map(failed_gpu_to_proto).collect(),
             note: note.clone(),
         }),
         Command::MarkNodeLost { name, reason } => C::MarkNodeLost(pb::MarkNodeLost {
@@ -245,6 +274,13 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             name: c.name,
             address: c.address,
             gpus: c.gpus.into_iter().map(gpu_from_proto).collect(),
+            note: c.note,
+        },
+        Some(C::RecordNodeInventory(c)) => Command::RecordNodeInventory {
+            name: c.name,
+            address: c.address,
+            gpus: c.gpus.into_iter().map(gpu_from_proto).collect(),
+            failed: c.failed.into_iter().map(failed_gpu_from_proto).collect(),
             note: c.note,
         },
         Some(C::MarkNodeLost(c)) => Command::MarkNodeLost {
@@ -458,6 +494,13 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             name: name.clone(),
             gpus: gpus.iter().map(gpu_to_proto).collect(),
         }),
+        Event::NodeInventoryChanged { name, added, gone } => {
+            K::NodeInventoryChanged(pb::NodeInventoryChanged {
+                name: name.clone(),
+                added: added.iter().map(gpu_to_proto).collect(),
+                gone: gone.iter().map(failed_gpu_to_proto).collect(),
+            })
+        }
         Event::NodeLost { name, reason } => K::NodeLost(pb::NodeLost {
             name: name.clone(),
             reason: reason.clone(),
@@ -580,6 +623,11 @@ pub fn event_from_proto(e: pb::Event) -> Result<Event, DecodeError> {
             K::NodeRegistered(e) => Event::NodeRegistered {
                 name: e.name,
                 gpus: e.gpus.into_iter().map(gpu_from_proto).collect(),
+            },
+            K::NodeInventoryChanged(e) => Event::NodeInventoryChanged {
+                name: e.name,
+                added: e.added.into_iter().map(gpu_from_proto).collect(),
+                gone: e.gone.into_iter().map(failed_gpu_from_proto).collect(),
             },
             K::NodeLost(e) => Event::NodeLost {
                 name: e.name,

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Gpu, GpuRef, JobId, ProgressSample};
+use crate::model::{FailedGpu, Gpu, GpuRef, JobId, ProgressSample};
 use crate::policy_memory::PolicyMemory;
 use crate::spec::JobSpec;
 
@@ -60,10 +60,13 @@ impl Proposal {
 
     /// Whether its postcard form (serde's binary form: Raft wire format 1)
     /// carries it whole. Fields added after that format (a job's
-    /// `resources` and `logs`) travel in protobuf only.
+    /// `resources` and `logs`) and commands added after it
+    /// (`RecordNodeInventory`) travel in protobuf only.
     pub fn postcard_carries_whole(&self) -> bool {
         self.entries.iter().all(|e| match &e.command {
             Command::SubmitJob { spec } => spec.resources.is_unset() && spec.logs.is_unset(),
+            // A command the release before does not know.
+            Command::RecordNodeInventory { .. } => false,
             _ => true,
         })
     }
@@ -195,6 +198,26 @@ pub enum Command {
     SetPolicy {
         name: String,
     },
+    /// Added after the others (issue 33): postcard numbers variants in
+    /// order, so new ones go last.
+    ///
+    /// What a node's agent reports now, decided against the
+    /// state it meets: a node not known is registered; for a known one, a
+    /// GPU it had and no longer offers (missing, failed, or of another
+    /// type now) is gone, with the reason `failed` gives or "no longer in
+    /// the node's inventory", and the jobs holding it are preempted; a GPU
+    /// it offers again or anew is added. Unlike `RegisterNode`, which
+    /// older logs hold and which still refuses to drop a held GPU, it is
+    /// never refused for what jobs hold.
+    RecordNodeInventory {
+        name: String,
+        address: String,
+        /// The GPUs it offers.
+        gpus: Vec<Gpu>,
+        /// GPUs it has but reports failed (none of them in `gpus`).
+        failed: Vec<FailedGpu>,
+        note: String,
+    },
 }
 
 impl Command {
@@ -208,6 +231,7 @@ impl Command {
             | Command::FinishJob { job_id, .. }
             | Command::RemoveJob { job_id } => Some(*job_id),
             Command::RegisterNode { .. }
+            | Command::RecordNodeInventory { .. }
             | Command::MarkNodeLost { .. }
             | Command::MarkNodeRecovered { .. }
             | Command::RemoveNode { .. }
@@ -221,6 +245,7 @@ impl Command {
     pub fn kind(&self) -> &'static str {
         match self {
             Command::RegisterNode { .. } => "register_node",
+            Command::RecordNodeInventory { .. } => "record_node_inventory",
             Command::MarkNodeLost { .. } => "mark_node_lost",
             Command::MarkNodeRecovered { .. } => "mark_node_recovered",
             Command::RemoveNode { .. } => "remove_node",

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
+use crate::model::{FailedGpu, Gpu, GpuRef, JobId, JobState, ProgressSample};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
@@ -101,6 +101,15 @@ pub enum Event {
         request_id: String,
         first_index: u64,
     },
+    /// Added after the others (issue 33; postcard numbers variants in
+    /// order, so new ones go last). A known node's GPUs changed (`RecordNodeInventory`): GPUs offered
+    /// anew or again, and GPUs gone with why. The jobs that held a gone
+    /// GPU were preempted (their own events).
+    NodeInventoryChanged {
+        name: String,
+        added: Vec<Gpu>,
+        gone: Vec<FailedGpu>,
+    },
 }
 
 impl Event {
@@ -108,6 +117,7 @@ impl Event {
     pub fn job_id(&self) -> Option<JobId> {
         match self {
             Event::NodeRegistered { .. }
+            | Event::NodeInventoryChanged { .. }
             | Event::NodeLost { .. }
             | Event::NodeRecovered { .. }
             | Event::NodeRemoved { .. }

@@ -34,8 +34,8 @@ pub mod state;
 pub use command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 pub use event::Event;
 pub use model::{
-    Allocation, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample,
-    Worker, WorkerState,
+    Allocation, FailedGpu, GoneGpu, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState,
+    ProgressSample, Worker, WorkerState,
 };
 pub use policy_memory::PolicyMemory;
 pub use spec::{JobSpec, SpecError};

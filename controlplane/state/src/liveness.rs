@@ -10,7 +10,12 @@
 //!   go back to the queue); a new leader counts every node as heard at the
 //!   moment it started to lead, so a failover alone never loses a node;
 //! - a node heard with an inventory that differs from the state's (or not in
-//!   the state at all) is registered;
+//!   the state at all) is recorded (`RecordNodeInventory`: GPUs gone with
+//!   why, GPUs added, decided by `apply` against the state it meets);
+//! - a report whose entry was refused is not proposed again blindly: the
+//!   same report waits [`REFUSED_BACKOFF_MIN_MS`], doubling up to
+//!   [`REFUSED_BACKOFF_MAX_MS`] ([`NodeLiveness::refused`]); a changed
+//!   report is tried at once;
 //! - a node that this mechanism marked lost and that reports again is marked
 //!   recovered;
 //! - a node that an executor's probe could not reach ([`NodeLiveness::unreachable`])
@@ -24,7 +29,7 @@
 use std::collections::BTreeMap;
 
 use crate::command::Command;
-use crate::model::{Gpu, NodeState};
+use crate::model::{FailedGpu, Gpu, NodeState};
 use crate::state::{validate_node, ApplyError, ClusterState};
 
 /// The start of the reason recorded when liveness marks a node lost; how a
@@ -34,6 +39,11 @@ pub const LOST_BY_LIVENESS: &str = "no heartbeat";
 /// The longest probe failure kept (it goes into a `MarkNodeLost` reason).
 pub const UNREACHABLE_REASON_MAX_LEN: usize = 1024;
 
+/// How long a refused report waits before it is proposed again, at first.
+pub const REFUSED_BACKOFF_MIN_MS: u64 = 1_000;
+/// The longest wait between proposals of a report that keeps being refused.
+pub const REFUSED_BACKOFF_MAX_MS: u64 = 300_000;
+
 /// What a node's agent reports about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeReport {
@@ -41,6 +51,8 @@ pub struct NodeReport {
     /// Where its workers reach each other (the rendezvous address).
     pub address: String,
     pub gpus: Vec<Gpu>,
+    /// GPUs it has but cannot offer, with why (none of them in `gpus`).
+    pub failed: Vec<FailedGpu>,
     /// Why it offers these GPUs when it has more (empty when it offers
     /// all): recorded with the registration, shown by `keel nodes`.
     pub note: String,
@@ -69,9 +81,33 @@ impl NodeReport {
                 ),
             });
         }
+        if self.failed.len() > crate::state::limits::NODE_GPUS_MAX {
+            return Err(ApplyError::TooLarge {
+                field: "node failed gpus".into(),
+                len: self.failed.len(),
+                limit: crate::state::limits::NODE_GPUS_MAX,
+            });
+        }
+        if let Some(f) = self
+            .failed
+            .iter()
+            .find(|f| f.reason.len() > crate::state::limits::REASON_MAX_LEN)
+        {
+            return Err(ApplyError::TooLarge {
+                field: format!("node {} gpu {} failure reason", self.name, f.index),
+                len: f.reason.len(),
+                limit: crate::state::limits::REASON_MAX_LEN,
+            });
+        }
+        let failed_types = self.failed.iter().map(|f| Gpu {
+            index: f.index,
+            gpu_type: f.gpu_type.clone(),
+        });
         if let Some(gpu) = self
             .gpus
             .iter()
+            .cloned()
+            .chain(failed_types)
             .find(|g| !crate::spec::is_valid_gpu_type(&g.gpu_type))
         {
             return Err(ApplyError::Invalid {
@@ -99,6 +135,16 @@ pub struct NodeLiveness {
     /// The nodes the state held, or that were about to be registered, when
     /// last looked at ([`NodeLiveness::forget_removed`]).
     in_state: std::collections::BTreeSet<String>,
+    /// Reports whose entry was refused, by node.
+    refusals: BTreeMap<String, Refusal>,
+}
+
+/// A report whose entry the state machine refused, and when to try it again.
+#[derive(Debug, Clone)]
+struct Refusal {
+    report: NodeReport,
+    wait_ms: u64,
+    next_try_ms: u64,
 }
 
 impl NodeLiveness {
@@ -109,7 +155,42 @@ impl NodeLiveness {
             heard: BTreeMap::new(),
             failed: BTreeMap::new(),
             in_state: Default::default(),
+            refusals: BTreeMap::new(),
         }
+    }
+
+    /// Records that the entry proposed for `command` was refused at
+    /// `now_ms`: the report it came from waits before it is proposed again
+    /// (see the module's notes). Returns true when this report was not
+    /// refused before, so the caller says once what is wrong.
+    pub fn refused(&mut self, command: &Command, now_ms: u64) -> bool {
+        let Command::RecordNodeInventory { name, .. } = command else {
+            return false;
+        };
+        let Some((_, report)) = self.heard.get(name) else {
+            return false;
+        };
+        let first = self.refusals.get(name).is_none_or(|r| r.report != *report);
+        let wait_ms = match self.refusals.get(name) {
+            Some(r) if !first => (r.wait_ms * 2).min(REFUSED_BACKOFF_MAX_MS),
+            _ => REFUSED_BACKOFF_MIN_MS,
+        };
+        self.refusals.insert(
+            name.clone(),
+            Refusal {
+                report: report.clone(),
+                wait_ms,
+                next_try_ms: now_ms.saturating_add(wait_ms),
+            },
+        );
+        first
+    }
+
+    /// Whether the report heard from `name` waits after a refusal.
+    fn waits_after_refusal(&self, name: &str, report: &NodeReport, now_ms: u64) -> bool {
+        self.refusals
+            .get(name)
+            .is_some_and(|r| r.report == *report && now_ms < r.next_try_ms)
     }
 
     /// Forgets what was heard of nodes that left the state since the last
@@ -125,6 +206,7 @@ impl NodeLiveness {
             if !nodes.contains_key(name) {
                 self.heard.remove(name);
                 self.failed.remove(name);
+                self.refusals.remove(name);
             }
         }
         self.in_state = nodes
@@ -237,12 +319,21 @@ impl NodeLiveness {
                         .gpus
                         .iter()
                         .all(|g| n.gpus.get(&g.index) == Some(&g.gpu_type))
+                    && report.failed.iter().all(|f| {
+                        n.gone_gpus
+                            .get(&f.index)
+                            .is_some_and(|g| g.gpu_type == f.gpu_type && g.reason == f.reason)
+                    })
             });
             if !same_inventory {
-                out.push(Command::RegisterNode {
+                if self.waits_after_refusal(name, report, now_ms) {
+                    continue;
+                }
+                out.push(Command::RecordNodeInventory {
                     name: name.clone(),
                     address: report.address.clone(),
                     gpus: report.gpus.clone(),
+                    failed: report.failed.clone(),
                     note: report.note.clone(),
                 });
             } else if lost_by_us {
@@ -270,6 +361,7 @@ mod tests {
                     gpu_type: "v100".into(),
                 })
                 .collect(),
+            failed: Vec::new(),
             note: String::new(),
         }
     }
@@ -328,14 +420,18 @@ mod tests {
         let mut w = World::new();
         let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
         l.heard(report("a", 4), 100);
-        assert_eq!(w.settle(&l, 200), vec!["register_node"]);
+        assert_eq!(w.settle(&l, 200), vec!["record_node_inventory"]);
         l.heard(report("a", 4), 1_100);
         assert!(
             w.settle(&l, 1_200).is_empty(),
             "same inventory: nothing to do"
         );
         l.heard(report("a", 8), 2_100);
-        assert_eq!(w.settle(&l, 2_200), vec!["register_node"], "GPUs added");
+        assert_eq!(
+            w.settle(&l, 2_200),
+            vec!["record_node_inventory"],
+            "GPUs added"
+        );
     }
 
     /// Issue 19, item 5: a removed node is not registered again from a
@@ -364,7 +460,7 @@ mod tests {
         );
         l.heard(report("a", 1), 3_000);
         l.forget_removed(&w.state);
-        assert_eq!(w.settle(&l, 3_000), vec!["register_node"]);
+        assert_eq!(w.settle(&l, 3_000), vec!["record_node_inventory"]);
     }
 
     #[test]
@@ -418,7 +514,7 @@ mod tests {
         assert!(w.settle(&l, 14_000).is_empty(), "shown once");
         // Reached at last: registered with its GPUs, alive.
         l.heard(report("b", 4), 15_000);
-        assert_eq!(w.settle(&l, 15_000), vec!["register_node"]);
+        assert_eq!(w.settle(&l, 15_000), vec!["record_node_inventory"]);
         assert_eq!(w.node_state("b"), NodeState::Alive);
         assert_eq!(w.state.nodes()["b"].gpus.len(), 4);
     }
@@ -464,5 +560,62 @@ mod tests {
         let mut w = World::new();
         w.settle(&l, 5_000);
         assert_eq!(w.state.nodes()["a"].gpus.len(), 1);
+    }
+
+    /// Issue 33: a refused report is not proposed again every tick; it
+    /// waits 1 s, then 2 s, 4 s ... up to 5 min; a changed report is tried
+    /// at once, and the caller is told to say so once per report.
+    #[test]
+    fn a_refused_report_backs_off_and_a_changed_one_is_tried_at_once() {
+        let w = World::new();
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 2), 0);
+        let due = l.due(&w.state, 0);
+        assert_eq!(due.len(), 1);
+        assert!(l.refused(&due[0], 0), "first refusal of this report");
+        assert!(l.due(&w.state, 999).is_empty(), "waits 1 s");
+        l.heard(report("a", 2), 1_000);
+        let again = l.due(&w.state, 1_000);
+        assert_eq!(again.len(), 1, "tried again after 1 s");
+        assert!(!l.refused(&again[0], 1_000), "said once");
+        l.heard(report("a", 2), 2_999);
+        assert!(l.due(&w.state, 2_999).is_empty(), "then 2 s");
+        let mut at = 3_000;
+        let mut proposals = 1;
+        // An hour of refusals: a bounded number of entries.
+        while at < 3_600_000 {
+            l.heard(report("a", 2), at);
+            for command in l.due(&w.state, at) {
+                proposals += 1;
+                l.refused(&command, at);
+            }
+            at += 200;
+        }
+        assert!(proposals < 25, "{proposals} proposals in an hour");
+        // Another report is tried at once.
+        l.heard(report("a", 3), at);
+        assert_eq!(l.due(&w.state, at).len(), 1);
+    }
+
+    /// Issue 33: a GPU the node reports failed is recorded gone with its
+    /// reason, once; the same report again changes nothing.
+    #[test]
+    fn a_failed_gpu_is_recorded_once_with_its_reason() {
+        let mut w = World::new();
+        let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
+        l.heard(report("a", 2), 0);
+        w.settle(&l, 0);
+        let mut failing = report("a", 1);
+        failing.failed.push(FailedGpu {
+            index: 1,
+            gpu_type: "v100".into(),
+            reason: "Xid 79: GPU has fallen off the bus".into(),
+        });
+        l.heard(failing.clone(), 1_000);
+        assert_eq!(w.settle(&l, 1_000), vec!["record_node_inventory"]);
+        let gone = &w.state.nodes()["a"].gone_gpus;
+        assert_eq!(gone[&1].reason, "Xid 79: GPU has fallen off the bus");
+        l.heard(failing, 2_000);
+        assert!(w.settle(&l, 2_000).is_empty(), "recorded once");
     }
 }

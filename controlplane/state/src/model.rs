@@ -34,6 +34,24 @@ pub struct Gpu {
     pub gpu_type: String,
 }
 
+/// A GPU a node has but cannot offer, as its agent reports it: fallen off
+/// the bus, a critical Xid, lost to the driver (issue 33).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedGpu {
+    pub index: u32,
+    pub gpu_type: String,
+    pub reason: String,
+}
+
+/// A GPU a node had and no longer offers: its type, why, and since when
+/// (log time). Kept until a GPU at that index is offered again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GoneGpu {
+    pub gpu_type: String,
+    pub reason: String,
+    pub since_ms: u64,
+}
+
 /// Where a job is in its life.
 ///
 /// ```text
@@ -322,4 +340,9 @@ pub struct Node {
     pub state: NodeState,
     pub registered_at_ms: u64,
     pub message: String,
+    /// GPUs it had and no longer offers, by index (none of them in
+    /// `gpus`). Left out of the binary form, like a job's resources:
+    /// hashed apart when a node has any, carried by protobuf snapshots.
+    #[serde(skip)]
+    pub gone_gpus: BTreeMap<u32, GoneGpu>,
 }

@@ -15,8 +15,8 @@ use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
 use crate::event::Event;
 use crate::free_gpus::FreeGpus;
 use crate::model::{
-    Allocation, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState, ProgressSample,
-    Worker, WorkerState,
+    Allocation, FailedGpu, GoneGpu, Gpu, GpuHolders, GpuRef, Job, JobId, JobState, Node, NodeState,
+    ProgressSample, Worker, WorkerState,
 };
 use crate::policy_memory::{PolicyMemory, PolicyMemorySlot, POLICY_MEMORY_MAX_BYTES};
 use crate::requests::{RecentRequests, Remembered};
@@ -296,7 +296,7 @@ impl<'de> Deserialize<'de> for ClusterState {
 /// in entries, every other field is a string counted in bytes.
 fn size_unit(field: &str) -> &'static str {
     match field {
-        "node gpus" | "progress samples" => "entries",
+        "node gpus" | "node failed gpus" | "progress samples" => "entries",
         _ => "bytes long",
     }
 }
@@ -349,6 +349,38 @@ pub fn validate_node(
         }
     }
     Ok(inventory)
+}
+
+/// Checks the failed GPUs of a node's report: within the inventory's
+/// limits, each index once and none also offered.
+fn validate_failed_gpus(
+    node: &str,
+    offered: &BTreeMap<u32, String>,
+    failed: &[FailedGpu],
+) -> Result<BTreeMap<u32, FailedGpu>, ApplyError> {
+    if failed.len() > limits::NODE_GPUS_MAX {
+        return Err(ApplyError::TooLarge {
+            field: "node failed gpus".into(),
+            len: failed.len(),
+            limit: limits::NODE_GPUS_MAX,
+        });
+    }
+    let mut out = BTreeMap::new();
+    for f in failed {
+        check_len(
+            "gpu type",
+            &f.gpu_type,
+            crate::spec::limits::GPU_TYPE_MAX_LEN,
+        )?;
+        check_len("failed gpu reason", &f.reason, limits::REASON_MAX_LEN)?;
+        if offered.contains_key(&f.index) || out.insert(f.index, f.clone()).is_some() {
+            return Err(ApplyError::DuplicateGpu {
+                node: node.to_string(),
+                index: f.index,
+            });
+        }
+    }
+    Ok(out)
 }
 
 impl ClusterState {
@@ -500,6 +532,16 @@ impl ClusterState {
         if !logs.is_empty() {
             let _ = postcard::to_io(&logs, &mut writer);
         }
+        // Likewise the nodes' gone GPUs, once a node has one.
+        let gone: Vec<(&String, &BTreeMap<u32, GoneGpu>)> = self
+            .nodes
+            .iter()
+            .filter(|(_, node)| !node.gone_gpus.is_empty())
+            .map(|(name, node)| (name, &node.gone_gpus))
+            .collect();
+        if !gone.is_empty() {
+            let _ = postcard::to_io(&gone, &mut writer);
+        }
         StateHash(*hasher.finalize().as_bytes())
     }
 
@@ -584,6 +626,7 @@ impl ClusterState {
         if matches!(
             entry.command,
             Command::RegisterNode { .. }
+                | Command::RecordNodeInventory { .. }
                 | Command::MarkNodeLost { .. }
                 | Command::MarkNodeRecovered { .. }
                 | Command::RemoveNode { .. }
@@ -614,6 +657,13 @@ impl ClusterState {
                 gpus,
                 note,
             } => self.register_node(name, address, gpus, note, at_ms),
+            Command::RecordNodeInventory {
+                name,
+                address,
+                gpus,
+                failed,
+                note,
+            } => self.record_node_inventory(name, address, gpus, failed, note, at_ms),
             Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason, at_ms),
             Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
             Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
@@ -1011,12 +1061,157 @@ impl ClusterState {
                 state: NodeState::Alive,
                 registered_at_ms: at_ms,
                 message: note.to_string(),
+                gone_gpus: BTreeMap::new(),
             },
         );
         Ok(vec![Event::NodeRegistered {
             name: name.to_string(),
             gpus: gpus.to_vec(),
         }])
+    }
+
+    /// A node's inventory as its agent reports it now (issue 33): see
+    /// [`Command::RecordNodeInventory`]. Never refused for what jobs hold:
+    /// a GPU that is gone is gone, and the jobs on it go back to the queue
+    /// (a gang cannot run on without one worker), spending no retry.
+    fn record_node_inventory(
+        &mut self,
+        name: &str,
+        address: &str,
+        gpus: &[Gpu],
+        failed: &[FailedGpu],
+        note: &str,
+        at_ms: u64,
+    ) -> Result<Vec<Event>, ApplyError> {
+        let inventory = validate_node(name, address, gpus)?;
+        check_len("note", note, limits::NODE_NOTE_MAX_LEN)?;
+        let failed = validate_failed_gpus(name, &inventory, failed)?;
+        let known = self.nodes.get(name);
+        let mut gone = known.map(|n| n.gone_gpus.clone()).unwrap_or_default();
+        let mut gone_now: Vec<FailedGpu> = Vec::new();
+        let mut added: Vec<Gpu> = Vec::new();
+        if let Some(node) = known {
+            for (index, gpu_type) in &node.gpus {
+                let now = inventory.get(index);
+                if now == Some(gpu_type) {
+                    continue;
+                }
+                let reason = match (failed.get(index), now) {
+                    (Some(f), _) => f.reason.clone(),
+                    (None, Some(other)) => format!("its type changed from {gpu_type} to {other}"),
+                    (None, None) => "no longer in the node's inventory".to_string(),
+                };
+                gone_now.push(FailedGpu {
+                    index: *index,
+                    gpu_type: gpu_type.clone(),
+                    reason,
+                });
+            }
+            for (index, gpu_type) in &inventory {
+                if node.gpus.get(index) != Some(gpu_type) {
+                    added.push(Gpu {
+                        index: *index,
+                        gpu_type: gpu_type.clone(),
+                    });
+                }
+            }
+        }
+        for g in &gone_now {
+            if !inventory.contains_key(&g.index) {
+                gone.insert(
+                    g.index,
+                    GoneGpu {
+                        gpu_type: g.gpu_type.clone(),
+                        reason: g.reason.clone(),
+                        since_ms: at_ms,
+                    },
+                );
+            }
+        }
+        // Failed GPUs not yet recorded gone (or with a new reason): a GPU
+        // that failed before the node first registered, or whose failure
+        // was found after it went missing.
+        for f in failed.values() {
+            match gone.get_mut(&f.index) {
+                Some(g) if g.gpu_type == f.gpu_type => g.reason.clone_from(&f.reason),
+                _ => {
+                    gone.insert(
+                        f.index,
+                        GoneGpu {
+                            gpu_type: f.gpu_type.clone(),
+                            reason: f.reason.clone(),
+                            since_ms: at_ms,
+                        },
+                    );
+                    if known.is_some() && !gone_now.iter().any(|g| g.index == f.index) {
+                        gone_now.push(f.clone());
+                    }
+                }
+            }
+        }
+        // A GPU offered again is not gone.
+        gone.retain(|index, _| !inventory.contains_key(index));
+        // Bounded like the inventory: the oldest go first.
+        while gone.len() > limits::NODE_GPUS_MAX {
+            let oldest = gone
+                .iter()
+                .min_by_key(|(index, g)| (g.since_ms, **index))
+                .map(|(index, _)| *index);
+            match oldest {
+                Some(index) => gone.remove(&index),
+                None => break,
+            };
+        }
+        let mut events = Vec::new();
+        // The jobs holding a GPU that is gone, or is another GPU now.
+        let lost_gpus: BTreeMap<u32, &FailedGpu> = gone_now.iter().map(|g| (g.index, g)).collect();
+        let mut affected: BTreeMap<JobId, String> = BTreeMap::new();
+        for (gpu, holder) in self.gpus_held_on(name) {
+            if let Some(g) = lost_gpus.get(&gpu.index) {
+                affected
+                    .entry(holder)
+                    .or_insert_with(|| format!("GPU {gpu} gone: {}", g.reason));
+            }
+        }
+        let (state, message, registered_at_ms) = match known {
+            // Lost by an operator since the report was made: it stays lost.
+            Some(n)
+                if n.state == NodeState::Lost
+                    && !n.message.starts_with(crate::liveness::LOST_BY_LIVENESS) =>
+            {
+                (NodeState::Lost, n.message.clone(), n.registered_at_ms)
+            }
+            _ => (NodeState::Alive, note.to_string(), at_ms),
+        };
+        self.nodes.insert(
+            name.to_string(),
+            Node {
+                name: name.to_string(),
+                address: address.to_string(),
+                gpus: inventory,
+                state,
+                registered_at_ms,
+                message,
+                gone_gpus: gone,
+            },
+        );
+        for (job_id, mut reason) in affected {
+            limits::cut_to(&mut reason, limits::REASON_MAX_LEN);
+            self.preempt(job_id, &reason, at_ms);
+            events.push(Event::JobPreempted { job_id, reason });
+        }
+        events.push(Event::NodeRegistered {
+            name: name.to_string(),
+            gpus: gpus.to_vec(),
+        });
+        if !added.is_empty() || !gone_now.is_empty() {
+            events.push(Event::NodeInventoryChanged {
+                name: name.to_string(),
+                added,
+                gone: gone_now,
+            });
+        }
+        Ok(events)
     }
 
     /// Every (GPU, holding job) on `node`; a shared GPU appears once per job.
@@ -1670,6 +1865,27 @@ impl ClusterState {
             self.gpu_holders.iter().map(|(g, h)| (g, *h)).collect();
         if index != from_jobs {
             return Err("the GPU holder index disagrees with the jobs' allocations".into());
+        }
+        // No job holds a GPU its node does not offer (issue 33: one that
+        // is gone), and a gone GPU is not also offered.
+        for (g, h) in &self.gpu_holders {
+            if !self
+                .nodes
+                .get(&g.node)
+                .is_some_and(|n| n.gpus.contains_key(&g.index))
+            {
+                return Err(format!(
+                    "GPU {g}, held by {h}, is not in its node's inventory"
+                ));
+            }
+        }
+        for node in self.nodes.values() {
+            if let Some(index) = node.gone_gpus.keys().find(|i| node.gpus.contains_key(i)) {
+                return Err(format!(
+                    "node {}: GPU {index} is both offered and gone",
+                    node.name
+                ));
+            }
         }
         if self.indexes != JobIndexes::of(&self.jobs) {
             return Err("the job indexes disagree with the jobs".into());

@@ -83,13 +83,22 @@ pub fn submit_spec(server: &ServerProcess, dir: &Path, body: serde_json::Value) 
         .to_string()
 }
 
-/// A stand-in `nvidia-smi` in `DIR/bin`: one GPU (index 0, an A100 with
-/// UUID `uuid`), and the processes on it that [`FakeNvidiaSmi::lists`]
-/// says, as the driver's `--query-compute-apps` would.
+/// A stand-in `nvidia-smi` in `DIR/bin`: one GPU at first (index 0, an
+/// A100 with UUID `uuid` at PCI 0000:3B:00.0; [`FakeNvidiaSmi::lists_gpus`]
+/// changes the listing), and the processes on it that
+/// [`FakeNvidiaSmi::lists`] says, as the driver's `--query-compute-apps`
+/// would. Like the driver, it exits 15 when the listing names a GPU it
+/// lost ("Unable to determine the device handle ...").
 pub struct FakeNvidiaSmi {
     pub bin: std::path::PathBuf,
     apps: std::path::PathBuf,
+    listing: std::path::PathBuf,
     uuid: String,
+}
+
+/// The stand-in driver's listing of one A100 (`index`) at PCI bus `bus`.
+pub fn a100_at(index: u32, bus: &str) -> String {
+    format!("{index}, NVIDIA A100-SXM4-40GB, 00000000:{bus}:00.0\n")
 }
 
 impl FakeNvidiaSmi {
@@ -99,16 +108,20 @@ impl FakeNvidiaSmi {
         std::fs::create_dir_all(&bin).expect("bin");
         let apps = dir.join("compute-apps.csv");
         std::fs::write(&apps, "").expect("apps");
+        let listing = dir.join("gpus.csv");
+        std::fs::write(&listing, a100_at(0, "3B")).expect("listing");
         let fake = bin.join("nvidia-smi");
         std::fs::write(
             &fake,
             format!(
                 "#!/bin/sh\ncase \"$1\" in\n\
-                 --query-gpu=index,name) echo '0, NVIDIA A100-SXM4-40GB' ;;\n\
+                 --query-gpu=index,name*) cat '{listing}'; \
+                 if grep -q '^Unable' '{listing}'; then exit 15; fi ;;\n\
                  --query-gpu=index,uuid) echo '0, {uuid}' ;;\n\
-                 --query-compute-apps=*) cat '{}' ;;\n\
+                 --query-compute-apps=*) cat '{apps}' ;;\n\
                  *) echo \"unexpected: $*\" >&2; exit 2 ;;\nesac\n",
-                apps.display()
+                listing = listing.display(),
+                apps = apps.display()
             ),
         )
         .expect("fake nvidia-smi");
@@ -116,8 +129,17 @@ impl FakeNvidiaSmi {
         FakeNvidiaSmi {
             bin,
             apps,
+            listing,
             uuid: uuid.to_string(),
         }
+    }
+
+    /// From now on `--query-gpu=index,name,pci.bus_id` prints `listing`
+    /// (written whole, then renamed: a reader sees one or the other).
+    pub fn lists_gpus(&self, listing: &str) {
+        let tmp = self.listing.with_extension("tmp");
+        std::fs::write(&tmp, listing).expect("listing");
+        std::fs::rename(&tmp, &self.listing).expect("listing");
     }
 
     /// PATH with the stand-in first.

@@ -254,6 +254,8 @@ pub fn offer(node: &Node, rules: &OfferRules<'_>, usage: &NodeUse) -> Option<Nod
                 gpu_type: gpu_type.clone(),
             })
             .collect(),
+        // Kubernetes says how many are allocatable, not which failed.
+        failed: Vec::new(),
         note,
     }))
 }

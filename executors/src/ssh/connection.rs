@@ -19,7 +19,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use super::nodes_file::{HostKeyCheck, SshConfig, SshNode};
 use super::protocol::{clip, helper_name, relative_base, AgentCodec, Reply, Request};
 use super::HELPER_SCRIPT;
-use crate::discovery::parse_nvidia_smi;
+use crate::gpu_health::{parse_gpu_listing, GpuHealth};
 use crate::WorkerId;
 
 /// Agents (remote shells serving requests) per host connection.
@@ -172,6 +172,12 @@ pub(super) struct Connection {
     /// The work directory's absolute path on the host.
     pub work_dir: String,
     pub gpus: Vec<Gpu>,
+    /// GPUs listed at an earlier connection and not now, or lost by the
+    /// driver, with why (issue 33).
+    pub failed: Vec<keel_state::FailedGpu>,
+    /// What the listing said that no GPU index carries (a GPU lost before
+    /// it was ever listed), for the node's note.
+    pub gpu_note: String,
     /// Where the shipped `keel` is on the host, if one was shipped.
     pub bin_dir: Option<String>,
     /// Why the host's workers get no cgroup (said in the node's note), or
@@ -232,6 +238,9 @@ pub(super) struct Host {
     /// The `keel` to install there, if any.
     ship: Option<ShippedKeel>,
     connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
+    /// The host's GPUs over its connections (discovered ones only): a GPU
+    /// listed before and missing now is reported failed, with why.
+    health: std::sync::Mutex<GpuHealth>,
 }
 
 impl Host {
@@ -240,6 +249,7 @@ impl Host {
             node,
             ship,
             connection: tokio::sync::Mutex::new(None),
+            health: std::sync::Mutex::new(GpuHealth::new(None)),
         }
     }
 
@@ -328,10 +338,21 @@ impl Host {
         if let Some(note) = &uncontained {
             tracing::warn!(node = %node.name, %note, "no cgroups on this host");
         }
-        let gpus = match &node.gpus {
-            Some(declared) => declared.clone(),
-            None => parse_nvidia_smi(&listing.join("\n"))
-                .map_err(|e| RunError::Failed(e.to_string()))?,
+        let (gpus, failed, gpu_note) = match &node.gpus {
+            Some(declared) => (declared.clone(), Vec::new(), String::new()),
+            None => {
+                let listing = parse_gpu_listing(&listing.join("\n"))
+                    .map_err(|e| RunError::Failed(e.to_string()))?;
+                let report = self
+                    .health
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .check(&listing);
+                if !report.failed.is_empty() {
+                    tracing::warn!(node = %node.name, failed = ?report.failed, "GPUs failed on an SSH host");
+                }
+                (report.gpus, report.failed, report.note)
+            }
         };
         let lists_gpu_processes = kinds.contains(&"K nvidia-smi");
         let connection = Connection {
@@ -341,6 +362,8 @@ impl Host {
             next_agent: AtomicU64::new(0),
             work_dir,
             gpus,
+            failed,
+            gpu_note,
             bin_dir,
             uncontained,
         };

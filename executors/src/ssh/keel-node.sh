@@ -719,7 +719,19 @@ probe() {
             echo "nvidia-smi is not installed on this host: declare the node's gpus in the nodes file" >&2
             exit 3
         }
-        nvidia-smi --query-gpu=index,name --format=csv,noheader
+        # A GPU the driver lost makes nvidia-smi exit non-zero and say so
+        # ("Unable to determine the device handle for GPU ..."), listing
+        # the others: that is an answer, not a failure.
+        g_out=$(nvidia-smi --query-gpu=index,name,pci.bus_id --format=csv,noheader 2>&1)
+        g_st=$?
+        case $g_out in
+            *"Unable to determine the device handle"*) g_st=0 ;;
+        esac
+        if [ "$g_st" -ne 0 ]; then
+            printf '%s\n' "$g_out" >&2
+            return "$g_st"
+        fi
+        printf '%s\n' "$g_out"
     fi
 }
 

@@ -194,7 +194,14 @@ impl SshExecutor {
             }
             let name = host.node.name.clone();
             let probe = match self.poll_once(&host, generation).await {
-                Ok((gpus, uncontained, lists_gpu_processes)) => {
+                Ok(found) => {
+                    let PollFound {
+                        gpus,
+                        failed,
+                        gpu_note,
+                        uncontained,
+                        lists_gpu_processes,
+                    } = found;
                     wait = interval;
                     if lists_gpu_processes
                         && busy.0.is_none_or(|t| t.elapsed() >= GPU_PROCESSES_EVERY)
@@ -210,7 +217,7 @@ impl SshExecutor {
                                 .join("; ");
                         }
                     }
-                    let mut note = [uncontained.unwrap_or_default(), busy.1.clone()]
+                    let mut note = [uncontained.unwrap_or_default(), gpu_note, busy.1.clone()]
                         .into_iter()
                         .filter(|n| !n.is_empty())
                         .collect::<Vec<_>>()
@@ -223,6 +230,7 @@ impl SshExecutor {
                         name: name.clone(),
                         address: host.node.address.clone(),
                         gpus,
+                        failed,
                         note,
                     })
                 }
@@ -243,13 +251,9 @@ impl SshExecutor {
     }
 
     /// One poll of `host` by the loop of `generation` (what it finds is
-    /// dropped if that generation ended meanwhile). Returns the node's GPUs,
-    /// and why its workers get no cgroup when they do not.
-    async fn poll_once(
-        &self,
-        host: &Host,
-        generation: u64,
-    ) -> Result<(Vec<Gpu>, Option<String>, bool), RunError> {
+    /// dropped if that generation ended meanwhile), and what it learned of
+    /// the node.
+    async fn poll_once(&self, host: &Host, generation: u64) -> Result<PollFound, RunError> {
         let name = &host.node.name;
         let book = &self.shared.book;
         let started = book.now();
@@ -264,12 +268,25 @@ impl SshExecutor {
         if b.is_current(generation) {
             apply_poll(&mut b, name, &plan, report, started, now, at_ms);
         }
-        Ok((
-            connection.gpus.clone(),
-            connection.uncontained.clone(),
-            connection.lists_gpu_processes,
-        ))
+        Ok(PollFound {
+            gpus: connection.gpus.clone(),
+            failed: connection.failed.clone(),
+            gpu_note: connection.gpu_note.clone(),
+            uncontained: connection.uncontained.clone(),
+            lists_gpu_processes: connection.lists_gpu_processes,
+        })
     }
+}
+
+/// What a poll learned of its node besides its workers.
+struct PollFound {
+    gpus: Vec<Gpu>,
+    failed: Vec<keel_state::FailedGpu>,
+    gpu_note: String,
+    /// Why its workers get no cgroup, when they do not.
+    uncontained: Option<String>,
+    /// It has `nvidia-smi`, which can list the processes on its GPUs.
+    lists_gpu_processes: bool,
 }
 
 #[cfg(test)]

@@ -17,7 +17,9 @@ use crate::codec::{
     sample_to_proto, spec_from_proto, spec_to_proto, DecodeError,
 };
 use crate::free_gpus::FreeGpus;
-use crate::model::{Allocation, GpuHolders, Job, JobState, Node, NodeState, Worker, WorkerState};
+use crate::model::{
+    Allocation, GoneGpu, GpuHolders, Job, JobState, Node, NodeState, Worker, WorkerState,
+};
 use crate::perf_history::{PerfHistory, SpeedStat};
 use crate::policy_memory::{PolicyMemory, PolicyMemorySlot};
 use crate::requests::{RecentRequests, Remembered};
@@ -263,6 +265,16 @@ fn node_to_proto(n: &Node) -> pb::NodeRecord {
         state: n.state.as_str().to_string(),
         registered_at_ms: n.registered_at_ms,
         message: n.message.clone(),
+        gone_gpus: n
+            .gone_gpus
+            .iter()
+            .map(|(index, g)| pb::GoneGpu {
+                index: *index,
+                gpu_type: g.gpu_type.clone(),
+                reason: g.reason.clone(),
+                since_ms: g.since_ms,
+            })
+            .collect(),
     }
 }
 
@@ -280,6 +292,20 @@ fn node_from_proto(n: pb::NodeRecord) -> Result<Node, DecodeError> {
             )));
         }
     }
+    let mut gone_gpus = BTreeMap::new();
+    for g in n.gone_gpus {
+        let gone = GoneGpu {
+            gpu_type: g.gpu_type,
+            reason: g.reason,
+            since_ms: g.since_ms,
+        };
+        if gpus.contains_key(&g.index) || gone_gpus.insert(g.index, gone).is_some() {
+            return Err(DecodeError::Inconsistent(format!(
+                "node {:?}: GPU {} is listed twice",
+                n.name, g.index
+            )));
+        }
+    }
     Ok(Node {
         name: n.name,
         address: n.address,
@@ -287,6 +313,7 @@ fn node_from_proto(n: pb::NodeRecord) -> Result<Node, DecodeError> {
         state,
         registered_at_ms: n.registered_at_ms,
         message: n.message,
+        gone_gpus,
     })
 }
 
