@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 
 use k8s_openapi::api::core::v1::{Node, Pod, Taint, Toleration};
 use keel_state::liveness::NodeReport;
-use keel_state::Gpu;
+use keel_state::{FailedGpu, Gpu};
 
 use crate::discovery::gpu_type_of;
 use crate::executor::NodeProbe;
@@ -254,8 +254,22 @@ pub fn offer(node: &Node, rules: &OfferRules<'_>, usage: &NodeUse) -> Option<Nod
                 gpu_type: gpu_type.clone(),
             })
             .collect(),
-        // Kubernetes says how many are allocatable, not which failed.
-        failed: Vec::new(),
+        // Kubernetes says how many are allocatable, not which failed; the
+        // GPUs Keel's terminating Pods still hold are known by index, and
+        // a job the state put there meanwhile is told why it cannot run.
+        failed: usage
+            .stuck
+            .iter()
+            .flat_map(|(pod, gpus)| gpus.iter().map(move |g| (*g, pod)))
+            .filter(|(g, _)| stuck.contains(g))
+            .collect::<std::collections::BTreeMap<u32, &String>>()
+            .into_iter()
+            .map(|(index, pod)| FailedGpu {
+                index,
+                gpu_type: gpu_type.clone(),
+                reason: format!("held by Keel's pod {pod}, still terminating"),
+            })
+            .collect(),
         note,
     }))
 }
@@ -307,6 +321,35 @@ mod tests {
             Some(NodeProbe::Answered(r)) => (r.gpus.iter().map(|g| g.index).collect(), r.note),
             p => panic!("{p:?}"),
         }
+    }
+
+    /// Issue 33: a GPU a terminating Pod of Keel's still holds is not
+    /// offered, and the report says which and why (so a job placed there
+    /// meanwhile is requeued with that reason).
+    #[test]
+    fn a_gpu_a_terminating_pod_holds_is_reported_with_why() {
+        let usage = NodeUse {
+            others: vec![],
+            stuck: vec![("job-4-e1-r0".into(), vec![2])],
+            held: BTreeSet::new(),
+            others_unseen: None,
+        };
+        let Some(NodeProbe::Answered(report)) = offer(&node(4, 4), &rules(&[]), &usage) else {
+            panic!("an answer");
+        };
+        assert_eq!(
+            report.gpus.iter().map(|g| g.index).collect::<Vec<_>>(),
+            vec![0, 1, 3]
+        );
+        assert_eq!(
+            report.failed,
+            vec![FailedGpu {
+                index: 2,
+                gpu_type: report.gpus[0].gpu_type.clone(),
+                reason: "held by Keel's pod job-4-e1-r0, still terminating".into()
+            }]
+        );
+        assert!(report.validate().is_ok(), "{report:?}");
     }
 
     #[test]
