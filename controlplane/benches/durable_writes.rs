@@ -187,6 +187,7 @@ fn main() {
             policy: std::sync::Arc::new(keel_scheduling::policy::Fifo::default()),
             policy_options: Default::default(),
             loops: keel::leader::LoopSettings::default(),
+            removed_grace: std::time::Duration::from_secs(5),
         };
         let server = Server::start(&config, system_clock()).await.expect("start");
         let addr = server.addr.to_string();

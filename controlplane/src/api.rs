@@ -483,7 +483,7 @@ impl Keel for KeelApi {
             ServerState::Shutdown => "shutdown",
         };
         let shared = self.node.state_machine.shared();
-        let (last_applied_index, state_hash, policy) = {
+        let (last_applied_index, state_hash, policy, removed_members) = {
             let applied = shared.read();
             (
                 applied.last_applied.map_or(0, |l| l.index),
@@ -493,6 +493,7 @@ impl Keel for KeelApi {
                     .policy()
                     .unwrap_or(self.default_policy)
                     .to_string(),
+                applied.removed_members.clone(),
             )
         };
         let scheduling = match self.scheduling.read() {
@@ -550,6 +551,32 @@ impl Keel for KeelApi {
                                 r.get(id).and_then(|m| m.map(|l| l.index))
                             }
                         }),
+                    })
+                    .collect()
+            },
+            removed: self
+                .node
+                .removal
+                .get()
+                .map(|r| r.to_string())
+                .unwrap_or_default(),
+            removed_members: {
+                // A member replaced by a new incarnation is not removed.
+                let members: std::collections::BTreeSet<u64> = metrics
+                    .membership_config
+                    .membership()
+                    .nodes()
+                    .map(|(id, _)| member_of(*id))
+                    .collect();
+                removed_members
+                    .0
+                    .iter()
+                    .filter(|(id, _)| !members.contains(&member_of(**id)))
+                    .map(|(id, (address, index))| api::RemovedMember {
+                        id: member_of(*id),
+                        incarnation: incarnation_of(*id),
+                        address: address.clone(),
+                        removed_at_index: *index,
                     })
                     .collect()
             },

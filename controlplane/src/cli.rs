@@ -43,38 +43,51 @@ pub type Client = KeelClient<tonic::service::interceptor::InterceptedService<Cha
 
 /// Connects to the first reachable of the comma-separated addresses.
 async fn connect(addrs: &str) -> anyhow::Result<Client> {
-    connect_from(addrs, 0).await
+    Ok(connect_from(addrs, 0).await?.0)
+}
+
+/// The comma-separated addresses, in order.
+fn address_list(addrs: &str) -> Vec<&str> {
+    addrs
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .collect()
+}
+
+/// Connects to `addr` alone.
+async fn connect_one(addr: &str) -> anyhow::Result<Client> {
+    let url = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let endpoint = tonic::transport::Endpoint::from_shared(url)
+        .with_context(|| format!("invalid server address {addr:?}"))?
+        .connect_timeout(std::time::Duration::from_secs(2));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(addr.to_string()))?;
+    let mode = ReadMode {
+        stale: STALE_READS.get().copied().unwrap_or(false),
+    };
+    Ok(KeelClient::with_interceptor(channel, mode)
+        .max_decoding_message_size(64 * keel::MAX_REQUEST_BYTES))
 }
 
 /// Connects to the first reachable of the comma-separated addresses,
 /// starting at the `first`-th (modulo their number): a write sent again
-/// after a send that got no answer tries the next replica first.
-async fn connect_from(addrs: &str, first: usize) -> anyhow::Result<Client> {
+/// after a send that got no answer tries the next replica first. Returns
+/// the client and the address it reached.
+async fn connect_from(addrs: &str, first: usize) -> anyhow::Result<(Client, String)> {
     let mut last_error = None;
-    let list: Vec<&str> = addrs
-        .split(',')
-        .map(str::trim)
-        .filter(|a| !a.is_empty())
-        .collect();
+    let list = address_list(addrs);
     let start = first % list.len().max(1);
     for &addr in list[start..].iter().chain(&list[..start]) {
-        let url = if addr.contains("://") {
-            addr.to_string()
-        } else {
-            format!("http://{addr}")
-        };
-        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())
-            .with_context(|| format!("invalid server address {addr:?}"))?
-            .connect_timeout(std::time::Duration::from_secs(2));
-        match endpoint.connect().await {
-            Ok(channel) => {
-                let mode = ReadMode {
-                    stale: STALE_READS.get().copied().unwrap_or(false),
-                };
-                return Ok(KeelClient::with_interceptor(channel, mode)
-                    .max_decoding_message_size(64 * keel::MAX_REQUEST_BYTES));
-            }
-            Err(e) => last_error = Some(anyhow::Error::new(e).context(addr.to_string())),
+        match connect_one(addr).await {
+            Ok(client) => return Ok((client, addr.to_string())),
+            Err(e) => last_error = Some(e),
         }
     }
     Err(last_error
@@ -82,6 +95,66 @@ async fn connect_from(addrs: &str, first: usize) -> anyhow::Result<Client> {
         .context(format!(
             "cannot connect to a Keel server at {addrs} (set --addr or KEEL_ADDR)"
         )))
+}
+
+/// Whether a replica's answer sends the CLI to the next address: it is not
+/// the leader and knows none, it was removed from the cluster, or it
+/// cannot serve now (all UNAVAILABLE). Another replica may answer.
+fn ask_another(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable
+}
+
+/// The addresses tried and what each said, for an error when none answered.
+#[derive(Debug, Default)]
+struct Tried(Vec<(String, String)>);
+
+impl Tried {
+    fn note(&mut self, addr: &str, why: String) {
+        match self.0.iter_mut().find(|(a, _)| a == addr) {
+            Some((_, last)) => *last = why,
+            None => self.0.push((addr.to_string(), why)),
+        }
+    }
+
+    fn error(&self, what: &str) -> anyhow::Error {
+        let tried: Vec<String> = self
+            .0
+            .iter()
+            .map(|(a, why)| format!("{a}: {why}"))
+            .collect();
+        anyhow::anyhow!("{what}; tried {}", tried.join("; "))
+    }
+}
+
+/// Runs a read on the first replica of `addrs` that can answer it: one
+/// that cannot be reached, knows no leader or was removed is passed over
+/// for the next; when none answers, the error names each address and why.
+/// Returns the answer and the client that gave it (for follow-up reads).
+async fn read<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<(T, Client)>
+where
+    F: FnMut(Client) -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let list = address_list(addrs);
+    if list.is_empty() {
+        bail!("no server address given (set --addr or KEEL_ADDR)");
+    }
+    let mut tried = Tried::default();
+    for addr in list {
+        let client = match connect_one(addr).await {
+            Ok(client) => client,
+            Err(e) => {
+                tried.note(addr, format!("{e:#}"));
+                continue;
+            }
+        };
+        match call(client.clone()).await {
+            Ok(resp) => return Ok((resp.into_inner(), client)),
+            Err(status) if ask_another(&status) => tried.note(addr, status.message().to_string()),
+            Err(status) => return Err(status_error(status)),
+        }
+    }
+    Err(tried.error("no Keel server could answer"))
 }
 
 /// How long the CLI keeps sending a write that got no answer.
@@ -139,18 +212,32 @@ where
     let deadline = std::time::Instant::now() + WRITE_RETRY_FOR;
     let mut sent = false;
     let mut first = 0;
+    let mut tried = Tried::default();
+    let replicas = address_list(addrs).len().max(1);
     loop {
         match connect_from(addrs, first).await {
-            Ok(client) => {
+            Ok((client, addr)) => {
                 sent = true;
                 match attempt(call(client, request_id.clone())).await {
                     Ok(resp) => return Ok(resp.into_inner()),
                     Err(status) if retryable(&status) && std::time::Instant::now() < deadline => {
-                        tracing::debug!(%request_id, %status, "write in doubt; sending it again");
-                        if status.code() == tonic::Code::DeadlineExceeded {
-                            // That replica may be stopped: another first.
-                            first += 1;
+                        tracing::debug!(%request_id, %addr, %status, "write in doubt or not taken; sending it again");
+                        tried.note(&addr, status.message().to_string());
+                        // Not the leader and knowing none, removed, stopped:
+                        // the next replica first (issue 34).
+                        first += 1;
+                        // A round of every replica without an answer: wait
+                        // for an election before the next.
+                        if first % replicas != 0 {
+                            continue;
                         }
+                    }
+                    Err(status) if retryable(&status) && !tried.0.is_empty() => {
+                        tried.note(&addr, status.message().to_string());
+                        return Err(tried.error(&format!(
+                            "no Keel server took the write within {} s",
+                            WRITE_RETRY_FOR.as_secs()
+                        )));
                     }
                     Err(status) => return Err(status_error(status)),
                 }
@@ -172,14 +259,19 @@ where
     Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut first = 0;
+    let mut tried = Tried::default();
     loop {
-        let client = connect(addrs).await?;
+        let (client, addr) = connect_from(addrs, first).await?;
         match call(client).await {
             Ok(resp) => return Ok(resp.into_inner()),
-            Err(status)
-                if keel::grpc_status::not_proposed(&status)
-                    && std::time::Instant::now() < deadline =>
-            {
+            Err(status) if keel::grpc_status::not_proposed(&status) => {
+                tried.note(&addr, status.message().to_string());
+                if std::time::Instant::now() >= deadline {
+                    return Err(tried.error("no Keel server took the change within 10 s"));
+                }
+                // The next replica may know the leader (issue 34).
+                first += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
             Err(status) => return Err(status_error(status)),
@@ -262,25 +354,23 @@ pub async fn jobs(
     user: Option<String>,
     out: Output,
 ) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let resp = client
-        .list_jobs(api::ListJobsRequest {
-            state: state.unwrap_or_default(),
-            user: user.unwrap_or_default(),
-        })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let request = api::ListJobsRequest {
+        state: state.unwrap_or_default(),
+        user: user.unwrap_or_default(),
+    };
+    let (resp, _) = read(addr, |mut client| {
+        let request = request.clone();
+        async move { client.list_jobs(request).await }
+    })
+    .await?;
     render::jobs(&resp.jobs, out)
 }
 
 pub async fn job(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let job = client
-        .get_job(api::GetJobRequest { job_id: id })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let (job, mut client) = read(addr, |mut client| async move {
+        client.get_job(api::GetJobRequest { job_id: id }).await
+    })
+    .await?;
     let history = history(&mut client, id).await?;
     // A running job's logs that are paused for want of space (asked of the
     // leader's executor; a failure to ask leaves the job shown without).
@@ -310,22 +400,25 @@ pub async fn job(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
 }
 
 pub async fn logs(addr: &str, id: u64, tail_bytes: u64, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let resp = client
-        .get_logs(api::GetLogsRequest {
-            job_id: id,
-            tail_bytes,
-        })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let (resp, _) = read(addr, |mut client| async move {
+        client
+            .get_logs(api::GetLogsRequest {
+                job_id: id,
+                tail_bytes,
+            })
+            .await
+    })
+    .await?;
     render::logs(id, &resp, out)
 }
 
 /// Prints each worker log's tail, then what is appended, until the job has
 /// ended and its logs stop growing. Polls the server twice a second.
 pub async fn follow_logs(addr: &str, id: u64, tail_bytes: u64) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
+    let (_, mut client) = read(addr, |mut client| async move {
+        client.get_job(api::GetJobRequest { job_id: id }).await
+    })
+    .await?;
     // Bytes of each (epoch, rank) log already printed.
     let mut printed: std::collections::BTreeMap<(u64, u32), u64> = Default::default();
     let mut last: Option<(u64, u32)> = None;
@@ -416,12 +509,10 @@ pub async fn set_policy(addr: &str, name: String, out: Output) -> anyhow::Result
 }
 
 pub async fn show_policy(addr: &str, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let status = client
-        .cluster_status(api::ClusterStatusRequest {})
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let (status, _) = read(addr, |mut client| async move {
+        client.cluster_status(api::ClusterStatusRequest {}).await
+    })
+    .await?;
     render::policy_show(&status.policy, out)
 }
 
@@ -443,25 +534,23 @@ pub async fn cancel(addr: &str, id: u64, reason: String, out: Output) -> anyhow:
 }
 
 pub async fn nodes(addr: &str, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let resp = client
-        .list_nodes(api::ListNodesRequest {})
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let (resp, _) = read(addr, |mut client| async move {
+        client.list_nodes(api::ListNodesRequest {}).await
+    })
+    .await?;
     render::nodes(&resp.nodes, out)
 }
 
 pub async fn events(addr: &str, from: u64, follow: bool, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let mut stream = client
-        .watch_events(api::WatchEventsRequest {
-            from_index: from,
-            follow,
-        })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let (mut stream, _) = read(addr, |mut client| async move {
+        client
+            .watch_events(api::WatchEventsRequest {
+                from_index: from,
+                follow,
+            })
+            .await
+    })
+    .await?;
     while let Some(record) = stream.message().await.map_err(status_error)? {
         render::applied_entry(&record, out)?;
     }
@@ -573,8 +662,15 @@ async fn member_status(addr: &str) -> Option<api::ClusterStatusResponse> {
 }
 
 pub async fn why(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {
-    let mut client = connect(addr).await?;
-    let history = history(&mut client, id).await?;
+    let (history, _) = read(addr, |mut client| async move {
+        client
+            .job_history(api::JobHistoryRequest {
+                job_id: id,
+                limit: 0,
+            })
+            .await
+    })
+    .await?;
     render::why(id, &history, out)
 }
 

@@ -112,6 +112,9 @@ pub mod reason {
     pub const LEARNER_DID_NOT_CATCH_UP: &str = "LEARNER_DID_NOT_CATCH_UP";
     pub const MEMBERSHIP_CHANGE_IN_PROGRESS: &str = "MEMBERSHIP_CHANGE_IN_PROGRESS";
     pub const MEMBERSHIP_CHANGE_NOT_COMMITTED: &str = "MEMBERSHIP_CHANGE_NOT_COMMITTED";
+    /// This replica was removed from its cluster and serves nothing (issue
+    /// 34); nothing was proposed. Ask another replica.
+    pub const REMOVED: &str = "REMOVED";
 }
 
 impl ApiError {
@@ -226,7 +229,9 @@ pub fn reason_of(status: &Status) -> Option<String> {
 /// or no leader reached), so sending it again cannot apply it twice.
 pub fn not_proposed(status: &Status) -> bool {
     status.code() == Code::Unavailable
-        && reason_of(status).is_some_and(|r| r == reason::NOT_LEADER || r == reason::NO_LEADER)
+        && reason_of(status).is_some_and(|r| {
+            r == reason::NOT_LEADER || r == reason::NO_LEADER || r == reason::REMOVED
+        })
 }
 
 /// Whether a status is the transport's own for a connection that was never

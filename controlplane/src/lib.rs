@@ -29,6 +29,7 @@ pub mod node_liveness;
 pub mod proposer;
 pub mod raft_network;
 pub mod raft_node;
+pub mod removal;
 pub mod server;
 
 /// Largest gRPC request the server accepts, in bytes.

@@ -165,6 +165,10 @@ enum Cmd {
         /// --stop-grace-s).
         #[arg(long, default_value_t = 30.0)]
         shutdown_timeout_s: f64,
+        /// Seconds a replica removed from its cluster keeps answering each
+        /// request with its removal before it stops.
+        #[arg(long, default_value_t = 5.0)]
+        removed_grace_s: f64,
         /// At most one progress entry per job this often, in seconds.
         #[arg(long, default_value_t = 2.0)]
         progress_interval_s: f64,
@@ -833,6 +837,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             gavel,
             stop_grace_s,
             shutdown_timeout_s,
+            removed_grace_s,
             progress_interval_s,
             worker_logs,
         } => {
@@ -892,6 +897,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 kubernetes: kubernetes.target()?,
                 policy: policy.into(),
                 policy_options,
+                removed_grace: seconds("removed-grace-s", removed_grace_s)?,
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,
                     stop_grace: seconds("stop-grace-s", stop_grace_s)?,

@@ -179,6 +179,8 @@ pub struct GrpcNetwork {
     wire_format: u32,
     formats: PeerFormats,
     clock: Arc<ServerClock>,
+    /// This replica's Raft id and where a peer's word of its removal goes.
+    removal: Option<(u64, crate::removal::RemovalFlag)>,
 }
 
 /// What each peer said it reads, shared by the clients openraft makes for
@@ -265,7 +267,15 @@ impl GrpcNetwork {
             wire_format,
             formats: PeerFormats::default(),
             clock,
+            removal: None,
         }
+    }
+
+    /// Peers that refuse this replica's (`me`'s) vote because it was
+    /// removed say so into `flag` ([`crate::removal`]).
+    pub fn telling(mut self, me: u64, flag: crate::removal::RemovalFlag) -> GrpcNetwork {
+        self.removal = Some((me, flag));
+        self
     }
 }
 
@@ -279,6 +289,7 @@ impl RaftNetworkFactory<TypeConfig> for GrpcNetwork {
         peer.wire_format = self.wire_format;
         peer.formats = self.formats.clone();
         peer.clock = Some(self.clock.clone());
+        peer.removal = self.removal.clone();
         peer
     }
 }
@@ -303,6 +314,8 @@ pub struct GrpcPeer {
     /// This replica's clocks: each message says its wall clock and log
     /// time and the peer's offset, each reply the peer's clock.
     clock: Option<Arc<ServerClock>>,
+    /// This replica's Raft id and where a peer's word of its removal goes.
+    removal: Option<(u64, crate::removal::RemovalFlag)>,
 }
 
 impl GrpcPeer {
@@ -318,6 +331,7 @@ impl GrpcPeer {
             formats: PeerFormats::default(),
             clock: None,
             gathered: None,
+            removal: None,
         }
     }
 
@@ -432,6 +446,21 @@ impl GrpcPeer {
                 }));
             }
             Ok(Err(status)) => {
+                // The peer says this replica was removed (it refused the
+                // vote): the removal watch stops the server.
+                if let (Some(index), Some((me, flag))) = (removed_at(&status), &self.removal) {
+                    let at_ms = self.clock.as_ref().map_or(0, |c| c.wall_ms());
+                    flag.told(
+                        *me,
+                        self.identity.get().unwrap_or_default(),
+                        index,
+                        self.target,
+                        at_ms,
+                    );
+                    return Err(RPCError::Unreachable(Unreachable::new(
+                        &std::io::Error::other(status.message().to_string()),
+                    )));
+                }
                 // Another incarnation of the member answered: it takes no
                 // part until the leader re-admits it (`membership`).
                 if let Some(found) = refused_by(&status) {
@@ -657,6 +686,17 @@ impl GrpcPeer {
 /// (`install_snapshot_timeout`), so few and large.
 const SNAPSHOT_CHUNK_BYTES: usize = 8 * 1024 * 1024;
 
+/// The log index a vote refusal names as this replica's removal.
+fn removed_at(status: &Status) -> Option<u64> {
+    status
+        .metadata()
+        .get(crate::removal::REMOVED_AT_HEADER)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
 /// The Raft id a refusal names: the refusing replica is another
 /// incarnation of the member the message was for.
 fn refused_by(status: &Status) -> Option<u64> {
@@ -765,6 +805,38 @@ impl RaftService {
 }
 
 impl RaftService {
+    /// Refuses the vote of a candidate this replica's committed membership
+    /// removed, telling it so ([`crate::removal::refuse_vote_of_removed`]):
+    /// a follower removed by its leader never gets that entry, and would
+    /// otherwise stand for election, unheard, for as long as it runs.
+    fn refuse_removed(&self, req: &VoteRequest<u64>) -> Result<(), Status> {
+        let candidate = req.vote.leader_id().voted_for().unwrap_or_default();
+        let index = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            crate::removal::refuse_vote_of_removed(
+                self.me,
+                candidate,
+                req.last_log_id.map(|l| l.index),
+                m.membership_config.log_id().map(|l| l.index),
+                &crate::removal::named(m.membership_config.membership()),
+                m.last_applied.map(|l| l.index),
+            )
+        };
+        let Some(index) = index else {
+            return Ok(());
+        };
+        let mut status = Status::failed_precondition(format!(
+            "replica {} was removed from this cluster at log index {index}: this replica refuses its vote",
+            membership::show(candidate)
+        ));
+        status.metadata_mut().insert(
+            crate::removal::REMOVED_AT_HEADER,
+            tonic::metadata::MetadataValue::from(index),
+        );
+        Err(status)
+    }
+
     /// Decodes a received message: its format and its request. A format
     /// newer than this replica reads is FAILED_PRECONDITION (an upgrade is
     /// due), a payload that does not decode INVALID_ARGUMENT.
@@ -832,6 +904,7 @@ impl RaftRpc for RaftService {
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
         self.admit(&request, false)?;
         let (format, req): (_, VoteRequest<u64>) = self.decode(request.get_ref())?;
+        self.refuse_removed(&req)?;
         self.reply(format, &self.raft.vote(req).await)
     }
 

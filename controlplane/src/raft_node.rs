@@ -54,6 +54,9 @@ pub enum RaftNodeError {
     MemberIdOutOfRange { id: u64, max: u64 },
     #[error(transparent)]
     Incarnation(#[from] membership::IncarnationError),
+    /// The replica of this data directory was removed (issue 34).
+    #[error(transparent)]
+    Removed(#[from] crate::removal::RemovalError),
     #[error(
         "this data directory belongs to a cluster of members {stored}; --peers says {given}. \
          Refusing to start: initialising a cluster twice with different members could split it. \
@@ -293,6 +296,9 @@ pub struct RaftNode {
     /// Peers that answered as another incarnation (the leader's repair
     /// reads them).
     pub strangers: Strangers,
+    /// What this replica learned of its removal from the cluster
+    /// ([`crate::removal`]).
+    pub removal: crate::removal::RemovalFlag,
     pub raft: Raft,
     /// The cluster this replica belongs to (checked on every Raft message).
     pub identity: Arc<ClusterIdentity>,
@@ -428,6 +434,8 @@ impl RaftNode {
                     .join(","),
             });
         }
+        // A replica removed from its cluster does not serve again as one.
+        crate::removal::check_not_removed(data_dir.root())?;
         let log_dir = data_dir.raft_log_dir();
         let mut log = LogStore::open(&log_dir).map_err(|source| RaftNodeError::Log {
             path: log_dir.display().to_string(),
@@ -451,6 +459,7 @@ impl RaftNode {
             membership::load_or_create_incarnation(&data_dir.root().join("incarnation"), fresh)?;
         let raft_id = membership::raft_id(member, incarnation);
         let strangers = Strangers::default();
+        let removal = crate::removal::RemovalFlag::default();
         let state_machine = StateMachineStore::open(&data_dir.state_dir())?;
         // No stamp is earlier than what the log already holds.
         clock.saw_entry(state_machine.shared().read().state.last_entry_at_ms());
@@ -475,7 +484,8 @@ impl RaftNode {
                 strangers.clone(),
                 settings.wire_format,
                 clock.clone(),
-            ),
+            )
+            .telling(raft_id, removal.clone()),
             log.clone(),
             state_machine.clone(),
         )
@@ -550,6 +560,7 @@ impl RaftNode {
         Ok(RaftNode {
             id: raft_id,
             strangers,
+            removal,
             raft,
             identity,
             state_machine,

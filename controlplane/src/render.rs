@@ -939,6 +939,13 @@ pub fn cluster_status(
         Output::Table => {
             let opt = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
             outln!("cluster {}", contacted.cluster_id);
+            if !contacted.removed.is_empty() {
+                outln!(
+                    "this replica (member {}) is no longer a member: {}; the members below are as it last saw them",
+                    contacted.member_id,
+                    contacted.removed
+                );
+            }
             if !contacted.policy.is_empty() {
                 outln!("policy {}", contacted.policy);
             }
@@ -985,7 +992,7 @@ pub fn cluster_status(
                     );
                 }
             }
-            let rows: Vec<Vec<String>> = views
+            let mut rows: Vec<Vec<String>> = views
                 .iter()
                 .map(|v| {
                     vec![
@@ -1007,6 +1014,21 @@ pub fn cluster_status(
                     ]
                 })
                 .collect();
+            // Members the contacted replica saw removed (issue 34).
+            for r in &contacted.removed_members {
+                let mut row = vec![
+                    r.id.to_string(),
+                    if r.incarnation == 0 {
+                        "-".to_string()
+                    } else {
+                        format!("{:012x}", r.incarnation)
+                    },
+                    r.address.clone(),
+                    format!("removed at index {}", r.removed_at_index),
+                ];
+                row.resize(11, "-".to_string());
+                rows.push(row);
+            }
             print_table(
                 &[
                     "ID",

@@ -63,6 +63,9 @@ pub struct ServerConfig {
     /// Options for the policies switched to at run time.
     pub policy_options: keel_scheduling::policy::PolicyOptions,
     pub loops: LoopSettings,
+    /// How long a replica removed from its cluster keeps answering (each
+    /// request with its removal) before it stops ([`crate::removal`]).
+    pub removed_grace: std::time::Duration,
 }
 
 /// Where the Kubernetes executor finds its API server, and its settings.
@@ -94,6 +97,9 @@ pub enum ServerError {
     Executor(#[from] keel_executors::ExecutorError),
     #[error("the Kubernetes client: {0}")]
     Kubernetes(String),
+    /// This replica was removed from its cluster and stopped (issue 34).
+    #[error("{0}; stopped")]
+    Removed(crate::removal::Removal),
 }
 
 /// A started server: its bound address and the Raft node behind it.
@@ -299,11 +305,14 @@ impl Server {
             self.config.loops.clone(),
             stop_rx,
         ));
-        let service = crate::grpc_status::TooLargeIsResourceExhausted(
-            KeelServer::from_arc(api)
-                .max_decoding_message_size(MAX_REQUEST_BYTES)
-                .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
-        );
+        let service = crate::removal::RefuseWhenRemoved {
+            inner: crate::grpc_status::TooLargeIsResourceExhausted(
+                KeelServer::from_arc(api)
+                    .max_decoding_message_size(MAX_REQUEST_BYTES)
+                    .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
+            ),
+            flag: self.node.removal.clone(),
+        };
         tracing::info!(addr = %self.addr, "serving the Keel API");
         // Replies are small and latency-bound: no Nagle delay on accepted
         // connections (tonic sets this only on listeners it binds itself).
@@ -342,6 +351,14 @@ impl Server {
         };
         let fatal = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
         let noted = fatal.clone();
+        let removed = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let noted_removal = removed.clone();
+        let removal = crate::removal::watch(
+            self.node.clone(),
+            self.node.removal.clone(),
+            self.node.data_dir.root().to_path_buf(),
+            self.config.removed_grace,
+        );
         let watchdog = ShutdownWatchdog::new(self.config.loops.shutdown_timeout);
         let armed = watchdog.clone();
         let stop_serving = async move {
@@ -351,6 +368,11 @@ impl Server {
                     tracing::error!(cause = %cause, "Raft stopped: shutting down");
                     if let Ok(mut f) = noted.lock() {
                         *f = Some(cause);
+                    }
+                }
+                gone = removal => {
+                    if let Ok(mut r) = noted_removal.lock() {
+                        *r = Some(gone);
                     }
                 }
             }
@@ -383,6 +405,9 @@ impl Server {
         watchdog.disarm();
         if let Some(cause) = fatal {
             return Err(ServerError::RaftStopped(cause));
+        }
+        if let Some(removal) = removed.lock().ok().and_then(|mut r| r.take()) {
+            return Err(ServerError::Removed(removal));
         }
         stopped?;
         result?;

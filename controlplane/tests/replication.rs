@@ -1838,3 +1838,126 @@ fn a_clock_an_hour_off_neither_leads_nor_stalls_log_time() {
         assert!(pair[1].1 >= pair[0].1, "time went backwards: {pair:?}");
     }
 }
+
+/// Issue 34: a leader removed from its cluster, with `KEEL_ADDR` listing it
+/// first. It says so on every request and in `keel cluster status`; the
+/// CLI goes on to the next address, so the submit after the removal is
+/// taken; the other members show it removed; it stops within its grace,
+/// and its data directory refuses to start as a member again, naming the
+/// way back. A follower removed by its leader never gets the entry that
+/// removes it: it is told when it stands for election, and stops too.
+#[test]
+fn a_removed_member_says_so_stops_and_the_cli_goes_on_to_the_next_address() {
+    let mut cluster = Cluster::start(&["--removed-grace-s", "3"]);
+    let leader = cluster.leader();
+    let addrs = cluster.addrs_leader_first(leader);
+    let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
+    cluster.submit(&addrs, "before").expect("acknowledged");
+    let out = cli(&addrs, &["cluster", "remove", "--id", &leader.to_string()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every request but the status is answered with the removal.
+    let words = wait_for("the removed replica to say so", || {
+        let out = cli(&leader_addr, &["jobs"]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        err.contains("was removed from cluster").then_some(err)
+    });
+    assert!(
+        words.contains(&format!("replica {leader}")) && words.contains("it serves nothing"),
+        "{words}"
+    );
+    let status = json(&leader_addr, &["cluster", "status"]).expect("status");
+    assert!(
+        status["removed"]
+            .as_str()
+            .is_some_and(|r| r.contains("was removed from cluster")),
+        "{status}"
+    );
+    // The same KEEL_ADDR, the removed replica first: the next one takes it.
+    let after = cluster
+        .submit(&addrs, "after")
+        .expect("taken through the next address");
+    let other = (1..=3).find(|r| *r != leader).expect("another member");
+    let status = json(
+        &cluster.replicas[other as usize - 1].addr,
+        &["cluster", "status"],
+    )
+    .expect("status");
+    assert_eq!(status["removed_members"][0]["id"], leader, "{status}");
+    let table = String::from_utf8_lossy(
+        &cli(
+            &cluster.replicas[other as usize - 1].addr,
+            &["cluster", "status"],
+        )
+        .stdout,
+    )
+    .to_string();
+    assert!(table.contains("removed at index"), "{table}");
+    // It stops on its own.
+    let exit = wait_for("the removed replica to stop", || {
+        cluster.replicas[leader as usize - 1]
+            .child
+            .as_mut()?
+            .try_wait()
+            .ok()?
+    });
+    cluster.replicas[leader as usize - 1].child = None;
+    assert!(!exit.success(), "{exit}");
+    assert!(cluster.logs(leader).contains("was removed from cluster"));
+    // Its data directory refuses to serve as a member again.
+    let out = Command::new(KEEL)
+        .args(["server", "--id", &leader.to_string(), "--no-local-node"])
+        .args([
+            "--peers",
+            &cluster.peers,
+            "--listen",
+            &leader_addr,
+            "--data-dir",
+        ])
+        .arg(&cluster.replicas[leader as usize - 1].data)
+        .output()
+        .expect("run keel server");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("was removed from cluster")
+            && err.contains(&format!("keel cluster add --id {leader}")),
+        "{err}"
+    );
+    let jobs = cluster.jobs_on(other);
+    assert!(jobs.contains(&after), "{jobs:?}");
+
+    // A follower removed by the new leader: told when it stands for
+    // election (its leader no longer sends it anything), it stops too.
+    let new_leader = cluster.leader();
+    let follower = (1..=3)
+        .find(|r| *r != leader && *r != new_leader)
+        .expect("a follower");
+    let survivor_addr = cluster.replicas[new_leader as usize - 1].addr.clone();
+    let out = cli(
+        &survivor_addr,
+        &["cluster", "remove", "--id", &follower.to_string()],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let exit = wait_for("the removed follower to stop", || {
+        cluster.replicas[follower as usize - 1]
+            .child
+            .as_mut()?
+            .try_wait()
+            .ok()?
+    });
+    cluster.replicas[follower as usize - 1].child = None;
+    assert!(!exit.success(), "{exit}");
+    let log = cluster.logs(follower);
+    assert!(log.contains("which refused its vote"), "{log}");
+    cluster
+        .submit(&survivor_addr, "alone")
+        .expect("the last member commits alone");
+}

@@ -8,6 +8,7 @@
 //! | `v` + index + position | what one command did (protobuf `AppliedEntry`) |
 //! | `c` + index | a state installed from a leader's snapshot at index (replay starts there) |
 //! | `m/applied`, `m/membership` | last applied log id and membership (`meta_codec`) |
+//! | `m/removed` | the Raft ids memberships have removed ([`RemovedMembers`]; format byte 1, then postcard) |
 //! | `m/snapshot-meta`, `m/snapshot-data` | the current snapshot |
 //!
 //! Each `apply` call writes one atomic sled batch. On open, the state is the
@@ -41,6 +42,76 @@ pub(crate) const PREFIX_CHECKPOINT: u8 = b'c';
 pub(crate) const PREFIX_JOB_HISTORY: u8 = b'h';
 const KEY_APPLIED: &[u8] = b"m/applied";
 const KEY_MEMBERSHIP: &[u8] = b"m/membership";
+const KEY_REMOVED: &[u8] = b"m/removed";
+
+/// The Raft ids that applied memberships named and a later one did not
+/// (issue 34): each with its last address and the log index of the
+/// membership that dropped it; at most [`RemovedMembers::MAX`], the oldest
+/// dropped first. A snapshot does not carry them: a replica that installed
+/// one knows the removals it applied itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemovedMembers(pub std::collections::BTreeMap<u64, (String, u64)>);
+
+impl RemovedMembers {
+    pub const MAX: usize = 64;
+    const FORMAT: u8 = 1;
+
+    /// Records what a membership applied at `index` changed from `before`.
+    fn apply(
+        &mut self,
+        before: &openraft::Membership<u64, BasicNode>,
+        after: &openraft::Membership<u64, BasicNode>,
+        index: u64,
+    ) {
+        let named: std::collections::BTreeSet<u64> = after.nodes().map(|(id, _)| *id).collect();
+        for (id, node) in before.nodes() {
+            if !named.contains(id) {
+                self.0.insert(*id, (node.addr.clone(), index));
+            }
+        }
+        self.0.retain(|id, _| !named.contains(id));
+        while self.0.len() > Self::MAX {
+            let oldest = self
+                .0
+                .iter()
+                .min_by_key(|(id, (_, i))| (*i, **id))
+                .map(|(id, _)| *id);
+            match oldest {
+                Some(id) => self.0.remove(&id),
+                None => break,
+            };
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let list: Vec<(u64, &str, u64)> = self
+            .0
+            .iter()
+            .map(|(id, (addr, index))| (*id, addr.as_str(), *index))
+            .collect();
+        let mut bytes = vec![Self::FORMAT];
+        bytes.extend(postcard::to_stdvec(&list).unwrap_or_default());
+        bytes
+    }
+
+    fn decode(bytes: &[u8]) -> Result<RemovedMembers, String> {
+        match bytes.split_first() {
+            Some((&Self::FORMAT, rest)) => {
+                let list: Vec<(u64, String, u64)> =
+                    postcard::from_bytes(rest).map_err(|e| e.to_string())?;
+                Ok(RemovedMembers(
+                    list.into_iter()
+                        .map(|(id, addr, index)| (id, (addr, index)))
+                        .collect(),
+                ))
+            }
+            Some((format, _)) => Err(format!(
+                "removed members in format {format}, not one this build reads (1)"
+            )),
+            None => Err("empty".into()),
+        }
+    }
+}
 const KEY_SNAPSHOT_META: &[u8] = b"m/snapshot-meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
 /// 2: `ClusterState` gained the supply/demand version, the last round and
@@ -115,6 +186,8 @@ pub struct Applied {
     pub state: ClusterState,
     pub last_applied: Option<LogId>,
     pub membership: StoredMembership<u64, BasicNode>,
+    /// Who the memberships applied here removed ([`RemovedMembers`]).
+    pub removed_members: RemovedMembers,
 }
 
 /// The applied state, shared with readers (the API, the leader's loops).
@@ -294,6 +367,11 @@ impl StateMachineStore {
                 .map_err(|e| StoreError::corrupt("the stored membership", e))?,
             None => StoredMembership::default(),
         };
+        let removed_members = match tree.get(KEY_REMOVED)? {
+            Some(v) => RemovedMembers::decode(&v)
+                .map_err(|e| StoreError::corrupt("the removed members", e))?,
+            None => RemovedMembers::default(),
+        };
         let (mut state, from) = match (tree.get(KEY_SNAPSHOT_META)?, tree.get(KEY_SNAPSHOT_DATA)?) {
             (Some(meta), Some(data)) => {
                 let meta = meta_codec::decode_snapshot_meta(&meta)
@@ -324,6 +402,7 @@ impl StateMachineStore {
                 state,
                 last_applied,
                 membership,
+                removed_members,
             }),
             applied_index,
         });
@@ -620,6 +699,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         outcomes
                     }
                     EntryPayload::Membership(m) => {
+                        let before = applied.membership.membership().clone();
+                        applied.removed_members.apply(&before, &m, index);
                         applied.membership = StoredMembership::new(Some(entry.log_id), m);
                         Vec::new()
                     }
@@ -637,6 +718,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 KEY_MEMBERSHIP.to_vec(),
                 meta_codec::encode_membership(&applied.membership),
             ));
+            writes
+                .inserts
+                .push((KEY_REMOVED.to_vec(), applied.removed_members.encode()));
             writes.applied_index = applied.last_applied.map_or(0, |l| l.index);
         }
         self.writer.write(writes).map_err(sm_err)?;
@@ -700,6 +784,33 @@ mod tests {
     use super::*;
     use keel_state::command::{Command, LogEntry};
     use keel_state::policy_memory::{PolicyMemory, PolicyMemorySlot};
+
+    fn membership(voters: &[u64]) -> openraft::Membership<u64, BasicNode> {
+        let nodes: std::collections::BTreeMap<u64, BasicNode> = voters
+            .iter()
+            .map(|id| (*id, BasicNode::new(format!("10.0.0.{id}:7070"))))
+            .collect();
+        openraft::Membership::new(vec![voters.iter().copied().collect()], nodes)
+    }
+
+    /// Issue 34: the memberships applied say who was removed, at which
+    /// index, and forget one added again; the record survives its encoding.
+    #[test]
+    fn removed_members_are_what_a_later_membership_dropped() {
+        let mut removed = RemovedMembers::default();
+        removed.apply(&membership(&[]), &membership(&[1, 2, 3]), 1);
+        assert!(removed.0.is_empty(), "nobody was removed at the start");
+        removed.apply(&membership(&[1, 2, 3]), &membership(&[2, 3]), 40);
+        assert_eq!(
+            removed.0,
+            std::collections::BTreeMap::from([(1, ("10.0.0.1:7070".to_string(), 40))])
+        );
+        let back = RemovedMembers::decode(&removed.encode()).expect("decodes");
+        assert_eq!(back, removed);
+        assert!(RemovedMembers::decode(&[9, 0]).is_err(), "a newer format");
+        removed.apply(&membership(&[2, 3]), &membership(&[1, 2, 3]), 50);
+        assert!(removed.0.is_empty(), "added again");
+    }
 
     fn state_with_memory() -> ClusterState {
         let mut state = ClusterState::new();
