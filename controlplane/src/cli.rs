@@ -154,7 +154,9 @@ where
             Err(status) => return Err(status_error(status)),
         }
     }
-    Err(tried.error("no Keel server could answer"))
+    Err(tried.error(&format!(
+        "no Keel server at {addrs} could answer (set --addr or KEEL_ADDR)"
+    )))
 }
 
 /// How long the CLI keeps sending a write that got no answer.

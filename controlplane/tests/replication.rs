@@ -1960,4 +1960,18 @@ fn a_removed_member_says_so_stops_and_the_cli_goes_on_to_the_next_address() {
     cluster
         .submit(&survivor_addr, "alone")
         .expect("the last member commits alone");
+    // Nothing answers at the two stopped addresses: the error names both.
+    let gone = format!(
+        "{},{}",
+        leader_addr,
+        cluster.replicas[follower as usize - 1].addr
+    );
+    let out = cli(&gone, &["jobs"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("tried {leader_addr}: "))
+            && err.contains(&cluster.replicas[follower as usize - 1].addr),
+        "{err}"
+    );
 }
