@@ -12,6 +12,9 @@
 //! - [`leader`]: the leader's scheduling and reconcile loops.
 //! - [`log_retention`]: finished jobs' worker logs removed after
 //!   `--retain-logs-s`.
+//! - [`permissions`]: owner-only files (the server's umask) and the check
+//!   of directories others can read.
+//! - [`removal`]: a replica removed from its cluster says so and stops.
 //! - [`server`]: the `keel server` process: data dir, Raft, API, loops,
 //!   shutdown.
 
@@ -26,6 +29,7 @@ pub mod log_limit;
 pub mod log_retention;
 pub mod membership;
 pub mod node_liveness;
+pub mod permissions;
 pub mod proposer;
 pub mod raft_network;
 pub mod raft_node;

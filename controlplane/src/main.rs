@@ -169,6 +169,10 @@ enum Cmd {
         /// request with its removal before it stops.
         #[arg(long, default_value_t = 5.0)]
         removed_grace_s: f64,
+        /// Refuse to start on a data or executor directory that other users
+        /// may read (without it, a warning).
+        #[arg(long)]
+        strict_permissions: bool,
         /// At most one progress entry per job this often, in seconds.
         #[arg(long, default_value_t = 2.0)]
         progress_interval_s: f64,
@@ -224,6 +228,10 @@ enum Cmd {
         /// The worker's CPU limit, in thousandths of a CPU.
         #[arg(long)]
         cpu_max_millis: Option<u32>,
+        /// The worker's umask (octal, e.g. 0022): the server's own runs
+        /// under 077.
+        #[arg(long)]
+        worker_umask: Option<String>,
         #[command(flatten)]
         log: WorkerLogArgs,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
@@ -838,10 +846,28 @@ async fn run(args: Args) -> anyhow::Result<()> {
             stop_grace_s,
             shutdown_timeout_s,
             removed_grace_s,
+            strict_permissions,
             progress_interval_s,
             worker_logs,
         } => {
             init_tracing();
+            // Before anything is created: owner-only files from here on;
+            // workers get the umask back (issue 35).
+            let worker_umask = keel::permissions::restrict_umask();
+            let dirs = [
+                Some((data_dir.as_path(), "the data directory")),
+                executor_dir
+                    .as_deref()
+                    .map(|d| (d, "the executor directory")),
+            ];
+            for (dir, what) in dirs.into_iter().flatten() {
+                if let Some(why) = keel::permissions::not_private(dir, what) {
+                    if strict_permissions {
+                        anyhow::bail!("{why}");
+                    }
+                    tracing::warn!("{why}");
+                }
+            }
             let retain_logs = worker_logs.retain()?;
             let worker_logs = worker_logs.settings()?;
             let seconds = |name: &str, s: f64| -> anyhow::Result<Duration> {
@@ -898,6 +924,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 policy: policy.into(),
                 policy_options,
                 removed_grace: seconds("removed-grace-s", removed_grace_s)?,
+                worker_umask: Some(worker_umask),
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,
                     stop_grace: seconds("stop-grace-s", stop_grace_s)?,
@@ -1001,9 +1028,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
             cpu_cgroup,
             memory_max_bytes,
             cpu_max_millis,
+            worker_umask,
             log,
         } => {
             let output = log.output()?;
+            if let Some(mask) = &worker_umask {
+                if mask.is_empty()
+                    || mask.len() > 4
+                    || !mask.bytes().all(|b| (b'0'..=b'7').contains(&b))
+                {
+                    anyhow::bail!("--worker-umask must be octal digits such as 0022, not {mask:?}");
+                }
+            }
             let containment = keel_executors::supervisor::Containment {
                 cgroup,
                 limits: keel_executors::containment::Limits {
@@ -1015,6 +1051,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     memory_bytes: memory_max_bytes,
                 },
                 leftover_grace: Duration::from_millis(leftover_grace_ms),
+                umask: worker_umask,
             };
             let code =
                 keel_executors::supervisor::supervise(exit_file, command, containment, output)

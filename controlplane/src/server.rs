@@ -66,6 +66,9 @@ pub struct ServerConfig {
     /// How long a replica removed from its cluster keeps answering (each
     /// request with its removal) before it stops ([`crate::removal`]).
     pub removed_grace: std::time::Duration,
+    /// The umask the server was started with, which its local workers get
+    /// back ([`crate::permissions`]); `None`: they keep the server's.
+    pub worker_umask: Option<u32>,
 }
 
 /// Where the Kubernetes executor finds its API server, and its settings.
@@ -193,6 +196,7 @@ impl Server {
                     supervisor: exe,
                     check_gpu_processes: config.nodes.iter().any(|n| n.discovered),
                     logs: config.worker_logs,
+                    worker_umask: config.worker_umask,
                 })?;
                 // This server's nodes run here: whichever server sharing
                 // the executor directory leads runs their workers.

@@ -396,12 +396,17 @@ impl WorkerCgroup {
     }
 }
 
-/// The shell script a worker starts as, with the directories of its
-/// cgroups (its own, then those holding its limits on cgroup v1), `--`
-/// and its command as the arguments: it moves itself into each cgroup,
-/// then becomes the command. Exits 127, saying why, when it cannot.
-pub const ENTER_AND_EXEC: &str = r#"while [ "$1" != -- ]; do echo 0 > "$1/cgroup.procs" || { echo "keel: cannot enter the cgroup $1" >&2; exit 127; }; shift; done
+/// The shell script a worker starts as, with its umask (octal digits, or
+/// empty to keep the supervisor's), the directories of its cgroups (its
+/// own, then those holding its limits on cgroup v1; none without
+/// cgroups), `--` and its command as the arguments: it sets the umask,
+/// moves itself into each cgroup, then becomes the command. Exits 127,
+/// saying why, when it cannot.
+pub const ENTER_AND_EXEC: &str = r#"if [ -n "$1" ]; then umask "$1" || { echo "keel: cannot set the umask $1" >&2; exit 127; }; fi
 shift
+while [ "$1" != -- ]; do echo 0 > "$1/cgroup.procs" || { echo "keel: cannot enter the cgroup $1" >&2; exit 127; }; shift; done
+shift
+command -v -- "$1" > /dev/null 2>&1 || { echo "keel: could not start $1: not found" >&2; exit 127; }
 exec "$@""#;
 
 fn pids_in(dir: &Path) -> Vec<u32> {

@@ -66,6 +66,9 @@ pub struct LocalConfig {
     /// below which it pauses it (so that a noisy worker cannot fill the
     /// disk the Raft log needs).
     pub logs: crate::worker_log::LogSettings,
+    /// The umask supervised workers run under (the server runs under
+    /// `077`); `None`: the supervisor's.
+    pub worker_umask: Option<u32>,
 }
 
 /// What a `.pid` file holds.
@@ -627,6 +630,9 @@ impl LocalExecutor {
             Some(keel) => {
                 let mut c = tokio::process::Command::new(keel);
                 c.arg("supervise").arg("--exit-file").arg(&exit_path);
+                if let Some(mask) = self.config.worker_umask {
+                    c.arg("--worker-umask").arg(format!("{mask:04o}"));
+                }
                 if let (Some(cg), Some(cgroups)) = (&cgroup, &self.cgroups) {
                     c.arg("--cgroup")
                         .arg(&cg.dir)
@@ -1091,6 +1097,7 @@ mod tests {
             supervisor: None,
             logs: Default::default(),
             check_gpu_processes: false,
+            worker_umask: None,
         })
         .expect("executor")
     }

@@ -34,6 +34,21 @@ pub fn write_exit(path: &Path, record: &ExitRecord) -> std::io::Result<()> {
     file.commit()
 }
 
+/// The worker's start: a shell that sets its umask (`umask`, if not
+/// empty), moves itself into each of `cgroups`, then execs `command`
+/// ([`crate::containment::ENTER_AND_EXEC`]).
+fn enter_and_exec(umask: &str, cgroups: &[PathBuf], command: &[String]) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new("/bin/sh");
+    c.arg("-c")
+        .arg(crate::containment::ENTER_AND_EXEC)
+        .arg("keel-enter")
+        .arg(umask)
+        .args(cgroups)
+        .arg("--")
+        .args(command);
+    c
+}
+
 /// The exit recorded at `path`, if there is a readable one.
 pub fn read_exit(path: &Path) -> Option<ExitRecord> {
     serde_json::from_slice(&std::fs::read(path).ok()?).ok()
@@ -73,6 +88,9 @@ pub struct Containment {
     pub resources: keel_state::spec::Resources,
     /// What processes the worker left get between SIGTERM and the kill.
     pub leftover_grace: std::time::Duration,
+    /// The umask the worker runs under (octal digits, e.g. `0022`), set by
+    /// its shell hop; `None`: the supervisor's own.
+    pub umask: Option<String>,
 }
 
 /// Where the supervisor writes its worker's output.
@@ -127,7 +145,9 @@ pub async fn supervise(
         limits,
         resources,
         leftover_grace,
+        umask,
     } = containment;
+    let umask = umask.unwrap_or_default();
     use tokio::signal::unix::{signal, SignalKind};
     // Our own SIGTERM handler: the group's SIGTERM is for the worker.
     let mut term = signal(SignalKind::terminate()).ok();
@@ -167,24 +187,16 @@ pub async fn supervise(
                 for line in limits.apply(&resources) {
                     say(&line);
                 }
-                let mut c = tokio::process::Command::new("/bin/sh");
-                c.arg("-c")
-                    .arg(crate::containment::ENTER_AND_EXEC)
-                    .arg("keel-enter")
-                    .arg(&cg.dir)
-                    .args(limits.extra_dirs(&cg.dir))
-                    .arg("--")
-                    .args(&command);
-                c
+                let mut dirs = vec![cg.dir.clone()];
+                dirs.extend(limits.extra_dirs(&cg.dir));
+                enter_and_exec(&umask, &dirs, &command)
             }
             Err(e) => {
                 say(&format!(
                     "the worker runs without its cgroup {}: {e}",
                     cg.dir.display(),
                 ));
-                let mut c = tokio::process::Command::new(program);
-                c.args(&command[1..]);
-                c
+                enter_and_exec(&umask, &[], &command)
             }
         },
         None => {
@@ -192,9 +204,7 @@ pub async fn supervise(
             for line in crate::containment::Limits::default().apply(&resources) {
                 say(&line);
             }
-            let mut c = tokio::process::Command::new(program);
-            c.args(&command[1..]);
-            c
+            enter_and_exec(&umask, &[], &command)
         }
     };
     cmd.kill_on_drop(false);
