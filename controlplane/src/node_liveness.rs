@@ -101,7 +101,7 @@ impl HeartbeatInbox {
 /// The reports in a heartbeat request: `reports` when it has any (a
 /// server of this release), `nodes` otherwise (the release before).
 pub fn reports_from_proto(request: NodeHeartbeatRequest) -> Vec<NodeReport> {
-    use keel_state::codec::gpu_from_proto;
+    use keel_state::codec::{failed_gpu_from_proto, gpu_from_proto};
     if !request.reports.is_empty() {
         return request
             .reports
@@ -110,15 +110,7 @@ pub fn reports_from_proto(request: NodeHeartbeatRequest) -> Vec<NodeReport> {
                 name: n.name,
                 address: n.address,
                 gpus: n.gpus.into_iter().map(gpu_from_proto).collect(),
-                failed: n
-                    .failed
-                    .into_iter()
-                    .map(|f| keel_state::FailedGpu {
-                        index: f.index,
-                        gpu_type: f.gpu_type,
-                        reason: f.reason,
-                    })
-                    .collect(),
+                failed: n.failed.into_iter().map(failed_gpu_from_proto).collect(),
                 note: n.note,
             })
             .collect();
@@ -138,7 +130,7 @@ pub fn reports_from_proto(request: NodeHeartbeatRequest) -> Vec<NodeReport> {
 
 /// A heartbeat carrying `reports`, in both of its forms.
 fn heartbeat_request(reports: &[NodeReport]) -> NodeHeartbeatRequest {
-    use keel_state::codec::gpu_to_proto;
+    use keel_state::codec::{failed_gpu_to_proto, gpu_to_proto};
     NodeHeartbeatRequest {
         nodes: reports
             .iter()
@@ -155,15 +147,7 @@ fn heartbeat_request(reports: &[NodeReport]) -> NodeHeartbeatRequest {
                 name: r.name.clone(),
                 address: r.address.clone(),
                 gpus: r.gpus.iter().map(gpu_to_proto).collect(),
-                failed: r
-                    .failed
-                    .iter()
-                    .map(|f| pb::FailedGpu {
-                        index: f.index,
-                        gpu_type: f.gpu_type.clone(),
-                        reason: f.reason.clone(),
-                    })
-                    .collect(),
+                failed: r.failed.iter().map(failed_gpu_to_proto).collect(),
                 note: r.note.clone(),
             })
             .collect(),

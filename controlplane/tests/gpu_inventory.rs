@@ -10,7 +10,7 @@ mod support;
 use std::path::Path;
 
 use serde_json::Value;
-use support::{a100_at, submit_script, wait_for, FakeNvidiaSmi, ServerProcess};
+use support::{a100_at, node_entries, submit_script, wait_for, FakeNvidiaSmi, ServerProcess};
 
 /// A job that runs until `release` exists.
 fn held(server: &ServerProcess, dir: &Path, name: &str, release: &Path) -> String {
@@ -45,25 +45,6 @@ fn node_named(server: &ServerProcess, name: &str) -> Option<Value> {
         .iter()
         .find(|n| n["name"] == name)
         .cloned()
-}
-
-/// The applied entries of `kind`, and how many of the node entries were
-/// refused.
-fn entries(server: &ServerProcess, kind: &str) -> (usize, usize) {
-    let mut of_kind = 0;
-    let mut refused = 0;
-    for line in server.cli_ok(&["events", "-o", "json"]).lines() {
-        let record: Value = serde_json::from_str(line).expect("one JSON object per line");
-        let command = record["command"].as_str().unwrap_or_default();
-        if command == kind {
-            of_kind += 1;
-        }
-        let node_entry = matches!(command, "register_node" | "record_node_inventory");
-        if node_entry && !record["refused"].as_str().unwrap_or_default().is_empty() {
-            refused += 1;
-        }
-    }
-    (of_kind, refused)
 }
 
 /// The case: two one-GPU jobs on `gx-0/0` and `gx-0/1`; the server
@@ -143,7 +124,7 @@ fn a_node_restarted_with_fewer_gpus_loses_one_and_with_more_offers_them() {
     });
     // The change was one entry: the first registration and the shrink, no
     // refusal, however long the job took to run again.
-    assert_eq!(entries(&server, "record_node_inventory"), (2, 0));
+    assert_eq!(node_entries(&server), (2, 0));
     let events = server.cli_ok(&["events"]);
     assert!(
         events.contains("node gx-0: GPU 1 (v100) gone: no longer in the node's inventory"),
@@ -165,7 +146,7 @@ fn a_node_restarted_with_fewer_gpus_loses_one_and_with_more_offers_them() {
         events.contains("node gx-0: GPUs added: 1 (v100), 2 (v100)"),
         "{events}"
     );
-    assert_eq!(entries(&server, "record_node_inventory"), (3, 0));
+    assert_eq!(node_entries(&server), (3, 0));
     server.terminate();
 }
 
@@ -261,6 +242,6 @@ fn a_gpu_with_a_critical_xid_or_lost_by_the_driver_is_gone_with_why() {
     // jobs wait (no GPU left), nothing more is written.
     let job_b = job(&server, &on_1);
     assert_eq!(job_b["retries"], 0, "{job_b}");
-    assert_eq!(entries(&server, "record_node_inventory"), (3, 0));
+    assert_eq!(node_entries(&server), (3, 0));
     server.terminate();
 }

@@ -99,7 +99,7 @@ pub fn decode_proposal_owned(bytes: Vec<u8>) -> Result<Proposal, DecodeError> {
     Ok(proposal)
 }
 
-fn failed_gpu_to_proto(f: &FailedGpu) -> pb::FailedGpu {
+pub fn failed_gpu_to_proto(f: &FailedGpu) -> pb::FailedGpu {
     pb::FailedGpu {
         index: f.index,
         gpu_type: f.gpu_type.clone(),
@@ -107,7 +107,7 @@ fn failed_gpu_to_proto(f: &FailedGpu) -> pb::FailedGpu {
     }
 }
 
-fn failed_gpu_from_proto(f: pb::FailedGpu) -> FailedGpu {
+pub fn failed_gpu_from_proto(f: pb::FailedGpu) -> FailedGpu {
     FailedGpu {
         index: f.index,
         gpu_type: f.gpu_type,

@@ -675,3 +675,24 @@ pub fn assert_noisy_job_kept_its_rotation(server: &ServerProcess, id: &str, job_
     let job = server.json(&["job", id]);
     assert_eq!(job["progress"]["step"], 201, "{job}");
 }
+
+/// How many `record_node_inventory` entries the server's log holds, and how
+/// many of its node entries (those and `register_node`) were refused.
+#[allow(dead_code)]
+pub fn node_entries(server: &ServerProcess) -> (usize, usize) {
+    let mut inventories = 0;
+    let mut refused = 0;
+    for line in server.cli_ok(&["events", "-o", "json"]).lines() {
+        let record: serde_json::Value =
+            serde_json::from_str(line).expect("one JSON object per line");
+        let command = record["command"].as_str().unwrap_or_default();
+        if command == "record_node_inventory" {
+            inventories += 1;
+        }
+        let node_entry = matches!(command, "register_node" | "record_node_inventory");
+        if node_entry && !record["refused"].as_str().unwrap_or_default().is_empty() {
+            refused += 1;
+        }
+    }
+    (inventories, refused)
+}
