@@ -50,7 +50,14 @@ impl Policy for Fifo {
         let mut failed: BTreeSet<(u32, u32, &[String])> = BTreeSet::new();
         // Higher priority first; within a priority, arrival order (job ids
         // are assigned in submission order, so map order is arrival order).
-        for job in by_priority(state.unfinished_jobs()) {
+        // With no GPU free nothing can start: the waiting jobs are not even
+        // ordered (a full cluster with a long queue pays nothing per round).
+        let waiting = if free.total() == 0 {
+            Vec::new()
+        } else {
+            by_priority(state.unfinished_jobs())
+        };
+        for job in waiting {
             let job_id = &job.id;
             if !matches!(job.state, JobState::Pending | JobState::Preempted)
                 || job.backing_off(input.now_ms)
