@@ -234,6 +234,20 @@ class NodesFromHeartbeats(OneServer):
             CODE.INVALID_ARGUMENT,
             "failure reason is 4097 bytes long; the limit is 4096",
         )
+        # A GPU both offered and failed, or failed twice, is refused at the
+        # API, not proposed and refused in the log.
+        self.refused(
+            lambda r, timeout: self.report("n2", [0, 1], [(1, "Xid 79")]),
+            None,
+            CODE.INVALID_ARGUMENT,
+            'node "n2" lists GPU index 1 twice',
+        )
+        self.refused(
+            lambda r, timeout: self.report("n2", [0], [(1, "Xid 79"), (1, "Xid 48")]),
+            None,
+            CODE.INVALID_ARGUMENT,
+            'node "n2" lists GPU index 1 twice',
+        )
         self.assertIsNone(self.node("n2"))
         self.report("n2", [0, 1], [])
         wait_for("n2 with two GPUs", lambda: (self.node("n2") or api.Node()).gpus or None)

@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 
 use crate::command::Command;
 use crate::model::{FailedGpu, Gpu, NodeState};
-use crate::state::{validate_node, ApplyError, ClusterState};
+use crate::state::{validate_failed_gpus, validate_node, ApplyError, ClusterState};
 
 /// The start of the reason recorded when liveness marks a node lost; how a
 /// later leader knows that a returning node may be marked recovered.
@@ -64,7 +64,7 @@ impl NodeReport {
     /// name, a GPU type a GPU type name). Only reports are held to the
     /// naming rules: entries already in a log replay as they were.
     pub fn validate(&self) -> Result<(), ApplyError> {
-        validate_node(&self.name, &self.address, &self.gpus)?;
+        let offered = validate_node(&self.name, &self.address, &self.gpus)?;
         if self.note.len() > crate::state::limits::NODE_NOTE_MAX_LEN {
             return Err(ApplyError::TooLarge {
                 field: "note".into(),
@@ -81,24 +81,9 @@ impl NodeReport {
                 ),
             });
         }
-        if self.failed.len() > crate::state::limits::NODE_GPUS_MAX {
-            return Err(ApplyError::TooLarge {
-                field: "node failed gpus".into(),
-                len: self.failed.len(),
-                limit: crate::state::limits::NODE_GPUS_MAX,
-            });
-        }
-        if let Some(f) = self
-            .failed
-            .iter()
-            .find(|f| f.reason.len() > crate::state::limits::REASON_MAX_LEN)
-        {
-            return Err(ApplyError::TooLarge {
-                field: format!("node {} gpu {} failure reason", self.name, f.index),
-                len: f.reason.len(),
-                limit: crate::state::limits::REASON_MAX_LEN,
-            });
-        }
+        // The same check `apply` makes of the entry: a failed GPU listed
+        // twice, or also offered, is refused here rather than proposed.
+        validate_failed_gpus(&self.name, &offered, &self.failed)?;
         let failed_types = self.failed.iter().map(|f| Gpu {
             index: f.index,
             gpu_type: f.gpu_type.clone(),
@@ -378,6 +363,34 @@ mod tests {
         shouted.gpus[0].gpu_type = "V100!".into();
         let err = shouted.validate().expect_err("refused");
         assert!(err.to_string().contains("V100!"), "{err}");
+    }
+
+    /// A failed GPU that is also offered, or listed twice, is refused by
+    /// the report's own check, as `apply` would refuse the entry.
+    #[test]
+    fn a_report_listing_a_gpu_twice_is_refused_before_it_is_proposed() {
+        let failed = |index: u32| FailedGpu {
+            index,
+            gpu_type: "v100".into(),
+            reason: "Xid 79".into(),
+        };
+        let mut fine = report("n", 1);
+        fine.failed = vec![failed(1)];
+        assert!(fine.validate().is_ok());
+        let mut offered_and_failed = report("n", 2);
+        offered_and_failed.failed = vec![failed(1)];
+        let mut failed_twice = report("n", 1);
+        failed_twice.failed = vec![failed(1), failed(1)];
+        for bad in [offered_and_failed, failed_twice] {
+            let err = bad.validate().expect_err("refused");
+            assert_eq!(
+                err,
+                ApplyError::DuplicateGpu {
+                    node: "n".into(),
+                    index: 1
+                }
+            );
+        }
     }
 
     struct World {

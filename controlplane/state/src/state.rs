@@ -352,8 +352,9 @@ pub fn validate_node(
 }
 
 /// Checks the failed GPUs of a node's report: within the inventory's
-/// limits, each index once and none also offered.
-fn validate_failed_gpus(
+/// limits, each index once and none also offered (`offered`: what
+/// [`validate_node`] returns for the GPUs it offers).
+pub fn validate_failed_gpus(
     node: &str,
     offered: &BTreeMap<u32, String>,
     failed: &[FailedGpu],
@@ -372,7 +373,13 @@ fn validate_failed_gpus(
             &f.gpu_type,
             crate::spec::limits::GPU_TYPE_MAX_LEN,
         )?;
-        check_len("failed gpu reason", &f.reason, limits::REASON_MAX_LEN)?;
+        if f.reason.len() > limits::REASON_MAX_LEN {
+            return Err(ApplyError::TooLarge {
+                field: format!("node {node} gpu {} failure reason", f.index),
+                len: f.reason.len(),
+                limit: limits::REASON_MAX_LEN,
+            });
+        }
         if offered.contains_key(&f.index) || out.insert(f.index, f.clone()).is_some() {
             return Err(ApplyError::DuplicateGpu {
                 node: node.to_string(),
