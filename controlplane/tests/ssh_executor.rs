@@ -690,3 +690,93 @@ fn a_host_whose_gpus_change_between_connections_loses_the_gone_one() {
     );
     server.terminate();
 }
+
+/// Issue 35 on an SSH host: what Keel writes in the host's work directory
+/// (the `workers` and `checkpoints` directories, each job's directory, its
+/// worker's log and records, the checkpoint directory) is the connecting
+/// user's alone, even where an older version left `workers` open; the
+/// worker itself runs under the host's umask, not the helper's 077.
+#[test]
+fn what_keel_writes_on_an_ssh_host_is_its_users_alone_and_the_worker_keeps_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    const TEST: &str =
+        "what_keel_writes_on_an_ssh_host_is_its_users_alone_and_the_worker_keeps_the_umask";
+    let Some(sshd) = Sshd::start_or_skip(TEST) else {
+        return;
+    };
+    let mode = |p: &std::path::Path| {
+        std::fs::symlink_metadata(p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    // What an older version left: `workers` open to everyone.
+    let work = dir.path().join("work-a");
+    std::fs::create_dir_all(work.join("workers")).expect("workers");
+    std::fs::set_permissions(work.join("workers"), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod");
+    // The umask sshd and its sessions inherit from this process.
+    let ours = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+    nix::sys::stat::umask(ours);
+    let nodes = one_node_file(
+        &sshd,
+        sshd.port,
+        dir.path(),
+        "connect_timeout_s: 2\n",
+        "1xv100",
+    );
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--ssh-nodes",
+            nodes.to_str().expect("utf-8"),
+            "--round-s",
+            "0.3",
+        ],
+    );
+    let id = submit_script(
+        &server,
+        dir.path(),
+        "writer",
+        "echo hi > \"$KEEL_CHECKPOINT_DIR/out\"; echo \"umask $(umask)\"",
+    );
+    wait_for("the job to succeed", || {
+        (server.json(&["job", &id])["state"] == "succeeded").then_some(())
+    });
+    let logs = server.cli_ok(&["logs", &id]);
+    assert!(
+        logs.contains(&format!("umask {:04o}", ours.bits())),
+        "the worker runs under the host's umask: {logs}"
+    );
+    server.terminate();
+
+    let job_dir = work.join("workers").join(format!("job-{id}"));
+    let checkpoints = work.join("checkpoints");
+    let mut checked = Vec::new();
+    for d in [work.join("workers"), checkpoints.clone(), job_dir.clone()] {
+        assert_eq!(mode(&d), 0o700, "{}", d.display());
+        checked.push(d);
+    }
+    let ckpt = std::fs::read_dir(&checkpoints)
+        .expect("checkpoints")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.join("out").exists())
+        .expect("the job's checkpoint directory");
+    assert_eq!(mode(&ckpt), 0o700, "{}", ckpt.display());
+    for entry in std::fs::read_dir(&job_dir).expect("job dir").flatten() {
+        let p = entry.path();
+        if p.is_file() {
+            assert_eq!(mode(&p), 0o600, "{}", p.display());
+            checked.push(p);
+        }
+    }
+    assert!(
+        checked
+            .iter()
+            .any(|p| p.extension().is_some_and(|e| e == "log")),
+        "a worker log was checked: {checked:?}"
+    );
+}

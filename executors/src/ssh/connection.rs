@@ -268,8 +268,12 @@ impl Host {
         let node = &self.node;
         let session = open_session(node, config).await?;
         // Install the helper (once per version) and learn the work
-        // directory's absolute path.
-        let install = "mkdir -p \"$1\" && cd \"$1\" && mkdir -p workers checkpoints && \
+        // directory's absolute path. What Keel keeps there (worker logs,
+        // records, checkpoints) is the connecting user's alone: made under
+        // umask 077, and `workers` and `checkpoints` closed to others if an
+        // older version left them open.
+        let install = "umask 077 && mkdir -p \"$1\" && cd \"$1\" && mkdir -p workers checkpoints && \
+                       chmod go-rwx workers checkpoints && \
                        { [ -f \"$2\" ] || { printf '%s' \"$3\" > \"$2.tmp\" && mv -f \"$2.tmp\" \"$2\"; }; } && pwd";
         let out = session
             .command("sh")
@@ -444,7 +448,7 @@ async fn install_keel(
     let mut child = session
         .command("sh")
         .arg("-c")
-        .arg("mkdir -p \"$1\" && cat > \"$1/keel.$$\" && chmod 755 \"$1/keel.$$\" && mv -f \"$1/keel.$$\" \"$1/keel\"")
+        .arg("umask 077 && mkdir -p \"$1\" && cat > \"$1/keel.$$\" && chmod 700 \"$1/keel.$$\" && mv -f \"$1/keel.$$\" \"$1/keel\"")
         .arg("sh")
         .arg(&dir)
         .stdin(Stdio::piped())

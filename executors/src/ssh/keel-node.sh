@@ -313,6 +313,13 @@ log_writer_here() {
     [ "$(keel log-writer --probe 2> /dev/null)" = "keel-log-writer 1" ]
 }
 
+# The worker's umask: the host's, as this helper found it (see the end of
+# this file), not the 077 the helper writes its own files under.
+worker_umask() {
+    umask "${KEEL_WORKER_UMASK:-022}"
+    unset KEEL_WORKER_UMASK
+}
+
 # supervise BASE PORT GPUS CMD...: run CMD, record its end in BASE.exit.
 supervise() {
     base=$1 port=$2 gpus=$3
@@ -377,10 +384,14 @@ supervise() {
                     exit 127
                 }
             done
+            worker_umask
             exec "$@"
         ) &
     else
-        "$@" &
+        (
+            worker_umask
+            exec "$@"
+        ) &
     fi
     child=$!
     while :; do
@@ -771,5 +782,13 @@ dispatch() {
             ;;
     esac
 }
+
+# What this helper writes (work directories, worker logs, progress streams,
+# exit records, checkpoint directories) is the connecting user's alone. The
+# host's own umask is kept for the workers (`worker_umask`), across the
+# helper's own re-executions (the supervisor is this script run again).
+: "${KEEL_WORKER_UMASK:=$(umask)}"
+export KEEL_WORKER_UMASK
+umask 077
 
 dispatch "$@"
