@@ -274,6 +274,7 @@ impl Keel for KeelApi {
         })?;
         let spec = spec_from_proto(spec);
         spec.validate().map_err(ApiError::from)?;
+        let warnings = spec.warnings();
         let (index, events) = self
             .propose_request(Command::SubmitJob { spec }, req.request_id)
             .await?;
@@ -284,7 +285,11 @@ impl Keel for KeelApi {
                 _ => None,
             })
             .ok_or_else(|| ApiError::Storage("submission applied without a job id".into()))?;
-        Ok(Response::new(api::SubmitJobResponse { job_id, index }))
+        Ok(Response::new(api::SubmitJobResponse {
+            job_id,
+            index,
+            warnings,
+        }))
     }
 
     async fn cancel_job(

@@ -329,6 +329,10 @@ pub async fn submit(addr: &str, file: &Path, out: Output) -> anyhow::Result<()> 
     })
     .await?;
     render::submitted(&resp, out)?;
+    #[allow(clippy::print_stderr)]
+    for warning in &resp.warnings {
+        eprintln!("warning: {warning}");
+    }
     // A job no node can run is accepted (nodes may join later), but the
     // submitter hears why it will wait.
     if let Ok(mut client) = connect(addr).await {

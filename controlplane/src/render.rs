@@ -572,7 +572,11 @@ pub fn policy_show(policy: &str, out: Output) -> anyhow::Result<()> {
 
 pub fn submitted(resp: &api::SubmitJobResponse, out: Output) -> anyhow::Result<()> {
     match out {
-        Output::Json => print_json(&serde_json::json!({"id": resp.job_id, "index": resp.index})),
+        Output::Json => print_json(&serde_json::json!({
+            "id": resp.job_id,
+            "index": resp.index,
+            "warnings": resp.warnings,
+        })),
         Output::Table => {
             outln!("job {} submitted (log index {})", resp.job_id, resp.index);
             Ok(())

@@ -118,3 +118,41 @@ fn a_servers_files_are_its_owners_alone_and_its_workers_keep_their_umask() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(err.contains("mode 0755"), "{err}");
 }
+
+/// Issue 35: a plain `env` value whose name looks like a credential is
+/// accepted, and `keel submit` says that it is kept and shown in plain
+/// (on stderr, and in its JSON answer); a spec without one says nothing.
+#[test]
+fn keel_submit_warns_of_an_env_name_that_looks_like_a_credential() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(&dir.path().join("data"), &["--simulated-gpus", "1xv100"]);
+    let submit = |name: &str, env: &str| {
+        let spec = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(
+            &spec,
+            format!("name: {name}\ncommand: [\"true\"]\nenv: {{{env}}}\n"),
+        )
+        .expect("spec");
+        server.cli(&["submit", "-f", spec.to_str().expect("utf-8"), "-o", "json"])
+    };
+    let out = submit("tracked", "HF_TOKEN: hf_x, EPOCHS: \"3\"");
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("warning: env.HF_TOKEN looks like a credential") && !err.contains("EPOCHS"),
+        "{err}"
+    );
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON answer");
+    assert_eq!(
+        answer["warnings"].as_array().map(Vec::len),
+        Some(1),
+        "{answer}"
+    );
+    let plain = submit("plain", "EPOCHS: \"3\"");
+    assert!(plain.status.success(), "{plain:?}");
+    assert!(
+        !String::from_utf8_lossy(&plain.stderr).contains("looks like a credential"),
+        "{plain:?}"
+    );
+    server.terminate();
+}

@@ -391,6 +391,19 @@ class BadInputs(OneServer):
         self.assertIn("h100x", listed[0].message)
         self.assert_serving(["h"])
 
+    def test_an_env_name_that_looks_like_a_credential_is_warned_of_not_refused(self):
+        """Issue 35: a plain env value named like a credential is accepted,
+        and the answer says it is kept and shown in plain."""
+        s = spec("tracked")
+        s.env["WANDB_API_KEY"] = "k"
+        s.env["EPOCHS"] = "3"
+        job = self.stub.SubmitJob(api.SubmitJobRequest(spec=s), timeout=10)
+        self.assertEqual(len(job.warnings), 1, job.warnings)
+        self.assertIn("env.WANDB_API_KEY looks like a credential", job.warnings[0])
+        plain = self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("plain")), timeout=10)
+        self.assertEqual(list(plain.warnings), [])
+        self.assert_serving(["tracked", "plain"])
+
 
 class ErrorReasons(OneServer):
     """Issue 21, item 6: a client decides on the code and a machine-readable

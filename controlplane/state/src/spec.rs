@@ -481,6 +481,40 @@ impl JobSpec {
     pub fn max_gpus(&self) -> u32 {
         self.gpus.saturating_mul(self.workers.max)
     }
+
+    /// The `env` names that look like credentials (`*_TOKEN`, `*_KEY`,
+    /// `*_SECRET`, `*PASSWORD*`, in any case), in order: a plain value is
+    /// kept in the log, the journal and snapshots on every replica and
+    /// shown by `keel job`, so the submitter is warned, not refused.
+    pub fn credential_like_env(&self) -> Vec<&str> {
+        self.env
+            .keys()
+            .filter(|name| {
+                let upper = name.to_ascii_uppercase();
+                ["_TOKEN", "_KEY", "_SECRET"]
+                    .iter()
+                    .any(|end| upper.ends_with(end))
+                    || upper.contains("PASSWORD")
+            })
+            .map(String::as_str)
+            .collect()
+    }
+
+    /// What the server says of a spec it accepts: one line per `env`
+    /// name that looks like a credential ([`JobSpec::credential_like_env`]).
+    pub fn warnings(&self) -> Vec<String> {
+        self.credential_like_env()
+            .into_iter()
+            .map(|name| {
+                format!(
+                    "env.{name} looks like a credential: a plain env value is written to the \
+                     replicated log and snapshots on every replica and shown by `keel job` to \
+                     anyone who can reach the API; give the job its credentials another way \
+                     (a file on the node only the job's user can read)"
+                )
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -494,6 +528,43 @@ mod tests {
     #[test]
     fn minimal_spec_is_valid() {
         assert_eq!(minimal().validate(), Ok(()));
+    }
+
+    /// Issue 35: names that look like credentials are found (and only
+    /// those); the spec stays valid.
+    #[test]
+    fn env_names_that_look_like_credentials_are_warned_of() {
+        let mut s = minimal();
+        for name in [
+            "WANDB_API_KEY",
+            "HF_TOKEN",
+            "aws_secret",
+            "DB_PASSWORD",
+            "PASSWORD_FILE",
+            "EPOCHS",
+            "KEYBOARD",
+            "TOKENS",
+        ] {
+            s.env.insert(name.into(), "x".into());
+        }
+        assert_eq!(
+            s.credential_like_env(),
+            [
+                "DB_PASSWORD",
+                "HF_TOKEN",
+                "PASSWORD_FILE",
+                "WANDB_API_KEY",
+                "aws_secret"
+            ]
+        );
+        let warnings = s.warnings();
+        assert_eq!(warnings.len(), 5);
+        assert!(
+            warnings[0].starts_with("env.DB_PASSWORD looks like a credential"),
+            "{warnings:?}"
+        );
+        assert_eq!(s.validate(), Ok(()));
+        assert!(minimal().warnings().is_empty());
     }
 
     #[test]
