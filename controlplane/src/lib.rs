@@ -22,6 +22,7 @@ pub mod api;
 pub mod clock;
 pub mod convert;
 pub mod executors;
+pub mod exposure;
 pub mod grpc_status;
 pub mod inventory;
 pub mod leader;

@@ -66,9 +66,15 @@ enum Cmd {
         /// Where the Raft log, state and journal live.
         #[arg(long, default_value = "keel-data")]
         data_dir: PathBuf,
-        /// Address to serve the API on.
+        /// Address to serve the API (and Raft) on. Loopback only, unless
+        /// `--insecure`: this version has no TLS or authentication.
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: SocketAddr,
+        /// Serve on a non-loopback `--listen` address without TLS or
+        /// authentication: anyone who reaches it can do anything. Only on a
+        /// network you trust.
+        #[arg(long)]
+        insecure: bool,
         /// This replica's Raft member id.
         #[arg(long, default_value_t = 1)]
         id: u64,
@@ -829,6 +835,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Server {
             data_dir,
             listen,
+            insecure,
             id,
             peers,
             snapshot_every,
@@ -858,6 +865,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
             worker_logs,
         } => {
             init_tracing();
+            if keel::exposure::check_listen(listen, insecure)? {
+                tracing::warn!(
+                    "serving on {listen} without TLS or authentication (--insecure): anyone who \
+                     reaches it can submit, cancel, change the policy and the membership"
+                );
+            }
             // Before anything is created: owner-only files from here on;
             // workers get the umask back (issue 35).
             let worker_umask = keel::permissions::restrict_umask();

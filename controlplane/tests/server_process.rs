@@ -641,3 +641,72 @@ fn the_trainers_hold_needs_both_flags_and_a_step_number() {
         "{error}"
     );
 }
+
+/// Issue 22, item 4: with no TLS and no authentication, a server listens
+/// on loopback only. A non-loopback `--listen` is refused before anything
+/// is created, saying why and what to do; with `--insecure` it serves, and
+/// says in its log that it is exposed.
+#[test]
+fn a_non_loopback_listen_address_needs_insecure() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let out = Command::new(KEEL)
+        .args(["server", "--no-local-node", "--listen", "0.0.0.0:0"])
+        .arg("--data-dir")
+        .arg(&data)
+        .output()
+        .expect("keel server");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("refusing to serve on 0.0.0.0:0")
+            && err.contains("neither TLS nor authentication")
+            && err.contains("--insecure"),
+        "{err}"
+    );
+    assert!(!data.exists(), "nothing is created before the refusal");
+
+    std::fs::create_dir(&data).expect("data dir");
+    let log = data.join("test-server.log");
+    let mut server = Command::new(KEEL)
+        .args([
+            "server",
+            "--no-local-node",
+            "--insecure",
+            "--listen",
+            "0.0.0.0:0",
+        ])
+        .arg("--data-dir")
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("keel server");
+    let addr: std::net::SocketAddr = support::wait_for("the server's address", || {
+        std::fs::read_to_string(data.join("server.addr"))
+            .ok()?
+            .parse()
+            .ok()
+    });
+    let port = addr.port();
+    let status = support::wait_for("the server to answer on loopback", || {
+        let out = Command::new(KEEL)
+            .args(["cluster", "status", "-o", "json"])
+            .env("KEEL_ADDR", format!("127.0.0.1:{port}"))
+            .output()
+            .ok()?;
+        out.status.success().then_some(out.stdout)
+    });
+    assert!(
+        String::from_utf8_lossy(&status).contains("\"leader\""),
+        "{}",
+        String::from_utf8_lossy(&status)
+    );
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(
+        text.contains("without TLS or authentication (--insecure)"),
+        "{text}"
+    );
+}
