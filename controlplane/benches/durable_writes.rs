@@ -188,6 +188,7 @@ fn main() {
             policy_options: Default::default(),
             loops: keel::leader::LoopSettings::default(),
             removed_grace: std::time::Duration::from_secs(5),
+            max_event_streams: keel::api::MAX_EVENT_STREAMS,
             worker_umask: None,
         };
         let server = Server::start(&config, system_clock()).await.expect("start");

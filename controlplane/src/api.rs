@@ -71,7 +71,15 @@ pub struct KeelApi {
     /// A channel to the current leader (its address, the client), reused
     /// while the leader stays the same.
     leader: tokio::sync::Mutex<Option<(String, KeelClient<Channel>)>>,
+    /// One permit per open `WatchEvents` stream, held by its task until
+    /// the stream ends or its client goes away.
+    event_streams: Arc<tokio::sync::Semaphore>,
+    max_event_streams: usize,
 }
+
+/// The most `WatchEvents` streams one replica serves at once, unless
+/// `--max-event-streams` says otherwise.
+pub const MAX_EVENT_STREAMS: usize = 256;
 
 /// Forwards a request to the leader when this replica should not answer it
 /// itself (see [`KeelApi::forward_to`]).
@@ -130,6 +138,7 @@ impl KeelApi {
         heartbeats: Arc<HeartbeatInbox>,
         default_policy: &'static str,
         scheduling: crate::leader::SchedulingReports,
+        max_event_streams: usize,
     ) -> Self {
         KeelApi {
             node,
@@ -139,6 +148,8 @@ impl KeelApi {
             default_policy,
             scheduling,
             leader: tokio::sync::Mutex::new(None),
+            event_streams: Arc::new(tokio::sync::Semaphore::new(max_event_streams)),
+            max_event_streams,
         }
     }
 
@@ -434,14 +445,30 @@ impl Keel for KeelApi {
         request: Request<api::WatchEventsRequest>,
     ) -> Result<Response<WatchStream>, Status> {
         let req = request.into_inner();
+        let permit = self
+            .event_streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::TooManyStreams {
+                limit: self.max_event_streams,
+            })?;
         let store = self.node.state_machine.clone();
         let mut applied_index = store.shared().subscribe();
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BATCH);
         // Everything applied before this request is in the journal first.
         let applied = store.shared().read().last_applied.map_or(0, |l| l.index);
         tokio::spawn(async move {
-            if applied_index.wait_for(|i| *i >= applied).await.is_err() {
-                return;
+            // Held until the stream ends: by its end, an error, or its client
+            // going away (noticed while waiting too, not only at the next
+            // entry's send).
+            let _permit = permit;
+            tokio::select! {
+                caught_up = applied_index.wait_for(|i| *i >= applied) => {
+                    if caught_up.is_err() {
+                        return;
+                    }
+                }
+                _ = tx.closed() => return,
             }
             let mut next = req.from_index;
             loop {
@@ -465,8 +492,16 @@ impl Keel for KeelApi {
                 if !exhausted {
                     continue;
                 }
-                if !req.follow || applied_index.changed().await.is_err() {
+                if !req.follow {
                     return;
+                }
+                tokio::select! {
+                    changed = applied_index.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                    }
+                    _ = tx.closed() => return,
                 }
             }
         });

@@ -56,6 +56,12 @@ pub enum ApiError {
          gone for good, stop this replica and run `keel cluster force-new-cluster` on it"
     )]
     MembershipChangeNotCommitted { what: String, timeout_s: u64 },
+    /// Every event stream this replica allows is open.
+    #[error(
+        "{limit} event streams are open on this replica, its limit (--max-event-streams); \
+         close one, or watch from another replica"
+    )]
+    TooManyStreams { limit: usize },
     /// A new member answered but did not catch up as a learner in time.
     #[error("member {id} at {address} did not catch up within {timeout_s} s: {outcome}")]
     LearnerDidNotCatchUp {
@@ -115,6 +121,9 @@ pub mod reason {
     /// This replica was removed from its cluster and serves nothing (issue
     /// 34); nothing was proposed. Ask another replica.
     pub const REMOVED: &str = "REMOVED";
+    /// Every event stream this replica allows is open (`WatchEvents`);
+    /// retry later or on another replica.
+    pub const TOO_MANY_STREAMS: &str = "TOO_MANY_STREAMS";
 }
 
 impl ApiError {
@@ -179,6 +188,7 @@ impl ApiError {
                 MEMBERSHIP_CHANGE_NOT_COMMITTED,
                 None,
             ),
+            ApiError::TooManyStreams { .. } => (Code::ResourceExhausted, TOO_MANY_STREAMS, None),
         }
     }
 }

@@ -175,6 +175,11 @@ enum Cmd {
         /// request with its removal before it stops.
         #[arg(long, default_value_t = 5.0)]
         removed_grace_s: f64,
+        /// The most event streams (`keel events`, `WatchEvents`) this
+        /// replica serves at once; one more is refused (RESOURCE_EXHAUSTED).
+        #[arg(long, default_value_t = keel::api::MAX_EVENT_STREAMS as u32,
+              value_parser = clap::value_parser!(u32).range(1..=65_536))]
+        max_event_streams: u32,
         /// Refuse to start on a data or executor directory that other users
         /// may read (without it, a warning).
         #[arg(long)]
@@ -860,6 +865,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             stop_grace_s,
             shutdown_timeout_s,
             removed_grace_s,
+            max_event_streams,
             strict_permissions,
             progress_interval_s,
             worker_logs,
@@ -944,6 +950,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 policy: policy.into(),
                 policy_options,
                 removed_grace: seconds("removed-grace-s", removed_grace_s)?,
+                max_event_streams: max_event_streams as usize,
                 worker_umask: Some(worker_umask),
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,

@@ -66,6 +66,8 @@ pub struct ServerConfig {
     /// How long a replica removed from its cluster keeps answering (each
     /// request with its removal) before it stops ([`crate::removal`]).
     pub removed_grace: std::time::Duration,
+    /// The most `WatchEvents` streams this replica serves at once.
+    pub max_event_streams: usize,
     /// The umask the server was started with, which its local workers get
     /// back ([`crate::permissions`]); `None`: they keep the server's.
     pub worker_umask: Option<u32>,
@@ -300,6 +302,7 @@ impl Server {
             heartbeats,
             self.config.policy.name(),
             reports,
+            self.config.max_event_streams,
         ));
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),

@@ -710,3 +710,101 @@ fn a_non_loopback_listen_address_needs_insecure() {
         "{text}"
     );
 }
+
+/// Issue 22, item 5: a replica serves at most `--max-event-streams` event
+/// streams at once. One more is refused (RESOURCE_EXHAUSTED, reason
+/// `TOO_MANY_STREAMS`, naming the limit and the flag) and the open ones go
+/// on; a stream whose client went away frees its place while it waits for
+/// new entries, without one being applied.
+#[test]
+fn event_streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start_with(&dir.path().join("data"), &["--max-event-streams", "2"]);
+    let addr = server.addr.clone();
+    tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(async move {
+            let mut client = KeelClient::connect(format!("http://{addr}"))
+                .await
+                .expect("connect");
+            // One entry for the streams to serve.
+            client
+                .submit_job(api::SubmitJobRequest {
+                    spec: Some(small_spec("watched".into())),
+                    request_id: String::new(),
+                })
+                .await
+                .expect("submit");
+            let follow = api::WatchEventsRequest {
+                from_index: 0,
+                follow: true,
+            };
+            let mut first = client
+                .watch_events(follow)
+                .await
+                .expect("first stream")
+                .into_inner();
+            let second = client
+                .watch_events(follow)
+                .await
+                .expect("second stream")
+                .into_inner();
+            let refused = client
+                .watch_events(follow)
+                .await
+                .expect_err("a third stream is refused");
+            assert_eq!(
+                refused.code(),
+                tonic::Code::ResourceExhausted,
+                "{refused:?}"
+            );
+            assert_eq!(
+                keel::grpc_status::reason_of(&refused).as_deref(),
+                Some("TOO_MANY_STREAMS")
+            );
+            assert!(
+                refused.message().contains("2 event streams")
+                    && refused.message().contains("--max-event-streams"),
+                "{}",
+                refused.message()
+            );
+            // The open streams still serve: the first one gets the
+            // submission.
+            let entry = first.message().await.expect("a message");
+            assert!(entry.is_some(), "the first stream serves");
+            // The second stream's client goes away; its place comes back
+            // though nothing new is applied.
+            drop(second);
+            let last_index = |c: &mut KeelClient<tonic::transport::Channel>| {
+                let mut c = c.clone();
+                async move {
+                    c.cluster_status(api::ClusterStatusRequest {})
+                        .await
+                        .expect("status")
+                        .into_inner()
+                        .last_applied_index
+                }
+            };
+            let before = last_index(&mut client).await;
+            let mut third = None;
+            for _ in 0..200 {
+                match client.watch_events(follow).await {
+                    Ok(stream) => {
+                        third = Some(stream.into_inner());
+                        break;
+                    }
+                    Err(status) => {
+                        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                }
+            }
+            assert!(third.is_some(), "a closed stream frees its place");
+            assert_eq!(
+                last_index(&mut client).await,
+                before,
+                "nothing was applied meanwhile"
+            );
+        });
+    server.terminate();
+}
