@@ -93,8 +93,8 @@ impl<S> Filter<S> for RepeatLimit {
         // depends on the time. Every other one is left to the other
         // filters' interest: `sometimes` for all of them would make every
         // span and event of every library (openraft's, h2's, at any level)
-        // be created and checked at run time, which cost the write path
-        // about a tenth of its throughput.
+        // be created and checked at run time (about 8 % of the replicas'
+        // CPU in a profile of the write benchmark; BENCHMARKS.md).
         if self.limits(meta) {
             tracing::subscriber::Interest::sometimes()
         } else {

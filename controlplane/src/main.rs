@@ -666,8 +666,8 @@ fn init_tracing() {
     // (`with_filter(a).with_filter(b)`) have their interests summed as if
     // they were two layers', so a call site one of them never wants (every
     // debug span of openraft's) is checked at run time at every hit, and
-    // its spans built, which cost the write path about a tenth of its
-    // throughput (BENCHMARKS.md, "Durable writes through three replicas").
+    // its spans built: about 8 % of the replicas' CPU in a profile of the
+    // write benchmark (BENCHMARKS.md, "Beside the commit before issue 21").
     use tracing_subscriber::filter::FilterExt;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;

@@ -9,15 +9,7 @@ mod support;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use support::{submit_script, wait_for, ServerProcess, WorkerReaper, KEEL};
-
-fn mode(path: &Path) -> u32 {
-    std::fs::symlink_metadata(path)
-        .expect("metadata")
-        .permissions()
-        .mode()
-        & 0o777
-}
+use support::{mode, process_umask, submit_script, wait_for, ServerProcess, WorkerReaper, KEEL};
 
 /// Every path under `dir`, depth first.
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -37,8 +29,7 @@ fn a_servers_files_are_its_owners_alone_and_its_workers_keep_their_umask() {
     std::fs::create_dir(&data).expect("data dir");
     std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o700)).expect("chmod");
     // This process's umask, which the server's workers should get back.
-    let ours = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-    nix::sys::stat::umask(ours);
+    let ours = process_umask();
     let server = ServerProcess::start(
         &data,
         &[
@@ -69,7 +60,7 @@ fn a_servers_files_are_its_owners_alone_and_its_workers_keep_their_umask() {
     });
     let logs = server.cli_ok(&["logs", &writer]);
     assert!(
-        logs.contains(&format!("umask {:04o}", ours.bits())),
+        logs.contains(&format!("umask {:04o}", ours)),
         "the worker runs under the umask the server was started with: {logs}"
     );
     server.terminate();
@@ -81,7 +72,7 @@ fn a_servers_files_are_its_owners_alone_and_its_workers_keep_their_umask() {
         .find(|p| p.ends_with("out"))
         .cloned()
         .expect("the worker's file");
-    assert_eq!(mode(&out), 0o666 & !ours.bits(), "the worker's own file");
+    assert_eq!(mode(&out), 0o666 & !ours, "the worker's own file");
     assert!(
         paths
             .iter()

@@ -689,19 +689,17 @@ fn a_non_loopback_listen_address_needs_insecure() {
             .ok()
     });
     let port = addr.port();
-    let status = support::wait_for("the server to answer on loopback", || {
+    // It answers on loopback, and leads (its first answers may come before
+    // its election).
+    support::wait_for("the server to answer on loopback as the leader", || {
         let out = Command::new(KEEL)
             .args(["cluster", "status", "-o", "json"])
             .env("KEEL_ADDR", format!("127.0.0.1:{port}"))
             .output()
             .ok()?;
-        out.status.success().then_some(out.stdout)
+        (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
+            .then_some(())
     });
-    assert!(
-        String::from_utf8_lossy(&status).contains("\"leader\""),
-        "{}",
-        String::from_utf8_lossy(&status)
-    );
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = server.kill();
     let _ = server.wait();
@@ -719,6 +717,20 @@ fn a_non_loopback_listen_address_needs_insecure() {
 #[test]
 fn event_streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place() {
     let dir = tempfile::tempdir().expect("tempdir");
+    // A limit of none is refused before anything starts, naming the flag.
+    let out = Command::new(KEEL)
+        .args(["server", "--no-local-node", "--listen", "127.0.0.1:0"])
+        .args(["--max-event-streams", "0"])
+        .arg("--data-dir")
+        .arg(dir.path().join("refused"))
+        .output()
+        .expect("keel server");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--max-event-streams") && err.contains("1..=65536"),
+        "{err}"
+    );
     let server = start_with(&dir.path().join("data"), &["--max-event-streams", "2"]);
     let addr = server.addr.clone();
     tokio::runtime::Runtime::new()

@@ -15,8 +15,8 @@ use sshd::{free_port, Sshd};
 use support::{
     a100_at, assert_noisy_job_kept_its_rotation, assert_preemption_leaves_nothing,
     assert_refused_while_busy_then_run, assert_succeeded_leaving_nothing, cgroups_or_skip,
-    kill9_group, marked, node_entries, noisy_script, submit_script, submit_spec, wait_for,
-    FakeNvidiaSmi, ServerProcess, Stranger, KEEL,
+    kill9_group, marked, mode, node_entries, noisy_script, process_umask, submit_script,
+    submit_spec, wait_for, FakeNvidiaSmi, ServerProcess, Stranger, KEEL,
 };
 
 fn nodes_file(sshd: &Sshd, dir: &std::path::Path) -> std::path::PathBuf {
@@ -70,6 +70,25 @@ fn one_node_file(
     )
     .expect("nodes file");
     nodes
+}
+
+/// A server whose one SSH node, `a` (`gpus`, reached directly at `sshd`),
+/// is described in `dir`, with rounds every 0.3 s and `extra` flags.
+fn start_on_node_a(
+    sshd: &Sshd,
+    dir: &std::path::Path,
+    gpus: &str,
+    extra: &[&str],
+) -> ServerProcess {
+    let nodes = one_node_file(sshd, sshd.port, dir, "connect_timeout_s: 2\n", gpus);
+    let mut args = vec![
+        "--ssh-nodes",
+        nodes.to_str().expect("utf-8"),
+        "--round-s",
+        "0.3",
+    ];
+    args.extend_from_slice(extra);
+    ServerProcess::start(&dir.join("data"), &args)
 }
 
 fn node<'a>(nodes: &'a Value, name: &str) -> Option<&'a Value> {
@@ -331,22 +350,7 @@ fn a_worker_over_ssh_that_calls_setsid_leaves_nothing_running() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let nodes = one_node_file(
-        &sshd,
-        sshd.port,
-        dir.path(),
-        "connect_timeout_s: 2\n",
-        "1xv100",
-    );
-    let server = ServerProcess::start(
-        &dir.path().join("data"),
-        &[
-            "--ssh-nodes",
-            nodes.to_str().expect("utf-8"),
-            "--round-s",
-            "0.3",
-        ],
-    );
+    let server = start_on_node_a(&sshd, dir.path(), "1xv100", &[]);
     let mark = format!("ssh-contain-{}", std::process::id());
     let submit = |name: &str, script: String| submit_script(&server, dir.path(), name, &script);
     let ends = submit(
@@ -455,25 +459,10 @@ fn a_gpu_another_process_uses_on_an_ssh_host_is_refused_until_it_is_free() {
         "SetEnv PATH={}:/usr/local/bin:/usr/bin:/bin\n",
         driver.bin.display()
     ));
-    let nodes = one_node_file(
-        &sshd,
-        sshd.port,
-        dir.path(),
-        "connect_timeout_s: 2\n",
-        "1xa100",
-    );
     let stranger = Stranger::start("3003");
     let busy = format!("GPU 0 busy: pid {} (sleep)", stranger.pid());
     driver.lists(Some((stranger.pid(), "sleep")));
-    let server = ServerProcess::start(
-        &dir.path().join("data"),
-        &[
-            "--ssh-nodes",
-            nodes.to_str().expect("utf-8"),
-            "--round-s",
-            "0.3",
-        ],
-    );
+    let server = start_on_node_a(&sshd, dir.path(), "1xa100", &[]);
     let id = submit_script(&server, dir.path(), "waits", "echo ran");
     assert_refused_while_busy_then_run(&server, &id, &busy, move || {
         drop(stranger);
@@ -544,20 +533,11 @@ fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
-    let nodes = one_node_file(
+    let server = start_on_node_a(
         &sshd,
-        sshd.port,
         dir.path(),
-        "connect_timeout_s: 2\n",
         "1xv100",
-    );
-    let server = ServerProcess::start(
-        &dir.path().join("data"),
         &[
-            "--ssh-nodes",
-            nodes.to_str().expect("utf-8"),
-            "--round-s",
-            "0.3",
             "--worker-log-max-file-bytes",
             "1048576",
             "--worker-log-max-files",
@@ -704,13 +684,6 @@ fn what_keel_writes_on_an_ssh_host_is_its_users_alone_and_the_worker_keeps_the_u
     let Some(sshd) = Sshd::start_or_skip(TEST) else {
         return;
     };
-    let mode = |p: &std::path::Path| {
-        std::fs::symlink_metadata(p)
-            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-            .permissions()
-            .mode()
-            & 0o777
-    };
     let dir = tempfile::tempdir().expect("tempdir");
     // What an older version left: `workers` open to everyone.
     let work = dir.path().join("work-a");
@@ -718,24 +691,8 @@ fn what_keel_writes_on_an_ssh_host_is_its_users_alone_and_the_worker_keeps_the_u
     std::fs::set_permissions(work.join("workers"), std::fs::Permissions::from_mode(0o755))
         .expect("chmod");
     // The umask sshd and its sessions inherit from this process.
-    let ours = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-    nix::sys::stat::umask(ours);
-    let nodes = one_node_file(
-        &sshd,
-        sshd.port,
-        dir.path(),
-        "connect_timeout_s: 2\n",
-        "1xv100",
-    );
-    let server = ServerProcess::start(
-        &dir.path().join("data"),
-        &[
-            "--ssh-nodes",
-            nodes.to_str().expect("utf-8"),
-            "--round-s",
-            "0.3",
-        ],
-    );
+    let ours = process_umask();
+    let server = start_on_node_a(&sshd, dir.path(), "1xv100", &[]);
     let id = submit_script(
         &server,
         dir.path(),
@@ -747,7 +704,7 @@ fn what_keel_writes_on_an_ssh_host_is_its_users_alone_and_the_worker_keeps_the_u
     });
     let logs = server.cli_ok(&["logs", &id]);
     assert!(
-        logs.contains(&format!("umask {:04o}", ours.bits())),
+        logs.contains(&format!("umask {ours:04o}")),
         "the worker runs under the host's umask: {logs}"
     );
     server.terminate();

@@ -405,6 +405,53 @@ class BadInputs(OneServer):
         self.assert_serving(["tracked", "plain"])
 
 
+class EventStreams(OneServer):
+    """Issue 22, item 5: a replica serves at most --max-event-streams event
+    streams; one more is RESOURCE_EXHAUSTED with the reason
+    TOO_MANY_STREAMS, and a stream its client cancels frees its place."""
+
+    args = OneServer.args + ("--max-event-streams", "2")
+
+    def test_one_stream_over_the_limit_is_refused_and_a_cancelled_one_frees_its_place(self):
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("watched")), timeout=10)
+        follow = api.WatchEventsRequest(from_index=0, follow=True)
+        first = self.stub.WatchEvents(follow)
+        second = self.stub.WatchEvents(follow)
+        # Both serve the submission.
+        self.assertTrue(next(first).events)
+        self.assertTrue(next(second).events)
+        with self.assertRaises(grpc.RpcError) as caught:
+            next(self.stub.WatchEvents(follow))
+        err = caught.exception
+        self.assertEqual(err.code(), CODE.RESOURCE_EXHAUSTED, err.details())
+        self.assertIn("2 event streams", err.details())
+        self.assertIn("--max-event-streams", err.details())
+        info = error_details_pb2.ErrorInfo()
+        self.assertTrue(
+            any(d.Unpack(info) for d in rpc_status.from_call(err).details
+                if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR))
+        )
+        self.assertEqual(info.reason, "TOO_MANY_STREAMS")
+        # The client goes away from one: its place comes back.
+        second.cancel()
+
+        def opened():
+            stream = self.stub.WatchEvents(follow)
+            try:
+                return stream if next(stream).events else None
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), CODE.RESOURCE_EXHAUSTED)
+                return None
+
+        third = wait_for("a place for a new stream", opened)
+        first.cancel()
+        third.cancel()
+        self.assert_serving(["watched"])
+
+
 class ErrorReasons(OneServer):
     """Issue 21, item 6: a client decides on the code and a machine-readable
     reason (google.rpc.ErrorInfo in the status details, with a BadRequest

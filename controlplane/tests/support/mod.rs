@@ -9,6 +9,24 @@ use std::time::{Duration, Instant};
 
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
+/// A file's permission bits (`0o600`, ...), not following a symlink.
+pub fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o777
+}
+
+/// This process's umask, which the processes it starts (a server, sshd)
+/// inherit. Read by setting one and putting it back: the only way.
+pub fn process_umask() -> u32 {
+    let ours = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+    nix::sys::stat::umask(ours);
+    ours.bits()
+}
+
 /// Runs `command` (a `keel` that needs no server: `replay`, `policy eval`,
 /// ...), which must succeed, and parses its JSON output.
 pub fn json_of(command: &mut Command) -> serde_json::Value {
