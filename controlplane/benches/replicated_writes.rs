@@ -7,7 +7,9 @@
 //! majority (fdatasync'd on each) and applied. etcd: three `etcd`
 //! processes (Debian's `etcd-server`; skipped when `etcd` is not on PATH),
 //! clients `Put` 256-byte values to the leader over gRPC. 1 and 64
-//! concurrent clients each.
+//! concurrent clients each. Keel runs twice: in plaintext, then over
+//! mutual TLS (certificates from `keel tls init`, clients holding a client
+//! certificate), for TLS's cost (issue 22).
 //!
 //! Run: `cargo bench -p keel --bench replicated_writes`
 //! (`KEEL_BENCH_SECONDS` sets each phase's length; default 5.)
@@ -18,6 +20,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use keel::transport::{Peer, Transport};
 use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest, SubmitJobRequest};
 use keel_proto::entry::JobSpec;
 use prost::Message;
@@ -80,17 +83,25 @@ struct Row {
     p99: Duration,
 }
 
-async fn channel(addr: &str) -> Channel {
-    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+async fn channel(transport: &Transport, addr: &str) -> Channel {
+    let endpoint = transport
+        .endpoint(addr)
         .expect("endpoint")
-        .tcp_nodelay(true)
-        .connect()
+        .tcp_nodelay(true);
+    transport
+        .connect(endpoint, Peer::Address(addr))
         .await
         .expect("connect")
 }
 
 /// Runs `clients` loops of `one` for `secs`; each loop gets its own channel.
-async fn load<F, Fut>(what: String, addr: &str, clients: usize, secs: f64, one: F) -> Row
+async fn load<F, Fut>(
+    what: String,
+    (transport, addr): (&Transport, &str),
+    clients: usize,
+    secs: f64,
+    one: F,
+) -> Row
 where
     F: Fn(Channel, usize) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = bool> + Send,
@@ -99,7 +110,7 @@ where
     let deadline = start + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
     for c in 0..clients {
-        let ch = channel(addr).await;
+        let ch = channel(transport, addr).await;
         let one = one.clone();
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
@@ -146,7 +157,9 @@ fn padded_spec(i: usize) -> JobSpec {
     spec
 }
 
-fn spawn_keel(dir: &Path) -> (Vec<Child>, Vec<String>) {
+/// Three replicas in `dir`; over TLS with the certificates in `certs`
+/// (`keel tls init`), if given.
+fn spawn_keel(dir: &Path, certs: Option<&Path>) -> (Vec<Child>, Vec<String>) {
     let addrs: Vec<String> = (0..3)
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
@@ -160,10 +173,22 @@ fn spawn_keel(dir: &Path) -> (Vec<Child>, Vec<String>) {
         .iter()
         .enumerate()
         .map(|(i, a)| {
-            Command::new(KEEL)
-                .args(["server", "--no-local-node", "--id", &(i + 1).to_string()])
+            let id = i + 1;
+            let mut command = Command::new(KEEL);
+            command
+                .args(["server", "--no-local-node", "--id", &id.to_string()])
                 .args(["--peers", &peers, "--listen", a, "--data-dir"])
-                .arg(dir.join(format!("keel{}", i + 1)))
+                .arg(dir.join(format!("keel{id}")));
+            if let Some(certs) = certs {
+                command
+                    .arg("--tls-cert")
+                    .arg(certs.join(format!("member-{id}.crt")))
+                    .arg("--tls-key")
+                    .arg(certs.join(format!("member-{id}.key")))
+                    .arg("--tls-ca")
+                    .arg(certs.join("ca.crt"));
+            }
+            command
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -173,18 +198,39 @@ fn spawn_keel(dir: &Path) -> (Vec<Child>, Vec<String>) {
     (children, addrs)
 }
 
-async fn keel_leader(addrs: &[String]) -> String {
+/// The certificates of a three-member cluster and a client, in
+/// `dir/certs`, and a client's transport holding them.
+fn tls_client(dir: &Path) -> (std::path::PathBuf, Transport) {
+    let certs = dir.join("certs");
+    let made = Command::new(KEEL)
+        .args(["tls", "init"])
+        .arg(&certs)
+        .stdout(Stdio::null())
+        .status()
+        .expect("keel tls init");
+    assert!(made.success(), "keel tls init failed");
+    let files = keel::tls::TlsFiles {
+        cert: Some(certs.join("client-admin.crt")),
+        key: Some(certs.join("client-admin.key")),
+        ca: certs.join("ca.crt"),
+    };
+    let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client).expect("client TLS");
+    (certs, Transport::Tls(std::sync::Arc::new(tls)))
+}
+
+async fn keel_leader(transport: &Transport, addrs: &[String]) -> String {
     loop {
         for a in addrs {
-            if let Ok(ep) = tonic::transport::Endpoint::from_shared(format!("http://{a}")) {
-                if let Ok(ch) = ep.connect().await {
-                    if let Ok(s) = KeelClient::new(ch)
-                        .cluster_status(ClusterStatusRequest {})
-                        .await
-                    {
-                        if s.into_inner().role == "leader" {
-                            return a.clone();
-                        }
+            let Ok(ep) = transport.endpoint(a) else {
+                continue;
+            };
+            if let Ok(ch) = transport.connect(ep, Peer::Address(a)).await {
+                if let Ok(s) = KeelClient::new(ch)
+                    .cluster_status(ClusterStatusRequest {})
+                    .await
+                {
+                    if s.into_inner().role == "leader" {
+                        return a.clone();
                     }
                 }
             }
@@ -324,23 +370,33 @@ fn main() {
         .expect("runtime");
     let mut rows = Vec::new();
     rt.block_on(async {
-        let (mut keel, addrs) = spawn_keel(dir.path());
-        let leader = keel_leader(&addrs).await;
-        for clients in [1, 64] {
-            rows.push(
-                load(
-                    format!("keel, 3 replicas, {clients} client(s)"),
-                    &leader,
-                    clients,
-                    secs,
-                    keel_submit,
-                )
-                .await,
-            );
-        }
-        for c in &mut keel {
-            let _ = c.kill();
-            let _ = c.wait();
+        let (certs, tls) = tls_client(dir.path());
+        let plain = Transport::Plain;
+        for (name, transport, certs) in [
+            ("keel", &plain, None),
+            ("keel over mutual TLS", &tls, Some(certs.as_path())),
+        ] {
+            let run_dir = dir
+                .path()
+                .join(if certs.is_some() { "tls" } else { "plain" });
+            let (mut keel, addrs) = spawn_keel(&run_dir, certs);
+            let leader = keel_leader(transport, &addrs).await;
+            for clients in [1, 64] {
+                rows.push(
+                    load(
+                        format!("{name}, 3 replicas, {clients} client(s)"),
+                        (transport, &leader),
+                        clients,
+                        secs,
+                        keel_submit,
+                    )
+                    .await,
+                );
+            }
+            for c in &mut keel {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
         match spawn_etcd(dir.path()) {
             None => println!(
@@ -352,7 +408,7 @@ fn main() {
                     rows.push(
                         load(
                             format!("etcd, 3 members, {clients} client(s)"),
-                            &leader,
+                            (&plain, &leader),
                             clients,
                             secs,
                             etcd_put,

@@ -206,9 +206,10 @@ impl KeelApi {
                 return Ok(Some(c.clone()));
             }
         }
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        let transport = &self.node.transport;
+        let endpoint = transport
+            .endpoint(&addr)
             .map_err(|e| ApiError::Unavailable(format!("leader address {addr:?}: {e}")))?
-            .local_address(self.node.peer_source_ip)
             .connect_timeout(std::time::Duration::from_secs(1))
             // A forwarded request never waits forever on a connection whose
             // answer was lost (a half-open connection after a partition):
@@ -216,8 +217,16 @@ impl KeelApi {
             .http2_keep_alive_interval(std::time::Duration::from_secs(1))
             .keep_alive_timeout(std::time::Duration::from_secs(2))
             .timeout(FORWARD_TIMEOUT)
-            .tcp_nodelay(true)
-            .connect_lazy();
+            .tcp_nodelay(true);
+        // The leader's certificate must name the member it is.
+        let member = crate::membership::member_of(leader_id.unwrap_or_default());
+        let channel = transport
+            .lazy(
+                endpoint,
+                crate::transport::Peer::Member(member),
+                self.node.peer_source_ip,
+            )
+            .map_err(|e| ApiError::Unavailable(format!("leader address {addr:?}: {e}")))?;
         let client = KeelClient::new(channel)
             .max_decoding_message_size(64 * crate::MAX_REQUEST_BYTES)
             .max_encoding_message_size(crate::MAX_REQUEST_BYTES);
@@ -871,7 +880,7 @@ impl Keel for KeelApi {
         // before the call may not listen yet.
         let deadline = tokio::time::Instant::now() + NEW_MEMBER_ANSWER_WAIT;
         let status = loop {
-            match crate::raft_node::status_of(&req.address).await {
+            match crate::raft_node::status_of(&self.node.transport, req.id, &req.address).await {
                 Ok(status) => break status,
                 Err(reason) if tokio::time::Instant::now() >= deadline => {
                     return Err(ApiError::NewMemberUnreachable {

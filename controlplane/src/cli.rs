@@ -18,6 +18,14 @@ const SPEC_FILE_MAX_BYTES: u64 = 1024 * 1024;
 /// (`--stale`), set once by `main`.
 pub static STALE_READS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
+/// How the CLI reaches the replicas: plaintext, or TLS with `--tls-ca` (and
+/// the client's `--tls-cert` and `--tls-key`). Set once, from the flags.
+pub static TRANSPORT: std::sync::OnceLock<keel::transport::Transport> = std::sync::OnceLock::new();
+
+fn transport() -> keel::transport::Transport {
+    TRANSPORT.get().cloned().unwrap_or_default()
+}
+
 /// Adds the read mode to every request.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadMode {
@@ -57,18 +65,28 @@ fn address_list(addrs: &str) -> Vec<&str> {
 
 /// Connects to `addr` alone.
 async fn connect_one(addr: &str) -> anyhow::Result<Client> {
-    let url = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    let endpoint = tonic::transport::Endpoint::from_shared(url)
+    let transport = transport();
+    if addr.starts_with("https://") && !transport.is_tls() {
+        anyhow::bail!(
+            "{addr}: an https address needs --tls-ca (and the client's --tls-cert and --tls-key)"
+        );
+    }
+    let endpoint = transport
+        .endpoint(addr)
         .with_context(|| format!("invalid server address {addr:?}"))?
         .connect_timeout(std::time::Duration::from_secs(2));
-    let channel = endpoint
-        .connect()
+    let channel = transport
+        .connect(endpoint, keel::transport::Peer::Address(addr))
         .await
-        .map_err(|e| anyhow::Error::new(e).context(addr.to_string()))?;
+        .map_err(|e| {
+            let hint = if transport.is_tls() {
+                " (with TLS: is the server's certificate from --tls-ca's CA, and does it name \
+                 this host?)"
+            } else {
+                " (if the server uses TLS, give --tls-ca, --tls-cert and --tls-key)"
+            };
+            anyhow::Error::new(e).context(format!("{addr}{hint}"))
+        })?;
     let mode = ReadMode {
         stale: STALE_READS.get().copied().unwrap_or(false),
     };
@@ -282,7 +300,25 @@ where
 }
 
 fn status_error(e: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{} ({:?})", e.message(), e.code())
+    // A connection the server's TLS refused reads, on the client's side,
+    // as a broken HTTP/2 stream: say what to check.
+    let hint = match e.code() {
+        tonic::Code::Unknown
+        | tonic::Code::Internal
+        | tonic::Code::Unavailable
+        | tonic::Code::Cancelled
+            if e.metadata().is_empty() =>
+        {
+            if transport().is_tls() {
+                "; with TLS, check that --tls-cert and --tls-key are a client certificate \
+                 from the cluster's CA"
+            } else {
+                "; if the server uses TLS, give --tls-ca, --tls-cert and --tls-key"
+            }
+        }
+        _ => "",
+    };
+    anyhow::anyhow!("{} ({:?}){hint}", e.message(), e.code())
 }
 
 /// Reads and parses a spec file: JSON if it ends in `.json`, YAML otherwise.
@@ -655,11 +691,16 @@ pub fn force_new_cluster(
 }
 
 async fn member_status(addr: &str) -> Option<api::ClusterStatusResponse> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+    let transport = transport();
+    let endpoint = transport
+        .endpoint(addr)
         .ok()?
         .connect_timeout(std::time::Duration::from_millis(500))
         .timeout(std::time::Duration::from_secs(2));
-    let channel = endpoint.connect().await.ok()?;
+    let channel = transport
+        .connect(endpoint, keel::transport::Peer::Address(addr))
+        .await
+        .ok()?;
     KeelClient::new(channel)
         .cluster_status(api::ClusterStatusRequest {})
         .await

@@ -17,6 +17,9 @@
 //! - [`removal`]: a replica removed from its cluster says so and stops.
 //! - [`server`]: the `keel server` process: data dir, Raft, API, loops,
 //!   shutdown.
+//! - [`tls`]: certificates, their rustls configurations and reload;
+//!   [`tls::certs`] makes a cluster's (`keel tls init`).
+//! - [`transport`]: plaintext or TLS, for every channel and the listener.
 
 pub mod api;
 pub mod clock;
@@ -36,6 +39,8 @@ pub mod raft_network;
 pub mod raft_node;
 pub mod removal;
 pub mod server;
+pub mod tls;
+pub mod transport;
 
 /// Largest gRPC request the server accepts, in bytes.
 pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;

@@ -4,6 +4,7 @@ mod cli;
 mod render;
 mod sim_cmd;
 mod sim_plot;
+mod tls_cmd;
 
 /// mimalloc instead of glibc's malloc: the server allocates and frees small
 /// buffers per request, per entry and per RPC; with three replicas and 64
@@ -53,21 +54,60 @@ struct Args {
     /// Output format of read commands.
     #[arg(long, short = 'o', global = true, value_enum, default_value_t = render::Output::Table, help_heading = CLIENT_OPTIONS)]
     output: render::Output,
+    #[command(flatten)]
+    tls: TlsArgs,
     #[command(subcommand)]
     command: Cmd,
+}
+
+/// The heading of the TLS options, which the server and the clients share.
+const TLS_OPTIONS: &str = "TLS (a server's certificate, or a client's)";
+
+/// The certificates a server serves and calls its peers with, or a client
+/// calls with. All three, or none (plaintext). `keel tls init` makes them.
+#[derive(clap::Args, Debug)]
+struct TlsArgs {
+    /// This process's certificate (PEM): a member's for `keel server`
+    /// (it must name the member: `ID.members.keel`), a client's otherwise.
+    #[arg(long, global = true, env = "KEEL_TLS_CERT", help_heading = TLS_OPTIONS)]
+    tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, global = true, env = "KEEL_TLS_KEY", help_heading = TLS_OPTIONS)]
+    tls_key: Option<PathBuf>,
+    /// The cluster CA's certificate (PEM): peers and callers must have a
+    /// certificate from it, and servers must show one.
+    #[arg(long, global = true, env = "KEEL_TLS_CA", help_heading = TLS_OPTIONS)]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn files(&self, who: &'static str) -> anyhow::Result<Option<keel::tls::TlsFiles>> {
+        Ok(keel::tls::TlsFiles::from_flags(
+            self.tls_cert.clone(),
+            self.tls_key.clone(),
+            self.tls_ca.clone(),
+            who,
+        )?)
+    }
 }
 
 // Parsed once per process: the size of the largest variant costs nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Make and issue the cluster's TLS certificates.
+    Tls {
+        #[command(subcommand)]
+        command: tls_cmd::TlsCmd,
+    },
     /// Run a Keel server (a Raft replica serving the API).
     Server {
         /// Where the Raft log, state and journal live.
         #[arg(long, default_value = "keel-data")]
         data_dir: PathBuf,
-        /// Address to serve the API (and Raft) on. Loopback only, unless
-        /// `--insecure`: this version has no TLS or authentication.
+        /// Address to serve the API (and Raft) on. Without TLS
+        /// (`--tls-cert`, `--tls-key`, `--tls-ca`), loopback only unless
+        /// `--insecure`.
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: SocketAddr,
         /// Serve on a non-loopback `--listen` address without TLS or
@@ -836,7 +876,14 @@ fn closed_pipe(e: &anyhow::Error) -> bool {
 async fn run(args: Args) -> anyhow::Result<()> {
     let out = args.output;
     let _ = cli::STALE_READS.set(args.stale);
+    if !matches!(args.command, Cmd::Server { .. } | Cmd::Tls { .. }) {
+        if let Some(files) = args.tls.files("a client")? {
+            let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client)?;
+            let _ = cli::TRANSPORT.set(keel::transport::Transport::Tls(std::sync::Arc::new(tls)));
+        }
+    }
     match args.command {
+        Cmd::Tls { command } => tls_cmd::run(command, out),
         Cmd::Server {
             data_dir,
             listen,
@@ -871,7 +918,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
             worker_logs,
         } => {
             init_tracing();
-            if keel::exposure::check_listen(listen, insecure)? {
+            let transport = match args.tls.files("keel server")? {
+                Some(files) => {
+                    if files.cert.is_none() {
+                        anyhow::bail!(
+                            "keel server needs --tls-cert, --tls-key and --tls-ca together"
+                        );
+                    }
+                    let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Member(id))?;
+                    keel::transport::Transport::Tls(std::sync::Arc::new(tls))
+                }
+                None => keel::transport::Transport::Plain,
+            };
+            if keel::exposure::check_listen(listen, insecure, transport.is_tls())? {
                 tracing::warn!(
                     "serving on {listen} without TLS or authentication (--insecure): anyone who \
                      reaches it can submit, cancel, change the policy and the membership"
@@ -934,6 +993,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     peer_source_ip,
                     wire_format: raft_wire_format,
                     max_clock_offset_ms,
+                    transport,
                     ..RaftSettings::default()
                 },
                 nodes: if no_local_node || ssh_nodes.is_some() || kubernetes.kubernetes {

@@ -43,7 +43,7 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use openraft::BasicNode;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::clock::ServerClock;
@@ -175,6 +175,7 @@ impl ClusterIdentity {
 pub struct GrpcNetwork {
     identity: Arc<ClusterIdentity>,
     source_ip: Option<std::net::IpAddr>,
+    transport: crate::transport::Transport,
     strangers: Strangers,
     wire_format: u32,
     formats: PeerFormats,
@@ -256,6 +257,7 @@ impl GrpcNetwork {
     pub fn new(
         identity: Arc<ClusterIdentity>,
         source_ip: Option<std::net::IpAddr>,
+        transport: crate::transport::Transport,
         strangers: Strangers,
         wire_format: u32,
         clock: Arc<ServerClock>,
@@ -263,6 +265,7 @@ impl GrpcNetwork {
         GrpcNetwork {
             identity,
             source_ip,
+            transport,
             strangers,
             wire_format,
             formats: PeerFormats::default(),
@@ -285,6 +288,7 @@ impl RaftNetworkFactory<TypeConfig> for GrpcNetwork {
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> GrpcPeer {
         let mut peer = GrpcPeer::new(target, &node.addr, self.identity.clone());
         peer.source_ip = self.source_ip;
+        peer.transport = self.transport.clone();
         peer.strangers = self.strangers.clone();
         peer.wire_format = self.wire_format;
         peer.formats = self.formats.clone();
@@ -302,6 +306,7 @@ pub struct GrpcPeer {
     client: Option<RaftClient<Channel>>,
     identity: Arc<ClusterIdentity>,
     source_ip: Option<std::net::IpAddr>,
+    transport: crate::transport::Transport,
     strangers: Strangers,
     /// The newest wire format this replica writes.
     wire_format: u32,
@@ -326,6 +331,7 @@ impl GrpcPeer {
             client: None,
             identity,
             source_ip: None,
+            transport: crate::transport::Transport::Plain,
             strangers: Strangers::default(),
             wire_format: raft_wire::RAFT_WIRE_FORMAT,
             formats: PeerFormats::default(),
@@ -335,21 +341,22 @@ impl GrpcPeer {
         }
     }
 
-    fn client(&mut self) -> Result<RaftClient<Channel>, tonic::transport::Error> {
+    fn client(&mut self) -> Result<RaftClient<Channel>, crate::transport::ConnectError> {
         if let Some(c) = &self.client {
             return Ok(c.clone());
         }
-        let url = if self.addr.contains("://") {
-            self.addr.clone()
-        } else {
-            format!("http://{}", self.addr)
-        };
-        let channel = Endpoint::from_shared(url)?
-            .local_address(self.source_ip)
+        let endpoint = self
+            .transport
+            .endpoint(&self.addr)?
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .connect_lazy();
+            .http2_keep_alive_interval(Duration::from_secs(10));
+        // With TLS, the peer must show the certificate of the member it is.
+        let channel = self.transport.lazy(
+            endpoint,
+            crate::transport::Peer::Member(membership::member_of(self.target)),
+            self.source_ip,
+        )?;
         let client = RaftClient::new(channel)
             .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
             .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);
@@ -757,6 +764,8 @@ pub struct RaftService {
     /// (a refusal is logged when it names another than the last).
     last_refused: Arc<Mutex<Option<Option<u64>>>>,
     clock: Arc<ServerClock>,
+    /// See [`RaftService::members_by_certificate`].
+    members_by_certificate: bool,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -780,7 +789,48 @@ impl RaftService {
             identity,
             last_refused: Arc::default(),
             clock,
+            members_by_certificate: false,
         }
+    }
+
+    /// With TLS: a Raft message is refused unless the caller's certificate
+    /// names the member that sent it (a client's certificate, or another
+    /// member's, votes and appends nothing).
+    pub fn members_by_certificate(mut self, on: bool) -> RaftService {
+        self.members_by_certificate = on;
+        self
+    }
+
+    /// Refuses a message whose sender (`sender`, a Raft id: the candidate
+    /// or the leader it names) is not the member the caller's certificate
+    /// names, when [`RaftService::members_by_certificate`].
+    fn check_certificate<T>(
+        &self,
+        request: &Request<T>,
+        sender: Option<u64>,
+    ) -> Result<(), Status> {
+        if !self.members_by_certificate {
+            return Ok(());
+        }
+        let member = sender.map(membership::member_of);
+        let peer = request.extensions().get::<crate::transport::PeerInfo>();
+        if let (Some(member), Some(peer)) = (member, peer) {
+            if peer.names_member(member) {
+                return Ok(());
+            }
+        }
+        let said = member.map_or_else(|| "no member".to_string(), |m| format!("member {m}"));
+        let expected = member.map_or_else(String::new, |m| {
+            format!(" (a certificate naming {})", crate::tls::member_name(m))
+        });
+        let remote = peer
+            .and_then(|p| p.remote)
+            .map_or_else(|| "?".to_string(), |r| r.to_string());
+        tracing::warn!(%remote, sender = %said, "refused a Raft message: the caller's certificate is not that member's");
+        Err(Status::permission_denied(format!(
+            "a Raft message from {said} needs that member's certificate{expected}; the caller's \
+             certificate does not name it"
+        )))
     }
 
     /// Admits a received message: refused if it comes from another cluster
@@ -837,6 +887,27 @@ impl RaftService {
         Err(status)
     }
 
+    /// Admits and decodes a received message. With certificates
+    /// ([`RaftService::members_by_certificate`]) the caller's certificate
+    /// is checked against the sender the message names (`sender`) before
+    /// anything else of it is acted on, the cluster id it carries
+    /// included; without, the message is admitted before it is decoded.
+    fn receive<T: WireMessage>(
+        &self,
+        request: &Request<RaftMessage>,
+        from_leader: bool,
+        sender: impl Fn(&T) -> Option<u64>,
+    ) -> Result<(u32, T), Status> {
+        if !self.members_by_certificate {
+            self.admit(request, from_leader)?;
+            return self.decode(request.get_ref());
+        }
+        let (format, req) = self.decode(request.get_ref())?;
+        self.check_certificate(request, sender(&req))?;
+        self.admit(request, from_leader)?;
+        Ok((format, req))
+    }
+
     /// Decodes a received message: its format and its request. A format
     /// newer than this replica reads is FAILED_PRECONDITION (an upgrade is
     /// due), a payload that does not decode INVALID_ARGUMENT.
@@ -882,9 +953,10 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        self.admit(&request, true)?;
-        let (format, req): (_, AppendEntriesRequest<TypeConfig>) =
-            self.decode(request.get_ref())?;
+        let (format, req) =
+            self.receive(&request, true, |r: &AppendEntriesRequest<TypeConfig>| {
+                r.vote.leader_id().voted_for()
+            })?;
         let result = self.raft.append_entries(req).await;
         // A leader this replica follows: its log time is the log's, and
         // what it measured of this replica's clock counts.
@@ -902,8 +974,9 @@ impl RaftRpc for RaftService {
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        self.admit(&request, false)?;
-        let (format, req): (_, VoteRequest<u64>) = self.decode(request.get_ref())?;
+        let (format, req) = self.receive(&request, false, |r: &VoteRequest<u64>| {
+            r.vote.leader_id().voted_for()
+        })?;
         self.refuse_removed(&req)?;
         self.reply(format, &self.raft.vote(req).await)
     }
@@ -912,9 +985,10 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        self.admit(&request, true)?;
-        let (format, req): (_, InstallSnapshotRequest<TypeConfig>) =
-            self.decode(request.get_ref())?;
+        let (format, req) =
+            self.receive(&request, true, |r: &InstallSnapshotRequest<TypeConfig>| {
+                r.vote.leader_id().voted_for()
+            })?;
         self.reply(format, &self.raft.install_snapshot(req).await)
     }
 }

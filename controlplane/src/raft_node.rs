@@ -123,17 +123,23 @@ fn bootstrap(members: usize, answers: &BTreeMap<u64, PeerAnswer>) -> Bootstrap {
     }
 }
 
-/// What the replica at `addr` says of itself (`ClusterStatus`), within a
-/// second.
+/// What member `member` at `addr` says of itself (`ClusterStatus`),
+/// within a second.
 pub(crate) async fn status_of(
+    transport: &crate::transport::Transport,
+    member: u64,
     addr: &str,
 ) -> Result<keel_proto::api::ClusterStatusResponse, String> {
     use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest};
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+    let endpoint = transport
+        .endpoint(addr)
         .map_err(|e| e.to_string())?
         .connect_timeout(std::time::Duration::from_millis(500))
         .timeout(std::time::Duration::from_secs(1));
-    let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
+    let channel = transport
+        .connect(endpoint, crate::transport::Peer::Member(member))
+        .await
+        .map_err(|e| e.to_string())?;
     let mut client = KeelClient::new(channel);
     client
         .cluster_status(ClusterStatusRequest::default())
@@ -143,11 +149,15 @@ pub(crate) async fn status_of(
 }
 
 /// Asks every other peer whether it belongs to an initialised cluster.
-async fn ask_peers(id: u64, peers: &Peers) -> BTreeMap<u64, PeerAnswer> {
+async fn ask_peers(
+    id: u64,
+    peers: &Peers,
+    transport: &crate::transport::Transport,
+) -> BTreeMap<u64, PeerAnswer> {
     let mut answers = BTreeMap::new();
     for (peer, addr) in peers.iter().filter(|(p, _)| **p != id) {
         answers.insert(*peer, PeerAnswer::Unreachable);
-        let Ok(status) = status_of(addr).await else {
+        let Ok(status) = status_of(transport, *peer, addr).await else {
             continue;
         };
         if status.member_id != *peer {
@@ -184,6 +194,7 @@ async fn bootstrap_when_a_majority_answers(
     peers: Peers,
     raft: Raft,
     identity: Arc<ClusterIdentity>,
+    transport: crate::transport::Transport,
 ) {
     let mut rounds = 0u64;
     loop {
@@ -196,7 +207,7 @@ async fn bootstrap_when_a_majority_answers(
             // Raft stopped; the server reports why.
             Err(_) => return,
         }
-        let answers = ask_peers(id, &peers).await;
+        let answers = ask_peers(id, &peers, &transport).await;
         match bootstrap(peers.len(), &answers) {
             Bootstrap::Join { peer } => {
                 tracing::info!(
@@ -312,6 +323,8 @@ pub struct RaftNode {
     pub peer_source_ip: Option<std::net::IpAddr>,
     /// See [`RaftSettings::wire_format`].
     pub wire_format: u32,
+    /// See [`RaftSettings::transport`].
+    pub transport: crate::transport::Transport,
 }
 
 /// Raft timing and compaction settings.
@@ -339,6 +352,9 @@ pub struct RaftSettings {
     /// lead, and log time moves at most this far ahead of what a new leader
     /// heard (`keel_state::log_time`).
     pub max_clock_offset_ms: u64,
+    /// How this replica reaches its peers (Raft, forwarded requests,
+    /// bootstrap questions): plaintext or TLS with its member certificate.
+    pub transport: crate::transport::Transport,
 }
 
 impl Default for RaftSettings {
@@ -358,6 +374,7 @@ impl Default for RaftSettings {
             peer_source_ip: None,
             wire_format: keel_storage::raft_wire::RAFT_WIRE_FORMAT,
             max_clock_offset_ms: keel_state::log_time::MAX_CLOCK_OFFSET_MS_DEFAULT,
+            transport: crate::transport::Transport::Plain,
         }
     }
 }
@@ -481,6 +498,7 @@ impl RaftNode {
             GrpcNetwork::new(
                 identity.clone(),
                 settings.peer_source_ip,
+                settings.transport.clone(),
                 strangers.clone(),
                 settings.wire_format,
                 clock.clone(),
@@ -548,6 +566,7 @@ impl RaftNode {
                 peers.clone(),
                 raft.clone(),
                 identity.clone(),
+                settings.transport.clone(),
             ));
         } else {
             tracing::info!(
@@ -569,6 +588,7 @@ impl RaftNode {
             data_dir,
             peer_source_ip: settings.peer_source_ip,
             wire_format: settings.wire_format,
+            transport: settings.transport.clone(),
         })
     }
 

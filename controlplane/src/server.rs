@@ -107,6 +107,50 @@ pub enum ServerError {
     Removed(crate::removal::Removal),
 }
 
+/// Reads the certificates again at every SIGHUP: new connections, in and
+/// out, use them; a file that does not load leaves the ones in use, and
+/// the log says why.
+///
+/// The handler is installed before this returns, so a SIGHUP sent once the
+/// server answers is never the default (which ends the process).
+fn reload_on_sighup(
+    tls: Arc<crate::tls::TlsState>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> impl Future<Output = ()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let hangups = signal(SignalKind::hangup());
+    async move {
+        let mut hangups = match hangups {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch for SIGHUP: certificates reload only at a restart");
+                return;
+            }
+        };
+        loop {
+            tokio::select! {
+                got = hangups.recv() => {
+                    if got.is_none() {
+                        return;
+                    }
+                    match tls.reload() {
+                        Ok(()) => tracing::info!(
+                            cert = ?tls.files().cert,
+                            ca = %tls.files().ca.display(),
+                            "SIGHUP: certificates reloaded; new connections use them"
+                        ),
+                        Err(e) => tracing::error!(
+                            error = %e,
+                            "SIGHUP: the certificates did not load; the ones in use stay"
+                        ),
+                    }
+                }
+                _ = stop.changed() => return,
+            }
+        }
+    }
+}
+
 /// A started server: its bound address and the Raft node behind it.
 pub struct Server {
     pub addr: SocketAddr,
@@ -310,7 +354,7 @@ impl Server {
             self.config.gpu_kernel_log.clone(),
             self.logs_floor.clone(),
             self.config.loops.clone(),
-            stop_rx,
+            stop_rx.clone(),
         ));
         let service = crate::removal::RefuseWhenRemoved {
             inner: crate::grpc_status::TooLargeIsResourceExhausted(
@@ -320,25 +364,26 @@ impl Server {
             ),
             flag: self.node.removal.clone(),
         };
-        tracing::info!(addr = %self.addr, "serving the Keel API");
-        // Replies are small and latency-bound: no Nagle delay on accepted
-        // connections (tonic sets this only on listeners it binds itself).
-        let incoming = tokio_stream::StreamExt::map(
-            tokio_stream::wrappers::TcpListenerStream::new(self.listener),
-            |conn| {
-                conn.and_then(|stream| {
-                    stream.set_nodelay(true)?;
-                    Ok(stream)
-                })
-            },
-        );
-        let raft_service = keel_proto::raft::raft_server::RaftServer::new(RaftService::new(
-            self.node.raft.clone(),
-            self.node.id,
-            self.node.identity.clone(),
-            self.node.wire_format,
-            self.node.clock.clone(),
-        ))
+        tracing::info!(addr = %self.addr, tls = self.node.transport.is_tls(), "serving the Keel API");
+        // Accepted with Nagle off (replies are small and latency-bound),
+        // and with TLS handshaken, when the server has certificates.
+        let incoming = self.node.transport.incoming(self.listener);
+        let reloading = match &self.node.transport {
+            crate::transport::Transport::Tls(tls) => {
+                Some(tokio::spawn(reload_on_sighup(tls.clone(), stop_rx.clone())))
+            }
+            crate::transport::Transport::Plain => None,
+        };
+        let raft_service = keel_proto::raft::raft_server::RaftServer::new(
+            RaftService::new(
+                self.node.raft.clone(),
+                self.node.id,
+                self.node.identity.clone(),
+                self.node.wire_format,
+                self.node.clock.clone(),
+            )
+            .members_by_certificate(self.node.transport.is_tls()),
+        )
         .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);
         // Fail-stop: if Raft's core stops (a storage error: a full or
@@ -404,6 +449,9 @@ impl Server {
         let _ = repairing.await;
         if let Some(retaining) = retaining {
             let _ = retaining.await;
+        }
+        if let Some(reloading) = reloading {
+            let _ = reloading.await;
         }
         let _ = clock_watch.await;
         watchdog.step("stopping Raft and flushing the log");

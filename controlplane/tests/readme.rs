@@ -446,6 +446,118 @@ fn the_readme_three_replica_walkthrough_runs_as_written() {
     }
 }
 
+/// "Securing a cluster": `keel tls init`, three replicas over mutual TLS
+/// and a client holding the client certificate, as written (on free
+/// ports); and the same client without its certificate gets nothing.
+#[test]
+fn the_readme_tls_walkthrough_runs_as_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::os::unix::fs::symlink(root().join("examples"), dir.path().join("examples"))
+        .expect("examples");
+    let ports: BTreeMap<String, String> = (1..=3)
+        .map(|i| {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free port");
+            (format!("127.0.0.1:700{i}"), format!("127.0.0.1:{port}"))
+        })
+        .collect();
+    let mut vars: BTreeMap<String, String> = BTreeMap::new();
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    let mut servers: Vec<Child> = Vec::new();
+    let client = |env: &BTreeMap<String, String>, args: &[&str]| {
+        Command::new(KEEL)
+            .args(args)
+            .current_dir(dir.path())
+            .env_remove("KEEL_ADDR")
+            .envs(env)
+            .output()
+            .expect("run keel")
+    };
+    let mut ran = Vec::new();
+    for line in &sh_blocks("Securing a cluster")[0] {
+        let mut command = ports
+            .iter()
+            .fold(line.command.clone(), |t, (from, to)| t.replace(from, to));
+        if let Some((name, value)) = command
+            .split_once('=')
+            .filter(|(n, _)| n.chars().all(|c| c.is_ascii_uppercase()) && !n.is_empty())
+        {
+            vars.insert(name.to_string(), value.to_string());
+            continue;
+        }
+        for (name, value) in &vars {
+            command = command.replace(&format!("${name}"), value);
+        }
+        let words: Vec<&str> = command.split_whitespace().collect();
+        match words.as_slice() {
+            ["keel", "tls", "init", certs] => {
+                let out = client(&env, &["tls", "init", certs]);
+                assert!(out.status.success(), "{line:?}: {out:?}");
+                // "owner-only"
+                assert_eq!(
+                    std::fs::metadata(dir.path().join(certs).join("ca.key"))
+                        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+                        .expect("ca.key"),
+                    0o600
+                );
+            }
+            ["keel", "server", args @ .., "&"] => {
+                let log = std::fs::File::create(dir.path().join(format!("s{}.log", servers.len())))
+                    .expect("log");
+                servers.push(
+                    Command::new(KEEL)
+                        .arg("server")
+                        .args(args)
+                        .current_dir(dir.path())
+                        .stdout(Stdio::null())
+                        .stderr(log)
+                        .spawn()
+                        .expect("spawn keel server"),
+                );
+            }
+            ["export", assignments @ ..] => {
+                for a in assignments {
+                    let (k, v) = a.split_once('=').expect("NAME=VALUE");
+                    env.insert(k.to_string(), v.to_string());
+                }
+            }
+            ["keel", "cluster", "status"] => {
+                // "three members, over mutual TLS"
+                wait_for("three members and a leader over TLS", || {
+                    let out = client(&env, &["cluster", "status", "-o", "json"]);
+                    let status: Value = serde_json::from_slice(&out.stdout).ok()?;
+                    let members = status["members_status"].as_array().map_or(0, Vec::len);
+                    (members == 3 && leader_id(&status).is_some()).then_some(())
+                });
+            }
+            ["keel", "submit", "-f", file] => {
+                let out = wait_for("the submission", || {
+                    let out = client(&env, &["submit", "-f", file]);
+                    out.status.success().then_some(out)
+                });
+                assert!(
+                    String::from_utf8_lossy(&out.stdout).contains("job 1 submitted"),
+                    "{line:?}: {out:?}"
+                );
+            }
+            _ => panic!("a line of the walkthrough this test does not know: {line:?}"),
+        }
+        ran.push(words[..2.min(words.len())].join(" "));
+    }
+    assert_eq!(ran.iter().filter(|w| *w == "keel server").count(), 3);
+    // Without the client's certificate: nothing.
+    let mut plain = env.clone();
+    plain.retain(|k, _| !k.starts_with("KEEL_TLS_"));
+    let refused = client(&plain, &["jobs"]);
+    assert!(!refused.status.success(), "{refused:?}");
+    for mut child in servers {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 /// "The SSH executor": the README's nodes file, its first node pointed at
 /// a real sshd on 127.0.0.1 (with GPUs declared, as there is no
 /// `nvidia-smi`, and a work directory of the test's), its other settings as

@@ -26,6 +26,9 @@ struct Replica {
 struct Cluster {
     replicas: Vec<Replica>,
     peers: String,
+    /// What the cluster's helpers run the CLI with (a TLS client's
+    /// `KEEL_TLS_*`; empty: plaintext).
+    client_env: Vec<(&'static str, String)>,
     _dir: tempfile::TempDir,
 }
 
@@ -76,6 +79,22 @@ fn json(addr: &str, args: &[&str]) -> Option<Value> {
 }
 
 impl Cluster {
+    /// [`json`], as a client of this cluster ([`Cluster::client_env`]).
+    fn json(&self, addr: &str, args: &[&str]) -> Option<Value> {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        let out = Command::new(KEEL)
+            .args(&all)
+            .env("KEEL_ADDR", addr)
+            .envs(self.client_env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .expect("run keel CLI");
+        if !out.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
     fn start(extra: &[&str]) -> Cluster {
         let mut cluster = Cluster::new();
         for id in 1..=3 {
@@ -103,6 +122,7 @@ impl Cluster {
         Cluster {
             replicas,
             peers,
+            client_env: Vec::new(),
             _dir: dir,
         }
     }
@@ -195,7 +215,7 @@ impl Cluster {
     }
 
     fn status(&self, id: u64) -> Option<Value> {
-        json(&self.replicas[id as usize - 1].addr, &["cluster", "status"])
+        self.json(&self.replicas[id as usize - 1].addr, &["cluster", "status"])
     }
 
     /// The leader as the live replicas agree on it.
@@ -246,12 +266,12 @@ impl Cluster {
     fn submit(&self, addrs: &str, name: &str) -> Option<u64> {
         let spec = self._dir.path().join(format!("{name}.yaml"));
         std::fs::write(&spec, format!("name: {name}\ncommand: [\"true\"]\n")).expect("spec");
-        json(addrs, &["submit", "-f", spec.to_str().expect("utf-8")])?["id"].as_u64()
+        self.json(addrs, &["submit", "-f", spec.to_str().expect("utf-8")])?["id"].as_u64()
     }
 
     /// Each node's (state, message), as the cluster sees it now.
     fn nodes(&self) -> Option<Vec<(String, String, String)>> {
-        let v = json(&self.all_addrs(), &["nodes"])?;
+        let v = self.json(&self.all_addrs(), &["nodes"])?;
         v.as_array().map(|a| {
             a.iter()
                 .map(|n| {
@@ -284,7 +304,7 @@ impl Cluster {
     /// the cluster still commits (a membership call that failed changed
     /// nothing).
     fn membership_is_as_it_was(&self, all: &str) {
-        let status = json(all, &["cluster", "status"]).expect("status");
+        let status = self.json(all, &["cluster", "status"]).expect("status");
         assert_eq!(status["voters"], serde_json::json!([1, 2, 3]), "{status}");
         assert_eq!(
             status["members"].as_array().map(Vec::len),
@@ -296,7 +316,7 @@ impl Cluster {
     }
 
     fn jobs_on(&self, id: u64) -> BTreeSet<u64> {
-        json(&self.replicas[id as usize - 1].addr, &["--stale", "jobs"])
+        self.json(&self.replicas[id as usize - 1].addr, &["--stale", "jobs"])
             .and_then(|v| {
                 v.as_array()
                     .map(|a| a.iter().filter_map(|j| j["id"].as_u64()).collect())
@@ -447,6 +467,84 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(err.contains("different members"), "{err}");
     assert!(err.contains("{1,2,3}") && err.contains("{1,9}"), "{err}");
+}
+
+/// Issue 22, item 1: three replicas over mutual TLS, with the certificates
+/// `keel tls init` made, elect, replicate, forward writes and fail over
+/// (every Raft message and forwarded write carries a member certificate),
+/// a killed member catches up again, and a caller without a certificate
+/// from their CA gets nothing.
+#[test]
+fn a_cluster_over_mutual_tls_replicates_and_fails_over_and_refuses_plaintext() {
+    let mut cluster = Cluster::new();
+    let certs = cluster._dir.path().join("certs");
+    let out = Command::new(KEEL)
+        .args(["tls", "init"])
+        .arg(&certs)
+        .output()
+        .expect("keel tls init");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = |name: String| certs.join(name).display().to_string();
+    let env_of = |holder: &str| {
+        vec![
+            ("KEEL_TLS_CA", path("ca.crt".into())),
+            ("KEEL_TLS_CERT", path(format!("{holder}.crt"))),
+            ("KEEL_TLS_KEY", path(format!("{holder}.key"))),
+        ]
+    };
+    cluster.client_env = env_of("client-admin");
+    let spawn = |cluster: &mut Cluster, id: u64| {
+        let env = env_of(&format!("member-{id}"));
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        cluster.spawn_with_env(id, &[], &env);
+    };
+    for id in 1..=3 {
+        spawn(&mut cluster, id);
+    }
+    let first = cluster.leader();
+    let follower = cluster
+        .replicas
+        .iter()
+        .find(|r| r.id != first)
+        .map(|r| r.addr.clone())
+        .expect("a follower");
+    let mut acked = BTreeSet::new();
+    for i in 0..3 {
+        acked.insert(
+            cluster
+                .submit(&follower, &format!("before-{i}"))
+                .expect("acknowledged through a follower"),
+        );
+    }
+    cluster.kill9(first);
+    let second = cluster.leader();
+    assert_ne!(first, second, "a new leader was elected over TLS");
+    acked.insert(
+        cluster
+            .submit(&cluster.all_addrs(), "after")
+            .expect("acknowledged after the failover"),
+    );
+    spawn(&mut cluster, first);
+    cluster.converged();
+    for r in 1..=3 {
+        assert_eq!(cluster.jobs_on(r), acked, "replica {r}");
+    }
+    // Without TLS: nothing, and a hint.
+    let plain = cli(&follower, &["jobs"]);
+    assert!(!plain.status.success());
+    let said = String::from_utf8_lossy(&plain.stderr);
+    assert!(
+        said.contains("if the server uses TLS, give --tls-ca"),
+        "{said}"
+    );
+    assert!(
+        (1..=3).any(|r| cluster.logs(r).contains("its TLS handshake failed")),
+        "a replica logged the refused handshake"
+    );
 }
 
 /// Issue 19, item 4: submissions in flight when the leader is killed are

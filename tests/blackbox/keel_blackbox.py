@@ -70,10 +70,22 @@ def wait_for(what, f, timeout_s=60.0):
 class Server:
     """A `keel server` process on 127.0.0.1 with its own data directory."""
 
-    def __init__(self, *args, data_dir=None):
+    def __init__(self, *args, data_dir=None, tls=False):
+        """With tls, the server is member 1 of a CA that `keel tls init`
+        makes in its directory (self.certs), and the stub holds the
+        client certificate `client-admin`."""
         import grpc
 
         self.dir = tempfile.mkdtemp(prefix="keel-blackbox-")
+        self.certs = os.path.join(self.dir, "certs")
+        if tls:
+            subprocess.run([KEEL, "tls", "init", self.certs], check=True, stdout=subprocess.DEVNULL)
+            args = (
+                *args,
+                "--tls-cert", self.cert_path("member-1.crt"),
+                "--tls-key", self.cert_path("member-1.key"),
+                "--tls-ca", self.cert_path("ca.crt"),
+            )
         self.data = data_dir or os.path.join(self.dir, "data")
         os.makedirs(self.data, exist_ok=True)
         self.log_path = os.path.join(self.dir, "server.log")
@@ -96,9 +108,32 @@ class Server:
             return text if ":" in text else None
 
         self.addr = wait_for("the server's address", address)
-        self.channel = grpc.insecure_channel(self.addr)
+        if tls:
+            self.channel = self.secure_channel("client-admin")
+        else:
+            self.channel = grpc.insecure_channel(self.addr)
         self.stub = api_grpc.KeelStub(self.channel)
         wait_for("a leader", self._leads)
+
+    def cert_path(self, name):
+        return os.path.join(self.certs, name)
+
+    def secure_channel(self, holder, certs=None):
+        """A TLS channel to the server, which it verifies against its CA,
+        holding `holder`'s certificate (from `certs`, another `keel tls
+        init` directory, if given)."""
+        import grpc
+
+        def read(directory, name):
+            with open(os.path.join(directory, name), "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read(self.certs, "ca.crt"),
+            private_key=read(certs or self.certs, holder + ".key"),
+            certificate_chain=read(certs or self.certs, holder + ".crt"),
+        )
+        return grpc.secure_channel(self.addr, credentials)
 
     def _leads(self):
         import grpc

@@ -8,11 +8,12 @@ at the keel binary it built.
 """
 
 import os
+import subprocess
 import unittest
 
 import grpc
 
-from keel_blackbox import Server, api, entry, raft, replication, spec, wait_for
+from keel_blackbox import KEEL, Server, api, api_grpc, entry, raft, replication, spec, wait_for
 
 CODE = grpc.StatusCode
 
@@ -654,3 +655,55 @@ class RaftClockFields(OneServer):
 
 if __name__ == "__main__":
     unittest.main()
+
+class MutualTls(unittest.TestCase):
+    """Issue 22, item 1: a server with TLS, reached through grpcio's own TLS
+    with the certificates `keel tls init` made. A caller with a client
+    certificate from the cluster's CA is served; a plaintext caller and one
+    holding another CA's certificate get nothing; a client certificate
+    cannot speak Raft."""
+
+    def setUp(self):
+        self.server = Server("--no-local-node", "--node-timeout-s", "300", tls=True)
+        self.stub = self.server.stub
+
+    def tearDown(self):
+        self.server.cleanup()
+
+    def unavailable(self, channel):
+        with self.assertRaises(grpc.RpcError) as caught:
+            api_grpc.KeelStub(channel).ClusterStatus(api.ClusterStatusRequest(), timeout=5)
+        channel.close()
+        self.assertEqual(caught.exception.code(), CODE.UNAVAILABLE, caught.exception.details())
+
+    def test_only_the_cas_certificates_are_served_and_a_client_cannot_speak_raft(self):
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("over-tls")), timeout=20)
+        self.unavailable(grpc.insecure_channel(self.server.addr))
+        other = os.path.join(self.server.dir, "other")
+        subprocess.run([KEEL, "tls", "init", other], check=True, stdout=subprocess.DEVNULL)
+        self.unavailable(self.server.secure_channel("client-admin", certs=other))
+        before = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        vote = self.server.channel.unary_unary(
+            "/keel.raft.v1.Raft/Vote",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=raft.RaftMessage.FromString,
+        )
+        # A candidate "member 2" with a higher term, holding the client's
+        # certificate: refused before anything of it is read.
+        request = replication.VoteRequest(vote=replication.Vote(term=before.term + 5, node=2))
+        with self.assertRaises(grpc.RpcError) as caught:
+            vote(
+                raft.RaftMessage(
+                    payload=request.SerializeToString(), format_version=2, reads_up_to=2
+                ),
+                timeout=10,
+            )
+        self.assertEqual(caught.exception.code(), CODE.PERMISSION_DENIED)
+        self.assertIn("needs that member's certificate", caught.exception.details())
+        self.assertIn("2.members.keel", caught.exception.details())
+        after = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        self.assertEqual((after.role, after.term), ("leader", before.term))
+        self.assertEqual(
+            [j.spec.name for j in self.stub.ListJobs(api.ListJobsRequest(), timeout=10).jobs],
+            ["over-tls"],
+        )

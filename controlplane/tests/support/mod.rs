@@ -416,6 +416,9 @@ pub struct ServerProcess {
     child: Child,
     pub addr: String,
     log: std::path::PathBuf,
+    /// What every [`ServerProcess::cli`] is run with (a TLS client's
+    /// `KEEL_TLS_*`).
+    client_env: Vec<(String, std::ffi::OsString)>,
 }
 
 impl ServerProcess {
@@ -430,6 +433,17 @@ impl ServerProcess {
         data_dir: &Path,
         args: &[&str],
         env: &[(&str, std::ffi::OsString)],
+    ) -> ServerProcess {
+        ServerProcess::start_with_client_env(data_dir, args, env, &[])
+    }
+
+    /// [`ServerProcess::start_with_env`], and `client_env` set for every
+    /// CLI call made through it (the wait for a leader included).
+    pub fn start_with_client_env(
+        data_dir: &Path,
+        args: &[&str],
+        env: &[(&str, std::ffi::OsString)],
+        client_env: &[(&str, std::ffi::OsString)],
     ) -> ServerProcess {
         let _ = std::fs::remove_file(data_dir.join("server.addr"));
         let (log, stderr) = server_log(data_dir);
@@ -454,7 +468,15 @@ impl ServerProcess {
                 .ok()
                 .filter(|a| a.parse::<std::net::SocketAddr>().is_ok())
         });
-        let server = ServerProcess { child, addr, log };
+        let server = ServerProcess {
+            child,
+            addr,
+            log,
+            client_env: client_env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+        };
         wait_for("a leader", || {
             let out = server.cli(&["cluster", "status", "-o", "json"]);
             (out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"leader\""))
@@ -477,6 +499,7 @@ impl ServerProcess {
         Command::new(KEEL)
             .args(args)
             .env("KEEL_ADDR", &self.addr)
+            .envs(self.client_env.iter().map(|(k, v)| (k, v)))
             .output()
             .expect("run keel CLI")
     }
