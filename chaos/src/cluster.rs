@@ -46,6 +46,9 @@ pub struct ClusterConfig {
     pub dir: PathBuf,
     /// More `keel server` flags for every replica.
     pub extra_args: Vec<String>,
+    /// Run the replicas over mutual TLS (a CA and certificates made in
+    /// `dir/certs`), and the clients with a client certificate.
+    pub tls: bool,
 }
 
 /// One replica.
@@ -82,6 +85,8 @@ pub struct Cluster {
     pub replicas: Vec<Replica>,
     pub links: Arc<Links>,
     peers: String,
+    /// How the harness's clients reach the replicas.
+    pub transport: keel::transport::Transport,
 }
 
 /// The ports handed out by [`listen_port`] in this process, never twice.
@@ -151,11 +156,17 @@ impl Cluster {
             .map(|r| format!("{}={}", r.id, r.advertised))
             .collect::<Vec<_>>()
             .join(",");
+        let transport = if config.tls {
+            make_certs(&config.dir.join("certs"), config.replicas)?
+        } else {
+            keel::transport::Transport::Plain
+        };
         let mut cluster = Cluster {
             config,
             replicas,
             links,
             peers,
+            transport,
         };
         for id in 1..=cluster.config.replicas {
             cluster.spawn(id)?;
@@ -245,7 +256,18 @@ impl Cluster {
     fn spawn_with(&mut self, id: u64, env: &[(&str, &str)]) -> Result<(), ClusterError> {
         self.exited(id);
         let keel = self.config.keel.clone();
-        let extra = self.config.extra_args.clone();
+        let mut extra = self.config.extra_args.clone();
+        if self.config.tls {
+            let certs = self.config.dir.join("certs");
+            for (flag, file) in [
+                ("--tls-cert", format!("member-{id}.crt")),
+                ("--tls-key", format!("member-{id}.key")),
+                ("--tls-ca", "ca.crt".to_string()),
+            ] {
+                extra.push(flag.to_string());
+                extra.push(certs.join(file).display().to_string());
+            }
+        }
         let executor_dir = self.config.dir.join("executor");
         let pause = format!(
             "reconcile-before-side-effects=return({})",
@@ -391,7 +413,7 @@ impl Cluster {
     /// A client of replica `id` (lazy: connects on first use).
     pub fn client(&self, id: u64) -> Option<KeelClient<Channel>> {
         let r = self.replicas.iter().find(|r| r.id == id)?;
-        client_for(r.listen)
+        client_for(&self.transport, r.listen)
     }
 
     /// Replica `id`'s status, or `None` if it does not answer in time.
@@ -496,13 +518,52 @@ fn log_tail(path: &Path) -> String {
 }
 
 /// A lazily connected client of the server at `addr`.
-pub fn client_for(addr: SocketAddr) -> Option<KeelClient<Channel>> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+pub fn client_for(
+    transport: &keel::transport::Transport,
+    addr: SocketAddr,
+) -> Option<KeelClient<Channel>> {
+    let addr = addr.to_string();
+    let endpoint = transport
+        .endpoint(&addr)
         .ok()?
         .connect_timeout(Duration::from_millis(500))
-        .tcp_nodelay(true)
-        .connect_lazy();
+        .tcp_nodelay(true);
+    let channel = transport
+        .lazy(endpoint, keel::transport::Peer::Address(&addr), None)
+        .ok()?;
     Some(KeelClient::new(channel).max_decoding_message_size(256 * 1024 * 1024))
+}
+
+/// A CA, certificates for members 1 to `replicas` (naming 127.0.0.1) and a
+/// client's, in `dir`; the client's transport.
+fn make_certs(dir: &Path, replicas: u64) -> Result<keel::transport::Transport, ClusterError> {
+    let io = |message: String| ClusterError::Io { id: 0, message };
+    std::fs::create_dir_all(dir).map_err(|e| io(format!("{}: {e}", dir.display())))?;
+    let ca = keel::tls::certs::new_ca("chaos").map_err(|e| io(e.to_string()))?;
+    let write = |name: &str, text: &str| {
+        std::fs::write(dir.join(name), text).map_err(|e| io(format!("{name}: {e}")))
+    };
+    write("ca.crt", &ca.cert_pem)?;
+    for id in 1..=replicas {
+        let issued = ca
+            .issue_member(id, &["127.0.0.1".to_string()], 30)
+            .map_err(|e| io(e.to_string()))?;
+        write(&format!("member-{id}.crt"), &issued.cert_pem)?;
+        write(&format!("member-{id}.key"), &issued.key_pem)?;
+    }
+    let client = ca
+        .issue_client("chaos", 30)
+        .map_err(|e| io(e.to_string()))?;
+    write("client.crt", &client.cert_pem)?;
+    write("client.key", &client.key_pem)?;
+    let files = keel::tls::TlsFiles {
+        cert: Some(dir.join("client.crt")),
+        key: Some(dir.join("client.key")),
+        ca: dir.join("ca.crt"),
+    };
+    let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client)
+        .map_err(|e| io(e.to_string()))?;
+    Ok(keel::transport::Transport::Tls(Arc::new(tls)))
 }
 
 impl Drop for Cluster {
@@ -554,6 +615,7 @@ mod tests {
             replicas: 3,
             dir: dir.path().join("run"),
             extra_args: Vec::new(),
+            tls: false,
         })
         .await
         .expect_err("no replica starts");

@@ -55,6 +55,10 @@ struct Args {
     /// check of the checker, which must then report violations.
     #[arg(long)]
     stale_reads: bool,
+    /// Run the replicas and the clients over mutual TLS (certificates made
+    /// for the run).
+    #[arg(long)]
+    tls: bool,
     /// `text` or `json`.
     #[arg(long, short, default_value = "text")]
     output: String,
@@ -135,6 +139,7 @@ fn main() -> anyhow::Result<()> {
     config.kinds = kinds;
     config.dir = args.dir;
     config.stale_reads = args.stale_reads;
+    config.tls = args.tls;
     config.liveness_bound = Duration::from_secs_f64(args.liveness_bound_s);
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(keel_chaos::run(&config))?;

@@ -39,6 +39,8 @@ pub struct RunConfig {
     pub stale_reads: bool,
     /// libfaketime, for the skewed-clock fault (found where installed).
     pub faketime: Option<PathBuf>,
+    /// The replicas and the clients over mutual TLS (issue 22).
+    pub tls: bool,
 }
 
 impl RunConfig {
@@ -56,6 +58,7 @@ impl RunConfig {
             calm: Duration::from_millis(500),
             stale_reads: false,
             faketime: crate::faults::libfaketime(),
+            tls: false,
         }
     }
 
@@ -68,13 +71,14 @@ impl RunConfig {
             .collect::<Vec<_>>()
             .join(",");
         format!(
-            "keel-chaos --seed {} --rounds {} --replicas {} --clients {} --rate {} --faults {kinds}{}",
+            "keel-chaos --seed {} --rounds {} --replicas {} --clients {} --rate {} --faults {kinds}{}{}",
             self.seed,
             self.rounds,
             self.replicas,
             self.clients,
             self.rate_per_client,
-            if self.stale_reads { " --stale-reads" } else { "" }
+            if self.stale_reads { " --stale-reads" } else { "" },
+            if self.tls { " --tls" } else { "" }
         )
     }
 }
@@ -326,6 +330,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
         .iter()
         .map(|s| s.to_string())
         .collect(),
+        tls: config.tls,
     })
     .await?;
     let clock = RunClock(Instant::now());
@@ -369,6 +374,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
                     seed: config.seed,
                     stale_reads: config.stale_reads,
                     nodes: (1..=config.replicas).map(|i| format!("r{i}-0")).collect(),
+                    transport: cluster.transport.clone(),
                 },
                 clock,
                 history.clone(),

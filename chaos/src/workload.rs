@@ -132,6 +132,8 @@ pub struct WorkloadConfig {
     pub stale_reads: bool,
     /// The nodes the operator operations pick from.
     pub nodes: Vec<String>,
+    /// Plaintext, or TLS with the harness's client certificate.
+    pub transport: keel::transport::Transport,
 }
 
 /// The clock every history entry is measured on.
@@ -214,7 +216,9 @@ pub async fn client(
     let mut rng = SplitMix64::new(config.seed ^ (u64::from(id) << 32) ^ 0x9e37_79b9);
     let clients: Vec<_> = replicas
         .iter()
-        .filter_map(|(rid, addr)| Some((*rid, crate::cluster::client_for(*addr)?)))
+        .filter_map(|(rid, addr)| {
+            Some((*rid, crate::cluster::client_for(&config.transport, *addr)?))
+        })
         .collect();
     if clients.is_empty() {
         return;
