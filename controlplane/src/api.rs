@@ -86,11 +86,18 @@ pub const MAX_EVENT_STREAMS: usize = 256;
 macro_rules! route {
     ($self:ident, $request:ident, $method:ident, $write:expr) => {
         if let Some(mut leader) = $self.forward_to(&$request, $write).await? {
+            // Whom for: the leader believes it of a member's connection only.
+            let caller = crate::caller::caller_of(&$request);
             let mut forwarded = Request::new($request.into_inner());
             forwarded.metadata_mut().insert(
                 FORWARDED_HEADER,
                 tonic::metadata::MetadataValue::from_static("1"),
             );
+            if let Some(value) = caller.and_then(|c| c.parse().ok()) {
+                forwarded
+                    .metadata_mut()
+                    .insert(crate::caller::CALLER_HEADER, value);
+            }
             return leader.$method(forwarded).await.map_err(forward_error);
         }
     };
@@ -243,12 +250,15 @@ impl KeelApi {
         &self,
         command: Command,
         request_id: String,
+        actor: Option<String>,
     ) -> Result<(u64, Vec<keel_state::Event>), ApiError> {
         let request_id = Some(request_id).filter(|id| !id.is_empty());
         if let Some(id) = &request_id {
             keel_state::requests::validate_request_id(id)?;
         }
-        self.proposer.propose_request(command, request_id).await
+        self.proposer
+            .propose_request(command, request_id, actor)
+            .await
     }
 
     /// Why a job's workers are not launched although it holds GPUs: a node
@@ -287,6 +297,7 @@ impl Keel for KeelApi {
         request: Request<api::SubmitJobRequest>,
     ) -> Result<Response<api::SubmitJobResponse>, Status> {
         route!(self, request, submit_job, true);
+        let actor = crate::caller::caller_of(&request);
         let req = request.into_inner();
         let spec = req.spec.ok_or(ApiError::InvalidArgument {
             field: "spec",
@@ -296,7 +307,7 @@ impl Keel for KeelApi {
         spec.validate().map_err(ApiError::from)?;
         let warnings = spec.warnings();
         let (index, events) = self
-            .propose_request(Command::SubmitJob { spec }, req.request_id)
+            .propose_request(Command::SubmitJob { spec }, req.request_id, actor)
             .await?;
         let job_id = events
             .iter()
@@ -317,6 +328,7 @@ impl Keel for KeelApi {
         request: Request<api::CancelJobRequest>,
     ) -> Result<Response<api::CancelJobResponse>, Status> {
         route!(self, request, cancel_job, true);
+        let actor = crate::caller::caller_of(&request);
         let req = request.into_inner();
         let (index, _) = self
             .propose_request(
@@ -325,6 +337,7 @@ impl Keel for KeelApi {
                     reason: req.reason,
                 },
                 req.request_id,
+                actor,
             )
             .await?;
         Ok(Response::new(api::CancelJobResponse { index }))
@@ -733,6 +746,7 @@ impl Keel for KeelApi {
         request: Request<api::SetNodeStateRequest>,
     ) -> Result<Response<api::SetNodeStateResponse>, Status> {
         route!(self, request, set_node_state, true);
+        let actor = crate::caller::caller_of(&request);
         let req = request.into_inner();
         let command = match req.state.as_str() {
             "lost" => Command::MarkNodeLost {
@@ -752,7 +766,7 @@ impl Keel for KeelApi {
                 .into())
             }
         };
-        let (index, _) = self.propose_request(command, req.request_id).await?;
+        let (index, _) = self.propose_request(command, req.request_id, actor).await?;
         Ok(Response::new(api::SetNodeStateResponse { index }))
     }
 
@@ -761,6 +775,7 @@ impl Keel for KeelApi {
         request: Request<api::RemoveNodeRequest>,
     ) -> Result<Response<api::RemoveNodeResponse>, Status> {
         route!(self, request, remove_node, true);
+        let actor = crate::caller::caller_of(&request);
         let req = request.into_inner();
         let name = req.name.clone();
         let (index, events) = self
@@ -770,6 +785,7 @@ impl Keel for KeelApi {
                     force: req.force,
                 },
                 req.request_id,
+                actor,
             )
             .await?;
         let requeued = events
@@ -788,6 +804,7 @@ impl Keel for KeelApi {
         request: Request<api::SetPolicyRequest>,
     ) -> Result<Response<api::SetPolicyResponse>, Status> {
         route!(self, request, set_policy, true);
+        let actor = crate::caller::caller_of(&request);
         let api::SetPolicyRequest { name, request_id } = request.into_inner();
         // Which policies exist is checked here, before anything is logged;
         // `apply` checks only the name's form, so no version's policy list
@@ -806,7 +823,7 @@ impl Keel for KeelApi {
             return Err(ApiError::Unsupported(format!("policy {name:?}: {why}")).into());
         }
         let (index, _) = self
-            .propose_request(Command::SetPolicy { name }, request_id)
+            .propose_request(Command::SetPolicy { name }, request_id, actor)
             .await?;
         Ok(Response::new(api::SetPolicyResponse { index }))
     }

@@ -37,6 +37,7 @@ pub fn job_to_proto(job: &Job) -> api::Job {
         max_retries: job.spec.max_retries,
         not_before_ms: job.not_before_ms.unwrap_or(0),
         estimate: None,
+        submitted_by: job.submitted_by.clone().unwrap_or_default(),
     }
 }
 

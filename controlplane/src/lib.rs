@@ -3,6 +3,7 @@
 //! - [`raft_node`]: openraft wired to Keel's storage.
 //! - [`raft_network`]: Raft between replicas over gRPC.
 //! - [`api`]: the `keel.api.v1.Keel` gRPC service.
+//! - [`caller`]: who made a request: the actor its entries record.
 //! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
 //! - [`clock`]: log time and the replicas' clock offsets.
 //! - [`proposer`]: group commit: concurrent commands share one Raft entry.
@@ -22,6 +23,7 @@
 //! - [`transport`]: plaintext or TLS, for every channel and the listener.
 
 pub mod api;
+pub mod caller;
 pub mod clock;
 pub mod convert;
 pub mod executors;

@@ -36,6 +36,7 @@ pub type Committed = Result<(u64, Vec<Event>), ApiError>;
 struct Pending {
     command: Command,
     request_id: Option<String>,
+    actor: Option<String>,
     reply: oneshot::Sender<Committed>,
 }
 
@@ -56,17 +57,24 @@ impl Proposer {
 
     /// Proposes a command and waits until it is applied (or refused).
     pub async fn propose(&self, command: Command) -> Committed {
-        self.propose_request(command, None).await
+        self.propose_request(command, None, None).await
     }
 
     /// Proposes a client's command under its request id (see
     /// `keel_state::requests`): a repeat is answered with the first outcome.
-    pub async fn propose_request(&self, command: Command, request_id: Option<String>) -> Committed {
+    /// `actor` is who asked ([`crate::caller`]).
+    pub async fn propose_request(
+        &self,
+        command: Command,
+        request_id: Option<String>,
+        actor: Option<String>,
+    ) -> Committed {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Pending {
                 command,
                 request_id,
+                actor,
                 reply,
             })
             .await
@@ -175,12 +183,14 @@ async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
                 at_ms,
                 command: p.command,
                 request_id: p.request_id,
+                actor: p.actor,
             };
             let size = entry_to_proto(&entry).encoded_len();
             if !entries.is_empty() && bytes + size > PROPOSAL_MAX_BYTES {
                 carried = Some(Pending {
                     command: entry.command,
                     request_id: entry.request_id,
+                    actor: entry.actor,
                     reply: p.reply,
                 });
                 break;

@@ -122,6 +122,9 @@ struct JobView {
     message: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     estimate: Option<EstimateView>,
+    /// Who submitted it, when the submission had an identity (issue 22).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    submitted_by: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -187,6 +190,7 @@ fn job_view(job: &api::Job) -> JobView {
         finished_at_ms: (job.finished_at_ms != 0).then_some(job.finished_at_ms),
         retries: job.retries,
         max_retries: job.max_retries,
+        submitted_by: Some(job.submitted_by.clone()).filter(|s| !s.is_empty()),
         workers: job
             .workers
             .iter()
@@ -339,6 +343,9 @@ pub fn job(
         }),
         Output::Table => {
             print_table(&JOB_HEADER, &[job_row(&view)])?;
+            if let Some(by) = &view.submitted_by {
+                outln!("submitted by: {by}");
+            }
             if !view.message.is_empty() {
                 outln!("message: {}", view.message);
             }
@@ -378,7 +385,13 @@ pub fn job(
                     .map(describe_event)
                     .collect::<Vec<_>>()
                     .join("; ");
-                outln!("{:>8}  {}  {}", record.index, time(record.at_ms), what);
+                outln!(
+                    "{:>8}  {}  {}{}",
+                    record.index,
+                    time(record.at_ms),
+                    what,
+                    by_actor(record)
+                );
             }
             if history.truncated {
                 outln!("(older entries only; the history is longer)");
@@ -404,11 +417,12 @@ pub fn why(job_id: u64, history: &api::JobHistoryResponse, out: Output) -> anyho
                     .join("; ");
                 writeln!(
                     stdout,
-                    "{}  index {:>8}  {:<22} {}",
+                    "{}  index {:>8}  {:<22} {}{}",
                     time(record.at_ms),
                     record.index,
                     record.command,
-                    what
+                    what,
+                    by_actor(record)
                 )?;
             }
             if history.truncated {
@@ -420,6 +434,28 @@ pub fn why(job_id: u64, history: &api::JobHistoryResponse, out: Output) -> anyho
             }
             Ok(())
         }
+    }
+}
+
+/// Who asked for an entry, as a suffix (issue 22): its actor; `leader` for
+/// the commands only the leader proposes; nothing for a client's command
+/// without an identity (plaintext).
+fn by_actor(record: &pb::AppliedEntry) -> String {
+    const LEADERS_OWN: [&str; 7] = [
+        "decide_allocation",
+        "record_worker_started",
+        "record_worker_exited",
+        "report_progress",
+        "finish_job",
+        "record_node_inventory",
+        "register_node",
+    ];
+    if !record.actor.is_empty() {
+        format!("  (by {})", record.actor)
+    } else if LEADERS_OWN.contains(&record.command.as_str()) {
+        "  (by leader)".to_string()
+    } else {
+        String::new()
     }
 }
 
@@ -764,11 +800,12 @@ pub fn applied_entry(record: &pb::AppliedEntry, out: Output) -> anyhow::Result<(
             let mut stdout = std::io::stdout().lock();
             writeln!(
                 stdout,
-                "{:>6}  {}  {:<22} {}",
+                "{:>6}  {}  {:<22} {}{}",
                 record.index,
                 time(record.at_ms),
                 record.command,
-                what
+                what,
+                by_actor(record)
             )?;
             stdout.flush()?;
             Ok(())
@@ -1125,6 +1162,26 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_entry_names_who_asked_or_the_leader() {
+        let record = |command: &str, actor: &str| pb::AppliedEntry {
+            command: command.into(),
+            actor: actor.into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            by_actor(&record("submit_job", "cert:alice")),
+            "  (by cert:alice)"
+        );
+        assert_eq!(by_actor(&record("decide_allocation", "")), "  (by leader)");
+        assert_eq!(by_actor(&record("submit_job", "")), "", "no identity");
+        assert_eq!(
+            by_actor(&record("mark_node_lost", "")),
+            "",
+            "the leader's or a caller's"
+        );
+    }
 
     fn estimate(source: &str) -> EstimateView {
         EstimateView {

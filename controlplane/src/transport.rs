@@ -246,6 +246,9 @@ pub struct PeerInfo {
     /// The caller's certificate chain, on a TLS connection (verified
     /// against the cluster CA by the handshake).
     pub certs: Option<Arc<Vec<CertificateDer<'static>>>>,
+    /// What the caller's certificate says of it (read once per
+    /// connection; [`crate::caller`]).
+    pub identity: Option<crate::caller::CertIdentity>,
 }
 
 impl PeerInfo {
@@ -266,14 +269,21 @@ impl tonic::transport::server::Connected for Conn {
             Conn::Plain(s) => PeerInfo {
                 remote: s.peer_addr().ok(),
                 certs: None,
+                identity: None,
             },
             Conn::Tls(s) => {
                 let (tcp, session) = s.get_ref();
+                let certs: Option<Arc<Vec<CertificateDer<'static>>>> = session
+                    .peer_certificates()
+                    .map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect()));
+                let identity = certs
+                    .as_ref()
+                    .and_then(|c| c.first())
+                    .and_then(|c| crate::caller::CertIdentity::of(c));
                 PeerInfo {
                     remote: tcp.peer_addr().ok(),
-                    certs: session
-                        .peer_certificates()
-                        .map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect())),
+                    certs,
+                    identity,
                 }
             }
         }

@@ -533,6 +533,33 @@ fn a_cluster_over_mutual_tls_replicates_and_fails_over_and_refuses_plaintext() {
     for r in 1..=3 {
         assert_eq!(cluster.jobs_on(r), acked, "replica {r}");
     }
+    // Who asked is in the log (issue 22, item 3): the submissions through
+    // a follower were forwarded with the client's identity, and every
+    // replica keeps it.
+    for r in &cluster.replicas {
+        for id in &acked {
+            let view = cluster
+                .json(&r.addr, &["--stale", "job", &id.to_string()])
+                .expect("the job");
+            assert_eq!(
+                view["submitted_by"], "cert:admin",
+                "replica {}: {view}",
+                r.id
+            );
+        }
+    }
+    let first_job = acked.iter().next().expect("a job").to_string();
+    let why = Command::new(KEEL)
+        .args(["why", &first_job])
+        .env("KEEL_ADDR", &follower)
+        .envs(cluster.client_env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("keel why");
+    let why = String::from_utf8_lossy(&why.stdout);
+    assert!(
+        why.contains("submit_job") && why.contains("(by cert:admin)"),
+        "{why}"
+    );
     // Without TLS: nothing, and a hint.
     let plain = cli(&follower, &["jobs"]);
     assert!(!plain.status.success());

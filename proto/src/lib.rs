@@ -48,7 +48,12 @@ pub mod raft {
 /// - 4: `DecideAllocation.memory` (a policy's memory in the log). A build
 ///   that ignored it would keep an older memory than the other replicas
 ///   and plan differently after a failover.
-pub const ENTRY_FORMAT_VERSION: u32 = 4;
+/// - 5: `LogEntry.actor` (who asked, issue 22). A build that ignored it
+///   would keep no submitter on the job, and hash to another state.
+pub const ENTRY_FORMAT_VERSION: u32 = 5;
+
+/// The version of an entry that carries a policy's memory (and no actor).
+pub const ENTRY_FORMAT_VERSION_MEMORY: u32 = 4;
 
 /// The version of an entry that carries a client's request id (and
 /// nothing of version 4).

@@ -108,6 +108,7 @@ fn examples() -> Vec<(&'static str, LogEntry)> {
             "submit_job-request-id",
             LogEntry {
                 request_id: Some("cli-golden-1".into()),
+                actor: None,
                 ..e(
                     2_500,
                     Command::SubmitJob {
@@ -411,6 +412,40 @@ fn a_snapshot_with_gone_gpus_decodes_from_its_golden_bytes() {
     let decoded = decode_snapshot(&bytes).expect("the golden snapshot decodes");
     assert_eq!(decoded, state);
     assert_eq!(decoded.state_hash(), state.state_hash());
+}
+
+/// Issue 22: an entry that records who asked (entry format 5), and a
+/// snapshot of the job it submitted, which keeps its submitter (snapshot
+/// field 18 of a job record, hashed apart).
+#[test]
+fn an_entry_with_an_actor_and_a_snapshot_with_a_submitter_decode_from_their_golden_bytes() {
+    let mut entry = LogEntry::new(
+        30_000,
+        Command::SubmitJob {
+            spec: job_spec("audited", 1, 1),
+        },
+    );
+    entry.actor = Some("cert:alice".into());
+    entry.request_id = Some("req-audited".into());
+    let bytes = golden("entry-submit_job-with-actor.bin", &encode_entry(&entry));
+    assert_eq!(decode_entry(&bytes).as_ref(), Ok(&entry));
+    assert_eq!(
+        keel_state::codec::entry_to_proto(&entry).format_version,
+        keel_proto::ENTRY_FORMAT_VERSION
+    );
+    assert!(!Proposal::new(vec![entry.clone()]).postcard_carries_whole());
+    let mut state = ClusterState::new();
+    state.apply(1, &entry).expect("applies");
+    assert_eq!(state.jobs()[&1].submitted_by.as_deref(), Some("cert:alice"));
+    let bytes = golden("snapshot-v8-submitter.bin", &encode_snapshot(&state));
+    let decoded = decode_snapshot(&bytes).expect("the golden snapshot decodes");
+    assert_eq!(decoded, state);
+    assert_eq!(decoded.state_hash(), state.state_hash());
+    // The submitter is part of the hash: the same job without one differs.
+    let mut anonymous = ClusterState::new();
+    entry.actor = None;
+    anonymous.apply(1, &entry).expect("applies");
+    assert_ne!(anonymous.state_hash(), state.state_hash());
 }
 
 #[test]

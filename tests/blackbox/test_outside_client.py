@@ -707,3 +707,35 @@ class MutualTls(unittest.TestCase):
             [j.spec.name for j in self.stub.ListJobs(api.ListJobsRequest(), timeout=10).jobs],
             ["over-tls"],
         )
+
+    def test_entries_record_the_certificate_holder_and_a_forged_caller_is_ignored(self):
+        """Issue 22, item 3: a submission records who asked, from the
+        caller's certificate; a `keel-caller` header, which replicas use
+        to say whom they forward for, is believed of members only."""
+        forged = [("keel-caller", "cert:root")]
+        reply = self.stub.SubmitJob(
+            api.SubmitJobRequest(spec=spec("audited")), timeout=20, metadata=forged
+        )
+        job = self.stub.GetJob(api.GetJobRequest(job_id=reply.job_id), timeout=10)
+        self.assertEqual(job.submitted_by, "cert:admin")
+        history = self.stub.JobHistory(api.JobHistoryRequest(job_id=reply.job_id), timeout=10)
+        self.assertEqual(
+            [(e.command, e.actor) for e in history.entries], [("submit_job", "cert:admin")]
+        )
+
+
+class NoIdentityInPlaintext(OneServer):
+    """Issue 22, item 3: without TLS there is no identity: an entry records
+    no actor, whatever `keel-caller` header the caller sends."""
+
+    def test_a_plaintext_caller_cannot_name_itself(self):
+        reply = self.stub.SubmitJob(
+            api.SubmitJobRequest(spec=spec("plain")),
+            timeout=20,
+            metadata=[("keel-caller", "cert:admin")],
+        )
+        job = self.stub.GetJob(api.GetJobRequest(job_id=reply.job_id), timeout=10)
+        self.assertEqual(job.submitted_by, "")
+        history = self.stub.JobHistory(api.JobHistoryRequest(job_id=reply.job_id), timeout=10)
+        self.assertEqual([e.actor for e in history.entries], [""])
+        self.assert_serving(["plain"])

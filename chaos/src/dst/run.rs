@@ -235,6 +235,7 @@ pub(crate) async fn write(
     }
     let proposal = Proposal::new(vec![LogEntry {
         request_id,
+        actor: None,
         ..LogEntry::new(net.clocks.stamp(member), command)
     }]);
 

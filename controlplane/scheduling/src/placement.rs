@@ -256,6 +256,7 @@ mod tests {
                     note: String::new(),
                 },
                 request_id: None,
+                actor: None,
             };
             s.apply(i as u64 + 1, &entry).expect("register");
         }

@@ -7,8 +7,8 @@
 
 use keel_proto::entry as pb;
 use keel_proto::{
-    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST, ENTRY_FORMAT_VERSION_REQUEST_ID,
-    ENTRY_FORMAT_VERSION_SHARES_GPUS,
+    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST, ENTRY_FORMAT_VERSION_MEMORY,
+    ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
 };
 use prost::Message;
 
@@ -241,8 +241,10 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     // The oldest version that expresses the entry, so a build one version
     // older refuses exactly the entries it would misread.
     pb::LogEntry {
-        format_version: if has_memory {
+        format_version: if entry.actor.is_some() {
             ENTRY_FORMAT_VERSION
+        } else if has_memory {
+            ENTRY_FORMAT_VERSION_MEMORY
         } else if entry.request_id.is_some() {
             ENTRY_FORMAT_VERSION_REQUEST_ID
         } else if shares_gpus {
@@ -253,6 +255,7 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
         at_ms: entry.at_ms,
         command: Some(command),
         request_id: entry.request_id.clone().unwrap_or_default(),
+        actor: entry.actor.clone().unwrap_or_default(),
     }
 }
 
@@ -353,10 +356,18 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             force: c.force,
         },
     };
+    if msg.actor.len() > crate::command::ACTOR_MAX_LEN {
+        return Err(DecodeError::Inconsistent(format!(
+            "the entry's actor is {} bytes, more than {}",
+            msg.actor.len(),
+            crate::command::ACTOR_MAX_LEN
+        )));
+    }
     Ok(LogEntry {
         at_ms: msg.at_ms,
         command,
         request_id: Some(msg.request_id).filter(|id| !id.is_empty()),
+        actor: Some(msg.actor).filter(|a| !a.is_empty()),
     })
 }
 
@@ -732,6 +743,7 @@ pub fn applied_entry_to_proto(
         refused,
         position,
         request_id: entry.request_id.clone().unwrap_or_default(),
+        actor: entry.actor.clone().unwrap_or_default(),
     }
 }
 
@@ -794,6 +806,7 @@ mod tests {
             at_ms: 5,
             command: None,
             request_id: String::new(),
+            actor: String::new(),
         }
         .encode_to_vec();
         // tag = (99 << 3) | 2 (length-delimited), length 0
@@ -813,6 +826,7 @@ mod tests {
                 job_id: 1,
             })),
             request_id: String::new(),
+            actor: String::new(),
         }
         .encode_to_vec();
         assert!(matches!(
@@ -856,6 +870,7 @@ mod tests {
                 ],
             },
             request_id: None,
+            actor: None,
         };
         for (share, version) in [(false, 1), (true, 2)] {
             let entry = decision(share);
@@ -866,6 +881,7 @@ mod tests {
         // A request id makes any entry version 3, and round-trips.
         let entry = LogEntry {
             request_id: Some("cli-1".into()),
+            actor: None,
             ..decision(true)
         };
         assert_eq!(entry_to_proto(&entry).format_version, 3);

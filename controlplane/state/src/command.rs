@@ -9,6 +9,9 @@ use crate::model::{FailedGpu, Gpu, GpuRef, JobId, ProgressSample};
 use crate::policy_memory::PolicyMemory;
 use crate::spec::JobSpec;
 
+/// The longest actor an entry records ([`LogEntry::actor`]).
+pub const ACTOR_MAX_LEN: usize = 256;
+
 /// One entry of the replicated log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogEntry {
@@ -21,6 +24,13 @@ pub struct LogEntry {
     /// nothing (see [`crate::requests`]). `None` for the leader's own
     /// entries and for clients that send none.
     pub request_id: Option<String>,
+    /// Who asked for it (issue 22): the caller's identity, as the API
+    /// resolved it ([`ACTOR_MAX_LEN`] bytes at most). `None` for
+    /// the leader's own decisions and for callers without one. Not in the
+    /// binary form of Raft wire format 1: an entry with one travels in
+    /// protobuf only ([`Proposal::postcard_carries_whole`]).
+    #[serde(skip)]
+    pub actor: Option<String>,
 }
 
 impl LogEntry {
@@ -30,6 +40,7 @@ impl LogEntry {
             at_ms,
             command,
             request_id: None,
+            actor: None,
         }
     }
 }
@@ -64,6 +75,7 @@ impl Proposal {
     /// (`RecordNodeInventory`) travel in protobuf only.
     pub fn postcard_carries_whole(&self) -> bool {
         self.entries.iter().all(|e| match &e.command {
+            _ if e.actor.is_some() => false,
             Command::SubmitJob { spec } => spec.resources.is_unset() && spec.logs.is_unset(),
             // A command the release before does not know.
             Command::RecordNodeInventory { .. } => false,

@@ -274,6 +274,12 @@ pub struct Job {
     /// Loss and speed history for the performance models
     /// ([`crate::perf_history`]).
     pub perf: crate::perf_history::PerfHistory,
+    /// Who submitted it: the actor of its `SubmitJob` entry (issue 22),
+    /// `None` for a submission without an identity (plaintext). Left out
+    /// of the binary form, like a node's gone GPUs: hashed apart when a
+    /// job has one, carried by protobuf snapshots.
+    #[serde(skip)]
+    pub submitted_by: Option<String>,
 }
 
 impl Job {

@@ -549,6 +549,15 @@ impl ClusterState {
         if !gone.is_empty() {
             let _ = postcard::to_io(&gone, &mut writer);
         }
+        // Likewise who submitted the jobs, once a job has a submitter.
+        let submitters: Vec<(JobId, &String)> = self
+            .jobs
+            .iter()
+            .filter_map(|(id, job)| Some((*id, job.submitted_by.as_ref()?)))
+            .collect();
+        if !submitters.is_empty() {
+            let _ = postcard::to_io(&submitters, &mut writer);
+        }
         StateHash(*hasher.finalize().as_bytes())
     }
 
@@ -735,6 +744,7 @@ impl ClusterState {
                         message: String::new(),
                         service_gpu_ms: 0,
                         queued_since_ms: at_ms,
+                        submitted_by: entry.actor.clone(),
                     },
                 );
                 Ok(vec![Event::JobSubmitted {

@@ -23,6 +23,7 @@ pub fn entry_at(index: u64) -> Entry {
                 spec: job_spec(&format!("job-{index}"), 1, 1),
             },
             request_id: None,
+            actor: None,
         }])),
     }
 }

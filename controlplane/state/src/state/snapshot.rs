@@ -195,6 +195,7 @@ fn job_to_proto(j: &Job) -> pb::JobRecord {
         service_gpu_ms: j.service_gpu_ms,
         queued_since_ms: j.queued_since_ms,
         perf: Some(perf_to_proto(&j.perf)),
+        submitted_by: j.submitted_by.clone(),
     }
 }
 
@@ -247,6 +248,7 @@ fn job_from_proto(j: pb::JobRecord) -> Result<Job, DecodeError> {
         service_gpu_ms: j.service_gpu_ms,
         queued_since_ms: j.queued_since_ms,
         perf: perf_from_proto(j.perf.unwrap_or_default()),
+        submitted_by: j.submitted_by,
     })
 }
 
