@@ -124,6 +124,10 @@ pub mod reason {
     /// Every event stream this replica allows is open (`WatchEvents`);
     /// retry later or on another replica.
     pub const TOO_MANY_STREAMS: &str = "TOO_MANY_STREAMS";
+    /// The replica is working on as many requests as it allows
+    /// (`--max-api-requests`); nothing was done. Retry later or on another
+    /// replica.
+    pub const OVERLOADED: &str = "OVERLOADED";
 }
 
 impl ApiError {

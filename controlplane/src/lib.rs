@@ -2,6 +2,7 @@
 //!
 //! - [`raft_node`]: openraft wired to Keel's storage.
 //! - [`raft_network`]: Raft between replicas over gRPC.
+//! - [`admission`]: the bound on API requests in flight (`--max-api-requests`).
 //! - [`api`]: the `keel.api.v1.Keel` gRPC service.
 //! - [`caller`]: who made a request: the actor its entries record.
 //! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
@@ -22,6 +23,7 @@
 //!   [`tls::certs`] makes a cluster's (`keel tls init`).
 //! - [`transport`]: plaintext or TLS, for every channel and the listener.
 
+pub mod admission;
 pub mod api;
 pub mod caller;
 pub mod clock;

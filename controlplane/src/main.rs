@@ -220,6 +220,12 @@ enum Cmd {
         #[arg(long, default_value_t = keel::api::MAX_EVENT_STREAMS as u32,
               value_parser = clap::value_parser!(u32).range(1..=65_536))]
         max_event_streams: u32,
+        /// The most API requests this replica works on at once; one more is
+        /// refused at once (RESOURCE_EXHAUSTED, OVERLOADED). Raft, health
+        /// (`ClusterStatus`) and node heartbeats are never refused for it.
+        #[arg(long, default_value_t = keel::admission::MAX_API_REQUESTS as u32,
+              value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        max_api_requests: u32,
         /// Refuse to start on a data or executor directory that other users
         /// may read (without it, a warning).
         #[arg(long)]
@@ -913,6 +919,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             shutdown_timeout_s,
             removed_grace_s,
             max_event_streams,
+            max_api_requests,
             strict_permissions,
             progress_interval_s,
             worker_logs,
@@ -1011,6 +1018,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 policy_options,
                 removed_grace: seconds("removed-grace-s", removed_grace_s)?,
                 max_event_streams: max_event_streams as usize,
+                max_api_requests: max_api_requests as usize,
                 worker_umask: Some(worker_umask),
                 loops: LoopSettings {
                     round: seconds("round-s", round_s)?,

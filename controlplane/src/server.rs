@@ -68,6 +68,9 @@ pub struct ServerConfig {
     pub removed_grace: std::time::Duration,
     /// The most `WatchEvents` streams this replica serves at once.
     pub max_event_streams: usize,
+    /// The most API requests this replica works on at once
+    /// ([`crate::admission`]).
+    pub max_api_requests: usize,
     /// The umask the server was started with, which its local workers get
     /// back ([`crate::permissions`]); `None`: they keep the server's.
     pub worker_umask: Option<u32>,
@@ -357,10 +360,13 @@ impl Server {
             stop_rx.clone(),
         ));
         let service = crate::removal::RefuseWhenRemoved {
-            inner: crate::grpc_status::TooLargeIsResourceExhausted(
-                KeelServer::from_arc(api)
-                    .max_decoding_message_size(MAX_REQUEST_BYTES)
-                    .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
+            inner: crate::admission::Bounded::new(
+                crate::grpc_status::TooLargeIsResourceExhausted(
+                    KeelServer::from_arc(api)
+                        .max_decoding_message_size(MAX_REQUEST_BYTES)
+                        .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
+                ),
+                self.config.max_api_requests,
             ),
             flag: self.node.removal.clone(),
         };

@@ -739,3 +739,39 @@ class NoIdentityInPlaintext(OneServer):
         history = self.stub.JobHistory(api.JobHistoryRequest(job_id=reply.job_id), timeout=10)
         self.assertEqual([e.actor for e in history.entries], [""])
         self.assert_serving(["plain"])
+
+
+class Overload(OneServer):
+    """Issue 22, item 5: a replica works on at most --max-api-requests
+    requests at once; one more is refused at once (RESOURCE_EXHAUSTED,
+    nothing done), while health checks are still answered. Here the one
+    place is held by an AddMember that waits for a member nothing answers
+    for."""
+
+    args = OneServer.args + ("--max-api-requests", "1")
+
+    def test_a_request_over_the_bound_is_refused_and_health_still_answers(self):
+        held = self.stub.AddMember.future(
+            api.AddMemberRequest(id=2, address="127.0.0.1:1"), timeout=60
+        )
+
+        def refused():
+            try:
+                self.stub.ListJobs(api.ListJobsRequest(), timeout=10)
+            except grpc.RpcError as e:
+                if e.code() == CODE.RESOURCE_EXHAUSTED:
+                    return e.details()
+                raise
+            self.assertFalse(held.done(), "AddMember ended before a refusal was seen")
+            return None
+
+        details = wait_for("a refusal while AddMember holds the place", refused)
+        self.assertIn("--max-api-requests", details)
+        status = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        self.assertEqual(status.role, "leader")
+        with self.assertRaises(grpc.RpcError) as caught:
+            held.result()
+        self.assertEqual(caught.exception.code(), CODE.FAILED_PRECONDITION)
+        # The place is free again.
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("after")), timeout=20)
+        self.assert_serving(["after"])
