@@ -245,6 +245,38 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
     out
 }
 
+/// One change a fuzz target makes to a seed input ([`mutate`]): `kind`
+/// (mod 4) picks a byte set to `byte` at `a`, a cut at `a`, a stretch of up
+/// to 32 bytes from `a` copied to `b`, or `byte` inserted `b % 8 + 1` times
+/// at `a` (positions modulo the input's length).
+pub type Mutation = (u8, usize, usize, u8);
+
+/// `seed` changed by `mutations` in turn: what the fuzz targets (`tests/
+/// fuzz_*.rs` of each crate) feed their decoders and parsers beside
+/// arbitrary bytes, so that inputs reach past the first check.
+pub fn mutate(seed: &[u8], mutations: &[Mutation]) -> Vec<u8> {
+    let mut bytes = seed.to_vec();
+    for &(kind, a, b, byte) in mutations {
+        let len = bytes.len();
+        match kind % 4 {
+            0 if len > 0 => bytes[a % len] = byte,
+            1 => bytes.truncate(a % (len + 1)),
+            2 if len > 0 => {
+                let from = a % len;
+                let stretch = bytes[from..len.min(from + 32)].to_vec();
+                let to = b % (len + 1);
+                bytes.splice(to..to, stretch);
+            }
+            3 => {
+                let at = a % (len + 1);
+                bytes.splice(at..at, std::iter::repeat_n(byte, b % 8 + 1));
+            }
+            _ => {}
+        }
+    }
+    bytes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
