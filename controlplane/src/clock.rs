@@ -31,6 +31,9 @@ const READING_FRESH_MS: u64 = 10_000;
 const TOLD_FRESH_MS: u64 = 10_000;
 /// How often the watch loop re-checks, and repeats a warning.
 const WATCH_INTERVAL: Duration = Duration::from_millis(200);
+/// The most watch intervals a leader refused for its clock keeps leading
+/// while no other voter has its whole log ([`step_down_now`]): 2 s.
+const STEP_DOWN_POSTPONED_MAX: u32 = 10;
 const WARN_AGAIN_MS: u64 = 30_000;
 
 /// Why this replica does not lead: its clock is too far ahead.
@@ -328,6 +331,38 @@ impl ServerClock {
     }
 }
 
+/// Whether a leader refused for its clock steps down now: once another
+/// voter has its whole log, or after [`STEP_DOWN_POSTPONED_MAX`] intervals
+/// regardless. A leader that stepped down with entries no other voter
+/// holds would refuse its vote to every candidate (their logs are older)
+/// while it does not stand itself: no one could lead until its clock is
+/// fixed.
+fn step_down_now(another_voter_has_the_whole_log: bool, postponed: u32) -> bool {
+    another_voter_has_the_whole_log || postponed >= STEP_DOWN_POSTPONED_MAX
+}
+
+/// Whether a voter other than this leader has matched its last log entry.
+fn another_voter_has_the_whole_log(raft: &crate::raft_node::Raft) -> bool {
+    let metrics = raft.metrics();
+    let m = metrics.borrow();
+    let Some(last) = m.last_log_index else {
+        return true;
+    };
+    let Some(replication) = &m.replication else {
+        return false;
+    };
+    m.membership_config
+        .membership()
+        .voter_ids()
+        .filter(|v| *v != m.id)
+        .any(|v| {
+            replication
+                .get(&v)
+                .and_then(|matched| matched.as_ref())
+                .is_some_and(|l| l.index >= last)
+        })
+}
+
 /// Keeps this replica from leading while its clock is too far ahead of the
 /// cluster's, and says so: a leader stops heartbeats (its followers elect
 /// another) and its proposer refuses to stamp; a follower stops standing
@@ -340,6 +375,9 @@ pub async fn clock_watch_loop(
     let mut last_warned: BTreeMap<u64, u64> = BTreeMap::new();
     // Whether Raft was last set to let this replica lead.
     let mut allowed = true;
+    // Intervals a refused leader has kept leading for want of a voter with
+    // its whole log.
+    let mut postponed = 0u32;
     loop {
         tokio::select! {
             _ = stop.changed() => return,
@@ -347,6 +385,16 @@ pub async fn clock_watch_loop(
         }
         let leading = clock.observe(&raft);
         let refused = clock.check(leading);
+        if refused.is_some() && allowed && leading {
+            if !step_down_now(another_voter_has_the_whole_log(&raft), postponed) {
+                // Its proposer stamps nothing meanwhile (`check`), so the
+                // log stops growing and the others catch up.
+                postponed += 1;
+                continue;
+            }
+        } else {
+            postponed = 0;
+        }
         if refused.is_none() != allowed {
             allowed = refused.is_none();
             match &refused {
@@ -396,6 +444,14 @@ pub async fn clock_watch_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_leader_refused_for_its_clock_steps_down_once_another_voter_has_its_log() {
+        assert!(!step_down_now(false, 0), "its last entries are its alone");
+        assert!(!step_down_now(false, STEP_DOWN_POSTPONED_MAX - 1));
+        assert!(step_down_now(true, 0));
+        assert!(step_down_now(false, STEP_DOWN_POSTPONED_MAX), "not forever");
+    }
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const T0: u64 = 1_800_000_000_000;
