@@ -477,17 +477,7 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
 #[test]
 fn a_cluster_over_mutual_tls_replicates_and_fails_over_and_refuses_plaintext() {
     let mut cluster = Cluster::new();
-    let certs = cluster._dir.path().join("certs");
-    let out = Command::new(KEEL)
-        .args(["tls", "init"])
-        .arg(&certs)
-        .output()
-        .expect("keel tls init");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let certs = support::init_certs(cluster._dir.path());
     let path = |name: String| certs.join(name).display().to_string();
     let env_of = |holder: &str| {
         vec![

@@ -6,28 +6,12 @@
 mod support;
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
-use support::{wait_for, ServerProcess, KEEL};
-
-/// `keel tls init DIR`: a CA, members 1 to 3, and the client `admin`.
-fn init_certs(dir: &Path) -> PathBuf {
-    let certs = dir.join("certs");
-    let out = Command::new(KEEL)
-        .args(["tls", "init"])
-        .arg(&certs)
-        .output()
-        .expect("keel tls init");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    certs
-}
+use support::{init_certs, wait_for, ServerProcess, KEEL};
 
 /// The flags of a replica serving as member `id`.
 fn member_flags(certs: &Path, id: u64) -> Vec<String> {

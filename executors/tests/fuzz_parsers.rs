@@ -49,10 +49,7 @@ fn texts(seed: &'static str) -> impl Strategy<Value = String> {
 
 fn config() -> ProptestConfig {
     ProptestConfig {
-        cases: std::env::var("KEEL_FUZZ_CASES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2_000),
+        cases: keel_state::fixtures::fuzz_cases(),
         max_shrink_iters: 2_000,
         ..ProptestConfig::default()
     }

@@ -24,13 +24,6 @@ use openraft::raft::{
 };
 use proptest::prelude::*;
 
-fn cases() -> u32 {
-    std::env::var("KEEL_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2_000)
-}
-
 /// The golden fixtures whose names start with `prefix`.
 fn golden(prefix: &str) -> Vec<Vec<u8>> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden");
@@ -64,7 +57,7 @@ fn inputs(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
 
 fn config() -> ProptestConfig {
     ProptestConfig {
-        cases: cases(),
+        cases: keel_state::fixtures::fuzz_cases(),
         // Inputs are cheap: keep shrinking short.
         max_shrink_iters: 2_000,
         ..ProptestConfig::default()

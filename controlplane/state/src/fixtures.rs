@@ -245,6 +245,15 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
     out
 }
 
+/// The inputs each fuzz target runs: `KEEL_FUZZ_CASES`, else 2,000 (about
+/// a second each in CI; RELIABILITY records a long local run).
+pub fn fuzz_cases() -> u32 {
+    std::env::var("KEEL_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000)
+}
+
 /// One change a fuzz target makes to a seed input ([`mutate`]): `kind`
 /// (mod 4) picks a byte set to `byte` at `a`, a cut at `a`, a stretch of up
 /// to 32 bytes from `a` copied to `b`, or `byte` inserted `b % 8 + 1` times

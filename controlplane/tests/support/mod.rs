@@ -411,6 +411,23 @@ fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// `keel tls init DIR/certs`: a CA, members 1 to 3 and the client
+/// `admin`; the directory.
+pub fn init_certs(dir: &Path) -> std::path::PathBuf {
+    let certs = dir.join("certs");
+    let out = Command::new(KEEL)
+        .args(["tls", "init"])
+        .arg(&certs)
+        .output()
+        .expect("keel tls init");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    certs
+}
+
 /// A `keel server` child process on a free port, killed when dropped.
 pub struct ServerProcess {
     child: Child,
