@@ -190,6 +190,7 @@ fn main() {
             removed_grace: std::time::Duration::from_secs(5),
             max_event_streams: keel::api::MAX_EVENT_STREAMS,
             max_api_requests: keel::admission::MAX_API_REQUESTS,
+            acl: false,
             worker_umask: None,
         };
         let server = Server::start(&config, system_clock()).await.expect("start");

@@ -16,6 +16,7 @@ use openraft::ServerState;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
+use crate::authz::{Caller, Granted, Right};
 use crate::grpc_status::ApiError;
 use crate::node_liveness::{reports_from_proto, HeartbeatInbox, HEARTBEAT_NODES_MAX};
 use crate::proposer::Proposer;
@@ -34,6 +35,9 @@ pub fn system_clock() -> Clock {
             .unwrap_or(0)
     })
 }
+
+mod acl;
+pub use acl::BOOTSTRAP_TOKEN_NAME;
 
 /// Records sent per read of the journal while streaming events.
 const WATCH_BATCH: usize = 512;
@@ -75,6 +79,10 @@ pub struct KeelApi {
     /// the stream ends or its client goes away.
     event_streams: Arc<tokio::sync::Semaphore>,
     max_event_streams: usize,
+    /// Whether callers are checked ([`crate::authz`], `--acl`).
+    acl: bool,
+    /// The clock tokens' expiry is read against.
+    clock: Clock,
 }
 
 /// The most `WatchEvents` streams one replica serves at once, unless
@@ -88,6 +96,11 @@ macro_rules! route {
         if let Some(mut leader) = $self.forward_to(&$request, $write).await? {
             // Whom for: the leader believes it of a member's connection only.
             let caller = crate::caller::caller_of(&$request);
+            // The caller's token, for the leader to check again.
+            let token = $request
+                .metadata()
+                .get(crate::authz::AUTHORIZATION_HEADER)
+                .cloned();
             let mut forwarded = Request::new($request.into_inner());
             forwarded.metadata_mut().insert(
                 FORWARDED_HEADER,
@@ -97,6 +110,11 @@ macro_rules! route {
                 forwarded
                     .metadata_mut()
                     .insert(crate::caller::CALLER_HEADER, value);
+            }
+            if let Some(token) = token {
+                forwarded
+                    .metadata_mut()
+                    .insert(crate::authz::AUTHORIZATION_HEADER, token);
             }
             return leader.$method(forwarded).await.map_err(forward_error);
         }
@@ -157,7 +175,53 @@ impl KeelApi {
             leader: tokio::sync::Mutex::new(None),
             event_streams: Arc::new(tokio::sync::Semaphore::new(max_event_streams)),
             max_event_streams,
+            acl: false,
+            clock: system_clock(),
         }
+    }
+
+    /// Checks every caller against its role ([`crate::authz`]).
+    pub fn with_acl(mut self, acl: bool) -> Self {
+        self.acl = acl;
+        self
+    }
+
+    /// The request's caller, if it may use `right` ([`crate::authz`]).
+    fn authorize<T>(&self, request: &Request<T>, right: Right) -> Result<Granted, ApiError> {
+        self.caller(request)?.authorize(right)
+    }
+
+    /// The request's caller ([`crate::authz::caller_of`]).
+    fn caller<T>(&self, request: &Request<T>) -> Result<Caller, ApiError> {
+        let now_ms = (self.clock)();
+        crate::authz::caller_of(request, self.acl, |secret| {
+            let shared = self.node.state_machine.shared();
+            let applied = shared.read();
+            crate::authz::token_role(applied.state.acl(), secret, now_ms)
+        })
+    }
+
+    /// Whether a granted right reaches job `job_id` (a job not known is
+    /// left for the call to find).
+    fn check_job(&self, granted: &Granted, job_id: u64) -> Result<(), ApiError> {
+        let shared = self.node.state_machine.shared();
+        let applied = shared.read();
+        match applied.state.job(job_id) {
+            Some(job) => granted.check_job(job_id, job.submitted_by.as_deref()),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses the ACL calls on a replica that does not check callers.
+    fn require_acl(&self) -> Result<(), ApiError> {
+        if self.acl {
+            return Ok(());
+        }
+        Err(ApiError::Unsupported(
+            "this replica does not check callers: start every replica with --acl (and TLS) \
+             before managing tokens"
+                .into(),
+        ))
     }
 
     fn membership(&self, index: u64) -> api::MembershipResponse {
@@ -297,7 +361,7 @@ impl Keel for KeelApi {
         request: Request<api::SubmitJobRequest>,
     ) -> Result<Response<api::SubmitJobResponse>, Status> {
         route!(self, request, submit_job, true);
-        let actor = crate::caller::caller_of(&request);
+        let actor = self.authorize(&request, Right::SubmitJobs)?.actor();
         let req = request.into_inner();
         let spec = req.spec.ok_or(ApiError::InvalidArgument {
             field: "spec",
@@ -328,8 +392,10 @@ impl Keel for KeelApi {
         request: Request<api::CancelJobRequest>,
     ) -> Result<Response<api::CancelJobResponse>, Status> {
         route!(self, request, cancel_job, true);
-        let actor = crate::caller::caller_of(&request);
+        let granted = self.authorize(&request, Right::CancelJobs)?;
         let req = request.into_inner();
+        self.check_job(&granted, req.job_id)?;
+        let actor = granted.actor();
         let (index, _) = self
             .propose_request(
                 Command::CancelJob {
@@ -349,6 +415,7 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::Job>, Status> {
         let stale = is_stale(&request);
         route!(self, request, get_job, false);
+        let granted = self.authorize(&request, Right::ReadJobs)?;
         let job_id = request.into_inner().job_id;
         if !stale {
             self.linearizable().await?;
@@ -359,6 +426,7 @@ impl Keel for KeelApi {
             .state
             .job(job_id)
             .ok_or(ApiError::JobNotFound(job_id))?;
+        granted.check_job(job_id, job.submitted_by.as_deref())?;
         let mut reply = crate::convert::job_to_proto(job);
         if let Some(why) = waiting(job)
             .then(|| never_fits(&applied.state, &job.spec))
@@ -381,6 +449,7 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::ListJobsResponse>, Status> {
         let stale = is_stale(&request);
         route!(self, request, list_jobs, false);
+        let granted = self.authorize(&request, Right::ReadJobs)?;
         let req = request.into_inner();
         let state = if req.state.is_empty() {
             None
@@ -419,6 +488,8 @@ impl Keel for KeelApi {
             .values()
             .filter(|j| state.is_none_or(|s| j.state == s))
             .filter(|j| req.user.is_empty() || j.spec.user == req.user)
+            // A user lists its own jobs only.
+            .filter(|j| granted.reaches(j.submitted_by.as_deref()))
             .map(|j| {
                 let mut reply = crate::convert::job_to_proto(j);
                 // One answer per job shape: thousands of waiting jobs cost
@@ -445,6 +516,7 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::ListNodesResponse>, Status> {
         let stale = is_stale(&request);
         route!(self, request, list_nodes, false);
+        self.authorize(&request, Right::ReadCluster)?;
         if !stale {
             self.linearizable().await?;
         }
@@ -466,6 +538,7 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::WatchEventsRequest>,
     ) -> Result<Response<WatchStream>, Status> {
+        self.authorize(&request, Right::ReadCluster)?;
         let req = request.into_inner();
         let permit = self
             .event_streams
@@ -534,8 +607,9 @@ impl Keel for KeelApi {
 
     async fn cluster_status(
         &self,
-        _request: Request<api::ClusterStatusRequest>,
+        request: Request<api::ClusterStatusRequest>,
     ) -> Result<Response<api::ClusterStatusResponse>, Status> {
+        self.authorize(&request, Right::ReadStatus)?;
         let metrics = self.node.raft.metrics().borrow().clone();
         let role = match metrics.state {
             ServerState::Leader => "leader",
@@ -651,6 +725,7 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::JobHistoryResponse>, Status> {
         let stale = is_stale(&request);
         route!(self, request, job_history, false);
+        let granted = self.authorize(&request, Right::ReadJobs)?;
         let req = request.into_inner();
         let limit = match req.limit as usize {
             0 => HISTORY_MAX_ENTRIES,
@@ -671,9 +746,10 @@ impl Keel for KeelApi {
         let target = {
             let shared = self.node.state_machine.shared();
             let applied = shared.read();
-            if applied.state.job(req.job_id).is_none() {
+            let Some(job) = applied.state.job(req.job_id) else {
                 return Err(ApiError::JobNotFound(req.job_id).into());
-            }
+            };
+            granted.check_job(req.job_id, job.submitted_by.as_deref())?;
             applied.last_applied.map_or(0, |l| l.index)
         };
         let mut journaled = self.node.state_machine.shared().subscribe();
@@ -699,6 +775,7 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::GetLogsResponse>, Status> {
         // Workers run under the leader's executor, so their logs are there.
         route!(self, request, get_logs, true);
+        let granted = self.authorize(&request, Right::ReadJobs)?;
         let req = request.into_inner();
         let tail = match req.tail_bytes {
             0 => LOG_TAIL_DEFAULT_BYTES,
@@ -711,6 +788,7 @@ impl Keel for KeelApi {
             }
             n => n,
         };
+        self.check_job(&granted, req.job_id)?;
         let known = self
             .node
             .state_machine
@@ -746,7 +824,7 @@ impl Keel for KeelApi {
         request: Request<api::SetNodeStateRequest>,
     ) -> Result<Response<api::SetNodeStateResponse>, Status> {
         route!(self, request, set_node_state, true);
-        let actor = crate::caller::caller_of(&request);
+        let actor = self.authorize(&request, Right::ManageNodes)?.actor();
         let req = request.into_inner();
         let command = match req.state.as_str() {
             "lost" => Command::MarkNodeLost {
@@ -775,7 +853,7 @@ impl Keel for KeelApi {
         request: Request<api::RemoveNodeRequest>,
     ) -> Result<Response<api::RemoveNodeResponse>, Status> {
         route!(self, request, remove_node, true);
-        let actor = crate::caller::caller_of(&request);
+        let actor = self.authorize(&request, Right::ManageNodes)?.actor();
         let req = request.into_inner();
         let name = req.name.clone();
         let (index, events) = self
@@ -804,7 +882,7 @@ impl Keel for KeelApi {
         request: Request<api::SetPolicyRequest>,
     ) -> Result<Response<api::SetPolicyResponse>, Status> {
         route!(self, request, set_policy, true);
-        let actor = crate::caller::caller_of(&request);
+        let actor = self.authorize(&request, Right::SetPolicy)?.actor();
         let api::SetPolicyRequest { name, request_id } = request.into_inner();
         // Which policies exist is checked here, before anything is logged;
         // `apply` checks only the name's form, so no version's policy list
@@ -833,6 +911,7 @@ impl Keel for KeelApi {
         request: Request<api::NodeHeartbeatRequest>,
     ) -> Result<Response<api::NodeHeartbeatResponse>, Status> {
         route!(self, request, node_heartbeat, true);
+        self.authorize(&request, Right::SendHeartbeats)?;
         let req = request.into_inner();
         for (field, len) in [("nodes", req.nodes.len()), ("reports", req.reports.len())] {
             if len > HEARTBEAT_NODES_MAX {
@@ -858,6 +937,7 @@ impl Keel for KeelApi {
         request: Request<api::AddMemberRequest>,
     ) -> Result<Response<api::MembershipResponse>, Status> {
         route!(self, request, add_member, true);
+        self.authorize(&request, Right::ManageMembers)?;
         let req = request.into_inner();
         if req.id == 0 {
             return Err(ApiError::InvalidArgument {
@@ -1023,11 +1103,53 @@ impl Keel for KeelApi {
         Ok(Response::new(self.membership(index)))
     }
 
+    async fn bootstrap_acl(
+        &self,
+        request: Request<api::BootstrapAclRequest>,
+    ) -> Result<Response<api::TokenSecret>, Status> {
+        route!(self, request, bootstrap_acl, true);
+        self.bootstrap_acl_call(request).await
+    }
+
+    async fn create_token(
+        &self,
+        request: Request<api::CreateTokenRequest>,
+    ) -> Result<Response<api::TokenSecret>, Status> {
+        route!(self, request, create_token, true);
+        self.create_token_call(request).await
+    }
+
+    async fn list_tokens(
+        &self,
+        request: Request<api::ListTokensRequest>,
+    ) -> Result<Response<api::ListTokensResponse>, Status> {
+        let stale = is_stale(&request);
+        route!(self, request, list_tokens, false);
+        self.list_tokens_call(request, stale).await
+    }
+
+    async fn revoke_token(
+        &self,
+        request: Request<api::RevokeTokenRequest>,
+    ) -> Result<Response<api::RevokeTokenResponse>, Status> {
+        route!(self, request, revoke_token, true);
+        self.revoke_token_call(request).await
+    }
+
+    async fn who_am_i(
+        &self,
+        request: Request<api::WhoAmIRequest>,
+    ) -> Result<Response<api::WhoAmIResponse>, Status> {
+        route!(self, request, who_am_i, false);
+        self.who_am_i_call(request).await
+    }
+
     async fn remove_member(
         &self,
         request: Request<api::RemoveMemberRequest>,
     ) -> Result<Response<api::MembershipResponse>, Status> {
         route!(self, request, remove_member, true);
+        self.authorize(&request, Right::ManageMembers)?;
         let member = request.into_inner().id;
         let (voters, learners) = {
             let m = self.node.raft.metrics();

@@ -26,10 +26,15 @@ fn transport() -> keel::transport::Transport {
     TRANSPORT.get().cloned().unwrap_or_default()
 }
 
-/// Adds the read mode to every request.
-#[derive(Debug, Clone, Copy)]
+/// The caller's token (`--token`, `KEEL_TOKEN`), set once by `main`.
+pub static TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Adds the read mode, and the caller's token, to every request.
+#[derive(Debug, Clone)]
 pub struct ReadMode {
     stale: bool,
+    /// `Bearer <token>`, as the `authorization` metadata carries it.
+    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
 }
 
 impl tonic::service::Interceptor for ReadMode {
@@ -42,6 +47,11 @@ impl tonic::service::Interceptor for ReadMode {
                 keel::api::READ_HEADER,
                 tonic::metadata::MetadataValue::from_static("stale"),
             );
+        }
+        if let Some(value) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert(keel::authz::AUTHORIZATION_HEADER, value.clone());
         }
         Ok(request)
     }
@@ -87,8 +97,17 @@ async fn connect_one(addr: &str) -> anyhow::Result<Client> {
             };
             anyhow::Error::new(e).context(format!("{addr}{hint}"))
         })?;
+    let authorization = match TOKEN.get() {
+        Some(token) => Some(
+            format!("Bearer {}", token.trim())
+                .parse()
+                .context("the token (--token, KEEL_TOKEN) is not printable ASCII")?,
+        ),
+        None => None,
+    };
     let mode = ReadMode {
         stale: STALE_READS.get().copied().unwrap_or(false),
+        authorization,
     };
     Ok(KeelClient::with_interceptor(channel, mode)
         .max_decoding_message_size(64 * keel::MAX_REQUEST_BYTES))
@@ -148,7 +167,7 @@ impl Tried {
 /// that cannot be reached, knows no leader or was removed is passed over
 /// for the next; when none answers, the error names each address and why.
 /// Returns the answer and the client that gave it (for follow-up reads).
-async fn read<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<(T, Client)>
+pub(crate) async fn read<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<(T, Client)>
 where
     F: FnMut(Client) -> Fut,
     Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -223,7 +242,7 @@ pub fn new_request_id() -> String {
 /// sending it again (reconnecting, for at most [`WRITE_RETRY_FOR`]) while
 /// there is no leader to take it or its answer was lost: the server
 /// applies it once and answers a repeat with the first outcome.
-async fn write<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<T>
+pub(crate) async fn write<T, F, Fut>(addrs: &str, mut call: F) -> anyhow::Result<T>
 where
     F: FnMut(Client, String) -> Fut,
     Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -315,6 +334,9 @@ fn status_error(e: tonic::Status) -> anyhow::Error {
             } else {
                 "; if the server uses TLS, give --tls-ca, --tls-cert and --tls-key"
             }
+        }
+        tonic::Code::Unauthenticated if TOKEN.get().is_none() => {
+            "; give a token with --token or KEEL_TOKEN"
         }
         _ => "",
     };

@@ -62,6 +62,17 @@ pub enum ApiError {
          close one, or watch from another replica"
     )]
     TooManyStreams { limit: usize },
+    /// The caller is not known (issue 22): a token that is unknown,
+    /// revoked, expired or another cluster's, or no identity at all.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The caller is known but its role lacks the right the call needs.
+    #[error("{message}")]
+    PermissionDenied {
+        /// The right the call needs ([`crate::authz::Right`]'s name).
+        right: &'static str,
+        message: String,
+    },
     /// A new member answered but did not catch up as a learner in time.
     #[error("member {id} at {address} did not catch up within {timeout_s} s: {outcome}")]
     LearnerDidNotCatchUp {
@@ -128,6 +139,15 @@ pub mod reason {
     /// (`--max-api-requests`); nothing was done. Retry later or on another
     /// replica.
     pub const OVERLOADED: &str = "OVERLOADED";
+    /// The caller is not known (issue 22): a token that is unknown,
+    /// revoked, expired or another cluster's. Nothing was done.
+    pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
+    /// The caller's role lacks the right the call needs. Metadata `right`:
+    /// which. Nothing was done.
+    pub const PERMISSION_DENIED: &str = "PERMISSION_DENIED";
+    /// A token of that name, or with that secret, exists already.
+    pub const TOKEN_EXISTS: &str = "TOKEN_EXISTS";
+    pub const TOKEN_NOT_FOUND: &str = "TOKEN_NOT_FOUND";
 }
 
 impl ApiError {
@@ -170,7 +190,28 @@ impl ApiError {
                     REQUEST_ID_REUSED,
                     Some("request_id".into()),
                 ),
+                ApplyError::Acl(e) => {
+                    use keel_state::acl::AclError as A;
+                    match e {
+                        A::AlreadyBootstrapped | A::NotBootstrapped | A::LastAdmin(_) => {
+                            (Code::FailedPrecondition, FAILED_PRECONDITION, None)
+                        }
+                        A::NameTaken(_) => (Code::AlreadyExists, TOKEN_EXISTS, Some("name".into())),
+                        A::SecretTaken => {
+                            (Code::AlreadyExists, TOKEN_EXISTS, Some("secret".into()))
+                        }
+                        A::UnknownToken(_) => (Code::NotFound, TOKEN_NOT_FOUND, None),
+                        A::TooManyTokens { .. } => {
+                            (Code::ResourceExhausted, FAILED_PRECONDITION, None)
+                        }
+                        A::Invalid { field, .. } => {
+                            (Code::InvalidArgument, INVALID_ARGUMENT, Some(field.clone()))
+                        }
+                    }
+                }
             },
+            ApiError::Unauthenticated(_) => (Code::Unauthenticated, UNAUTHENTICATED, None),
+            ApiError::PermissionDenied { .. } => (Code::PermissionDenied, PERMISSION_DENIED, None),
             ApiError::NotLeader { .. } => (Code::Unavailable, NOT_LEADER, None),
             ApiError::NoLeader => (Code::Unavailable, NO_LEADER, None),
             ApiError::Unavailable(_) => (Code::Unavailable, RAFT_UNAVAILABLE, None),
@@ -267,6 +308,9 @@ impl From<ApiError> for Status {
         } = &e
         {
             metadata.insert("leader".to_string(), leader.clone());
+        }
+        if let ApiError::PermissionDenied { right, .. } = &e {
+            metadata.insert("right".to_string(), right.to_string());
         }
         status_with_reason(code, e.to_string(), reason, field, metadata)
     }

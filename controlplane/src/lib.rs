@@ -25,6 +25,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod authz;
 pub mod caller;
 pub mod clock;
 pub mod convert;

@@ -1,5 +1,6 @@
 //! `keel`: the server and the command-line client.
 
+mod acl_cmd;
 mod cli;
 mod render;
 mod sim_cmd;
@@ -54,6 +55,14 @@ struct Args {
     /// Output format of read commands.
     #[arg(long, short = 'o', global = true, value_enum, default_value_t = render::Output::Table, help_heading = CLIENT_OPTIONS)]
     output: render::Output,
+    /// The caller's token (with a server started with `--acl`), sent as
+    /// `authorization: Bearer TOKEN`.
+    #[arg(long, global = true, env = "KEEL_TOKEN", hide_env_values = true,
+          conflicts_with = "token_file", help_heading = CLIENT_OPTIONS)]
+    token: Option<String>,
+    /// A file holding the caller's token (`keel acl ... --secret-file`).
+    #[arg(long, global = true, env = "KEEL_TOKEN_FILE", help_heading = CLIENT_OPTIONS)]
+    token_file: Option<PathBuf>,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(subcommand)]
@@ -100,6 +109,12 @@ enum Cmd {
         #[command(subcommand)]
         command: tls_cmd::TlsCmd,
     },
+    /// Access control: bootstrap, tokens, who am I (with `keel server
+    /// --acl`).
+    Acl {
+        #[command(subcommand)]
+        command: acl_cmd::AclCmd,
+    },
     /// Run a Keel server (a Raft replica serving the API).
     Server {
         /// Where the Raft log, state and journal live.
@@ -115,6 +130,11 @@ enum Cmd {
         /// network you trust.
         #[arg(long)]
         insecure: bool,
+        /// Check every caller: a token's role (`authorization: Bearer`), or
+        /// `user` for a client certificate alone; `keel acl bootstrap`
+        /// makes the first token. Needs TLS. Give it to every replica.
+        #[arg(long, env = "KEEL_ACL", value_parser = clap::builder::BoolishValueParser::new())]
+        acl: bool,
         /// This replica's Raft member id.
         #[arg(long, default_value_t = 1)]
         id: u64,
@@ -882,6 +902,13 @@ fn closed_pipe(e: &anyhow::Error) -> bool {
 async fn run(args: Args) -> anyhow::Result<()> {
     let out = args.output;
     let _ = cli::STALE_READS.set(args.stale);
+    if let Some(token) = args.token.clone() {
+        let _ = cli::TOKEN.set(token);
+    } else if let Some(file) = &args.token_file {
+        let token = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read the token file {}", file.display()))?;
+        let _ = cli::TOKEN.set(token.trim().to_string());
+    }
     if !matches!(args.command, Cmd::Server { .. } | Cmd::Tls { .. }) {
         if let Some(files) = args.tls.files("a client")? {
             let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client)?;
@@ -890,10 +917,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     match args.command {
         Cmd::Tls { command } => tls_cmd::run(command, out),
+        Cmd::Acl { command } => acl_cmd::run(&args.addr, command, out).await,
         Cmd::Server {
             data_dir,
             listen,
             insecure,
+            acl,
             id,
             peers,
             snapshot_every,
@@ -937,9 +966,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 }
                 None => keel::transport::Transport::Plain,
             };
-            if keel::exposure::check_listen(listen, insecure, transport.is_tls())? {
+            if acl && !transport.is_tls() {
+                anyhow::bail!(
+                    "--acl needs TLS (--tls-cert, --tls-key and --tls-ca; `keel tls init` makes \
+                     them): replicas tell each other from clients by their certificates, and \
+                     tokens must not cross the network in plaintext"
+                );
+            }
+            if keel::exposure::check_listen(listen, insecure, transport.is_tls(), acl)? {
                 tracing::warn!(
-                    "serving on {listen} without TLS or authentication (--insecure): anyone who \
+                    "serving on {listen} without TLS and ACLs (--insecure): anyone who \
                      reaches it can submit, cancel, change the policy and the membership"
                 );
             }
@@ -989,7 +1025,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     ssh.logs = worker_logs;
                     ssh
                 });
+            if !acl {
+                tracing::warn!(
+                    "ACLs are off (no --acl): every caller that reaches {listen} may do anything"
+                );
+            }
             let config = ServerConfig {
+                acl,
                 id,
                 data_dir,
                 listen,

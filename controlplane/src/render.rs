@@ -55,7 +55,7 @@ pub(crate) fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Resu
     Ok(())
 }
 
-fn time(ms: u64) -> String {
+pub(crate) fn time(ms: u64) -> String {
     if ms == 0 {
         return "-".into();
     }
@@ -480,7 +480,10 @@ fn event_job_id(e: &pb::Event) -> Option<u64> {
         | K::NodeRemoved(_)
         | K::PolicyChanged(_)
         | K::PolicyMemoryRefused(_)
-        | K::RequestRepeated(_) => None,
+        | K::RequestRepeated(_)
+        | K::AclBootstrapped(_)
+        | K::TokenCreated(_)
+        | K::TokenRevoked(_) => None,
     }
 }
 
@@ -720,6 +723,18 @@ fn describe_event(e: &pb::Event) -> String {
                 x.policy, x.reason
             )
         }
+        Some(K::AclBootstrapped(x)) => format!("ACLs bootstrapped: admin token {}", x.name),
+        Some(K::TokenCreated(x)) => format!(
+            "token {} created for role {}{}",
+            x.name,
+            keel_state::codec::role_from_proto(x.role)
+                .map(|r| r.as_str())
+                .unwrap_or("unknown"),
+            x.expires_at_ms
+                .map(|at| format!(", expiring at {}", time(at)))
+                .unwrap_or_default()
+        ),
+        Some(K::TokenRevoked(x)) => format!("token {} revoked", x.name),
         Some(K::PolicyChanged(x)) => format!(
             "policy changed from {} to {}",
             if x.from.is_empty() {
@@ -1156,6 +1171,53 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             outln!("state hash: {}", s.state_hash);
             Ok(())
         }
+    }
+}
+
+/// `keel acl token list`.
+pub fn tokens(list: &api::ListTokensResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => {
+            let tokens: Vec<serde_json::Value> = list
+                .tokens
+                .iter()
+                .map(|t| {
+                    serde_json::json!({
+                        "name": t.name,
+                        "role": t.role,
+                        "created_at_ms": t.created_at_ms,
+                        "expires_at_ms": t.expires_at_ms,
+                        "created_by": t.created_by,
+                        "expired": t.expired,
+                    })
+                })
+                .collect();
+            print_json(&tokens)
+        }
+        Output::Table => print_table(
+            &["NAME", "ROLE", "CREATED", "EXPIRES", "BY"],
+            &list
+                .tokens
+                .iter()
+                .map(|t| {
+                    vec![
+                        t.name.clone(),
+                        t.role.clone(),
+                        time(t.created_at_ms),
+                        match (t.expires_at_ms, t.expired) {
+                            (None, _) => "never".into(),
+                            (Some(at), true) => format!("{} (expired)", time(at)),
+                            (Some(at), false) => time(at),
+                        },
+                        if t.created_by.is_empty() {
+                            "-".into()
+                        } else {
+                            t.created_by.clone()
+                        },
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ),
     }
 }
 

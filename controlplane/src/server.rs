@@ -71,6 +71,9 @@ pub struct ServerConfig {
     /// The most API requests this replica works on at once
     /// ([`crate::admission`]).
     pub max_api_requests: usize,
+    /// Check every caller's token or certificate against its role
+    /// ([`crate::authz`]); needs TLS.
+    pub acl: bool,
     /// The umask the server was started with, which its local workers get
     /// back ([`crate::permissions`]); `None`: they keep the server's.
     pub worker_umask: Option<u32>,
@@ -342,15 +345,18 @@ impl Server {
             self.config.loops.clone(),
             stop_rx.clone(),
         ));
-        let api = Arc::new(KeelApi::new(
-            self.node.clone(),
-            proposer,
-            self.executor.clone(),
-            heartbeats,
-            self.config.policy.name(),
-            reports,
-            self.config.max_event_streams,
-        ));
+        let api = Arc::new(
+            KeelApi::new(
+                self.node.clone(),
+                proposer,
+                self.executor.clone(),
+                heartbeats,
+                self.config.policy.name(),
+                reports,
+                self.config.max_event_streams,
+            )
+            .with_acl(self.config.acl),
+        );
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),
             self.config.nodes.clone(),

@@ -447,8 +447,9 @@ fn the_readme_three_replica_walkthrough_runs_as_written() {
 }
 
 /// "Securing a cluster": `keel tls init`, three replicas over mutual TLS
-/// and a client holding the client certificate, as written (on free
-/// ports); and the same client without its certificate gets nothing.
+/// with ACLs, a client holding the client certificate, the bootstrap token
+/// and a user's token, as written (on free ports); and the same client
+/// without its certificate gets nothing.
 #[test]
 fn the_readme_tls_walkthrough_runs_as_written() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -532,15 +533,47 @@ fn the_readme_tls_walkthrough_runs_as_written() {
                     (members == 3 && leader_id(&status).is_some()).then_some(())
                 });
             }
-            ["keel", "submit", "-f", file] => {
+            ["keel", "acl", "bootstrap", "--secret-file", file] => {
+                let out = client(&env, &["acl", "bootstrap", "--secret-file", file]);
+                assert!(out.status.success(), "{line:?}: {out:?}");
+                // Written owner-only, and not shown.
+                assert_eq!(
+                    std::fs::metadata(dir.path().join(file))
+                        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+                        .expect("the secret file"),
+                    0o600
+                );
+                let secret = std::fs::read_to_string(dir.path().join(file)).expect("secret");
+                assert!(!String::from_utf8_lossy(&out.stdout).contains(secret.trim()));
+            }
+            ["keel", "acl", "token", "create", rest @ ..] => {
+                let mut args = vec!["acl", "token", "create"];
+                args.extend(rest);
+                let out = client(&env, &args);
+                assert!(out.status.success(), "{line:?}: {out:?}");
+                assert!(
+                    String::from_utf8_lossy(&out.stdout).contains("(role user) created"),
+                    "{line:?}: {out:?}"
+                );
+            }
+            ["keel", "--token-file", token, "submit", "-f", file] => {
                 let out = wait_for("the submission", || {
-                    let out = client(&env, &["submit", "-f", file]);
+                    let out = client(&env, &["--token-file", token, "submit", "-f", file]);
                     out.status.success().then_some(out)
                 });
                 assert!(
                     String::from_utf8_lossy(&out.stdout).contains("job 1 submitted"),
                     "{line:?}: {out:?}"
                 );
+                // The user may not do an admin's work, and the job is hers.
+                let refused = client(&env, &["--token-file", token, "policy", "set", "fifo"]);
+                assert!(
+                    String::from_utf8_lossy(&refused.stderr).contains("PermissionDenied"),
+                    "{refused:?}"
+                );
+                let job = client(&env, &["job", "1", "-o", "json"]);
+                let job: Value = serde_json::from_slice(&job.stdout).expect("job 1");
+                assert_eq!(job["submitted_by"], "token:alice", "{job}");
             }
             _ => panic!("a line of the walkthrough this test does not know: {line:?}"),
         }

@@ -564,6 +564,146 @@ fn a_cluster_over_mutual_tls_replicates_and_fails_over_and_refuses_plaintext() {
     );
 }
 
+/// Issue 22, item 2: with ACLs on, a follower forwards its caller's token
+/// and certificate name, and the leader decides from them: a user's write
+/// through a follower is recorded as the user's, a right the user lacks is
+/// refused there too, a revocation holds on every replica, and the tokens
+/// survive a failover.
+#[test]
+fn a_cluster_with_acls_decides_on_the_leader_for_callers_of_its_followers() {
+    let mut cluster = Cluster::new();
+    let certs = support::init_certs(cluster._dir.path());
+    let path = |name: String| certs.join(name).display().to_string();
+    let env_of = |holder: &str| {
+        vec![
+            ("KEEL_TLS_CA", path("ca.crt".into())),
+            ("KEEL_TLS_CERT", path(format!("{holder}.crt"))),
+            ("KEEL_TLS_KEY", path(format!("{holder}.key"))),
+        ]
+    };
+    cluster.client_env = env_of("client-admin");
+    for id in 1..=3 {
+        let mut env = env_of(&format!("member-{id}"));
+        env.push(("KEEL_ACL", "1".into()));
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        cluster.spawn_with_env(id, &[], &env);
+    }
+    let leader = cluster.leader();
+    let followers: Vec<String> = cluster
+        .replicas
+        .iter()
+        .filter(|r| r.id != leader)
+        .map(|r| r.addr.clone())
+        .collect();
+    let root_file = cluster._dir.path().join("root.token");
+    let alice_file = cluster._dir.path().join("alice.token");
+    let client_env = cluster.client_env.clone();
+    let as_holder = |addr: &str, token: Option<&std::path::Path>, args: &[&str]| {
+        let mut command = Command::new(KEEL);
+        command
+            .args(args)
+            .env("KEEL_ADDR", addr)
+            .envs(client_env.iter().map(|(k, v)| (k, v)));
+        if let Some(file) = token {
+            command.env("KEEL_TOKEN_FILE", file);
+        }
+        command.output().expect("keel")
+    };
+    let ok = |out: Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    // Bootstrap and a user token, both through a follower.
+    ok(as_holder(
+        &followers[0],
+        None,
+        &[
+            "acl",
+            "bootstrap",
+            "--secret-file",
+            root_file.to_str().expect("utf-8"),
+        ],
+    ));
+    ok(as_holder(
+        &followers[0],
+        Some(&root_file),
+        &[
+            "acl",
+            "token",
+            "create",
+            "--name",
+            "alice",
+            "--role",
+            "user",
+            "--secret-file",
+            alice_file.to_str().expect("utf-8"),
+        ],
+    ));
+    // A certificate alone, forwarded: a user named by the certificate.
+    let who = ok(as_holder(&followers[1], None, &["acl", "whoami"]));
+    assert_eq!(who.trim(), "cert:admin, role user");
+    // Alice submits through a follower: the job is hers on every replica.
+    let spec = cluster._dir.path().join("alices.yaml");
+    std::fs::write(&spec, "name: alices\ncommand: [\"true\"]\n").expect("spec");
+    let submitted = ok(as_holder(
+        &followers[1],
+        Some(&alice_file),
+        &["-o", "json", "submit", "-f", spec.to_str().expect("utf-8")],
+    ));
+    let job: Value = serde_json::from_str(&submitted).expect("json");
+    let job = job["id"].as_u64().expect("an id").to_string();
+    cluster.converged();
+    for r in &cluster.replicas {
+        let view = ok(as_holder(
+            &r.addr,
+            Some(&root_file),
+            &["--stale", "-o", "json", "job", &job],
+        ));
+        let view: Value = serde_json::from_str(&view).expect("json");
+        assert_eq!(view["submitted_by"], "token:alice", "replica {}", r.id);
+    }
+    // What a user may not do, it may not do through a follower either.
+    let refused = as_holder(&followers[0], Some(&alice_file), &["policy", "set", "fifo"]);
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("token:alice (role user) may not set-policy"),
+        "{said}"
+    );
+    // Revoked through one follower, refused through the other (once it
+    // has applied the revocation: no stale read says otherwise for long).
+    ok(as_holder(
+        &followers[0],
+        Some(&root_file),
+        &["acl", "token", "revoke", "alice"],
+    ));
+    let refused = as_holder(&followers[1], Some(&alice_file), &["jobs"]);
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("not one of this cluster's"), "{said}");
+    // The tokens outlive the leader.
+    cluster.kill9(leader);
+    let second = cluster.leader();
+    assert_ne!(second, leader);
+    let list = ok(as_holder(
+        &cluster.all_addrs(),
+        Some(&root_file),
+        &["-o", "json", "acl", "token", "list"],
+    ));
+    let list: Value = serde_json::from_str(&list).expect("json");
+    let names: Vec<&str> = list
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert_eq!(names, ["root"]);
+}
+
 /// Issue 19, item 4: submissions in flight when the leader is killed are
 /// sent again by the CLI under the same request id (their answers were
 /// lost); each is one job, under the id its CLI printed.

@@ -642,11 +642,11 @@ fn the_trainers_hold_needs_both_flags_and_a_step_number() {
     );
 }
 
-/// Issue 22, item 4: without TLS, a server listens on loopback only. A
-/// non-loopback `--listen` is refused before anything is created, saying
-/// why and what to do (TLS, loopback, or `--insecure`); with `--insecure`
-/// it serves, and says in its log that it is exposed. (With TLS it serves
-/// there: `tls.rs`.)
+/// Issue 22, item 4: without TLS and ACLs, a server listens on loopback
+/// only. A non-loopback `--listen` is refused before anything is created,
+/// saying why and what to do (TLS and ACLs, loopback, or `--insecure`);
+/// with `--insecure` it serves, and says in its log that it is exposed.
+/// (With TLS and ACLs it serves there: `tls.rs`.)
 #[test]
 fn a_non_loopback_listen_address_needs_insecure() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -660,8 +660,8 @@ fn a_non_loopback_listen_address_needs_insecure() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("refusing to serve on 0.0.0.0:0 without TLS")
-            && err.contains("Serve with TLS (--tls-cert, --tls-key and --tls-ca")
+        err.contains("refusing to serve on 0.0.0.0:0 without TLS and ACLs")
+            && err.contains("Serve with TLS and ACLs (--tls-cert, --tls-key and")
             && err.contains("--insecure"),
         "{err}"
     );
@@ -705,7 +705,7 @@ fn a_non_loopback_listen_address_needs_insecure() {
     let _ = server.kill();
     let _ = server.wait();
     assert!(
-        text.contains("without TLS or authentication (--insecure)"),
+        text.contains("without TLS and ACLs (--insecure)"),
         "{text}"
     );
 }

@@ -1,7 +1,7 @@
 //! TLS on a real `keel server` (issue 22, item 1): certificates from
 //! `keel tls init`, a reload on SIGHUP seen from a TLS client, Raft
 //! messages refused to any certificate but the sending member's, and an
-//! address beyond loopback served with TLS and no `--insecure`.
+//! address beyond loopback served with TLS and ACLs and no `--insecure`.
 
 mod support;
 
@@ -220,15 +220,29 @@ fn raft_messages_are_refused_unless_the_certificate_names_their_sender() {
 }
 
 #[test]
-fn with_tls_an_address_beyond_loopback_is_served_without_insecure() {
+fn with_tls_and_acls_an_address_beyond_loopback_is_served_without_insecure() {
     let dir = tempfile::tempdir().expect("tempdir");
     let certs = init_certs(dir.path());
     let data = dir.path().join("data");
+    // TLS alone says who calls, not what they may do: refused.
+    let refused = Command::new(KEEL)
+        .args(["server", "--listen", "0.0.0.0:0", "--no-local-node", "--data-dir"])
+        .arg(&data)
+        .args(member_flags(&certs, 1))
+        .output()
+        .expect("keel server");
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("refusing to serve on 0.0.0.0:0 without ACLs (--acl)"),
+        "{said}"
+    );
     let mut child = Command::new(KEEL)
         .args([
             "server",
             "--listen",
             "0.0.0.0:0",
+            "--acl",
             "--no-local-node",
             "--data-dir",
         ])

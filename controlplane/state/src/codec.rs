@@ -12,6 +12,7 @@ use keel_proto::{
 };
 use prost::Message;
 
+use crate::acl::{Role, SecretHash};
 use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 use crate::event::Event;
 use crate::model::{FailedGpu, Gpu, GpuRef, ProgressSample};
@@ -228,6 +229,22 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             name: name.clone(),
             force: *force,
         }),
+        Command::BootstrapAcl { name, secret_hash } => C::BootstrapAcl(pb::BootstrapAcl {
+            name: name.clone(),
+            secret_hash: secret_hash.0.to_vec(),
+        }),
+        Command::CreateToken {
+            name,
+            role,
+            secret_hash,
+            ttl_ms,
+        } => C::CreateToken(pb::CreateToken {
+            name: name.clone(),
+            role: role_to_proto(*role) as i32,
+            secret_hash: secret_hash.0.to_vec(),
+            ttl_ms: *ttl_ms,
+        }),
+        Command::RevokeToken { name } => C::RevokeToken(pb::RevokeToken { name: name.clone() }),
     };
     let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
         if placements.iter().any(|p| p.share_with.is_some()));
@@ -355,6 +372,17 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             name: c.name,
             force: c.force,
         },
+        Some(C::BootstrapAcl(c)) => Command::BootstrapAcl {
+            name: c.name,
+            secret_hash: secret_hash_from_proto(&c.secret_hash)?,
+        },
+        Some(C::CreateToken(c)) => Command::CreateToken {
+            name: c.name,
+            role: role_from_proto(c.role)?,
+            secret_hash: secret_hash_from_proto(&c.secret_hash)?,
+            ttl_ms: c.ttl_ms,
+        },
+        Some(C::RevokeToken(c)) => Command::RevokeToken { name: c.name },
     };
     if msg.actor.len() > crate::command::ACTOR_MAX_LEN {
         return Err(DecodeError::Inconsistent(format!(
@@ -498,9 +526,52 @@ pub fn sample_from_proto(s: pb::ProgressSample) -> ProgressSample {
     }
 }
 
+pub fn role_to_proto(role: Role) -> pb::Role {
+    match role {
+        Role::Admin => pb::Role::Admin,
+        Role::Operator => pb::Role::Operator,
+        Role::User => pb::Role::User,
+        Role::Viewer => pb::Role::Viewer,
+        Role::Node => pb::Role::Node,
+    }
+}
+
+pub fn role_from_proto(value: i32) -> Result<Role, DecodeError> {
+    match pb::Role::try_from(value) {
+        Ok(pb::Role::Admin) => Ok(Role::Admin),
+        Ok(pb::Role::Operator) => Ok(Role::Operator),
+        Ok(pb::Role::User) => Ok(Role::User),
+        Ok(pb::Role::Viewer) => Ok(Role::Viewer),
+        Ok(pb::Role::Node) => Ok(Role::Node),
+        Ok(pb::Role::Unspecified) | Err(_) => Err(DecodeError::UnknownValue {
+            field: "role",
+            value,
+        }),
+    }
+}
+
+pub fn secret_hash_from_proto(bytes: &[u8]) -> Result<SecretHash, DecodeError> {
+    Ok(SecretHash(bytes.try_into().map_err(|_| {
+        DecodeError::Inconsistent(format!("a secret hash of {} bytes, not 32", bytes.len()))
+    })?))
+}
+
 pub fn event_to_proto(e: &Event) -> pb::Event {
     use pb::event::Kind as K;
     let kind = match e {
+        Event::AclBootstrapped { name } => {
+            K::AclBootstrapped(pb::AclBootstrapped { name: name.clone() })
+        }
+        Event::TokenCreated {
+            name,
+            role,
+            expires_at_ms,
+        } => K::TokenCreated(pb::TokenCreated {
+            name: name.clone(),
+            role: role_to_proto(*role) as i32,
+            expires_at_ms: *expires_at_ms,
+        }),
+        Event::TokenRevoked { name } => K::TokenRevoked(pb::TokenRevoked { name: name.clone() }),
         Event::NodeRegistered { name, gpus } => K::NodeRegistered(pb::NodeRegistered {
             name: name.clone(),
             gpus: gpus.iter().map(gpu_to_proto).collect(),
@@ -631,6 +702,13 @@ pub fn event_from_proto(e: pb::Event) -> Result<Event, DecodeError> {
     use pb::event::Kind as K;
     Ok(
         match e.kind.ok_or(DecodeError::MissingField("event.kind"))? {
+            K::AclBootstrapped(e) => Event::AclBootstrapped { name: e.name },
+            K::TokenCreated(e) => Event::TokenCreated {
+                name: e.name,
+                role: role_from_proto(e.role)?,
+                expires_at_ms: e.expires_at_ms,
+            },
+            K::TokenRevoked(e) => Event::TokenRevoked { name: e.name },
             K::NodeRegistered(e) => Event::NodeRegistered {
                 name: e.name,
                 gpus: e.gpus.into_iter().map(gpu_from_proto).collect(),

@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::acl::{Role, SecretHash};
 use crate::model::{FailedGpu, Gpu, GpuRef, JobId, ProgressSample};
 use crate::policy_memory::PolicyMemory;
 use crate::spec::JobSpec;
@@ -77,8 +78,11 @@ impl Proposal {
         self.entries.iter().all(|e| match &e.command {
             _ if e.actor.is_some() => false,
             Command::SubmitJob { spec } => spec.resources.is_unset() && spec.logs.is_unset(),
-            // A command the release before does not know.
-            Command::RecordNodeInventory { .. } => false,
+            // Commands the release before does not know.
+            Command::RecordNodeInventory { .. }
+            | Command::BootstrapAcl { .. }
+            | Command::CreateToken { .. }
+            | Command::RevokeToken { .. } => false,
             _ => true,
         })
     }
@@ -230,6 +234,25 @@ pub enum Command {
         failed: Vec<FailedGpu>,
         note: String,
     },
+    /// Added after the others (issue 22). Turns access control on for
+    /// good: the first token, an `admin` one. Refused once done.
+    BootstrapAcl {
+        name: String,
+        /// The token's secret's hash: the log never holds the secret.
+        secret_hash: SecretHash,
+    },
+    /// A token for `role`, expiring `ttl_ms` after the entry's time
+    /// (`None`: never). Refused before `BootstrapAcl`.
+    CreateToken {
+        name: String,
+        role: Role,
+        secret_hash: SecretHash,
+        ttl_ms: Option<u64>,
+    },
+    /// Drops a token: its secret is refused from the entry on.
+    RevokeToken {
+        name: String,
+    },
 }
 
 impl Command {
@@ -249,7 +272,10 @@ impl Command {
             | Command::RemoveNode { .. }
             | Command::SubmitJob { .. }
             | Command::SetPolicy { .. }
-            | Command::DecideAllocation { .. } => None,
+            | Command::DecideAllocation { .. }
+            | Command::BootstrapAcl { .. }
+            | Command::CreateToken { .. }
+            | Command::RevokeToken { .. } => None,
         }
     }
 
@@ -270,6 +296,9 @@ impl Command {
             Command::FinishJob { .. } => "finish_job",
             Command::RemoveJob { .. } => "remove_job",
             Command::SetPolicy { .. } => "set_policy",
+            Command::BootstrapAcl { .. } => "bootstrap_acl",
+            Command::CreateToken { .. } => "create_token",
+            Command::RevokeToken { .. } => "revoke_token",
         }
     }
 }

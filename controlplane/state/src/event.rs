@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::acl::Role;
 use crate::model::{FailedGpu, Gpu, GpuRef, JobId, JobState, ProgressSample};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -110,6 +111,22 @@ pub enum Event {
         added: Vec<Gpu>,
         gone: Vec<FailedGpu>,
     },
+    /// Added after the others (issue 22). Access control is on: the first
+    /// token, an `admin` one, is `name`.
+    AclBootstrapped {
+        name: String,
+    },
+    /// A token was made (never its secret: that is shown once, to whoever
+    /// asked).
+    TokenCreated {
+        name: String,
+        role: Role,
+        /// When it stops being accepted, in log time; `None`: never.
+        expires_at_ms: Option<u64>,
+    },
+    TokenRevoked {
+        name: String,
+    },
 }
 
 impl Event {
@@ -123,7 +140,10 @@ impl Event {
             | Event::NodeRemoved { .. }
             | Event::PolicyChanged { .. }
             | Event::PolicyMemoryRefused { .. }
-            | Event::RequestRepeated { .. } => None,
+            | Event::RequestRepeated { .. }
+            | Event::AclBootstrapped { .. }
+            | Event::TokenCreated { .. }
+            | Event::TokenRevoked { .. } => None,
             Event::JobSubmitted { job_id, .. }
             | Event::JobCancelled { job_id, .. }
             | Event::JobAllocated { job_id, .. }

@@ -15,6 +15,7 @@
 //! - no dependency on tokio, tonic, openraft, sled or kube, nor on
 //!   `keel-scheduling` or `keel-sim` (a tidy test checks this).
 
+pub mod acl;
 pub mod codec;
 pub mod command;
 pub mod event;

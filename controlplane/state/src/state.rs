@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::acl::Acl;
 use crate::command::{Command, JobOutcome, JobPlacement, LogEntry};
 use crate::event::Event;
 use crate::free_gpus::FreeGpus;
@@ -112,6 +113,9 @@ pub enum ApplyError {
         request_id: String,
         first_index: u64,
     },
+    /// Added after the others (issue 22).
+    #[error("{0}")]
+    Acl(#[from] crate::acl::AclError),
 }
 
 /// The whole scheduler state: a fold of `apply` over the log.
@@ -156,6 +160,11 @@ pub struct ClusterState {
     /// that never had one encodes and hashes as before it existed.
     #[serde(skip)]
     policy_memory: PolicyMemorySlot,
+    /// The tokens and their roles ([`crate::acl`]). Encoded apart from the
+    /// rest (hashed once bootstrapped, a snapshot field), so a cluster that
+    /// never turned ACLs on encodes and hashes as before they existed.
+    #[serde(skip)]
+    acl: Acl,
     #[serde(skip)]
     indexes: JobIndexes,
     /// Every GPU on a live node, by type and node: derived from `nodes`,
@@ -285,6 +294,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             policy: e.policy,
             requests: e.requests,
             policy_memory: PolicyMemorySlot::default(),
+            acl: Acl::default(),
             indexes,
             capacity,
             free: FreeCache::default(),
@@ -493,6 +503,11 @@ impl ClusterState {
         self.policy_memory.memory.as_ref()
     }
 
+    /// The tokens the cluster knows ([`crate::acl`]).
+    pub fn acl(&self) -> &Acl {
+        &self.acl
+    }
+
     /// The policy-memory slot, as a snapshot carries it.
     pub fn policy_memory_slot(&self) -> &PolicyMemorySlot {
         &self.policy_memory
@@ -557,6 +572,10 @@ impl ClusterState {
             .collect();
         if !submitters.is_empty() {
             let _ = postcard::to_io(&submitters, &mut writer);
+        }
+        // Likewise the tokens, once the ACLs are bootstrapped.
+        if self.acl.is_bootstrapped() {
+            let _ = postcard::to_io(&self.acl, &mut writer);
         }
         StateHash(*hasher.finalize().as_bytes())
     }
@@ -656,6 +675,9 @@ impl ClusterState {
                 Event::WorkerStarted { .. }
                     | Event::JobProgressReported { .. }
                     | Event::PolicyMemoryRefused { .. }
+                    | Event::AclBootstrapped { .. }
+                    | Event::TokenCreated { .. }
+                    | Event::TokenRevoked { .. }
             )
         });
         if moves_supply_or_demand {
@@ -682,6 +704,35 @@ impl ClusterState {
             } => self.record_node_inventory(name, address, gpus, failed, note, at_ms),
             Command::MarkNodeLost { name, reason } => self.mark_node_lost(name, reason, at_ms),
             Command::MarkNodeRecovered { name } => self.mark_node_recovered(name),
+            Command::BootstrapAcl { name, secret_hash } => {
+                self.acl
+                    .bootstrap(name, *secret_hash, at_ms, entry.actor.as_ref())?;
+                Ok(vec![Event::AclBootstrapped { name: name.clone() }])
+            }
+            Command::CreateToken {
+                name,
+                role,
+                secret_hash,
+                ttl_ms,
+            } => {
+                let expires_at_ms = self.acl.create(
+                    name,
+                    *role,
+                    *secret_hash,
+                    *ttl_ms,
+                    at_ms,
+                    entry.actor.as_ref(),
+                )?;
+                Ok(vec![Event::TokenCreated {
+                    name: name.clone(),
+                    role: *role,
+                    expires_at_ms,
+                }])
+            }
+            Command::RevokeToken { name } => {
+                self.acl.revoke(name, at_ms)?;
+                Ok(vec![Event::TokenRevoked { name: name.clone() }])
+            }
             Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
             Command::SetPolicy { name } => {
                 check_len("policy", name, limits::POLICY_NAME_MAX_LEN)?;

@@ -12,9 +12,11 @@ use std::collections::BTreeMap;
 use keel_proto::entry as pb;
 
 use super::{ClusterState, FreeCache, JobIndexes};
+use crate::acl::{Acl, Token};
 use crate::codec::{
-    event_from_proto, event_to_proto, gpu_ref_from_proto, gpu_ref_to_proto, sample_from_proto,
-    sample_to_proto, spec_from_proto, spec_to_proto, DecodeError,
+    event_from_proto, event_to_proto, gpu_ref_from_proto, gpu_ref_to_proto, role_from_proto,
+    role_to_proto, sample_from_proto, sample_to_proto, secret_hash_from_proto, spec_from_proto,
+    spec_to_proto, DecodeError,
 };
 use crate::free_gpus::FreeGpus;
 use crate::model::{
@@ -65,6 +67,22 @@ impl ClusterState {
             }),
             policy_memory_changed_at: self.policy_memory.changed_at,
             last_entry_at_ms: self.last_entry_at_ms(),
+            acl: self.acl.is_bootstrapped().then(|| pb::AclState {
+                bootstrapped: true,
+                tokens: self
+                    .acl
+                    .tokens()
+                    .iter()
+                    .map(|(name, t)| pb::AclToken {
+                        name: name.clone(),
+                        role: role_to_proto(t.role) as i32,
+                        secret_hash: t.secret_hash.0.to_vec(),
+                        created_at_ms: t.created_at_ms,
+                        expires_at_ms: t.expires_at_ms,
+                        created_by: t.created_by.clone(),
+                    })
+                    .collect(),
+            }),
         }
     }
 
@@ -137,7 +155,28 @@ impl ClusterState {
             }),
             changed_at: m.policy_memory_changed_at,
         };
+        let acl = match m.acl {
+            None => Acl::default(),
+            Some(a) => {
+                let mut tokens = BTreeMap::new();
+                for t in a.tokens {
+                    let token = Token {
+                        role: role_from_proto(t.role)?,
+                        secret_hash: secret_hash_from_proto(&t.secret_hash)?,
+                        created_at_ms: t.created_at_ms,
+                        expires_at_ms: t.expires_at_ms,
+                        created_by: t.created_by,
+                    };
+                    if tokens.insert(t.name.clone(), token).is_some() {
+                        return Err(inconsistent(format!("token {:?} is listed twice", t.name)));
+                    }
+                }
+                Acl::from_parts(a.bootstrapped, tokens)
+                    .map_err(|e| inconsistent(format!("the tokens: {e}")))?
+            }
+        };
         let state = ClusterState {
+            acl,
             next_job_id: m.next_job_id,
             indexes: JobIndexes::of(&jobs),
             capacity: FreeGpus::of_nodes(&nodes),

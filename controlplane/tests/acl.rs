@@ -1,0 +1,560 @@
+//! Access control on real processes over mutual TLS (issue 22, item 2):
+//! every RPC of the API called by every role, by a certificate alone, and
+//! with tokens that are revoked, expired, another cluster's or malformed;
+//! each cell of the matrix is written out below, not derived from the
+//! server's own table.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use keel_proto::api::{self, keel_client::KeelClient};
+use support::{init_certs, ServerProcess};
+use tonic::transport::Channel;
+
+/// The flags of member 1 over TLS, with ACLs.
+fn server_flags(certs: &Path) -> Vec<String> {
+    let file = |name: &str| certs.join(name).display().to_string();
+    vec![
+        "--acl".into(),
+        "--no-local-node".into(),
+        "--tls-cert".into(),
+        file("member-1.crt"),
+        "--tls-key".into(),
+        file("member-1.key"),
+        "--tls-ca".into(),
+        file("ca.crt"),
+    ]
+}
+
+fn start(dir: &Path, certs: &Path) -> ServerProcess {
+    let flags = server_flags(certs);
+    let args: Vec<&str> = flags.iter().map(String::as_str).collect();
+    ServerProcess::start_with_client_env(
+        dir,
+        &args,
+        &[],
+        &[
+            ("KEEL_TLS_CA", certs.join("ca.crt").into()),
+            ("KEEL_TLS_CERT", certs.join("client-admin.crt").into()),
+            ("KEEL_TLS_KEY", certs.join("client-admin.key").into()),
+        ],
+    )
+}
+
+/// Adds the caller's `authorization` metadata to each request.
+type AddToken =
+    Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
+
+type Client = KeelClient<tonic::service::interceptor::InterceptedService<Channel, AddToken>>;
+
+/// A client with the `admin` client certificate and, if given, the
+/// `authorization` metadata `header`.
+async fn client(certs: &Path, addr: &str, header: Option<String>) -> Client {
+    let files = keel::tls::TlsFiles {
+        cert: Some(certs.join("client-admin.crt")),
+        key: Some(certs.join("client-admin.key")),
+        ca: certs.join("ca.crt"),
+    };
+    let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client).expect("client TLS");
+    let transport = keel::transport::Transport::Tls(std::sync::Arc::new(tls));
+    let endpoint = transport.endpoint(addr).expect("endpoint");
+    let channel = transport
+        .connect(endpoint, keel::transport::Peer::Address(addr))
+        .await
+        .expect("connect");
+    let header = header.map(|h| {
+        h.parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
+            .expect("ascii")
+    });
+    let add: AddToken = Box::new(move |mut request: tonic::Request<()>| {
+        if let Some(h) = &header {
+            request.metadata_mut().insert("authorization", h.clone());
+        }
+        Ok(request)
+    });
+    KeelClient::with_interceptor(channel, add)
+}
+
+fn secret(name: &str) -> String {
+    format!("test-secret-for-{name}-0123456789abcdefghijklmnop")
+}
+
+fn bearer(secret: &str) -> Option<String> {
+    Some(format!("Bearer {secret}"))
+}
+
+/// How a call came out, as far as access goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Access {
+    /// Let through (it may still have failed for another reason: a job
+    /// that ended, a member that does not exist...).
+    Allowed,
+    Denied,
+    Unauthenticated,
+}
+
+fn access<T>(result: Result<tonic::Response<T>, tonic::Status>) -> Access {
+    match result {
+        Ok(_) => Access::Allowed,
+        Err(s) if s.code() == tonic::Code::PermissionDenied => {
+            assert_eq!(
+                keel::grpc_status::reason_of(&s).as_deref(),
+                Some("PERMISSION_DENIED")
+            );
+            assert!(s.message().contains("needs role"), "{}", s.message());
+            Access::Denied
+        }
+        Err(s) if s.code() == tonic::Code::Unauthenticated => {
+            assert_eq!(
+                keel::grpc_status::reason_of(&s).as_deref(),
+                Some("UNAUTHENTICATED")
+            );
+            Access::Unauthenticated
+        }
+        Err(_) => Access::Allowed,
+    }
+}
+
+const RPCS: [&str; 20] = [
+    "SubmitJob",
+    "CancelJob",
+    "GetJob",
+    "ListJobs",
+    "ListNodes",
+    "WatchEvents",
+    "ClusterStatus",
+    "JobHistory",
+    "GetLogs",
+    "SetNodeState",
+    "RemoveNode",
+    "SetPolicy",
+    "NodeHeartbeat",
+    "AddMember",
+    "RemoveMember",
+    "BootstrapAcl",
+    "CreateToken",
+    "ListTokens",
+    "RevokeToken",
+    "WhoAmI",
+];
+
+/// Calls `rpc` with a request that changes nothing that matters (or
+/// nothing at all: a node that does not exist, an invalid role...), about
+/// job `job` where it concerns one.
+async fn call(client: &mut Client, rpc: &str, job: u64) -> Access {
+    match rpc {
+        "SubmitJob" => access(
+            client
+                .submit_job(api::SubmitJobRequest {
+                    spec: Some(keel_state::codec::spec_to_proto(
+                        &keel_state::fixtures::job_spec("matrix", 1, 1),
+                    )),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "CancelJob" => access(
+            client
+                .cancel_job(api::CancelJobRequest {
+                    job_id: job,
+                    reason: "matrix".into(),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "GetJob" => access(client.get_job(api::GetJobRequest { job_id: job }).await),
+        "ListJobs" => access(client.list_jobs(api::ListJobsRequest::default()).await),
+        "ListNodes" => access(client.list_nodes(api::ListNodesRequest::default()).await),
+        "WatchEvents" => access(
+            client
+                .watch_events(api::WatchEventsRequest {
+                    from_index: 0,
+                    follow: false,
+                })
+                .await,
+        ),
+        "ClusterStatus" => access(client.cluster_status(api::ClusterStatusRequest {}).await),
+        "JobHistory" => access(
+            client
+                .job_history(api::JobHistoryRequest {
+                    job_id: job,
+                    limit: 1,
+                })
+                .await,
+        ),
+        "GetLogs" => access(
+            client
+                .get_logs(api::GetLogsRequest {
+                    job_id: job,
+                    tail_bytes: 16,
+                })
+                .await,
+        ),
+        "SetNodeState" => access(
+            client
+                .set_node_state(api::SetNodeStateRequest {
+                    name: "no-such-node".into(),
+                    state: "lost".into(),
+                    ..Default::default()
+                })
+                .await,
+        ),
+        "RemoveNode" => access(
+            client
+                .remove_node(api::RemoveNodeRequest {
+                    name: "no-such-node".into(),
+                    ..Default::default()
+                })
+                .await,
+        ),
+        "SetPolicy" => access(
+            client
+                .set_policy(api::SetPolicyRequest {
+                    name: "fifo".into(),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "NodeHeartbeat" => access(
+            client
+                .node_heartbeat(api::NodeHeartbeatRequest::default())
+                .await,
+        ),
+        "AddMember" => access(
+            client
+                .add_member(api::AddMemberRequest {
+                    id: 0,
+                    ..Default::default()
+                })
+                .await,
+        ),
+        "RemoveMember" => access(
+            client
+                .remove_member(api::RemoveMemberRequest { id: 99 })
+                .await,
+        ),
+        "BootstrapAcl" => access(
+            client
+                .bootstrap_acl(api::BootstrapAclRequest::default())
+                .await,
+        ),
+        "CreateToken" => access(
+            client
+                .create_token(api::CreateTokenRequest {
+                    name: "never".into(),
+                    role: "no-such-role".into(),
+                    ..Default::default()
+                })
+                .await,
+        ),
+        "ListTokens" => access(client.list_tokens(api::ListTokensRequest {}).await),
+        "RevokeToken" => access(
+            client
+                .revoke_token(api::RevokeTokenRequest {
+                    name: "no-such-token".into(),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "WhoAmI" => access(client.who_am_i(api::WhoAmIRequest {}).await),
+        other => unreachable!("{other}"),
+    }
+}
+
+/// Every RPC but those named, for the matrix's rows.
+fn all_but(but: &[&str]) -> Vec<&'static str> {
+    RPCS.into_iter().filter(|r| !but.contains(r)).collect()
+}
+
+#[test]
+fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = init_certs(dir.path());
+    let server = start(&dir.path().join("one"), &certs);
+    let other = start(&dir.path().join("other"), &certs);
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async {
+        let addr = server.addr.as_str();
+        // Before the bootstrap a certificate holder is a user.
+        let mut cert_only = client(&certs, addr, None).await;
+        let who = cert_only
+            .who_am_i(api::WhoAmIRequest {})
+            .await
+            .expect("whoami")
+            .into_inner();
+        assert_eq!(
+            (who.acl, who.actor.as_str(), who.role.as_str()),
+            (true, "cert:admin", "user")
+        );
+        let root = cert_only
+            .bootstrap_acl(api::BootstrapAclRequest {
+                name: "root".into(),
+                secret: secret("root"),
+                request_id: "bootstrap-1".into(),
+            })
+            .await
+            .expect("bootstrap")
+            .into_inner();
+        assert_eq!(
+            (root.role.as_str(), root.secret.as_str()),
+            ("admin", secret("root").as_str())
+        );
+        // Another cluster's own root token.
+        let mut other_client = client(&certs, &other.addr, None).await;
+        other_client
+            .bootstrap_acl(api::BootstrapAclRequest {
+                name: "root".into(),
+                secret: secret("other-root"),
+                request_id: String::new(),
+            })
+            .await
+            .expect("the other cluster's bootstrap");
+
+        let mut admin = client(&certs, addr, bearer(&secret("root"))).await;
+        for (name, role, ttl_s) in [
+            ("operator", "operator", 0),
+            ("alice", "user", 0),
+            ("bob", "user", 0),
+            ("viewer", "viewer", 0),
+            ("node", "node", 0),
+            ("revoked", "admin", 0),
+            ("expired", "admin", 1),
+        ] {
+            let made = admin
+                .create_token(api::CreateTokenRequest {
+                    name: name.into(),
+                    role: role.into(),
+                    ttl_s,
+                    secret: secret(name),
+                    request_id: format!("create-{name}"),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("create {name}: {e}"))
+                .into_inner();
+            assert_eq!(made.secret, secret(name));
+        }
+        admin
+            .revoke_token(api::RevokeTokenRequest {
+                name: "revoked".into(),
+                request_id: String::new(),
+            })
+            .await
+            .expect("revoke");
+        // The expired token expires (a second after it was made).
+        let mut expired = client(&certs, addr, bearer(&secret("expired"))).await;
+        let mut tries = 0;
+        while access(expired.who_am_i(api::WhoAmIRequest {}).await) != Access::Unauthenticated {
+            tries += 1;
+            assert!(tries < 300, "the token with a 1 s TTL never expired");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+
+        // Alice's job, which the per-job calls are about.
+        let mut alice = client(&certs, addr, bearer(&secret("alice"))).await;
+        let job = alice
+            .submit_job(api::SubmitJobRequest {
+                spec: Some(keel_state::codec::spec_to_proto(
+                    &keel_state::fixtures::job_spec("alices", 1, 1),
+                )),
+                request_id: String::new(),
+            })
+            .await
+            .expect("alice submits")
+            .into_inner()
+            .job_id;
+        let submitter = admin
+            .get_job(api::GetJobRequest { job_id: job })
+            .await
+            .expect("admin reads it")
+            .into_inner()
+            .submitted_by;
+        assert_eq!(
+            submitter, "token:alice",
+            "the entry records the token's name"
+        );
+
+        let reads_own = ["GetJob", "JobHistory", "GetLogs"];
+        let user_rights = [
+            "SubmitJob",
+            "ListJobs",
+            "ClusterStatus",
+            "BootstrapAcl",
+            "WhoAmI",
+        ];
+        let alices: Vec<&str> = user_rights
+            .iter()
+            .chain(&reads_own)
+            .chain(&["CancelJob"])
+            .copied()
+            .collect();
+        let expected: Vec<(&str, Option<String>, Vec<&str>)> = vec![
+            (
+                "admin",
+                bearer(&secret("root")),
+                all_but(&["NodeHeartbeat"]),
+            ),
+            (
+                "operator",
+                bearer(&secret("operator")),
+                vec![
+                    "SubmitJob",
+                    "CancelJob",
+                    "GetJob",
+                    "ListJobs",
+                    "ListNodes",
+                    "WatchEvents",
+                    "ClusterStatus",
+                    "JobHistory",
+                    "GetLogs",
+                    "SetNodeState",
+                    "RemoveNode",
+                    "BootstrapAcl",
+                    "WhoAmI",
+                ],
+            ),
+            (
+                "bob (another user)",
+                bearer(&secret("bob")),
+                user_rights.to_vec(),
+            ),
+            ("a certificate alone", None, user_rights.to_vec()),
+            (
+                "viewer",
+                bearer(&secret("viewer")),
+                vec![
+                    "GetJob",
+                    "ListJobs",
+                    "ListNodes",
+                    "WatchEvents",
+                    "ClusterStatus",
+                    "JobHistory",
+                    "GetLogs",
+                    "BootstrapAcl",
+                    "WhoAmI",
+                ],
+            ),
+            (
+                "node",
+                bearer(&secret("node")),
+                vec!["ClusterStatus", "NodeHeartbeat", "BootstrapAcl", "WhoAmI"],
+            ),
+            // Last: alice cancels her own job.
+            ("alice (the job's owner)", bearer(&secret("alice")), alices),
+        ];
+        let unknown: Vec<(&str, Option<String>)> = vec![
+            ("a revoked token", bearer(&secret("revoked"))),
+            ("an expired token", bearer(&secret("expired"))),
+            ("another cluster's token", bearer(&secret("other-root"))),
+            ("a token never made", bearer(&secret("nobody"))),
+            ("a malformed header", Some("Basic dXNlcjpwYXNz".into())),
+        ];
+
+        let mut seen: BTreeMap<(String, &str), Access> = BTreeMap::new();
+        let mut want: BTreeMap<(String, &str), Access> = BTreeMap::new();
+        for (who, header, allowed) in &expected {
+            let mut c = client(&certs, addr, header.clone()).await;
+            for rpc in RPCS {
+                seen.insert((who.to_string(), rpc), call(&mut c, rpc, job).await);
+                let cell = if allowed.contains(&rpc) {
+                    Access::Allowed
+                } else {
+                    Access::Denied
+                };
+                want.insert((who.to_string(), rpc), cell);
+            }
+        }
+        for (who, header) in &unknown {
+            let mut c = client(&certs, addr, header.clone()).await;
+            for rpc in RPCS {
+                seen.insert((who.to_string(), rpc), call(&mut c, rpc, job).await);
+                want.insert((who.to_string(), rpc), Access::Unauthenticated);
+            }
+        }
+        let wrong: Vec<String> = want
+            .iter()
+            .filter(|(cell, a)| seen.get(cell) != Some(a))
+            .map(|((who, rpc), a)| {
+                format!(
+                    "{who} × {rpc}: wanted {a:?}, got {:?}",
+                    seen[&(who.clone(), *rpc)]
+                )
+            })
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "cells of the matrix that differ:\n{}",
+            wrong.join("\n")
+        );
+
+        // A user lists its own jobs only.
+        let mut bob = client(&certs, addr, bearer(&secret("bob"))).await;
+        let bobs: Vec<u64> = bob
+            .list_jobs(api::ListJobsRequest::default())
+            .await
+            .expect("bob lists")
+            .into_inner()
+            .jobs
+            .iter()
+            .map(|j| j.id)
+            .collect();
+        assert!(!bobs.is_empty() && !bobs.contains(&job), "{bobs:?}");
+        let every: usize = admin
+            .list_jobs(api::ListJobsRequest::default())
+            .await
+            .expect("admin lists")
+            .into_inner()
+            .jobs
+            .len();
+        assert!(every > bobs.len());
+        // Alice's cancel went through: her job is cancelled, by her.
+        let cancelled = admin
+            .get_job(api::GetJobRequest { job_id: job })
+            .await
+            .expect("admin reads it")
+            .into_inner();
+        assert_eq!(cancelled.state, "cancelled");
+    });
+    // No secret reaches the data directory (WAL, state, journal) or the
+    // server's log: only hashes do.
+    let mut files = 0;
+    let mut pending = vec![dir.path().join("one")];
+    while let Some(path) = pending.pop() {
+        if path.is_dir() {
+            pending.extend(
+                std::fs::read_dir(&path)
+                    .expect("dir")
+                    .flatten()
+                    .map(|e| e.path()),
+            );
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap_or_default();
+        files += 1;
+        for name in ["root", "alice", "operator"] {
+            let s = secret(name);
+            assert!(
+                !bytes.windows(s.len()).any(|w| w == s.as_bytes()),
+                "{}'s secret is in {}",
+                name,
+                path.display()
+            );
+        }
+    }
+    assert!(files > 3, "the data directory was read ({files} files)");
+}
+
+/// `--acl` without TLS is refused at start, saying why.
+#[test]
+fn acl_without_tls_is_refused_at_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new(support::KEEL)
+        .args(["server", "--acl", "--no-local-node", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("keel server");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--acl needs TLS"), "{stderr}");
+}
