@@ -49,6 +49,9 @@ pub struct ClusterConfig {
     /// Run the replicas over mutual TLS (a CA and certificates made in
     /// `dir/certs`), and the clients with a client certificate.
     pub tls: bool,
+    /// Check callers (`--acl`, which needs `tls`): the harness bootstraps
+    /// the ACLs and its clients present an `operator` token.
+    pub acl: bool,
 }
 
 /// One replica.
@@ -87,6 +90,8 @@ pub struct Cluster {
     peers: String,
     /// How the harness's clients reach the replicas.
     pub transport: keel::transport::Transport,
+    /// The token they present (with [`ClusterConfig::acl`]).
+    pub token: Option<String>,
 }
 
 /// The ports handed out by [`listen_port`] in this process, never twice.
@@ -167,12 +172,78 @@ impl Cluster {
             links,
             peers,
             transport,
+            token: None,
         };
         for id in 1..=cluster.config.replicas {
             cluster.spawn(id)?;
         }
         cluster.wait_serving(Duration::from_secs(60)).await?;
+        if cluster.config.acl {
+            cluster.token = Some(cluster.bootstrap_acl(Duration::from_secs(60)).await?);
+        }
         Ok(cluster)
+    }
+
+    /// Bootstraps the ACLs with an admin token, and makes the `operator`
+    /// token the harness's clients present (the workload cancels jobs and
+    /// marks nodes: an operator's rights, no more). Each write goes under
+    /// one request id with a secret chosen here, so sending it again until
+    /// a leader takes it applies it once.
+    async fn bootstrap_acl(&self, bound: Duration) -> Result<String, ClusterError> {
+        let fail = |message: String| ClusterError::Io { id: 0, message };
+        let root = keel::authz::new_secret().map_err(|e| fail(e.to_string()))?;
+        let operator = keel::authz::new_secret().map_err(|e| fail(e.to_string()))?;
+        let deadline = std::time::Instant::now() + bound;
+        let mut last = String::new();
+        'bootstrap: while std::time::Instant::now() < deadline {
+            for id in 1..=self.config.replicas {
+                let Some(mut c) =
+                    client_for(&self.transport, None, self.replicas[id as usize - 1].listen)
+                else {
+                    continue;
+                };
+                match c
+                    .bootstrap_acl(api::BootstrapAclRequest {
+                        name: "root".into(),
+                        secret: root.clone(),
+                        request_id: "chaos-bootstrap-acl".into(),
+                    })
+                    .await
+                {
+                    Ok(_) => break 'bootstrap,
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        while std::time::Instant::now() < deadline {
+            for id in 1..=self.config.replicas {
+                let Some(mut c) = client_for(
+                    &self.transport,
+                    Some(&root),
+                    self.replicas[id as usize - 1].listen,
+                ) else {
+                    continue;
+                };
+                match c
+                    .create_token(api::CreateTokenRequest {
+                        name: "chaos-workload".into(),
+                        role: "operator".into(),
+                        ttl_s: 0,
+                        secret: operator.clone(),
+                        request_id: "chaos-create-token".into(),
+                    })
+                    .await
+                {
+                    Ok(_) => return Ok(operator),
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(fail(format!(
+            "the ACLs were not bootstrapped within {bound:?}: {last}"
+        )))
     }
 
     /// Waits until every replica answers, or fails naming the one that
@@ -257,6 +328,9 @@ impl Cluster {
         self.exited(id);
         let keel = self.config.keel.clone();
         let mut extra = self.config.extra_args.clone();
+        if self.config.acl {
+            extra.push("--acl".into());
+        }
         if self.config.tls {
             let certs = self.config.dir.join("certs");
             for (flag, file) in [
@@ -411,9 +485,9 @@ impl Cluster {
     }
 
     /// A client of replica `id` (lazy: connects on first use).
-    pub fn client(&self, id: u64) -> Option<KeelClient<Channel>> {
+    pub fn client(&self, id: u64) -> Option<Client> {
         let r = self.replicas.iter().find(|r| r.id == id)?;
-        client_for(&self.transport, r.listen)
+        client_for(&self.transport, self.token.as_deref(), r.listen)
     }
 
     /// Replica `id`'s status, or `None` if it does not answer in time.
@@ -517,11 +591,37 @@ fn log_tail(path: &Path) -> String {
     out
 }
 
-/// A lazily connected client of the server at `addr`.
+/// Adds a token to every request (`authorization: Bearer`), if there is one.
+#[derive(Debug, Clone)]
+pub struct WithToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for WithToken {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request
+                .metadata_mut()
+                .insert(keel::authz::AUTHORIZATION_HEADER, value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A client of one replica, as the harness makes them.
+pub type Client = KeelClient<tonic::service::interceptor::InterceptedService<Channel, WithToken>>;
+
+/// A lazily connected client of the server at `addr`, presenting `token`.
 pub fn client_for(
     transport: &keel::transport::Transport,
+    token: Option<&str>,
     addr: SocketAddr,
-) -> Option<KeelClient<Channel>> {
+) -> Option<Client> {
+    let token = match token {
+        Some(t) => Some(format!("Bearer {t}").parse().ok()?),
+        None => None,
+    };
     let addr = addr.to_string();
     let endpoint = transport
         .endpoint(&addr)
@@ -531,7 +631,10 @@ pub fn client_for(
     let channel = transport
         .lazy(endpoint, keel::transport::Peer::Address(&addr), None)
         .ok()?;
-    Some(KeelClient::new(channel).max_decoding_message_size(256 * 1024 * 1024))
+    Some(
+        KeelClient::with_interceptor(channel, WithToken(token))
+            .max_decoding_message_size(256 * 1024 * 1024),
+    )
 }
 
 /// A CA, certificates for members 1 to `replicas` (naming 127.0.0.1) and a
@@ -616,6 +719,7 @@ mod tests {
             dir: dir.path().join("run"),
             extra_args: Vec::new(),
             tls: false,
+            acl: false,
         })
         .await
         .expect_err("no replica starts");

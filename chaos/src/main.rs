@@ -59,6 +59,10 @@ struct Args {
     /// for the run).
     #[arg(long)]
     tls: bool,
+    /// And ACLs on (`keel server --acl`; implies --tls): the harness
+    /// bootstraps them, and its clients present an operator's token.
+    #[arg(long)]
+    acl: bool,
     /// `text` or `json`.
     #[arg(long, short, default_value = "text")]
     output: String,
@@ -140,6 +144,7 @@ fn main() -> anyhow::Result<()> {
     config.dir = args.dir;
     config.stale_reads = args.stale_reads;
     config.tls = args.tls;
+    config.acl = args.acl;
     config.liveness_bound = Duration::from_secs_f64(args.liveness_bound_s);
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(keel_chaos::run(&config))?;

@@ -41,6 +41,9 @@ pub struct RunConfig {
     pub faketime: Option<PathBuf>,
     /// The replicas and the clients over mutual TLS (issue 22).
     pub tls: bool,
+    /// And ACLs on: the clients present an operator's token (implies
+    /// `tls`).
+    pub acl: bool,
 }
 
 impl RunConfig {
@@ -59,6 +62,7 @@ impl RunConfig {
             stale_reads: false,
             faketime: crate::faults::libfaketime(),
             tls: false,
+            acl: false,
         }
     }
 
@@ -71,14 +75,15 @@ impl RunConfig {
             .collect::<Vec<_>>()
             .join(",");
         format!(
-            "keel-chaos --seed {} --rounds {} --replicas {} --clients {} --rate {} --faults {kinds}{}{}",
+            "keel-chaos --seed {} --rounds {} --replicas {} --clients {} --rate {} --faults {kinds}{}{}{}",
             self.seed,
             self.rounds,
             self.replicas,
             self.clients,
             self.rate_per_client,
             if self.stale_reads { " --stale-reads" } else { "" },
-            if self.tls { " --tls" } else { "" }
+            if self.tls && !self.acl { " --tls" } else { "" },
+            if self.acl { " --acl" } else { "" }
         )
     }
 }
@@ -330,7 +335,8 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
         .iter()
         .map(|s| s.to_string())
         .collect(),
-        tls: config.tls,
+        tls: config.tls || config.acl,
+        acl: config.acl,
     })
     .await?;
     let clock = RunClock(Instant::now());
@@ -375,6 +381,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, RunError> {
                     stale_reads: config.stale_reads,
                     nodes: (1..=config.replicas).map(|i| format!("r{i}-0")).collect(),
                     transport: cluster.transport.clone(),
+                    token: cluster.token.clone(),
                 },
                 clock,
                 history.clone(),

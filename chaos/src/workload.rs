@@ -134,6 +134,8 @@ pub struct WorkloadConfig {
     pub nodes: Vec<String>,
     /// Plaintext, or TLS with the harness's client certificate.
     pub transport: keel::transport::Transport,
+    /// The token the clients present (a cluster with `--acl`).
+    pub token: Option<String>,
 }
 
 /// The clock every history entry is measured on.
@@ -217,7 +219,10 @@ pub async fn client(
     let clients: Vec<_> = replicas
         .iter()
         .filter_map(|(rid, addr)| {
-            Some((*rid, crate::cluster::client_for(&config.transport, *addr)?))
+            Some((
+                *rid,
+                crate::cluster::client_for(&config.transport, config.token.as_deref(), *addr)?,
+            ))
         })
         .collect();
     if clients.is_empty() {

@@ -212,6 +212,12 @@ impl PeerFormats {
         raft_wire::send_format(mine, reads)
     }
 
+    /// What `peer` said it reads since its connection was made (`None`: it
+    /// has not answered).
+    fn reads(&self, peer: u64) -> Option<u32> {
+        self.lock().get(&peer).and_then(|p| p.reads)
+    }
+
     /// Forgets what `peer` reads (its connection dropped or a call failed:
     /// it may be another release now).
     fn forget(&self, peer: u64) {
@@ -599,6 +605,32 @@ impl RaftNetwork<TypeConfig> for GrpcPeer {
     }
 }
 
+/// How a snapshot goes to a peer written to in the format before
+/// ([`GrpcPeer::install_snapshot_for_release_before`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SnapshotForPeer {
+    /// As the leader has it (format 8).
+    AsItIs,
+    /// Re-encoded in the format the release before reads (7), which
+    /// refuses a state it does not carry whole.
+    Older,
+}
+
+/// The choice for a replica writing up to wire format `mine` to a peer
+/// that said it reads up to `peer_reads` (`None`: not yet). A peer that
+/// has not said (a new incarnation, a restart) gets the snapshot as it is
+/// when format 7 would lose part of the state: a peer of the release
+/// before refuses it and is known for that release at the next try, while
+/// a lossy copy would leave a replica holding another state (keel-chaos
+/// found tokens lost on a wiped member this way).
+fn snapshot_for_peer(mine: u32, peer_reads: Option<u32>, carried_whole: bool) -> SnapshotForPeer {
+    if mine >= raft_wire::RAFT_WIRE_FORMAT && peer_reads.is_none() && !carried_whole {
+        SnapshotForPeer::AsItIs
+    } else {
+        SnapshotForPeer::Older
+    }
+}
+
 impl GrpcPeer {
     /// Sends a snapshot to a peer of the release before wire format 2,
     /// which reads snapshot format 7 at most: the chunks are gathered here
@@ -644,21 +676,37 @@ impl GrpcPeer {
             return Ok(InstallSnapshotResponse { vote: rpc.vote });
         }
         let whole = self.gathered.take().map(|(_, b)| b).unwrap_or_default();
-        let format = keel_storage::snapshot_codec::snapshot_format_for_wire(
+        let older = keel_storage::snapshot_codec::snapshot_format_for_wire(
             raft_wire::RAFT_WIRE_FORMAT_PREVIOUS,
         );
-        let data = keel_storage::snapshot_codec::decode_snapshot(&whole)
-            .and_then(|state| keel_storage::snapshot_codec::encode_snapshot_as(&state, format))
-            .map_err(|e| {
-                RPCError::Network(NetworkError::new(&std::io::Error::other(format!(
-                    "cannot write snapshot {id} in format {format}: {e}"
-                ))))
-            })?;
+        let failed = |format: u32, e: String| {
+            RPCError::Network(NetworkError::new(&std::io::Error::other(format!(
+                "cannot write snapshot {id} in format {format}: {e}"
+            ))))
+        };
+        let state =
+            keel_storage::snapshot_codec::decode_snapshot(&whole).map_err(|e| failed(older, e))?;
+        let choice = snapshot_for_peer(
+            self.wire_format,
+            self.formats.reads(self.target),
+            state.postcard_carries_whole(),
+        );
+        let (data, format) = match choice {
+            SnapshotForPeer::AsItIs => (
+                whole,
+                keel_storage::snapshot_codec::snapshot_format_for_wire(raft_wire::RAFT_WIRE_FORMAT),
+            ),
+            SnapshotForPeer::Older => {
+                let data = keel_storage::snapshot_codec::encode_snapshot_as(&state, older)
+                    .map_err(|e| failed(older, e))?;
+                (data, older)
+            }
+        };
         tracing::info!(
             peer = %membership::show(self.target),
             snapshot = %id,
             bytes = data.len(),
-            "sending the snapshot in format {format}, the one the peer's release reads"
+            "sending the snapshot in format {format} (the peer reads no newer, or has not said yet)"
         );
         let chunks: Vec<&[u8]> = if data.is_empty() {
             vec![&[][..]]
@@ -996,6 +1044,23 @@ impl RaftRpc for RaftService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_that_has_not_answered_gets_a_state_format_7_would_lose_as_it_is() {
+        use SnapshotForPeer::*;
+        let (new, old) = (
+            raft_wire::RAFT_WIRE_FORMAT,
+            raft_wire::RAFT_WIRE_FORMAT_PREVIOUS,
+        );
+        // Not answered yet: format 7 only if it carries the state whole.
+        assert_eq!(snapshot_for_peer(new, None, true), Older);
+        assert_eq!(snapshot_for_peer(new, None, false), AsItIs);
+        // Known for the release before: format 7, which refuses a state it
+        // cannot carry (an error, never a lossy copy).
+        assert_eq!(snapshot_for_peer(new, Some(old), false), Older);
+        // This replica pinned to the older format: always format 7.
+        assert_eq!(snapshot_for_peer(old, None, false), Older);
+    }
 
     #[test]
     fn a_message_for_another_incarnation_is_refused_naming_this_one() {

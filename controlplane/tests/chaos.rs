@@ -48,21 +48,23 @@ fn a_short_chaos_pass_finds_nothing() {
 }
 
 /// Issue 22: the same checks with the replicas and the clients over mutual
-/// TLS (certificates made for the run): every network fault and kill, once
-/// each. Not the skewed clock: a replica whose clock is hours behind its
-/// certificates' start refuses them, as TLS must.
+/// TLS (certificates made for the run) and ACLs on (bootstrapped by the
+/// harness; its clients present an operator's token): every network fault
+/// and kill, once each. Not the skewed clock: a replica whose clock is
+/// hours behind its certificates' start refuses them, as TLS must.
 #[test]
 #[allow(clippy::print_stderr)]
-fn a_short_chaos_pass_over_tls_finds_nothing() {
+fn a_short_chaos_pass_over_tls_with_acls_finds_nothing() {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     let kinds = keel_chaos::faults::FaultKind::ALL.to_vec();
     let mut config = RunConfig::new(KEEL.into(), 3, kinds.len() as u32);
     config.kinds = kinds.clone();
     config.tls = true;
+    config.acl = true;
     let report = runtime
         .block_on(keel_chaos::run(&config))
         .expect("the run completes");
-    assert!(config.command_line().contains("--tls"));
+    assert!(config.command_line().contains("--acl"));
     assert_found_nothing(&report, kinds.len());
     assert!(report.failover.count >= 1, "{:?}", report.failover);
 }

@@ -247,6 +247,11 @@ pub fn encode_snapshot(state: &ClusterState) -> Vec<u8> {
 pub fn encode_snapshot_as(state: &ClusterState, format: u32) -> Result<Vec<u8>, String> {
     match format {
         SNAPSHOT_FORMAT_VERSION => Ok(encode_snapshot(state)),
+        SNAPSHOT_FORMAT_VERSION_POSTCARD if !state.postcard_carries_whole() => Err(format!(
+            "the state holds what snapshot format {format} cannot carry (tokens, submitters, \
+             resource limits, log rotation or gone GPUs): a replica of the release before \
+             cannot hold it; upgrade it"
+        )),
         SNAPSHOT_FORMAT_VERSION_POSTCARD => {
             let mut bytes = postcard::to_stdvec(&SnapshotFileRef {
                 format_version: format,
@@ -596,17 +601,21 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             // Under the lock only what reads the state: the protobuf
             // message (format 8; its encoding, as long again, happens
             // after the lock is released), or the postcard bytes (7).
+            // Format 8 too when format 7 would lose part of the state (a
+            // replica pinned to the release before's wire format, in a
+            // cluster that uses what that release cannot hold).
             let format = self.snapshot_format.load(Ordering::Relaxed);
-            let data = if format == SNAPSHOT_FORMAT_VERSION {
-                let mut message = applied.state.to_snapshot_proto();
-                message.format_version = SNAPSHOT_FORMAT_VERSION;
-                PendingSnapshot::Message(Box::new(message))
-            } else {
-                PendingSnapshot::Encoded(
-                    encode_snapshot_as(&applied.state, format)
-                        .map_err(|e| sm_err(StoreError::corrupt("the snapshot's format", e)))?,
-                )
-            };
+            let data =
+                if format == SNAPSHOT_FORMAT_VERSION || !applied.state.postcard_carries_whole() {
+                    let mut message = applied.state.to_snapshot_proto();
+                    message.format_version = SNAPSHOT_FORMAT_VERSION;
+                    PendingSnapshot::Message(Box::new(message))
+                } else {
+                    PendingSnapshot::Encoded(
+                        encode_snapshot_as(&applied.state, format)
+                            .map_err(|e| sm_err(StoreError::corrupt("the snapshot's format", e)))?,
+                    )
+                };
             let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match applied.last_applied {
                 Some(l) => format!(
@@ -898,5 +907,57 @@ mod tests {
         });
         let err = decode_snapshot(&broken.encode_to_vec()).expect_err("inconsistent");
         assert!(err.contains("GPU holder index"), "{err}");
+    }
+
+    /// Format 7 (postcard, the release before's) leaves out what is encoded
+    /// apart: a state with tokens or a submitter is never written in it, by
+    /// a peer's copy or by a replica pinned to the older wire format, which
+    /// writes format 8 instead of a snapshot that would reload as another
+    /// state.
+    #[tokio::test]
+    async fn a_state_format_7_cannot_carry_is_never_written_in_it() {
+        use keel_state::acl::SecretHash;
+        let mut state = ClusterState::new();
+        let mut submit = LogEntry::new(
+            1_000,
+            Command::SubmitJob {
+                spec: keel_state::fixtures::job_spec("audited", 1, 1),
+            },
+        );
+        assert!(state.postcard_carries_whole());
+        submit.actor = Some("token:alice".into());
+        state.apply(1, &submit).expect("applies");
+        assert!(!state.postcard_carries_whole(), "a submitter");
+        let mut tokens = ClusterState::new();
+        tokens
+            .apply(
+                1,
+                &LogEntry::new(
+                    1_000,
+                    Command::BootstrapAcl {
+                        name: "root".into(),
+                        secret_hash: SecretHash::of("root-secret-0123456789abcdefghijk"),
+                    },
+                ),
+            )
+            .expect("applies");
+        assert!(!tokens.postcard_carries_whole(), "tokens");
+        for lossy in [&state, &tokens] {
+            let err = encode_snapshot_as(lossy, SNAPSHOT_FORMAT_VERSION_POSTCARD)
+                .expect_err("format 7 would lose part of it");
+            assert!(
+                err.contains("cannot carry") && err.contains("upgrade"),
+                "{err}"
+            );
+        }
+        // A store pinned to format 7 snapshots it in format 8 instead.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = StateMachineStore::open(dir.path()).expect("store");
+        store.use_snapshot_format(SNAPSHOT_FORMAT_VERSION_POSTCARD);
+        store.shared.write().state = tokens.clone();
+        let snapshot = store.build_snapshot().await.expect("a snapshot");
+        let bytes = snapshot.snapshot.into_inner();
+        assert_eq!(bytes.first(), Some(&PROTOBUF_FIRST_BYTE), "format 8");
+        assert_eq!(decode_snapshot(&bytes).expect("decodes"), tokens);
     }
 }

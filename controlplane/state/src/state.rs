@@ -503,6 +503,20 @@ impl ClusterState {
         self.policy_memory.memory.as_ref()
     }
 
+    /// Whether its postcard form (snapshot format 7, what the release
+    /// before reads) carries it whole: it holds nothing of what is encoded
+    /// apart from that form (jobs' resource limits and log rotation,
+    /// submitters, nodes' gone GPUs, tokens). A snapshot of a state that
+    /// it does not carry is never written in format 7: the reader would
+    /// hold another state, and hash to another.
+    pub fn postcard_carries_whole(&self) -> bool {
+        !self.acl.is_bootstrapped()
+            && self.jobs.values().all(|j| {
+                j.spec.resources.is_unset() && j.spec.logs.is_unset() && j.submitted_by.is_none()
+            })
+            && self.nodes.values().all(|n| n.gone_gpus.is_empty())
+    }
+
     /// The tokens the cluster knows ([`crate::acl`]).
     pub fn acl(&self) -> &Acl {
         &self.acl
