@@ -191,6 +191,8 @@ fn main() {
             max_event_streams: keel::api::MAX_EVENT_STREAMS,
             max_api_requests: keel::admission::MAX_API_REQUESTS,
             acl: false,
+            request_timeout: keel::admission::REQUEST_TIMEOUT,
+            max_streams_per_connection: keel::server::MAX_STREAMS_PER_CONNECTION,
             worker_umask: None,
         };
         let server = Server::start(&config, system_clock()).await.expect("start");

@@ -9,6 +9,15 @@
 //! questions) and `NodeHeartbeat` (a node that cannot report is marked
 //! lost) are never refused here; event streams have their own bound
 //! (`--max-event-streams`).
+//!
+//! Every request has a deadline too (`--request-timeout-s`, or the client's
+//! own `grpc-timeout` if shorter, which tonic applies): one that waits
+//! longer (for a quorum that is gone) is answered `DEADLINE_EXCEEDED`, and
+//! its place comes back, so requests stuck on a partition cannot hold every
+//! place until it heals. A write cut so may still be applied: the client
+//! sends it again under its request id. `AddMember` (bounded by its own
+//! catch-up timeout) and `WatchEvents` (whose answer is its stream) are
+//! not cut.
 
 use std::sync::Arc;
 
@@ -19,6 +28,16 @@ use tonic::codegen::http;
 /// The most API requests one replica works on at once, unless
 /// `--max-api-requests` says otherwise.
 pub const MAX_API_REQUESTS: usize = 1024;
+
+/// How long a request may take, unless `--request-timeout-s` says
+/// otherwise.
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The methods with a deadline of their own, never cut here.
+const OWN_DEADLINE: [&str; 2] = [
+    "/keel.api.v1.Keel/AddMember",
+    "/keel.api.v1.Keel/WatchEvents",
+];
 
 /// The methods never refused for load.
 const NEVER_SHED: [&str; 2] = [
@@ -33,6 +52,7 @@ pub struct Bounded<S> {
     pub inner: S,
     permits: Arc<Semaphore>,
     limit: usize,
+    deadline: std::time::Duration,
 }
 
 impl<S> Bounded<S> {
@@ -41,8 +61,30 @@ impl<S> Bounded<S> {
             inner,
             permits: Arc::new(Semaphore::new(limit)),
             limit,
+            deadline: REQUEST_TIMEOUT,
         }
     }
+
+    /// Cuts a request that takes longer than `deadline`.
+    pub fn with_deadline(mut self, deadline: std::time::Duration) -> Bounded<S> {
+        self.deadline = deadline;
+        self
+    }
+}
+
+/// The answer to a request cut at its deadline.
+pub fn timed_out(deadline: std::time::Duration) -> tonic::Status {
+    crate::grpc_status::status_with_reason(
+        tonic::Code::DeadlineExceeded,
+        format!(
+            "no answer within {} s (--request-timeout-s): a write may still be applied; \
+             send it again with its request id",
+            deadline.as_secs_f64()
+        ),
+        crate::grpc_status::reason::REQUEST_TIMEOUT,
+        None,
+        Default::default(),
+    )
 }
 
 impl<S: tonic::server::NamedService> tonic::server::NamedService for Bounded<S> {
@@ -84,16 +126,28 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        if NEVER_SHED.contains(&request.uri().path()) {
-            return Box::pin(self.inner.call(request));
-        }
-        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-            let refused = overloaded(self.limit).into_http();
-            return Box::pin(async move { Ok(refused) });
+        let path = request.uri().path();
+        let deadline = (!OWN_DEADLINE.contains(&path)).then_some(self.deadline);
+        let permit = if NEVER_SHED.contains(&path) {
+            None
+        } else {
+            match self.permits.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    let refused = overloaded(self.limit).into_http();
+                    return Box::pin(async move { Ok(refused) });
+                }
+            }
         };
         let answer = self.inner.call(request);
         Box::pin(async move {
-            let response = answer.await;
+            let response = match deadline {
+                Some(deadline) => match tokio::time::timeout(deadline, answer).await {
+                    Ok(response) => response,
+                    Err(_) => Ok(timed_out(deadline).into_http()),
+                },
+                None => answer.await,
+            };
             drop(permit);
             response
         })
@@ -170,6 +224,28 @@ mod tests {
         let next = tokio::spawn(bounded.call(request("/keel.api.v1.Keel/ListJobs")));
         go.add_permits(1);
         let response = next.await.expect("task").expect("infallible");
+        assert_eq!(grpc_status(&response), None);
+    }
+
+    /// On tokio's paused clock: the time passes without anyone waiting.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_past_its_deadline_is_answered_and_frees_its_place() {
+        let go = Arc::new(Semaphore::new(0));
+        let deadline = std::time::Duration::from_secs(60);
+        let mut bounded = Bounded::new(Held(go.clone()), 2).with_deadline(deadline);
+        let stuck = tokio::spawn(bounded.call(request("/keel.api.v1.Keel/SubmitJob")));
+        let member = tokio::spawn(bounded.call(request("/keel.api.v1.Keel/AddMember")));
+        tokio::time::advance(deadline + std::time::Duration::from_secs(1)).await;
+        let cut = stuck.await.expect("task").expect("infallible");
+        assert_eq!(grpc_status(&cut), Some(&b"4"[..]), "DEADLINE_EXCEEDED");
+        // Its place is back: the next request is not refused for load (it
+        // is answered when the service answers).
+        let next = tokio::spawn(bounded.call(request("/keel.api.v1.Keel/ListJobs")));
+        go.add_permits(2);
+        let response = next.await.expect("task").expect("infallible");
+        assert_eq!(grpc_status(&response), None);
+        // AddMember has a deadline of its own: not cut here.
+        let response = member.await.expect("task").expect("infallible");
         assert_eq!(grpc_status(&response), None);
     }
 }

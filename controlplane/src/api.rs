@@ -37,7 +37,9 @@ pub fn system_clock() -> Clock {
 }
 
 mod acl;
+mod streams;
 pub use acl::BOOTSTRAP_TOKEN_NAME;
+pub use streams::MAX_EVENT_STREAMS_PER_CALLER;
 
 /// Records sent per read of the journal while streaming events.
 const WATCH_BATCH: usize = 512;
@@ -79,6 +81,8 @@ pub struct KeelApi {
     /// the stream ends or its client goes away.
     event_streams: Arc<tokio::sync::Semaphore>,
     max_event_streams: usize,
+    /// The same by caller ([`streams`]).
+    streams_by_caller: Arc<streams::StreamsByCaller>,
     /// Whether callers are checked ([`crate::authz`], `--acl`).
     acl: bool,
     /// The clock tokens' expiry is read against.
@@ -175,6 +179,7 @@ impl KeelApi {
             leader: tokio::sync::Mutex::new(None),
             event_streams: Arc::new(tokio::sync::Semaphore::new(max_event_streams)),
             max_event_streams,
+            streams_by_caller: Default::default(),
             acl: false,
             clock: system_clock(),
         }
@@ -538,7 +543,14 @@ impl Keel for KeelApi {
         &self,
         request: Request<api::WatchEventsRequest>,
     ) -> Result<Response<WatchStream>, Status> {
-        self.authorize(&request, Right::ReadCluster)?;
+        let granted = self.authorize(&request, Right::ReadCluster)?;
+        let caller = granted.actor().unwrap_or_else(|| {
+            request
+                .extensions()
+                .get::<crate::transport::PeerInfo>()
+                .and_then(|p| p.remote)
+                .map_or_else(|| "in-process".to_string(), |a| a.ip().to_string())
+        });
         let req = request.into_inner();
         let permit = self
             .event_streams
@@ -546,6 +558,13 @@ impl Keel for KeelApi {
             .try_acquire_owned()
             .map_err(|_| ApiError::TooManyStreams {
                 limit: self.max_event_streams,
+            })?;
+        let place = self
+            .streams_by_caller
+            .open(caller.clone(), MAX_EVENT_STREAMS_PER_CALLER)
+            .ok_or(ApiError::TooManyStreamsForCaller {
+                caller,
+                limit: MAX_EVENT_STREAMS_PER_CALLER,
             })?;
         let store = self.node.state_machine.clone();
         let mut applied_index = store.shared().subscribe();
@@ -557,6 +576,7 @@ impl Keel for KeelApi {
             // going away (noticed while waiting too, not only at the next
             // entry's send).
             let _permit = permit;
+            let _place = place;
             tokio::select! {
                 caught_up = applied_index.wait_for(|i| *i >= applied) => {
                     if caught_up.is_err() {
@@ -911,7 +931,8 @@ impl Keel for KeelApi {
         request: Request<api::NodeHeartbeatRequest>,
     ) -> Result<Response<api::NodeHeartbeatResponse>, Status> {
         route!(self, request, node_heartbeat, true);
-        self.authorize(&request, Right::SendHeartbeats)?;
+        let caller = self.caller(&request)?;
+        caller.authorize(Right::SendHeartbeats)?;
         let req = request.into_inner();
         for (field, len) in [("nodes", req.nodes.len()), ("reports", req.reports.len())] {
             if len > HEARTBEAT_NODES_MAX {
@@ -927,6 +948,7 @@ impl Keel for KeelApi {
         let reports = reports_from_proto(req);
         for r in &reports {
             r.validate().map_err(ApiError::from)?;
+            crate::authz::may_report_node(&caller, &r.name)?;
         }
         self.heartbeats.record(reports);
         Ok(Response::new(api::NodeHeartbeatResponse {}))

@@ -200,6 +200,33 @@ impl Caller {
     }
 }
 
+/// Whether `caller` may report node `node` in a heartbeat: a `node` token
+/// reports only the node it is named for, `NAME` or `NAME-*` (one agent,
+/// one machine's nodes; like Kubernetes' node restriction), so a stolen
+/// node token cannot declare GPUs on every node. Replicas and, without
+/// ACLs, anyone report any node.
+pub fn may_report_node(caller: &Caller, node: &str) -> Result<(), ApiError> {
+    let Caller::Holder {
+        actor,
+        role: Role::Node,
+    } = caller
+    else {
+        return Ok(());
+    };
+    let name = actor.strip_prefix("token:").unwrap_or(actor);
+    let own = node == name
+        || node
+            .strip_prefix(name)
+            .is_some_and(|rest| rest.starts_with('-'));
+    if own {
+        return Ok(());
+    }
+    Err(ApiError::PermissionDenied {
+        right: Right::SendHeartbeats.name(),
+        message: format!("{actor} (role node) reports only node {name} or {name}-*, not {node:?}"),
+    })
+}
+
 /// A right granted to a caller, and how far it reaches.
 #[derive(Debug, Clone)]
 pub struct Granted {
@@ -400,6 +427,22 @@ mod tests {
             "{}",
             status.message()
         );
+    }
+
+    #[test]
+    fn a_node_token_reports_its_own_nodes_only() {
+        let rack = Caller::Holder {
+            actor: "token:rack1".into(),
+            role: Role::Node,
+        };
+        for own in ["rack1", "rack1-0", "rack1-gpu-7"] {
+            assert!(may_report_node(&rack, own).is_ok(), "{own}");
+        }
+        for other in ["rack10", "rack2", "r", "sim-0"] {
+            assert!(may_report_node(&rack, other).is_err(), "{other}");
+        }
+        assert!(may_report_node(&Caller::Member(2), "anything").is_ok());
+        assert!(may_report_node(&Caller::Server, "anything").is_ok());
     }
 
     #[test]

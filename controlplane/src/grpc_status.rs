@@ -62,6 +62,12 @@ pub enum ApiError {
          close one, or watch from another replica"
     )]
     TooManyStreams { limit: usize },
+    /// One caller holds as many event streams open as it may.
+    #[error(
+        "{caller} holds {limit} event streams open on this replica, the most one caller may; \
+         close one"
+    )]
+    TooManyStreamsForCaller { caller: String, limit: usize },
     /// The caller is not known (issue 22): a token that is unknown,
     /// revoked, expired or another cluster's, or no identity at all.
     #[error("{0}")]
@@ -148,6 +154,10 @@ pub mod reason {
     /// A token of that name, or with that secret, exists already.
     pub const TOKEN_EXISTS: &str = "TOKEN_EXISTS";
     pub const TOKEN_NOT_FOUND: &str = "TOKEN_NOT_FOUND";
+    /// The request took longer than the replica allows
+    /// (`--request-timeout-s`); a write may still be applied: send it again
+    /// with its request id.
+    pub const REQUEST_TIMEOUT: &str = "REQUEST_TIMEOUT";
 }
 
 impl ApiError {
@@ -233,7 +243,9 @@ impl ApiError {
                 MEMBERSHIP_CHANGE_NOT_COMMITTED,
                 None,
             ),
-            ApiError::TooManyStreams { .. } => (Code::ResourceExhausted, TOO_MANY_STREAMS, None),
+            ApiError::TooManyStreams { .. } | ApiError::TooManyStreamsForCaller { .. } => {
+                (Code::ResourceExhausted, TOO_MANY_STREAMS, None)
+            }
         }
     }
 }

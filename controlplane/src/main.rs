@@ -246,6 +246,17 @@ enum Cmd {
         #[arg(long, default_value_t = keel::admission::MAX_API_REQUESTS as u32,
               value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         max_api_requests: u32,
+        /// Seconds one API request may take before it is answered
+        /// DEADLINE_EXCEEDED (a write may still be applied; the CLI sends it
+        /// again with its request id). `AddMember` and event streams are
+        /// not cut.
+        #[arg(long, default_value_t = keel::admission::REQUEST_TIMEOUT.as_secs_f64())]
+        request_timeout_s: f64,
+        /// The most requests one connection may have open at once (HTTP/2
+        /// streams); more wait on the caller's side.
+        #[arg(long, default_value_t = keel::server::MAX_STREAMS_PER_CONNECTION,
+              value_parser = clap::value_parser!(u32).range(1..=65_536))]
+        max_streams_per_connection: u32,
         /// Refuse to start on a data or executor directory that other users
         /// may read (without it, a warning).
         #[arg(long)]
@@ -949,6 +960,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             removed_grace_s,
             max_event_streams,
             max_api_requests,
+            request_timeout_s,
+            max_streams_per_connection,
             strict_permissions,
             progress_interval_s,
             worker_logs,
@@ -1030,8 +1043,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     "ACLs are off (no --acl): every caller that reaches {listen} may do anything"
                 );
             }
+            let request_timeout = seconds("request-timeout-s", request_timeout_s)?;
             let config = ServerConfig {
                 acl,
+                request_timeout,
+                max_streams_per_connection,
                 id,
                 data_dir,
                 listen,

@@ -71,6 +71,11 @@ pub struct ServerConfig {
     /// The most API requests this replica works on at once
     /// ([`crate::admission`]).
     pub max_api_requests: usize,
+    /// How long one API request may take ([`crate::admission`]).
+    pub request_timeout: std::time::Duration,
+    /// The most requests one connection may have open at once (HTTP/2
+    /// streams; more wait on the caller's side).
+    pub max_streams_per_connection: u32,
     /// Check every caller's token or certificate against its role
     /// ([`crate::authz`]); needs TLS.
     pub acl: bool,
@@ -373,7 +378,8 @@ impl Server {
                         .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
                 ),
                 self.config.max_api_requests,
-            ),
+            )
+            .with_deadline(self.config.request_timeout),
             flag: self.node.removal.clone(),
         };
         tracing::info!(addr = %self.addr, tls = self.node.transport.is_tls(), "serving the Keel API");
@@ -443,6 +449,7 @@ impl Server {
             armed.arm("closing the API (requests in flight)");
         };
         let result = tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(self.config.max_streams_per_connection))
             .add_service(service)
             .add_service(raft_service)
             .serve_with_incoming_shutdown(incoming, stop_serving)
@@ -541,6 +548,13 @@ impl ShutdownWatchdog {
 }
 
 /// How often the leader looks for a member to re-admit.
+/// The most requests one connection may have open at once, unless
+/// `--max-streams-per-connection` says otherwise: a quarter of the
+/// replica's whole bound (`--max-api-requests`), so one caller cannot take
+/// every place. A follower forwarding for many clients shares one
+/// connection to the leader; past it, its forwards wait their turn.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+
 const MEMBERSHIP_REPAIR_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// On the leader: re-admits members that came back with a new data

@@ -508,6 +508,56 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
             .jobs
             .len();
         assert!(every > bobs.len());
+        // A node token reports its own nodes only (NAME, NAME-*): the
+        // node appears; a node of another name is refused, and never does.
+        let mut node = client(&certs, addr, bearer(&secret("node"))).await;
+        let report = |name: &str| api::NodeHeartbeatRequest {
+            nodes: Vec::new(),
+            reports: vec![keel_proto::entry::RecordNodeInventory {
+                name: name.into(),
+                address: "10.0.0.9:1".into(),
+                gpus: vec![keel_proto::entry::Gpu {
+                    index: 0,
+                    gpu_type: "v100".into(),
+                }],
+                failed: Vec::new(),
+                note: String::new(),
+            }],
+        };
+        let refused = node
+            .node_heartbeat(report("elsewhere"))
+            .await
+            .expect_err("another node's name");
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(
+            refused
+                .message()
+                .contains("reports only node node or node-*"),
+            "{}",
+            refused.message()
+        );
+        node.node_heartbeat(report("node-0"))
+            .await
+            .expect("its own node");
+        let mut tries = 0;
+        loop {
+            let nodes: Vec<String> = admin
+                .list_nodes(api::ListNodesRequest::default())
+                .await
+                .expect("nodes")
+                .into_inner()
+                .nodes
+                .into_iter()
+                .map(|n| n.name)
+                .collect();
+            if !nodes.is_empty() {
+                assert_eq!(nodes, ["node-0"], "the refused report registered nothing");
+                break;
+            }
+            tries += 1;
+            assert!(tries < 300, "the node never registered");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
         // Alice's cancel went through: her job is cancelled, by her.
         let cancelled = admin
             .get_job(api::GetJobRequest { job_id: job })

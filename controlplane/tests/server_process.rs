@@ -704,10 +704,7 @@ fn a_non_loopback_listen_address_needs_insecure() {
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = server.kill();
     let _ = server.wait();
-    assert!(
-        text.contains("without TLS and ACLs (--insecure)"),
-        "{text}"
-    );
+    assert!(text.contains("without TLS and ACLs (--insecure)"), "{text}");
 }
 
 /// Issue 22, item 5: a replica serves at most `--max-event-streams` event

@@ -226,7 +226,13 @@ fn with_tls_and_acls_an_address_beyond_loopback_is_served_without_insecure() {
     let data = dir.path().join("data");
     // TLS alone says who calls, not what they may do: refused.
     let refused = Command::new(KEEL)
-        .args(["server", "--listen", "0.0.0.0:0", "--no-local-node", "--data-dir"])
+        .args([
+            "server",
+            "--listen",
+            "0.0.0.0:0",
+            "--no-local-node",
+            "--data-dir",
+        ])
         .arg(&data)
         .args(member_flags(&certs, 1))
         .output()

@@ -724,6 +724,124 @@ class MutualTls(unittest.TestCase):
         )
 
 
+class AclTokens(unittest.TestCase):
+    """Issue 22, item 2: a server with TLS and --acl, called with tokens as
+    `authorization: Bearer` metadata by an outside client: bad requests
+    name their field, a retried bootstrap gets its first answer, a forged
+    caller header or a malformed or revoked token gains nothing, and a user
+    cannot read another's job."""
+
+    def setUp(self):
+        self.server = Server("--acl", "--no-local-node", "--node-timeout-s", "300", tls=True)
+        self.stub = self.server.stub
+
+    def tearDown(self):
+        self.server.cleanup()
+
+    @staticmethod
+    def bearer(secret):
+        return [("authorization", "Bearer " + secret)]
+
+    def refusal(self, call, request, metadata=None):
+        """The code, message and ErrorInfo of a refused call."""
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+
+        with self.assertRaises(grpc.RpcError) as caught:
+            call(request, timeout=20, metadata=metadata)
+        info = error_details_pb2.ErrorInfo()
+        status = rpc_status.from_call(caught.exception)
+        self.assertIsNotNone(status, caught.exception.details())
+        self.assertTrue(
+            any(d.Unpack(info) for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR))
+        )
+        return caught.exception.code(), caught.exception.details(), info
+
+    def test_tokens_from_outside_are_checked_and_bad_ones_gain_nothing(self):
+        root_secret = "outside-root-secret-0123456789abcdefghij"
+        # A request id without a chosen secret: refused, naming the field.
+        code, _, info = self.refusal(
+            self.stub.BootstrapAcl, api.BootstrapAclRequest(request_id="py-boot")
+        )
+        self.assertEqual((code, info.metadata["field"]), (CODE.INVALID_ARGUMENT, "secret"))
+        # A secret too short: refused, naming the field and the limit.
+        code, message, info = self.refusal(
+            self.stub.BootstrapAcl, api.BootstrapAclRequest(secret="short")
+        )
+        self.assertEqual((code, info.metadata["field"]), (CODE.INVALID_ARGUMENT, "secret"))
+        self.assertIn("32 to 256", message)
+        # The bootstrap, sent twice (its answer lost): one token, the same
+        # answer.
+        boot = api.BootstrapAclRequest(secret=root_secret, request_id="py-boot-2")
+        first = self.stub.BootstrapAcl(boot, timeout=20)
+        again = self.stub.BootstrapAcl(boot, timeout=20)
+        self.assertEqual((first.name, first.role, first.secret), ("root", "admin", root_secret))
+        self.assertEqual((again.name, again.secret), (first.name, first.secret))
+        root = self.bearer(root_secret)
+        tokens = self.stub.ListTokens(api.ListTokensRequest(), timeout=10, metadata=root).tokens
+        self.assertEqual([(t.name, t.role) for t in tokens], [("root", "admin")])
+        # Bad token requests name their field.
+        for request, field in [
+            (api.CreateTokenRequest(name="alice", role="superuser"), "role"),
+            (api.CreateTokenRequest(name="a b", role="user"), "name"),
+            (api.CreateTokenRequest(name="alice", role="user", ttl_s=10**12), "ttl_s"),
+        ]:
+            code, _, info = self.refusal(self.stub.CreateToken, request, root)
+            self.assertEqual((code, info.metadata["field"]), (CODE.INVALID_ARGUMENT, field))
+        # A secret the leader makes, when none is chosen and no request id
+        # is sent.
+        alice = self.stub.CreateToken(
+            api.CreateTokenRequest(name="alice", role="user"), timeout=20, metadata=root
+        )
+        self.assertTrue(alice.secret.startswith("keel_") and len(alice.secret) == 69, alice.secret)
+        bob_secret = "outside-bob-secret-0123456789abcdefghijk"
+        self.stub.CreateToken(
+            api.CreateTokenRequest(name="bob", role="user", secret=bob_secret),
+            timeout=20,
+            metadata=root,
+        )
+        # Alice forges the header replicas use to say whom they forward
+        # for: she is still alice.
+        forged = self.bearer(alice.secret) + [("keel-caller", "token:root")]
+        reply = self.stub.SubmitJob(
+            api.SubmitJobRequest(spec=spec("alices")), timeout=20, metadata=forged
+        )
+        job = self.stub.GetJob(api.GetJobRequest(job_id=reply.job_id), timeout=10, metadata=root)
+        self.assertEqual(job.submitted_by, "token:alice")
+        code, _, _ = self.refusal(self.stub.SetPolicy, api.SetPolicyRequest(name="fifo"), forged)
+        self.assertEqual(code, CODE.PERMISSION_DENIED)
+        # Bob may not read or cancel alice's job, nor see it listed.
+        bob = self.bearer(bob_secret)
+        code, message, info = self.refusal(
+            self.stub.GetJob, api.GetJobRequest(job_id=reply.job_id), bob
+        )
+        self.assertEqual((code, info.reason, info.metadata["right"]),
+                         (CODE.PERMISSION_DENIED, "PERMISSION_DENIED", "read-jobs"))
+        self.assertIn("job %d" % reply.job_id, message)
+        code, _, info = self.refusal(
+            self.stub.CancelJob, api.CancelJobRequest(job_id=reply.job_id), bob
+        )
+        self.assertEqual((code, info.metadata["right"]), (CODE.PERMISSION_DENIED, "cancel-jobs"))
+        self.assertEqual(list(self.stub.ListJobs(api.ListJobsRequest(), timeout=10, metadata=bob).jobs), [])
+        # Malformed, oversized, unknown: unauthenticated, never a lesser role.
+        for metadata in [
+            [("authorization", "Basic YWxpY2U6cHc=")],
+            [("authorization", "Bearer ")],
+            self.bearer("x" * 8000),
+            self.bearer(alice.secret + "x"),
+        ]:
+            code, _, info = self.refusal(self.stub.ClusterStatus, api.ClusterStatusRequest(), metadata)
+            self.assertEqual((code, info.reason), (CODE.UNAUTHENTICATED, "UNAUTHENTICATED"))
+        # Revoked: refused from then on.
+        self.stub.RevokeToken(api.RevokeTokenRequest(name="alice"), timeout=20, metadata=root)
+        code, message, _ = self.refusal(self.stub.ListJobs, api.ListJobsRequest(), self.bearer(alice.secret))
+        self.assertEqual(code, CODE.UNAUTHENTICATED)
+        self.assertIn("not one of this cluster's", message)
+        # Still serving, and what it acknowledged is there.
+        names = [j.spec.name for j in self.stub.ListJobs(api.ListJobsRequest(), timeout=10, metadata=root).jobs]
+        self.assertEqual(names, ["alices"])
+
+
 class NoIdentityInPlaintext(OneServer):
     """Issue 22, item 3: without TLS there is no identity: an entry records
     no actor, whatever `keel-caller` header the caller sends."""
