@@ -217,6 +217,26 @@ impl KeelApi {
         }
     }
 
+    /// Logs who asked for a membership change (a Raft membership entry
+    /// carries no actor): an audit entry that changes no state. Not
+    /// logged if the proposal fails; the change stands either way.
+    async fn record_membership_change(
+        &self,
+        member: u64,
+        change: &str,
+        membership_index: u64,
+        actor: Option<String>,
+    ) {
+        let command = Command::RecordMembershipChange {
+            member,
+            change: change.to_string(),
+            membership_index,
+        };
+        if let Err(e) = self.proposer.propose_request(command, None, actor).await {
+            tracing::warn!(member, change, error = %e, "the membership change is not in the audit log");
+        }
+    }
+
     /// Refuses the ACL calls on a replica that does not check callers.
     fn require_acl(&self) -> Result<(), ApiError> {
         if self.acl {
@@ -959,7 +979,7 @@ impl Keel for KeelApi {
         request: Request<api::AddMemberRequest>,
     ) -> Result<Response<api::MembershipResponse>, Status> {
         route!(self, request, add_member, true);
-        self.authorize(&request, Right::ManageMembers)?;
+        let actor = self.authorize(&request, Right::ManageMembers)?.actor();
         let req = request.into_inner();
         if req.id == 0 {
             return Err(ApiError::InvalidArgument {
@@ -1122,6 +1142,13 @@ impl Keel for KeelApi {
                     change_membership(&self.node, voters, format!("promoting {}", req.id)).await?;
             }
         }
+        let change = if req.learner_only {
+            "added as a learner"
+        } else {
+            "added as a voter"
+        };
+        self.record_membership_change(req.id, change, index, actor)
+            .await;
         Ok(Response::new(self.membership(index)))
     }
 
@@ -1171,7 +1198,7 @@ impl Keel for KeelApi {
         request: Request<api::RemoveMemberRequest>,
     ) -> Result<Response<api::MembershipResponse>, Status> {
         route!(self, request, remove_member, true);
-        self.authorize(&request, Right::ManageMembers)?;
+        let actor = self.authorize(&request, Right::ManageMembers)?.actor();
         let member = request.into_inner().id;
         let (voters, learners) = {
             let m = self.node.raft.metrics();
@@ -1218,6 +1245,8 @@ impl Keel for KeelApi {
             )
             .await?;
         }
+        self.record_membership_change(member, "removed", index, actor)
+            .await;
         Ok(Response::new(self.membership(index)))
     }
 }

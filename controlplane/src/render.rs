@@ -483,7 +483,8 @@ fn event_job_id(e: &pb::Event) -> Option<u64> {
         | K::RequestRepeated(_)
         | K::AclBootstrapped(_)
         | K::TokenCreated(_)
-        | K::TokenRevoked(_) => None,
+        | K::TokenRevoked(_)
+        | K::MembershipChangeRecorded(_) => None,
     }
 }
 
@@ -735,6 +736,10 @@ fn describe_event(e: &pb::Event) -> String {
                 .unwrap_or_default()
         ),
         Some(K::TokenRevoked(x)) => format!("token {} revoked", x.name),
+        Some(K::MembershipChangeRecorded(x)) => format!(
+            "member {} {} (membership entry {})",
+            x.member, x.change, x.membership_index
+        ),
         Some(K::PolicyChanged(x)) => format!(
             "policy changed from {} to {}",
             if x.from.is_empty() {

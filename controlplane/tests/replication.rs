@@ -702,6 +702,26 @@ fn a_cluster_with_acls_decides_on_the_leader_for_callers_of_its_followers() {
         .filter_map(|t| t["name"].as_str())
         .collect();
     assert_eq!(names, ["root"]);
+    // A membership change records who asked, as an audit entry beside the
+    // Raft membership entry (which carries no actor).
+    ok(as_holder(
+        &cluster.all_addrs(),
+        Some(&root_file),
+        &["cluster", "remove", "--id", &leader.to_string()],
+    ));
+    let events = ok(as_holder(
+        &cluster.all_addrs(),
+        Some(&root_file),
+        &["events"],
+    ));
+    let audit = events
+        .lines()
+        .find(|l| l.contains("record_membership_change"))
+        .unwrap_or_else(|| panic!("no audit entry for the removal:\n{events}"));
+    assert!(
+        audit.contains(&format!("member {leader} removed")) && audit.ends_with("(by token:root)"),
+        "{audit}"
+    );
 }
 
 /// Issue 19, item 4: submissions in flight when the leader is killed are

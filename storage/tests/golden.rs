@@ -63,10 +63,11 @@ const fn every_kind(c: &Command) {
         | Command::SetPolicy { .. }
         | Command::BootstrapAcl { .. }
         | Command::CreateToken { .. }
-        | Command::RevokeToken { .. } => {}
+        | Command::RevokeToken { .. }
+        | Command::RecordMembershipChange { .. } => {}
     }
 }
-const KINDS: usize = 17;
+const KINDS: usize = 18;
 
 fn gpu(index: u32) -> GpuRef {
     GpuRef {
@@ -329,6 +330,18 @@ fn acl_examples() -> Vec<(&'static str, LogEntry)> {
                 },
             ),
         ),
+        ("record_membership_change", {
+            let mut e = LogEntry::new(
+                43_000,
+                Command::RecordMembershipChange {
+                    member: 4,
+                    change: "added as a voter".into(),
+                    membership_index: 42,
+                },
+            );
+            e.actor = Some("token:root".into());
+            e
+        }),
     ]
 }
 
@@ -339,7 +352,7 @@ fn a_snapshot_with_tokens_decodes_from_its_golden_bytes() {
     let mut state = ClusterState::new();
     let before = state.state_hash();
     let mut entries = acl_examples();
-    entries.pop(); // keep alice
+    entries.truncate(2); // the bootstrap and alice's token
     for (index, (_, entry)) in entries.iter().enumerate() {
         state.apply(index as u64 + 1, entry).expect("applies");
     }

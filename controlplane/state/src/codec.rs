@@ -245,6 +245,15 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             ttl_ms: *ttl_ms,
         }),
         Command::RevokeToken { name } => C::RevokeToken(pb::RevokeToken { name: name.clone() }),
+        Command::RecordMembershipChange {
+            member,
+            change,
+            membership_index,
+        } => C::RecordMembershipChange(pb::RecordMembershipChange {
+            member: *member,
+            change: change.clone(),
+            membership_index: *membership_index,
+        }),
     };
     let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
         if placements.iter().any(|p| p.share_with.is_some()));
@@ -383,6 +392,11 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             ttl_ms: c.ttl_ms,
         },
         Some(C::RevokeToken(c)) => Command::RevokeToken { name: c.name },
+        Some(C::RecordMembershipChange(c)) => Command::RecordMembershipChange {
+            member: c.member,
+            change: c.change,
+            membership_index: c.membership_index,
+        },
     };
     if msg.actor.len() > crate::command::ACTOR_MAX_LEN {
         return Err(DecodeError::Inconsistent(format!(
@@ -572,6 +586,15 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             expires_at_ms: *expires_at_ms,
         }),
         Event::TokenRevoked { name } => K::TokenRevoked(pb::TokenRevoked { name: name.clone() }),
+        Event::MembershipChangeRecorded {
+            member,
+            change,
+            membership_index,
+        } => K::MembershipChangeRecorded(pb::MembershipChangeRecorded {
+            member: *member,
+            change: change.clone(),
+            membership_index: *membership_index,
+        }),
         Event::NodeRegistered { name, gpus } => K::NodeRegistered(pb::NodeRegistered {
             name: name.clone(),
             gpus: gpus.iter().map(gpu_to_proto).collect(),
@@ -709,6 +732,11 @@ pub fn event_from_proto(e: pb::Event) -> Result<Event, DecodeError> {
                 expires_at_ms: e.expires_at_ms,
             },
             K::TokenRevoked(e) => Event::TokenRevoked { name: e.name },
+            K::MembershipChangeRecorded(e) => Event::MembershipChangeRecorded {
+                member: e.member,
+                change: e.change,
+                membership_index: e.membership_index,
+            },
             K::NodeRegistered(e) => Event::NodeRegistered {
                 name: e.name,
                 gpus: e.gpus.into_iter().map(gpu_from_proto).collect(),

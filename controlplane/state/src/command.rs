@@ -82,7 +82,8 @@ impl Proposal {
             Command::RecordNodeInventory { .. }
             | Command::BootstrapAcl { .. }
             | Command::CreateToken { .. }
-            | Command::RevokeToken { .. } => false,
+            | Command::RevokeToken { .. }
+            | Command::RecordMembershipChange { .. } => false,
             _ => true,
         })
     }
@@ -253,6 +254,17 @@ pub enum Command {
     RevokeToken {
         name: String,
     },
+    /// Records, for the audit, a change of the Raft membership that an
+    /// operator asked for (`AddMember`, `RemoveMember`), with its actor.
+    /// The change itself is a Raft membership entry at
+    /// `membership_index`, which carries no actor; this entry changes no
+    /// state.
+    RecordMembershipChange {
+        member: u64,
+        /// "added as a voter", "added as a learner", "removed".
+        change: String,
+        membership_index: u64,
+    },
 }
 
 impl Command {
@@ -275,7 +287,8 @@ impl Command {
             | Command::DecideAllocation { .. }
             | Command::BootstrapAcl { .. }
             | Command::CreateToken { .. }
-            | Command::RevokeToken { .. } => None,
+            | Command::RevokeToken { .. }
+            | Command::RecordMembershipChange { .. } => None,
         }
     }
 
@@ -299,6 +312,7 @@ impl Command {
             Command::BootstrapAcl { .. } => "bootstrap_acl",
             Command::CreateToken { .. } => "create_token",
             Command::RevokeToken { .. } => "revoke_token",
+            Command::RecordMembershipChange { .. } => "record_membership_change",
         }
     }
 }

@@ -127,6 +127,12 @@ pub enum Event {
     TokenRevoked {
         name: String,
     },
+    /// A membership change an operator asked for (`RecordMembershipChange`).
+    MembershipChangeRecorded {
+        member: u64,
+        change: String,
+        membership_index: u64,
+    },
 }
 
 impl Event {
@@ -143,7 +149,8 @@ impl Event {
             | Event::RequestRepeated { .. }
             | Event::AclBootstrapped { .. }
             | Event::TokenCreated { .. }
-            | Event::TokenRevoked { .. } => None,
+            | Event::TokenRevoked { .. }
+            | Event::MembershipChangeRecorded { .. } => None,
             Event::JobSubmitted { job_id, .. }
             | Event::JobCancelled { job_id, .. }
             | Event::JobAllocated { job_id, .. }

@@ -692,6 +692,7 @@ impl ClusterState {
                     | Event::AclBootstrapped { .. }
                     | Event::TokenCreated { .. }
                     | Event::TokenRevoked { .. }
+                    | Event::MembershipChangeRecorded { .. }
             )
         });
         if moves_supply_or_demand {
@@ -746,6 +747,18 @@ impl ClusterState {
             Command::RevokeToken { name } => {
                 self.acl.revoke(name, at_ms)?;
                 Ok(vec![Event::TokenRevoked { name: name.clone() }])
+            }
+            Command::RecordMembershipChange {
+                member,
+                change,
+                membership_index,
+            } => {
+                check_len("change", change, limits::REASON_MAX_LEN)?;
+                Ok(vec![Event::MembershipChangeRecorded {
+                    member: *member,
+                    change: change.clone(),
+                    membership_index: *membership_index,
+                }])
             }
             Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
             Command::SetPolicy { name } => {
