@@ -195,55 +195,63 @@ impl Cluster {
         let operator = keel::authz::new_secret().map_err(|e| fail(e.to_string()))?;
         let deadline = std::time::Instant::now() + bound;
         let mut last = String::new();
-        'bootstrap: while std::time::Instant::now() < deadline {
-            for id in 1..=self.config.replicas {
-                let Some(mut c) =
-                    client_for(&self.transport, None, self.replicas[id as usize - 1].listen)
-                else {
-                    continue;
+        let bootstrapped = self
+            .until_taken(None, deadline, &mut last, |mut c| {
+                let request = api::BootstrapAclRequest {
+                    name: "root".into(),
+                    secret: root.clone(),
+                    request_id: "chaos-bootstrap-acl".into(),
                 };
-                match c
-                    .bootstrap_acl(api::BootstrapAclRequest {
-                        name: "root".into(),
-                        secret: root.clone(),
-                        request_id: "chaos-bootstrap-acl".into(),
-                    })
-                    .await
-                {
-                    Ok(_) => break 'bootstrap,
-                    Err(e) => last = e.to_string(),
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        while std::time::Instant::now() < deadline {
-            for id in 1..=self.config.replicas {
-                let Some(mut c) = client_for(
-                    &self.transport,
-                    Some(&root),
-                    self.replicas[id as usize - 1].listen,
-                ) else {
-                    continue;
-                };
-                match c
-                    .create_token(api::CreateTokenRequest {
+                async move { c.bootstrap_acl(request).await }
+            })
+            .await;
+        if bootstrapped
+            && self
+                .until_taken(Some(&root), deadline, &mut last, |mut c| {
+                    let request = api::CreateTokenRequest {
                         name: "chaos-workload".into(),
                         role: "operator".into(),
                         ttl_s: 0,
                         secret: operator.clone(),
                         request_id: "chaos-create-token".into(),
-                    })
-                    .await
-                {
-                    Ok(_) => return Ok(operator),
-                    Err(e) => last = e.to_string(),
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+                    };
+                    async move { c.create_token(request).await }
+                })
+                .await
+        {
+            return Ok(operator);
         }
         Err(fail(format!(
             "the ACLs were not bootstrapped within {bound:?}: {last}"
         )))
+    }
+
+    /// Sends a write to each replica in turn, presenting `token`, until one
+    /// takes it (`true`) or `deadline`; the last refusal is kept in `last`.
+    async fn until_taken<T, F, Fut>(
+        &self,
+        token: Option<&str>,
+        deadline: std::time::Instant,
+        last: &mut String,
+        mut call: F,
+    ) -> bool
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        while std::time::Instant::now() < deadline {
+            for r in &self.replicas {
+                let Some(c) = client_for(&self.transport, token, r.listen) else {
+                    continue;
+                };
+                match call(c).await {
+                    Ok(_) => return true,
+                    Err(e) => *last = e.to_string(),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        false
     }
 
     /// Waits until every replica answers, or fails naming the one that

@@ -198,11 +198,11 @@ impl KeelApi {
 
     /// The request's caller ([`crate::authz::caller_of`]).
     fn caller<T>(&self, request: &Request<T>) -> Result<Caller, ApiError> {
-        let now_ms = (self.clock)();
+        // The state and the clock are read only for a token.
         crate::authz::caller_of(request, self.acl, |secret| {
             let shared = self.node.state_machine.shared();
             let applied = shared.read();
-            crate::authz::token_role(applied.state.acl(), secret, now_ms)
+            crate::authz::token_role(applied.state.acl(), secret, (self.clock)())
         })
     }
 

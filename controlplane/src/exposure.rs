@@ -22,7 +22,7 @@ use std::net::SocketAddr;
      loopback address (127.0.0.1:PORT, [::1]:PORT) reached through an SSH tunnel, or, on a \
      network you trust, add --insecure"
 )]
-pub struct ExposedWithoutTls {
+pub struct Exposed {
     pub listen: SocketAddr,
     /// What it lacks: "TLS and ACLs", "ACLs (--acl)".
     pub missing: &'static str,
@@ -37,7 +37,7 @@ pub fn check_listen(
     insecure: bool,
     tls: bool,
     acl: bool,
-) -> Result<bool, ExposedWithoutTls> {
+) -> Result<bool, Exposed> {
     if listen.ip().is_loopback() || (tls && acl) {
         return Ok(false);
     }
@@ -49,7 +49,7 @@ pub fn check_listen(
         (false, true) => "TLS",
         (true, _) => "ACLs (--acl)",
     };
-    Err(ExposedWithoutTls { listen, missing })
+    Err(Exposed { listen, missing })
 }
 
 #[cfg(test)]

@@ -10,37 +10,15 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use keel_proto::api::{self, keel_client::KeelClient};
-use support::{init_certs, ServerProcess};
+use support::{init_certs, tls_client, tls_env, tls_member_flags, ServerProcess};
 use tonic::transport::Channel;
 
-/// The flags of member 1 over TLS, with ACLs.
-fn server_flags(certs: &Path) -> Vec<String> {
-    let file = |name: &str| certs.join(name).display().to_string();
-    vec![
-        "--acl".into(),
-        "--no-local-node".into(),
-        "--tls-cert".into(),
-        file("member-1.crt"),
-        "--tls-key".into(),
-        file("member-1.key"),
-        "--tls-ca".into(),
-        file("ca.crt"),
-    ]
-}
-
+/// Member 1 over TLS, with ACLs.
 fn start(dir: &Path, certs: &Path) -> ServerProcess {
-    let flags = server_flags(certs);
+    let mut flags = vec!["--acl".to_string(), "--no-local-node".to_string()];
+    flags.extend(tls_member_flags(certs, 1));
     let args: Vec<&str> = flags.iter().map(String::as_str).collect();
-    ServerProcess::start_with_client_env(
-        dir,
-        &args,
-        &[],
-        &[
-            ("KEEL_TLS_CA", certs.join("ca.crt").into()),
-            ("KEEL_TLS_CERT", certs.join("client-admin.crt").into()),
-            ("KEEL_TLS_KEY", certs.join("client-admin.key").into()),
-        ],
-    )
+    ServerProcess::start_with_client_env(dir, &args, &[], &tls_env(certs, "client-admin"))
 }
 
 /// Adds the caller's `authorization` metadata to each request.
@@ -52,13 +30,7 @@ type Client = KeelClient<tonic::service::interceptor::InterceptedService<Channel
 /// A client with the `admin` client certificate and, if given, the
 /// `authorization` metadata `header`.
 async fn client(certs: &Path, addr: &str, header: Option<String>) -> Client {
-    let files = keel::tls::TlsFiles {
-        cert: Some(certs.join("client-admin.crt")),
-        key: Some(certs.join("client-admin.key")),
-        ca: certs.join("ca.crt"),
-    };
-    let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client).expect("client TLS");
-    let transport = keel::transport::Transport::Tls(std::sync::Arc::new(tls));
+    let transport = tls_client(certs, "client-admin");
     let endpoint = transport.endpoint(addr).expect("endpoint");
     let channel = transport
         .connect(endpoint, keel::transport::Peer::Address(addr))
@@ -75,6 +47,16 @@ async fn client(certs: &Path, addr: &str, header: Option<String>) -> Client {
         Ok(request)
     });
     KeelClient::with_interceptor(channel, add)
+}
+
+/// A submission of a small job named `name`.
+fn submission(name: &str) -> api::SubmitJobRequest {
+    api::SubmitJobRequest {
+        spec: Some(keel_state::codec::spec_to_proto(
+            &keel_state::fixtures::job_spec(name, 1, 1),
+        )),
+        request_id: String::new(),
+    }
 }
 
 fn secret(name: &str) -> String {
@@ -145,16 +127,7 @@ const RPCS: [&str; 20] = [
 /// job `job` where it concerns one.
 async fn call(client: &mut Client, rpc: &str, job: u64) -> Access {
     match rpc {
-        "SubmitJob" => access(
-            client
-                .submit_job(api::SubmitJobRequest {
-                    spec: Some(keel_state::codec::spec_to_proto(
-                        &keel_state::fixtures::job_spec("matrix", 1, 1),
-                    )),
-                    request_id: String::new(),
-                })
-                .await,
-        ),
+        "SubmitJob" => access(client.submit_job(submission("matrix")).await),
         "CancelJob" => access(
             client
                 .cancel_job(api::CancelJobRequest {
@@ -354,12 +327,7 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
         // Alice's job, which the per-job calls are about.
         let mut alice = client(&certs, addr, bearer(&secret("alice"))).await;
         let job = alice
-            .submit_job(api::SubmitJobRequest {
-                spec: Some(keel_state::codec::spec_to_proto(
-                    &keel_state::fixtures::job_spec("alices", 1, 1),
-                )),
-                request_id: String::new(),
-            })
+            .submit_job(submission("alices"))
             .await
             .expect("alice submits")
             .into_inner()

@@ -478,14 +478,7 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
 fn a_cluster_over_mutual_tls_replicates_and_fails_over_and_refuses_plaintext() {
     let mut cluster = Cluster::new();
     let certs = support::init_certs(cluster._dir.path());
-    let path = |name: String| certs.join(name).display().to_string();
-    let env_of = |holder: &str| {
-        vec![
-            ("KEEL_TLS_CA", path("ca.crt".into())),
-            ("KEEL_TLS_CERT", path(format!("{holder}.crt"))),
-            ("KEEL_TLS_KEY", path(format!("{holder}.key"))),
-        ]
-    };
+    let env_of = |holder: &str| tls_env(&certs, holder);
     cluster.client_env = env_of("client-admin");
     let spawn = |cluster: &mut Cluster, id: u64| {
         let env = env_of(&format!("member-{id}"));
@@ -573,14 +566,7 @@ fn a_cluster_over_mutual_tls_replicates_and_fails_over_and_refuses_plaintext() {
 fn a_cluster_with_acls_decides_on_the_leader_for_callers_of_its_followers() {
     let mut cluster = Cluster::new();
     let certs = support::init_certs(cluster._dir.path());
-    let path = |name: String| certs.join(name).display().to_string();
-    let env_of = |holder: &str| {
-        vec![
-            ("KEEL_TLS_CA", path("ca.crt".into())),
-            ("KEEL_TLS_CERT", path(format!("{holder}.crt"))),
-            ("KEEL_TLS_KEY", path(format!("{holder}.key"))),
-        ]
-    };
+    let env_of = |holder: &str| tls_env(&certs, holder);
     cluster.client_env = env_of("client-admin");
     for id in 1..=3 {
         let mut env = env_of(&format!("member-{id}"));
@@ -722,6 +708,14 @@ fn a_cluster_with_acls_decides_on_the_leader_for_callers_of_its_followers() {
         audit.contains(&format!("member {leader} removed")) && audit.ends_with("(by token:root)"),
         "{audit}"
     );
+}
+
+/// The `KEEL_TLS_*` environment of `holder`'s certificate, as text.
+fn tls_env(certs: &Path, holder: &str) -> Vec<(&'static str, String)> {
+    support::tls_env(certs, holder)
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
+        .collect()
 }
 
 /// Issue 19, item 4: submissions in flight when the leader is killed are

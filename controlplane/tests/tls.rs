@@ -11,52 +11,18 @@ use std::process::Command;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
-use support::{init_certs, wait_for, ServerProcess, KEEL};
-
-/// The flags of a replica serving as member `id`.
-fn member_flags(certs: &Path, id: u64) -> Vec<String> {
-    let file = |name: String| certs.join(name).display().to_string();
-    vec![
-        "--tls-cert".into(),
-        file(format!("member-{id}.crt")),
-        "--tls-key".into(),
-        file(format!("member-{id}.key")),
-        "--tls-ca".into(),
-        file("ca.crt".into()),
-    ]
-}
-
-/// The environment of a CLI holding `name`'s certificate (`client-admin`,
-/// `member-2`, ...).
-fn client_env(certs: &Path, name: &str) -> Vec<(&'static str, OsString)> {
-    vec![
-        ("KEEL_TLS_CA", certs.join("ca.crt").into()),
-        ("KEEL_TLS_CERT", certs.join(format!("{name}.crt")).into()),
-        ("KEEL_TLS_KEY", certs.join(format!("{name}.key")).into()),
-    ]
-}
+use support::{init_certs, tls_client, tls_env, tls_member_flags, wait_for, ServerProcess, KEEL};
 
 fn start_member_1(dir: &Path, certs: &Path) -> ServerProcess {
-    let flags = member_flags(certs, 1);
+    let flags = tls_member_flags(certs, 1);
     let mut args: Vec<&str> = vec!["--no-local-node"];
     args.extend(flags.iter().map(String::as_str));
     ServerProcess::start_with_client_env(
         &dir.join("data"),
         &args,
         &[],
-        &client_env(certs, "client-admin"),
+        &tls_env(certs, "client-admin"),
     )
-}
-
-/// A TLS client holding `name`'s certificate.
-fn transport(certs: &Path, name: &str) -> keel::transport::Transport {
-    let files = keel::tls::TlsFiles {
-        cert: Some(certs.join(format!("{name}.crt"))),
-        key: Some(certs.join(format!("{name}.key"))),
-        ca: certs.join("ca.crt"),
-    };
-    let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client).expect("client TLS");
-    keel::transport::Transport::Tls(std::sync::Arc::new(tls))
 }
 
 fn der_of(path: &Path) -> Vec<u8> {
@@ -67,7 +33,7 @@ fn der_of(path: &Path) -> Vec<u8> {
 
 /// The certificate the server at `addr` shows a new connection now.
 fn served_certificate(certs: &Path, addr: &str) -> Vec<u8> {
-    let keel::transport::Transport::Tls(tls) = transport(certs, "client-admin") else {
+    let keel::transport::Transport::Tls(tls) = tls_client(certs, "client-admin") else {
         unreachable!("a TLS transport");
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -165,7 +131,7 @@ fn raft_messages_are_refused_unless_the_certificate_names_their_sender() {
     // A vote request from candidate `member`, sent holding `holder`'s
     // certificate, addressed to the server's Raft id.
     let vote = |holder: &str, member: u64| {
-        let transport = transport(&certs, holder);
+        let transport = tls_client(&certs, holder);
         let addr = server.addr.clone();
         runtime.block_on(async move {
             let endpoint = transport.endpoint(&addr).expect("endpoint");
@@ -234,7 +200,7 @@ fn with_tls_and_acls_an_address_beyond_loopback_is_served_without_insecure() {
             "--data-dir",
         ])
         .arg(&data)
-        .args(member_flags(&certs, 1))
+        .args(tls_member_flags(&certs, 1))
         .output()
         .expect("keel server");
     assert!(!refused.status.success());
@@ -253,7 +219,7 @@ fn with_tls_and_acls_an_address_beyond_loopback_is_served_without_insecure() {
             "--data-dir",
         ])
         .arg(&data)
-        .args(member_flags(&certs, 1))
+        .args(tls_member_flags(&certs, 1))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -271,7 +237,7 @@ fn with_tls_and_acls_an_address_beyond_loopback_is_served_without_insecure() {
             .output()
             .expect("keel cluster status")
     };
-    let with_tls = client_env(&certs, "client-admin");
+    let with_tls = tls_env(&certs, "client-admin");
     wait_for("an answer over TLS", || {
         status(&with_tls).status.success().then_some(())
     });
@@ -286,7 +252,7 @@ fn with_tls_and_acls_an_address_beyond_loopback_is_served_without_insecure() {
     );
     // Nor with a certificate from another CA.
     let other = init_certs(&dir.path().join("other"));
-    let stranger = status(&client_env(&other, "client-admin"));
+    let stranger = status(&tls_env(&other, "client-admin"));
     assert!(!stranger.status.success());
     assert!(
         String::from_utf8_lossy(&stranger.stderr).contains("UnknownIssuer"),

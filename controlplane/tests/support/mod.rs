@@ -428,6 +428,41 @@ pub fn init_certs(dir: &Path) -> std::path::PathBuf {
     certs
 }
 
+/// The `KEEL_TLS_*` environment of a client holding `holder`'s
+/// certificate from `certs` (`client-admin`, `member-2`, ...).
+pub fn tls_env(certs: &Path, holder: &str) -> Vec<(&'static str, std::ffi::OsString)> {
+    vec![
+        ("KEEL_TLS_CA", certs.join("ca.crt").into()),
+        ("KEEL_TLS_CERT", certs.join(format!("{holder}.crt")).into()),
+        ("KEEL_TLS_KEY", certs.join(format!("{holder}.key")).into()),
+    ]
+}
+
+/// The flags of a replica serving as member `id` with the certificates in
+/// `certs`.
+pub fn tls_member_flags(certs: &Path, id: u64) -> Vec<String> {
+    let file = |name: String| certs.join(name).display().to_string();
+    vec![
+        "--tls-cert".into(),
+        file(format!("member-{id}.crt")),
+        "--tls-key".into(),
+        file(format!("member-{id}.key")),
+        "--tls-ca".into(),
+        file("ca.crt".into()),
+    ]
+}
+
+/// A TLS client's transport, holding `holder`'s certificate from `certs`.
+pub fn tls_client(certs: &Path, holder: &str) -> keel::transport::Transport {
+    let files = keel::tls::TlsFiles {
+        cert: Some(certs.join(format!("{holder}.crt"))),
+        key: Some(certs.join(format!("{holder}.key"))),
+        ca: certs.join("ca.crt"),
+    };
+    let tls = keel::tls::TlsState::load(files, keel::tls::Holder::Client).expect("client TLS");
+    keel::transport::Transport::Tls(std::sync::Arc::new(tls))
+}
+
 /// A `keel server` child process on a free port, killed when dropped.
 pub struct ServerProcess {
     child: Child,
