@@ -907,6 +907,7 @@ async fn long_messages_are_cut_and_logs_are_bytes_that_rotate() {
 /// watch saw it is an exit; one created afterwards is still followed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watches_survive_expiry_bookmarks_and_deletions_while_down() {
+    support::sshd::init_tracing();
     let api = StandIn::start().await;
     let exec = KubeExecutor::new(api.client("train"), config());
     exec.take_over().await;
@@ -949,6 +950,34 @@ async fn watches_survive_expiry_bookmarks_and_deletions_while_down() {
     api.run(&pod_name(&next.id));
     api.exit(&pod_name(&next.id), 0);
     assert_eq!(wait_exit(&exec, &next.id).await.0, Some(0));
+}
+
+/// A Pod deleted while the watch is down in the seconds after its launch
+/// (still Pending, its create answered) is an exit once the watch is back,
+/// not only after the pending timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleted_while_down_just_after_its_launch_is_an_exit() {
+    let api = StandIn::start().await;
+    let mut c = config();
+    c.pending_timeout = Duration::from_secs(3600);
+    let exec = KubeExecutor::new(api.client("train"), c);
+    exec.take_over().await;
+    let l = launch(3, 1, 0, 1);
+    exec.launch(l.clone()).await.expect("launch");
+    created(&api, &l.id).await;
+    api.vanish(&pod_name(&l.id));
+    api.compact();
+    api.end_watches();
+    let (code, reason) = wait_exit(&exec, &l.id).await;
+    assert_eq!(code, None);
+    assert!(reason.contains("its pod was deleted"), "{reason}");
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.starts_with("GET pods") && r.ends_with(&pod_name(&l.id))),
+        "asked for by name: {:?}",
+        api.requests()
+    );
 }
 
 /// A job's `resources` become the container's CPU and memory limits, and

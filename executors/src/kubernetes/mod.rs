@@ -302,6 +302,12 @@ fn pod_state(pod: &Pod) -> PodState {
 struct PodWorker {
     /// When the Pod was first seen not running yet (for the pending timeout).
     pending_since: Option<Instant>,
+    /// The API server has taken the Pod (its create was answered, or a
+    /// watch or list showed it): a later list without it means deleted.
+    created: bool,
+    /// A list taken while its create was unanswered lacked the Pod: it is
+    /// asked for by name once the create is answered.
+    confirm_when_created: bool,
     following: bool,
     /// Rank 0's exit, held until its log has been read to the end (the
     /// follower records it), so the last progress lines count.
@@ -619,6 +625,7 @@ impl KubeExecutor {
             {
                 Ok(_) => {
                     tracing::info!(worker = %id, "pod created");
+                    self.mark_created(&id, generation);
                     return;
                 }
                 // There already: this worker's (a create that was taken but
@@ -631,6 +638,7 @@ impl KubeExecutor {
                                 && worker_of(&existing).as_ref() == Some(&id) =>
                         {
                             tracing::info!(worker = %id, "pod already there: this worker's");
+                            self.mark_created(&id, generation);
                             return;
                         }
                         Ok(existing) => {
@@ -749,6 +757,8 @@ impl KubeExecutor {
             if entry.exited.is_some() {
                 return;
             }
+            entry.extra.created = true;
+            entry.extra.confirm_when_created = false;
             let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
             match &state {
                 // A Pod still Pending is timed by `check_timeouts`.
@@ -926,24 +936,40 @@ impl KubeExecutor {
                 }
                 Ok(Some(watcher::Event::InitDone)) => {
                     // Pods this executor knew of that the new list lacks
-                    // were deleted while the watch was down.
-                    let gone: Vec<WorkerId> = {
+                    // were deleted while the watch was down. One launched
+                    // in the last seconds may have been taken after the
+                    // list was: it is asked for by name once its create
+                    // was answered.
+                    let (gone, to_confirm): (Vec<WorkerId>, Vec<WorkerId>) = {
                         let now = self.book.now();
-                        let book = self.book.lock();
-                        book.workers
+                        let mut book = self.book.lock();
+                        for (id, w) in book.workers.iter_mut() {
+                            w.extra.confirm_when_created =
+                                w.is_running() && !w.extra.created && !listed.contains(id);
+                        }
+                        let unlisted = book
+                            .workers
                             .iter()
-                            .filter(|(id, w)| {
-                                w.is_running()
-                                    && w.extra.pending_since.is_none_or(|t| {
-                                        now.saturating_duration_since(t) > Duration::from_secs(5)
-                                    })
-                                    && !listed.contains(id)
+                            .filter(|(id, w)| w.is_running() && !listed.contains(*id));
+                        let (old, recent): (Vec<_>, Vec<_>) = unlisted.partition(|(_, w)| {
+                            w.extra.pending_since.is_none_or(|t| {
+                                now.saturating_duration_since(t) > Duration::from_secs(5)
                             })
-                            .map(|(id, _)| id.clone())
-                            .collect()
+                        });
+                        (
+                            old.into_iter().map(|(id, _)| id.clone()).collect(),
+                            recent
+                                .into_iter()
+                                .filter(|(_, w)| w.extra.created)
+                                .map(|(id, _)| id.clone())
+                                .collect(),
+                        )
                     };
                     for id in gone {
                         self.record_exit(&id, None, "its pod was deleted".into());
+                    }
+                    for id in to_confirm {
+                        tokio::spawn(self.clone().confirm_deleted(id, generation));
                     }
                 }
                 Ok(None) => return,
@@ -952,6 +978,42 @@ impl KubeExecutor {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
             }
+        }
+    }
+
+    /// Records that the API server has taken `id`'s Pod (and asks for it
+    /// by name when a list taken meanwhile lacked it).
+    fn mark_created(&self, id: &WorkerId, generation: u64) {
+        let confirm = match self.book.lock().workers.get_mut(id) {
+            Some(w) => {
+                w.extra.created = true;
+                std::mem::take(&mut w.extra.confirm_when_created)
+            }
+            None => false,
+        };
+        if confirm {
+            tokio::spawn(self.clone().confirm_deleted(id.clone(), generation));
+        }
+    }
+
+    /// A Pod the API server had taken and a new list lacks: asked for by
+    /// name (a read at the latest version), and recorded as deleted when
+    /// it is not there. An error leaves it to the next list.
+    async fn confirm_deleted(self, id: WorkerId, generation: u64) {
+        let name = pod_name(&id);
+        match bounded(self.config.call_timeout, self.pods().get(&name)).await {
+            Err(CallError::NotFound) => {
+                let still = {
+                    let book = self.book.lock();
+                    book.is_current(generation)
+                        && book.workers.get(&id).is_some_and(|w| w.is_running())
+                };
+                if still {
+                    self.record_exit(&id, None, "its pod was deleted".into());
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(worker = %id, error = %e, "pod not looked up"),
         }
     }
 

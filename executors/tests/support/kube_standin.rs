@@ -287,7 +287,7 @@ async fn list_or_watch_pods(
             w.requests.push(format!(
                 "WATCH pods {scope} from={from} bookmarks={bookmarks}"
             ));
-            (w.watch_generation, from != 0 && from <= w.compacted)
+            (w.watch_generation, from != 0 && from < w.compacted)
         };
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(64);
         tokio::spawn(async move {
@@ -711,7 +711,13 @@ pub struct NodeShape {
 impl StandIn {
     pub async fn start() -> StandIn {
         let world: Shared = Arc::default();
-        world.lock().expect("world").log_clock_ns = 20_420 * 86_400 * 1_000_000_000;
+        {
+            let mut w = world.lock().expect("world");
+            w.log_clock_ns = 20_420 * 86_400 * 1_000_000_000;
+            // A real API server's versions never start at 0 ("any version"
+            // to a watch): a list of the empty store is at a real one.
+            w.resource_version = 1000;
+        }
         let app = Router::new()
             .route("/api/v1/nodes", get(list_nodes))
             .route("/api/v1/pods", get(list_all_pods))
@@ -912,7 +918,9 @@ impl StandIn {
     /// so far gets 410 Expired.
     pub fn compact(&self) {
         let mut w = self.world.lock().expect("world");
-        w.compacted = w.resource_version;
+        // As etcd's compaction: every version before the new current one
+        // is gone; a list (and a watch from it) goes on from there.
+        w.compacted = w.bump();
         w.events.clear();
     }
 
