@@ -181,7 +181,7 @@ fn main() {
             executor_dir: None,
             gpu_kernel_log: None,
             worker_logs: Default::default(),
-            retain_logs: None,
+            retention: keel::retention::Retention::keep_all(),
             ssh: None,
             kubernetes: None,
             policy: std::sync::Arc::new(keel_scheduling::policy::Fifo::default()),

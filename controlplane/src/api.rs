@@ -208,6 +208,16 @@ impl KeelApi {
 
     /// Whether a granted right reaches job `job_id` (a job not known is
     /// left for the call to find).
+    /// Why job `job_id` is not in the state: never submitted, or removed
+    /// once it had ended.
+    fn job_missing(state: &keel_state::ClusterState, job_id: u64) -> ApiError {
+        if state.was_removed(job_id) {
+            ApiError::JobRemoved(job_id)
+        } else {
+            ApiError::JobNotFound(job_id)
+        }
+    }
+
     fn check_job(&self, granted: &Granted, job_id: u64) -> Result<(), ApiError> {
         let shared = self.node.state_machine.shared();
         let applied = shared.read();
@@ -450,7 +460,7 @@ impl Keel for KeelApi {
         let job = applied
             .state
             .job(job_id)
-            .ok_or(ApiError::JobNotFound(job_id))?;
+            .ok_or_else(|| Self::job_missing(&applied.state, job_id))?;
         granted.check_job(job_id, job.submitted_by.as_deref())?;
         let mut reply = crate::convert::job_to_proto(job);
         if let Some(why) = waiting(job)
@@ -659,7 +669,7 @@ impl Keel for KeelApi {
             ServerState::Shutdown => "shutdown",
         };
         let shared = self.node.state_machine.shared();
-        let (last_applied_index, state_hash, policy, removed_members) = {
+        let (last_applied_index, state_hash, policy, removed_members, jobs, finished) = {
             let applied = shared.read();
             (
                 applied.last_applied.map_or(0, |l| l.index),
@@ -670,8 +680,15 @@ impl Keel for KeelApi {
                     .unwrap_or(self.default_policy)
                     .to_string(),
                 applied.removed_members.clone(),
+                applied.state.jobs().len(),
+                applied.state.ended_job_count(),
             )
         };
+        let snapshot_bytes = self
+            .node
+            .state_machine
+            .snapshot_bytes()
+            .map_err(ApiError::from)?;
         let scheduling = match self.scheduling.read() {
             Ok(r) => r.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
@@ -730,6 +747,9 @@ impl Keel for KeelApi {
                     })
                     .collect()
             },
+            jobs_in_state: jobs as u64,
+            finished_jobs_in_state: finished as u64,
+            snapshot_bytes,
             removed: self
                 .node
                 .removal
@@ -783,14 +803,20 @@ impl Keel for KeelApi {
         }
         // The history is journaled when the state's applied index moves past
         // it; wait for the journal to catch up with what we just read.
-        let target = {
+        // A job retention removed still has its history in the journal;
+        // who submitted it is the actor of its first entry.
+        let (target, removed) = {
             let shared = self.node.state_machine.shared();
             let applied = shared.read();
-            let Some(job) = applied.state.job(req.job_id) else {
-                return Err(ApiError::JobNotFound(req.job_id).into());
+            let removed = match applied.state.job(req.job_id) {
+                Some(job) => {
+                    granted.check_job(req.job_id, job.submitted_by.as_deref())?;
+                    false
+                }
+                None if applied.state.was_removed(req.job_id) => true,
+                None => return Err(ApiError::JobNotFound(req.job_id).into()),
             };
-            granted.check_job(req.job_id, job.submitted_by.as_deref())?;
-            applied.last_applied.map_or(0, |l| l.index)
+            (applied.last_applied.map_or(0, |l| l.index), removed)
         };
         let mut journaled = self.node.state_machine.shared().subscribe();
         while *journaled.borrow_and_update() < target {
@@ -803,6 +829,13 @@ impl Keel for KeelApi {
             .state_machine
             .job_history(req.job_id, limit)
             .map_err(ApiError::from)?;
+        if removed {
+            let submitter = entries
+                .first()
+                .map(|e| e.actor.as_str())
+                .filter(|a| !a.is_empty());
+            granted.check_job(req.job_id, submitter)?;
+        }
         Ok(Response::new(api::JobHistoryResponse {
             entries,
             truncated,
@@ -829,16 +862,12 @@ impl Keel for KeelApi {
             n => n,
         };
         self.check_job(&granted, req.job_id)?;
-        let known = self
-            .node
-            .state_machine
-            .shared()
-            .read()
-            .state
-            .job(req.job_id)
-            .is_some();
-        if !known {
-            return Err(ApiError::JobNotFound(req.job_id).into());
+        {
+            let shared = self.node.state_machine.shared();
+            let applied = shared.read();
+            if applied.state.job(req.job_id).is_none() {
+                return Err(Self::job_missing(&applied.state, req.job_id).into());
+            }
         }
         let logs = self
             .executor

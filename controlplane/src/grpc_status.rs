@@ -20,6 +20,9 @@ pub enum ApiError {
     },
     #[error("job {0} does not exist")]
     JobNotFound(u64),
+    /// An ended job that retention removed from the state (issue 23).
+    #[error("job {0} has ended and was removed from the state (finished jobs are kept for --retain-finished-s, at most --retain-finished-max of them); `keel why {0}` shows its history from the journal")]
+    JobRemoved(u64),
     #[error("this replica is not the leader{}", leader.as_ref().map(|l| format!("; the leader is {l}")).unwrap_or_default())]
     NotLeader { leader: Option<String> },
     /// No leader is known: the request was not proposed.
@@ -172,7 +175,9 @@ impl ApiError {
                 INVALID_ARGUMENT,
                 Some(field.to_string()),
             ),
-            ApiError::JobNotFound(_) => (Code::NotFound, JOB_NOT_FOUND, None),
+            ApiError::JobNotFound(_) | ApiError::JobRemoved(_) => {
+                (Code::NotFound, JOB_NOT_FOUND, None)
+            }
             ApiError::Refused(a) => match a {
                 ApplyError::InvalidSpec(e) => {
                     (Code::InvalidArgument, INVALID_ARGUMENT, spec_field(e))

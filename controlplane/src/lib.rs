@@ -12,8 +12,8 @@
 //! - [`inventory`]: this server's nodes and GPUs (discovered or simulated)
 //!   and their registration.
 //! - [`leader`]: the leader's scheduling and reconcile loops.
-//! - [`log_retention`]: finished jobs' worker logs removed after
-//!   `--retain-logs-s`.
+//! - [`retention`]: finished jobs, and their worker logs, removed after
+//!   `--retain-finished-s`, `--retain-finished-max` and `--retain-logs-s`.
 //! - [`permissions`]: owner-only files (the server's umask) and the check
 //!   of directories others can read.
 //! - [`removal`]: a replica removed from its cluster says so and stops.
@@ -35,7 +35,6 @@ pub mod grpc_status;
 pub mod inventory;
 pub mod leader;
 pub mod log_limit;
-pub mod log_retention;
 pub mod membership;
 pub mod node_liveness;
 pub mod permissions;
@@ -43,6 +42,7 @@ pub mod proposer;
 pub mod raft_network;
 pub mod raft_node;
 pub mod removal;
+pub mod retention;
 pub mod server;
 pub mod tls;
 pub mod transport;

@@ -661,18 +661,45 @@ struct ServerLogArgs {
     #[arg(long, default_value_t = keel_executors::worker_log::DEFAULT_MIN_FREE_BYTES)]
     worker_log_min_free_bytes: u64,
     /// Remove a finished job's worker logs this many seconds after it
-    /// finished (0: keep them).
+    /// finished (0: keep them, even after the job is removed). A job's
+    /// logs go with it at the latest (`--retain-finished-s`).
     #[arg(long, default_value_t = 7.0 * 86_400.0)]
     retain_logs_s: f64,
+    /// Remove a finished job from the state this many seconds after it
+    /// finished, by a logged `RemoveJob` (0: keep finished jobs this long
+    /// without a limit). `keel why`, `keel events` and `keel replay`
+    /// still find it in the journal.
+    #[arg(long, default_value_t = keel::retention::DEFAULT_RETAIN_FINISHED.as_secs_f64())]
+    retain_finished_s: f64,
+    /// Keep at most this many finished jobs in the state: the oldest beyond
+    /// it are removed (0: no limit).
+    #[arg(long, default_value_t = keel::retention::DEFAULT_RETAIN_FINISHED_MAX as u64)]
+    retain_finished_max: u64,
+}
+
+/// A retention in seconds as a duration (`None` for 0: kept).
+fn retention_s(flag: &str, s: f64) -> anyhow::Result<Option<Duration>> {
+    if !(s.is_finite() && (0.0..=3_650.0 * 86_400.0).contains(&s)) {
+        anyhow::bail!("--{flag} must be between 0 and 315360000 seconds, not {s}");
+    }
+    Ok((s > 0.0).then(|| Duration::from_secs_f64(s)))
 }
 
 impl ServerLogArgs {
-    fn retain(&self) -> anyhow::Result<Option<Duration>> {
-        let s = self.retain_logs_s;
-        if !(s.is_finite() && (0.0..=3_650.0 * 86_400.0).contains(&s)) {
-            anyhow::bail!("--retain-logs-s must be between 0 and 315360000 seconds, not {s}");
-        }
-        Ok((s > 0.0).then(|| Duration::from_secs_f64(s)))
+    fn retention(&self) -> anyhow::Result<keel::retention::Retention> {
+        Ok(keel::retention::Retention {
+            logs: retention_s("retain-logs-s", self.retain_logs_s)?,
+            finished: retention_s("retain-finished-s", self.retain_finished_s)?,
+            finished_max: match usize::try_from(self.retain_finished_max) {
+                Ok(0) => None,
+                Ok(n) => Some(n),
+                Err(_) => anyhow::bail!(
+                    "--retain-finished-max must be at most {}, not {}",
+                    usize::MAX,
+                    self.retain_finished_max
+                ),
+            },
+        })
     }
 
     fn settings(&self) -> anyhow::Result<keel_executors::worker_log::LogSettings> {
@@ -1009,7 +1036,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     tracing::warn!("{why}");
                 }
             }
-            let retain_logs = worker_logs.retain()?;
+            let retention = worker_logs.retention()?;
             let worker_logs = worker_logs.settings()?;
             let seconds = |name: &str, s: f64| -> anyhow::Result<Duration> {
                 if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
@@ -1069,7 +1096,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 executor_dir,
                 gpu_kernel_log: Some(gpu_kernel_log),
                 worker_logs,
-                retain_logs,
+                retention,
                 ssh,
                 kubernetes: kubernetes.target()?,
                 policy: policy.into(),

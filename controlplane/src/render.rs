@@ -1010,6 +1010,12 @@ pub fn cluster_status(
             if !contacted.policy.is_empty() {
                 outln!("policy {}", contacted.policy);
             }
+            outln!(
+                "jobs in state {} ({} finished; retention removes the oldest), last snapshot {} bytes",
+                contacted.jobs_in_state,
+                contacted.finished_jobs_in_state,
+                contacted.snapshot_bytes
+            );
             if !contacted.policy_counters.is_empty() {
                 let counters: Vec<String> = contacted
                     .policy_counters

@@ -48,9 +48,9 @@ pub struct ServerConfig {
     /// How workers' logs are rotated, and when they pause for want of space
     /// (local and SSH executors).
     pub worker_logs: keel_executors::worker_log::LogSettings,
-    /// Finished jobs' worker logs are removed this long after they
-    /// finished, in log time (`None`: kept).
-    pub retain_logs: Option<std::time::Duration>,
+    /// What the leader removes as time passes (finished jobs, their worker
+    /// logs), in log time ([`crate::retention`]).
+    pub retention: crate::retention::Retention,
     /// Run workers on these SSH hosts instead of local processes (the
     /// leader's executor probes them: they need no heartbeats).
     pub ssh: Option<SshConfig>,
@@ -318,15 +318,14 @@ impl Server {
             stop_rx.clone(),
         ));
         let repairing = tokio::spawn(membership_repair_loop(self.node.clone(), stop_rx.clone()));
-        let retaining = self.config.retain_logs.map(|retain| {
-            tokio::spawn(crate::log_retention::retention_loop(
-                self.node.clone(),
-                self.executor.clone(),
-                log_time.clone(),
-                retain,
-                stop_rx.clone(),
-            ))
-        });
+        let retaining = tokio::spawn(crate::retention::retention_loop(
+            self.node.clone(),
+            self.executor.clone(),
+            proposer.clone(),
+            log_time.clone(),
+            self.config.retention,
+            stop_rx.clone(),
+        ));
         let reports = crate::leader::SchedulingReports::default();
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
@@ -466,9 +465,7 @@ impl Server {
         let _ = beating.await;
         let _ = probing.await;
         let _ = repairing.await;
-        if let Some(retaining) = retaining {
-            let _ = retaining.await;
-        }
+        let _ = retaining.await;
         if let Some(reloading) = reloading {
             let _ = reloading.await;
         }

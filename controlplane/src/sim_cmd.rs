@@ -108,6 +108,19 @@ pub struct SimArgs {
     /// the others run at the project's table's speed.
     #[arg(long)]
     throughputs: Option<PathBuf>,
+    /// Remove finished jobs from the state this many simulated seconds
+    /// after they finished, as the server's `--retain-finished-s` does
+    /// (default: keep them).
+    #[arg(long)]
+    retain_finished_s: Option<f64>,
+    /// Keep at most this many finished jobs in the state, as the server's
+    /// `--retain-finished-max` does (default: no limit).
+    #[arg(long)]
+    retain_finished_max: Option<usize>,
+    /// Report the state's size (jobs held, snapshot bytes) this many times
+    /// over the run, and at its end (0: not).
+    #[arg(long, default_value_t = 0)]
+    state_size_samples: u32,
     /// Write one CSV row per job here.
     #[arg(long)]
     jobs_csv: Option<PathBuf>,
@@ -215,6 +228,14 @@ fn cluster(args: &SimArgs) -> anyhow::Result<Vec<sim::SimNode>> {
 }
 
 #[derive(Serialize)]
+struct StateSizeRow {
+    at_h: f64,
+    submitted: u64,
+    jobs: u64,
+    snapshot_bytes: u64,
+}
+
+#[derive(Serialize)]
 struct Summary<'a> {
     policy: &'a str,
     jobs: usize,
@@ -237,6 +258,10 @@ struct Summary<'a> {
     lease_extensions_pct: Option<f64>,
     pairs_placed: u64,
     simulated_h: f64,
+    /// Finished jobs removed from the state (`--retain-finished-*`).
+    jobs_removed: u64,
+    /// The state's size over the run (`--state-size-samples`).
+    state_sizes: Vec<StateSizeRow>,
     wall_s: f64,
     rounds_per_s: f64,
     state_hash: &'a str,
@@ -289,6 +314,21 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     config.restart_s = args.restart_s;
     config.progress_interval_s = args.progress_interval_s;
     config.window = args.window;
+    if let Some(s) = args.retain_finished_s {
+        if !(s.is_finite() && s >= 0.0) {
+            anyhow::bail!("--retain-finished-s must be a number of seconds ≥ 0, not {s}");
+        }
+    }
+    if args.retain_finished_max == Some(0) {
+        anyhow::bail!("--retain-finished-max must be at least 1 (leave it out for no limit)");
+    }
+    if args.retain_finished_s.is_some() || args.retain_finished_max.is_some() {
+        config.retention = Some(sim::SimRetention {
+            finished_s: args.retain_finished_s,
+            finished_max: args.retain_finished_max,
+        });
+    }
+    config.state_size_samples = args.state_size_samples;
     if let Some(path) = &args.throughputs {
         config.throughputs = Some(
             sim::ThroughputTable::from_gavel_json(&read_text(path)?)
@@ -375,6 +415,17 @@ fn summarise(report: &SimReport, window: Option<(u64, u64)>, wall_s: f64) -> Sum
         }),
         pairs_placed: report.pairs_placed,
         simulated_h: h(report.simulated_s),
+        jobs_removed: report.jobs_removed,
+        state_sizes: report
+            .state_sizes
+            .iter()
+            .map(|z| StateSizeRow {
+                at_h: h(z.at_s),
+                submitted: z.submitted,
+                jobs: z.jobs,
+                snapshot_bytes: z.snapshot_bytes,
+            })
+            .collect(),
         wall_s,
         rounds_per_s: if wall_s > 0.0 {
             report.rounds as f64 / wall_s
@@ -425,6 +476,10 @@ fn print_one(summary: &Summary) -> anyhow::Result<()> {
             "simulated time".into(),
             format!("{:.1} h", summary.simulated_h),
         ],
+        vec![
+            "finished jobs removed".into(),
+            summary.jobs_removed.to_string(),
+        ],
         vec!["wall time".into(), format!("{:.2} s", summary.wall_s)],
         vec![
             "rounds per second".into(),
@@ -439,7 +494,27 @@ fn print_one(summary: &Summary) -> anyhow::Result<()> {
             },
         ],
     ];
-    print_table(&["", ""], &rows)
+    print_table(&["", ""], &rows)?;
+    if !summary.state_sizes.is_empty() {
+        writeln!(std::io::stdout().lock())?;
+        let sizes: Vec<Vec<String>> = summary
+            .state_sizes
+            .iter()
+            .map(|z| {
+                vec![
+                    format!("{:.1}", z.at_h),
+                    z.submitted.to_string(),
+                    z.jobs.to_string(),
+                    z.snapshot_bytes.to_string(),
+                ]
+            })
+            .collect();
+        print_table(
+            &["AT (h)", "SUBMITTED", "JOBS IN STATE", "SNAPSHOT (bytes)"],
+            &sizes,
+        )?;
+    }
+    Ok(())
 }
 
 fn print_compare(summaries: &[Summary]) -> anyhow::Result<()> {

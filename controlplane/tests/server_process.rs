@@ -114,6 +114,78 @@ fn cli_submit_list_cancel_and_watch() {
     assert_eq!(status["state_hash"].as_str().map(str::len), Some(64));
 }
 
+/// Issue 23, item 5: finished jobs leave the state beyond
+/// `--retain-finished-max` (the oldest) and `--retain-finished-s` after
+/// they finished, by logged `RemoveJob`s; a removed job is told apart from
+/// one that never was, its history stays (`keel why`), and a restart
+/// replays to the same state. Jobs that have not ended stay.
+#[test]
+fn finished_jobs_are_removed_past_their_retention_and_their_history_stays() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let spec = write_spec(dir.path(), "job.yaml", SPEC);
+    let spec = spec.to_str().expect("utf-8 path");
+    // By count only: at most one finished job kept.
+    let server = start_with(
+        &data,
+        &["--retain-finished-s", "0", "--retain-finished-max", "1"],
+    );
+    let ids: Vec<String> = (0..4)
+        .map(|_| server.json(&["submit", "-f", spec])["id"].to_string())
+        .collect();
+    for id in &ids[..3] {
+        server.cli_ok(&["cancel", id]);
+    }
+    let removed = |server: &ServerProcess, id: &str| {
+        let out = server.cli(&["job", id]);
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("was removed from the state")
+    };
+    support::wait_for("the two oldest finished jobs to be removed", || {
+        (removed(&server, &ids[0]) && removed(&server, &ids[1])).then_some(())
+    });
+    assert_eq!(server.json(&["job", &ids[2]])["state"], "cancelled");
+    assert_eq!(server.json(&["job", &ids[3]])["state"], "pending");
+    let never = server.cli(&["job", "99"]);
+    assert!(
+        String::from_utf8_lossy(&never.stderr).contains("job 99 does not exist"),
+        "{}",
+        String::from_utf8_lossy(&never.stderr)
+    );
+    // Its history is in the journal still.
+    let why = server.cli_ok(&["why", &ids[0]]);
+    assert!(
+        why.contains("submit_job") && why.contains("cancel_job") && why.contains("remove_job"),
+        "{why}"
+    );
+    let events = server.cli_ok(&["events", "-o", "json"]);
+    assert_eq!(
+        events
+            .lines()
+            .filter(|l| l.contains("\"remove_job\""))
+            .count(),
+        2,
+        "{events}"
+    );
+    let hash = server.json(&["cluster", "status"])["state_hash"].clone();
+    server.terminate();
+
+    // The same log replays to the same state.
+    let replayed = replay_offline(&data);
+    assert_eq!(replayed["state_hash"], hash, "{replayed}");
+
+    // By age: the last finished one goes a second after it finished; the
+    // pending one stays.
+    let server = start_with(&data, &["--retain-finished-s", "1"]);
+    support::wait_for("the last finished job to be removed", || {
+        removed(&server, &ids[2]).then_some(())
+    });
+    assert_eq!(server.json(&["job", &ids[3]])["state"], "pending");
+    let jobs = server.json(&["jobs"]);
+    assert_eq!(jobs.as_array().map(Vec::len), Some(1), "{jobs}");
+    server.terminate();
+}
+
 #[test]
 fn events_follow_streams_new_entries() {
     let dir = tempfile::tempdir().expect("tempdir");

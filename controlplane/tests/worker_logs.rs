@@ -138,9 +138,7 @@ fn a_finished_jobs_logs_are_removed_after_the_retention() {
         server
             .log_text()
             .lines()
-            .find(|l| {
-                l.contains("removed the logs of a job finished longer ago than --retain-logs-s")
-            })
+            .find(|l| l.contains("removed the logs of a finished job (--retain-logs-s)"))
             .map(str::to_string)
     });
     assert!(removed.contains(&format!("job_id={id}")), "{removed}");

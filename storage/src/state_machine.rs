@@ -446,6 +446,14 @@ impl StateMachineStore {
         Ok(out)
     }
 
+    /// The bytes of the last snapshot saved (0: none yet).
+    pub fn snapshot_bytes(&self) -> Result<u64, StoreError> {
+        Ok(self
+            .tree
+            .get(KEY_SNAPSHOT_DATA)?
+            .map_or(0, |v| u64::try_from(v.len()).unwrap_or(u64::MAX)))
+    }
+
     /// The applied records whose events concern `job_id`, oldest first, at
     /// most `limit`; and whether more were left out.
     pub fn job_history(

@@ -832,6 +832,14 @@ class AclTokens(unittest.TestCase):
         ]:
             code, _, info = self.refusal(self.stub.ClusterStatus, api.ClusterStatusRequest(), metadata)
             self.assertEqual((code, info.reason), (CODE.UNAUTHENTICATED, "UNAUTHENTICATED"))
+        # A revocation naming no possible token is refused before it is
+        # logged, naming the field; nothing changes.
+        before = self.stub.ListTokens(api.ListTokensRequest(), timeout=10, metadata=root).tokens
+        for name in ["a b", "x" * 300, ""]:
+            code, _, info = self.refusal(self.stub.RevokeToken, api.RevokeTokenRequest(name=name), root)
+            self.assertEqual((code, info.metadata["field"]), (CODE.INVALID_ARGUMENT, "name"))
+        after = self.stub.ListTokens(api.ListTokensRequest(), timeout=10, metadata=root).tokens
+        self.assertEqual([t.name for t in after], [t.name for t in before])
         # Revoked: refused from then on.
         self.stub.RevokeToken(api.RevokeTokenRequest(name="alice"), timeout=20, metadata=root)
         code, message, _ = self.refusal(self.stub.ListJobs, api.ListJobsRequest(), self.bearer(alice.secret))

@@ -59,6 +59,35 @@ pub struct SimConfig {
     /// Speeds by job type from Gavel's table; jobs it does not hold run at
     /// the project's table's speed for their model.
     pub throughputs: Option<super::ThroughputTable>,
+    /// Finished jobs removed from the state as the live leader removes
+    /// them (`--retain-finished-s`, `--retain-finished-max`), checked at
+    /// every round tick; `None`: kept.
+    pub retention: Option<SimRetention>,
+    /// Record the state's size (jobs held, snapshot bytes) this many times
+    /// over the run, evenly by submissions, and at its end (0: never; an
+    /// encoding of the whole state each time).
+    pub state_size_samples: u32,
+}
+
+/// Which finished jobs a simulation removes from its state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimRetention {
+    /// Finished this many simulated seconds ago.
+    pub finished_s: Option<f64>,
+    /// The oldest beyond this many finished jobs.
+    pub finished_max: Option<usize>,
+}
+
+/// The state's size at one point of a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StateSize {
+    pub at_s: f64,
+    /// Jobs submitted so far.
+    pub submitted: u64,
+    /// Jobs the state holds (waiting, running and finished ones kept).
+    pub jobs: u64,
+    /// Bytes of its snapshot (the protobuf a replica writes).
+    pub snapshot_bytes: u64,
 }
 
 impl SimConfig {
@@ -72,6 +101,8 @@ impl SimConfig {
             max_simulated_s: 10.0 * 365.0 * 86_400.0,
             progress_interval_s: 1800.0,
             throughputs: None,
+            retention: None,
+            state_size_samples: 0,
         }
     }
 }
@@ -145,6 +176,10 @@ pub struct SimReport {
     /// The final state's hash (empty where no state machine ran).
     pub state_hash: String,
     pub samples: Vec<Sample>,
+    /// Finished jobs removed from the state ([`SimConfig::retention`]).
+    pub jobs_removed: u64,
+    /// The state's size over the run ([`SimConfig::state_size_samples`]).
+    pub state_sizes: Vec<StateSize>,
 }
 
 /// Summary statistics over the measured jobs.
@@ -181,6 +216,8 @@ impl SimReport {
             pairs_placed: 0,
             state_hash: String::new(),
             samples: Vec::new(),
+            jobs_removed: 0,
+            state_sizes: Vec::new(),
         }
     }
 
@@ -558,6 +595,37 @@ impl Engine<'_> {
         self.report.samples.push(sample);
     }
 
+    /// Removes the finished jobs [`SimConfig::retention`] says are due, as
+    /// the live leader's retention does.
+    fn retain(&mut self) {
+        let Some(r) = self.config.retention else {
+            return;
+        };
+        let retain_ms = r.finished_s.map_or(u64::MAX, ms);
+        let due = self.state.jobs_due_for_removal(
+            ms(self.now_s),
+            retain_ms,
+            r.finished_max.unwrap_or(usize::MAX),
+            usize::MAX,
+        );
+        for job_id in due {
+            if self.apply(Command::RemoveJob { job_id }).is_some() {
+                self.report.jobs_removed += 1;
+            }
+        }
+    }
+
+    /// Records the state's size ([`SimConfig::state_size_samples`]).
+    fn record_state_size(&mut self, submitted: u64) {
+        let size = StateSize {
+            at_s: self.now_s,
+            submitted,
+            jobs: u64::try_from(self.state.jobs().len()).unwrap_or(u64::MAX),
+            snapshot_bytes: u64::try_from(self.state.snapshot_len()).unwrap_or(u64::MAX),
+        };
+        self.report.state_sizes.push(size);
+    }
+
     fn window_done(&self) -> bool {
         let Some((a, b)) = self.config.window else {
             return false;
@@ -567,10 +635,12 @@ impl Engine<'_> {
             .iter()
             .filter(|j| (a..=b).contains(&j.id))
             .all(|j| {
-                self.job_of
-                    .get(&j.id)
-                    .and_then(|id| self.state.job(*id))
-                    .is_some_and(|job| job.state.is_terminal())
+                self.job_of.get(&j.id).is_some_and(|id| {
+                    // Removed by retention: it had ended.
+                    self.state
+                        .job(*id)
+                        .map_or(self.state.was_removed(*id), |job| job.state.is_terminal())
+                })
             })
     }
 }
@@ -620,6 +690,10 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
     };
     let mut next_arrival = 0;
     let mut next_tick = start_s;
+    let size_every = match config.state_size_samples {
+        0 => usize::MAX,
+        n => (config.jobs.len() / n as usize).max(1),
+    };
     loop {
         let arrival = order.get(next_arrival).map(|i| config.jobs[*i].arrival_s);
         let finish = engine.next_finish();
@@ -645,6 +719,9 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             engine.submit(*i);
             next_arrival += 1;
             changed = true;
+            if next_arrival % size_every == 0 {
+                engine.record_state_size(next_arrival as u64);
+            }
         }
         let tick = engine.now_s >= next_tick;
         if tick {
@@ -666,9 +743,15 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             engine.schedule();
             engine.sample();
         }
+        if tick {
+            engine.retain();
+        }
         if engine.window_done() {
             break;
         }
+    }
+    if config.state_size_samples > 0 {
+        engine.record_state_size(next_arrival as u64);
     }
     let end_s = engine.now_s;
     let mut report = engine.report;

@@ -16,7 +16,9 @@ pub mod gavel_throughputs;
 pub mod rounds;
 pub mod workload;
 
-pub use engine::{simulate, JctSummary, JobResult, Sample, SimConfig, SimNode, SimReport};
+pub use engine::{
+    simulate, JctSummary, JobResult, Sample, SimConfig, SimNode, SimReport, SimRetention, StateSize,
+};
 pub use gavel_generator::GavelGenerator;
 pub use gavel_throughputs::{ThroughputTable, ThroughputTableError};
 pub use rounds::{simulate_rounds, RoundSimConfig};

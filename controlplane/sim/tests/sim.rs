@@ -5,7 +5,8 @@
 use keel_scheduling::policy::{by_name, Fifo, QueueOptions, Srjf, Tiresias, POLICY_NAMES};
 use keel_scheduling::throughput;
 use keel_sim::{
-    cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode, ThroughputTable,
+    cluster_from_counts, simulate, Generator, SimConfig, SimJob, SimNode, SimRetention,
+    ThroughputTable,
 };
 use proptest::prelude::*;
 
@@ -81,6 +82,51 @@ fn generated(seed: u64, jobs: usize) -> Vec<SimJob> {
     }
     .generate()
     .expect("generates")
+}
+
+/// Issue 23, item 5: with retention the state holds at most the finished
+/// jobs kept and those not finished, whatever the run's length; what the
+/// jobs lived through is the same as without it (a removed job had ended),
+/// only the state (and its hash) differs.
+#[test]
+fn retention_bounds_the_state_and_changes_no_schedule() {
+    let mut config = SimConfig::new(
+        cluster_from_counts("8:4:4", 4).expect("cluster"),
+        generated(5, 300),
+    );
+    config.state_size_samples = 10;
+    let kept = simulate(&config, &Fifo::default());
+    config.retention = Some(SimRetention {
+        finished_s: Some(3600.0),
+        finished_max: Some(20),
+    });
+    let retained = simulate(&config, &Fifo::default());
+    assert_eq!(kept.jobs, retained.jobs, "the same schedule");
+    assert_eq!(retained.jct(None).finished, 300);
+    assert_ne!(kept.state_hash, retained.state_hash);
+    assert_eq!(kept.jobs_removed, 0);
+    assert!(retained.jobs_removed >= 280, "{}", retained.jobs_removed);
+    assert_eq!(kept.state_sizes.len(), 11, "ten samples and the end");
+    assert_eq!(kept.state_sizes.last().map(|z| z.jobs), Some(300));
+    for (k, r) in kept.state_sizes.iter().zip(&retained.state_sizes) {
+        assert_eq!(k.submitted, r.submitted);
+        let unfinished = retained
+            .jobs
+            .iter()
+            .filter(|j| j.arrival_s <= r.at_s && j.finish_s.is_none_or(|f| f > r.at_s))
+            .count() as u64;
+        assert!(
+            r.jobs <= unfinished + 20 + 1,
+            "{r:?}, {unfinished} unfinished"
+        );
+        assert!(r.snapshot_bytes <= k.snapshot_bytes, "{r:?} against {k:?}");
+    }
+    let last = retained.state_sizes.last().expect("the end");
+    assert!(last.jobs <= 20, "{last:?}");
+    assert!(
+        last.snapshot_bytes * 5 < kept.state_sizes.last().expect("end").snapshot_bytes,
+        "{last:?}"
+    );
 }
 
 #[test]

@@ -165,6 +165,8 @@ impl KeelApi {
         self.require_acl()?;
         let actor = self.authorize(&request, Right::ManageTokens)?.actor();
         let req = request.into_inner();
+        // Checked before it is logged, as a create's name is.
+        acl::validate_token_name(&req.name).map_err(|e| ApiError::Refused(e.into()))?;
         let (index, _) = self
             .propose_request(
                 Command::RevokeToken {

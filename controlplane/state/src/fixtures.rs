@@ -211,11 +211,11 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
                 reason: String::new(),
             }
         } else if roll < 33 {
-            let Some(job_id) = state
-                .jobs()
-                .values()
-                .find(|j| j.state.is_terminal())
-                .map(|j| j.id)
+            // The oldest ended job whose workers have all exited, as the
+            // leader's retention picks.
+            let Some(&job_id) = state
+                .jobs_due_for_removal(u64::MAX, 0, usize::MAX, 1)
+                .first()
             else {
                 continue;
             };

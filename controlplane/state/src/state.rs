@@ -217,6 +217,10 @@ struct JobIndexes {
     /// ended or not.
     backoffs: BTreeSet<(u64, JobId)>,
     backoff_of: BTreeMap<JobId, u64>,
+    /// (`finished_at_ms`, job) of ended jobs with no worker recorded as
+    /// running: those a `RemoveJob` may remove, oldest first.
+    removable: BTreeSet<(u64, JobId)>,
+    removable_at: BTreeMap<JobId, u64>,
 }
 
 impl JobIndexes {
@@ -255,10 +259,17 @@ impl JobIndexes {
             &mut self.allocated,
             job.is_some_and(|j| j.allocation.is_some()),
         );
-        set(
-            &mut self.with_running_workers,
-            job.is_some_and(|j| j.workers.values().any(|w| w.state == WorkerState::Running)),
-        );
+        let running_workers =
+            job.is_some_and(|j| j.workers.values().any(|w| w.state == WorkerState::Running));
+        set(&mut self.with_running_workers, running_workers);
+        if let Some(t) = self.removable_at.remove(&id) {
+            self.removable.remove(&(t, id));
+        }
+        if let Some(j) = job.filter(|j| j.state.is_terminal() && !running_workers) {
+            let t = j.finished_at_ms.unwrap_or(j.submitted_at_ms);
+            self.removable.insert((t, id));
+            self.removable_at.insert(id, t);
+        }
     }
 }
 
@@ -430,6 +441,42 @@ impl ClusterState {
     /// Jobs with a worker recorded as running, in submission order.
     pub fn jobs_with_running_workers(&self) -> impl Iterator<Item = &Job> + '_ {
         self.indexed(&self.indexes.with_running_workers)
+    }
+
+    /// The ended jobs that retention removes at `now_ms` (issue 23): those
+    /// finished at least `retain_ms` ago, and the oldest beyond the newest
+    /// `keep_max` ended ones; oldest first, at most `limit`. A job whose
+    /// workers are still recorded as running is not among them (its exits
+    /// are still to come).
+    pub fn jobs_due_for_removal(
+        &self,
+        now_ms: u64,
+        retain_ms: u64,
+        keep_max: usize,
+        limit: usize,
+    ) -> Vec<JobId> {
+        let ended = self.indexes.removable.len();
+        let beyond_max = ended.saturating_sub(keep_max);
+        self.indexes
+            .removable
+            .iter()
+            .enumerate()
+            .take_while(|(i, (finished_ms, _))| {
+                *i < beyond_max || now_ms.saturating_sub(*finished_ms) >= retain_ms
+            })
+            .take(limit)
+            .map(|(_, (_, id))| *id)
+            .collect()
+    }
+
+    /// How many ended jobs the state holds (those retention may remove).
+    pub fn ended_job_count(&self) -> usize {
+        self.indexes.removable.len()
+    }
+
+    /// Whether job `id` was submitted once and has been removed since.
+    pub fn was_removed(&self, id: JobId) -> bool {
+        id >= 1 && id < self.next_job_id && !self.jobs.contains_key(&id)
     }
 
     /// The earliest time after `now_ms` at which a waiting job's retry
@@ -986,6 +1033,19 @@ impl ClusterState {
                     return Err(ApplyError::JobNotEnded {
                         job_id: *job_id,
                         state: job.state,
+                    });
+                }
+                // Its workers' exits are still to be recorded.
+                if let Some((rank, _)) = job
+                    .workers
+                    .iter()
+                    .find(|(_, w)| w.state == WorkerState::Running)
+                {
+                    return Err(ApplyError::Invalid {
+                        field: "job_id".into(),
+                        reason: format!(
+                            "job {job_id} has ended but its worker of rank {rank} is still recorded as running; it can be removed once its exit is"
+                        ),
                     });
                 }
                 self.jobs.remove(job_id);

@@ -913,6 +913,87 @@ fn removal_needs_an_ended_job_and_re_registration_keeps_held_gpus() {
     assert!(matches!(shrink, Err(ApplyError::GpuInUse { .. })));
 }
 
+/// Issue 23, item 5: which ended jobs retention removes (by age, beyond
+/// a count, oldest first, at most a limit), that one whose worker is still
+/// recorded as running is kept until its exit, and that a removed job is
+/// told apart from one never submitted.
+#[test]
+fn retention_removes_the_oldest_ended_jobs_but_not_one_whose_worker_runs() {
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let [a, b, c, d] = ["a", "b", "c", "d"].map(|n| h.submit(spec(n, 1, 1)));
+    h.place(vec![(c, vec![gpu("n0", 0)])]);
+    h.start(c, 1, 0, "n0");
+    let mut finished_ms = Vec::new();
+    for job_id in [a, b, c] {
+        h.apply(Command::CancelJob {
+            job_id,
+            reason: String::new(),
+        })
+        .expect("cancelled");
+        finished_ms.push(
+            h.state
+                .job(job_id)
+                .and_then(|j| j.finished_at_ms)
+                .expect("finished"),
+        );
+    }
+    // c has ended but its worker's exit is still to come; d waits.
+    assert_eq!(h.state.ended_job_count(), 2);
+    let all = usize::MAX;
+    assert_eq!(
+        h.state.jobs_due_for_removal(u64::MAX, 0, all, all),
+        vec![a, b]
+    );
+    // By age: b finished a second after a.
+    let retain_ms = 10_000;
+    assert_eq!(
+        h.state
+            .jobs_due_for_removal(finished_ms[1] + retain_ms - 1, retain_ms, all, all),
+        vec![a]
+    );
+    assert_eq!(
+        h.state
+            .jobs_due_for_removal(finished_ms[0] + retain_ms - 1, retain_ms, all, all),
+        Vec::<JobId>::new()
+    );
+    // By count: keeping one, the oldest goes; keeping two, none.
+    assert_eq!(h.state.jobs_due_for_removal(0, u64::MAX, 1, all), vec![a]);
+    assert_eq!(
+        h.state.jobs_due_for_removal(0, u64::MAX, 2, all),
+        Vec::<JobId>::new()
+    );
+    assert_eq!(
+        h.state.jobs_due_for_removal(u64::MAX, 0, all, 1),
+        vec![a],
+        "at most limit"
+    );
+    let refused = h.apply(Command::RemoveJob { job_id: c });
+    assert!(
+        matches!(&refused, Err(ApplyError::Invalid { field, reason })
+            if field == "job_id" && reason.contains("rank 0 is still recorded as running")),
+        "{refused:?}"
+    );
+    h.exit(c, 1, 0, Some(143));
+    assert_eq!(
+        h.state.jobs_due_for_removal(u64::MAX, 0, all, all),
+        vec![a, b, c]
+    );
+    assert_eq!(
+        h.apply(Command::RemoveJob { job_id: a }),
+        Ok(vec![Event::JobRemoved { job_id: a }])
+    );
+    assert!(h.state.was_removed(a));
+    assert!(!h.state.was_removed(d), "still there");
+    assert!(!h.state.was_removed(d + 1), "never submitted");
+    assert!(!h.state.was_removed(0));
+    assert_eq!(h.state.ended_job_count(), 2);
+    assert_eq!(
+        h.state.jobs_due_for_removal(u64::MAX, 0, all, all),
+        vec![b, c]
+    );
+}
+
 fn v100s(indexes: &[u32]) -> Vec<Gpu> {
     indexes
         .iter()

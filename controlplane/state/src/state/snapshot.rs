@@ -27,6 +27,11 @@ use crate::policy_memory::{PolicyMemory, PolicyMemorySlot};
 use crate::requests::{RecentRequests, Remembered};
 
 impl ClusterState {
+    /// The bytes of its snapshot's encoding (for reports of its size).
+    pub fn snapshot_len(&self) -> usize {
+        prost::Message::encoded_len(&self.to_snapshot_proto())
+    }
+
     /// The state as a snapshot's protobuf message (its `format_version`
     /// left for the snapshot's writer to set).
     pub fn to_snapshot_proto(&self) -> pb::StateSnapshot {
