@@ -38,6 +38,10 @@ fn main() {
         "2",
         "--round-s",
         "0.2",
+        // Commands share Raft entries (group commit): snapshots often
+        // enough to see their size move.
+        "--snapshot-every",
+        "500",
     ];
     if flags != "none" {
         args.extend(flags.split_whitespace());

@@ -37,6 +37,7 @@ pub fn system_clock() -> Clock {
 }
 
 mod acl;
+mod queues;
 mod streams;
 pub use acl::BOOTSTRAP_TOKEN_NAME;
 pub use streams::MAX_EVENT_STREAMS_PER_CALLER;
@@ -523,6 +524,11 @@ impl Keel for KeelApi {
             .values()
             .filter(|j| state.is_none_or(|s| j.state == s))
             .filter(|j| req.user.is_empty() || j.spec.user == req.user)
+            .filter(|j| {
+                req.queue.is_empty()
+                    || j.spec.queue == req.queue
+                    || (j.spec.queue.is_empty() && req.queue == keel_state::queue::DEFAULT_QUEUE)
+            })
             // A user lists its own jobs only.
             .filter(|j| granted.reaches(j.submitted_by.as_deref()))
             .map(|j| {
@@ -1212,6 +1218,39 @@ impl Keel for KeelApi {
     ) -> Result<Response<api::RevokeTokenResponse>, Status> {
         route!(self, request, revoke_token, true);
         self.revoke_token_call(request).await
+    }
+
+    async fn create_queue(
+        &self,
+        request: Request<api::CreateQueueRequest>,
+    ) -> Result<Response<api::QueueChangeResponse>, Status> {
+        route!(self, request, create_queue, true);
+        self.create_queue_call(request).await
+    }
+
+    async fn update_queue(
+        &self,
+        request: Request<api::UpdateQueueRequest>,
+    ) -> Result<Response<api::QueueChangeResponse>, Status> {
+        route!(self, request, update_queue, true);
+        self.update_queue_call(request).await
+    }
+
+    async fn delete_queue(
+        &self,
+        request: Request<api::DeleteQueueRequest>,
+    ) -> Result<Response<api::QueueChangeResponse>, Status> {
+        route!(self, request, delete_queue, true);
+        self.delete_queue_call(request).await
+    }
+
+    async fn list_queues(
+        &self,
+        request: Request<api::ListQueuesRequest>,
+    ) -> Result<Response<api::ListQueuesResponse>, Status> {
+        let stale = is_stale(&request);
+        route!(self, request, list_queues, false);
+        self.list_queues_call(request, stale).await
     }
 
     async fn who_am_i(

@@ -54,10 +54,12 @@ pub enum Right {
     ManageTokens,
     /// `BootstrapAcl` (once per cluster; any known caller may try).
     BootstrapAcl,
+    /// `CreateQueue`, `UpdateQueue`, `DeleteQueue` (issue 23).
+    ManageQueues,
 }
 
 impl Right {
-    pub const ALL: [Right; 11] = [
+    pub const ALL: [Right; 12] = [
         Right::SubmitJobs,
         Right::ReadJobs,
         Right::CancelJobs,
@@ -69,6 +71,7 @@ impl Right {
         Right::SendHeartbeats,
         Right::ManageTokens,
         Right::BootstrapAcl,
+        Right::ManageQueues,
     ];
 
     pub fn name(self) -> &'static str {
@@ -84,6 +87,7 @@ impl Right {
             Right::SendHeartbeats => "send-heartbeats",
             Right::ManageTokens => "manage-tokens",
             Right::BootstrapAcl => "bootstrap-acl",
+            Right::ManageQueues => "manage-queues",
         }
     }
 }

@@ -416,11 +416,13 @@ pub async fn jobs(
     addr: &str,
     state: Option<String>,
     user: Option<String>,
+    queue: Option<String>,
     out: Output,
 ) -> anyhow::Result<()> {
     let request = api::ListJobsRequest {
         state: state.unwrap_or_default(),
         user: user.unwrap_or_default(),
+        queue: queue.unwrap_or_default(),
     };
     let (resp, _) = read(addr, |mut client| {
         let request = request.clone();

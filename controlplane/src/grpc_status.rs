@@ -126,6 +126,10 @@ pub mod reason {
     /// also carry a `google.rpc.BadRequest` field violation.
     pub const INVALID_ARGUMENT: &str = "INVALID_ARGUMENT";
     pub const JOB_NOT_FOUND: &str = "JOB_NOT_FOUND";
+    /// A queue of that name exists already (issue 23).
+    pub const QUEUE_EXISTS: &str = "QUEUE_EXISTS";
+    /// No queue of that name.
+    pub const QUEUE_NOT_FOUND: &str = "QUEUE_NOT_FOUND";
     pub const NODE_NOT_FOUND: &str = "NODE_NOT_FOUND";
     /// The state refuses the command as it stands (a job ended, a node in
     /// use, a stale epoch, ...).
@@ -220,6 +224,20 @@ impl ApiError {
                             (Code::ResourceExhausted, FAILED_PRECONDITION, None)
                         }
                         A::Invalid { field, .. } => {
+                            (Code::InvalidArgument, INVALID_ARGUMENT, Some(field.clone()))
+                        }
+                    }
+                }
+                ApplyError::Queue(e) => {
+                    use keel_state::queue::QueueError as Q;
+                    match e {
+                        Q::Exists(_) => (Code::AlreadyExists, QUEUE_EXISTS, Some("name".into())),
+                        Q::Unknown(_) => (Code::NotFound, QUEUE_NOT_FOUND, Some("name".into())),
+                        Q::HoldsJobs { .. } | Q::DefaultKept => {
+                            (Code::FailedPrecondition, FAILED_PRECONDITION, None)
+                        }
+                        Q::TooMany { .. } => (Code::ResourceExhausted, FAILED_PRECONDITION, None),
+                        Q::Invalid { field, .. } => {
                             (Code::InvalidArgument, INVALID_ARGUMENT, Some(field.clone()))
                         }
                     }

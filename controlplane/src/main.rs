@@ -2,6 +2,7 @@
 
 mod acl_cmd;
 mod cli;
+mod queue_cmd;
 mod render;
 mod sim_cmd;
 mod sim_plot;
@@ -114,6 +115,11 @@ enum Cmd {
     Acl {
         #[command(subcommand)]
         command: acl_cmd::AclCmd,
+    },
+    /// Queues: quotas of GPUs per type for teams sharing the cluster.
+    Queue {
+        #[command(subcommand)]
+        command: queue_cmd::QueueCmd,
     },
     /// Run a Keel server (a Raft replica serving the API).
     Server {
@@ -351,6 +357,9 @@ enum Cmd {
         /// Only jobs of this user.
         #[arg(long)]
         user: Option<String>,
+        /// Only jobs of this queue.
+        #[arg(long)]
+        queue: Option<String>,
     },
     /// Show one job.
     Job { id: u64 },
@@ -956,6 +965,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         Cmd::Tls { command } => tls_cmd::run(command, out),
         Cmd::Acl { command } => acl_cmd::run(&args.addr, command, out).await,
+        Cmd::Queue { command } => queue_cmd::run(&args.addr, command, out).await,
         Cmd::Server {
             data_dir,
             listen,
@@ -1166,7 +1176,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Why { id } => cli::why(&args.addr, id, out).await,
         Cmd::Sim(sim) => sim_cmd::run(*sim, out),
         Cmd::Submit { file } => cli::submit(&args.addr, &file, out).await,
-        Cmd::Jobs { state, user } => cli::jobs(&args.addr, state, user, out).await,
+        Cmd::Jobs { state, user, queue } => cli::jobs(&args.addr, state, user, queue, out).await,
         Cmd::Job { id } => cli::job(&args.addr, id, out).await,
         Cmd::Cancel { id, reason } => cli::cancel(&args.addr, id, reason, out).await,
         Cmd::Nodes => cli::nodes(&args.addr, out).await,

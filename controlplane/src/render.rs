@@ -94,6 +94,8 @@ struct JobView {
     id: u64,
     name: String,
     user: String,
+    /// The queue it waits in (issue 23).
+    queue: String,
     state: String,
     /// GPUs per worker.
     gpus: u32,
@@ -153,6 +155,11 @@ fn job_view(job: &api::Job) -> JobView {
         id: job.id,
         name: spec.name,
         user: spec.user,
+        queue: if spec.queue.is_empty() {
+            keel_state::queue::DEFAULT_QUEUE.to_string()
+        } else {
+            spec.queue
+        },
         state: job.state.clone(),
         gpus: spec.gpus_per_worker,
         min_workers: spec.min_workers,
@@ -343,6 +350,7 @@ pub fn job(
         }),
         Output::Table => {
             print_table(&JOB_HEADER, &[job_row(&view)])?;
+            outln!("queue: {}", view.queue);
             if let Some(by) = &view.submitted_by {
                 outln!("submitted by: {by}");
             }
@@ -484,7 +492,10 @@ fn event_job_id(e: &pb::Event) -> Option<u64> {
         | K::AclBootstrapped(_)
         | K::TokenCreated(_)
         | K::TokenRevoked(_)
-        | K::MembershipChangeRecorded(_) => None,
+        | K::MembershipChangeRecorded(_)
+        | K::QueueCreated(_)
+        | K::QueueUpdated(_)
+        | K::QueueDeleted(_) => None,
     }
 }
 
@@ -740,6 +751,9 @@ fn describe_event(e: &pb::Event) -> String {
             "member {} {} (membership entry {})",
             x.member, x.change, x.membership_index
         ),
+        Some(K::QueueCreated(x)) => format!("queue {} created", x.name),
+        Some(K::QueueUpdated(x)) => format!("queue {} changed", x.name),
+        Some(K::QueueDeleted(x)) => format!("queue {} deleted", x.name),
         Some(K::PolicyChanged(x)) => format!(
             "policy changed from {} to {}",
             if x.from.is_empty() {
@@ -1181,6 +1195,74 @@ pub fn replay(s: &keel_storage::ReplaySummary, out: Output) -> anyhow::Result<()
             }
             outln!("state hash: {}", s.state_hash);
             Ok(())
+        }
+    }
+}
+
+/// `TYPE=N,...` of counts by type (`-` for none).
+fn counts(map: &std::collections::BTreeMap<String, u32>) -> String {
+    if map.is_empty() {
+        return "-".into();
+    }
+    map.iter()
+        .map(|(t, n)| format!("{t}={n}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `keel queue list` and `keel queue show`.
+pub fn queues(list: &[api::QueueStatus], out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => {
+            let queues: Vec<serde_json::Value> = list
+                .iter()
+                .map(|q| {
+                    let spec = q.spec.clone().unwrap_or_default();
+                    let sorted = |m: &std::collections::BTreeMap<String, u32>| m.clone();
+                    serde_json::json!({
+                        "name": q.name,
+                        "quota": spec.quota.as_ref().map(|c| sorted(&c.gpus)),
+                        "cohort": spec.cohort,
+                        "borrow_limit": sorted(&spec.borrow_limit),
+                        "lend_limit": sorted(&spec.lend_limit),
+                        "weight": spec.weight,
+                        "used": sorted(&q.used),
+                        "borrowed": sorted(&q.borrowed),
+                        "running_jobs": q.running_jobs,
+                        "pending_jobs": q.pending_jobs,
+                        "pending_gpus": q.pending_gpus,
+                        "changed_at_ms": q.changed_at_ms,
+                        "changed_by": q.changed_by,
+                    })
+                })
+                .collect();
+            print_json(&queues)
+        }
+        Output::Table => {
+            let rows: Vec<Vec<String>> = list
+                .iter()
+                .map(|q| {
+                    let spec = q.spec.clone().unwrap_or_default();
+                    vec![
+                        q.name.clone(),
+                        spec.quota
+                            .as_ref()
+                            .map_or_else(|| "none (any GPU)".into(), |c| counts(&c.gpus)),
+                        spec.cohort.clone().unwrap_or_else(|| "-".into()),
+                        spec.weight.to_string(),
+                        counts(&q.used),
+                        counts(&q.borrowed),
+                        q.running_jobs.to_string(),
+                        format!("{} ({} GPUs)", q.pending_jobs, q.pending_gpus),
+                    ]
+                })
+                .collect();
+            print_table(
+                &[
+                    "QUEUE", "QUOTA", "COHORT", "WEIGHT", "USED", "BORROWED", "RUNNING", "PENDING",
+                ],
+                &rows,
+            )
         }
     }
 }

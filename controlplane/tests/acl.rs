@@ -99,7 +99,7 @@ fn access<T>(result: Result<tonic::Response<T>, tonic::Status>) -> Access {
     }
 }
 
-const RPCS: [&str; 20] = [
+const RPCS: [&str; 24] = [
     "SubmitJob",
     "CancelJob",
     "GetJob",
@@ -120,6 +120,10 @@ const RPCS: [&str; 20] = [
     "ListTokens",
     "RevokeToken",
     "WhoAmI",
+    "CreateQueue",
+    "UpdateQueue",
+    "DeleteQueue",
+    "ListQueues",
 ];
 
 /// Calls `rpc` with a request that changes nothing that matters (or
@@ -232,7 +236,47 @@ async fn call(client: &mut Client, rpc: &str, job: u64) -> Access {
                 .await,
         ),
         "WhoAmI" => access(client.who_am_i(api::WhoAmIRequest {}).await),
+        // A quota of a GPU type the cluster does not have: refused once
+        // allowed.
+        "CreateQueue" => access(
+            client
+                .create_queue(api::CreateQueueRequest {
+                    name: "matrix".into(),
+                    spec: Some(unknown_quota()),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "UpdateQueue" => access(
+            client
+                .update_queue(api::UpdateQueueRequest {
+                    name: "default".into(),
+                    spec: Some(unknown_quota()),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "DeleteQueue" => access(
+            client
+                .delete_queue(api::DeleteQueueRequest {
+                    name: "no-such-queue".into(),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "ListQueues" => access(client.list_queues(api::ListQueuesRequest {}).await),
         other => unreachable!("{other}"),
+    }
+}
+
+/// A queue spec whose quota names a GPU type no cluster here has.
+fn unknown_quota() -> keel_proto::entry::QueueSpec {
+    keel_proto::entry::QueueSpec {
+        quota: Some(keel_proto::entry::GpuCounts {
+            gpus: [("no-such-type".to_string(), 1)].into(),
+        }),
+        weight: 1,
+        ..Default::default()
     }
 }
 
@@ -348,6 +392,7 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
             "SubmitJob",
             "ListJobs",
             "ClusterStatus",
+            "ListQueues",
             "BootstrapAcl",
             "WhoAmI",
         ];
@@ -380,6 +425,7 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
                     "RemoveNode",
                     "BootstrapAcl",
                     "WhoAmI",
+                    "ListQueues",
                 ],
             ),
             (
@@ -401,12 +447,19 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
                     "GetLogs",
                     "BootstrapAcl",
                     "WhoAmI",
+                    "ListQueues",
                 ],
             ),
             (
                 "node",
                 bearer(&secret("node")),
-                vec!["ClusterStatus", "NodeHeartbeat", "BootstrapAcl", "WhoAmI"],
+                vec![
+                    "ClusterStatus",
+                    "NodeHeartbeat",
+                    "BootstrapAcl",
+                    "WhoAmI",
+                    "ListQueues",
+                ],
             ),
             // Last: alice cancels her own job.
             ("alice (the job's owner)", bearer(&secret("alice")), alices),

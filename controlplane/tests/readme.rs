@@ -665,3 +665,60 @@ fn leader_id(status: &Value) -> Option<u64> {
         .find(|m| m["role"] == "leader")?["id"]
         .as_u64()
 }
+
+/// "Queues" (issue 23), line by line against a server whose simulated
+/// GPUs are of the types the block names: each command is taken, and
+/// `keel queue list` and `keel queue show` show what the lines before it
+/// made.
+#[test]
+fn the_readme_queue_block_runs_as_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProcess::start(
+        &dir.path().join("keel-data"),
+        &["--simulated-gpus", "4xv100,2xa100,2xk80"],
+    );
+    let (root, addr) = (root(), server.addr.clone());
+    wait_for("the node's GPUs", || {
+        let nodes = keel_ok(&root, &addr, &["nodes", "-o", "json"]);
+        nodes.contains("a100").then_some(())
+    });
+    let block = &sh_blocks("Queues")[0];
+    let mut seen = Vec::new();
+    for line in block {
+        let words: Vec<&str> = line.command.split_whitespace().collect();
+        let args = words
+            .strip_prefix(&["keel"])
+            .unwrap_or_else(|| panic!("not a keel command: {line:?}"));
+        let out = keel_ok(&root, &addr, args);
+        match args {
+            ["queue", "list"] => {
+                for name in ["default", "team-a", "team-b"] {
+                    assert!(out.contains(name), "{line:?}: {out}");
+                }
+                assert!(out.contains("k80=4"), "the default queue's quota: {out}");
+            }
+            ["queue", "show", name] => {
+                assert!(
+                    out.contains(name) && out.contains("a100=8,v100=16"),
+                    "{out}"
+                );
+                assert!(
+                    out.lines().any(|l| l.contains(name) && l.contains(" 3 ")),
+                    "weight 3: {out}"
+                );
+            }
+            _ => {}
+        }
+        seen.push(args.join(" "));
+    }
+    let left = keel_ok(&root, &addr, &["queue", "list", "-o", "json"]);
+    let names: Vec<String> = serde_json::from_str::<Value>(&left)
+        .expect("JSON")
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|q| q["name"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(names, ["default", "team-a"], "after {seen:?}");
+    server.terminate();
+}

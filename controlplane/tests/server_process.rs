@@ -186,6 +186,132 @@ fn finished_jobs_are_removed_past_their_retention_and_their_history_stays() {
     server.terminate();
 }
 
+/// Issue 23, item 1: queues through the CLI. Bad inputs are refused
+/// naming the field, before anything is logged; a job names its queue and
+/// `keel jobs --queue` finds it; a queue holding an unfinished job is kept;
+/// `keel queue list` shows quota, use and what waits; the default queue
+/// takes a quota.
+#[test]
+fn queues_are_made_listed_and_deleted_and_bad_ones_name_their_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let _reaper = support::WorkerReaper(data.clone());
+    let server = ServerProcess::start(&data, &["--simulated-gpus", "2xv100", "--round-s", "0.2"]);
+    support::wait_for("the node's GPUs", || {
+        let nodes = server.json(&["nodes"]);
+        (nodes.as_array().map(Vec::len) == Some(1)).then_some(())
+    });
+    let refused = |args: &[&str], field: &str| {
+        let out = server.cli(args);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{args:?} was taken");
+        assert!(stderr.contains(field), "{args:?}: {stderr}");
+    };
+    refused(&["queue", "create", "team-a", "--quota", "h100=2"], "quota");
+    refused(&["queue", "create", "Team-A", "--quota", "v100=2"], "name");
+    refused(
+        &[
+            "queue",
+            "create",
+            "team-a",
+            "--quota",
+            "v100=2",
+            "--borrow-limit",
+            "v100=1",
+        ],
+        "cohort",
+    );
+    refused(
+        &[
+            "queue", "create", "team-a", "--quota", "v100=2", "--weight", "0",
+        ],
+        "weight",
+    );
+    refused(&["queue", "create", "team-a"], "--quota");
+    refused(
+        &["queue", "delete", "default"],
+        "default queue cannot be deleted",
+    );
+    let before = server.cli_ok(&["events", "-o", "json"]);
+    assert!(!before.contains("queue"), "nothing was logged: {before}");
+
+    server.cli_ok(&[
+        "queue", "create", "team-a", "--quota", "v100=1", "--cohort", "research", "--weight", "2",
+    ]);
+    refused(
+        &["queue", "create", "team-a", "--quota", "v100=1"],
+        "exists already",
+    );
+    let job = support::submit_spec(
+        &server,
+        dir.path(),
+        serde_json::json!({"name": "a", "command": ["sleep", "30"], "gpus": 1, "queue": "team-a"}),
+    );
+    let spec = dir.path().join("nowhere.json");
+    std::fs::write(
+        &spec,
+        serde_json::json!({"name": "b", "command": ["true"], "queue": "nowhere"}).to_string(),
+    )
+    .expect("spec");
+    refused(&["submit", "-f", spec.to_str().expect("utf-8")], "queue");
+    let listed = server.json(&["jobs", "--queue", "team-a"]);
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(listed[0]["id"].to_string(), job);
+    assert_eq!(
+        server
+            .json(&["jobs", "--queue", "default"])
+            .as_array()
+            .map(Vec::len),
+        Some(0)
+    );
+    let queue = support::wait_for("the job to run in its queue", || {
+        let queues = server.json(&["queue", "list"]);
+        let team = queues
+            .as_array()?
+            .iter()
+            .find(|q| q["name"] == "team-a")?
+            .clone();
+        (team["running_jobs"] == 1).then_some(team)
+    });
+    assert_eq!(queue["quota"]["v100"], 1);
+    assert_eq!(queue["used"]["v100"], 1);
+    assert_eq!(queue["cohort"], "research");
+    assert_eq!(queue["weight"], 2);
+    let names: Vec<String> = server
+        .json(&["queue", "list"])
+        .as_array()
+        .expect("list")
+        .iter()
+        .map(|q| q["name"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(names, ["default", "team-a"]);
+    // Update keeps what it is not given.
+    server.cli_ok(&["queue", "update", "team-a", "--weight", "5"]);
+    let shown = server.json(&["queue", "show", "team-a"]);
+    assert_eq!(
+        (
+            shown[0]["weight"].clone(),
+            shown[0]["quota"]["v100"].clone()
+        ),
+        (5.into(), 1.into())
+    );
+    refused(&["queue", "delete", "team-a"], "unfinished");
+    server.cli_ok(&["cancel", &job]);
+    support::wait_for("the queue to be deleted", || {
+        server
+            .cli(&["queue", "delete", "team-a"])
+            .status
+            .success()
+            .then_some(())
+    });
+    server.cli_ok(&["queue", "update", "default", "--quota", "v100=1"]);
+    let events = server.cli_ok(&["events", "-o", "json"]);
+    for kind in ["create_queue", "update_queue", "delete_queue"] {
+        assert!(events.contains(kind), "{kind}: {events}");
+    }
+    server.terminate();
+}
+
 #[test]
 fn events_follow_streams_new_entries() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -50,7 +50,13 @@ pub mod raft {
 ///   and plan differently after a failover.
 /// - 5: `LogEntry.actor` (who asked, issue 22). A build that ignored it
 ///   would keep no submitter on the job, and hash to another state.
-pub const ENTRY_FORMAT_VERSION: u32 = 5;
+/// - 6: `JobSpec.queue` (issue 23). A build that ignored it would put the
+///   job in the default queue.
+pub const ENTRY_FORMAT_VERSION: u32 = 6;
+
+/// The version of an entry that carries an actor (and no job naming a
+/// queue).
+pub const ENTRY_FORMAT_VERSION_ACTOR: u32 = 5;
 
 /// The version of an entry that carries a policy's memory (and no actor).
 pub const ENTRY_FORMAT_VERSION_MEMORY: u32 = 4;

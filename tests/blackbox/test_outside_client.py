@@ -18,6 +18,22 @@ from keel_blackbox import KEEL, Server, api, api_grpc, entry, raft, replication,
 CODE = grpc.StatusCode
 
 
+def refusal(test, call, request, metadata=None):
+    """The code, message and ErrorInfo of a refused call."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    with test.assertRaises(grpc.RpcError) as caught:
+        call(request, timeout=20, metadata=metadata)
+    info = error_details_pb2.ErrorInfo()
+    status = rpc_status.from_call(caught.exception)
+    test.assertIsNotNone(status, caught.exception.details())
+    test.assertTrue(
+        any(d.Unpack(info) for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR))
+    )
+    return caught.exception.code(), caught.exception.details(), info
+
+
 class OneServer(unittest.TestCase):
     """A fresh server with no nodes of its own for each test."""
 
@@ -743,19 +759,7 @@ class AclTokens(unittest.TestCase):
         return [("authorization", "Bearer " + secret)]
 
     def refusal(self, call, request, metadata=None):
-        """The code, message and ErrorInfo of a refused call."""
-        from google.rpc import error_details_pb2
-        from grpc_status import rpc_status
-
-        with self.assertRaises(grpc.RpcError) as caught:
-            call(request, timeout=20, metadata=metadata)
-        info = error_details_pb2.ErrorInfo()
-        status = rpc_status.from_call(caught.exception)
-        self.assertIsNotNone(status, caught.exception.details())
-        self.assertTrue(
-            any(d.Unpack(info) for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR))
-        )
-        return caught.exception.code(), caught.exception.details(), info
+        return refusal(self, call, request, metadata)
 
     def test_tokens_from_outside_are_checked_and_bad_ones_gain_nothing(self):
         root_secret = "outside-root-secret-0123456789abcdefghij"
@@ -848,6 +852,79 @@ class AclTokens(unittest.TestCase):
         # Still serving, and what it acknowledged is there.
         names = [j.spec.name for j in self.stub.ListJobs(api.ListJobsRequest(), timeout=10, metadata=root).jobs]
         self.assertEqual(names, ["alices"])
+
+
+class Queues(OneServer):
+    """Issue 23, item 1: queues from outside. Every bad request is refused
+    naming its field and changes nothing, and a change sent again under
+    its request id applies once."""
+
+    args = ("--simulated-gpus", "2xv100", "--node-timeout-s", "300")
+
+    def quota(self, **gpus):
+        return entry.QueueSpec(quota=entry.GpuCounts(gpus=gpus), weight=1)
+
+    def test_bad_queue_requests_name_their_field_and_change_nothing(self):
+        wait_for("the node", lambda: self.stub.ListNodes(api.ListNodesRequest(), timeout=10).nodes or None)
+        for request, field in [
+            (api.CreateQueueRequest(name="Team A", spec=self.quota(v100=1)), "name"),
+            (api.CreateQueueRequest(name="x" * 64, spec=self.quota(v100=1)), "name"),
+            (api.CreateQueueRequest(name="team-a"), "spec"),
+            (api.CreateQueueRequest(name="team-a", spec=self.quota(h100=1)), "quota"),
+            (api.CreateQueueRequest(name="team-a", spec=self.quota(v100=2_000_000)), "quota"),
+            (api.CreateQueueRequest(name="team-a", spec=entry.QueueSpec(weight=1)), "quota"),
+            (api.CreateQueueRequest(name="team-a", spec=entry.QueueSpec(
+                quota=entry.GpuCounts(gpus={"v100": 1}), weight=0)), "weight"),
+            (api.CreateQueueRequest(name="team-a", spec=entry.QueueSpec(
+                quota=entry.GpuCounts(gpus={"v100": 1}), weight=1, borrow_limit={"v100": 1})), "cohort"),
+            (api.CreateQueueRequest(name="team-a", spec=entry.QueueSpec(
+                quota=entry.GpuCounts(gpus={"v100": 1}), weight=1, cohort="Bad Cohort")), "cohort"),
+            (api.UpdateQueueRequest(name="nowhere", spec=self.quota(v100=1)), "name"),
+            (api.DeleteQueueRequest(name="a b"), "name"),
+        ]:
+            call = {
+                api.CreateQueueRequest: self.stub.CreateQueue,
+                api.UpdateQueueRequest: self.stub.UpdateQueue,
+                api.DeleteQueueRequest: self.stub.DeleteQueue,
+            }[type(request)]
+            code, message, info = refusal(self, call, request)
+            self.assertIn(code, (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), message)
+            self.assertEqual(info.metadata["field"], field, message)
+        code, _, _ = refusal(self, self.stub.DeleteQueue, api.DeleteQueueRequest(name="default"))
+        self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION)
+        # A job naming no queue that exists: refused, naming the field.
+        code, message, info = refusal(
+            self, self.stub.SubmitJob, api.SubmitJobRequest(spec=spec("lost", queue="nowhere"))
+        )
+        self.assertEqual((code, info.metadata["field"]), (grpc.StatusCode.INVALID_ARGUMENT, "queue"), message)
+        # Nothing changed.
+        names = [q.name for q in self.stub.ListQueues(api.ListQueuesRequest(), timeout=10).queues]
+        self.assertEqual(names, ["default"])
+        # A creation sent twice under one request id: one queue, one answer.
+        create = api.CreateQueueRequest(name="team-a", spec=self.quota(v100=1), request_id="py-queue-1")
+        self.stub.CreateQueue(create, timeout=20)
+        # The answer was lost; the same request again is taken, not
+        # refused as a second queue of that name.
+        self.stub.CreateQueue(create, timeout=20)
+        names = [q.name for q in self.stub.ListQueues(api.ListQueuesRequest(), timeout=10).queues]
+        self.assertEqual(names, ["default", "team-a"])
+        code, _, info = refusal(self, self.stub.CreateQueue,
+                                api.CreateQueueRequest(name="team-a", spec=self.quota(v100=1)))
+        self.assertEqual((code, info.reason), (grpc.StatusCode.ALREADY_EXISTS, "QUEUE_EXISTS"))
+        # A queue holding an unfinished job is kept.
+        held = spec("held", queue="team-a")
+        del held.command[:]
+        held.command.extend(["sleep", "60"])
+        job = self.stub.SubmitJob(api.SubmitJobRequest(spec=held), timeout=20).job_id
+        code, message, _ = refusal(self, self.stub.DeleteQueue, api.DeleteQueueRequest(name="team-a"))
+        self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("job %d" % job, message)
+        listed = self.stub.ListJobs(api.ListJobsRequest(queue="team-a"), timeout=10).jobs
+        self.assertEqual([j.id for j in listed], [job])
+        self.stub.CancelJob(api.CancelJobRequest(job_id=job), timeout=20)
+        self.stub.DeleteQueue(api.DeleteQueueRequest(name="team-a"), timeout=20)
+        names = [q.name for q in self.stub.ListQueues(api.ListQueuesRequest(), timeout=10).queues]
+        self.assertEqual(names, ["default"])
 
 
 class NoIdentityInPlaintext(OneServer):

@@ -385,6 +385,7 @@ impl Engine<'_> {
             retry_backoff_s: 0,
             resources: Default::default(),
             logs: Default::default(),
+            queue: String::new(),
         };
         let (id, arrival_s, model, gpus) = (
             job.id,

@@ -7,8 +7,8 @@
 
 use keel_proto::entry as pb;
 use keel_proto::{
-    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_FIRST, ENTRY_FORMAT_VERSION_MEMORY,
-    ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
+    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_ACTOR, ENTRY_FORMAT_VERSION_FIRST,
+    ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
 };
 use prost::Message;
 
@@ -17,6 +17,7 @@ use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
 use crate::event::Event;
 use crate::model::{FailedGpu, Gpu, GpuRef, ProgressSample};
 use crate::policy_memory::PolicyMemory;
+use crate::queue::QueueSpec;
 use crate::spec::{GpuTypes, JobSpec, Workers};
 
 /// Largest encoded log entry accepted, in bytes.
@@ -254,7 +255,18 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             change: change.clone(),
             membership_index: *membership_index,
         }),
+        Command::CreateQueue { name, spec } => C::CreateQueue(pb::CreateQueue {
+            name: name.clone(),
+            spec: Some(queue_spec_to_proto(spec)),
+        }),
+        Command::UpdateQueue { name, spec } => C::UpdateQueue(pb::UpdateQueue {
+            name: name.clone(),
+            spec: Some(queue_spec_to_proto(spec)),
+        }),
+        Command::DeleteQueue { name } => C::DeleteQueue(pb::DeleteQueue { name: name.clone() }),
     };
+    let names_a_queue =
+        matches!(&entry.command, Command::SubmitJob { spec } if !spec.queue.is_empty());
     let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
         if placements.iter().any(|p| p.share_with.is_some()));
     let has_memory = matches!(
@@ -267,8 +279,10 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     // The oldest version that expresses the entry, so a build one version
     // older refuses exactly the entries it would misread.
     pb::LogEntry {
-        format_version: if entry.actor.is_some() {
+        format_version: if names_a_queue {
             ENTRY_FORMAT_VERSION
+        } else if entry.actor.is_some() {
+            ENTRY_FORMAT_VERSION_ACTOR
         } else if has_memory {
             ENTRY_FORMAT_VERSION_MEMORY
         } else if entry.request_id.is_some() {
@@ -397,6 +411,15 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             change: c.change,
             membership_index: c.membership_index,
         },
+        Some(C::CreateQueue(c)) => Command::CreateQueue {
+            name: c.name,
+            spec: queue_spec_from_proto(c.spec.ok_or(DecodeError::MissingField("spec"))?),
+        },
+        Some(C::UpdateQueue(c)) => Command::UpdateQueue {
+            name: c.name,
+            spec: queue_spec_from_proto(c.spec.ok_or(DecodeError::MissingField("spec"))?),
+        },
+        Some(C::DeleteQueue(c)) => Command::DeleteQueue { name: c.name },
     };
     if msg.actor.len() > crate::command::ACTOR_MAX_LEN {
         return Err(DecodeError::Inconsistent(format!(
@@ -441,6 +464,30 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
             max_file_bytes: s.logs.max_file_bytes,
             max_files: s.logs.max_files,
         }),
+        queue: s.queue.clone(),
+    }
+}
+
+pub fn queue_spec_to_proto(q: &QueueSpec) -> pb::QueueSpec {
+    pb::QueueSpec {
+        quota: q.quota.as_ref().map(|gpus| pb::GpuCounts {
+            gpus: gpus.clone().into_iter().collect(),
+        }),
+        cohort: q.cohort.clone(),
+        borrow_limit: q.borrow_limit.clone().into_iter().collect(),
+        lend_limit: q.lend_limit.clone().into_iter().collect(),
+        weight: q.weight,
+    }
+}
+
+/// Validation happens in [`QueueSpec::validate`], not here.
+pub fn queue_spec_from_proto(q: pb::QueueSpec) -> QueueSpec {
+    QueueSpec {
+        quota: q.quota.map(|c| c.gpus.into_iter().collect()),
+        cohort: q.cohort,
+        borrow_limit: q.borrow_limit.into_iter().collect(),
+        lend_limit: q.lend_limit.into_iter().collect(),
+        weight: q.weight,
     }
 }
 
@@ -489,6 +536,7 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
                 max_files: l.max_files,
             })
             .unwrap_or_default(),
+        queue: s.queue,
     }
 }
 
@@ -595,6 +643,9 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
             change: change.clone(),
             membership_index: *membership_index,
         }),
+        Event::QueueCreated { name } => K::QueueCreated(pb::QueueCreated { name: name.clone() }),
+        Event::QueueUpdated { name } => K::QueueUpdated(pb::QueueUpdated { name: name.clone() }),
+        Event::QueueDeleted { name } => K::QueueDeleted(pb::QueueDeleted { name: name.clone() }),
         Event::NodeRegistered { name, gpus } => K::NodeRegistered(pb::NodeRegistered {
             name: name.clone(),
             gpus: gpus.iter().map(gpu_to_proto).collect(),
@@ -737,6 +788,9 @@ pub fn event_from_proto(e: pb::Event) -> Result<Event, DecodeError> {
                 change: e.change,
                 membership_index: e.membership_index,
             },
+            K::QueueCreated(e) => Event::QueueCreated { name: e.name },
+            K::QueueUpdated(e) => Event::QueueUpdated { name: e.name },
+            K::QueueDeleted(e) => Event::QueueDeleted { name: e.name },
             K::NodeRegistered(e) => Event::NodeRegistered {
                 name: e.name,
                 gpus: e.gpus.into_iter().map(gpu_from_proto).collect(),

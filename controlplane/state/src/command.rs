@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::acl::{Role, SecretHash};
 use crate::model::{FailedGpu, Gpu, GpuRef, JobId, ProgressSample};
 use crate::policy_memory::PolicyMemory;
+use crate::queue::QueueSpec;
 use crate::spec::JobSpec;
 
 /// The longest actor an entry records ([`LogEntry::actor`]).
@@ -77,13 +78,18 @@ impl Proposal {
     pub fn postcard_carries_whole(&self) -> bool {
         self.entries.iter().all(|e| match &e.command {
             _ if e.actor.is_some() => false,
-            Command::SubmitJob { spec } => spec.resources.is_unset() && spec.logs.is_unset(),
+            Command::SubmitJob { spec } => {
+                spec.resources.is_unset() && spec.logs.is_unset() && spec.queue.is_empty()
+            }
             // Commands the release before does not know.
             Command::RecordNodeInventory { .. }
             | Command::BootstrapAcl { .. }
             | Command::CreateToken { .. }
             | Command::RevokeToken { .. }
-            | Command::RecordMembershipChange { .. } => false,
+            | Command::RecordMembershipChange { .. }
+            | Command::CreateQueue { .. }
+            | Command::UpdateQueue { .. }
+            | Command::DeleteQueue { .. } => false,
             _ => true,
         })
     }
@@ -265,6 +271,21 @@ pub enum Command {
         change: String,
         membership_index: u64,
     },
+    /// Added after the others (issue 23). Makes a queue jobs may name.
+    CreateQueue {
+        name: String,
+        spec: QueueSpec,
+    },
+    /// Replaces a queue's quota, cohort, limits and weight (the default
+    /// queue's too).
+    UpdateQueue {
+        name: String,
+        spec: QueueSpec,
+    },
+    /// Removes a queue; refused while an unfinished job names it.
+    DeleteQueue {
+        name: String,
+    },
 }
 
 impl Command {
@@ -288,7 +309,10 @@ impl Command {
             | Command::BootstrapAcl { .. }
             | Command::CreateToken { .. }
             | Command::RevokeToken { .. }
-            | Command::RecordMembershipChange { .. } => None,
+            | Command::RecordMembershipChange { .. }
+            | Command::CreateQueue { .. }
+            | Command::UpdateQueue { .. }
+            | Command::DeleteQueue { .. } => None,
         }
     }
 
@@ -313,6 +337,9 @@ impl Command {
             Command::CreateToken { .. } => "create_token",
             Command::RevokeToken { .. } => "revoke_token",
             Command::RecordMembershipChange { .. } => "record_membership_change",
+            Command::CreateQueue { .. } => "create_queue",
+            Command::UpdateQueue { .. } => "update_queue",
+            Command::DeleteQueue { .. } => "delete_queue",
         }
     }
 }

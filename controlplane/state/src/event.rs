@@ -133,6 +133,16 @@ pub enum Event {
         change: String,
         membership_index: u64,
     },
+    /// Added after the others (issue 23).
+    QueueCreated {
+        name: String,
+    },
+    QueueUpdated {
+        name: String,
+    },
+    QueueDeleted {
+        name: String,
+    },
 }
 
 impl Event {
@@ -150,7 +160,10 @@ impl Event {
             | Event::AclBootstrapped { .. }
             | Event::TokenCreated { .. }
             | Event::TokenRevoked { .. }
-            | Event::MembershipChangeRecorded { .. } => None,
+            | Event::MembershipChangeRecorded { .. }
+            | Event::QueueCreated { .. }
+            | Event::QueueUpdated { .. }
+            | Event::QueueDeleted { .. } => None,
             Event::JobSubmitted { job_id, .. }
             | Event::JobCancelled { job_id, .. }
             | Event::JobAllocated { job_id, .. }

@@ -35,6 +35,7 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         retry_backoff_s: 0,
         resources: Default::default(),
         logs: Default::default(),
+        queue: String::new(),
     }
 }
 

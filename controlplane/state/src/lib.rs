@@ -26,6 +26,7 @@ pub mod log_time;
 pub mod model;
 pub mod perf_history;
 pub mod policy_memory;
+pub mod queue;
 pub mod requests;
 pub mod resources;
 pub mod rng;

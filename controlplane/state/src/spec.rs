@@ -90,6 +90,10 @@ pub struct JobSpec {
     /// (none: the server's settings).
     #[serde(default, skip_serializing_if = "LogLimits::is_unset")]
     pub logs: LogLimits,
+    /// The queue it waits in (issue 23; empty: the default queue). Like
+    /// `resources`, not in the binary form: hashed apart when set.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub queue: String,
 }
 
 /// The binary layout of a [`JobSpec`] (without `resources`), frozen: see
@@ -179,6 +183,7 @@ impl<'de> Deserialize<'de> for JobSpec {
             retry_backoff_s: r.retry_backoff_s,
             resources: Resources::default(),
             logs: LogLimits::default(),
+            queue: String::new(),
         })
     }
 }
@@ -382,6 +387,17 @@ impl JobSpec {
             });
         }
         check_len("user", &self.user, USER_MAX_LEN)?;
+        if !self.queue.is_empty() {
+            crate::queue::validate_queue_name("queue", &self.queue).map_err(|e| {
+                SpecError::Invalid {
+                    field: "queue".into(),
+                    reason: match e {
+                        crate::queue::QueueError::Invalid { reason, .. } => reason,
+                        other => other.to_string(),
+                    },
+                }
+            })?;
+        }
         if self.command.is_empty() && self.image.as_deref().is_none_or(str::is_empty) {
             return Err(SpecError::Missing {
                 field: "command (or image)".into(),

@@ -20,6 +20,7 @@ use crate::model::{
     ProgressSample, Worker, WorkerState,
 };
 use crate::policy_memory::{PolicyMemory, PolicyMemorySlot, POLICY_MEMORY_MAX_BYTES};
+use crate::queue::Queues;
 use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
@@ -116,6 +117,9 @@ pub enum ApplyError {
     /// Added after the others (issue 22).
     #[error("{0}")]
     Acl(#[from] crate::acl::AclError),
+    /// Added after the others (issue 23).
+    #[error("{0}")]
+    Queue(#[from] crate::queue::QueueError),
 }
 
 /// The whole scheduler state: a fold of `apply` over the log.
@@ -165,6 +169,10 @@ pub struct ClusterState {
     /// never turned ACLs on encodes and hashes as before they existed.
     #[serde(skip)]
     acl: Acl,
+    /// The queues ([`crate::queue`]). Encoded apart like the tokens: a
+    /// state that never had one encodes and hashes as before.
+    #[serde(skip)]
+    queues: Queues,
     #[serde(skip)]
     indexes: JobIndexes,
     /// Every GPU on a live node, by type and node: derived from `nodes`,
@@ -306,6 +314,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             requests: e.requests,
             policy_memory: PolicyMemorySlot::default(),
             acl: Acl::default(),
+            queues: Queues::default(),
             indexes,
             capacity,
             free: FreeCache::default(),
@@ -558,8 +567,12 @@ impl ClusterState {
     /// hold another state, and hash to another.
     pub fn postcard_carries_whole(&self) -> bool {
         !self.acl.is_bootstrapped()
+            && self.queues.is_unset()
             && self.jobs.values().all(|j| {
-                j.spec.resources.is_unset() && j.spec.logs.is_unset() && j.submitted_by.is_none()
+                j.spec.resources.is_unset()
+                    && j.spec.logs.is_unset()
+                    && j.spec.queue.is_empty()
+                    && j.submitted_by.is_none()
             })
             && self.nodes.values().all(|n| n.gone_gpus.is_empty())
     }
@@ -567,6 +580,19 @@ impl ClusterState {
     /// The tokens the cluster knows ([`crate::acl`]).
     pub fn acl(&self) -> &Acl {
         &self.acl
+    }
+
+    /// The cluster's queues ([`crate::queue`]).
+    pub fn queues(&self) -> &Queues {
+        &self.queues
+    }
+
+    /// Whether any node (alive or lost) has a GPU of `gpu_type`: the types
+    /// a queue's quota may name.
+    pub fn knows_gpu_type(&self, gpu_type: &str) -> bool {
+        self.nodes
+            .values()
+            .any(|n| n.gpus.values().any(|t| t == gpu_type))
     }
 
     /// The policy-memory slot, as a snapshot carries it.
@@ -637,6 +663,20 @@ impl ClusterState {
         // Likewise the tokens, once the ACLs are bootstrapped.
         if self.acl.is_bootstrapped() {
             let _ = postcard::to_io(&self.acl, &mut writer);
+        }
+        // Likewise the jobs' queues, once a job names one, and the queues,
+        // once there is one.
+        let job_queues: Vec<(JobId, &String)> = self
+            .jobs
+            .iter()
+            .filter(|(_, job)| !job.spec.queue.is_empty())
+            .map(|(id, job)| (*id, &job.spec.queue))
+            .collect();
+        if !job_queues.is_empty() {
+            let _ = postcard::to_io(&job_queues, &mut writer);
+        }
+        if !self.queues.is_unset() {
+            let _ = postcard::to_io(&self.queues, &mut writer);
         }
         StateHash(*hasher.finalize().as_bytes())
     }
@@ -807,6 +847,27 @@ impl ClusterState {
                     membership_index: *membership_index,
                 }])
             }
+            Command::CreateQueue { name, spec } => {
+                spec.validate(|t| self.knows_gpu_type(t))?;
+                self.queues
+                    .create(name, spec, at_ms, entry.actor.as_ref())?;
+                Ok(vec![Event::QueueCreated { name: name.clone() }])
+            }
+            Command::UpdateQueue { name, spec } => {
+                spec.validate(|t| self.knows_gpu_type(t))?;
+                self.queues
+                    .update(name, spec, at_ms, entry.actor.as_ref())?;
+                Ok(vec![Event::QueueUpdated { name: name.clone() }])
+            }
+            Command::DeleteQueue { name } => {
+                let unfinished: Vec<JobId> = self
+                    .unfinished_jobs()
+                    .filter(|j| j.spec.queue == *name)
+                    .map(|j| j.id)
+                    .collect();
+                self.queues.delete(name, &unfinished)?;
+                Ok(vec![Event::QueueDeleted { name: name.clone() }])
+            }
             Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
             Command::SetPolicy { name } => {
                 check_len("policy", name, limits::POLICY_NAME_MAX_LEN)?;
@@ -847,6 +908,15 @@ impl ClusterState {
             }
             Command::SubmitJob { spec } => {
                 spec.validate()?;
+                if !spec.queue.is_empty() && !self.queues.exists(&spec.queue) {
+                    return Err(ApplyError::Invalid {
+                        field: "queue".into(),
+                        reason: format!(
+                            "no queue is named {:?} (keel queue list shows them)",
+                            spec.queue
+                        ),
+                    });
+                }
                 let job_id = self.next_job_id;
                 self.next_job_id += 1;
                 self.jobs.insert(

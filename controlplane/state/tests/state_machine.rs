@@ -994,6 +994,114 @@ fn retention_removes_the_oldest_ended_jobs_but_not_one_whose_worker_runs() {
     );
 }
 
+/// Issue 23, item 1: queues are replicated state. A quota names the
+/// cluster's GPU types; a job names an existing queue; a queue holding an
+/// unfinished job is kept; every refusal names its field and changes
+/// nothing (the harness checks that); queues are hashed.
+#[test]
+fn queues_are_made_changed_and_deleted_through_the_log_and_jobs_name_them() {
+    use keel_state::queue::{QueueError, QueueSpec};
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let before = h.state.state_hash();
+    let quota = |t: &str, n: u32| QueueSpec::with_quota([(t.to_string(), n)].into());
+    let refused_field = |r: Result<Vec<Event>, ApplyError>| match r {
+        Err(ApplyError::Queue(QueueError::Invalid { field, .. }))
+        | Err(ApplyError::Invalid { field, .. }) => field,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        refused_field(h.apply(Command::CreateQueue {
+            name: "team-a".into(),
+            spec: quota("h100", 1),
+        })),
+        "quota"
+    );
+    assert_eq!(
+        refused_field(h.apply(Command::CreateQueue {
+            name: "Team A".into(),
+            spec: quota("v100", 1),
+        })),
+        "name"
+    );
+    let mut in_team = spec("a", 1, 1);
+    in_team.queue = "team-a".into();
+    assert_eq!(
+        refused_field(h.apply(Command::SubmitJob {
+            spec: in_team.clone()
+        })),
+        "queue",
+        "no such queue yet"
+    );
+    assert_eq!(
+        h.apply(Command::CreateQueue {
+            name: "team-a".into(),
+            spec: quota("v100", 1),
+        }),
+        Ok(vec![Event::QueueCreated {
+            name: "team-a".into()
+        }])
+    );
+    assert_ne!(h.state.state_hash(), before, "queues are hashed");
+    assert!(matches!(
+        h.apply(Command::CreateQueue {
+            name: "team-a".into(),
+            spec: quota("v100", 2),
+        }),
+        Err(ApplyError::Queue(QueueError::Exists(_)))
+    ));
+    let a = h.submit(in_team);
+    assert_eq!(
+        h.state.job(a).map(|j| j.spec.queue.as_str()),
+        Some("team-a")
+    );
+    h.apply(Command::UpdateQueue {
+        name: "team-a".into(),
+        spec: quota("v100", 2),
+    })
+    .expect("updated");
+    assert_eq!(
+        h.state.queues().spec("team-a").and_then(|s| s.quota),
+        Some([("v100".to_string(), 2)].into())
+    );
+    assert!(matches!(
+        h.apply(Command::DeleteQueue {
+            name: "team-a".into()
+        }),
+        Err(ApplyError::Queue(QueueError::HoldsJobs { jobs: 1, .. }))
+    ));
+    h.apply(Command::CancelJob {
+        job_id: a,
+        reason: String::new(),
+    })
+    .expect("cancelled");
+    h.apply(Command::DeleteQueue {
+        name: "team-a".into(),
+    })
+    .expect("deleted once its job ended");
+    assert!(matches!(
+        h.apply(Command::DeleteQueue {
+            name: "default".into()
+        }),
+        Err(ApplyError::Queue(QueueError::DefaultKept))
+    ));
+    // The default queue takes a quota, and jobs naming it or none.
+    h.apply(Command::UpdateQueue {
+        name: "default".into(),
+        spec: quota("v100", 1),
+    })
+    .expect("the default queue takes a quota");
+    let mut in_default = spec("b", 1, 1);
+    in_default.queue = "default".into();
+    h.submit(in_default);
+    h.submit(spec("c", 1, 1));
+    // A decoded snapshot holds the same queues.
+    let decoded = keel_state::ClusterState::from_snapshot_proto(h.state.to_snapshot_proto())
+        .expect("decodes");
+    assert_eq!(decoded.queues(), h.state.queues());
+    assert_eq!(decoded.state_hash(), h.state.state_hash());
+}
+
 fn v100s(indexes: &[u32]) -> Vec<Gpu> {
     indexes
         .iter()

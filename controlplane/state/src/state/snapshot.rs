@@ -14,9 +14,9 @@ use keel_proto::entry as pb;
 use super::{ClusterState, FreeCache, JobIndexes};
 use crate::acl::{Acl, Token};
 use crate::codec::{
-    event_from_proto, event_to_proto, gpu_ref_from_proto, gpu_ref_to_proto, role_from_proto,
-    role_to_proto, sample_from_proto, sample_to_proto, secret_hash_from_proto, spec_from_proto,
-    spec_to_proto, DecodeError,
+    event_from_proto, event_to_proto, gpu_ref_from_proto, gpu_ref_to_proto, queue_spec_from_proto,
+    queue_spec_to_proto, role_from_proto, role_to_proto, sample_from_proto, sample_to_proto,
+    secret_hash_from_proto, spec_from_proto, spec_to_proto, DecodeError,
 };
 use crate::free_gpus::FreeGpus;
 use crate::model::{
@@ -24,6 +24,7 @@ use crate::model::{
 };
 use crate::perf_history::{PerfHistory, SpeedStat};
 use crate::policy_memory::{PolicyMemory, PolicyMemorySlot};
+use crate::queue::{Queue, Queues};
 use crate::requests::{RecentRequests, Remembered};
 
 impl ClusterState {
@@ -85,6 +86,19 @@ impl ClusterState {
                         created_at_ms: t.created_at_ms,
                         expires_at_ms: t.expires_at_ms,
                         created_by: t.created_by.clone(),
+                    })
+                    .collect(),
+            }),
+            queues: (!self.queues.is_unset()).then(|| pb::QueueState {
+                queues: self
+                    .queues
+                    .stored()
+                    .iter()
+                    .map(|(name, q)| pb::QueueRecord {
+                        name: name.clone(),
+                        spec: Some(queue_spec_to_proto(&q.spec)),
+                        changed_at_ms: q.changed_at_ms,
+                        changed_by: q.changed_by.clone(),
                     })
                     .collect(),
             }),
@@ -180,8 +194,23 @@ impl ClusterState {
                     .map_err(|e| inconsistent(format!("the tokens: {e}")))?
             }
         };
+        let mut queues = BTreeMap::new();
+        for q in m.queues.map(|q| q.queues).unwrap_or_default() {
+            let queue = Queue {
+                spec: queue_spec_from_proto(
+                    q.spec
+                        .ok_or_else(|| inconsistent(format!("queue {:?} has no spec", q.name)))?,
+                ),
+                changed_at_ms: q.changed_at_ms,
+                changed_by: q.changed_by,
+            };
+            if queues.insert(q.name.clone(), queue).is_some() {
+                return Err(inconsistent(format!("queue {:?} is listed twice", q.name)));
+            }
+        }
         let state = ClusterState {
             acl,
+            queues: Queues::from_parts(queues),
             next_job_id: m.next_job_id,
             indexes: JobIndexes::of(&jobs),
             capacity: FreeGpus::of_nodes(&nodes),
