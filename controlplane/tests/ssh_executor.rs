@@ -561,7 +561,7 @@ fn a_worker_over_ssh_printing_200_mb_leaves_its_rotation_on_the_host() {
     wait_for("the removal to be logged", || {
         server
             .log_text()
-            .contains("removed the logs of a job finished longer ago than --retain-logs-s")
+            .contains("removed the logs of a finished job (--retain-logs-s)")
             .then_some(())
     });
     server.terminate();
