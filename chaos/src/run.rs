@@ -234,18 +234,32 @@ async fn jobs_on(cluster: &Cluster, id: u64) -> BTreeMap<u64, (String, String)> 
     let Some(mut c) = cluster.client(id) else {
         return BTreeMap::new();
     };
-    let mut request = tonic::Request::new(api::ListJobsRequest::default());
-    if let Ok(v) = "stale".parse() {
-        request.metadata_mut().insert("keel-read", v);
-    }
-    match tokio::time::timeout(Duration::from_secs(10), c.list_jobs(request)).await {
-        Ok(Ok(r)) => r
-            .into_inner()
-            .jobs
-            .into_iter()
-            .map(|j| (j.id, (j.spec.map(|s| s.name).unwrap_or_default(), j.state)))
-            .collect(),
-        _ => BTreeMap::new(),
+    let mut all = BTreeMap::new();
+    let mut page_token = String::new();
+    // Page after page (the server answers at most 1,000 jobs by default).
+    loop {
+        let mut request = tonic::Request::new(api::ListJobsRequest {
+            page_token: page_token.clone(),
+            ..Default::default()
+        });
+        if let Ok(v) = "stale".parse() {
+            request.metadata_mut().insert("keel-read", v);
+        }
+        match tokio::time::timeout(Duration::from_secs(10), c.list_jobs(request)).await {
+            Ok(Ok(r)) => {
+                let r = r.into_inner();
+                all.extend(
+                    r.jobs
+                        .into_iter()
+                        .map(|j| (j.id, (j.spec.map(|s| s.name).unwrap_or_default(), j.state))),
+                );
+                if r.next_page_token.is_empty() {
+                    return all;
+                }
+                page_token = r.next_page_token;
+            }
+            _ => return BTreeMap::new(),
+        }
     }
 }
 

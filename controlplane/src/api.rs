@@ -52,6 +52,10 @@ const LOG_TAIL_DEFAULT_BYTES: u64 = 64 * 1024;
 const LOG_TAIL_MAX_BYTES: u64 = 4 * 1024 * 1024;
 /// Default and largest number of entries JobHistory returns.
 const HISTORY_MAX_ENTRIES: usize = 10_000;
+/// Jobs in one `ListJobs` answer when its `page_size` is 0 (well under
+/// the 4 MiB a gRPC client takes by default), and the most it may ask.
+const LIST_JOBS_PAGE_DEFAULT: usize = 1_000;
+const LIST_JOBS_PAGE_MAX: usize = 10_000;
 
 /// Metadata a replica sets on a request it forwards to the leader, so the
 /// leader never forwards it again.
@@ -510,6 +514,31 @@ impl Keel for KeelApi {
             }
             .into());
         }
+        let page_size = match req.page_size as usize {
+            0 => LIST_JOBS_PAGE_DEFAULT,
+            n if n > LIST_JOBS_PAGE_MAX => {
+                return Err(ApiError::InvalidArgument {
+                    field: "page_size",
+                    message: format!("{n} is more than the limit of {LIST_JOBS_PAGE_MAX}"),
+                }
+                .into())
+            }
+            n => n,
+        };
+        // The token is the last job id of the page before.
+        let after: u64 = if req.page_token.is_empty() {
+            0
+        } else {
+            req.page_token
+                .parse()
+                .map_err(|_| ApiError::InvalidArgument {
+                    field: "page_token",
+                    message: format!(
+                        "{:?} is not a token this server gave (next_page_token)",
+                        req.page_token
+                    ),
+                })?
+        };
         if !stale {
             self.linearizable().await?;
         }
@@ -518,10 +547,11 @@ impl Keel for KeelApi {
         let mut why_by_shape: std::collections::BTreeMap<(u32, u32, &Vec<String>), Option<String>> =
             std::collections::BTreeMap::new();
         let mut owned = std::collections::BTreeMap::new();
-        let jobs = applied
+        let mut jobs: Vec<api::Job> = applied
             .state
             .jobs()
-            .values()
+            .range(after.saturating_add(1)..)
+            .map(|(_, j)| j)
             .filter(|j| state.is_none_or(|s| j.state == s))
             .filter(|j| req.user.is_empty() || j.spec.user == req.user)
             .filter(|j| {
@@ -547,8 +577,18 @@ impl Keel for KeelApi {
                 }
                 reply
             })
+            .take(page_size + 1)
             .collect();
-        Ok(Response::new(api::ListJobsResponse { jobs }))
+        let next_page_token = if jobs.len() > page_size {
+            jobs.truncate(page_size);
+            jobs.last().map(|j| j.id.to_string()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(api::ListJobsResponse {
+            jobs,
+            next_page_token,
+        }))
     }
 
     async fn list_nodes(

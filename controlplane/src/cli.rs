@@ -419,17 +419,27 @@ pub async fn jobs(
     queue: Option<String>,
     out: Output,
 ) -> anyhow::Result<()> {
-    let request = api::ListJobsRequest {
+    let mut request = api::ListJobsRequest {
         state: state.unwrap_or_default(),
         user: user.unwrap_or_default(),
         queue: queue.unwrap_or_default(),
+        ..Default::default()
     };
-    let (resp, _) = read(addr, |mut client| {
-        let request = request.clone();
-        async move { client.list_jobs(request).await }
-    })
-    .await?;
-    render::jobs(&resp.jobs, out)
+    // Page after page: the server answers at most 10,000 jobs at a time.
+    let mut jobs = Vec::new();
+    loop {
+        let (resp, _) = read(addr, |mut client| {
+            let request = request.clone();
+            async move { client.list_jobs(request).await }
+        })
+        .await?;
+        jobs.extend(resp.jobs);
+        if resp.next_page_token.is_empty() {
+            break;
+        }
+        request.page_token = resp.next_page_token;
+    }
+    render::jobs(&jobs, out)
 }
 
 pub async fn job(addr: &str, id: u64, out: Output) -> anyhow::Result<()> {

@@ -312,6 +312,116 @@ fn queues_are_made_listed_and_deleted_and_bad_ones_name_their_field() {
     server.terminate();
 }
 
+/// `ListJobs` answers a page at a time: every job once, in submission
+/// order, with a token for the rest; a filter applies before the page is
+/// cut; a page too large or a token it never gave is refused naming the
+/// field. `keel jobs` follows the pages.
+#[test]
+fn jobs_are_listed_a_page_at_a_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start(&dir.path().join("data"));
+    let addr = format!("http://{}", server.addr);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async move {
+        let mut client = KeelClient::connect(addr).await.expect("connect");
+        for i in 0..5 {
+            client
+                .submit_job(api::SubmitJobRequest {
+                    spec: Some(small_spec(format!("page-{i}"))),
+                    request_id: String::new(),
+                })
+                .await
+                .expect("submitted");
+        }
+        client
+            .cancel_job(api::CancelJobRequest {
+                job_id: 2,
+                ..Default::default()
+            })
+            .await
+            .expect("cancelled");
+        let pages = |state: &'static str| {
+            let mut client = client.clone();
+            async move {
+                let mut pages: Vec<Vec<u64>> = Vec::new();
+                let mut page_token = String::new();
+                loop {
+                    let r = client
+                        .list_jobs(api::ListJobsRequest {
+                            state: state.into(),
+                            page_size: 2,
+                            page_token: page_token.clone(),
+                            ..Default::default()
+                        })
+                        .await
+                        .expect("a page")
+                        .into_inner();
+                    pages.push(r.jobs.iter().map(|j| j.id).collect());
+                    if r.next_page_token.is_empty() {
+                        return pages;
+                    }
+                    page_token = r.next_page_token;
+                }
+            }
+        };
+        assert_eq!(pages("").await, vec![vec![1, 2], vec![3, 4], vec![5]]);
+        assert_eq!(pages("pending").await, vec![vec![1, 3], vec![4, 5]]);
+        for (request, field) in [
+            (
+                api::ListJobsRequest {
+                    page_size: 10_001,
+                    ..Default::default()
+                },
+                "page_size",
+            ),
+            (
+                api::ListJobsRequest {
+                    page_token: "not-a-token".into(),
+                    ..Default::default()
+                },
+                "page_token",
+            ),
+        ] {
+            let refused = client.list_jobs(request).await.expect_err("refused");
+            assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+            assert!(refused.message().contains(field), "{}", refused.message());
+        }
+        // More than one default page (1,000 jobs).
+        let more = (5..1_003).map(|i| {
+            let mut client = client.clone();
+            async move {
+                client
+                    .submit_job(api::SubmitJobRequest {
+                        spec: Some(small_spec(format!("page-{i}"))),
+                        request_id: String::new(),
+                    })
+                    .await
+                    .expect("submitted");
+            }
+        });
+        futures::future::join_all(more).await;
+        let first = client
+            .list_jobs(api::ListJobsRequest::default())
+            .await
+            .expect("the first page")
+            .into_inner();
+        assert_eq!(first.jobs.len(), 1_000);
+        assert_eq!(first.next_page_token, "1000");
+    });
+    let listed = server.json(&["jobs"]);
+    let ids: Vec<u64> = listed
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|j| j["id"].as_u64())
+        .collect();
+    assert_eq!(
+        ids,
+        (1..=1_003).collect::<Vec<u64>>(),
+        "keel jobs follows the pages"
+    );
+}
+
 #[test]
 fn events_follow_streams_new_entries() {
     let dir = tempfile::tempdir().expect("tempdir");
