@@ -927,6 +927,30 @@ class Queues(OneServer):
         self.assertEqual(names, ["default"])
 
 
+class Paging(OneServer):
+    """ListJobs answers a page at a time; a bad size or token names its
+    field."""
+
+    def test_jobs_come_a_page_at_a_time_and_bad_pages_name_their_field(self):
+        for i in range(3):
+            self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("p%d" % i)), timeout=20)
+        ids, token = [], ""
+        while True:
+            page = self.stub.ListJobs(api.ListJobsRequest(page_size=2, page_token=token), timeout=10)
+            ids.append([j.id for j in page.jobs])
+            token = page.next_page_token
+            if not token:
+                break
+        self.assertEqual(ids, [[1, 2], [3]])
+        for request, field in [
+            (api.ListJobsRequest(page_size=10001), "page_size"),
+            (api.ListJobsRequest(page_token="x"), "page_token"),
+        ]:
+            code, message, info = refusal(self, self.stub.ListJobs, request)
+            self.assertEqual((code, info.metadata["field"]), (grpc.StatusCode.INVALID_ARGUMENT, field), message)
+        self.assert_serving(["p0", "p1", "p2"])
+
+
 class NoIdentityInPlaintext(OneServer):
     """Issue 22, item 3: without TLS there is no identity: an entry records
     no actor, whatever `keel-caller` header the caller sends."""
