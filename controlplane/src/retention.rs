@@ -82,8 +82,10 @@ impl Retention {
 }
 
 /// The finished jobs whose logs are due for removal at `now_ms`: finished
-/// at least `retain_ms` ago and not yet removed, oldest first, at most
-/// `max` of them.
+/// at least `retain_ms` ago (their workers all exited) and not yet
+/// removed, oldest first, at most `max` of them. Read from the state's
+/// index of ended jobs: a sweep costs the jobs past the retention, not
+/// every job held.
 pub fn due(
     state: &ClusterState,
     now_ms: u64,
@@ -91,17 +93,13 @@ pub fn due(
     removed: &BTreeSet<JobId>,
     max: usize,
 ) -> Vec<JobId> {
-    let mut due: Vec<(u64, JobId)> = state
-        .jobs()
-        .values()
-        .filter(|j| j.state.is_terminal() && !removed.contains(&j.id))
-        .filter_map(|j| {
-            let finished = j.finished_at_ms?;
-            (now_ms.saturating_sub(finished) >= retain_ms).then_some((finished, j.id))
-        })
-        .collect();
-    due.sort_unstable();
-    due.into_iter().take(max).map(|(_, id)| id).collect()
+    state
+        .ended_jobs()
+        .take_while(|(finished_ms, _)| now_ms.saturating_sub(*finished_ms) >= retain_ms)
+        .filter(|(_, id)| !removed.contains(id))
+        .take(max)
+        .map(|(_, id)| id)
+        .collect()
 }
 
 /// Log removals per sweep: a backlog (a first sweep on an old cluster) is
@@ -148,10 +146,10 @@ pub async fn retention_loop<E: Executor>(
             let shared = node.state_machine.shared();
             let applied = shared.read();
             let logs_due = match retention.logs {
-                Some(retain) => due(
+                Some(_) => due(
                     &applied.state,
                     now_ms,
-                    millis(Some(retain), 0),
+                    millis(retention.logs, 0),
                     &removed,
                     PER_SWEEP,
                 ),

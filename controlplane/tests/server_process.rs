@@ -51,6 +51,20 @@ fn small_spec(name: String) -> JobSpec {
     }
 }
 
+/// Submits `small_spec(name)` through gRPC, without a request id; its
+/// job id.
+async fn submit_small(client: &mut KeelClient<tonic::transport::Channel>, name: String) -> u64 {
+    client
+        .submit_job(api::SubmitJobRequest {
+            spec: Some(small_spec(name)),
+            request_id: String::new(),
+        })
+        .await
+        .expect("submitted")
+        .into_inner()
+        .job_id
+}
+
 const SPEC: &str = "name: resnet\nuser: ada\ncommand: [python3, train.py]\ngpus: 2\nworkers: {min: 1, max: 2}\ngpu_types: {allowed: [v100]}\ntotal_steps: 500\n";
 
 #[test]
@@ -229,6 +243,14 @@ fn queues_are_made_listed_and_deleted_and_bad_ones_name_their_field() {
     );
     refused(&["queue", "create", "team-a"], "--quota");
     refused(
+        &["queue", "create", "team-a", "--quota", "v100"],
+        "is not TYPE=N",
+    );
+    refused(
+        &["queue", "create", "team-a", "--quota", "v100=1,v100=2"],
+        "given twice",
+    );
+    refused(
         &["queue", "delete", "default"],
         "default queue cannot be deleted",
     );
@@ -325,13 +347,7 @@ fn jobs_are_listed_a_page_at_a_time() {
     rt.block_on(async move {
         let mut client = KeelClient::connect(addr).await.expect("connect");
         for i in 0..5 {
-            client
-                .submit_job(api::SubmitJobRequest {
-                    spec: Some(small_spec(format!("page-{i}"))),
-                    request_id: String::new(),
-                })
-                .await
-                .expect("submitted");
+            submit_small(&mut client, format!("page-{i}")).await;
         }
         client
             .cancel_job(api::CancelJobRequest {
@@ -389,15 +405,7 @@ fn jobs_are_listed_a_page_at_a_time() {
         // More than one default page (1,000 jobs).
         let more = (5..1_003).map(|i| {
             let mut client = client.clone();
-            async move {
-                client
-                    .submit_job(api::SubmitJobRequest {
-                        spec: Some(small_spec(format!("page-{i}"))),
-                        request_id: String::new(),
-                    })
-                    .await
-                    .expect("submitted");
-            }
+            async move { submit_small(&mut client, format!("page-{i}")).await }
         });
         futures::future::join_all(more).await;
         let first = client
@@ -471,14 +479,7 @@ fn restart_and_sigkill_lose_nothing_acknowledged() {
                 .expect("connect");
             let mut acked = Vec::new();
             for i in 0..50 {
-                let resp = client
-                    .submit_job(api::SubmitJobRequest {
-                        spec: Some(small_spec(format!("burst-{i}"))),
-                        request_id: String::new(),
-                    })
-                    .await
-                    .expect("submit");
-                acked.push(resp.into_inner().job_id);
+                acked.push(submit_small(&mut client, format!("burst-{i}")).await);
             }
             acked
         });
@@ -788,13 +789,7 @@ fn snapshots_compact_the_log_and_restarts_load_them() {
                 .await
                 .expect("connect");
             for i in 0..120 {
-                client
-                    .submit_job(api::SubmitJobRequest {
-                        spec: Some(small_spec(format!("s{i}"))),
-                        request_id: String::new(),
-                    })
-                    .await
-                    .expect("submit");
+                submit_small(&mut client, format!("s{i}")).await;
             }
         });
     let hash = server.json(&["cluster", "status"])["state_hash"].clone();
@@ -864,6 +859,43 @@ fn the_kubernetes_flags_refuse_bad_values() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(expected), "{args:?}: {err}");
     }
+}
+
+/// Issue 23: the retention flags refuse what is not a retention, naming
+/// the flag and its range, before a data directory is made.
+#[test]
+fn the_retention_flags_refuse_bad_values() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (args, expected) in [
+        (
+            ["--retain-finished-s=-1", "--retain-logs-s=1"],
+            "--retain-finished-s must be between 0 and 315360000 seconds, not -1",
+        ),
+        (
+            ["--retain-finished-s", "inf"],
+            "--retain-finished-s must be between 0 and 315360000 seconds, not inf",
+        ),
+        (
+            ["--retain-logs-s", "NaN"],
+            "--retain-logs-s must be between 0 and 315360000 seconds, not NaN",
+        ),
+        (
+            ["--retain-finished-max=-3", "--retain-logs-s=1"],
+            "--retain-finished-max",
+        ),
+    ] {
+        let out = Command::new(support::KEEL)
+            .args(["server", "--listen", "127.0.0.1:0", "--no-local-node"])
+            .args(args)
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .output()
+            .expect("keel server");
+        assert!(!out.status.success(), "{args:?} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("data").exists(), "nothing was made");
 }
 
 /// `keel cluster force-new-cluster` refuses what it cannot recover, naming

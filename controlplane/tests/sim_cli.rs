@@ -105,6 +105,25 @@ fn bad_inputs_are_refused_naming_the_line_or_flag() {
         err.contains("--tiresias-thresholds-gpu-s") && err.contains("ascend"),
         "{err}"
     );
+    // Retention (issue 23): a negative age, no finished job kept.
+    for (flags, expected) in [
+        (
+            ["--retain-finished-s=-5", "--seed=0"],
+            "--retain-finished-s",
+        ),
+        (["--retain-finished-s", "NaN"], "--retain-finished-s"),
+        (
+            ["--retain-finished-max", "0"],
+            "--retain-finished-max must be at least 1",
+        ),
+    ] {
+        let mut args = vec!["--generate", "10"];
+        args.extend(flags);
+        let out = sim(&args);
+        assert!(!out.status.success(), "{flags:?} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{flags:?}: {err}");
+    }
 }
 
 #[test]

@@ -30,15 +30,29 @@ fn checked_spec(
     Ok(spec)
 }
 
-/// What a queue holds and waits for, from the state.
-fn status_of(state: &ClusterState, name: &str, spec: QueueSpec) -> api::QueueStatus {
-    let mut used: BTreeMap<String, u32> = BTreeMap::new();
-    let (mut running_jobs, mut pending_jobs, mut pending_gpus) = (0u32, 0u32, 0u32);
-    let in_queue = |q: &str| q == name || (q.is_empty() && name == DEFAULT_QUEUE);
-    for job in state.unfinished_jobs().filter(|j| in_queue(&j.spec.queue)) {
+/// What a queue's unfinished jobs hold and wait for.
+#[derive(Default)]
+struct Usage {
+    used: BTreeMap<String, u32>,
+    running_jobs: u32,
+    pending_jobs: u32,
+    pending_gpus: u32,
+}
+
+/// Every queue's usage, by name, from one pass over the unfinished jobs
+/// (a job naming no queue is the default queue's).
+fn usage_by_queue(state: &ClusterState) -> BTreeMap<&str, Usage> {
+    let mut by_queue: BTreeMap<&str, Usage> = BTreeMap::new();
+    for job in state.unfinished_jobs() {
+        let name = if job.spec.queue.is_empty() {
+            DEFAULT_QUEUE
+        } else {
+            job.spec.queue.as_str()
+        };
+        let usage = by_queue.entry(name).or_default();
         match &job.allocation {
             Some(a) => {
-                running_jobs += 1;
+                usage.running_jobs += 1;
                 for g in &a.gpus {
                     let gpu_type = state
                         .nodes()
@@ -46,19 +60,27 @@ fn status_of(state: &ClusterState, name: &str, spec: QueueSpec) -> api::QueueSta
                         .and_then(|n| n.gpus.get(&g.index))
                         .cloned()
                         .unwrap_or_default();
-                    *used.entry(gpu_type).or_default() += 1;
+                    *usage.used.entry(gpu_type).or_default() += 1;
                 }
             }
             None => {
-                pending_jobs += 1;
-                pending_gpus =
-                    pending_gpus.saturating_add(job.spec.gpus.saturating_mul(job.spec.workers.min));
+                usage.pending_jobs += 1;
+                usage.pending_gpus = usage
+                    .pending_gpus
+                    .saturating_add(job.spec.gpus.saturating_mul(job.spec.workers.min));
             }
         }
     }
+    by_queue
+}
+
+/// Queue `name`'s status: its spec, what it uses, and what it borrows
+/// beyond its quota.
+fn status_of(state: &ClusterState, name: &str, spec: QueueSpec, usage: Usage) -> api::QueueStatus {
     let borrowed = match &spec.quota {
         None => BTreeMap::new(),
-        Some(quota) => used
+        Some(quota) => usage
+            .used
             .iter()
             .filter_map(|(t, n)| {
                 let over = n.saturating_sub(quota.get(t).copied().unwrap_or(0));
@@ -74,15 +96,29 @@ fn status_of(state: &ClusterState, name: &str, spec: QueueSpec) -> api::QueueSta
         changed_by: stored
             .and_then(|q| q.changed_by.clone())
             .unwrap_or_default(),
-        used: used.into_iter().collect(),
-        borrowed: borrowed.into_iter().collect(),
-        running_jobs,
-        pending_jobs,
-        pending_gpus,
+        used: usage.used,
+        borrowed,
+        running_jobs: usage.running_jobs,
+        pending_jobs: usage.pending_jobs,
+        pending_gpus: usage.pending_gpus,
     }
 }
 
 impl KeelApi {
+    /// Proposes a queue command and answers with its index.
+    async fn propose_queue_change(
+        &self,
+        command: Command,
+        name: &str,
+        request_id: String,
+        actor: Option<String>,
+        what: &str,
+    ) -> Result<Response<api::QueueChangeResponse>, Status> {
+        let (index, _) = self.propose_request(command, request_id, actor).await?;
+        tracing::info!(queue = %name, index, "queue {what}");
+        Ok(Response::new(api::QueueChangeResponse { index }))
+    }
+
     pub(super) async fn create_queue_call(
         &self,
         request: Request<api::CreateQueueRequest>,
@@ -98,9 +134,8 @@ impl KeelApi {
             name: req.name.clone(),
             spec,
         };
-        let (index, _) = self.propose_request(command, req.request_id, actor).await?;
-        tracing::info!(queue = %req.name, index, "queue created");
-        Ok(Response::new(api::QueueChangeResponse { index }))
+        self.propose_queue_change(command, &req.name, req.request_id, actor, "created")
+            .await
     }
 
     pub(super) async fn update_queue_call(
@@ -122,9 +157,8 @@ impl KeelApi {
             name: req.name.clone(),
             spec,
         };
-        let (index, _) = self.propose_request(command, req.request_id, actor).await?;
-        tracing::info!(queue = %req.name, index, "queue changed");
-        Ok(Response::new(api::QueueChangeResponse { index }))
+        self.propose_queue_change(command, &req.name, req.request_id, actor, "changed")
+            .await
     }
 
     pub(super) async fn delete_queue_call(
@@ -140,9 +174,8 @@ impl KeelApi {
         let command = Command::DeleteQueue {
             name: req.name.clone(),
         };
-        let (index, _) = self.propose_request(command, req.request_id, actor).await?;
-        tracing::info!(queue = %req.name, index, "queue deleted");
-        Ok(Response::new(api::QueueChangeResponse { index }))
+        self.propose_queue_change(command, &req.name, req.request_id, actor, "deleted")
+            .await
     }
 
     pub(super) async fn list_queues_call(
@@ -156,12 +189,16 @@ impl KeelApi {
         }
         let shared = self.node.state_machine.shared();
         let applied = shared.read();
+        let mut usage = usage_by_queue(&applied.state);
         let queues = applied
             .state
             .queues()
             .all()
             .into_iter()
-            .map(|(name, spec)| status_of(&applied.state, &name, spec))
+            .map(|(name, spec)| {
+                let used = usage.remove(name.as_str()).unwrap_or_default();
+                status_of(&applied.state, &name, spec, used)
+            })
             .collect();
         Ok(Response::new(api::ListQueuesResponse { queues }))
     }

@@ -254,7 +254,7 @@ impl Queues {
         if spec.quota.is_none() {
             return Err(invalid(
                 "quota",
-                "a queue needs a quota (GPUs per type; `none=0` for a queue that only borrows)"
+                "a queue needs a quota (GPUs per type; an empty one for a queue that only borrows)"
                     .into(),
             ));
         }
@@ -263,6 +263,11 @@ impl Queues {
                 limit: limits::QUEUES_MAX,
             });
         }
+        self.put(name, spec, at_ms, actor);
+        Ok(())
+    }
+
+    fn put(&mut self, name: &str, spec: &QueueSpec, at_ms: u64, actor: Option<&String>) {
         self.queues.insert(
             name.into(),
             Queue {
@@ -271,7 +276,6 @@ impl Queues {
                 changed_by: actor.cloned(),
             },
         );
-        Ok(())
     }
 
     /// Replaces queue `name`'s spec (validated already).
@@ -289,14 +293,7 @@ impl Queues {
         if spec.quota.is_none() && name != DEFAULT_QUEUE {
             return Err(invalid("quota", "a queue needs a quota".into()));
         }
-        self.queues.insert(
-            name.into(),
-            Queue {
-                spec: spec.clone(),
-                changed_at_ms: at_ms,
-                changed_by: actor.cloned(),
-            },
-        );
+        self.put(name, spec, at_ms, actor);
         Ok(())
     }
 

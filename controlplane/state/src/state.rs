@@ -464,18 +464,22 @@ impl ClusterState {
         keep_max: usize,
         limit: usize,
     ) -> Vec<JobId> {
-        let ended = self.indexes.removable.len();
-        let beyond_max = ended.saturating_sub(keep_max);
-        self.indexes
-            .removable
-            .iter()
+        let beyond_max = self.ended_job_count().saturating_sub(keep_max);
+        self.ended_jobs()
             .enumerate()
             .take_while(|(i, (finished_ms, _))| {
                 *i < beyond_max || now_ms.saturating_sub(*finished_ms) >= retain_ms
             })
             .take(limit)
-            .map(|(_, (_, id))| *id)
+            .map(|(_, (_, id))| id)
             .collect()
+    }
+
+    /// The ended jobs whose workers have all exited, as (`finished_at_ms`,
+    /// id), oldest first: what retention removes, and whose logs it
+    /// removes, read from an index `apply` keeps.
+    pub fn ended_jobs(&self) -> impl Iterator<Item = (u64, JobId)> + '_ {
+        self.indexes.removable.iter().copied()
     }
 
     /// How many ended jobs the state holds (those retention may remove).
