@@ -118,7 +118,7 @@ fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
 }
 
 fn round(state: &ClusterState, policy: &Fifo) -> usize {
-    let plan = policy.plan(&SchedulingInput { state, now_ms: 0 });
+    let plan = policy.plan(&SchedulingInput::everyone(state, 0));
     plan.changes(state).len()
 }
 
@@ -147,7 +147,7 @@ fn fifo_round(c: &mut Criterion) {
         for (case, state) in [("half_busy", &busy), ("half_busy_elastic", &elastic)] {
             group.bench_function(format!("{name}_{case}"), |b| {
                 b.iter(|| {
-                    let plan = policy.plan(&SchedulingInput { state, now_ms: 0 });
+                    let plan = policy.plan(&SchedulingInput::everyone(state, 0));
                     plan.changes(state).len()
                 })
             });

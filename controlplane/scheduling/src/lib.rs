@@ -19,6 +19,7 @@
 //! `keel-sim` (a tidy test checks this). It reads `keel-state`; nothing
 //! in `keel-state` reads it.
 
+pub mod admission;
 pub mod engine;
 pub mod gavel;
 pub mod perf;

@@ -95,6 +95,17 @@ fn shrink(gpus: &[GpuRef], per_worker: u32, workers: u32) -> Vec<GpuRef> {
 /// cluster's GPUs. A job whose planned size cannot be placed gets the
 /// largest smaller size (down to its minimum) that can, or none.
 pub fn place_sizes(state: &ClusterState, sizes: &Sizes, order: &[JobId]) -> Plan {
+    place_sizes_of(state, |id| state.job(id), sizes, order)
+}
+
+/// [`place_sizes`], with each job's spec as `job` shows it (the
+/// admission's copy, its types narrowed to those its queue may use).
+pub fn place_sizes_of<'a>(
+    state: &'a ClusterState,
+    job: impl Fn(JobId) -> Option<&'a Job>,
+    sizes: &Sizes,
+    order: &[JobId],
+) -> Plan {
     let mut free = state.free_gpus().clone();
     let mut plan = Plan::default();
     // The sized jobs in `order` (which may list many more): stop once all
@@ -107,7 +118,7 @@ pub fn place_sizes(state: &ClusterState, sizes: &Sizes, order: &[JobId]) -> Plan
         }
         let Some(w) = sizes.get(id) else { continue };
         found += 1;
-        if let (Some(job), true) = (state.job(*id), *w > 0) {
+        if let (Some(job), true) = (job(*id), *w > 0) {
             jobs.push((job, *w));
         }
     }

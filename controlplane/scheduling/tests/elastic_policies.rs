@@ -29,10 +29,7 @@ impl World {
     /// Workers per job in `policy`'s plan.
     fn plan(&self, policy: &str) -> BTreeMap<JobId, usize> {
         let policy = by_name(policy, QueueOptions::default()).expect("known");
-        let plan = policy.plan(&SchedulingInput {
-            state: &self.0.state,
-            now_ms: self.0.index,
-        });
+        let plan = policy.plan(&SchedulingInput::everyone(&self.0.state, self.0.index));
         plan.placements
             .iter()
             .map(|(id, gpus)| {
@@ -153,10 +150,7 @@ fn elastic_policies_shrink_a_running_job_for_a_new_one() {
         let c = &mut w.0;
         let plan = by_name(policy, QueueOptions::default())
             .expect("known")
-            .plan(&SchedulingInput {
-                state: &c.state,
-                now_ms: c.index,
-            });
+            .plan(&SchedulingInput::everyone(&c.state, c.index));
         let changes = plan.changes(&c.state);
         let based_on = c.index;
         c.apply(Command::DecideAllocation {

@@ -82,7 +82,7 @@ proptest! {
         for name in POLICY_NAMES.iter().chain(gavel::SPACE_SHARING_POLICY_NAMES) {
             let policy = by_name(name, QueueOptions { backfill }).expect("known policy");
             let (mut state, mut index) = world(&nodes, &jobs);
-            let input = SchedulingInput { state: &state, now_ms: index };
+            let input = SchedulingInput::everyone(&state, index);
             let plan = policy.plan(&input);
             prop_assert_eq!(&plan, &policy.plan(&input), "{} is not deterministic", name);
 
@@ -134,7 +134,7 @@ proptest! {
                 prop_assert!(refused.is_empty(), "{:?}", refused);
             }
             state.check_invariants().map_err(TestCaseError::fail)?;
-            let again = policy.plan(&SchedulingInput { state: &state, now_ms: index });
+            let again = policy.plan(&SchedulingInput::everyone(&state, index));
             prop_assert!(again.changes(&state).is_empty(), "{} is not stable", name);
         }
     }

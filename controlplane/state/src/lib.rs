@@ -27,6 +27,7 @@ pub mod model;
 pub mod perf_history;
 pub mod policy_memory;
 pub mod queue;
+pub mod quota;
 pub mod requests;
 pub mod resources;
 pub mod rng;

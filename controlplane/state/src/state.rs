@@ -21,6 +21,7 @@ use crate::model::{
 };
 use crate::policy_memory::{PolicyMemory, PolicyMemorySlot, POLICY_MEMORY_MAX_BYTES};
 use crate::queue::Queues;
+use crate::quota::QuotaBook;
 use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
@@ -229,19 +230,140 @@ struct JobIndexes {
     /// running: those a `RemoveJob` may remove, oldest first.
     removable: BTreeSet<(u64, JobId)>,
     removable_at: BTreeMap<JobId, u64>,
+    /// What each job holding GPUs is charged to its queue (issue 23): the
+    /// allocation's epoch, the queue, and its GPUs by type.
+    charges: BTreeMap<JobId, Charge>,
+    /// GPUs each queue's jobs hold, by queue, then type: the sum of
+    /// `charges`, which the quota checks read.
+    queue_usage: BTreeMap<String, BTreeMap<String, u32>>,
+    /// Unfinished jobs holding no GPUs, by queue, in the order admission
+    /// takes them: higher priority first, then submission order.
+    waiting: BTreeMap<String, BTreeSet<(std::cmp::Reverse<i32>, JobId)>>,
+    waiting_key: BTreeMap<JobId, (String, i32)>,
+}
+
+/// A job's hold on its queue's quota.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Charge {
+    epoch: u64,
+    queue: String,
+    by_type: BTreeMap<String, u32>,
+}
+
+/// GPUs of each type in `gpus` (a GPU of a node the state does not know
+/// counts as type "").
+pub(crate) fn gpus_by_type(
+    nodes: &BTreeMap<String, Node>,
+    gpus: &[GpuRef],
+) -> BTreeMap<String, u32> {
+    let mut by_type: BTreeMap<String, u32> = BTreeMap::new();
+    let mut last: Option<(&str, &Node)> = None;
+    for g in gpus {
+        // Allocations are sorted, so one node lookup per node.
+        let node = match last {
+            Some((name, node)) if name == g.node => Some(node),
+            _ => nodes.get(&g.node),
+        };
+        if let Some(node) = node {
+            last = Some((g.node.as_str(), node));
+        }
+        let gpu_type = node
+            .and_then(|n| n.gpus.get(&g.index))
+            .map_or("", String::as_str);
+        match by_type.get_mut(gpu_type) {
+            Some(n) => *n += 1,
+            None => {
+                by_type.insert(gpu_type.to_string(), 1);
+            }
+        }
+    }
+    by_type
 }
 
 impl JobIndexes {
-    fn of(jobs: &BTreeMap<JobId, Job>) -> JobIndexes {
+    fn of(jobs: &BTreeMap<JobId, Job>, nodes: &BTreeMap<String, Node>) -> JobIndexes {
         let mut indexes = JobIndexes::default();
         for (id, job) in jobs {
-            indexes.update(*id, Some(job));
+            indexes.update(*id, Some(job), nodes);
         }
         indexes
     }
 
+    /// Charges every job holding GPUs afresh (after a node changed).
+    fn recharge_all(&mut self, jobs: &BTreeMap<JobId, Job>, nodes: &BTreeMap<String, Node>) {
+        self.charges.clear();
+        self.queue_usage.clear();
+        let allocated: Vec<JobId> = self.allocated.iter().copied().collect();
+        for id in allocated {
+            self.recharge(id, jobs.get(&id), nodes);
+        }
+    }
+
+    /// Moves `id`'s charge to what `job` holds now (its GPUs' types read
+    /// from `nodes` when its allocation changed).
+    fn recharge(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
+        let alloc = job.and_then(|j| j.allocation.as_ref().map(|a| (j, a)));
+        if let (Some(old), Some((_, a))) = (self.charges.get(&id), alloc) {
+            if old.epoch == a.epoch {
+                return;
+            }
+        }
+        if let Some(old) = self.charges.remove(&id) {
+            if let Some(usage) = self.queue_usage.get_mut(&old.queue) {
+                for (t, n) in &old.by_type {
+                    if let Some(u) = usage.get_mut(t) {
+                        *u = u.saturating_sub(*n);
+                        if *u == 0 {
+                            usage.remove(t);
+                        }
+                    }
+                }
+                if usage.is_empty() {
+                    self.queue_usage.remove(&old.queue);
+                }
+            }
+        }
+        if let Some((job, a)) = alloc {
+            let charge = Charge {
+                epoch: a.epoch,
+                queue: crate::quota::queue_of(&job.spec.queue).to_string(),
+                by_type: gpus_by_type(nodes, &a.gpus),
+            };
+            let usage = self.queue_usage.entry(charge.queue.clone()).or_default();
+            for (t, n) in &charge.by_type {
+                *usage.entry(t.clone()).or_default() += n;
+            }
+            self.charges.insert(id, charge);
+        }
+    }
+
     /// Puts `id` in exactly the sets that `job` (None: removed) belongs to.
-    fn update(&mut self, id: JobId, job: Option<&Job>) {
+    fn update(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
+        self.recharge(id, job, nodes);
+        let key = job
+            .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
+            .map(|j| (crate::quota::queue_of(&j.spec.queue), j.spec.priority));
+        match (self.waiting_key.get(&id), key) {
+            (Some((q, p)), Some((nq, np))) if q == nq && *p == np => {}
+            (old, _) => {
+                if let Some((q, p)) = old.cloned() {
+                    self.waiting_key.remove(&id);
+                    if let Some(set) = self.waiting.get_mut(&q) {
+                        set.remove(&(std::cmp::Reverse(p), id));
+                        if set.is_empty() {
+                            self.waiting.remove(&q);
+                        }
+                    }
+                }
+                if let Some((q, p)) = key {
+                    self.waiting
+                        .entry(q.to_string())
+                        .or_default()
+                        .insert((std::cmp::Reverse(p), id));
+                    self.waiting_key.insert(id, (q.to_string(), p));
+                }
+            }
+        }
         if let Some(t) = self.backoff_of.remove(&id) {
             self.backoffs.remove(&(t, id));
         }
@@ -298,7 +420,7 @@ struct EncodedClusterState {
 impl<'de> Deserialize<'de> for ClusterState {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let e = EncodedClusterState::deserialize(deserializer)?;
-        let indexes = JobIndexes::of(&e.jobs);
+        let indexes = JobIndexes::of(&e.jobs, &e.nodes);
         let capacity = FreeGpus::of_nodes(&e.nodes);
         Ok(ClusterState {
             next_job_id: e.next_job_id,
@@ -591,6 +713,51 @@ impl ClusterState {
         &self.queues
     }
 
+    /// GPUs each queue's jobs hold, by queue, then type (a job naming no
+    /// queue is the default queue's).
+    pub fn queue_usage(&self) -> &BTreeMap<String, BTreeMap<String, u32>> {
+        &self.indexes.queue_usage
+    }
+
+    /// GPUs of each type in `gpus` (a GPU the state does not know counts
+    /// as type "").
+    pub fn gpus_by_type(&self, gpus: &[GpuRef]) -> BTreeMap<String, u32> {
+        gpus_by_type(&self.nodes, gpus)
+    }
+
+    /// The jobs waiting for GPUs in queue `queue` (unfinished, holding
+    /// none), higher priority first, then in submission order.
+    pub fn waiting_in_queue<'a>(&'a self, queue: &str) -> impl Iterator<Item = &'a Job> + 'a {
+        self.indexes
+            .waiting
+            .get(queue)
+            .into_iter()
+            .flatten()
+            .filter_map(|(_, id)| self.jobs.get(id))
+    }
+
+    /// The queues with jobs waiting for GPUs, by name.
+    pub fn queues_with_waiting_jobs(&self) -> impl Iterator<Item = &String> + '_ {
+        self.indexes.waiting.keys()
+    }
+
+    /// The quotas as they stand ([`crate::quota`]): `None` while no queue
+    /// was made or changed, when nothing is limited.
+    pub fn quota_book(&self) -> Option<QuotaBook> {
+        if self.queues.is_unset() {
+            return None;
+        }
+        let capacity = self
+            .capacity
+            .types()
+            .map(|t| (t, self.capacity.free_of_type(t)));
+        Some(QuotaBook::new(
+            &self.queues,
+            capacity,
+            &self.indexes.queue_usage,
+        ))
+    }
+
     /// Whether any node (alive or lost) has a GPU of `gpu_type`: the types
     /// a queue's quota may name.
     pub fn knows_gpu_type(&self, gpu_type: &str) -> bool {
@@ -760,7 +927,7 @@ impl ClusterState {
             touched.sort_unstable();
             touched.dedup();
             for id in touched {
-                self.indexes.update(id, self.jobs.get(&id));
+                self.indexes.update(id, self.jobs.get(&id), &self.nodes);
             }
         }
         if matches!(
@@ -773,6 +940,8 @@ impl ClusterState {
         ) {
             self.capacity = FreeGpus::of_nodes(&self.nodes);
             self.free = FreeCache::default();
+            // A held GPU's type may have changed under its job.
+            self.indexes.recharge_all(&self.jobs, &self.nodes);
         }
         let moves_supply_or_demand = events.iter().any(|e| {
             !matches!(
@@ -1875,6 +2044,65 @@ impl ClusterState {
                 }),
             }
         }
+        // Pass 1a: quotas (issue 23), once there are queues. A placement
+        // that would make its queue hold more of a type than its quota and
+        // what it may borrow is refused (the job keeps what it had). Every
+        // old hold of the plan's jobs is given back first; then what
+        // shrinks or stays is kept, and what grows is checked in job order.
+        if let Some(mut book) = self.quota_book() {
+            let mut growing = Vec::new();
+            for (job_id, (gpus, _)) in &accepted {
+                let Some(job) = self.jobs.get(job_id) else {
+                    continue;
+                };
+                let queue = crate::quota::queue_of(&job.spec.queue);
+                let old = job
+                    .allocation
+                    .as_ref()
+                    .map(|a| gpus_by_type(&self.nodes, &a.gpus))
+                    .unwrap_or_default();
+                for (t, n) in &old {
+                    book.give_back(queue, t, *n);
+                }
+                let new = gpus_by_type(&self.nodes, gpus);
+                if new
+                    .iter()
+                    .any(|(t, n)| *n > old.get(t).copied().unwrap_or(0))
+                {
+                    growing.push((*job_id, queue, old, new));
+                } else {
+                    for (t, n) in &new {
+                        book.force(queue, t, *n);
+                    }
+                }
+            }
+            for (job_id, queue, old, new) in growing {
+                let mut taken: Vec<(&String, u32)> = Vec::new();
+                let mut refusal = None;
+                for (t, n) in &new {
+                    match book.take(queue, t, *n) {
+                        Ok(()) => taken.push((t, *n)),
+                        Err(e) => {
+                            refusal = Some(e);
+                            break;
+                        }
+                    }
+                }
+                if let Some(e) = refusal {
+                    for (t, n) in taken {
+                        book.give_back(queue, t, n);
+                    }
+                    for (t, n) in &old {
+                        book.force(queue, t, *n);
+                    }
+                    accepted.remove(&job_id);
+                    events.push(Event::PlacementRefused {
+                        job_id,
+                        reason: format!("over its queue's quota: {e}"),
+                    });
+                }
+            }
+        }
         // Pass 1b: a pair is placed whole or not at all. Both placements
         // name each other and list the same GPUs; the check is symmetric,
         // so both members of a broken pair are refused.
@@ -2116,7 +2344,7 @@ impl ClusterState {
                 ));
             }
         }
-        if self.indexes != JobIndexes::of(&self.jobs) {
+        if self.indexes != JobIndexes::of(&self.jobs, &self.nodes) {
             return Err("the job indexes disagree with the jobs".into());
         }
         self.requests.check()

@@ -6,23 +6,23 @@ use crate::placement::Placement;
 use std::collections::BTreeMap;
 
 use keel_state::model::{Job, JobId, JobState};
-use keel_state::state::ClusterState;
 
-use super::Plan;
+use super::{Plan, SchedulingInput};
 
 /// Plans `order` (unfinished job ids, most important first): each job
 /// gets its minimum workers while GPUs last (a running job keeps its
 /// current GPUs and size); a job that does not fit is passed over, not
 /// waited for; running jobs left out are preempted. Jobs in retry backoff
 /// at `now_ms` and jobs the whole cluster could not hold are skipped.
-pub(crate) fn admit_in_order(state: &ClusterState, order: &[JobId], now_ms: u64) -> Plan {
+pub(crate) fn admit_in_order(input: &SchedulingInput<'_>, order: &[JobId]) -> Plan {
+    let (state, now_ms) = (input.state, input.now_ms);
     let capacity = state.capacity();
     let mut budget = capacity.total();
     // Whether a shape (GPUs per worker, minimum workers, allowed types)
     // fits the whole cluster, worked out once per shape.
     let mut fits_cluster: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
     let mut admitted: Vec<&Job> = Vec::new();
-    for job in order.iter().filter_map(|id| state.job(*id)) {
+    for job in order.iter().filter_map(|id| input.job(*id)) {
         if budget == 0 {
             break;
         }

@@ -24,7 +24,7 @@ impl Policy for AfsL {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let jobs = candidates_in(input.state, input.now_ms, srjf::rank(input.state));
+        let jobs = candidates_in(input, srjf::rank(input));
         // Speeds by job and worker count, worked out when first needed.
         let mut perf: Vec<Option<JobPerf<'_>>> = vec![None; jobs.len()];
         let mut speeds: Vec<Vec<Option<f64>>> = vec![Vec::new(); jobs.len()];
@@ -101,6 +101,6 @@ impl Policy for AfsL {
             .filter(|(_, n)| **n > 0)
             .map(|(j, n)| (j.id, *n))
             .collect();
-        plan(input.state, &sizes, &jobs)
+        plan(input, &sizes, &jobs)
     }
 }

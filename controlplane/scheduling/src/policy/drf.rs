@@ -18,12 +18,12 @@ impl Policy for Drf {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let jobs = candidates(input.state, input.now_ms);
+        let jobs = candidates(input);
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         // Highest gain = smallest share (GPUs held), ties: earlier job.
         greedy(&jobs, &mut sizes, left, |job, n| {
             1.0 / (1.0 + f64::from(n.saturating_mul(per_worker(job))))
         });
-        plan(input.state, &sizes, &jobs)
+        plan(input, &sizes, &jobs)
     }
 }

@@ -18,9 +18,9 @@ impl Policy for ElasticFifo {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let jobs = candidates(input.state, input.now_ms);
+        let jobs = candidates(input);
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         round_robin(&jobs, &mut sizes, left);
-        plan(input.state, &sizes, &jobs)
+        plan(input, &sizes, &jobs)
     }
 }

@@ -16,9 +16,9 @@ impl Policy for ElasticSrjf {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let jobs = candidates_in(input.state, input.now_ms, srjf::rank(input.state));
+        let jobs = candidates_in(input, srjf::rank(input));
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         round_robin(&jobs, &mut sizes, left);
-        plan(input.state, &sizes, &jobs)
+        plan(input, &sizes, &jobs)
     }
 }

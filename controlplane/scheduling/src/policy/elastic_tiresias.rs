@@ -32,11 +32,7 @@ impl Policy for ElasticTiresias {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let jobs = candidates_in(
-            input.state,
-            input.now_ms,
-            self.ranking.rank(input.state, input.now_ms),
-        );
+        let jobs = candidates_in(input, self.ranking.rank(input));
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         // Models are fitted for the jobs that can grow, when first asked.
         let mut perf: BTreeMap<_, JobPerf<'_>> = BTreeMap::new();
@@ -44,6 +40,6 @@ impl Policy for ElasticTiresias {
             let p = perf.entry(job.id).or_insert_with(|| JobPerf::of(job));
             p.speedup(n + 1) - p.speedup(n)
         });
-        plan(input.state, &sizes, &jobs)
+        plan(input, &sizes, &jobs)
     }
 }

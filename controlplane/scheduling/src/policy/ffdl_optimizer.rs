@@ -19,7 +19,7 @@ impl Policy for FfdlOptimizer {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let jobs = candidates(input.state, input.now_ms);
+        let jobs = candidates(input);
         let (mut sizes, spare) = minimums(&jobs, budget(input.state));
         // Only jobs that can grow take part in the programme.
         let elastic: Vec<_> = jobs
@@ -28,7 +28,7 @@ impl Policy for FfdlOptimizer {
             .collect();
         let spare = spare as usize;
         if elastic.is_empty() || spare == 0 {
-            return plan(input.state, &sizes, &jobs);
+            return plan(input, &sizes, &jobs);
         }
         // best[k]: the best total gain with k spare GPUs over the jobs so
         // far; choice[j][k]: extra workers job j takes in that optimum.
@@ -76,6 +76,6 @@ impl Policy for FfdlOptimizer {
                 k -= extra as usize * per_worker(job) as usize;
             }
         }
-        plan(input.state, &sizes, &jobs)
+        plan(input, &sizes, &jobs)
     }
 }

@@ -12,7 +12,6 @@
 use crate::placement::Placement;
 use std::collections::BTreeSet;
 
-use crate::placement::FreeGpus;
 use keel_state::model::JobState;
 
 use super::{by_priority, Plan, Policy, QueueOptions, SchedulingInput};
@@ -36,9 +35,9 @@ impl Policy for Fifo {
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
         let state = input.state;
         let mut plan = Plan::default();
-        let mut free = FreeGpus::of(state);
+        let mut free = input.free_gpus();
         let capacity = state.capacity();
-        for job in state.allocated_jobs() {
+        for job in input.allocated_jobs() {
             if let Some(a) = &job.allocation {
                 plan.placements.insert(job.id, a.gpus.clone());
             }
@@ -55,7 +54,7 @@ impl Policy for Fifo {
         let waiting = if free.total() == 0 {
             Vec::new()
         } else {
-            by_priority(state.unfinished_jobs())
+            by_priority(input.unfinished_jobs())
         };
         for job in waiting {
             let job_id = &job.id;
@@ -134,10 +133,7 @@ mod tests {
 
         /// Runs one round and applies its decision; returns the jobs placed.
         fn round(&mut self, fifo: &Fifo) -> Vec<JobId> {
-            let plan = fifo.plan(&SchedulingInput {
-                state: &self.state,
-                now_ms: 1,
-            });
+            let plan = fifo.plan(&SchedulingInput::everyone(&self.state, 1));
             let changes = plan.changes(&self.state);
             let placed = changes.iter().map(|p| p.job_id).collect();
             if !changes.is_empty() {
@@ -236,16 +232,10 @@ mod tests {
         assert_eq!(job.not_before_ms, Some(10_001));
         assert_eq!(w.state.next_backoff_end_ms(5_000), Some(10_001));
         // During the backoff the next job runs instead.
-        let plan = fifo.plan(&SchedulingInput {
-            state: &w.state,
-            now_ms: 5_000,
-        });
+        let plan = fifo.plan(&SchedulingInput::everyone(&w.state, 5_000));
         assert_eq!(plan.placements.keys().copied().collect::<Vec<_>>(), vec![2]);
         // Once it is over, the flaky job is first in line again.
-        let plan = fifo.plan(&SchedulingInput {
-            state: &w.state,
-            now_ms: 10_001,
-        });
+        let plan = fifo.plan(&SchedulingInput::everyone(&w.state, 10_001));
         assert_eq!(plan.placements.keys().copied().collect::<Vec<_>>(), vec![1]);
         // The wait doubles with each retry, up to the cap.
         let spec = &w.state.job(1).expect("job").spec;

@@ -40,6 +40,9 @@ use keel_state::model::{GpuRef, Job, JobId};
 use keel_state::policy_memory::PolicyMemory;
 use keel_state::state::ClusterState;
 
+use crate::admission::Admission;
+use crate::placement::FreeGpus;
+
 /// `jobs` most important first: higher `priority` first, the given order
 /// (submission order, or a policy's ranking) within a priority. Every
 /// queue and elastic policy orders by this before its own criterion; the
@@ -52,12 +55,67 @@ pub(crate) fn by_priority<'a>(jobs: impl IntoIterator<Item = &'a Job>) -> Vec<&'
     jobs
 }
 
-/// What a policy sees: the state at one applied index and the time.
+/// What a policy sees: the state at one applied index, the time, and the
+/// round's admission ([`crate::admission`]). A policy reads jobs through
+/// it (`unfinished_jobs`, `allocated_jobs`, `job`, `free_gpus`), so it
+/// sees only the admitted waiting jobs (their types narrowed to those
+/// their queue may use), and neither the running jobs reclaimed this round
+/// nor their GPUs as held.
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulingInput<'a> {
     pub state: &'a ClusterState,
     /// The leader's clock (the virtual clock in the simulator).
     pub now_ms: u64,
+    pub admission: &'a Admission,
+}
+
+impl<'a> SchedulingInput<'a> {
+    /// Every job admitted (a cluster without queues, and tests).
+    pub fn everyone(state: &'a ClusterState, now_ms: u64) -> SchedulingInput<'a> {
+        SchedulingInput {
+            state,
+            now_ms,
+            admission: Admission::everyone(),
+        }
+    }
+
+    /// The unfinished jobs the round may run, by id: the running ones not
+    /// reclaimed and the admitted waiting ones.
+    pub fn unfinished_jobs(&self) -> Box<dyn Iterator<Item = &'a Job> + 'a> {
+        if !self.admission.is_active() {
+            return Box::new(self.state.unfinished_jobs());
+        }
+        let mut jobs: Vec<&'a Job> = self
+            .allocated_jobs()
+            .chain(self.admission.admitted(self.state))
+            .collect();
+        jobs.sort_unstable_by_key(|j| j.id);
+        Box::new(jobs.into_iter())
+    }
+
+    /// The jobs holding GPUs that the round does not reclaim, by id.
+    pub fn allocated_jobs(&self) -> impl Iterator<Item = &'a Job> + 'a {
+        let reclaimed = self.admission.reclaimed();
+        self.state
+            .allocated_jobs()
+            .filter(move |j| !reclaimed.contains_key(&j.id))
+    }
+
+    /// Job `id` as the round sees it (an admitted job's types narrowed).
+    pub fn job(&self, id: JobId) -> Option<&'a Job> {
+        self.admission.narrowed(id).or_else(|| self.state.job(id))
+    }
+
+    /// The free GPUs, with those of the reclaimed jobs among them.
+    pub fn free_gpus(&self) -> FreeGpus {
+        let mut free = self.state.free_gpus().clone();
+        for id in self.admission.reclaimed().keys() {
+            if let Some(a) = self.state.job(*id).and_then(|j| j.allocation.as_ref()) {
+                free.release(self.state, &a.gpus);
+            }
+        }
+        free
+    }
 }
 
 /// The GPUs every job should hold after this round. A job that is not in the
@@ -145,7 +203,13 @@ pub trait Policy: std::fmt::Debug + Send + Sync {
 /// index it was based on and the next round number, so `apply` can
 /// validate it against the state it meets, and the policy's new memory.
 pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<Command> {
-    let plan = policy.plan(&SchedulingInput { state, now_ms });
+    let admission = Admission::of(state, now_ms);
+    let mut plan = policy.plan(&SchedulingInput {
+        state,
+        now_ms,
+        admission: &admission,
+    });
+    admission.fit(state, &mut plan);
     let placements = plan.changes(state);
     let memory = plan.memory.filter(|m| state.policy_memory() != Some(m));
     (!placements.is_empty() || memory.is_some()).then(|| Command::DecideAllocation {
@@ -315,10 +379,7 @@ mod tests {
             let mut spec = job_spec("high", 2, 1);
             spec.priority = 5;
             let high = c.submit(spec);
-            let plan = policy.plan(&SchedulingInput {
-                state: &c.state,
-                now_ms: 1,
-            });
+            let plan = policy.plan(&SchedulingInput::everyone(&c.state, 1));
             assert_eq!(
                 plan.placements.keys().copied().collect::<Vec<_>>(),
                 vec![high],
@@ -330,10 +391,7 @@ mod tests {
             let mut c = TestCluster::v100_nodes(&[2]);
             let first = c.submit(job_spec("first", 2, 1));
             c.submit(job_spec("second", 2, 1));
-            let plan = policy.plan(&SchedulingInput {
-                state: &c.state,
-                now_ms: 1,
-            });
+            let plan = policy.plan(&SchedulingInput::everyone(&c.state, 1));
             assert_eq!(
                 plan.placements.keys().copied().collect::<Vec<_>>(),
                 vec![first],
@@ -364,10 +422,7 @@ mod tests {
             let mut spec = job_spec("high", 2, 1);
             spec.priority = 1;
             let high = c.submit(spec);
-            let plan = policy.plan(&SchedulingInput {
-                state: &c.state,
-                now_ms: 1,
-            });
+            let plan = policy.plan(&SchedulingInput::everyone(&c.state, 1));
             assert_eq!(
                 plan.placements.keys().copied().collect::<Vec<_>>(),
                 vec![high],

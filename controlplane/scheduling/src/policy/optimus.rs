@@ -24,7 +24,7 @@ impl Policy for Optimus {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let jobs = candidates(input.state, input.now_ms);
+        let jobs = candidates(input);
         let total = budget(input.state);
         let (mut sizes, left) = minimums(&jobs, total);
         // Models are fitted for the jobs that can grow, when first asked.
@@ -40,6 +40,6 @@ impl Policy for Optimus {
             let share = f64::from(per) / f64::from(total.max(1));
             (now - more) / share
         });
-        plan(input.state, &sizes, &jobs)
+        plan(input, &sizes, &jobs)
     }
 }

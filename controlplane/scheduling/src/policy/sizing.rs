@@ -11,19 +11,20 @@ use crate::placement::Placement;
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap};
 
-use crate::topology::{place_sizes, Sizes};
+use crate::topology::{place_sizes_of, Sizes};
 use keel_state::model::{Job, JobId};
 use keel_state::state::ClusterState;
 
-use super::Plan;
+use super::{Plan, SchedulingInput};
 
 /// Jobs an elastic policy may size at `now_ms`: unfinished, not in retry
 /// backoff, and whose minimum fits the whole cluster. Higher priority
 /// first, then submission order.
-pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
-    let capacity = state.capacity();
+pub(crate) fn candidates<'a>(input: &SchedulingInput<'a>) -> Vec<&'a Job> {
+    let capacity = input.state.capacity();
+    let now_ms = input.now_ms;
     let mut fits: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
-    let eligible = state
+    let eligible = input
         .unfinished_jobs()
         .filter(|job| !job.backing_off(now_ms))
         .filter(|job| {
@@ -46,11 +47,9 @@ pub(crate) fn candidates(state: &ClusterState, now_ms: u64) -> Vec<&Job> {
 
 /// The [`candidates`] in `order` (job ids, most important first: the
 /// rankings put priority first themselves).
-pub(crate) fn candidates_in(state: &ClusterState, now_ms: u64, order: Vec<JobId>) -> Vec<&Job> {
-    let eligible: BTreeMap<JobId, &Job> = candidates(state, now_ms)
-        .into_iter()
-        .map(|j| (j.id, j))
-        .collect();
+pub(crate) fn candidates_in<'a>(input: &SchedulingInput<'a>, order: Vec<JobId>) -> Vec<&'a Job> {
+    let eligible: BTreeMap<JobId, &Job> =
+        candidates(input).into_iter().map(|j| (j.id, j)).collect();
     order
         .into_iter()
         .filter_map(|id| eligible.get(&id).copied())
@@ -178,7 +177,7 @@ pub(crate) fn greedy<'a>(
 }
 
 /// Places `sizes`, most important first as in `order`.
-pub(crate) fn plan(state: &ClusterState, sizes: &Sizes, order: &[&Job]) -> Plan {
+pub(crate) fn plan(input: &SchedulingInput<'_>, sizes: &Sizes, order: &[&Job]) -> Plan {
     let ids: Vec<JobId> = order.iter().map(|j| j.id).collect();
-    place_sizes(state, sizes, &ids)
+    place_sizes_of(input.state, |id| input.job(id), sizes, &ids)
 }

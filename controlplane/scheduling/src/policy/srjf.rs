@@ -11,7 +11,6 @@ use std::cmp::Reverse;
 
 use crate::perf::JobPerf;
 use keel_state::model::{Job, JobId};
-use keel_state::state::ClusterState;
 
 use super::admit::admit_in_order;
 use super::{Plan, Policy, SchedulingInput};
@@ -27,8 +26,8 @@ pub fn remaining_s(job: &Job) -> f64 {
 
 /// Unfinished jobs, higher priority first, then shortest estimated
 /// remaining time first (ties: submission order).
-pub(crate) fn rank(state: &ClusterState) -> Vec<JobId> {
-    let mut ranked: Vec<(Reverse<i32>, f64, u64, JobId)> = state
+pub(crate) fn rank(input: &SchedulingInput<'_>) -> Vec<JobId> {
+    let mut ranked: Vec<(Reverse<i32>, f64, u64, JobId)> = input
         .unfinished_jobs()
         .map(|job| {
             (
@@ -54,7 +53,7 @@ impl Policy for Srjf {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let order = rank(input.state);
-        admit_in_order(input.state, &order, input.now_ms)
+        let order = rank(input);
+        admit_in_order(input, &order)
     }
 }

@@ -10,7 +10,6 @@
 use std::cmp::Reverse;
 
 use keel_state::model::JobId;
-use keel_state::state::ClusterState;
 
 /// The shortest run time the starvation guard counts with.
 const MIN_RUN_MS: u64 = 60_000;
@@ -79,16 +78,17 @@ impl Policy for Tiresias {
     }
 
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
-        let order = self.rank(input.state, input.now_ms);
-        admit_in_order(input.state, &order, input.now_ms)
+        let order = self.rank(input);
+        admit_in_order(input, &order)
     }
 }
 
 impl Tiresias {
     /// Unfinished jobs, most important first: by priority (higher first),
     /// then queue, then submission.
-    pub(crate) fn rank(&self, state: &ClusterState, now: u64) -> Vec<JobId> {
-        let mut ranked: Vec<(Reverse<i32>, usize, u64, JobId)> = state
+    pub(crate) fn rank(&self, input: &SchedulingInput<'_>) -> Vec<JobId> {
+        let now = input.now_ms;
+        let mut ranked: Vec<(Reverse<i32>, usize, u64, JobId)> = input
             .unfinished_jobs()
             .map(|job| {
                 let attained_ms = job.attained_gpu_ms(now);

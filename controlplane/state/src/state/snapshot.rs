@@ -212,7 +212,7 @@ impl ClusterState {
             acl,
             queues: Queues::from_parts(queues),
             next_job_id: m.next_job_id,
-            indexes: JobIndexes::of(&jobs),
+            indexes: JobIndexes::of(&jobs, &nodes),
             capacity: FreeGpus::of_nodes(&nodes),
             jobs,
             nodes,
