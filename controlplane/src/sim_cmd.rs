@@ -24,9 +24,16 @@ pub struct SimArgs {
     /// GPUs per server for `--cluster` (each server holds one type).
     #[arg(long, default_value_t = 1)]
     gpus_per_server: u32,
-    /// A YAML or JSON list of nodes instead: `- {gpu_type: a100, gpus: 8, count: 4}`.
+    /// A YAML or JSON list of nodes instead: `- {gpu_type: a100, gpus: 8, count: 4}`;
+    /// or nodes and queues: `{nodes: [...], queues: [{name: a, quota:
+    /// {v100: 16}, cohort: c, borrow_limit: {}, lend_limit: {}, weight: 1}]}`.
     #[arg(long)]
     cluster_file: Option<PathBuf>,
+    /// Put the workload's jobs in queues by shares, drawn with a seeded
+    /// generator of their own: `a=3,b=1` (three jobs in four to `a`).
+    /// The queues must be in the cluster file (or be `default`).
+    #[arg(long, value_parser = parse_share, value_delimiter = ',')]
+    generate_queues: Vec<(String, u32)>,
     /// Keel's trace format: one JSON object per line (`arrival_s`, `model`,
     /// `workers` as a number or `{min, max}`, `gpus_per_worker`,
     /// `total_steps`, `priority`).
@@ -130,6 +137,18 @@ pub struct SimArgs {
     plot: Option<PathBuf>,
 }
 
+/// `NAME=SHARE`, one queue of `--generate-queues`.
+fn parse_share(s: &str) -> Result<(String, u32), String> {
+    let (name, share) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not QUEUE=SHARE"))?;
+    let share: u32 = share
+        .trim()
+        .parse()
+        .map_err(|e| format!("{s:?}: the share: {e}"))?;
+    Ok((name.trim().to_string(), share))
+}
+
 fn parse_window(s: &str) -> Result<(u64, u64), String> {
     let (a, b) = s
         .split_once(':')
@@ -213,18 +232,44 @@ enum SimPolicy {
     Gavel(String),
 }
 
-fn cluster(args: &SimArgs) -> anyhow::Result<Vec<sim::SimNode>> {
+/// The cluster's nodes, and its queues when the cluster file has some.
+type Cluster = (Vec<sim::SimNode>, sim::SimQueues);
+
+fn cluster(args: &SimArgs) -> anyhow::Result<Cluster> {
     match &args.cluster_file {
         Some(path) => {
-            let specs: Vec<sim::NodeSpec> = serde_saphyr::from_str(&read_text(path)?)
+            let file: sim::ClusterFile = serde_saphyr::from_str(&read_text(path)?)
                 .with_context(|| format!("in {}", path.display()))?;
-            Ok(sim::cluster_from_specs(&specs)?)
+            Ok(file
+                .resolve()
+                .with_context(|| format!("in {}", path.display()))?)
         }
-        None => Ok(sim::cluster_from_counts(
-            &args.cluster,
-            args.gpus_per_server,
-        )?),
+        None => Ok((
+            sim::cluster_from_counts(&args.cluster, args.gpus_per_server)?,
+            Vec::new(),
+        )),
     }
+}
+
+/// Every job's queue is one the cluster defines (or the default one).
+fn check_queues(jobs: &[SimJob], queues: &Cluster) -> anyhow::Result<()> {
+    let known = |q: &str| {
+        q.is_empty()
+            || q == keel_state::queue::DEFAULT_QUEUE
+            || queues.1.iter().any(|(name, _)| name == q)
+    };
+    if let Some(job) = jobs.iter().find(|j| !known(&j.queue)) {
+        anyhow::bail!(
+            "job {} names queue {:?}, which the cluster file does not define (queues: {})",
+            job.id,
+            job.queue,
+            std::iter::once(keel_state::queue::DEFAULT_QUEUE)
+                .chain(queues.1.iter().map(|(n, _)| n.as_str()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(())
 }
 
 #[derive(Serialize)]
@@ -233,6 +278,21 @@ struct StateSizeRow {
     submitted: u64,
     jobs: u64,
     snapshot_bytes: u64,
+}
+
+#[derive(Serialize)]
+struct QueueRow {
+    queue: String,
+    jobs: usize,
+    gpu_h: f64,
+    /// Its share of the GPU-time used while two queues or more had jobs
+    /// waiting.
+    contended_share: f64,
+    /// Jobs that arrived to an idle queue with unused quota that covered
+    /// them.
+    within_quota_jobs: usize,
+    /// The longest such a job waited to start.
+    within_quota_max_wait_s: f64,
 }
 
 #[derive(Serialize)]
@@ -262,6 +322,10 @@ struct Summary<'a> {
     jobs_removed: u64,
     /// The state's size over the run (`--state-size-samples`).
     state_sizes: Vec<StateSizeRow>,
+    /// Each queue's use (with queues).
+    queues: Vec<QueueRow>,
+    /// Hours during which two queues or more had jobs waiting.
+    contended_h: f64,
     wall_s: f64,
     rounds_per_s: f64,
     state_hash: &'a str,
@@ -309,7 +373,23 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
             }
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut config = SimConfig::new(cluster(&args)?, workload(&args)?);
+    let cluster = cluster(&args)?;
+    let mut jobs = workload(&args)?;
+    if !args.generate_queues.is_empty() {
+        sim::assign_queues(&mut jobs, &args.generate_queues, args.seed)?;
+    }
+    check_queues(&jobs, &cluster)?;
+    if !cluster.1.is_empty() || jobs.iter().any(|j| !j.queue.is_empty()) {
+        if let Some(SimPolicy::Gavel(name)) =
+            policies.iter().find(|p| matches!(p, SimPolicy::Gavel(_)))
+        {
+            anyhow::bail!(
+                "queues are simulated under Keel's policies (the event simulator); {name} runs in the round-based simulator, which has none"
+            );
+        }
+    }
+    let mut config = SimConfig::new(cluster.0, jobs);
+    config.queues = cluster.1;
     config.round_s = args.round_s;
     config.restart_s = args.restart_s;
     config.progress_interval_s = args.progress_interval_s;
@@ -426,6 +506,8 @@ fn summarise(report: &SimReport, window: Option<(u64, u64)>, wall_s: f64) -> Sum
                 snapshot_bytes: z.snapshot_bytes,
             })
             .collect(),
+        queues: queue_rows(report),
+        contended_h: h(report.contended_s),
         wall_s,
         rounds_per_s: if wall_s > 0.0 {
             report.rounds as f64 / wall_s
@@ -434,6 +516,40 @@ fn summarise(report: &SimReport, window: Option<(u64, u64)>, wall_s: f64) -> Sum
         },
         state_hash: &report.state_hash,
     }
+}
+
+fn queue_rows(report: &SimReport) -> Vec<QueueRow> {
+    let contended: f64 = report.queues.values().map(|q| q.contended_gpu_s).sum();
+    let mut names: std::collections::BTreeSet<&str> =
+        report.queues.keys().map(String::as_str).collect();
+    names.extend(report.jobs.iter().map(|j| j.queue.as_str()));
+    if report.queues.is_empty() {
+        return Vec::new();
+    }
+    names
+        .into_iter()
+        .map(|name| {
+            let used = report.queues.get(name).copied().unwrap_or_default();
+            let jobs: Vec<&sim::JobResult> =
+                report.jobs.iter().filter(|j| j.queue == name).collect();
+            let within: Vec<&&sim::JobResult> = jobs.iter().filter(|j| j.within_quota).collect();
+            QueueRow {
+                queue: name.to_string(),
+                jobs: jobs.len(),
+                gpu_h: used.gpu_s / 3600.0,
+                contended_share: if contended > 0.0 {
+                    used.contended_gpu_s / contended
+                } else {
+                    0.0
+                },
+                within_quota_jobs: within.len(),
+                within_quota_max_wait_s: within
+                    .iter()
+                    .filter_map(|j| j.first_start_s.map(|s| s - j.arrival_s))
+                    .fold(0.0, f64::max),
+            }
+        })
+        .collect()
 }
 
 fn print_one(summary: &Summary) -> anyhow::Result<()> {
@@ -495,6 +611,39 @@ fn print_one(summary: &Summary) -> anyhow::Result<()> {
         ],
     ];
     print_table(&["", ""], &rows)?;
+    if !summary.queues.is_empty() {
+        writeln!(std::io::stdout().lock())?;
+        let rows: Vec<Vec<String>> = summary
+            .queues
+            .iter()
+            .map(|q| {
+                vec![
+                    q.queue.clone(),
+                    q.jobs.to_string(),
+                    format!("{:.1}", q.gpu_h),
+                    format!("{:.1}", 100.0 * q.contended_share),
+                    q.within_quota_jobs.to_string(),
+                    format!("{:.0}", q.within_quota_max_wait_s),
+                ]
+            })
+            .collect();
+        print_table(
+            &[
+                "QUEUE",
+                "JOBS",
+                "GPU-HOURS",
+                "SHARE WHILE CONTENDED (%)",
+                "JOBS WITHIN QUOTA",
+                "THEIR LONGEST WAIT (s)",
+            ],
+            &rows,
+        )?;
+        writeln!(
+            std::io::stdout().lock(),
+            "two queues or more had jobs waiting for {:.1} h",
+            summary.contended_h
+        )?;
+    }
     if !summary.state_sizes.is_empty() {
         writeln!(std::io::stdout().lock())?;
         let sizes: Vec<Vec<String>> = summary

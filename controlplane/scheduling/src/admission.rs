@@ -56,6 +56,10 @@ pub enum WaitReason {
     /// Its queue may take it, but the GPUs it could use are taken (by
     /// jobs within their quotas, or by this round's admissions).
     NoFreeGpus { queue: String },
+    /// Within its queue's quota, but the GPUs are held by other queues'
+    /// borrowing jobs that reclaim may not preempt (it would take them
+    /// below their own quota): it starts when they end.
+    HeldByBorrowers { queue: String },
     /// Not looked at: [`LOOKAHEAD`] jobs of its queue before it could not
     /// be admitted either.
     BehindInQueue { queue: String },
@@ -75,6 +79,10 @@ impl std::fmt::Display for WaitReason {
             WaitReason::NoFreeGpus { queue } => write!(
                 f,
                 "queue {queue:?} may take it, but no fitting GPUs are free"
+            ),
+            WaitReason::HeldByBorrowers { queue } => write!(
+                f,
+                "within queue {queue:?}'s quota, waiting for GPUs other queues borrowed (their jobs cannot be preempted without taking them below their own quota)"
             ),
             WaitReason::BehindInQueue { queue } => write!(
                 f,
@@ -174,8 +182,17 @@ impl Admission {
         )
     }
 
-    /// The round's admission on `state` at `now_ms`.
+    /// The round's admission on `state` at `now_ms`, each queue's jobs
+    /// taken in priority and submission order.
     pub fn of(state: &ClusterState, now_ms: u64) -> Admission {
+        Admission::in_order(state, now_ms, None)
+    }
+
+    /// The round's admission on `state` at `now_ms`, each queue's jobs
+    /// taken in `order` when given (the policy's ranking,
+    /// [`crate::policy::Policy::admission_order`]; jobs it leaves out are
+    /// not admitted), else in priority and submission order.
+    pub fn in_order(state: &ClusterState, now_ms: u64, order: Option<&[JobId]>) -> Admission {
         let Some(mut book) = state.quota_book() else {
             return Admission::default();
         };
@@ -219,10 +236,36 @@ impl Admission {
         // 1. Within quota.
         let mut cursors: Vec<Cursor<'_>> = Vec::new();
         let mut within: BTreeMap<String, u64> = BTreeMap::new();
+        // (job, queue, type, GPUs) admitted in step 1, in order.
+        let mut charged: Vec<(JobId, String, String, u64)> = Vec::new();
+        // GPUs of each type reclaim could free ([`reclaim_potential`]).
+        let mut potential: Option<BTreeMap<String, u64>> = None;
+        // Each queue's waiting jobs in the policy's order, when it gives
+        // one.
+        let mut ranked: BTreeMap<&str, Vec<&Job>> = BTreeMap::new();
+        if let Some(order) = order {
+            for job in order.iter().filter_map(|id| state.job(*id)) {
+                if job.allocation.is_none() && !job.state.is_terminal() {
+                    ranked
+                        .entry(queue_of(&job.spec.queue))
+                        .or_default()
+                        .push(job);
+                }
+            }
+        }
         for queue in state.queues_with_waiting_jobs() {
+            let rest: Box<dyn Iterator<Item = &Job> + '_> = match order {
+                Some(_) => Box::new(
+                    ranked
+                        .remove(queue.as_str())
+                        .unwrap_or_default()
+                        .into_iter(),
+                ),
+                None => Box::new(state.waiting_in_queue(queue)),
+            };
             let mut cursor = Cursor {
                 queue: queue.clone(),
-                rest: Box::new(state.waiting_in_queue(queue)),
+                rest,
                 missed: VecDeque::new(),
                 misses: 0,
             };
@@ -241,21 +284,56 @@ impl Admission {
                     continue;
                 };
                 let d = demand(job);
-                let within_quota: Vec<String> = types
+                // A type with enough GPUs free for it (else reclaim must
+                // free them), and of those the one whose unused quota it
+                // fills best (the least left over, then the most free), so
+                // larger holes stay for larger jobs; it is admitted on
+                // that type alone.
+                let within_quota: Vec<(String, u64)> = types
                     .into_iter()
-                    .filter(|t| {
-                        u64::from(book.used(queue, t)) + d <= u64::from(book.quota(queue, t))
+                    .filter_map(|t| {
+                        let unused = u64::from(book.quota(queue, &t))
+                            .checked_sub(u64::from(book.used(queue, &t)) + d)?;
+                        Some((t, unused))
                     })
                     .collect();
-                match within_quota.first() {
-                    Some(t) => {
-                        let _ = book.take(queue, t, gpus_of(d));
+                let spare = |t: &str, potential: Option<&BTreeMap<String, u64>>| {
+                    (free.get(t).copied().unwrap_or(0)
+                        + potential.and_then(|p| p.get(t)).copied().unwrap_or(0))
+                    .saturating_sub(within.get(t).copied().unwrap_or(0))
+                };
+                // Where nothing is free enough, what reclaim could free
+                // counts too (worked out once, when first needed).
+                if potential.is_none() && within_quota.iter().all(|(t, _)| spare(t, None) < d) {
+                    potential = Some(reclaim_potential(state, &book));
+                }
+                let best = within_quota
+                    .into_iter()
+                    .map(|(t, unused)| {
+                        let spare = spare(&t, potential.as_ref());
+                        (spare < d, unused, std::cmp::Reverse(spare), t)
+                    })
+                    .min();
+                match best {
+                    Some((_, _, _, t)) => {
+                        let _ = book.take(queue, &t, gpus_of(d));
                         *within.entry(t.clone()).or_default() += d;
-                        out.admit(job, within_quota, state);
+                        charged.push((job.id, queue.clone(), t.clone(), d));
+                        out.admit(job, vec![t], state);
                     }
                     None => {
                         cursor.missed.push_back(job);
                         cursor.misses += 1;
+                        // A job its quota could hold holds the jobs behind
+                        // it (they may still borrow, step 3): a large job
+                        // is not passed over for ever by smaller ones
+                        // taking each GPU its queue frees.
+                        if book
+                            .gpu_types()
+                            .any(|t| u64::from(book.quota(queue, t)) >= d)
+                        {
+                            break;
+                        }
                     }
                 }
             }
@@ -272,6 +350,26 @@ impl Admission {
             .collect();
         if !short.is_empty() {
             out.reclaim(state, &mut book, &mut free, short);
+            // What reclaim could not free (a borrower's job would take it
+            // below its own quota) waits: the last admitted first, so no
+            // admitted job waits on GPUs that will not come.
+            for (job_id, queue, t, d) in charged.iter().rev() {
+                let need = within.get(t).copied().unwrap_or(0);
+                if need <= free.get(t).copied().unwrap_or(0) {
+                    continue;
+                }
+                out.admitted.remove(job_id);
+                out.waiting.insert(
+                    *job_id,
+                    WaitReason::HeldByBorrowers {
+                        queue: queue.clone(),
+                    },
+                );
+                book.give_back(queue, t, gpus_of(*d));
+                if let Some(w) = within.get_mut(t) {
+                    *w -= d;
+                }
+            }
         }
 
         // 3. Lend what is still free, the least-borrowing queue (for its
@@ -311,12 +409,18 @@ impl Admission {
                     .into_iter()
                     .filter(|t| u64::from(book.headroom(&queue, t)) >= d)
                     .collect();
-                let here: Vec<String> = may_borrow
+                // Where it fits what is free, the type whose unused quota
+                // (its own first) it fills best, as in step 1.
+                let best = may_borrow
                     .iter()
-                    .filter(|t| room.get(*t).copied().unwrap_or(0) >= d)
-                    .cloned()
-                    .collect();
-                let Some(t) = here.first() else {
+                    .filter_map(|t| {
+                        let spare = room.get(t).copied().unwrap_or(0).checked_sub(d)?;
+                        let unused = u64::from(book.quota(&queue, t))
+                            .saturating_sub(u64::from(book.used(&queue, t)) + d);
+                        Some((unused, std::cmp::Reverse(spare), t.clone()))
+                    })
+                    .min();
+                let Some((_, _, t)) = best else {
                     let reason = if may_borrow.is_empty() {
                         WaitReason::OverQuota {
                             queue: queue.clone(),
@@ -330,14 +434,14 @@ impl Admission {
                     cursor.misses += 1;
                     continue;
                 };
-                if book.take(&queue, t, gpus_of(d)).is_err() {
+                if book.take(&queue, &t, gpus_of(d)).is_err() {
                     cursor.misses += 1;
                     continue;
                 }
-                if let Some(r) = room.get_mut(t) {
+                if let Some(r) = room.get_mut(&t) {
                     *r -= d;
                 }
-                out.admit(job, here, state);
+                out.admit(job, vec![t], state);
                 admitted = true;
                 break;
             }
@@ -543,6 +647,40 @@ impl Admission {
         }
         changed
     }
+}
+
+/// GPUs of each type reclaim could free: for each borrower and type, its
+/// jobs holding that type, smallest first, while they add up to no more
+/// than it borrows of it.
+fn reclaim_potential(state: &ClusterState, book: &QuotaBook) -> BTreeMap<String, u64> {
+    let mut held: BTreeMap<(String, String), Vec<u32>> = BTreeMap::new();
+    for job in state.allocated_jobs() {
+        let queue = queue_of(&job.spec.queue);
+        if book.borrowed_total(queue) == 0 {
+            continue;
+        }
+        if let Some(a) = &job.allocation {
+            for (t, n) in state.gpus_by_type(&a.gpus) {
+                if book.borrowed(queue, &t) > 0 {
+                    held.entry((queue.to_string(), t)).or_default().push(n);
+                }
+            }
+        }
+    }
+    let mut potential: BTreeMap<String, u64> = BTreeMap::new();
+    for ((queue, t), mut sizes) in held {
+        sizes.sort_unstable();
+        let borrowed = u64::from(book.borrowed(&queue, &t));
+        let mut freed = 0u64;
+        for n in sizes {
+            if freed + u64::from(n) > borrowed {
+                break;
+            }
+            freed += u64::from(n);
+        }
+        *potential.entry(t).or_default() += freed;
+    }
+    potential
 }
 
 /// Takes every type of `want` for `queue`, or nothing.

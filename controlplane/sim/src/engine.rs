@@ -23,6 +23,7 @@ use keel_scheduling::throughput;
 use keel_state::command::{Command, LogEntry};
 use keel_state::event::Event;
 use keel_state::model::{Gpu, GpuRef, JobId, JobState, ProgressSample};
+use keel_state::queue::{QueueSpec, DEFAULT_QUEUE};
 use keel_state::spec::{JobSpec, Workers};
 use keel_state::state::ClusterState;
 
@@ -67,6 +68,9 @@ pub struct SimConfig {
     /// over the run, evenly by submissions, and at its end (0: never; an
     /// encoding of the whole state each time).
     pub state_size_samples: u32,
+    /// Queues made before the first job arrives (`default`: the default
+    /// queue's terms), as `keel queue create` makes them live.
+    pub queues: Vec<(String, QueueSpec)>,
 }
 
 /// Which finished jobs a simulation removes from its state.
@@ -103,6 +107,7 @@ impl SimConfig {
             throughputs: None,
             retention: None,
             state_size_samples: 0,
+            queues: Vec::new(),
         }
     }
 }
@@ -112,6 +117,12 @@ impl SimConfig {
 pub struct JobResult {
     /// The job's id in the workload.
     pub id: u64,
+    /// Its queue (the default one: `default`).
+    pub queue: String,
+    /// Whether, when it arrived, its queue had no job waiting and an
+    /// unused quota of a type it could use that covered it: such a job
+    /// must start within a round, reclaiming what borrowers hold.
+    pub within_quota: bool,
     /// The id the state machine gave it.
     pub job_id: JobId,
     pub model: String,
@@ -180,6 +191,20 @@ pub struct SimReport {
     pub jobs_removed: u64,
     /// The state's size over the run ([`SimConfig::state_size_samples`]).
     pub state_sizes: Vec<StateSize>,
+    /// Each queue's use of the cluster, by name (with queues configured).
+    pub queues: BTreeMap<String, QueueUse>,
+    /// Simulated seconds during which two queues or more had jobs waiting.
+    pub contended_s: f64,
+}
+
+/// What one queue used over a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct QueueUse {
+    /// GPU-seconds its jobs held.
+    pub gpu_s: f64,
+    /// GPU-seconds its jobs held while two queues or more had jobs
+    /// waiting (the share fair sharing is about).
+    pub contended_gpu_s: f64,
 }
 
 /// Summary statistics over the measured jobs.
@@ -218,6 +243,8 @@ impl SimReport {
             samples: Vec::new(),
             jobs_removed: 0,
             state_sizes: Vec::new(),
+            queues: BTreeMap::new(),
+            contended_s: 0.0,
         }
     }
 
@@ -312,20 +339,61 @@ impl Engine<'_> {
         }
     }
 
-    /// Moves the clock to `t`, crediting progress and busy GPU time.
+    /// Moves the clock to `t`, crediting progress and busy GPU time (each
+    /// queue's too, with queues configured).
     fn advance(&mut self, t: f64) {
         let dt = t - self.now_s;
         if dt <= 0.0 {
             return;
+        }
+        let queues = !self.config.queues.is_empty();
+        let contended = queues && self.state.queues_with_waiting_jobs().nth(1).is_some();
+        if contended {
+            self.report.contended_s += dt;
         }
         for (job_id, r) in &self.running {
             let from = self.now_s.max(r.resumes_at_s);
             if t > from {
                 *self.steps_done.entry(*job_id).or_default() += r.rate * (t - from);
             }
-            self.busy_gpu_s += f64::from(r.gpus) * dt;
+            let gpu_s = f64::from(r.gpus) * dt;
+            self.busy_gpu_s += gpu_s;
+            if queues {
+                let queue = self
+                    .sim_of
+                    .get(job_id)
+                    .map_or("", |i| self.config.jobs[*i].queue.as_str());
+                let queue = keel_state::quota::queue_of(queue);
+                let used = match self.report.queues.get_mut(queue) {
+                    Some(u) => u,
+                    None => self.report.queues.entry(queue.to_string()).or_default(),
+                };
+                used.gpu_s += gpu_s;
+                if contended {
+                    used.contended_gpu_s += gpu_s;
+                }
+            }
         }
         self.now_s = t;
+    }
+
+    /// Whether job `position` of the workload, arriving now, finds its
+    /// queue with no job waiting and enough unused quota of a type it may
+    /// use.
+    fn within_quota(&self, position: usize) -> bool {
+        let job = &self.config.jobs[position];
+        let queue = keel_state::quota::queue_of(&job.queue);
+        if self.config.queues.is_empty() || self.state.waiting_in_queue(queue).next().is_some() {
+            return false;
+        }
+        let Some(book) = self.state.quota_book() else {
+            return false;
+        };
+        let demand = job.gpus_per_worker.saturating_mul(job.workers_min);
+        let fits = book
+            .gpu_types()
+            .any(|t| book.used(queue, t).saturating_add(demand) <= book.quota(queue, t));
+        fits
     }
 
     fn total_steps(&self, job_id: JobId) -> f64 {
@@ -385,8 +453,10 @@ impl Engine<'_> {
             retry_backoff_s: 0,
             resources: Default::default(),
             logs: Default::default(),
-            queue: String::new(),
+            queue: job.queue.clone(),
         };
+        let within_quota = self.within_quota(position);
+        let queue = keel_state::quota::queue_of(&job.queue).to_string();
         let (id, arrival_s, model, gpus) = (
             job.id,
             job.arrival_s,
@@ -407,6 +477,8 @@ impl Engine<'_> {
         self.result_of.insert(job_id, self.results.len());
         self.results.push(JobResult {
             id,
+            queue,
+            within_quota,
             job_id,
             model,
             gpus,
@@ -682,6 +754,14 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             address: "10.0.0.1".into(),
             gpus: node.gpus.clone(),
             note: String::new(),
+        });
+    }
+    for (name, spec) in &config.queues {
+        let (name, spec) = (name.clone(), spec.clone());
+        engine.apply(if name == DEFAULT_QUEUE {
+            Command::UpdateQueue { name, spec }
+        } else {
+            Command::CreateQueue { name, spec }
         });
     }
     let round_s = if config.round_s.is_finite() && config.round_s > 0.0 {

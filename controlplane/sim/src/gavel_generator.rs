@@ -137,6 +137,7 @@ impl GavelGenerator {
                 total_steps: total_steps.ceil() as u64,
                 priority: 0,
                 job_type: Some(job_type.to_string()),
+                queue: String::new(),
             });
             unit_arrival += -(1.0 - arrival_rng.random()).ln();
         }

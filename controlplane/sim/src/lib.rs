@@ -17,12 +17,13 @@ pub mod rounds;
 pub mod workload;
 
 pub use engine::{
-    simulate, JctSummary, JobResult, Sample, SimConfig, SimNode, SimReport, SimRetention, StateSize,
+    simulate, JctSummary, JobResult, QueueUse, Sample, SimConfig, SimNode, SimReport, SimRetention,
+    StateSize,
 };
 pub use gavel_generator::GavelGenerator;
 pub use gavel_throughputs::{ThroughputTable, ThroughputTableError};
 pub use rounds::{simulate_rounds, RoundSimConfig};
-pub use workload::{Generator, SimJob, WorkloadError};
+pub use workload::{assign_queues, Generator, SimJob, WorkloadError};
 
 use serde::Deserialize;
 
@@ -109,6 +110,80 @@ pub struct NodeSpec {
 
 fn one() -> u32 {
     1
+}
+
+/// Queues to make before a run: name and terms.
+pub type SimQueues = Vec<(String, keel_state::queue::QueueSpec)>;
+
+/// A cluster file: a list of nodes, or nodes and queues
+/// (`{nodes: [...], queues: [...]}`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum ClusterFile {
+    Nodes(Vec<NodeSpec>),
+    WithQueues {
+        nodes: Vec<NodeSpec>,
+        #[serde(default)]
+        queues: Vec<QueueFileEntry>,
+    },
+}
+
+/// One queue of a cluster file, as `keel queue create` takes it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueFileEntry {
+    pub name: String,
+    /// GPUs per type (`{v100: 18}`).
+    #[serde(default)]
+    pub quota: std::collections::BTreeMap<String, u32>,
+    #[serde(default)]
+    pub cohort: Option<String>,
+    #[serde(default)]
+    pub borrow_limit: std::collections::BTreeMap<String, u32>,
+    #[serde(default)]
+    pub lend_limit: std::collections::BTreeMap<String, u32>,
+    #[serde(default = "one")]
+    pub weight: u32,
+}
+
+impl ClusterFile {
+    /// The nodes and queues it describes, each queue checked as the API
+    /// checks it (against the nodes' GPU types).
+    pub fn resolve(&self) -> Result<(Vec<SimNode>, SimQueues), ClusterSpecError> {
+        let (specs, entries) = match self {
+            ClusterFile::Nodes(nodes) => (nodes, &[][..]),
+            ClusterFile::WithQueues { nodes, queues } => (nodes, queues.as_slice()),
+        };
+        let nodes = cluster_from_specs(specs)?;
+        let types: std::collections::BTreeSet<&str> = nodes
+            .iter()
+            .flat_map(|n| n.gpus.iter().map(|g| g.gpu_type.as_str()))
+            .collect();
+        let mut queues = Vec::new();
+        let mut names = std::collections::BTreeSet::new();
+        for q in entries {
+            let invalid = |reason: String| ClusterSpecError::Invalid {
+                spec: format!("queue {:?}", q.name),
+                reason,
+            };
+            keel_state::queue::validate_queue_name("name", &q.name)
+                .map_err(|e| invalid(e.to_string()))?;
+            if !names.insert(q.name.clone()) {
+                return Err(invalid("is listed twice".into()));
+            }
+            let spec = keel_state::queue::QueueSpec {
+                quota: Some(q.quota.clone()),
+                cohort: q.cohort.clone(),
+                borrow_limit: q.borrow_limit.clone(),
+                lend_limit: q.lend_limit.clone(),
+                weight: q.weight,
+            };
+            spec.validate(|t| types.contains(t))
+                .map_err(|e| invalid(e.to_string()))?;
+            queues.push((q.name.clone(), spec));
+        }
+        Ok((nodes, queues))
+    }
 }
 
 /// The nodes a cluster file describes.

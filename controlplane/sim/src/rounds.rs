@@ -351,6 +351,8 @@ pub fn simulate_rounds(
             result_of.insert(job.id, results.len());
             results.push(JobResult {
                 id: job.id,
+                queue: keel_state::queue::DEFAULT_QUEUE.to_string(),
+                within_quota: false,
                 job_id: job.id,
                 model: job.model.clone(),
                 gpus: job.workers_min * job.gpus_per_worker,

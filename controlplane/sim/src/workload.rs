@@ -29,6 +29,9 @@ pub struct SimJob {
     /// when one is given.
     #[serde(default)]
     pub job_type: Option<String>,
+    /// The queue it is submitted to (empty: the default queue).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub queue: String,
 }
 
 fn one() -> u32 {
@@ -68,6 +71,9 @@ struct TraceLine {
     total_steps: u64,
     #[serde(default)]
     priority: i32,
+    /// The queue (empty or absent: the default queue).
+    #[serde(default)]
+    queue: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -78,6 +84,10 @@ enum WorkersField {
 }
 
 fn check_job(job: &SimJob, line: usize) -> Result<(), WorkloadError> {
+    if !job.queue.is_empty() {
+        keel_state::queue::validate_queue_name("queue", &job.queue)
+            .map_err(|e| line_error(line, e.to_string()))?;
+    }
     if !(job.arrival_s.is_finite() && job.arrival_s >= 0.0) {
         return Err(line_error(line, "arrival_s must be a finite number ≥ 0"));
     }
@@ -125,6 +135,7 @@ pub fn parse_keel_trace(text: &str) -> Result<Vec<SimJob>, WorkloadError> {
             total_steps: t.total_steps,
             priority: t.priority,
             job_type: None,
+            queue: t.queue,
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -185,6 +196,7 @@ pub fn parse_gavel_trace(text: &str) -> Result<Vec<SimJob>, WorkloadError> {
             total_steps: total_steps.max(1.0) as u64,
             priority: priority_weight.round() as i32,
             job_type: Some(cols[0].to_string()),
+            queue: String::new(),
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -260,6 +272,7 @@ pub fn parse_gavel_generated_csv(
             total_steps: total_steps.ceil() as u64,
             priority: 0,
             job_type: Some(model.to_string()),
+            queue: String::new(),
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -284,6 +297,40 @@ pub fn model_for_gavel_job_type(job_type: &str) -> &'static str {
         .iter()
         .find(|(needle, _)| t.contains(needle))
         .map_or("generic", |(_, model)| model)
+}
+
+/// Puts each of `jobs` in one of the queues of `mix` (name, share), drawn
+/// with probability proportional to its share from a generator of its
+/// own seeded by `seed`, so the jobs themselves are the same with or
+/// without queues.
+pub fn assign_queues(
+    jobs: &mut [SimJob],
+    mix: &[(String, u32)],
+    seed: u64,
+) -> Result<(), WorkloadError> {
+    let total: u64 = mix.iter().map(|(_, share)| u64::from(*share)).sum();
+    if total == 0 {
+        return Err(WorkloadError::Invalid(
+            "--generate-queues needs at least one queue with a share above 0".into(),
+        ));
+    }
+    for (name, _) in mix {
+        keel_state::queue::validate_queue_name("--generate-queues", name)
+            .map_err(|e| WorkloadError::Invalid(e.to_string()))?;
+    }
+    let mut rng = SplitMix64::new(seed ^ 0x7175_6575_6573);
+    for job in jobs {
+        let mut draw = rng.below(total);
+        for (name, share) in mix {
+            let share = u64::from(*share);
+            if draw < share {
+                job.queue.clone_from(name);
+                break;
+            }
+            draw -= share;
+        }
+    }
+    Ok(())
 }
 
 /// A generated workload with Gavel's distributions.
@@ -352,6 +399,7 @@ impl Generator {
                 total_steps,
                 priority: 0,
                 job_type: None,
+                queue: String::new(),
             });
             if self.rate_per_hour > 0.0 {
                 arrival_s += -(1.0 - rng.unit()).ln() * 3600.0 / self.rate_per_hour;

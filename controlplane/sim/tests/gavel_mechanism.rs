@@ -262,6 +262,7 @@ fn space_sharing_places_pairs_and_beats_taking_turns_when_pairs_run_fast() {
             total_steps: 20_000 + 4_000 * (id % 5),
             priority: 0,
             job_type: Some(if id % 3 == 0 { "B" } else { "A" }.into()),
+            queue: String::new(),
         })
         .collect();
     let mut config = round_config(jobs);

@@ -21,6 +21,7 @@ fn job(id: u64, arrival_s: f64, workers: u32, total_steps: u64) -> SimJob {
         total_steps,
         priority: 0,
         job_type: None,
+        queue: String::new(),
     }
 }
 

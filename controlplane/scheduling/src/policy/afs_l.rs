@@ -23,6 +23,13 @@ impl Policy for AfsL {
         "afs_l"
     }
 
+    fn admission_order(
+        &self,
+        input: &SchedulingInput<'_>,
+    ) -> Option<Vec<keel_state::model::JobId>> {
+        Some(srjf::rank(input))
+    }
+
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
         let jobs = candidates_in(input, srjf::rank(input));
         // Speeds by job and worker count, worked out when first needed.

@@ -15,6 +15,13 @@ impl Policy for ElasticSrjf {
         "elastic_srjf"
     }
 
+    fn admission_order(
+        &self,
+        input: &SchedulingInput<'_>,
+    ) -> Option<Vec<keel_state::model::JobId>> {
+        Some(srjf::rank(input))
+    }
+
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
         let jobs = candidates_in(input, srjf::rank(input));
         let (mut sizes, left) = minimums(&jobs, budget(input.state));

@@ -31,6 +31,13 @@ impl Policy for ElasticTiresias {
         "elastic_tiresias"
     }
 
+    fn admission_order(
+        &self,
+        input: &SchedulingInput<'_>,
+    ) -> Option<Vec<keel_state::model::JobId>> {
+        Some(self.ranking.rank(input))
+    }
+
     fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
         let jobs = candidates_in(input, self.ranking.rank(input));
         let (mut sizes, left) = minimums(&jobs, budget(input.state));

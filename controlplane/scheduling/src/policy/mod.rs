@@ -195,6 +195,13 @@ pub trait Policy: std::fmt::Debug + Send + Sync {
     fn counters(&self, _state: &ClusterState) -> BTreeMap<&'static str, u64> {
         BTreeMap::new()
     }
+    /// The order in which admission ([`crate::admission`]) takes each
+    /// queue's waiting jobs, most important first, for a policy that ranks
+    /// jobs (`None`: priority, then submission order). Called only when
+    /// queues are defined.
+    fn admission_order(&self, _input: &SchedulingInput<'_>) -> Option<Vec<JobId>> {
+        None
+    }
 }
 
 /// One scheduling round: runs `policy` on `state` and returns the entry to
@@ -203,7 +210,12 @@ pub trait Policy: std::fmt::Debug + Send + Sync {
 /// index it was based on and the next round number, so `apply` can
 /// validate it against the state it meets, and the policy's new memory.
 pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<Command> {
-    let admission = Admission::of(state, now_ms);
+    let order = if state.queues().is_unset() {
+        None
+    } else {
+        policy.admission_order(&SchedulingInput::everyone(state, now_ms))
+    };
+    let admission = Admission::in_order(state, now_ms, order.as_deref());
     let mut plan = policy.plan(&SchedulingInput {
         state,
         now_ms,

@@ -56,4 +56,8 @@ impl Policy for Srjf {
         let order = rank(input);
         admit_in_order(input, &order)
     }
+
+    fn admission_order(&self, input: &SchedulingInput<'_>) -> Option<Vec<JobId>> {
+        Some(rank(input))
+    }
 }

@@ -81,6 +81,10 @@ impl Policy for Tiresias {
         let order = self.rank(input);
         admit_in_order(input, &order)
     }
+
+    fn admission_order(&self, input: &SchedulingInput<'_>) -> Option<Vec<JobId>> {
+        Some(self.rank(input))
+    }
 }
 
 impl Tiresias {
