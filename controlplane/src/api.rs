@@ -473,6 +473,10 @@ impl Keel for KeelApi {
             .flatten()
         {
             reply.message = why;
+        } else if let Some(why) =
+            AdmissionView::of(&applied.state, self.default_policy).why_waiting(job)
+        {
+            reply.message = with_reason(&reply.message, &why);
         }
         if let Some(why) = self.not_launched(job, &mut Default::default()) {
             reply.message = why;
@@ -547,6 +551,7 @@ impl Keel for KeelApi {
         let mut why_by_shape: std::collections::BTreeMap<(u32, u32, &Vec<String>), Option<String>> =
             std::collections::BTreeMap::new();
         let mut owned = std::collections::BTreeMap::new();
+        let admission = AdmissionView::of(&applied.state, self.default_policy);
         let mut jobs: Vec<api::Job> = applied
             .state
             .jobs()
@@ -574,6 +579,8 @@ impl Keel for KeelApi {
                 });
                 if let Some(why) = why.flatten().or_else(|| self.not_launched(j, &mut owned)) {
                     reply.message = why;
+                } else if let Some(why) = admission.why_waiting(j) {
+                    reply.message = with_reason(&reply.message, &why);
                 }
                 reply
             })
@@ -1365,6 +1372,52 @@ impl Keel for KeelApi {
 fn never_fits(state: &keel_state::ClusterState, spec: &keel_state::JobSpec) -> Option<String> {
     keel_scheduling::placement::never_fits(state, spec)
         .map(|why| format!("waiting: {why} (nodes may still join)"))
+}
+
+/// The leader's admission as the state stands (issue 23, item 6): why a
+/// waiting job is not admitted (over quota, its quota held by borrowers,
+/// no fitting GPU free, retry backoff, behind its queue). Worked out once
+/// per request, and only when queues are defined; each queue's jobs in
+/// the running policy's order, as the scheduling loop takes them.
+struct AdmissionView(Option<keel_scheduling::admission::Admission>);
+
+impl AdmissionView {
+    fn of(state: &keel_state::ClusterState, default_policy: &str) -> AdmissionView {
+        if state.queues().is_unset() {
+            return AdmissionView(None);
+        }
+        let now_ms = state.last_entry_at_ms();
+        let policy = state.policy().unwrap_or(default_policy);
+        let order = keel_scheduling::policy::by_name(policy, Default::default())
+            .ok()
+            .and_then(|p| {
+                p.admission_order(&keel_scheduling::policy::SchedulingInput::everyone(
+                    state, now_ms,
+                ))
+            });
+        AdmissionView(Some(keel_scheduling::admission::Admission::in_order(
+            state,
+            now_ms,
+            order.as_deref(),
+        )))
+    }
+
+    fn why_waiting(&self, job: &keel_state::Job) -> Option<String> {
+        if !matches!(job.state, JobState::Pending | JobState::Preempted) {
+            return None;
+        }
+        let reason = self.0.as_ref()?.wait_reason(job)?;
+        Some(format!("waiting: {reason}"))
+    }
+}
+
+/// `why` after a job's own message (a preemption's, say), or alone.
+fn with_reason(message: &str, why: &str) -> String {
+    if message.is_empty() {
+        why.to_string()
+    } else {
+        format!("{message}; {why}")
+    }
 }
 
 /// A job waiting for GPUs with no message of its own.

@@ -26,8 +26,19 @@ fn cluster(running: usize, finished: usize) -> ClusterState {
     cluster_of(running, finished, false)
 }
 
-/// `elastic`: waiting jobs may grow to 1–3 workers more than their minimum.
 fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
+    cluster_in_queues(running, finished, elastic, 0)
+}
+
+/// `elastic`: waiting jobs may grow to 1–3 workers more than their minimum.
+/// `queues`: that many queues (one cohort, 13 GPUs of each type each: 650
+/// of each type's 680 or so), the jobs spread over them in turn.
+fn cluster_in_queues(
+    running: usize,
+    finished: usize,
+    elastic: bool,
+    queues: usize,
+) -> ClusterState {
     let mut state = ClusterState::new();
     let mut index = 0;
     let mut apply = |state: &mut ClusterState, command: Command| {
@@ -52,14 +63,30 @@ fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
             },
         );
     }
-    // Running jobs: one per pair of GPUs on the first half of the nodes.
-    for r in 0..running {
+    for q in 0..queues {
+        let quota = TYPES.iter().map(|t| (t.to_string(), 13)).collect();
+        let mut spec = keel_state::queue::QueueSpec::with_quota(quota);
+        spec.cohort = Some("all".into());
         apply(
             &mut state,
-            Command::SubmitJob {
-                spec: job_spec(&format!("running-{r}"), 2, 1),
+            Command::CreateQueue {
+                name: format!("q{q}"),
+                spec,
             },
         );
+    }
+    let queue_of = |i: usize| {
+        if queues == 0 {
+            String::new()
+        } else {
+            format!("q{}", i % queues)
+        }
+    };
+    // Running jobs: one per pair of GPUs on the first half of the nodes.
+    for r in 0..running {
+        let mut spec = job_spec(&format!("running-{r}"), 2, 1);
+        spec.queue = queue_of(r);
+        apply(&mut state, Command::SubmitJob { spec });
     }
     let placements: Vec<JobPlacement> = (0..running)
         .map(|r| {
@@ -109,6 +136,7 @@ fn cluster_of(running: usize, finished: usize, elastic: bool) -> ClusterState {
         let gpus = 1 << rng.below(3);
         let workers = 1 + rng.below(2) as u32;
         let mut spec = job_spec(&format!("waiting-{w}"), gpus, workers);
+        spec.queue = queue_of(w);
         if elastic {
             spec.workers.max = workers + 1 + rng.below(3) as u32;
         }
@@ -135,6 +163,18 @@ fn fifo_round(c: &mut Criterion) {
     group.bench_function("half_busy_backfill", |b| b.iter(|| round(&busy, &backfill)));
     group.bench_function("half_busy_100k_finished", |b| {
         b.iter(|| round(&history, &fifo))
+    });
+    group.finish();
+    // A whole round as the leader runs it (admission, plan, fit, the
+    // changes), without queues and with 50 (issue 23: within 10 %).
+    let queued = cluster_in_queues(1024, 0, false, 50);
+    let mut group = c.benchmark_group("fifo_decide_10k_waiting_2048_gpus");
+    group.sample_size(30);
+    group.bench_function("half_busy", |b| {
+        b.iter(|| keel_scheduling::policy::decide(&fifo, &busy, 0).is_some())
+    });
+    group.bench_function("half_busy_50_queues", |b| {
+        b.iter(|| keel_scheduling::policy::decide(&fifo, &queued, 0).is_some())
     });
     group.finish();
     // Every policy: 11,024 active jobs (1,024 running, 10,000 waiting),

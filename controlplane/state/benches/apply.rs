@@ -5,7 +5,7 @@
 //! Run: `cargo bench -p keel-state --bench apply`
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use keel_state::fixtures::mixed_entries;
+use keel_state::fixtures::{mixed_entries, mixed_entries_in_queues};
 use keel_state::ClusterState;
 
 const ENTRIES: usize = 200_000;
@@ -20,6 +20,20 @@ fn apply_mixed_stream(c: &mut Criterion) {
             ClusterState::new,
             |mut state| {
                 for (i, e) in entries.iter().enumerate() {
+                    let _ = std::hint::black_box(state.apply(i as u64 + 1, e));
+                }
+                state
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    // The same stream with 50 queues defined (issue 23: within 10 %).
+    let queued = mixed_entries_in_queues(ENTRIES, 32, 42, 50);
+    group.bench_function("mixed_stream_200k_50_queues", |b| {
+        b.iter_batched(
+            ClusterState::new,
+            |mut state| {
+                for (i, e) in queued.iter().enumerate() {
                     let _ = std::hint::black_box(state.apply(i as u64 + 1, e));
                 }
                 state

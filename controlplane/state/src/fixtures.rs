@@ -98,6 +98,19 @@ impl TestCluster {
 
 /// `count` entries of a busy cluster with `nodes` nodes of 8 GPUs, from `seed`.
 pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
+    mixed_entries_in_queues(count, nodes, seed, 0)
+}
+
+/// [`mixed_entries`] with `queues` queues defined after the nodes (one
+/// cohort, quotas above the cluster's size, so nothing is refused for
+/// quota) and the jobs spread over them in turn: the same decisions,
+/// with every quota check paid.
+pub fn mixed_entries_in_queues(
+    count: usize,
+    nodes: u32,
+    seed: u64,
+    queues: usize,
+) -> Vec<LogEntry> {
     let mut rng = SplitMix64::new(seed);
     let mut state = ClusterState::new();
     let mut out = Vec::with_capacity(count);
@@ -127,6 +140,23 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
             at_ms,
         );
     }
+    for q in 0..queues {
+        let quota = ["v100", "k80"]
+            .iter()
+            .map(|t| (t.to_string(), nodes * 8))
+            .collect();
+        let mut spec = crate::queue::QueueSpec::with_quota(quota);
+        spec.cohort = Some("all".into());
+        push(
+            &mut out,
+            &mut state,
+            Command::CreateQueue {
+                name: format!("q{q}"),
+                spec,
+            },
+            at_ms,
+        );
+    }
     while out.len() < count {
         at_ms += 1 + rng.below(20);
         let running: Vec<JobId> = state
@@ -141,6 +171,11 @@ pub fn mixed_entries(count: usize, nodes: u32, seed: u64) -> Vec<LogEntry> {
             Command::SubmitJob {
                 spec: JobSpec {
                     user: format!("user-{}", submitted % 7),
+                    queue: if queues == 0 {
+                        String::new()
+                    } else {
+                        format!("q{}", submitted % queues as u64)
+                    },
                     ..job_spec(&format!("job-{submitted}"), 1 << rng.below(3), 1)
                 },
             }
