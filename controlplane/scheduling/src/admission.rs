@@ -104,6 +104,8 @@ pub struct Admission {
     reclaimed: BTreeMap<JobId, String>,
     /// Why waiting jobs looked at were not admitted.
     waiting: BTreeMap<JobId, WaitReason>,
+    /// Why the jobs of a queue that were not looked at wait, by queue.
+    unreached: BTreeMap<String, WaitReason>,
 }
 
 static EVERYONE: Admission = Admission {
@@ -111,6 +113,7 @@ static EVERYONE: Admission = Admission {
     admitted: BTreeMap::new(),
     reclaimed: BTreeMap::new(),
     waiting: BTreeMap::new(),
+    unreached: BTreeMap::new(),
 };
 
 /// A queue's waiting jobs, as a round walks them.
@@ -172,12 +175,14 @@ impl Admission {
         {
             return None;
         }
+        let queue = queue_of(&job.spec.queue);
         Some(
             self.waiting
                 .get(&job.id)
+                .or_else(|| self.unreached.get(queue))
                 .cloned()
                 .unwrap_or_else(|| WaitReason::BehindInQueue {
-                    queue: queue_of(&job.spec.queue).to_string(),
+                    queue: queue.to_string(),
                 }),
         )
     }
@@ -449,16 +454,26 @@ impl Admission {
                 turn.insert((key(&book, &queue), i));
             }
         }
-        // Whatever step 1 passed over and step 3 did not reach waits for
-        // its queue's quota.
+        // The jobs no step reached: behind too many that wait, or their
+        // queue may take no more, or nothing fitting was left free.
         for cursor in &cursors {
-            for job in &cursor.missed {
-                out.waiting
-                    .entry(job.id)
-                    .or_insert_with(|| WaitReason::OverQuota {
-                        queue: cursor.queue.clone(),
-                    });
-            }
+            let reason = if cursor.misses >= LOOKAHEAD {
+                WaitReason::BehindInQueue {
+                    queue: cursor.queue.clone(),
+                }
+            } else if book
+                .gpu_types()
+                .all(|t| book.headroom(&cursor.queue, t) == 0)
+            {
+                WaitReason::OverQuota {
+                    queue: cursor.queue.clone(),
+                }
+            } else {
+                WaitReason::NoFreeGpus {
+                    queue: cursor.queue.clone(),
+                }
+            };
+            out.unreached.insert(cursor.queue.clone(), reason);
         }
         out
     }
