@@ -927,6 +927,42 @@ class Queues(OneServer):
         self.assertEqual(names, ["default"])
 
 
+class Admission(OneServer):
+    """Issue 23, items 2 and 6: a queue's quota holds from outside. A job
+    beyond its queue's quota waits, and GetJob says why; a job within
+    another queue's quota starts beside it."""
+
+    args = ("--simulated-gpus", "2xv100", "--node-timeout-s", "300", "--round-s", "0.2")
+
+    def test_a_job_beyond_its_queues_quota_waits_and_says_why(self):
+        wait_for("the node", lambda: self.stub.ListNodes(api.ListNodesRequest(), timeout=10).nodes or None)
+        for name in ("small", "other"):
+            self.stub.CreateQueue(api.CreateQueueRequest(
+                name=name, spec=entry.QueueSpec(quota=entry.GpuCounts(gpus={"v100": 1}), weight=1)), timeout=20)
+
+        def sleeper(name, queue):
+            s = spec(name, queue=queue)
+            del s.command[:]
+            s.command.extend(["sleep", "60"])
+            return self.stub.SubmitJob(api.SubmitJobRequest(spec=s), timeout=20).job_id
+
+        def job(job_id):
+            return self.stub.GetJob(api.GetJobRequest(job_id=job_id), timeout=10)
+
+        first = sleeper("first", "small")
+        wait_for("the first job to run", lambda: job(first).HasField("allocation") or None)
+        second = sleeper("second", "small")
+        waiting = wait_for("the second job's reason", lambda: "over quota" in job(second).message and job(second))
+        self.assertFalse(waiting.HasField("allocation"), waiting)
+        self.assertIn('queue "small"', waiting.message)
+        # The other queue's GPU is its own: its job starts at once.
+        third = sleeper("third", "other")
+        wait_for("the other queue's job to run", lambda: job(third).HasField("allocation") or None)
+        self.assertFalse(job(second).HasField("allocation"))
+        for j in (first, second, third):
+            self.stub.CancelJob(api.CancelJobRequest(job_id=j), timeout=20)
+
+
 class Paging(OneServer):
     """ListJobs answers a page at a time; a bad size or token names its
     field."""

@@ -504,17 +504,16 @@ impl Admission {
         free: &mut BTreeMap<String, u64>,
         short: Vec<(String, u64)>,
     ) {
+        let borrowers: Vec<String> = borrowers(book).into_iter().map(str::to_string).collect();
         for (gpu_type, mut missing) in short {
             // The borrowers' running jobs on this type: lowest priority
             // first, then the most recently placed.
-            let mut victims: Vec<(&Job, BTreeMap<String, u32>)> = state
-                .allocated_jobs()
-                .filter(|j| !self.reclaimed.contains_key(&j.id))
-                .filter(|j| book.borrowed(queue_of(&j.spec.queue), &gpu_type) > 0)
-                .filter_map(|j| {
-                    let a = j.allocation.as_ref()?;
-                    let by_type = state.gpus_by_type(&a.gpus);
-                    by_type.contains_key(&gpu_type).then_some((j, by_type))
+            let mut victims: Vec<(&Job, &BTreeMap<String, u32>)> = borrowers
+                .iter()
+                .filter(|q| book.borrowed(q, &gpu_type) > 0)
+                .flat_map(|q| state.holding_in_queue(q))
+                .filter(|(j, by_type)| {
+                    by_type.contains_key(&gpu_type) && !self.reclaimed.contains_key(&j.id)
                 })
                 .collect();
             victims.sort_by_key(|(j, _)| {
@@ -535,7 +534,7 @@ impl Admission {
                 if book.borrowed(queue, &gpu_type) < held {
                     continue;
                 }
-                for (t, n) in &by_type {
+                for (t, n) in by_type {
                     book.give_back(queue, t, *n);
                     *free.entry(t.clone()).or_default() += u64::from(*n);
                 }
@@ -668,34 +667,44 @@ impl Admission {
 /// jobs holding that type, smallest first, while they add up to no more
 /// than it borrows of it.
 fn reclaim_potential(state: &ClusterState, book: &QuotaBook) -> BTreeMap<String, u64> {
-    let mut held: BTreeMap<(String, String), Vec<u32>> = BTreeMap::new();
-    for job in state.allocated_jobs() {
-        let queue = queue_of(&job.spec.queue);
-        if book.borrowed_total(queue) == 0 {
-            continue;
-        }
-        if let Some(a) = &job.allocation {
-            for (t, n) in state.gpus_by_type(&a.gpus) {
-                if book.borrowed(queue, &t) > 0 {
-                    held.entry((queue.to_string(), t)).or_default().push(n);
-                }
-            }
-        }
-    }
     let mut potential: BTreeMap<String, u64> = BTreeMap::new();
-    for ((queue, t), mut sizes) in held {
-        sizes.sort_unstable();
-        let borrowed = u64::from(book.borrowed(&queue, &t));
-        let mut freed = 0u64;
-        for n in sizes {
-            if freed + u64::from(n) > borrowed {
-                break;
+    for queue in borrowers(book) {
+        let mut held: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+        for (_, by_type) in state.holding_in_queue(queue) {
+            for (t, n) in by_type {
+                held.entry(t.as_str()).or_default().push(*n);
             }
-            freed += u64::from(n);
         }
-        *potential.entry(t).or_default() += freed;
+        for (t, sizes) in held {
+            let borrowed = u64::from(book.borrowed(queue, t));
+            if borrowed > 0 {
+                *potential.entry(t.to_string()).or_default() += smallest_within(sizes, borrowed);
+            }
+        }
     }
     potential
+}
+
+/// The most of `sizes`, smallest first, that add up to no more than
+/// `limit`.
+fn smallest_within(mut sizes: Vec<u32>, limit: u64) -> u64 {
+    sizes.sort_unstable();
+    let mut freed = 0u64;
+    for n in sizes {
+        if freed + u64::from(n) > limit {
+            break;
+        }
+        freed += u64::from(n);
+    }
+    freed
+}
+
+/// The queues holding more than their quota of some type.
+fn borrowers(book: &QuotaBook) -> BTreeSet<&str> {
+    book.queues()
+        .filter(|q| book.borrowed_total(q) > 0)
+        .map(String::as_str)
+        .collect()
 }
 
 /// Takes every type of `want` for `queue`, or nothing.

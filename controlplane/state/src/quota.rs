@@ -63,7 +63,7 @@ pub enum QuotaRefusal {
 }
 
 /// A queue's terms, as the book reads them.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Terms {
     quota: BTreeMap<String, u32>,
     cohort: Option<String>,
@@ -90,7 +90,7 @@ impl CohortSums {
 }
 
 /// One GPU type's book.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct TypeBook {
     /// GPUs beyond every queue's quota.
     pool: u64,
@@ -105,10 +105,13 @@ struct TypeBook {
 }
 
 /// What every queue holds and may hold, by GPU type.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QuotaBook {
     terms: BTreeMap<String, Terms>,
     types: BTreeMap<String, TypeBook>,
+    /// During a trial ([`QuotaBook::begin_trial`]): what each (queue,
+    /// type) held before the trial first changed it (a few per decision).
+    trial: Option<Vec<(String, String, u32)>>,
 }
 
 impl QuotaBook {
@@ -139,6 +142,7 @@ impl QuotaBook {
         let mut book = QuotaBook {
             terms,
             types: BTreeMap::new(),
+            trial: None,
         };
         for (gpu_type, count) in capacity {
             let quoted: u64 = book
@@ -240,14 +244,15 @@ impl QuotaBook {
         let Some(book) = self.types.get(gpu_type) else {
             return 0;
         };
-        let terms = self.terms.get(queue).cloned().unwrap_or_default();
+        let none = Terms::default();
+        let terms = self.terms.get(queue).unwrap_or(&none);
         let used = self.used(queue, gpu_type);
         let quota = self.quota(queue, gpu_type);
         let under = quota.saturating_sub(used);
         let over = used.saturating_sub(quota);
         // Up to its quota, always; then, with its unused quota taken, what
         // its cohort has spare and what the pool has left.
-        let lent_now = u64::from(lendable(&terms, gpu_type, under));
+        let lent_now = u64::from(lendable(terms, gpu_type, under));
         let spare = match &terms.cohort {
             Some(c) => {
                 let sums = book.cohorts.get(c).copied().unwrap_or_default();
@@ -281,8 +286,8 @@ impl QuotaBook {
             self.set_used(queue, gpu_type, would_hold);
             return Ok(());
         }
-        let terms = self.terms.get(queue).cloned().unwrap_or_default();
-        if let Some(limit) = terms.borrow_limit.get(gpu_type) {
+        let terms = self.terms.get(queue);
+        if let Some(limit) = terms.and_then(|t| t.borrow_limit.get(gpu_type)) {
             if would_hold - quota > *limit {
                 return Err(QuotaRefusal::BorrowLimit {
                     queue: queue.into(),
@@ -300,7 +305,7 @@ impl QuotaBook {
                 gpu_type: gpu_type.into(),
                 would_hold,
                 quota,
-                cohort: terms.cohort.clone(),
+                cohort: terms.and_then(|t| t.cohort.clone()),
                 lendable: room.saturating_sub(quota.saturating_sub(used)),
             });
         }
@@ -321,8 +326,34 @@ impl QuotaBook {
         self.set_used(queue, gpu_type, used.saturating_sub(n));
     }
 
+    /// Starts a trial: the changes until [`QuotaBook::end_trial`] are
+    /// undone then (what a decision tries before it is granted).
+    pub fn begin_trial(&mut self) {
+        self.trial = Some(Vec::new());
+    }
+
+    /// Ends a trial, putting back what every queue held before it.
+    pub fn end_trial(&mut self) {
+        if let Some(before) = self.trial.take() {
+            for (queue, gpu_type, used) in before.into_iter().rev() {
+                self.set_used(&queue, &gpu_type, used);
+            }
+        }
+    }
+
     /// Sets what `queue` holds of `gpu_type`, keeping the sums.
     fn set_used(&mut self, queue: &str, gpu_type: &str, new: u32) {
+        if let Some(trial) = &mut self.trial {
+            if !trial.iter().any(|(q, t, _)| q == queue && t == gpu_type) {
+                let before = self
+                    .types
+                    .get(gpu_type)
+                    .and_then(|t| t.used.get(queue))
+                    .copied()
+                    .unwrap_or(0);
+                trial.push((queue.to_string(), gpu_type.to_string(), before));
+            }
+        }
         if !self.terms.contains_key(queue) {
             // A queue the book does not know (none should hold GPUs):
             // quota 0, no cohort, weight 1.
@@ -338,8 +369,16 @@ impl QuotaBook {
         let Some(terms) = self.terms.get(queue) else {
             return;
         };
-        let book = self.types.entry(gpu_type.to_string()).or_default();
+        if !self.types.contains_key(gpu_type) {
+            self.types.insert(gpu_type.to_string(), TypeBook::default());
+        }
+        let Some(book) = self.types.get_mut(gpu_type) else {
+            return;
+        };
         let old = book.used.get(queue).copied().unwrap_or(0);
+        if old == new {
+            return;
+        }
         let contribution = |used: u32| {
             (
                 u64::from(used.saturating_sub(quota)),
@@ -350,7 +389,12 @@ impl QuotaBook {
         let (new_over, new_lend) = contribution(new);
         match &terms.cohort {
             Some(c) => {
-                let sums = book.cohorts.entry(c.clone()).or_default();
+                if !book.cohorts.contains_key(c) {
+                    book.cohorts.insert(c.clone(), CohortSums::default());
+                }
+                let Some(sums) = book.cohorts.get_mut(c) else {
+                    return;
+                };
                 let old_spill = sums.spill();
                 sums.over = sums.over - old_over + new_over;
                 sums.lendable = sums.lendable - old_lend + new_lend;
@@ -363,6 +407,8 @@ impl QuotaBook {
         }
         if new == 0 {
             book.used.remove(queue);
+        } else if let Some(used) = book.used.get_mut(queue) {
+            *used = new;
         } else {
             book.used.insert(queue.to_string(), new);
         }

@@ -25,7 +25,10 @@ use crate::quota::QuotaBook;
 use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
+mod queue_index;
 mod snapshot;
+
+use queue_index::QueueIndex;
 
 /// Limits on commands, so one entry cannot blow up the state.
 pub mod limits {
@@ -176,6 +179,10 @@ pub struct ClusterState {
     queues: Queues,
     #[serde(skip)]
     indexes: JobIndexes,
+    /// What each queue's jobs hold and wait for, and the quota book, kept
+    /// once there are queues ([`queue_index`]).
+    #[serde(skip)]
+    queue_index: QueueIndex,
     /// Every GPU on a live node, by type and node: derived from `nodes`,
     /// rebuilt when a node registers, is lost or recovers.
     #[serde(skip)]
@@ -230,24 +237,38 @@ struct JobIndexes {
     /// running: those a `RemoveJob` may remove, oldest first.
     removable: BTreeSet<(u64, JobId)>,
     removable_at: BTreeMap<JobId, u64>,
-    /// What each job holding GPUs is charged to its queue (issue 23): the
-    /// allocation's epoch, the queue, and its GPUs by type.
-    charges: BTreeMap<JobId, Charge>,
-    /// GPUs each queue's jobs hold, by queue, then type: the sum of
-    /// `charges`, which the quota checks read.
-    queue_usage: BTreeMap<String, BTreeMap<String, u32>>,
-    /// Unfinished jobs holding no GPUs, by queue, in the order admission
-    /// takes them: higher priority first, then submission order.
-    waiting: BTreeMap<String, BTreeSet<(std::cmp::Reverse<i32>, JobId)>>,
-    waiting_key: BTreeMap<JobId, (String, i32)>,
 }
 
-/// A job's hold on its queue's quota.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Charge {
-    epoch: u64,
-    queue: String,
-    by_type: BTreeMap<String, u32>,
+/// GPUs of each type in `gpus`, the type names borrowed from `nodes` (a
+/// GPU of a node the state does not know counts as type ""): what a
+/// decision's quota check compares, without allocating.
+fn type_counts<'a>(nodes: &'a BTreeMap<String, Node>, gpus: &[GpuRef]) -> Vec<(&'a str, u32)> {
+    let mut counts: Vec<(&'a str, u32)> = Vec::new();
+    let mut last: Option<(&str, &'a Node)> = None;
+    for g in gpus {
+        let node = match last {
+            Some((name, node)) if name == g.node => Some(node),
+            _ => nodes.get(&g.node),
+        };
+        if let Some(node) = node {
+            last = Some((g.node.as_str(), node));
+        }
+        let gpu_type = node
+            .and_then(|n| n.gpus.get(&g.index))
+            .map_or("", String::as_str);
+        match counts.iter_mut().find(|(t, _)| *t == gpu_type) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((gpu_type, 1)),
+        }
+    }
+    counts
+}
+
+fn count_of(counts: &[(&str, u32)], gpu_type: &str) -> u32 {
+    counts
+        .iter()
+        .find(|(t, _)| *t == gpu_type)
+        .map_or(0, |(_, n)| *n)
 }
 
 /// GPUs of each type in `gpus` (a GPU of a node the state does not know
@@ -281,89 +302,16 @@ pub(crate) fn gpus_by_type(
 }
 
 impl JobIndexes {
-    fn of(jobs: &BTreeMap<JobId, Job>, nodes: &BTreeMap<String, Node>) -> JobIndexes {
+    fn of(jobs: &BTreeMap<JobId, Job>) -> JobIndexes {
         let mut indexes = JobIndexes::default();
         for (id, job) in jobs {
-            indexes.update(*id, Some(job), nodes);
+            indexes.update(*id, Some(job));
         }
         indexes
     }
 
-    /// Charges every job holding GPUs afresh (after a node changed).
-    fn recharge_all(&mut self, jobs: &BTreeMap<JobId, Job>, nodes: &BTreeMap<String, Node>) {
-        self.charges.clear();
-        self.queue_usage.clear();
-        let allocated: Vec<JobId> = self.allocated.iter().copied().collect();
-        for id in allocated {
-            self.recharge(id, jobs.get(&id), nodes);
-        }
-    }
-
-    /// Moves `id`'s charge to what `job` holds now (its GPUs' types read
-    /// from `nodes` when its allocation changed).
-    fn recharge(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
-        let alloc = job.and_then(|j| j.allocation.as_ref().map(|a| (j, a)));
-        if let (Some(old), Some((_, a))) = (self.charges.get(&id), alloc) {
-            if old.epoch == a.epoch {
-                return;
-            }
-        }
-        if let Some(old) = self.charges.remove(&id) {
-            if let Some(usage) = self.queue_usage.get_mut(&old.queue) {
-                for (t, n) in &old.by_type {
-                    if let Some(u) = usage.get_mut(t) {
-                        *u = u.saturating_sub(*n);
-                        if *u == 0 {
-                            usage.remove(t);
-                        }
-                    }
-                }
-                if usage.is_empty() {
-                    self.queue_usage.remove(&old.queue);
-                }
-            }
-        }
-        if let Some((job, a)) = alloc {
-            let charge = Charge {
-                epoch: a.epoch,
-                queue: crate::quota::queue_of(&job.spec.queue).to_string(),
-                by_type: gpus_by_type(nodes, &a.gpus),
-            };
-            let usage = self.queue_usage.entry(charge.queue.clone()).or_default();
-            for (t, n) in &charge.by_type {
-                *usage.entry(t.clone()).or_default() += n;
-            }
-            self.charges.insert(id, charge);
-        }
-    }
-
     /// Puts `id` in exactly the sets that `job` (None: removed) belongs to.
-    fn update(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
-        self.recharge(id, job, nodes);
-        let key = job
-            .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
-            .map(|j| (crate::quota::queue_of(&j.spec.queue), j.spec.priority));
-        match (self.waiting_key.get(&id), key) {
-            (Some((q, p)), Some((nq, np))) if q == nq && *p == np => {}
-            (old, _) => {
-                if let Some((q, p)) = old.cloned() {
-                    self.waiting_key.remove(&id);
-                    if let Some(set) = self.waiting.get_mut(&q) {
-                        set.remove(&(std::cmp::Reverse(p), id));
-                        if set.is_empty() {
-                            self.waiting.remove(&q);
-                        }
-                    }
-                }
-                if let Some((q, p)) = key {
-                    self.waiting
-                        .entry(q.to_string())
-                        .or_default()
-                        .insert((std::cmp::Reverse(p), id));
-                    self.waiting_key.insert(id, (q.to_string(), p));
-                }
-            }
-        }
+    fn update(&mut self, id: JobId, job: Option<&Job>) {
         if let Some(t) = self.backoff_of.remove(&id) {
             self.backoffs.remove(&(t, id));
         }
@@ -420,7 +368,7 @@ struct EncodedClusterState {
 impl<'de> Deserialize<'de> for ClusterState {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let e = EncodedClusterState::deserialize(deserializer)?;
-        let indexes = JobIndexes::of(&e.jobs, &e.nodes);
+        let indexes = JobIndexes::of(&e.jobs);
         let capacity = FreeGpus::of_nodes(&e.nodes);
         Ok(ClusterState {
             next_job_id: e.next_job_id,
@@ -438,6 +386,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             acl: Acl::default(),
             queues: Queues::default(),
             indexes,
+            queue_index: QueueIndex::default(),
             capacity,
             free: FreeCache::default(),
         })
@@ -716,7 +665,7 @@ impl ClusterState {
     /// GPUs each queue's jobs hold, by queue, then type (a job naming no
     /// queue is the default queue's).
     pub fn queue_usage(&self) -> &BTreeMap<String, BTreeMap<String, u32>> {
-        &self.indexes.queue_usage
+        self.queue_index.usage()
     }
 
     /// GPUs of each type in `gpus` (a GPU the state does not know counts
@@ -725,37 +674,40 @@ impl ClusterState {
         gpus_by_type(&self.nodes, gpus)
     }
 
+    /// [`ClusterState::gpus_by_type`] without allocating: the type names
+    /// borrowed from the state, in the order first met.
+    pub fn type_counts<'a>(&'a self, gpus: &[GpuRef]) -> Vec<(&'a str, u32)> {
+        type_counts(&self.nodes, gpus)
+    }
+
     /// The jobs waiting for GPUs in queue `queue` (unfinished, holding
     /// none), higher priority first, then in submission order.
     pub fn waiting_in_queue<'a>(&'a self, queue: &str) -> impl Iterator<Item = &'a Job> + 'a {
-        self.indexes
-            .waiting
-            .get(queue)
-            .into_iter()
-            .flatten()
-            .filter_map(|(_, id)| self.jobs.get(id))
+        self.queue_index
+            .waiting_in(queue)
+            .filter_map(|id| self.jobs.get(&id))
+    }
+
+    /// The jobs of queue `queue` holding GPUs, each with its GPUs by type
+    /// (kept once there are queues; none before).
+    pub fn holding_in_queue<'a>(
+        &'a self,
+        queue: &str,
+    ) -> impl Iterator<Item = (&'a Job, &'a BTreeMap<String, u32>)> + 'a {
+        self.queue_index
+            .holding_in(queue)
+            .filter_map(|(id, by_type)| Some((self.jobs.get(&id)?, by_type)))
     }
 
     /// The queues with jobs waiting for GPUs, by name.
     pub fn queues_with_waiting_jobs(&self) -> impl Iterator<Item = &String> + '_ {
-        self.indexes.waiting.keys()
+        self.queue_index.queues_with_waiting()
     }
 
     /// The quotas as they stand ([`crate::quota`]): `None` while no queue
     /// was made or changed, when nothing is limited.
     pub fn quota_book(&self) -> Option<QuotaBook> {
-        if self.queues.is_unset() {
-            return None;
-        }
-        let capacity = self
-            .capacity
-            .types()
-            .map(|t| (t, self.capacity.free_of_type(t)));
-        Some(QuotaBook::new(
-            &self.queues,
-            capacity,
-            &self.indexes.queue_usage,
-        ))
+        self.queue_index.book().cloned()
     }
 
     /// Whether any node (alive or lost) has a GPU of `gpu_type`: the types
@@ -927,7 +879,8 @@ impl ClusterState {
             touched.sort_unstable();
             touched.dedup();
             for id in touched {
-                self.indexes.update(id, self.jobs.get(&id), &self.nodes);
+                self.indexes.update(id, self.jobs.get(&id));
+                self.queue_index.update(id, self.jobs.get(&id), &self.nodes);
             }
         }
         if matches!(
@@ -940,8 +893,17 @@ impl ClusterState {
         ) {
             self.capacity = FreeGpus::of_nodes(&self.nodes);
             self.free = FreeCache::default();
-            // A held GPU's type may have changed under its job.
-            self.indexes.recharge_all(&self.jobs, &self.nodes);
+            // The pool beyond the quotas moved, and a held GPU's type may
+            // have changed under its job.
+            self.queue_index
+                .recharge(&self.jobs, &self.nodes, &self.queues, &self.capacity);
+        }
+        if matches!(
+            entry.command,
+            Command::CreateQueue { .. } | Command::UpdateQueue { .. } | Command::DeleteQueue { .. }
+        ) {
+            self.queue_index
+                .recharge(&self.jobs, &self.nodes, &self.queues, &self.capacity);
         }
         let moves_supply_or_demand = events.iter().any(|e| {
             !matches!(
@@ -2015,6 +1977,70 @@ impl ClusterState {
         None
     }
 
+    /// A decision's quota check, tried on `book` and undone (issue 23):
+    /// every old hold of the plan's jobs is given back first; then what
+    /// shrinks or stays is kept, and what grows is checked in job order.
+    /// A placement refused leaves `accepted`, with the reason in `events`.
+    fn check_quotas(
+        &self,
+        book: &mut QuotaBook,
+        accepted: &mut BTreeMap<JobId, (Vec<GpuRef>, Option<JobId>)>,
+        events: &mut Vec<Event>,
+    ) {
+        let nodes = &self.nodes;
+        book.begin_trial();
+        let mut growing = Vec::new();
+        for (job_id, (gpus, _)) in accepted.iter() {
+            let Some(job) = self.jobs.get(job_id) else {
+                continue;
+            };
+            let queue = crate::quota::queue_of(&job.spec.queue);
+            let old = job
+                .allocation
+                .as_ref()
+                .map(|a| type_counts(nodes, &a.gpus))
+                .unwrap_or_default();
+            for (t, n) in &old {
+                book.give_back(queue, t, *n);
+            }
+            let new = type_counts(nodes, gpus);
+            if new.iter().any(|(t, n)| *n > count_of(&old, t)) {
+                growing.push((*job_id, queue, old, new));
+            } else {
+                for (t, n) in &new {
+                    book.force(queue, t, *n);
+                }
+            }
+        }
+        for (job_id, queue, old, new) in growing {
+            let mut taken: Vec<(&str, u32)> = Vec::new();
+            let mut refusal = None;
+            for (t, n) in &new {
+                match book.take(queue, t, *n) {
+                    Ok(()) => taken.push((t, *n)),
+                    Err(e) => {
+                        refusal = Some(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = refusal {
+                for (t, n) in taken {
+                    book.give_back(queue, t, n);
+                }
+                for (t, n) in &old {
+                    book.force(queue, t, *n);
+                }
+                accepted.remove(&job_id);
+                events.push(Event::PlacementRefused {
+                    job_id,
+                    reason: format!("over its queue's quota: {e}"),
+                });
+            }
+        }
+        book.end_trial();
+    }
+
     fn decide_allocation(
         &mut self,
         based_on: u64,
@@ -2049,58 +2075,46 @@ impl ClusterState {
         // what it may borrow is refused (the job keeps what it had). Every
         // old hold of the plan's jobs is given back first; then what
         // shrinks or stays is kept, and what grows is checked in job order.
-        if let Some(mut book) = self.quota_book() {
-            let mut growing = Vec::new();
+        // The book is the state's own: the pass tries the changes on it
+        // and then puts it back as it was (`trial`); the index update after
+        // the entry charges what was granted.
+        if let Some(mut book) = self.queue_index.take_book() {
+            let nodes = &self.nodes;
+            // The common case first: when what the decision adds to each
+            // queue, net of what it gives back, stays within its quota,
+            // every growth is (releases come first, so each one meets a
+            // smaller hold), and nothing needs trying.
+            let mut net: Vec<(&str, &str, i64)> = Vec::new();
             for (job_id, (gpus, _)) in &accepted {
                 let Some(job) = self.jobs.get(job_id) else {
                     continue;
                 };
                 let queue = crate::quota::queue_of(&job.spec.queue);
-                let old = job
-                    .allocation
-                    .as_ref()
-                    .map(|a| gpus_by_type(&self.nodes, &a.gpus))
-                    .unwrap_or_default();
-                for (t, n) in &old {
-                    book.give_back(queue, t, *n);
-                }
-                let new = gpus_by_type(&self.nodes, gpus);
-                if new
-                    .iter()
-                    .any(|(t, n)| *n > old.get(t).copied().unwrap_or(0))
-                {
-                    growing.push((*job_id, queue, old, new));
-                } else {
-                    for (t, n) in &new {
-                        book.force(queue, t, *n);
+                let old = job.allocation.as_ref().map(|a| type_counts(nodes, &a.gpus));
+                let changes = old
+                    .into_iter()
+                    .flatten()
+                    .map(|(t, n)| (t, -i64::from(n)))
+                    .chain(
+                        type_counts(nodes, gpus)
+                            .into_iter()
+                            .map(|(t, n)| (t, i64::from(n))),
+                    );
+                for (t, n) in changes {
+                    match net.iter_mut().find(|(q, u, _)| *q == queue && *u == t) {
+                        Some((_, _, d)) => *d += n,
+                        None => net.push((queue, t, n)),
                     }
                 }
             }
-            for (job_id, queue, old, new) in growing {
-                let mut taken: Vec<(&String, u32)> = Vec::new();
-                let mut refusal = None;
-                for (t, n) in &new {
-                    match book.take(queue, t, *n) {
-                        Ok(()) => taken.push((t, *n)),
-                        Err(e) => {
-                            refusal = Some(e);
-                            break;
-                        }
-                    }
-                }
-                if let Some(e) = refusal {
-                    for (t, n) in taken {
-                        book.give_back(queue, t, n);
-                    }
-                    for (t, n) in &old {
-                        book.force(queue, t, *n);
-                    }
-                    accepted.remove(&job_id);
-                    events.push(Event::PlacementRefused {
-                        job_id,
-                        reason: format!("over its queue's quota: {e}"),
-                    });
-                }
+            let within = net.iter().all(|(q, t, d)| {
+                *d <= 0 || i64::from(book.used(q, t)) + d <= i64::from(book.quota(q, t))
+            });
+            if within {
+                self.queue_index.put_book(book);
+            } else {
+                self.check_quotas(&mut book, &mut accepted, &mut events);
+                self.queue_index.put_book(book);
             }
         }
         // Pass 1b: a pair is placed whole or not at all. Both placements
@@ -2344,8 +2358,12 @@ impl ClusterState {
                 ));
             }
         }
-        if self.indexes != JobIndexes::of(&self.jobs, &self.nodes) {
+        if self.indexes != JobIndexes::of(&self.jobs) {
             return Err("the job indexes disagree with the jobs".into());
+        }
+        if self.queue_index != QueueIndex::of(&self.jobs, &self.nodes, &self.queues, &self.capacity)
+        {
+            return Err("the queue indexes disagree with the jobs and queues".into());
         }
         self.requests.check()
     }

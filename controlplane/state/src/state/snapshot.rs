@@ -212,7 +212,8 @@ impl ClusterState {
             acl,
             queues: Queues::from_parts(queues),
             next_job_id: m.next_job_id,
-            indexes: JobIndexes::of(&jobs, &nodes),
+            indexes: JobIndexes::of(&jobs),
+            queue_index: super::QueueIndex::default(),
             capacity: FreeGpus::of_nodes(&nodes),
             jobs,
             nodes,
@@ -226,6 +227,9 @@ impl ClusterState {
             policy_memory,
             free: FreeCache::default(),
         };
+        let mut state = state;
+        state.queue_index =
+            super::QueueIndex::of(&state.jobs, &state.nodes, &state.queues, &state.capacity);
         state.check_invariants().map_err(inconsistent)?;
         Ok(state)
     }

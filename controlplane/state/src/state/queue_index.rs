@@ -1,0 +1,267 @@
+//! What the queues' jobs hold and wait for (issue 23), derived from the
+//! jobs, kept by `apply` once there are queues and not before: a cluster
+//! that never made a queue pays nothing for them.
+//!
+//! - each holding job's charge to its queue (its GPUs by type, and the
+//!   allocation's epoch, so an entry that does not change the allocation
+//!   costs one lookup), their sum by queue and type, and the [`QuotaBook`]
+//!   on that sum, which `apply`'s quota check and the scheduler read;
+//! - the waiting jobs of each queue in the order admission takes them
+//!   (higher priority first, then submission order).
+//!
+//! [`ClusterState::check_invariants`](super::ClusterState::check_invariants)
+//! proves the kept index equals one built afresh.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::free_gpus::FreeGpus;
+use crate::model::{Job, JobId, Node};
+use crate::queue::Queues;
+use crate::quota::{queue_of, QuotaBook};
+
+/// A job's hold on its queue's quota.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Charge {
+    epoch: u64,
+    queue: String,
+    by_type: BTreeMap<String, u32>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct QueueIndex {
+    /// `None` while the cluster has no queue: nothing is kept.
+    book: Option<QuotaBook>,
+    charges: BTreeMap<JobId, Charge>,
+    /// The jobs holding GPUs, by queue (what reclaim looks through).
+    holding: BTreeMap<String, BTreeSet<JobId>>,
+    /// GPUs each queue's jobs hold, by queue, then type.
+    usage: BTreeMap<String, BTreeMap<String, u32>>,
+    /// Unfinished jobs holding no GPUs, by queue, in admission order.
+    waiting: BTreeMap<String, BTreeSet<(Reverse<i32>, JobId)>>,
+    /// Each waiting job's priority (its queue is its spec's).
+    waiting_key: BTreeMap<JobId, i32>,
+}
+
+impl QueueIndex {
+    /// The index of `jobs` with `queues` on a cluster of `nodes` whose
+    /// live GPUs are `capacity` (empty while there are no queues).
+    pub(super) fn of(
+        jobs: &BTreeMap<JobId, Job>,
+        nodes: &BTreeMap<String, Node>,
+        queues: &Queues,
+        capacity: &FreeGpus,
+    ) -> QueueIndex {
+        let mut index = QueueIndex::default();
+        if queues.is_unset() {
+            return index;
+        }
+        for (id, job) in jobs {
+            index.charge(*id, Some(job), nodes);
+            index.queue_up(*id, Some(job));
+        }
+        index.book = Some(book_of(queues, capacity, &index.usage));
+        index
+    }
+
+    /// Charges every holding job afresh and builds the book again (after
+    /// a node or a queue changed).
+    pub(super) fn recharge(
+        &mut self,
+        jobs: &BTreeMap<JobId, Job>,
+        nodes: &BTreeMap<String, Node>,
+        queues: &Queues,
+        capacity: &FreeGpus,
+    ) {
+        if queues.is_unset() {
+            *self = QueueIndex::default();
+            return;
+        }
+        if self.book.is_none() {
+            // The first queue: start keeping the index.
+            *self = QueueIndex::of(jobs, nodes, queues, capacity);
+            return;
+        }
+        let holding: Vec<JobId> = self.charges.keys().copied().collect();
+        self.charges.clear();
+        self.usage.clear();
+        self.holding.clear();
+        for id in holding {
+            self.charge(id, jobs.get(&id), nodes);
+        }
+        self.book = Some(book_of(queues, capacity, &self.usage));
+    }
+
+    /// Puts job `id` (None: removed) where it now belongs.
+    pub(super) fn update(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
+        if self.book.is_none() {
+            return;
+        }
+        self.charge(id, job, nodes);
+        self.queue_up(id, job);
+    }
+
+    pub(super) fn usage(&self) -> &BTreeMap<String, BTreeMap<String, u32>> {
+        &self.usage
+    }
+
+    pub(super) fn book(&self) -> Option<&QuotaBook> {
+        self.book.as_ref()
+    }
+
+    /// The book, out of the index for a decision's trial
+    /// ([`QueueIndex::put_book`] puts it back).
+    pub(super) fn take_book(&mut self) -> Option<QuotaBook> {
+        self.book.take()
+    }
+
+    pub(super) fn put_book(&mut self, book: QuotaBook) {
+        self.book = Some(book);
+    }
+
+    pub(super) fn waiting_in<'a>(&'a self, queue: &str) -> impl Iterator<Item = JobId> + 'a {
+        self.waiting
+            .get(queue)
+            .into_iter()
+            .flatten()
+            .map(|(_, id)| *id)
+    }
+
+    /// The jobs of `queue` holding GPUs, each with its GPUs by type.
+    pub(super) fn holding_in<'a>(
+        &'a self,
+        queue: &str,
+    ) -> impl Iterator<Item = (JobId, &'a BTreeMap<String, u32>)> + 'a {
+        self.holding
+            .get(queue)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| Some((*id, &self.charges.get(id)?.by_type)))
+    }
+
+    pub(super) fn queues_with_waiting(&self) -> impl Iterator<Item = &String> + '_ {
+        self.waiting.keys()
+    }
+
+    /// Moves `id`'s charge to what `job` holds now.
+    fn charge(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
+        let alloc = job.and_then(|j| j.allocation.as_ref().map(|a| (j, a)));
+        match (self.charges.get(&id), alloc) {
+            (Some(old), Some((_, a))) if old.epoch == a.epoch => return,
+            (None, None) => return,
+            _ => {}
+        }
+        if let Some(old) = self.charges.remove(&id) {
+            if let Some(jobs) = self.holding.get_mut(&old.queue) {
+                jobs.remove(&id);
+                if jobs.is_empty() {
+                    self.holding.remove(&old.queue);
+                }
+            }
+            if let Some(usage) = self.usage.get_mut(&old.queue) {
+                for (t, n) in &old.by_type {
+                    if let Some(u) = usage.get_mut(t) {
+                        *u = u.saturating_sub(*n);
+                        if *u == 0 {
+                            usage.remove(t);
+                        }
+                    }
+                    if let Some(book) = &mut self.book {
+                        book.give_back(&old.queue, t, *n);
+                    }
+                }
+                if usage.is_empty() {
+                    self.usage.remove(&old.queue);
+                }
+            }
+        }
+        if let Some((job, a)) = alloc {
+            let charge = Charge {
+                epoch: a.epoch,
+                queue: queue_of(&job.spec.queue).to_string(),
+                by_type: super::gpus_by_type(nodes, &a.gpus),
+            };
+            if !self.usage.contains_key(&charge.queue) {
+                self.usage.insert(charge.queue.clone(), BTreeMap::new());
+            }
+            let Some(usage) = self.usage.get_mut(&charge.queue) else {
+                return;
+            };
+            for (t, n) in &charge.by_type {
+                match usage.get_mut(t) {
+                    Some(u) => *u += n,
+                    None => {
+                        usage.insert(t.clone(), *n);
+                    }
+                }
+                if let Some(book) = &mut self.book {
+                    book.force(&charge.queue, t, *n);
+                }
+            }
+            match self.holding.get_mut(&charge.queue) {
+                Some(jobs) => {
+                    jobs.insert(id);
+                }
+                None => {
+                    self.holding
+                        .insert(charge.queue.clone(), BTreeSet::from([id]));
+                }
+            }
+            self.charges.insert(id, charge);
+        }
+    }
+
+    /// Puts `id` in its queue's waiting set, or out of every one.
+    fn queue_up(&mut self, id: JobId, job: Option<&Job>) {
+        let waits = job.is_some_and(|j| !j.state.is_terminal() && j.allocation.is_none());
+        let now = job.filter(|_| waits).map(|j| j.spec.priority);
+        let before = self.waiting_key.get(&id).copied();
+        if before == now {
+            return;
+        }
+        if let Some(p) = before {
+            self.waiting_key.remove(&id);
+            // A job's queue never changes; a job no longer there (removed)
+            // is looked for in every queue.
+            let key = (Reverse(p), id);
+            let queue = match job {
+                Some(j) => Some(queue_of(&j.spec.queue).to_string()),
+                None => self
+                    .waiting
+                    .iter()
+                    .find(|(_, set)| set.contains(&key))
+                    .map(|(q, _)| q.clone()),
+            };
+            if let Some(q) = queue {
+                if let Some(set) = self.waiting.get_mut(&q) {
+                    set.remove(&key);
+                    if set.is_empty() {
+                        self.waiting.remove(&q);
+                    }
+                }
+            }
+        }
+        if let (Some(p), Some(j)) = (now, job) {
+            let q = queue_of(&j.spec.queue);
+            match self.waiting.get_mut(q) {
+                Some(set) => {
+                    set.insert((Reverse(p), id));
+                }
+                None => {
+                    self.waiting
+                        .insert(q.to_string(), BTreeSet::from([(Reverse(p), id)]));
+                }
+            }
+            self.waiting_key.insert(id, p);
+        }
+    }
+}
+
+fn book_of(
+    queues: &Queues,
+    capacity: &FreeGpus,
+    usage: &BTreeMap<String, BTreeMap<String, u32>>,
+) -> QuotaBook {
+    let counts = capacity.types().map(|t| (t, capacity.free_of_type(t)));
+    QuotaBook::new(queues, counts, usage)
+}
