@@ -52,7 +52,12 @@ pub mod raft {
 ///   would keep no submitter on the job, and hash to another state.
 /// - 6: `JobSpec.queue` (issue 23). A build that ignored it would put the
 ///   job in the default queue.
-pub const ENTRY_FORMAT_VERSION: u32 = 6;
+/// - 7: `JobSpec.not_preemptible` (issue 23, item 4). A build that ignored
+///   it would let its policy preempt the job where the others refuse.
+pub const ENTRY_FORMAT_VERSION: u32 = 7;
+
+/// The version of an entry whose job names a queue (and is preemptible).
+pub const ENTRY_FORMAT_VERSION_QUEUE: u32 = 6;
 
 /// The version of an entry that carries an actor (and no job naming a
 /// queue).

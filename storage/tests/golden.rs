@@ -428,7 +428,10 @@ fn a_snapshot_with_queues_decodes_from_its_golden_bytes() {
         let (_, e) = entries.iter().find(|(n, _)| *n == name).expect("example");
         keel_state::codec::entry_to_proto(e).format_version
     };
-    assert_eq!(format("submit_job-queue"), keel_proto::ENTRY_FORMAT_VERSION);
+    assert_eq!(
+        format("submit_job-queue"),
+        keel_proto::ENTRY_FORMAT_VERSION_QUEUE
+    );
     assert_eq!(
         format("create_queue"),
         keel_proto::ENTRY_FORMAT_VERSION_ACTOR
@@ -472,6 +475,36 @@ fn a_snapshot_with_tokens_decodes_from_its_golden_bytes() {
         (name, token.created_by.as_deref()),
         ("alice", Some("token:root"))
     );
+}
+
+/// Issue 23, item 4: a submission that may not be preempted (the spec's
+/// field 20, format version 7, hashed apart) decodes from its golden bytes.
+#[test]
+fn a_submission_that_may_not_be_preempted_decodes_from_its_golden_bytes() {
+    let mut spec = job_spec("fixed", 1, 1);
+    spec.queue = "team-a".into();
+    spec.preemptible = false;
+    let entry = LogEntry::new(55_000, Command::SubmitJob { spec });
+    assert_eq!(
+        keel_state::codec::entry_to_proto(&entry).format_version,
+        keel_proto::ENTRY_FORMAT_VERSION
+    );
+    let bytes = golden(
+        "entry-submit_job-not_preemptible.bin",
+        &encode_entry(&entry),
+    );
+    assert_eq!(decode_entry(&bytes).as_ref(), Ok(&entry));
+    // A state holding such a job hashes apart from one where it may be.
+    let hash_with = |preemptible: bool| {
+        let mut spec = job_spec("fixed", 1, 1);
+        spec.preemptible = preemptible;
+        let mut state = ClusterState::new();
+        state
+            .apply(1, &LogEntry::new(55_000, Command::SubmitJob { spec }))
+            .expect("applies");
+        state.state_hash()
+    };
+    assert_ne!(hash_with(false), hash_with(true));
 }
 
 #[test]

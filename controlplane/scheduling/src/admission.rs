@@ -513,7 +513,9 @@ impl Admission {
                 .filter(|q| book.borrowed(q, &gpu_type) > 0)
                 .flat_map(|q| state.holding_in_queue(q))
                 .filter(|(j, by_type)| {
-                    by_type.contains_key(&gpu_type) && !self.reclaimed.contains_key(&j.id)
+                    j.spec.preemptible
+                        && by_type.contains_key(&gpu_type)
+                        && !self.reclaimed.contains_key(&j.id)
                 })
                 .collect();
             victims.sort_by_key(|(j, _)| {
@@ -670,7 +672,10 @@ fn reclaim_potential(state: &ClusterState, book: &QuotaBook) -> BTreeMap<String,
     let mut potential: BTreeMap<String, u64> = BTreeMap::new();
     for queue in borrowers(book) {
         let mut held: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-        for (_, by_type) in state.holding_in_queue(queue) {
+        for (job, by_type) in state.holding_in_queue(queue) {
+            if !job.spec.preemptible {
+                continue;
+            }
             for (t, n) in by_type {
                 held.entry(t.as_str()).or_default().push(*n);
             }

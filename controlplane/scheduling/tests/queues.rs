@@ -167,13 +167,14 @@ fn without_queues_admission_is_everyone() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(keel_state::fixtures::fuzz_cases()))]
 
-    /// Whatever the queues and jobs, no policy's decision is refused for
-    /// quota, and no round leaves a borrower beyond what it may borrow
-    /// unless a queue within its quota took its GPUs back in that round.
+    /// Whatever the queues, the jobs, their priorities and whether they
+    /// may be preempted, no policy's decision is refused by `apply` (for
+    /// quota, or for moving a job that may not be preempted), and the
+    /// state's invariants (the queue index among them) hold.
     #[test]
     fn no_policy_proposes_what_apply_refuses_for_quota(
         quotas in prop::collection::vec((0u32..=6, any::<bool>(), 1u32..=3), 1..=3),
-        jobs in prop::collection::vec((0usize..3, 1u32..=4, 1u32..=2, 0u32..=2), 1..=12),
+        jobs in prop::collection::vec((0usize..3, 1u32..=4, 1u32..=2, 0u32..=2, any::<bool>(), -1i32..=1), 1..=12),
         policy in prop::sample::select(
             POLICY_NAMES
                 .iter()
@@ -189,9 +190,11 @@ proptest! {
             spec.weight = *weight;
             c.apply(Command::CreateQueue { name: format!("q{i}"), spec });
         }
-        for (queue, gpus, min, extra) in &jobs {
+        for (queue, gpus, min, extra, preemptible, priority) in &jobs {
             let mut spec = job_spec("j", *gpus, *min);
             spec.workers.max = min + extra;
+            spec.preemptible = *preemptible;
+            spec.priority = *priority;
             if *queue < quotas.len() {
                 spec.queue = format!("q{queue}");
             }
@@ -201,4 +204,86 @@ proptest! {
             round(&mut c, policy, now * 60_000);
         }
     }
+}
+
+/// Issue 23, item 4: a running job that may not be preempted keeps its
+/// GPUs under every policy, whatever arrives; `apply` would refuse the
+/// change (the round helper fails on any refusal).
+#[test]
+fn a_job_that_may_not_be_preempted_keeps_its_gpus_under_every_policy() {
+    for policy in POLICY_NAMES.iter().chain(&["max_min_fairness", "gandiva"]) {
+        let mut c = TestCluster::v100_nodes(&[2]);
+        let mut fixed = job_spec("fixed", 2, 1);
+        fixed.preemptible = false;
+        let fixed = c.submit(fixed);
+        round(&mut c, policy, 1);
+        let before = c.state.job(fixed).and_then(|j| j.allocation.clone());
+        assert!(before.is_some(), "{policy}: it runs");
+        let mut urgent = job_spec("urgent", 2, 1);
+        urgent.priority = 100;
+        let urgent = c.submit(urgent);
+        for now in [2, 400_000, 800_000] {
+            let events = round(&mut c, policy, now);
+            assert!(
+                !events
+                    .iter()
+                    .any(|e| matches!(e, Event::JobPreempted { .. })),
+                "{policy}: {events:?}"
+            );
+        }
+        assert_eq!(
+            c.state.job(fixed).and_then(|j| j.allocation.clone()),
+            before,
+            "{policy}"
+        );
+        assert!(c.state.job(urgent).is_some_and(|j| j.allocation.is_none()));
+    }
+}
+
+#[test]
+fn reclaim_passes_over_jobs_that_may_not_be_preempted() {
+    // a holds the node: two preemptible jobs, then two that may not be
+    // preempted, on b's lent GPUs.
+    let setup = |fixed_first: bool| {
+        let mut c = two_queues(true);
+        let mut ids = Vec::new();
+        for i in 0..4 {
+            let mut spec = job_spec("a", 2, 1);
+            spec.queue = "a".into();
+            spec.preemptible = if fixed_first { false } else { i < 2 };
+            ids.push(c.submit(spec));
+            round(&mut c, "fifo", 1 + i);
+        }
+        assert_eq!(held(&c, "a"), 8);
+        (c, ids)
+    };
+    // b wants 2 back: a's most recent preemptible job goes, never one
+    // that may not be preempted.
+    let (mut c, a) = setup(false);
+    submit(&mut c, "b", 2);
+    let events = round(&mut c, "fifo", 10);
+    let preempted: Vec<JobId> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::JobPreempted { job_id, .. } => Some(*job_id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(preempted, vec![a[1]], "{events:?}");
+    assert_eq!(held(&c, "b"), 2);
+    // Every job of a may not be preempted: b waits, and says why.
+    let (mut c, _) = setup(true);
+    let b = submit(&mut c, "b", 2);
+    let events = round(&mut c, "fifo", 10);
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::JobPreempted { .. })),
+        "{events:?}"
+    );
+    let admission = Admission::of(&c.state, 11);
+    assert_eq!(
+        admission.wait_reason(c.state.job(b).expect("b's job")),
+        Some(WaitReason::HeldByBorrowers { queue: "b".into() })
+    );
 }

@@ -454,6 +454,7 @@ impl Engine<'_> {
             resources: Default::default(),
             logs: Default::default(),
             queue: job.queue.clone(),
+            preemptible: true,
         };
         let within_quota = self.within_quota(position);
         let queue = keel_state::quota::queue_of(&job.queue).to_string();

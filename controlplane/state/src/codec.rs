@@ -8,7 +8,8 @@
 use keel_proto::entry as pb;
 use keel_proto::{
     ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_ACTOR, ENTRY_FORMAT_VERSION_FIRST,
-    ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
+    ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_QUEUE, ENTRY_FORMAT_VERSION_REQUEST_ID,
+    ENTRY_FORMAT_VERSION_SHARES_GPUS,
 };
 use prost::Message;
 
@@ -267,6 +268,8 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     };
     let names_a_queue =
         matches!(&entry.command, Command::SubmitJob { spec } if !spec.queue.is_empty());
+    let not_preemptible =
+        matches!(&entry.command, Command::SubmitJob { spec } if !spec.preemptible);
     let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
         if placements.iter().any(|p| p.share_with.is_some()));
     let has_memory = matches!(
@@ -279,8 +282,10 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     // The oldest version that expresses the entry, so a build one version
     // older refuses exactly the entries it would misread.
     pb::LogEntry {
-        format_version: if names_a_queue {
+        format_version: if not_preemptible {
             ENTRY_FORMAT_VERSION
+        } else if names_a_queue {
+            ENTRY_FORMAT_VERSION_QUEUE
         } else if entry.actor.is_some() {
             ENTRY_FORMAT_VERSION_ACTOR
         } else if has_memory {
@@ -465,6 +470,7 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
             max_files: s.logs.max_files,
         }),
         queue: s.queue.clone(),
+        not_preemptible: !s.preemptible,
     }
 }
 
@@ -537,6 +543,7 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
             })
             .unwrap_or_default(),
         queue: s.queue,
+        preemptible: !s.not_preemptible,
     }
 }
 

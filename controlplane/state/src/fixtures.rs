@@ -36,6 +36,7 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         resources: Default::default(),
         logs: Default::default(),
         queue: String::new(),
+        preemptible: true,
     }
 }
 

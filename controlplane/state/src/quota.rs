@@ -657,4 +657,63 @@ mod tests {
         );
         c.state.check_invariants().expect("invariants");
     }
+
+    /// Issue 23, item 4, in `apply`: a running job that may not be
+    /// preempted keeps its GPUs whatever a decision says (moved, emptied,
+    /// or its GPUs given to another job); node loss is not a decision.
+    #[test]
+    fn apply_keeps_a_job_that_may_not_be_preempted_where_it_is() {
+        use crate::command::{Command, JobPlacement};
+        use crate::event::Event;
+        use crate::fixtures::{job_spec, TestCluster};
+        use crate::model::GpuRef;
+        let gpu = |index| GpuRef {
+            node: "n0".into(),
+            index,
+        };
+        let mut c = TestCluster::v100_nodes(&[2]);
+        let mut spec = job_spec("fixed", 1, 1);
+        spec.preemptible = false;
+        let fixed = c.submit(spec);
+        let other = c.submit(job_spec("other", 1, 1));
+        c.place(fixed, vec![gpu(0)]);
+        for placements in [
+            vec![JobPlacement::alone(fixed, vec![gpu(1)])],
+            vec![JobPlacement::alone(fixed, Vec::new())],
+            vec![
+                JobPlacement::alone(fixed, Vec::new()),
+                JobPlacement::alone(other, vec![gpu(0)]),
+            ],
+        ] {
+            let events = c.apply(Command::DecideAllocation {
+                based_on: c.index,
+                policy: "test".into(),
+                round: 9,
+                placements,
+                memory: None,
+            });
+            assert!(
+                events.iter().any(|e| matches!(e,
+                    Event::PlacementRefused { job_id, reason } if *job_id == fixed && reason.contains("not preemptible"))),
+                "{events:?}"
+            );
+            assert!(
+                !events
+                    .iter()
+                    .any(|e| matches!(e, Event::JobPreempted { .. })),
+                "{events:?}"
+            );
+            assert_eq!(
+                c.state
+                    .job(fixed)
+                    .and_then(|j| j.allocation.as_ref())
+                    .map(|a| a.gpus.clone()),
+                Some(vec![gpu(0)])
+            );
+        }
+        // Another job may still take the free GPU.
+        c.place(other, vec![gpu(1)]);
+        assert!(c.state.job(other).is_some_and(|j| j.allocation.is_some()));
+        c.state.check_invariants().expect("invariants");
+    }
 }

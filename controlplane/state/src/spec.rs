@@ -94,6 +94,20 @@ pub struct JobSpec {
     /// `resources`, not in the binary form: hashed apart when set.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub queue: String,
+    /// Whether a running job may lose its GPUs to a policy's preemption or
+    /// to reclaim (issue 23, item 4; default yes). Losing its node still
+    /// stops it. Like `queue`, not in the binary form: hashed apart when
+    /// false.
+    #[serde(default = "yes", skip_serializing_if = "is_yes")]
+    pub preemptible: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_yes(b: &bool) -> bool {
+    *b
 }
 
 /// The binary layout of a [`JobSpec`] (without `resources`), frozen: see
@@ -184,6 +198,7 @@ impl<'de> Deserialize<'de> for JobSpec {
             resources: Resources::default(),
             logs: LogLimits::default(),
             queue: String::new(),
+            preemptible: true,
         })
     }
 }

@@ -801,6 +801,16 @@ impl ClusterState {
         if !self.queues.is_unset() {
             let _ = postcard::to_io(&self.queues, &mut writer);
         }
+        // And the jobs that may not be preempted, once there is one.
+        let fixed: Vec<JobId> = self
+            .jobs
+            .iter()
+            .filter(|(_, job)| !job.spec.preemptible)
+            .map(|(id, _)| *id)
+            .collect();
+        if !fixed.is_empty() {
+            let _ = postcard::to_io(&fixed, &mut writer);
+        }
         StateHash(*hasher.finalize().as_bytes())
     }
 
@@ -2069,6 +2079,26 @@ impl ClusterState {
                     reason,
                 }),
             }
+        }
+        // Pass 0: a running job that may not be preempted (issue 23, item
+        // 4) keeps its GPUs: a placement that changes them is refused, and
+        // one that takes them meets it as a holder outside the plan
+        // (pass 2).
+        let fixed: Vec<JobId> = accepted
+            .keys()
+            .copied()
+            .filter(|id| {
+                self.jobs
+                    .get(id)
+                    .is_some_and(|j| !j.spec.preemptible && j.allocation.is_some())
+            })
+            .collect();
+        for job_id in fixed {
+            accepted.remove(&job_id);
+            events.push(Event::PlacementRefused {
+                job_id,
+                reason: "it is not preemptible (preemptible: false): its GPUs change only when it ends or loses its node".into(),
+            });
         }
         // Pass 1a: quotas (issue 23), once there are queues. A placement
         // that would make its queue hold more of a type than its quota and

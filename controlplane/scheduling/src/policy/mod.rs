@@ -221,6 +221,7 @@ pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<
         now_ms,
         admission: &admission,
     });
+    keep_unpreemptible(state, &mut plan);
     admission.fit(state, &mut plan);
     let placements = plan.changes(state);
     let memory = plan.memory.filter(|m| state.policy_memory() != Some(m));
@@ -231,6 +232,62 @@ pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<
         placements,
         memory,
     })
+}
+
+/// Running jobs that may not be preempted (`preemptible: false`, issue
+/// 23, item 4) keep their GPUs whatever the policy planned: their
+/// placements are put back as they are (a pair's partner with them), and
+/// a placement planned on their GPUs is dropped (a running job whose
+/// place it was keeps its own GPUs when no one else is planned there).
+/// `apply` refuses the same changes, so a plan never meets the refusal.
+pub fn keep_unpreemptible(state: &ClusterState, plan: &mut Plan) {
+    let fixed: Vec<&Job> = state
+        .allocated_jobs()
+        .filter(|j| !j.spec.preemptible)
+        .collect();
+    if fixed.is_empty() {
+        return;
+    }
+    let mut held: BTreeMap<&GpuRef, JobId> = BTreeMap::new();
+    let mut kept: Vec<JobId> = Vec::new();
+    for job in &fixed {
+        let Some(a) = &job.allocation else { continue };
+        for g in &a.gpus {
+            held.insert(g, job.id);
+        }
+        kept.push(job.id);
+        plan.placements.insert(job.id, a.gpus.clone());
+        plan.partners.remove(&job.id);
+        if let Some(partner) = a.shared_with {
+            kept.push(partner);
+            plan.placements.insert(partner, a.gpus.clone());
+            plan.partners.insert(job.id, partner);
+            plan.partners.insert(partner, job.id);
+        }
+    }
+    let clashing: Vec<JobId> = plan
+        .placements
+        .iter()
+        .filter(|(id, gpus)| !kept.contains(id) && gpus.iter().any(|g| held.contains_key(g)))
+        .map(|(id, _)| *id)
+        .collect();
+    for id in clashing {
+        plan.placements.remove(&id);
+        if let Some(partner) = plan.partners.remove(&id) {
+            plan.partners.remove(&partner);
+        }
+        // A running job the plan moved onto them stays where it was,
+        // if nothing else is planned there.
+        if let Some(a) = state.job(id).and_then(|j| j.allocation.as_ref()) {
+            let free = a
+                .gpus
+                .iter()
+                .all(|g| !held.contains_key(g) && !plan.placements.values().any(|p| p.contains(g)));
+            if free && a.shared_with.is_none() {
+                plan.placements.insert(id, a.gpus.clone());
+            }
+        }
+    }
 }
 
 /// What an operator reads of a logged policy memory (`keel replay`):
