@@ -126,6 +126,143 @@ fn bad_inputs_are_refused_naming_the_line_or_flag() {
     }
 }
 
+/// Issue 23: queues in the simulator, from a cluster file and
+/// `--generate-queues`, and every bad queue input refused naming what is
+/// wrong.
+#[test]
+fn queues_in_the_simulator_run_and_bad_ones_name_what_is_wrong() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("file");
+        path.to_str().expect("utf-8").to_string()
+    };
+    let nodes = "nodes:\n  - {gpu_type: v100, gpus: 4, count: 2}\n";
+    let cluster = file(
+        "two.yaml",
+        &format!(
+            "{nodes}queues:\n  - {{name: a, quota: {{v100: 4}}, cohort: c}}\n  - {{name: b, quota: {{v100: 4}}, cohort: c}}\n"
+        ),
+    );
+    let summary = json_of(Command::new(KEEL).args([
+        "sim",
+        "--generate",
+        "40",
+        "--cluster-file",
+        &cluster,
+        "--generate-queues",
+        "a=3,b=1",
+        "-o",
+        "json",
+    ]));
+    let rows = summary["queues"].as_array().expect("queue rows");
+    let jobs: Vec<(String, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["queue"].as_str().unwrap_or_default().to_string(),
+                r["jobs"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(jobs.iter().map(|(_, n)| n).sum::<u64>(), 40, "{summary}");
+    assert!(jobs.iter().any(|(q, n)| q == "a" && *n > 20), "{summary}");
+    let unknown_type = file(
+        "h100.yaml",
+        &format!("{nodes}queues:\n  - {{name: a, quota: {{h100: 4}}}}\n"),
+    );
+    let twice = file(
+        "twice.yaml",
+        &format!("{nodes}queues:\n  - {{name: a}}\n  - {{name: a}}\n"),
+    );
+    let bad_name_trace = file(
+        "bad-queue.jsonl",
+        "{\"arrival_s\": 0, \"model\": \"resnet50\", \"total_steps\": 10, \"queue\": \"Team A\"}\n",
+    );
+    for (args, expected) in [
+        (
+            vec![
+                "--generate",
+                "10",
+                "--cluster-file",
+                &cluster,
+                "--generate-queues",
+                "a",
+            ],
+            "is not QUEUE=SHARE",
+        ),
+        (
+            vec![
+                "--generate",
+                "10",
+                "--cluster-file",
+                &cluster,
+                "--generate-queues",
+                "a=x",
+            ],
+            "the share",
+        ),
+        (
+            vec![
+                "--generate",
+                "10",
+                "--cluster-file",
+                &cluster,
+                "--generate-queues",
+                "A=1",
+            ],
+            "not a queue name",
+        ),
+        (
+            vec![
+                "--generate",
+                "10",
+                "--cluster-file",
+                &cluster,
+                "--generate-queues",
+                "a=0",
+            ],
+            "a share above 0",
+        ),
+        (
+            vec![
+                "--generate",
+                "10",
+                "--cluster-file",
+                &cluster,
+                "--generate-queues",
+                "z=1",
+            ],
+            "does not define",
+        ),
+        (
+            vec!["--generate", "10", "--cluster-file", &unknown_type],
+            "quota",
+        ),
+        (
+            vec!["--generate", "10", "--cluster-file", &twice],
+            "listed twice",
+        ),
+        (vec!["--trace", &bad_name_trace], "line 1"),
+        (
+            vec![
+                "--generate",
+                "10",
+                "--cluster-file",
+                &cluster,
+                "--policy",
+                "max_min_fairness",
+            ],
+            "round-based simulator",
+        ),
+    ] {
+        let out = sim(&args);
+        assert!(!out.status.success(), "{args:?} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn a_gavel_trace_runs_with_gavel_throughputs() {
     let dir = tempfile::tempdir().expect("tempdir");

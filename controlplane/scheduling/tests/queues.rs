@@ -53,6 +53,17 @@ fn round(c: &mut TestCluster, policy: &str, now_ms: u64) -> Vec<Event> {
     events
 }
 
+/// The jobs a round's events preempted.
+fn preempted(events: &[Event]) -> Vec<JobId> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::JobPreempted { job_id, .. } => Some(*job_id),
+            _ => None,
+        })
+        .collect()
+}
+
 fn held(c: &TestCluster, queue: &str) -> u32 {
     c.state
         .queue_usage()
@@ -104,13 +115,7 @@ fn a_queue_below_its_quota_reclaims_what_a_borrower_holds_within_one_round() {
         let b1 = submit(&mut c, "b", 2);
         let b2 = submit(&mut c, "b", 2);
         let events = round(&mut c, policy, 3);
-        let preempted: Vec<JobId> = events
-            .iter()
-            .filter_map(|e| match e {
-                Event::JobPreempted { job_id, .. } => Some(*job_id),
-                _ => None,
-            })
-            .collect();
+        let preempted = preempted(&events);
         assert_eq!(preempted.len(), 2, "{policy}: {events:?}");
         assert!(preempted.iter().all(|id| a.contains(id)), "{policy}");
         assert_eq!(held(&c, "b"), 4, "{policy}: b has its quota back");
@@ -262,13 +267,7 @@ fn reclaim_passes_over_jobs_that_may_not_be_preempted() {
     let (mut c, a) = setup(false);
     submit(&mut c, "b", 2);
     let events = round(&mut c, "fifo", 10);
-    let preempted: Vec<JobId> = events
-        .iter()
-        .filter_map(|e| match e {
-            Event::JobPreempted { job_id, .. } => Some(*job_id),
-            _ => None,
-        })
-        .collect();
+    let preempted = preempted(&events);
     assert_eq!(preempted, vec![a[1]], "{events:?}");
     assert_eq!(held(&c, "b"), 2);
     // Every job of a may not be preempted: b waits, and says why.

@@ -53,14 +53,8 @@ fn usage_by_queue(state: &ClusterState) -> BTreeMap<&str, Usage> {
         match &job.allocation {
             Some(a) => {
                 usage.running_jobs += 1;
-                for g in &a.gpus {
-                    let gpu_type = state
-                        .nodes()
-                        .get(&g.node)
-                        .and_then(|n| n.gpus.get(&g.index))
-                        .cloned()
-                        .unwrap_or_default();
-                    *usage.used.entry(gpu_type).or_default() += 1;
+                for (gpu_type, n) in state.gpus_by_type(&a.gpus) {
+                    *usage.used.entry(gpu_type).or_default() += n;
                 }
             }
             None => {

@@ -97,8 +97,6 @@ struct TypeBook {
     /// GPUs each queue holds.
     used: BTreeMap<String, u32>,
     cohorts: BTreeMap<String, CohortSums>,
-    /// What queues in no cohort hold beyond their quotas.
-    loners_over: u64,
     /// What the borrowing takes from the pool: every cohort's spill and
     /// the loners' borrowing.
     pool_used: u64,
@@ -190,11 +188,6 @@ impl QuotaBook {
     /// Queue `queue`'s weight (1 for a queue the book does not know).
     pub fn weight(&self, queue: &str) -> u32 {
         self.terms.get(queue).map_or(1, |t| t.weight)
-    }
-
-    /// Queue `queue`'s cohort.
-    pub fn cohort(&self, queue: &str) -> Option<&str> {
-        self.terms.get(queue).and_then(|t| t.cohort.as_deref())
     }
 
     /// GPUs of `gpu_type` queue `queue` holds.
@@ -401,7 +394,6 @@ impl QuotaBook {
                 book.pool_used = book.pool_used - old_spill + sums.spill();
             }
             None => {
-                book.loners_over = book.loners_over - old_over + new_over;
                 book.pool_used = book.pool_used - old_over + new_over;
             }
         }

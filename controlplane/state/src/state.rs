@@ -246,6 +246,7 @@ fn type_counts<'a>(nodes: &'a BTreeMap<String, Node>, gpus: &[GpuRef]) -> Vec<(&
     let mut counts: Vec<(&'a str, u32)> = Vec::new();
     let mut last: Option<(&str, &'a Node)> = None;
     for g in gpus {
+        // Allocations are sorted, so one node lookup per node.
         let node = match last {
             Some((name, node)) if name == g.node => Some(node),
             _ => nodes.get(&g.node),
@@ -271,34 +272,16 @@ fn count_of(counts: &[(&str, u32)], gpu_type: &str) -> u32 {
         .map_or(0, |(_, n)| *n)
 }
 
-/// GPUs of each type in `gpus` (a GPU of a node the state does not know
-/// counts as type "").
+/// [`type_counts`], owned: what a charge keeps and callers outside the
+/// state read.
 pub(crate) fn gpus_by_type(
     nodes: &BTreeMap<String, Node>,
     gpus: &[GpuRef],
 ) -> BTreeMap<String, u32> {
-    let mut by_type: BTreeMap<String, u32> = BTreeMap::new();
-    let mut last: Option<(&str, &Node)> = None;
-    for g in gpus {
-        // Allocations are sorted, so one node lookup per node.
-        let node = match last {
-            Some((name, node)) if name == g.node => Some(node),
-            _ => nodes.get(&g.node),
-        };
-        if let Some(node) = node {
-            last = Some((g.node.as_str(), node));
-        }
-        let gpu_type = node
-            .and_then(|n| n.gpus.get(&g.index))
-            .map_or("", String::as_str);
-        match by_type.get_mut(gpu_type) {
-            Some(n) => *n += 1,
-            None => {
-                by_type.insert(gpu_type.to_string(), 1);
-            }
-        }
-    }
-    by_type
+    type_counts(nodes, gpus)
+        .into_iter()
+        .map(|(t, n)| (t.to_string(), n))
+        .collect()
 }
 
 impl JobIndexes {
@@ -672,12 +655,6 @@ impl ClusterState {
     /// as type "").
     pub fn gpus_by_type(&self, gpus: &[GpuRef]) -> BTreeMap<String, u32> {
         gpus_by_type(&self.nodes, gpus)
-    }
-
-    /// [`ClusterState::gpus_by_type`] without allocating: the type names
-    /// borrowed from the state, in the order first met.
-    pub fn type_counts<'a>(&'a self, gpus: &[GpuRef]) -> Vec<(&'a str, u32)> {
-        type_counts(&self.nodes, gpus)
     }
 
     /// The jobs waiting for GPUs in queue `queue` (unfinished, holding
