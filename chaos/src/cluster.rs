@@ -214,6 +214,7 @@ impl Cluster {
                         ttl_s: 0,
                         secret: operator.clone(),
                         request_id: "chaos-create-token".into(),
+                        queues: Vec::new(),
                     };
                     async move { c.create_token(request).await }
                 })

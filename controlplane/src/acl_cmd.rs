@@ -53,10 +53,15 @@ pub enum TokenCmd {
         /// How long it lives, e.g. `30d`, `12h` (default: until revoked).
         #[arg(long, value_parser = humantime::parse_duration)]
         ttl: Option<std::time::Duration>,
+        /// A user token only: the queues its holder may submit jobs to
+        /// (repeat, or comma-separated; `default` is the default queue).
+        /// Default: any queue.
+        #[arg(long = "queue", value_delimiter = ',')]
+        queues: Vec<String>,
         #[command(flatten)]
         secret: SecretOut,
     },
-    /// Every token: role, expiry, who made it (never secrets).
+    /// Every token: role, queues, expiry, who made it (never secrets).
     List,
     /// Revoke a token: its secret is refused from now on.
     Revoke { name: String },
@@ -105,6 +110,7 @@ pub async fn run(addr: &str, command: AclCmd, out: Output) -> anyhow::Result<()>
                     name,
                     role,
                     ttl,
+                    queues,
                     secret,
                 },
         } => {
@@ -122,6 +128,7 @@ pub async fn run(addr: &str, command: AclCmd, out: Output) -> anyhow::Result<()>
                     ttl_s,
                     secret: chosen.clone(),
                     request_id,
+                    queues: queues.clone(),
                 };
                 async move { client.create_token(request).await }
             })
@@ -169,7 +176,7 @@ pub async fn run(addr: &str, command: AclCmd, out: Output) -> anyhow::Result<()>
             .await?;
             match out {
                 Output::Json => render::print_json(&serde_json::json!({
-                    "acl": who.acl, "actor": who.actor, "role": who.role
+                    "acl": who.acl, "actor": who.actor, "role": who.role, "queues": who.queues
                 })),
                 Output::Table => {
                     let actor = if who.actor.is_empty() {
@@ -178,7 +185,14 @@ pub async fn run(addr: &str, command: AclCmd, out: Output) -> anyhow::Result<()>
                         &who.actor
                     };
                     let mut stdout = std::io::stdout().lock();
-                    if who.acl {
+                    if who.acl && !who.queues.is_empty() {
+                        writeln!(
+                            stdout,
+                            "{actor}, role {}, submits to queues {}",
+                            who.role,
+                            who.queues.join(", ")
+                        )?;
+                    } else if who.acl {
                         writeln!(stdout, "{actor}, role {}", who.role)?;
                     } else {
                         writeln!(

@@ -401,7 +401,8 @@ impl Keel for KeelApi {
         request: Request<api::SubmitJobRequest>,
     ) -> Result<Response<api::SubmitJobResponse>, Status> {
         route!(self, request, submit_job, true);
-        let actor = self.authorize(&request, Right::SubmitJobs)?.actor();
+        let granted = self.authorize(&request, Right::SubmitJobs)?;
+        let actor = granted.actor();
         let req = request.into_inner();
         let spec = req.spec.ok_or(ApiError::InvalidArgument {
             field: "spec",
@@ -409,6 +410,7 @@ impl Keel for KeelApi {
         })?;
         let spec = spec_from_proto(spec);
         spec.validate().map_err(ApiError::from)?;
+        granted.check_queue(&spec.queue)?;
         let warnings = spec.warnings();
         let (index, events) = self
             .propose_request(Command::SubmitJob { spec }, req.request_id, actor)

@@ -20,6 +20,8 @@
 //! Absences: no right is granted outside [`scope`]; no handler reads a
 //! role itself.
 
+use std::collections::BTreeSet;
+
 use keel_state::acl::Role;
 use tonic::Request;
 
@@ -142,8 +144,13 @@ pub enum Caller {
     Server,
     /// A replica, for itself.
     Member(u64),
-    /// A token's or a client certificate's holder.
-    Holder { actor: String, role: Role },
+    /// A token's or a client certificate's holder; `queues`: the queues a
+    /// token limits its submissions to (issue 23; empty: any).
+    Holder {
+        actor: String,
+        role: Role,
+        queues: BTreeSet<String>,
+    },
 }
 
 impl Caller {
@@ -169,8 +176,16 @@ impl Caller {
 
     fn describe(&self) -> String {
         match self {
-            Caller::Holder { actor, role } => format!("{actor} (role {role})"),
+            Caller::Holder { actor, role, .. } => format!("{actor} (role {role})"),
             other => other.actor().unwrap_or_else(|| "this caller".into()),
+        }
+    }
+
+    /// The queues it may submit to; empty: any.
+    pub fn queues(&self) -> BTreeSet<String> {
+        match self {
+            Caller::Holder { queues, .. } => queues.clone(),
+            _ => BTreeSet::new(),
         }
     }
 
@@ -200,6 +215,7 @@ impl Caller {
             right,
             scope,
             actor: self.actor(),
+            queues: self.queues(),
         })
     }
 }
@@ -213,6 +229,7 @@ pub fn may_report_node(caller: &Caller, node: &str) -> Result<(), ApiError> {
     let Caller::Holder {
         actor,
         role: Role::Node,
+        ..
     } = caller
     else {
         return Ok(());
@@ -237,6 +254,7 @@ pub struct Granted {
     right: Right,
     scope: Scope,
     actor: Option<String>,
+    queues: BTreeSet<String>,
 }
 
 impl Granted {
@@ -252,6 +270,32 @@ impl Granted {
             Scope::Own => submitted_by.is_some() && submitted_by == self.actor.as_deref(),
             Scope::None => false,
         }
+    }
+
+    /// Whether the caller may submit a job to queue `queue` (`""`: the
+    /// default queue): a token limited to queues (issue 23) names it.
+    pub fn check_queue(&self, queue: &str) -> Result<(), ApiError> {
+        let queue = if queue.is_empty() {
+            keel_state::queue::DEFAULT_QUEUE
+        } else {
+            queue
+        };
+        if self.queues.is_empty() || self.queues.contains(queue) {
+            return Ok(());
+        }
+        Err(ApiError::PermissionDenied {
+            right: self.right.name(),
+            message: format!(
+                "{} may submit to queue{} {} only, and the job names queue {queue:?}",
+                self.actor.as_deref().unwrap_or("this caller"),
+                if self.queues.len() == 1 { "" } else { "s" },
+                self.queues
+                    .iter()
+                    .map(|q| format!("{q:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })
     }
 
     /// [`Self::reaches`], or a refusal naming the job.
@@ -273,11 +317,12 @@ impl Granted {
 
 /// The caller of `request` (see the module's doc). `acl`: whether this
 /// replica checks callers; `token_role` looks a secret up in the state at
-/// `now_ms`, giving the token's name and role, or why it is refused.
+/// `now_ms`, giving the token's name, role and queues, or why it is
+/// refused.
 pub fn caller_of<T>(
     request: &Request<T>,
     acl: bool,
-    token_role: impl FnOnce(&str) -> Result<(String, Role), String>,
+    token_role: impl FnOnce(&str) -> Result<TokenHolder, String>,
 ) -> Result<Caller, ApiError> {
     if !acl {
         return Ok(Caller::Unchecked {
@@ -304,10 +349,11 @@ pub fn caller_of<T>(
                     "the authorization metadata is not `Bearer <token>`".into(),
                 )
             })?;
-        let (name, role) = token_role(secret).map_err(ApiError::Unauthenticated)?;
+        let holder = token_role(secret).map_err(ApiError::Unauthenticated)?;
         return Ok(Caller::Holder {
-            actor: format!("token:{name}"),
-            role,
+            actor: format!("token:{}", holder.name),
+            role: holder.role,
+            queues: holder.queues,
         });
     }
     match identity.member {
@@ -316,12 +362,14 @@ pub fn caller_of<T>(
             Some(actor) if actor.starts_with("cert:") => Ok(Caller::Holder {
                 actor,
                 role: Role::User,
+                queues: BTreeSet::new(),
             }),
             _ => Ok(Caller::Member(member)),
         },
         None => Ok(Caller::Holder {
             actor: format!("cert:{}", identity.common_name),
             role: Role::User,
+            queues: BTreeSet::new(),
         }),
     }
 }
@@ -329,11 +377,20 @@ pub fn caller_of<T>(
 /// Looks a secret up in `acl` at `now_ms`: the token's name and role, or
 /// why it is refused (without saying which of unknown, revoked or another
 /// cluster's: all three are "not one of this cluster's").
+/// A token's holder, as its secret names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenHolder {
+    pub name: String,
+    pub role: Role,
+    /// The queues it may submit to; empty: any.
+    pub queues: BTreeSet<String>,
+}
+
 pub fn token_role(
     acl: &keel_state::acl::Acl,
     secret: &str,
     now_ms: u64,
-) -> Result<(String, Role), String> {
+) -> Result<TokenHolder, String> {
     let Some((name, token)) = acl.token_for_secret(secret) else {
         return Err(
             "the token is not one of this cluster's (unknown, revoked, or another cluster's)"
@@ -346,7 +403,11 @@ pub fn token_role(
             token.expires_at_ms.unwrap_or_default()
         ));
     }
-    Ok((name.to_string(), token.role))
+    Ok(TokenHolder {
+        name: name.to_string(),
+        role: token.role,
+        queues: token.queues.clone(),
+    })
 }
 
 /// A new secret: `keel_` and 32 bytes from the operating system's
@@ -411,6 +472,7 @@ mod tests {
         let alice = Caller::Holder {
             actor: "token:alice".into(),
             role: Role::User,
+            queues: BTreeSet::new(),
         };
         let granted = alice.authorize(Right::CancelJobs).expect("own jobs");
         assert!(granted.reaches(Some("token:alice")));
@@ -434,10 +496,40 @@ mod tests {
     }
 
     #[test]
+    fn a_token_limited_to_queues_submits_to_those_only() {
+        let alice = Caller::Holder {
+            actor: "token:alice".into(),
+            role: Role::User,
+            queues: BTreeSet::from(["default".to_string(), "team-a".to_string()]),
+        };
+        let granted = alice.authorize(Right::SubmitJobs).expect("submits");
+        granted.check_queue("team-a").expect("its queue");
+        granted.check_queue("").expect("the default queue, named");
+        let status = tonic::Status::from(granted.check_queue("team-b").expect_err("another"));
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(
+            status
+                .message()
+                .contains("token:alice may submit to queues \"default\", \"team-a\" only")
+                && status.message().contains("\"team-b\""),
+            "{}",
+            status.message()
+        );
+        let bob = Caller::Holder {
+            actor: "token:bob".into(),
+            role: Role::User,
+            queues: BTreeSet::new(),
+        };
+        let granted = bob.authorize(Right::SubmitJobs).expect("submits");
+        granted.check_queue("team-b").expect("no queues: any");
+    }
+
+    #[test]
     fn a_node_token_reports_its_own_nodes_only() {
         let rack = Caller::Holder {
             actor: "token:rack1".into(),
             role: Role::Node,
+            queues: BTreeSet::new(),
         };
         for own in ["rack1", "rack1-0", "rack1-gpu-7"] {
             assert!(may_report_node(&rack, own).is_ok(), "{own}");

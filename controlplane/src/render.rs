@@ -1282,13 +1282,14 @@ pub fn tokens(list: &api::ListTokensResponse, out: Output) -> anyhow::Result<()>
                         "expires_at_ms": t.expires_at_ms,
                         "created_by": t.created_by,
                         "expired": t.expired,
+                        "queues": t.queues,
                     })
                 })
                 .collect();
             print_json(&tokens)
         }
         Output::Table => print_table(
-            &["NAME", "ROLE", "CREATED", "EXPIRES", "BY"],
+            &["NAME", "ROLE", "QUEUES", "CREATED", "EXPIRES", "BY"],
             &list
                 .tokens
                 .iter()
@@ -1296,6 +1297,11 @@ pub fn tokens(list: &api::ListTokensResponse, out: Output) -> anyhow::Result<()>
                     vec![
                         t.name.clone(),
                         t.role.clone(),
+                        if t.queues.is_empty() {
+                            "any".into()
+                        } else {
+                            t.queues.join(",")
+                        },
                         time(t.created_at_ms),
                         match (t.expires_at_ms, t.expired) {
                             (None, _) => "never".into(),

@@ -346,6 +346,7 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
                     ttl_s,
                     secret: secret(name),
                     request_id: format!("create-{name}"),
+                    queues: Vec::new(),
                 })
                 .await
                 .unwrap_or_else(|e| panic!("create {name}: {e}"))
@@ -579,6 +580,86 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
             assert!(tries < 300, "the node never registered");
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
+        // Issue 23: a user token limited to queues submits to those only.
+        admin
+            .create_queue(api::CreateQueueRequest {
+                name: "team-a".into(),
+                spec: Some(keel_proto::entry::QueueSpec {
+                    quota: Some(keel_proto::entry::GpuCounts::default()),
+                    weight: 1,
+                    ..Default::default()
+                }),
+                request_id: String::new(),
+            })
+            .await
+            .expect("a queue");
+        let limited = |name: &str, role: &str, queues: &[&str]| api::CreateTokenRequest {
+            name: name.into(),
+            role: role.into(),
+            ttl_s: 0,
+            secret: secret(name),
+            request_id: String::new(),
+            queues: queues.iter().map(|q| q.to_string()).collect(),
+        };
+        for (request, why) in [
+            (
+                limited("carol", "operator", &["team-a"]),
+                "only a user token",
+            ),
+            (
+                limited("carol", "user", &["team-z"]),
+                "no queue is named \"team-z\"",
+            ),
+        ] {
+            let refused = admin.create_token(request).await.expect_err(why);
+            assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+            assert!(
+                refused.message().contains("queues") && refused.message().contains(why),
+                "{}",
+                refused.message()
+            );
+        }
+        admin
+            .create_token(limited("carol", "user", &["team-a"]))
+            .await
+            .expect("a token limited to team-a");
+        let mut carol = client(&certs, addr, bearer(&secret("carol"))).await;
+        let who = carol
+            .who_am_i(api::WhoAmIRequest {})
+            .await
+            .expect("who")
+            .into_inner();
+        assert_eq!((who.role.as_str(), who.queues), ("user", vec!["team-a".to_string()]));
+        let refused = carol
+            .submit_job(submission("carols-default"))
+            .await
+            .expect_err("the default queue is not hers");
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(
+            refused
+                .message()
+                .contains("token:carol may submit to queue \"team-a\" only, and the job names queue \"default\""),
+            "{}",
+            refused.message()
+        );
+        let mut in_team_a = submission("carols");
+        if let Some(spec) = in_team_a.spec.as_mut() {
+            spec.queue = "team-a".into();
+        }
+        carol
+            .submit_job(in_team_a)
+            .await
+            .expect("carol submits to team-a");
+        let tokens = admin
+            .list_tokens(api::ListTokensRequest {})
+            .await
+            .expect("tokens")
+            .into_inner()
+            .tokens;
+        let carols = tokens.iter().find(|t| t.name == "carol").expect("carol's");
+        assert_eq!(carols.queues, ["team-a"]);
+        assert!(tokens.iter().filter(|t| t.name != "carol").all(|t| t.queues.is_empty()));
+
         // Alice's cancel went through: her job is cancelled, by her.
         let cancelled = admin
             .get_job(api::GetJobRequest { job_id: job })

@@ -54,7 +54,13 @@ pub mod raft {
 ///   job in the default queue.
 /// - 7: `JobSpec.not_preemptible` (issue 23, item 4). A build that ignored
 ///   it would let its policy preempt the job where the others refuse.
-pub const ENTRY_FORMAT_VERSION: u32 = 7;
+/// - 8: `CreateToken.queues` (issue 23, item 1). A build that ignored it
+///   would let the token's holder submit to any queue.
+pub const ENTRY_FORMAT_VERSION: u32 = 8;
+
+/// The version of a submission that may not be preempted (and of nothing
+/// of version 8).
+pub const ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE: u32 = 7;
 
 /// The version of an entry whose job names a queue (and is preemptible).
 pub const ENTRY_FORMAT_VERSION_QUEUE: u32 = 6;

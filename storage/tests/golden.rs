@@ -308,6 +308,7 @@ fn acl_examples() -> Vec<(&'static str, LogEntry)> {
             role: Role::User,
             secret_hash: SecretHash::of("alice-secret-0123456789abcdefghij"),
             ttl_ms: Some(30 * 24 * 3600 * 1000),
+            queues: Vec::new(),
         },
     );
     create.actor = Some("token:root".into());
@@ -487,7 +488,7 @@ fn a_submission_that_may_not_be_preempted_decodes_from_its_golden_bytes() {
     let entry = LogEntry::new(55_000, Command::SubmitJob { spec });
     assert_eq!(
         keel_state::codec::entry_to_proto(&entry).format_version,
-        keel_proto::ENTRY_FORMAT_VERSION
+        keel_proto::ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE
     );
     let bytes = golden(
         "entry-submit_job-not_preemptible.bin",
@@ -505,6 +506,69 @@ fn a_submission_that_may_not_be_preempted_decodes_from_its_golden_bytes() {
         state.state_hash()
     };
     assert_ne!(hash_with(false), hash_with(true));
+}
+
+/// Issue 23, item 1: a token limited to queues (`CreateToken.queues`,
+/// format version 8; snapshot `AclToken.queues`, hashed apart) decodes
+/// from its golden bytes, entry and snapshot.
+#[test]
+fn a_token_limited_to_queues_decodes_from_its_golden_bytes() {
+    use keel_state::acl::{Role, SecretHash};
+    let mut state = ClusterState::new();
+    let mut entries: Vec<LogEntry> = acl_examples().into_iter().take(2).map(|(_, e)| e).collect();
+    entries.push(LogEntry::new(
+        50_000,
+        Command::CreateQueue {
+            name: "team-a".into(),
+            spec: keel_state::queue::QueueSpec::with_quota(Default::default()),
+        },
+    ));
+    let mut create = LogEntry::new(
+        51_000,
+        Command::CreateToken {
+            name: "carol".into(),
+            role: Role::User,
+            secret_hash: SecretHash::of("carol-secret-0123456789abcdefghij"),
+            ttl_ms: None,
+            queues: vec!["team-a".into(), "default".into()],
+        },
+    );
+    create.actor = Some("token:root".into());
+    assert_eq!(
+        keel_state::codec::entry_to_proto(&create).format_version,
+        keel_proto::ENTRY_FORMAT_VERSION
+    );
+    let bytes = golden("entry-create_token-queues.bin", &encode_entry(&create));
+    assert_eq!(decode_entry(&bytes).as_ref(), Ok(&create));
+    entries.push(create);
+    for (index, entry) in entries.iter().enumerate() {
+        state.apply(index as u64 + 1, entry).expect("applies");
+    }
+    let (_, carol) = state
+        .acl()
+        .token_for_secret("carol-secret-0123456789abcdefghij")
+        .expect("carol's token");
+    assert!(carol.may_submit_to("team-a") && carol.may_submit_to(""));
+    assert!(!carol.may_submit_to("team-b"));
+    let bytes = golden("snapshot-v8-token-queues.bin", &encode_snapshot(&state));
+    let decoded = decode_snapshot(&bytes).expect("the golden snapshot decodes");
+    assert_eq!(decoded, state);
+    assert_eq!(decoded.state_hash(), state.state_hash());
+    let (_, decoded_carol) = decoded
+        .acl()
+        .token_for_secret("carol-secret-0123456789abcdefghij")
+        .expect("carol's token after decoding");
+    assert_eq!(decoded_carol.queues, carol.queues);
+    // The same token unlimited hashes apart from the limited one.
+    let mut unlimited = ClusterState::new();
+    for (index, entry) in entries.iter().enumerate() {
+        let mut entry = entry.clone();
+        if let Command::CreateToken { queues, .. } = &mut entry.command {
+            queues.clear();
+        }
+        unlimited.apply(index as u64 + 1, &entry).expect("applies");
+    }
+    assert_ne!(unlimited.state_hash(), state.state_hash());
 }
 
 #[test]

@@ -804,6 +804,45 @@ class AclTokens(unittest.TestCase):
             timeout=20,
             metadata=root,
         )
+        # Issue 23: a token limited to queues. Bad lists name the field
+        # and make nothing; a limited holder submits to its queues only.
+        self.stub.CreateQueue(
+            api.CreateQueueRequest(
+                name="team-a", spec=entry.QueueSpec(quota=entry.GpuCounts(), weight=1)
+            ),
+            timeout=20,
+            metadata=root,
+        )
+        for request, why in [
+            (api.CreateTokenRequest(name="carol", role="operator", queues=["team-a"]),
+             "only a user token"),
+            (api.CreateTokenRequest(name="carol", role="user", queues=["team-z"]),
+             "no queue is named"),
+            (api.CreateTokenRequest(name="carol", role="user", queues=["team-a", "team-a"]),
+             "named twice"),
+            (api.CreateTokenRequest(name="carol", role="user", queues=["q%d" % i for i in range(65)]),
+             "at most 64"),
+        ]:
+            code, message, info = self.refusal(self.stub.CreateToken, request, root)
+            self.assertEqual((code, info.metadata["field"]), (CODE.INVALID_ARGUMENT, "queues"))
+            self.assertIn(why, message)
+        carol = self.stub.CreateToken(
+            api.CreateTokenRequest(name="carol", role="user", queues=["team-a"]),
+            timeout=20,
+            metadata=root,
+        )
+        carols = self.bearer(carol.secret)
+        code, message, info = self.refusal(
+            self.stub.SubmitJob, api.SubmitJobRequest(spec=spec("carols-default")), carols
+        )
+        self.assertEqual((code, info.metadata["right"]), (CODE.PERMISSION_DENIED, "submit-jobs"))
+        self.assertIn('queue "team-a" only', message)
+        in_team_a = spec("carols")
+        in_team_a.queue = "team-a"
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=in_team_a), timeout=20, metadata=carols)
+        who = self.stub.WhoAmI(api.WhoAmIRequest(), timeout=10, metadata=carols)
+        self.assertEqual(list(who.queues), ["team-a"])
+        self.stub.RevokeToken(api.RevokeTokenRequest(name="carol"), timeout=20, metadata=root)
         # Alice forges the header replicas use to say whom they forward
         # for: she is still alice.
         forged = self.bearer(alice.secret) + [("keel-caller", "token:root")]
@@ -851,7 +890,7 @@ class AclTokens(unittest.TestCase):
         self.assertIn("not one of this cluster's", message)
         # Still serving, and what it acknowledged is there.
         names = [j.spec.name for j in self.stub.ListJobs(api.ListJobsRequest(), timeout=10, metadata=root).jobs]
-        self.assertEqual(names, ["alices"])
+        self.assertEqual(names, ["carols", "alices"])
 
 
 class Queues(OneServer):

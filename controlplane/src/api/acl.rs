@@ -101,6 +101,14 @@ impl KeelApi {
             }
             s => Some(s * 1000),
         };
+        // Checked here too (apply decides), so a bad list is not logged.
+        {
+            let shared = self.node.state_machine.shared();
+            let applied = shared.read();
+            let known = applied.state.queues();
+            acl::validate_token_queues(role, &req.queues, |q| known.exists(q))
+                .map_err(|e| ApiError::Refused(e.into()))?;
+        }
         let secret = secret_of(req.secret, &req.request_id)?;
         let (index, events) = self
             .propose_request(
@@ -109,6 +117,7 @@ impl KeelApi {
                     role,
                     secret_hash: SecretHash::of(&secret),
                     ttl_ms,
+                    queues: req.queues.clone(),
                 },
                 req.request_id,
                 actor,
@@ -153,6 +162,7 @@ impl KeelApi {
                 expires_at_ms: t.expires_at_ms,
                 created_by: t.created_by.clone().unwrap_or_default(),
                 expired: t.expired_at(now_ms),
+                queues: t.queues.iter().cloned().collect(),
             })
             .collect();
         Ok(Response::new(api::ListTokensResponse { tokens }))
@@ -189,6 +199,7 @@ impl KeelApi {
             acl: self.acl,
             actor: caller.actor().unwrap_or_default(),
             role: caller.role_name().into(),
+            queues: caller.queues().into_iter().collect(),
         }))
     }
 }

@@ -12,7 +12,7 @@
 //! its TTL, and whether it has passed is asked with a time the caller
 //! gives); no secret (only hashes).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -24,6 +24,8 @@ pub mod limits {
     pub const TOKENS_MAX: usize = 10_000;
     /// The longest a token may live: ten years.
     pub const TOKEN_TTL_MAX_MS: u64 = 10 * 366 * 24 * 3600 * 1000;
+    /// The most queues one token may be limited to.
+    pub const TOKEN_QUEUES_MAX: usize = 64;
     /// A secret a client chooses itself: this many bytes at least...
     pub const SECRET_MIN_LEN: usize = 32;
     /// ...and at most this many.
@@ -106,9 +108,25 @@ pub struct Token {
     pub expires_at_ms: Option<u64>,
     /// Who made it (the creating entry's actor).
     pub created_by: Option<String>,
+    /// The queues its holder may submit jobs to (issue 23; a `user` token
+    /// only); empty: any. Not in the token's serde form: hashed apart
+    /// (`ClusterState::state_hash`) once a token has some, so states
+    /// without them hash as before.
+    #[serde(skip)]
+    pub queues: BTreeSet<String>,
 }
 
 impl Token {
+    /// Whether its holder may submit to queue `queue` (`""`: the default).
+    pub fn may_submit_to(&self, queue: &str) -> bool {
+        let queue = if queue.is_empty() {
+            crate::queue::DEFAULT_QUEUE
+        } else {
+            queue
+        };
+        self.queues.is_empty() || self.queues.contains(queue)
+    }
+
     /// Whether it has expired at `now_ms`.
     pub fn expired_at(&self, now_ms: u64) -> bool {
         self.expires_at_ms.is_some_and(|at| now_ms >= at)
@@ -197,6 +215,50 @@ pub fn validate_secret(secret: &str) -> Result<(), AclError> {
     }
 }
 
+/// Checks the queues a token is limited to: a `user` token's only (the
+/// other roles reach every job or none), each an existing queue, at most
+/// [`limits::TOKEN_QUEUES_MAX`], none twice.
+pub fn validate_token_queues(
+    role: Role,
+    queues: &[String],
+    queue_exists: impl Fn(&str) -> bool,
+) -> Result<BTreeSet<String>, AclError> {
+    let invalid = |reason: String| AclError::Invalid {
+        field: "queues".into(),
+        reason,
+    };
+    if queues.is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    if role != Role::User {
+        return Err(invalid(format!(
+            "only a user token may be limited to queues; a {role} token reaches every queue"
+        )));
+    }
+    if queues.len() > limits::TOKEN_QUEUES_MAX {
+        return Err(invalid(format!(
+            "{} queues given; a token names at most {}",
+            queues.len(),
+            limits::TOKEN_QUEUES_MAX
+        )));
+    }
+    let mut set = BTreeSet::new();
+    for queue in queues {
+        if let Err(crate::queue::QueueError::Invalid { reason, .. }) =
+            crate::queue::validate_queue_name("queues", queue)
+        {
+            return Err(invalid(reason));
+        }
+        if !queue_exists(queue) {
+            return Err(invalid(format!("no queue is named {queue:?}")));
+        }
+        if !set.insert(queue.clone()) {
+            return Err(invalid(format!("{queue:?} is named twice")));
+        }
+    }
+    Ok(set)
+}
+
 impl Acl {
     /// An ACL as a snapshot holds it; `Err` if two tokens share a secret.
     pub fn from_parts(
@@ -244,18 +306,30 @@ impl Acl {
             return Err(AclError::AlreadyBootstrapped);
         }
         validate_token_name(name)?;
-        self.insert(name, Role::Admin, secret_hash, at_ms, None, actor)?;
+        self.insert(
+            name,
+            Role::Admin,
+            secret_hash,
+            at_ms,
+            None,
+            actor,
+            BTreeSet::new(),
+        )?;
         self.bootstrapped = true;
         Ok(())
     }
 
-    /// `CreateToken`; returns when it expires.
+    /// `CreateToken`; returns when it expires. `queues` limits a `user`
+    /// token's submissions (each must satisfy `queue_exists`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn create(
         &mut self,
         name: &str,
         role: Role,
         secret_hash: SecretHash,
         ttl_ms: Option<u64>,
+        queues: &[String],
+        queue_exists: impl Fn(&str) -> bool,
         at_ms: u64,
         actor: Option<&String>,
     ) -> Result<Option<u64>, AclError> {
@@ -263,6 +337,7 @@ impl Acl {
             return Err(AclError::NotBootstrapped);
         }
         validate_token_name(name)?;
+        let queues = validate_token_queues(role, queues, queue_exists)?;
         let expires_at_ms = match ttl_ms {
             None => None,
             Some(ttl) if ttl == 0 || ttl > limits::TOKEN_TTL_MAX_MS => {
@@ -276,10 +351,11 @@ impl Acl {
             }
             Some(ttl) => Some(at_ms.saturating_add(ttl)),
         };
-        self.insert(name, role, secret_hash, at_ms, expires_at_ms, actor)?;
+        self.insert(name, role, secret_hash, at_ms, expires_at_ms, actor, queues)?;
         Ok(expires_at_ms)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn insert(
         &mut self,
         name: &str,
@@ -288,6 +364,7 @@ impl Acl {
         at_ms: u64,
         expires_at_ms: Option<u64>,
         actor: Option<&String>,
+        queues: BTreeSet<String>,
     ) -> Result<(), AclError> {
         if self.tokens.contains_key(name) {
             return Err(AclError::NameTaken(name.to_string()));
@@ -309,6 +386,7 @@ impl Acl {
                 created_at_ms: at_ms,
                 expires_at_ms,
                 created_by: actor.cloned(),
+                queues,
             },
         );
         Ok(())
@@ -353,7 +431,7 @@ mod tests {
     fn a_token_is_found_by_its_secret_only_while_it_is_known() {
         let mut acl = Acl::default();
         assert_eq!(
-            acl.create("alice", Role::User, hash("a"), None, 0, None),
+            acl.create("alice", Role::User, hash("a"), None, &[], |_| true, 0, None),
             Err(AclError::NotBootstrapped)
         );
         acl.bootstrap("root", hash("r"), 10, None)
@@ -363,15 +441,42 @@ mod tests {
             Err(AclError::AlreadyBootstrapped)
         );
         let expires = acl
-            .create("alice", Role::User, hash("a"), Some(1000), 20, None)
+            .create(
+                "alice",
+                Role::User,
+                hash("a"),
+                Some(1000),
+                &[],
+                |_| true,
+                20,
+                None,
+            )
             .expect("alice");
         assert_eq!(expires, Some(1020));
         assert_eq!(
-            acl.create("alice", Role::Viewer, hash("b"), None, 21, None),
+            acl.create(
+                "alice",
+                Role::Viewer,
+                hash("b"),
+                None,
+                &[],
+                |_| true,
+                21,
+                None
+            ),
             Err(AclError::NameTaken("alice".into()))
         );
         assert_eq!(
-            acl.create("bob", Role::Viewer, hash("a"), None, 21, None),
+            acl.create(
+                "bob",
+                Role::Viewer,
+                hash("a"),
+                None,
+                &[],
+                |_| true,
+                21,
+                None
+            ),
             Err(AclError::SecretTaken)
         );
         let (name, token) = acl.token_for_secret("a").expect("alice's");
@@ -387,6 +492,57 @@ mod tests {
     }
 
     #[test]
+    fn only_a_user_token_is_limited_to_queues_and_only_to_existing_ones() {
+        let mut acl = Acl::default();
+        acl.bootstrap("root", hash("r"), 0, None)
+            .expect("bootstrap");
+        let exists = |q: &str| matches!(q, "default" | "team-a" | "team-b");
+        let queues = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let refused = |acl: &mut Acl, role, names: &[&str]| match acl.create(
+            "t",
+            role,
+            hash("t"),
+            None,
+            &queues(names),
+            exists,
+            1,
+            None,
+        ) {
+            Err(AclError::Invalid { field, reason }) => {
+                assert_eq!(field, "queues");
+                reason
+            }
+            other => panic!("{names:?} for a {role} token: {other:?}"),
+        };
+        assert!(refused(&mut acl, Role::Operator, &["team-a"]).contains("only a user token"));
+        assert!(refused(&mut acl, Role::User, &["team-c"]).contains("no queue is named \"team-c\""));
+        assert!(refused(&mut acl, Role::User, &["Team"]).contains("not a queue name"));
+        assert!(refused(&mut acl, Role::User, &["team-a", "team-a"]).contains("named twice"));
+        let many: Vec<String> = (0..=limits::TOKEN_QUEUES_MAX)
+            .map(|i| format!("q{i}"))
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(refused(&mut acl, Role::User, &many).contains("at most 64"));
+        assert!(acl.tokens().len() == 1, "nothing refused was kept");
+        acl.create(
+            "alice",
+            Role::User,
+            hash("a"),
+            None,
+            &queues(&["team-b", "default"]),
+            exists,
+            2,
+            None,
+        )
+        .expect("a user token limited to two queues");
+        let (_, alice) = acl.token_for_secret("a").expect("alice");
+        assert!(alice.may_submit_to("team-b") && alice.may_submit_to(""));
+        assert!(!alice.may_submit_to("team-a"));
+        let (_, root) = acl.token_for_secret("r").expect("root");
+        assert!(root.may_submit_to("team-a"), "no queues: any");
+    }
+
+    #[test]
     fn the_last_live_admin_token_is_kept() {
         let mut acl = Acl::default();
         acl.bootstrap("root", hash("r"), 0, None)
@@ -395,8 +551,17 @@ mod tests {
             acl.revoke("root", 1),
             Err(AclError::LastAdmin("root".into()))
         );
-        acl.create("ops", Role::Admin, hash("o"), Some(100), 1, None)
-            .expect("ops");
+        acl.create(
+            "ops",
+            Role::Admin,
+            hash("o"),
+            Some(100),
+            &[],
+            |_| true,
+            1,
+            None,
+        )
+        .expect("ops");
         acl.revoke("root", 2).expect("another admin lives");
         // ops is the last admin; once it has expired it can go too (nobody
         // can use it any more).
@@ -426,7 +591,7 @@ mod tests {
             .expect("bootstrap");
         for ttl in [0, limits::TOKEN_TTL_MAX_MS + 1] {
             assert!(matches!(
-                acl.create("t", Role::User, hash("t"), Some(ttl), 0, None),
+                acl.create("t", Role::User, hash("t"), Some(ttl), &[], |_| true, 0, None),
                 Err(AclError::Invalid { field, .. }) if field == "ttl"
             ));
         }
@@ -440,6 +605,7 @@ mod tests {
             created_at_ms: 0,
             expires_at_ms: None,
             created_by: None,
+            queues: BTreeSet::new(),
         };
         let tokens = BTreeMap::from([
             ("a".to_string(), token(Role::Admin)),

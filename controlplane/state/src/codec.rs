@@ -8,8 +8,8 @@
 use keel_proto::entry as pb;
 use keel_proto::{
     ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_ACTOR, ENTRY_FORMAT_VERSION_FIRST,
-    ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_QUEUE, ENTRY_FORMAT_VERSION_REQUEST_ID,
-    ENTRY_FORMAT_VERSION_SHARES_GPUS,
+    ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE, ENTRY_FORMAT_VERSION_QUEUE,
+    ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
 };
 use prost::Message;
 
@@ -240,11 +240,13 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             role,
             secret_hash,
             ttl_ms,
+            queues,
         } => C::CreateToken(pb::CreateToken {
             name: name.clone(),
             role: role_to_proto(*role) as i32,
             secret_hash: secret_hash.0.to_vec(),
             ttl_ms: *ttl_ms,
+            queues: queues.clone(),
         }),
         Command::RevokeToken { name } => C::RevokeToken(pb::RevokeToken { name: name.clone() }),
         Command::RecordMembershipChange {
@@ -272,6 +274,8 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
         matches!(&entry.command, Command::SubmitJob { spec } if !spec.preemptible);
     let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
         if placements.iter().any(|p| p.share_with.is_some()));
+    let limits_queues =
+        matches!(&entry.command, Command::CreateToken { queues, .. } if !queues.is_empty());
     let has_memory = matches!(
         &entry.command,
         Command::DecideAllocation {
@@ -282,8 +286,10 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     // The oldest version that expresses the entry, so a build one version
     // older refuses exactly the entries it would misread.
     pb::LogEntry {
-        format_version: if not_preemptible {
+        format_version: if limits_queues {
             ENTRY_FORMAT_VERSION
+        } else if not_preemptible {
+            ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE
         } else if names_a_queue {
             ENTRY_FORMAT_VERSION_QUEUE
         } else if entry.actor.is_some() {
@@ -409,6 +415,7 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             role: role_from_proto(c.role)?,
             secret_hash: secret_hash_from_proto(&c.secret_hash)?,
             ttl_ms: c.ttl_ms,
+            queues: c.queues,
         },
         Some(C::RevokeToken(c)) => Command::RevokeToken { name: c.name },
         Some(C::RecordMembershipChange(c)) => Command::RecordMembershipChange {

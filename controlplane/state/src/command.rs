@@ -255,6 +255,9 @@ pub enum Command {
         role: Role,
         secret_hash: SecretHash,
         ttl_ms: Option<u64>,
+        /// The queues its holder may submit to (issue 23; a `user` token
+        /// only; empty: any). Entry format 8 when set.
+        queues: Vec<String>,
     },
     /// Drops a token: its secret is refused from the entry on.
     RevokeToken {

@@ -630,6 +630,7 @@ impl ClusterState {
                 j.spec.resources.is_unset()
                     && j.spec.logs.is_unset()
                     && j.spec.queue.is_empty()
+                    && j.spec.preemptible
                     && j.submitted_by.is_none()
             })
             && self.nodes.values().all(|n| n.gone_gpus.is_empty())
@@ -760,9 +761,20 @@ impl ClusterState {
         if !submitters.is_empty() {
             let _ = postcard::to_io(&submitters, &mut writer);
         }
-        // Likewise the tokens, once the ACLs are bootstrapped.
+        // Likewise the tokens, once the ACLs are bootstrapped, and the
+        // queues tokens are limited to, once one is.
         if self.acl.is_bootstrapped() {
             let _ = postcard::to_io(&self.acl, &mut writer);
+            let limited: Vec<(&String, &std::collections::BTreeSet<String>)> = self
+                .acl
+                .tokens()
+                .iter()
+                .filter(|(_, t)| !t.queues.is_empty())
+                .map(|(name, t)| (name, &t.queues))
+                .collect();
+            if !limited.is_empty() {
+                let _ = postcard::to_io(&limited, &mut writer);
+            }
         }
         // Likewise the jobs' queues, once a job names one, and the queues,
         // once there is one.
@@ -938,12 +950,16 @@ impl ClusterState {
                 role,
                 secret_hash,
                 ttl_ms,
+                queues,
             } => {
+                let known = &self.queues;
                 let expires_at_ms = self.acl.create(
                     name,
                     *role,
                     *secret_hash,
                     *ttl_ms,
+                    queues,
+                    |q| known.exists(q),
                     at_ms,
                     entry.actor.as_ref(),
                 )?;

@@ -86,6 +86,7 @@ impl ClusterState {
                         created_at_ms: t.created_at_ms,
                         expires_at_ms: t.expires_at_ms,
                         created_by: t.created_by.clone(),
+                        queues: t.queues.iter().cloned().collect(),
                     })
                     .collect(),
             }),
@@ -185,6 +186,7 @@ impl ClusterState {
                         created_at_ms: t.created_at_ms,
                         expires_at_ms: t.expires_at_ms,
                         created_by: t.created_by,
+                        queues: t.queues.into_iter().collect(),
                     };
                     if tokens.insert(t.name.clone(), token).is_some() {
                         return Err(inconsistent(format!("token {:?} is listed twice", t.name)));
