@@ -104,6 +104,9 @@ struct JobView {
     gpu_types: Vec<String>,
     model: String,
     priority: i32,
+    /// Whether a policy's preemption or reclaim may take its GPUs (issue
+    /// 23, item 4).
+    preemptible: bool,
     command: Vec<String>,
     image: String,
     /// The worker's CPU and memory limits (`{cpus, memory}`), when it has any.
@@ -167,6 +170,7 @@ fn job_view(job: &api::Job) -> JobView {
         gpu_types: spec.gpu_types_allowed,
         model: spec.model,
         priority: spec.priority,
+        preemptible: !spec.not_preemptible,
         command: spec.command,
         image: spec.image,
         resources: spec.resources.map(|r| keel_state::spec::Resources {
@@ -350,7 +354,16 @@ pub fn job(
         }),
         Output::Table => {
             print_table(&JOB_HEADER, &[job_row(&view)])?;
-            outln!("queue: {}", view.queue);
+            outln!(
+                "queue: {}, priority {}{}",
+                view.queue,
+                view.priority,
+                if view.preemptible {
+                    ""
+                } else {
+                    ", not preemptible"
+                }
+            );
             if let Some(by) = &view.submitted_by {
                 outln!("submitted by: {by}");
             }
@@ -1231,6 +1244,7 @@ pub fn queues(list: &[api::QueueStatus], out: Output) -> anyhow::Result<()> {
                         "running_jobs": q.running_jobs,
                         "pending_jobs": q.pending_jobs,
                         "pending_gpus": q.pending_gpus,
+                        "pending_by_type": sorted(&q.pending_by_type),
                         "changed_at_ms": q.changed_at_ms,
                         "changed_by": q.changed_by,
                     })
@@ -1253,7 +1267,16 @@ pub fn queues(list: &[api::QueueStatus], out: Output) -> anyhow::Result<()> {
                         counts(&q.used),
                         counts(&q.borrowed),
                         q.running_jobs.to_string(),
-                        format!("{} ({} GPUs)", q.pending_jobs, q.pending_gpus),
+                        if q.pending_jobs == 0 {
+                            "0".into()
+                        } else {
+                            format!(
+                                "{} ({} GPUs: {})",
+                                q.pending_jobs,
+                                q.pending_gpus,
+                                counts(&q.pending_by_type)
+                            )
+                        },
                     ]
                 })
                 .collect();

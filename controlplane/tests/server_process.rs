@@ -307,6 +307,33 @@ fn queues_are_made_listed_and_deleted_and_bad_ones_name_their_field() {
         .map(|q| q["name"].as_str().unwrap_or_default().to_string())
         .collect();
     assert_eq!(names, ["default", "team-a"]);
+    // A second job of team-a, needing both GPUs, waits: the queue shows
+    // what it waits for, by the types it may use.
+    let waiting = support::submit_spec(
+        &server,
+        dir.path(),
+        serde_json::json!({"name": "a2", "command": ["sleep", "30"], "gpus": 2, "queue": "team-a",
+                           "gpu_types": {"allowed": ["v100"]}, "priority": 3, "preemptible": false}),
+    );
+    let shown_job = server.json(&["job", &waiting]);
+    assert_eq!(shown_job["preemptible"], false, "{shown_job}");
+    let table = server.cli_ok(&["job", &waiting]);
+    assert!(
+        table.contains("queue: team-a, priority 3, not preemptible"),
+        "{table}"
+    );
+    let shown = server.json(&["queue", "show", "team-a"]);
+    assert_eq!(
+        (
+            shown[0]["pending_jobs"].clone(),
+            shown[0]["pending_by_type"].clone()
+        ),
+        (1.into(), serde_json::json!({"v100": 2})),
+        "{shown}"
+    );
+    let table = server.cli_ok(&["queue", "show", "team-a"]);
+    assert!(table.contains("1 (2 GPUs: v100=2)"), "{table}");
+    server.cli_ok(&["cancel", &waiting]);
     // Update keeps what it is not given.
     server.cli_ok(&["queue", "update", "team-a", "--weight", "5"]);
     let shown = server.json(&["queue", "show", "team-a"]);

@@ -505,7 +505,10 @@ fn a_submission_that_may_not_be_preempted_decodes_from_its_golden_bytes() {
             .expect("applies");
         state
     };
-    assert_ne!(state_with(false).state_hash(), state_with(true).state_hash());
+    assert_ne!(
+        state_with(false).state_hash(),
+        state_with(true).state_hash()
+    );
     // The postcard snapshot (format 7, the release before) has no place for
     // the flag: such a state is never written in it.
     assert!(!state_with(false).postcard_carries_whole());

@@ -37,6 +37,20 @@ struct Usage {
     running_jobs: u32,
     pending_jobs: u32,
     pending_gpus: u32,
+    pending_by_type: BTreeMap<String, u32>,
+}
+
+/// The key a waiting job's GPUs are counted under in `pending_by_type`:
+/// the types it may use, joined by '|', or "any".
+fn pending_key(allowed: &[String]) -> String {
+    if allowed.is_empty() {
+        "any".into()
+    } else {
+        let mut types: Vec<&str> = allowed.iter().map(String::as_str).collect();
+        types.sort_unstable();
+        types.dedup();
+        types.join("|")
+    }
 }
 
 /// Every queue's usage, by name, from one pass over the unfinished jobs
@@ -58,10 +72,14 @@ fn usage_by_queue(state: &ClusterState) -> BTreeMap<&str, Usage> {
                 }
             }
             None => {
+                let gpus = job.spec.gpus.saturating_mul(job.spec.workers.min);
                 usage.pending_jobs += 1;
-                usage.pending_gpus = usage
-                    .pending_gpus
-                    .saturating_add(job.spec.gpus.saturating_mul(job.spec.workers.min));
+                usage.pending_gpus = usage.pending_gpus.saturating_add(gpus);
+                let by_type = usage
+                    .pending_by_type
+                    .entry(pending_key(&job.spec.gpu_types.allowed))
+                    .or_default();
+                *by_type = by_type.saturating_add(gpus);
             }
         }
     }
@@ -95,6 +113,7 @@ fn status_of(state: &ClusterState, name: &str, spec: QueueSpec, usage: Usage) ->
         running_jobs: usage.running_jobs,
         pending_jobs: usage.pending_jobs,
         pending_gpus: usage.pending_gpus,
+        pending_by_type: usage.pending_by_type,
     }
 }
 
@@ -195,5 +214,43 @@ impl KeelApi {
             })
             .collect();
         Ok(Response::new(api::ListQueuesResponse { queues }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_state::fixtures::job_spec;
+    use keel_state::{Command, LogEntry};
+
+    #[test]
+    fn a_queue_counts_what_its_waiting_jobs_need_by_the_types_they_may_use() {
+        let mut state = ClusterState::new();
+        let mut index = 0;
+        let mut apply = |state: &mut ClusterState, command| {
+            index += 1;
+            state
+                .apply(index, &LogEntry::new(index * 1000, command))
+                .expect("applies");
+        };
+        let mut v100 = job_spec("v100", 2, 2);
+        v100.gpu_types.allowed = vec!["v100".into()];
+        let mut either = job_spec("either", 1, 1);
+        either.gpu_types.allowed = vec!["v100".into(), "a100".into(), "v100".into()];
+        let any = job_spec("any", 4, 1);
+        for spec in [v100, either, any] {
+            apply(&mut state, Command::SubmitJob { spec });
+        }
+        let usage = usage_by_queue(&state);
+        let default = &usage[DEFAULT_QUEUE];
+        assert_eq!((default.pending_jobs, default.pending_gpus), (3, 9));
+        assert_eq!(
+            default.pending_by_type,
+            BTreeMap::from([
+                ("a100|v100".to_string(), 1),
+                ("any".to_string(), 4),
+                ("v100".to_string(), 4),
+            ])
+        );
     }
 }
