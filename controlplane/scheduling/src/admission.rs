@@ -392,11 +392,16 @@ impl Admission {
             // Borrowed GPUs per unit of weight, in millionths.
             book.borrowed_total(queue).saturating_mul(1_000_000) / u64::from(book.weight(queue))
         };
-        let mut turn: BTreeSet<(u64, usize)> = cursors
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (key(&book, &c.queue), i))
-            .collect();
+        // Nothing free (a full cluster): nothing to lend, no turn to take.
+        let mut turn: BTreeSet<(u64, usize)> = if room.values().all(|r| *r == 0) {
+            BTreeSet::new()
+        } else {
+            cursors
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (key(&book, &c.queue), i))
+                .collect()
+        };
         while let Some((_, i)) = turn.pop_first() {
             if room.values().all(|r| *r == 0) {
                 break;
@@ -511,12 +516,13 @@ impl Admission {
             let mut victims: Vec<(&Job, &BTreeMap<String, u32>)> = borrowers
                 .iter()
                 .filter(|q| book.borrowed(q, &gpu_type) > 0)
-                .flat_map(|q| state.holding_in_queue(q))
-                .filter(|(j, by_type)| {
-                    j.spec.preemptible
-                        && by_type.contains_key(&gpu_type)
-                        && !self.reclaimed.contains_key(&j.id)
+                .flat_map(|q| state.holdings_in_queue(q))
+                .filter(|(id, held)| {
+                    held.preemptible
+                        && held.by_type.contains_key(&gpu_type)
+                        && !self.reclaimed.contains_key(id)
                 })
+                .filter_map(|(id, held)| Some((state.job(id)?, &held.by_type)))
                 .collect();
             victims.sort_by_key(|(j, _)| {
                 let placed = j.allocation.as_ref().map_or(0, |a| a.decided_at_ms);
@@ -672,11 +678,11 @@ fn reclaim_potential(state: &ClusterState, book: &QuotaBook) -> BTreeMap<String,
     let mut potential: BTreeMap<String, u64> = BTreeMap::new();
     for queue in borrowers(book) {
         let mut held: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-        for (job, by_type) in state.holding_in_queue(queue) {
-            if !job.spec.preemptible {
+        for (_, holding) in state.holdings_in_queue(queue) {
+            if !holding.preemptible {
                 continue;
             }
-            for (t, n) in by_type {
+            for (t, n) in &holding.by_type {
                 held.entry(t.as_str()).or_default().push(*n);
             }
         }

@@ -105,7 +105,9 @@ struct TypeBook {
 /// What every queue holds and may hold, by GPU type.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QuotaBook {
-    terms: BTreeMap<String, Terms>,
+    /// Shared between a book and its copies (a round's admission copies
+    /// the state's book): the terms change only when the queues do.
+    terms: std::sync::Arc<BTreeMap<String, Terms>>,
     types: BTreeMap<String, TypeBook>,
     /// During a trial ([`QuotaBook::begin_trial`]): what each (queue,
     /// type) held before the trial first changed it (a few per decision).
@@ -138,7 +140,7 @@ impl QuotaBook {
             })
             .collect();
         let mut book = QuotaBook {
-            terms,
+            terms: std::sync::Arc::new(terms),
             types: BTreeMap::new(),
             trial: None,
         };
@@ -350,7 +352,7 @@ impl QuotaBook {
         if !self.terms.contains_key(queue) {
             // A queue the book does not know (none should hold GPUs):
             // quota 0, no cohort, weight 1.
-            self.terms.insert(
+            std::sync::Arc::make_mut(&mut self.terms).insert(
                 queue.to_string(),
                 Terms {
                     weight: 1,

@@ -26,6 +26,7 @@ use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
 mod queue_index;
+pub use queue_index::Held;
 mod snapshot;
 
 use queue_index::QueueIndex;
@@ -647,8 +648,8 @@ impl ClusterState {
     }
 
     /// GPUs each queue's jobs hold, by queue, then type (a job naming no
-    /// queue is the default queue's).
-    pub fn queue_usage(&self) -> &BTreeMap<String, BTreeMap<String, u32>> {
+    /// queue is the default queue's), summed afresh from the holding jobs.
+    pub fn queue_usage(&self) -> BTreeMap<String, BTreeMap<String, u32>> {
         self.queue_index.usage()
     }
 
@@ -666,15 +667,13 @@ impl ClusterState {
             .filter_map(|id| self.jobs.get(&id))
     }
 
-    /// The jobs of queue `queue` holding GPUs, each with its GPUs by type
-    /// (kept once there are queues; none before).
-    pub fn holding_in_queue<'a>(
+    /// What each job of queue `queue` holding GPUs holds, by job id,
+    /// without looking the jobs up (kept once there are queues).
+    pub fn holdings_in_queue<'a>(
         &'a self,
         queue: &str,
-    ) -> impl Iterator<Item = (&'a Job, &'a BTreeMap<String, u32>)> + 'a {
-        self.queue_index
-            .holding_in(queue)
-            .filter_map(|(id, by_type)| Some((self.jobs.get(&id)?, by_type)))
+    ) -> impl Iterator<Item = (JobId, &'a Held)> + 'a {
+        self.queue_index.holding_in(queue)
     }
 
     /// The queues with jobs waiting for GPUs, by name.

@@ -2,10 +2,11 @@
 //! jobs, kept by `apply` once there are queues and not before: a cluster
 //! that never made a queue pays nothing for them.
 //!
-//! - each holding job's charge to its queue (its GPUs by type, and the
-//!   allocation's epoch, so an entry that does not change the allocation
-//!   costs one lookup), their sum by queue and type, and the [`QuotaBook`]
-//!   on that sum, which `apply`'s quota check and the scheduler read;
+//! - each holding job's charge to its queue (the allocation's epoch, so an
+//!   entry that does not change the allocation costs one lookup), what it
+//!   holds by type and whether it may be preempted, by queue (what reclaim
+//!   reads), and the [`QuotaBook`] on their sum, which `apply`'s quota
+//!   check and the scheduler read;
 //! - the waiting jobs of each queue in the order admission takes them
 //!   (higher priority first, then submission order).
 //!
@@ -20,12 +21,21 @@ use crate::model::{Job, JobId, Node};
 use crate::queue::Queues;
 use crate::quota::{queue_of, QuotaBook};
 
-/// A job's hold on its queue's quota.
+/// Which queue a holding job is charged to, for which allocation.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Charge {
     epoch: u64,
     queue: String,
-    by_type: BTreeMap<String, u32>,
+}
+
+/// What a holding job holds of its queue's quota (what reclaim reads,
+/// without looking the job up).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Its GPUs by type.
+    pub by_type: BTreeMap<String, u32>,
+    /// Whether reclaim may preempt it (`JobSpec::preemptible`).
+    pub preemptible: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -33,10 +43,9 @@ pub(super) struct QueueIndex {
     /// `None` while the cluster has no queue: nothing is kept.
     book: Option<QuotaBook>,
     charges: BTreeMap<JobId, Charge>,
-    /// The jobs holding GPUs, by queue (what reclaim looks through).
-    holding: BTreeMap<String, BTreeSet<JobId>>,
-    /// GPUs each queue's jobs hold, by queue, then type.
-    usage: BTreeMap<String, BTreeMap<String, u32>>,
+    /// The jobs holding GPUs, by queue, with what each holds (what reclaim
+    /// looks through).
+    holding: BTreeMap<String, BTreeMap<JobId, Held>>,
     /// Unfinished jobs holding no GPUs, by queue, in admission order.
     waiting: BTreeMap<String, BTreeSet<(Reverse<i32>, JobId)>>,
     /// Each waiting job's priority (its queue is its spec's).
@@ -60,7 +69,7 @@ impl QueueIndex {
             index.charge(*id, Some(job), nodes);
             index.queue_up(*id, Some(job));
         }
-        index.book = Some(book_of(queues, capacity, &index.usage));
+        index.book = Some(book_of(queues, capacity, &index.usage()));
         index
     }
 
@@ -84,12 +93,11 @@ impl QueueIndex {
         }
         let holding: Vec<JobId> = self.charges.keys().copied().collect();
         self.charges.clear();
-        self.usage.clear();
         self.holding.clear();
         for id in holding {
             self.charge(id, jobs.get(&id), nodes);
         }
-        self.book = Some(book_of(queues, capacity, &self.usage));
+        self.book = Some(book_of(queues, capacity, &self.usage()));
     }
 
     /// Puts job `id` (None: removed) where it now belongs.
@@ -101,8 +109,19 @@ impl QueueIndex {
         self.queue_up(id, job);
     }
 
-    pub(super) fn usage(&self) -> &BTreeMap<String, BTreeMap<String, u32>> {
-        &self.usage
+    /// GPUs each queue's jobs hold, by queue, then type (summed from the
+    /// holding jobs: the book keeps the same sums, by type, then queue).
+    pub(super) fn usage(&self) -> BTreeMap<String, BTreeMap<String, u32>> {
+        let mut usage: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
+        for (queue, jobs) in &self.holding {
+            let by_type = usage.entry(queue.clone()).or_default();
+            for held in jobs.values() {
+                for (t, n) in &held.by_type {
+                    *by_type.entry(t.clone()).or_default() += n;
+                }
+            }
+        }
+        usage
     }
 
     pub(super) fn book(&self) -> Option<&QuotaBook> {
@@ -127,16 +146,16 @@ impl QueueIndex {
             .map(|(_, id)| *id)
     }
 
-    /// The jobs of `queue` holding GPUs, each with its GPUs by type.
+    /// The jobs of `queue` holding GPUs, each with what it holds.
     pub(super) fn holding_in<'a>(
         &'a self,
         queue: &str,
-    ) -> impl Iterator<Item = (JobId, &'a BTreeMap<String, u32>)> + 'a {
+    ) -> impl Iterator<Item = (JobId, &'a Held)> + 'a {
         self.holding
             .get(queue)
             .into_iter()
             .flatten()
-            .filter_map(|id| Some((*id, &self.charges.get(id)?.by_type)))
+            .map(|(id, held)| (*id, held))
     }
 
     pub(super) fn queues_with_waiting(&self) -> impl Iterator<Item = &String> + '_ {
@@ -152,26 +171,16 @@ impl QueueIndex {
             _ => {}
         }
         if let Some(old) = self.charges.remove(&id) {
+            let mut held = None;
             if let Some(jobs) = self.holding.get_mut(&old.queue) {
-                jobs.remove(&id);
+                held = jobs.remove(&id);
                 if jobs.is_empty() {
                     self.holding.remove(&old.queue);
                 }
             }
-            if let Some(usage) = self.usage.get_mut(&old.queue) {
-                for (t, n) in &old.by_type {
-                    if let Some(u) = usage.get_mut(t) {
-                        *u = u.saturating_sub(*n);
-                        if *u == 0 {
-                            usage.remove(t);
-                        }
-                    }
-                    if let Some(book) = &mut self.book {
-                        book.give_back(&old.queue, t, *n);
-                    }
-                }
-                if usage.is_empty() {
-                    self.usage.remove(&old.queue);
+            if let (Some(held), Some(book)) = (held, &mut self.book) {
+                for (t, n) in &held.by_type {
+                    book.give_back(&old.queue, t, *n);
                 }
             }
         }
@@ -179,32 +188,23 @@ impl QueueIndex {
             let charge = Charge {
                 epoch: a.epoch,
                 queue: queue_of(&job.spec.queue).to_string(),
+            };
+            let held = Held {
                 by_type: super::gpus_by_type(nodes, &a.gpus),
+                preemptible: job.spec.preemptible,
             };
-            if !self.usage.contains_key(&charge.queue) {
-                self.usage.insert(charge.queue.clone(), BTreeMap::new());
-            }
-            let Some(usage) = self.usage.get_mut(&charge.queue) else {
-                return;
-            };
-            for (t, n) in &charge.by_type {
-                match usage.get_mut(t) {
-                    Some(u) => *u += n,
-                    None => {
-                        usage.insert(t.clone(), *n);
-                    }
-                }
-                if let Some(book) = &mut self.book {
+            if let Some(book) = &mut self.book {
+                for (t, n) in &held.by_type {
                     book.force(&charge.queue, t, *n);
                 }
             }
             match self.holding.get_mut(&charge.queue) {
                 Some(jobs) => {
-                    jobs.insert(id);
+                    jobs.insert(id, held);
                 }
                 None => {
                     self.holding
-                        .insert(charge.queue.clone(), BTreeSet::from([id]));
+                        .insert(charge.queue.clone(), BTreeMap::from([(id, held)]));
                 }
             }
             self.charges.insert(id, charge);
