@@ -61,6 +61,9 @@ struct Inner {
     told: Option<(i64, u64)>,
     /// Set while this replica does not lead because of its clock.
     refused: Option<ClockTooFarAhead>,
+    /// When (monotonic) the refusal began, or this replica last stepped
+    /// down under it.
+    refused_since_mono_ms: u64,
     /// The voters: only their clocks make the cluster's middle (a learner
     /// catching up does not vote on it). Empty: not known, every peer
     /// counts.
@@ -107,6 +110,7 @@ impl ServerClock {
                 peers: BTreeMap::new(),
                 told: None,
                 refused: None,
+                refused_since_mono_ms: 0,
                 voters: Default::default(),
             }),
         })
@@ -200,7 +204,10 @@ impl ServerClock {
 
     /// A peer answered a message sent at `sent_wall_ms` (this clock), its
     /// reply saying its clock read `peer_wall_ms`; `round_trip_ms` on the
-    /// monotonic clock.
+    /// monotonic clock. A reading whose round trip is longer than the
+    /// bound is not taken: the estimate can be off by half the round trip
+    /// (a reply read after this process was paused, or a congested link,
+    /// would make a healthy clock look far off).
     pub fn peer_answered(
         &self,
         peer: u64,
@@ -210,6 +217,9 @@ impl ServerClock {
     ) {
         if peer_wall_ms == 0 {
             // A release before clock checks says nothing of its clock.
+            return;
+        }
+        if round_trip_ms > self.max_offset_ms {
             return;
         }
         let middle = sent_wall_ms.saturating_add(round_trip_ms / 2);
@@ -314,9 +324,40 @@ impl ServerClock {
         if refused.is_some() && inner.refused.is_none() {
             // Only what a leader says from now on lifts it.
             inner.told = None;
+            inner.refused_since_mono_ms = self.mono_ms();
         }
         inner.refused = refused.clone();
         refused
+    }
+
+    /// Whether this replica, refused for its clock and not leading, stands
+    /// for election all the same: no leader has told it anything for
+    /// [`TOLD_FRESH_MS`] since the refusal began (or since it last stepped
+    /// down). Without a leader nobody can lift the refusal, and this
+    /// replica may hold entries no other voter has, so it refuses their
+    /// votes: standing is what lets the cluster elect again. It still
+    /// stamps nothing ([`ServerClock::stamp`]); if it wins, it measures
+    /// the clocks as a leader and steps down again once another voter has
+    /// its whole log.
+    pub fn stands_though_refused(&self) -> bool {
+        self.stands_though_refused_at(self.mono_ms())
+    }
+
+    fn stands_though_refused_at(&self, mono: u64) -> bool {
+        let inner = self.lock();
+        let told_lately = inner
+            .told
+            .is_some_and(|(_, at)| mono.saturating_sub(at) <= TOLD_FRESH_MS);
+        inner.refused.is_some()
+            && !told_lately
+            && mono.saturating_sub(inner.refused_since_mono_ms) > TOLD_FRESH_MS
+    }
+
+    /// This replica stepped down for its clock: it waits [`TOLD_FRESH_MS`]
+    /// again before it stands though refused.
+    pub fn stepped_down(&self) {
+        let mono = self.mono_ms();
+        self.lock().refused_since_mono_ms = mono;
     }
 
     /// What `keel cluster status` shows of this replica's clock.
@@ -395,17 +436,29 @@ pub async fn clock_watch_loop(
         } else {
             postponed = 0;
         }
-        if refused.is_none() != allowed {
-            allowed = refused.is_none();
+        // Refused and not leading, it stands all the same once no leader
+        // has spoken for a while (see `stands_though_refused`).
+        let stand = refused.is_none() || (!leading && clock.stands_though_refused());
+        if stand != allowed {
+            allowed = stand;
             match &refused {
-                Some(refused) => tracing::error!(
-                    "{refused}; {}",
-                    if leading {
-                        "stepping down"
-                    } else {
-                        "not standing for election"
-                    }
+                Some(refused) if stand => tracing::warn!(
+                    "{refused}; but no leader has spoken for {} s, and this replica may hold                      entries no other voter has: standing for election again (it stamps nothing                      until its clock is back within the bound)",
+                    TOLD_FRESH_MS / 1000
                 ),
+                Some(refused) => {
+                    if leading {
+                        clock.stepped_down();
+                    }
+                    tracing::error!(
+                        "{refused}; {}",
+                        if leading {
+                            "stepping down"
+                        } else {
+                            "not standing for election"
+                        }
+                    )
+                }
                 None => tracing::warn!(
                     "this replica's clock is back within the bound: it may lead again"
                 ),
@@ -509,6 +562,48 @@ mod tests {
         clock.heard_leader(T0, Some(100));
         assert_eq!(clock.check(false), None, "lifted");
         assert!(clock.stamp().is_ok());
+    }
+
+    #[test]
+    fn a_reading_whose_round_trip_is_longer_than_the_bound_is_not_taken() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        // A reply read 1.7 s after it was sent (this process was paused
+        // meanwhile): the peer answered at once, in step, but the middle of
+        // the trip would put its clock 850 ms behind, and this one 850 ms
+        // ahead of the middle.
+        clock.peer_answered(2, T0, T0 + 5, 1_700);
+        clock.peer_answered(3, T0, T0 + 5, 1_700);
+        assert_eq!(clock.peer_offsets(), BTreeMap::new(), "not taken");
+        assert_eq!(clock.own_offset_ms(true), None);
+        assert_eq!(clock.check(true), None, "not refused for a pause");
+        // Within the bound, taken.
+        clock.peer_answered(2, T0, T0 + 5, 10);
+        clock.peer_answered(3, T0, T0 + 5, 10);
+        assert_eq!(clock.own_offset_ms(true), Some(0));
+    }
+
+    #[test]
+    fn a_follower_refused_for_its_clock_stands_again_once_no_leader_speaks() {
+        let wall = Arc::new(AtomicU64::new(T0));
+        let clock = clock_at(wall);
+        assert!(!clock.stands_though_refused(), "not refused");
+        clock.heard_leader(T0, Some(HOUR_MS));
+        assert!(clock.check(false).is_some());
+        let since = clock.lock().refused_since_mono_ms;
+        // Told nothing since: it stands once TOLD_FRESH_MS have passed.
+        assert!(!clock.stands_though_refused_at(since + TOLD_FRESH_MS));
+        assert!(clock.stands_though_refused_at(since + TOLD_FRESH_MS + 1));
+        assert!(clock.stamp().is_err(), "standing, it still stamps nothing");
+        // A leader that keeps telling it is ahead keeps it from standing.
+        clock.heard_leader(T0, Some(HOUR_MS));
+        let told_at = clock.lock().told.map(|(_, at)| at).unwrap_or_default();
+        assert!(!clock.stands_though_refused_at(told_at + TOLD_FRESH_MS));
+        assert!(clock.stands_though_refused_at(told_at.max(since) + TOLD_FRESH_MS + 1));
+        // Having stepped down, it waits again.
+        clock.stepped_down();
+        let since = clock.lock().refused_since_mono_ms;
+        assert!(!clock.stands_though_refused_at(since + TOLD_FRESH_MS));
     }
 
     #[test]
