@@ -247,9 +247,23 @@ impl KeelApi {
             change: change.to_string(),
             membership_index,
         };
-        if let Err(e) = self.proposer.propose_request(command, None, actor).await {
-            tracing::warn!(member, change, error = %e, "the membership change is not in the audit log");
-        }
+        // Bounded: a leader that removed itself may be unable to commit
+        // anything more (its successor is being elected), and the change
+        // stands either way, so the caller is answered.
+        let proposed = tokio::time::timeout(
+            MEMBERSHIP_AUDIT_TIMEOUT,
+            self.proposer.propose_request(command, None, actor),
+        )
+        .await;
+        let error = match proposed {
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!(
+                "not committed within {} s",
+                MEMBERSHIP_AUDIT_TIMEOUT.as_secs()
+            ),
+        };
+        tracing::warn!(member, change, %error, "the membership change is not in the audit log");
     }
 
     /// Refuses the ACL calls on a replica that does not check callers.
@@ -391,6 +405,10 @@ impl KeelApi {
         Ok(())
     }
 }
+
+/// How long a membership change's audit entry may take to commit before
+/// the change is answered without it.
+const MEMBERSHIP_AUDIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<AppliedEntry, Status>> + Send>>;
 

@@ -713,19 +713,42 @@ impl LocalExecutor {
             }
         };
         let pid = child.id();
-        if let Some(pid) = pid {
-            if let Some(start) = process_start_time(pid) {
-                let record = PidFile {
-                    pid,
-                    start,
-                    node: launch.node.clone(),
-                    gpus: launch.gpus.clone(),
-                    cgroup: cgroup.as_ref().map(|c| c.dir.clone()),
-                };
-                if let Ok(body) = serde_json::to_vec(&record) {
-                    let _ = std::fs::write(pid_path(&log_path), body);
-                }
+        // The pid file is how a later server (after this one dies) finds
+        // the worker and adopts it instead of launching it again: a worker
+        // whose pid file cannot be written (a full disk) is stopped and
+        // reported as not started, never left running unseen.
+        let recorded = match pid {
+            Some(pid) => write_pid_file(
+                &pid_path(&log_path),
+                pid,
+                &launch.node,
+                &launch.gpus,
+                cgroup.as_ref().map(|c| c.dir.clone()),
+            ),
+            None => Err(std::io::Error::other("it exited before its pid was read")),
+        };
+        if let Err(e) = recorded {
+            if let Some(pid) = pid {
+                let _ = nix::sys::signal::killpg(
+                    Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX)),
+                    Signal::SIGKILL,
+                );
             }
+            if let Some(cg) = &cgroup {
+                cg.kill_all();
+            }
+            let _ = child.wait().await;
+            let _ = std::fs::remove_file(pid_path(&log_path));
+            let _ = std::fs::remove_file(&exit_path);
+            let _ = std::fs::remove_file(log_path.with_extension("claim"));
+            let reason = format!(
+                "could not record the worker's pid file ({e}): it was stopped, so that no later \
+                 server starts it a second time"
+            );
+            tracing::error!(worker = %id, "{reason}");
+            self.fail_to_start(&id, &launch.node, &log_path, &reason)
+                .await;
+            return Ok(());
         }
         tracing::info!(worker = %id, ?pid, node = %launch.node, gpus = ?launch.gpus, "worker started");
         let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
@@ -920,6 +943,33 @@ fn remove_dir_counting(dir: &Path) -> std::io::Result<RemovedLogs> {
 
 fn pid_path(log_path: &Path) -> PathBuf {
     log_path.with_extension("pid")
+}
+
+/// Writes a worker's pid file whole or not at all (a temporary file
+/// renamed over `path`).
+fn write_pid_file(
+    path: &Path,
+    pid: u32,
+    node: &str,
+    gpus: &[u32],
+    cgroup: Option<PathBuf>,
+) -> std::io::Result<()> {
+    let start = process_start_time(pid)
+        .ok_or_else(|| std::io::Error::other("its start time could not be read"))?;
+    let record = PidFile {
+        pid,
+        start,
+        node: node.to_string(),
+        gpus: gpus.to_vec(),
+        cgroup,
+    };
+    let body = serde_json::to_vec(&record).map_err(std::io::Error::other)?;
+    let tmp = path.with_extension("pid.tmp");
+    if let Err(e) = std::fs::write(&tmp, &body) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, path)
 }
 
 /// Parses `eE-rR.log` into (epoch, rank).
@@ -1227,6 +1277,51 @@ mod tests {
             }
             o => panic!("{o:?}"),
         }
+    }
+
+    /// A worker whose pid file cannot be written (a full disk; here the
+    /// path is taken by a directory) is stopped and reported as not
+    /// started: a later server, finding no pid file, would launch it again
+    /// while it still ran.
+    #[tokio::test]
+    async fn a_worker_whose_pid_file_cannot_be_written_is_stopped_not_left_unseen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let exec = executor(dir.path());
+        let l = launch(1, &["sh", "-c", "exec sleep 30.4242"]);
+        let log_path = exec.job_dir(1).join(format!("{}.log", log_name(&l.id)));
+        let blocker = pid_path(&log_path);
+        std::fs::create_dir_all(blocker.join("in-the-way"))
+            .expect("a directory where the pid file goes");
+        exec.launch(l.clone())
+            .await
+            .expect("launch reports through observe");
+        match wait_exit(&exec, &l.id).await {
+            Observed::Exited { exit_code, reason } => {
+                assert_eq!(exit_code, Some(127));
+                assert!(
+                    reason.contains("could not record the worker's pid file"),
+                    "{reason}"
+                );
+            }
+            o => panic!("{o:?}"),
+        }
+        // The launch waited for the worker to die: no live process runs it.
+        let running: Vec<String> = std::fs::read_dir("/proc")
+            .expect("/proc")
+            .flatten()
+            .filter_map(|e| {
+                let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+                let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+                let state = stat.rsplit(") ").next()?.chars().next()?;
+                let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+                (cmdline.contains("30.4242") && state != 'Z').then_some(cmdline)
+            })
+            .collect();
+        assert!(running.is_empty(), "still running: {running:?}");
+        assert!(
+            !log_path.with_extension("claim").exists(),
+            "the claim is given up"
+        );
     }
 
     /// Issue 19, item 3: a worker another live server has claimed is not
