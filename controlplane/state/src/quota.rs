@@ -62,14 +62,38 @@ pub enum QuotaRefusal {
     },
 }
 
-/// A queue's terms, as the book reads them.
+/// A queue's terms, by type id, as the book reads them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Terms {
-    quota: BTreeMap<String, u32>,
-    cohort: Option<String>,
-    borrow_limit: BTreeMap<String, u32>,
-    lend_limit: BTreeMap<String, u32>,
+    /// By type id (a type past the end: 0).
+    quota: Vec<u32>,
+    /// Its cohort's id.
+    cohort: Option<usize>,
+    borrow_limit: Vec<Option<u32>>,
+    lend_limit: Vec<Option<u32>>,
     weight: u32,
+}
+
+impl Terms {
+    fn quota(&self, t: usize) -> u32 {
+        self.quota.get(t).copied().unwrap_or(0)
+    }
+
+    fn borrow_limit(&self, t: usize) -> Option<u32> {
+        self.borrow_limit.get(t).copied().flatten()
+    }
+
+    /// What it lends of `unused` GPUs of type `t`: within its lending
+    /// limit, and nothing outside a cohort.
+    fn lendable(&self, t: usize, unused: u32) -> u32 {
+        if self.cohort.is_none() {
+            return 0;
+        }
+        match self.lend_limit.get(t).copied().flatten() {
+            Some(limit) => unused.min(limit),
+            None => unused,
+        }
+    }
 }
 
 /// A cohort's sums for one type.
@@ -94,25 +118,66 @@ impl CohortSums {
 struct TypeBook {
     /// GPUs beyond every queue's quota.
     pool: u64,
-    /// GPUs each queue holds.
-    used: BTreeMap<String, u32>,
-    cohorts: BTreeMap<String, CohortSums>,
+    /// By cohort id.
+    cohorts: Vec<CohortSums>,
     /// What the borrowing takes from the pool: every cohort's spill and
     /// the loners' borrowing.
     pool_used: u64,
 }
 
+/// The names behind the book's numbers: queues, types and cohorts are
+/// small numbers inside (a queue's counters are a vector by type), names
+/// only at its edges. Shared by a book and its copies (a round's admission
+/// copies the state's book): they change only when a queue or a type the
+/// book did not know turns up.
+#[derive(Debug, Clone, Default)]
+struct Names {
+    queue_ids: BTreeMap<String, usize>,
+    queues: Vec<String>,
+    /// By queue id.
+    terms: Vec<Terms>,
+    type_ids: BTreeMap<String, usize>,
+    types: Vec<String>,
+    cohorts: Vec<String>,
+}
+
 /// What every queue holds and may hold, by GPU type.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct QuotaBook {
-    /// Shared between a book and its copies (a round's admission copies
-    /// the state's book): the terms change only when the queues do.
-    terms: std::sync::Arc<BTreeMap<String, Terms>>,
-    types: BTreeMap<String, TypeBook>,
+    names: std::sync::Arc<Names>,
+    /// By queue id, then type id (past the end: 0).
+    used: Vec<Vec<u32>>,
+    /// By type id: `None` for a type only a quota names (no live GPU).
+    books: Vec<Option<TypeBook>>,
     /// During a trial ([`QuotaBook::begin_trial`]): what each (queue,
     /// type) held before the trial first changed it (a few per decision).
-    trial: Option<Vec<(String, String, u32)>>,
+    trial: Option<Vec<(usize, usize, u32)>>,
 }
+
+/// Two books are equal when they say the same of every queue and type by
+/// name (the numbers inside may differ: a book kept entry by entry meets
+/// an unknown queue or type later than one built afresh).
+impl PartialEq for QuotaBook {
+    fn eq(&self, other: &QuotaBook) -> bool {
+        self.view() == other.view()
+    }
+}
+
+impl Eq for QuotaBook {}
+
+/// A book by names: queues' terms and holdings, types' pools and sums.
+type View<'a> = (
+    BTreeMap<
+        &'a str,
+        (
+            BTreeMap<&'a str, (u32, Option<u32>, Option<u32>)>,
+            Option<&'a str>,
+            u32,
+        ),
+    >,
+    BTreeMap<(&'a str, &'a str), u32>,
+    BTreeMap<&'a str, (u64, u64, BTreeMap<&'a str, CohortSums>)>,
+);
 
 impl QuotaBook {
     /// The book for `queues` on a cluster whose live GPUs are `capacity`
@@ -123,53 +188,79 @@ impl QuotaBook {
         capacity: impl IntoIterator<Item = (&'a String, usize)>,
         usage: &BTreeMap<String, BTreeMap<String, u32>>,
     ) -> QuotaBook {
-        let terms: BTreeMap<String, Terms> = queues
-            .all()
-            .into_iter()
-            .map(|(name, spec)| {
-                (
-                    name,
-                    Terms {
-                        quota: spec.quota.unwrap_or_default(),
-                        cohort: spec.cohort,
-                        borrow_limit: spec.borrow_limit,
-                        lend_limit: spec.lend_limit,
-                        weight: spec.weight.max(1),
-                    },
-                )
-            })
-            .collect();
-        let mut book = QuotaBook {
-            terms: std::sync::Arc::new(terms),
-            types: BTreeMap::new(),
-            trial: None,
-        };
-        for (gpu_type, count) in capacity {
-            let quoted: u64 = book
-                .terms
-                .values()
-                .map(|t| u64::from(t.quota.get(gpu_type).copied().unwrap_or(0)))
-                .sum();
-            let pool = (count as u64).saturating_sub(quoted);
-            book.types.insert(
-                gpu_type.clone(),
-                TypeBook {
-                    pool,
-                    ..TypeBook::default()
-                },
-            );
+        let specs = queues.all();
+        let capacity: Vec<(&String, usize)> = capacity.into_iter().collect();
+        let mut names = Names::default();
+        // Every type a capacity or a term names, and every cohort.
+        let mut type_names: std::collections::BTreeSet<&str> =
+            capacity.iter().map(|(t, _)| t.as_str()).collect();
+        let mut cohort_names: std::collections::BTreeSet<&str> = Default::default();
+        for spec in specs.values() {
+            type_names.extend(spec.quota.iter().flatten().map(|(t, _)| t.as_str()));
+            type_names.extend(spec.borrow_limit.keys().map(String::as_str));
+            type_names.extend(spec.lend_limit.keys().map(String::as_str));
+            cohort_names.extend(spec.cohort.as_deref());
         }
-        // Every queue's quota is unused, so lendable, before anything is
-        // held.
-        for (gpu_type, type_book) in &mut book.types {
-            for terms in book.terms.values() {
-                if let Some(c) = &terms.cohort {
-                    let unused = terms.quota.get(gpu_type).copied().unwrap_or(0);
-                    type_book.cohorts.entry(c.clone()).or_default().lendable +=
-                        u64::from(lendable(terms, gpu_type, unused));
+        for t in type_names {
+            names.type_ids.insert(t.to_string(), names.types.len());
+            names.types.push(t.to_string());
+        }
+        names.cohorts = cohort_names.iter().map(|c| c.to_string()).collect();
+        let by_type = |map: &BTreeMap<String, u32>, ids: &BTreeMap<String, usize>| {
+            let mut v = vec![None; ids.len()];
+            for (t, n) in map {
+                if let Some(i) = ids.get(t) {
+                    v[*i] = Some(*n);
                 }
             }
+            v
+        };
+        for (name, spec) in &specs {
+            let quota = by_type(&spec.quota.clone().unwrap_or_default(), &names.type_ids)
+                .into_iter()
+                .map(|n| n.unwrap_or(0))
+                .collect();
+            let terms = Terms {
+                quota,
+                cohort: spec
+                    .cohort
+                    .as_deref()
+                    .and_then(|c| names.cohorts.iter().position(|n| n == c)),
+                borrow_limit: by_type(&spec.borrow_limit, &names.type_ids),
+                lend_limit: by_type(&spec.lend_limit, &names.type_ids),
+                weight: spec.weight.max(1),
+            };
+            names.queue_ids.insert(name.clone(), names.queues.len());
+            names.queues.push(name.clone());
+            names.terms.push(terms);
         }
+        let cohorts = names.cohorts.len();
+        let mut books: Vec<Option<TypeBook>> = vec![None; names.types.len()];
+        for (gpu_type, count) in &capacity {
+            let Some(t) = names.type_ids.get(gpu_type.as_str()).copied() else {
+                continue;
+            };
+            let quoted: u64 = names.terms.iter().map(|q| u64::from(q.quota(t))).sum();
+            let mut book = TypeBook {
+                pool: (*count as u64).saturating_sub(quoted),
+                cohorts: vec![CohortSums::default(); cohorts],
+                pool_used: 0,
+            };
+            // Every queue's quota is unused, so lendable, before anything
+            // is held.
+            for terms in &names.terms {
+                if let Some(c) = terms.cohort {
+                    book.cohorts[c].lendable += u64::from(terms.lendable(t, terms.quota(t)));
+                }
+            }
+            books[t] = Some(book);
+        }
+        let mut book = QuotaBook {
+            used: vec![Vec::new(); names.queues.len()],
+            names: std::sync::Arc::new(names),
+            books,
+            trial: None,
+        };
         for (queue, by_type) in usage {
             for (gpu_type, n) in by_type {
                 book.force(queue, gpu_type, *n);
@@ -178,77 +269,115 @@ impl QuotaBook {
         book
     }
 
-    /// Queue `queue`'s quota of `gpu_type` (0 when it names none).
-    pub fn quota(&self, queue: &str, gpu_type: &str) -> u32 {
-        self.terms
-            .get(queue)
-            .and_then(|t| t.quota.get(gpu_type))
+    fn queue_id(&self, queue: &str) -> Option<usize> {
+        self.names.queue_ids.get(queue).copied()
+    }
+
+    fn type_id(&self, gpu_type: &str) -> Option<usize> {
+        self.names.type_ids.get(gpu_type).copied()
+    }
+
+    fn used_at(&self, q: usize, t: usize) -> u32 {
+        self.used
+            .get(q)
+            .and_then(|row| row.get(t))
             .copied()
             .unwrap_or(0)
+    }
+
+    fn quota_at(&self, q: usize, t: usize) -> u32 {
+        self.names.terms.get(q).map_or(0, |terms| terms.quota(t))
+    }
+
+    /// Queue `queue`'s quota of `gpu_type` (0 when it names none).
+    pub fn quota(&self, queue: &str, gpu_type: &str) -> u32 {
+        match (self.queue_id(queue), self.type_id(gpu_type)) {
+            (Some(q), Some(t)) => self.quota_at(q, t),
+            _ => 0,
+        }
     }
 
     /// Queue `queue`'s weight (1 for a queue the book does not know).
     pub fn weight(&self, queue: &str) -> u32 {
-        self.terms.get(queue).map_or(1, |t| t.weight)
+        self.queue_id(queue)
+            .and_then(|q| self.names.terms.get(q))
+            .map_or(1, |t| t.weight)
     }
 
     /// GPUs of `gpu_type` queue `queue` holds.
     pub fn used(&self, queue: &str, gpu_type: &str) -> u32 {
-        self.types
-            .get(gpu_type)
-            .and_then(|t| t.used.get(queue))
-            .copied()
-            .unwrap_or(0)
+        match (self.queue_id(queue), self.type_id(gpu_type)) {
+            (Some(q), Some(t)) => self.used_at(q, t),
+            _ => 0,
+        }
     }
 
     /// GPUs of `gpu_type` queue `queue` holds beyond its quota.
     pub fn borrowed(&self, queue: &str, gpu_type: &str) -> u32 {
-        self.used(queue, gpu_type)
-            .saturating_sub(self.quota(queue, gpu_type))
+        match (self.queue_id(queue), self.type_id(gpu_type)) {
+            (Some(q), Some(t)) => self.used_at(q, t).saturating_sub(self.quota_at(q, t)),
+            _ => 0,
+        }
     }
 
     /// GPUs queue `queue` holds beyond its quotas, all types together.
     pub fn borrowed_total(&self, queue: &str) -> u64 {
-        self.types
-            .keys()
-            .map(|t| u64::from(self.borrowed(queue, t)))
+        let Some(q) = self.queue_id(queue) else {
+            return 0;
+        };
+        (0..self.books.len())
+            .filter(|t| self.books[*t].is_some())
+            .map(|t| u64::from(self.used_at(q, t).saturating_sub(self.quota_at(q, t))))
             .sum()
     }
 
     /// The GPU types the book knows (the cluster's live ones).
     pub fn gpu_types(&self) -> impl Iterator<Item = &String> + '_ {
-        self.types.keys()
+        self.names
+            .type_ids
+            .iter()
+            .filter(|(_, t)| self.books.get(**t).is_some_and(Option::is_some))
+            .map(|(name, _)| name)
     }
 
     /// The queues the book knows, the default one included.
     pub fn queues(&self) -> impl Iterator<Item = &String> + '_ {
-        self.terms.keys()
+        self.names.queue_ids.keys()
     }
 
     /// Whether the borrowing of `gpu_type` exceeds what the cohorts and
     /// the pool lend: quota taken back from borrowers, or capacity lost.
     pub fn overcommitted(&self, gpu_type: &str) -> u64 {
-        self.types
-            .get(gpu_type)
-            .map_or(0, |t| t.pool_used.saturating_sub(t.pool))
+        self.type_id(gpu_type)
+            .and_then(|t| self.books.get(t)?.as_ref())
+            .map_or(0, |b| b.pool_used.saturating_sub(b.pool))
     }
 
     /// The most GPUs of `gpu_type` queue `queue` may take now
     /// ([`QuotaBook::take`] accepts any number up to it).
     pub fn headroom(&self, queue: &str, gpu_type: &str) -> u32 {
-        let Some(book) = self.types.get(gpu_type) else {
+        let Some(t) = self.type_id(gpu_type) else {
+            return 0;
+        };
+        self.headroom_at(self.queue_id(queue), t)
+    }
+
+    /// [`QuotaBook::headroom`] by ids (`None`: a queue the book does not
+    /// know: no quota, no cohort).
+    fn headroom_at(&self, q: Option<usize>, t: usize) -> u32 {
+        let Some(book) = self.books.get(t).and_then(Option::as_ref) else {
             return 0;
         };
         let none = Terms::default();
-        let terms = self.terms.get(queue).unwrap_or(&none);
-        let used = self.used(queue, gpu_type);
-        let quota = self.quota(queue, gpu_type);
+        let terms = q.and_then(|q| self.names.terms.get(q)).unwrap_or(&none);
+        let used = q.map_or(0, |q| self.used_at(q, t));
+        let quota = terms.quota(t);
         let under = quota.saturating_sub(used);
         let over = used.saturating_sub(quota);
         // Up to its quota, always; then, with its unused quota taken, what
         // its cohort has spare and what the pool has left.
-        let lent_now = u64::from(lendable(terms, gpu_type, under));
-        let spare = match &terms.cohort {
+        let lent_now = u64::from(terms.lendable(t, under));
+        let spare = match terms.cohort {
             Some(c) => {
                 let sums = book.cohorts.get(c).copied().unwrap_or_default();
                 let at_quota = CohortSums {
@@ -262,8 +391,7 @@ impl QuotaBook {
             None => book.pool.saturating_sub(book.pool_used),
         };
         let limit = terms
-            .borrow_limit
-            .get(gpu_type)
+            .borrow_limit(t)
             .map_or(u64::MAX, |l| u64::from(l.saturating_sub(over)));
         let beyond = u32::try_from(spare.min(limit)).unwrap_or(u32::MAX);
         under.saturating_add(beyond)
@@ -274,33 +402,42 @@ impl QuotaBook {
     /// when it would pass its borrowing limit, or when the pool's use would
     /// grow beyond the pool.
     pub fn take(&mut self, queue: &str, gpu_type: &str, n: u32) -> Result<(), QuotaRefusal> {
-        let used = self.used(queue, gpu_type);
-        let quota = self.quota(queue, gpu_type);
+        let (q, t) = (self.queue_id(queue), self.type_id(gpu_type));
+        let used = match (q, t) {
+            (Some(q), Some(t)) => self.used_at(q, t),
+            _ => 0,
+        };
+        let quota = match (q, t) {
+            (Some(q), Some(t)) => self.quota_at(q, t),
+            _ => 0,
+        };
         let would_hold = used.saturating_add(n);
         if would_hold <= quota {
             self.set_used(queue, gpu_type, would_hold);
             return Ok(());
         }
-        let terms = self.terms.get(queue);
-        if let Some(limit) = terms.and_then(|t| t.borrow_limit.get(gpu_type)) {
-            if would_hold - quota > *limit {
+        let terms = q.and_then(|q| self.names.terms.get(q));
+        if let Some(limit) = t.and_then(|t| terms.and_then(|terms| terms.borrow_limit(t))) {
+            if would_hold - quota > limit {
                 return Err(QuotaRefusal::BorrowLimit {
                     queue: queue.into(),
                     gpu_type: gpu_type.into(),
                     would_hold,
                     quota,
-                    limit: *limit,
+                    limit,
                 });
             }
         }
-        let room = self.headroom(queue, gpu_type);
+        let room = t.map_or(0, |t| self.headroom_at(q, t));
         if n > room {
             return Err(QuotaRefusal::NothingToBorrow {
                 queue: queue.into(),
                 gpu_type: gpu_type.into(),
                 would_hold,
                 quota,
-                cohort: terms.and_then(|t| t.cohort.clone()),
+                cohort: terms
+                    .and_then(|terms| terms.cohort)
+                    .and_then(|c| self.names.cohorts.get(c).cloned()),
                 lendable: room.saturating_sub(quota.saturating_sub(used)),
             });
         }
@@ -311,14 +448,21 @@ impl QuotaBook {
     /// Queue `queue` takes `n` more GPUs of `gpu_type` unchecked (what it
     /// held already, kept).
     pub fn force(&mut self, queue: &str, gpu_type: &str, n: u32) {
-        let used = self.used(queue, gpu_type);
-        self.set_used(queue, gpu_type, used.saturating_add(n));
+        match (self.queue_id(queue), self.type_id(gpu_type)) {
+            (Some(q), Some(t)) => {
+                let used = self.used_at(q, t);
+                self.set_used_at(q, t, used.saturating_add(n));
+            }
+            _ => self.set_used(queue, gpu_type, n),
+        }
     }
 
     /// Queue `queue` gives back `n` GPUs of `gpu_type`.
     pub fn give_back(&mut self, queue: &str, gpu_type: &str, n: u32) {
-        let used = self.used(queue, gpu_type);
-        self.set_used(queue, gpu_type, used.saturating_sub(n));
+        if let (Some(q), Some(t)) = (self.queue_id(queue), self.type_id(gpu_type)) {
+            let used = self.used_at(q, t);
+            self.set_used_at(q, t, used.saturating_sub(n));
+        }
     }
 
     /// Starts a trial: the changes until [`QuotaBook::end_trial`] are
@@ -330,66 +474,80 @@ impl QuotaBook {
     /// Ends a trial, putting back what every queue held before it.
     pub fn end_trial(&mut self) {
         if let Some(before) = self.trial.take() {
-            for (queue, gpu_type, used) in before.into_iter().rev() {
-                self.set_used(&queue, &gpu_type, used);
+            for (q, t, used) in before.into_iter().rev() {
+                self.set_used_at(q, t, used);
             }
         }
     }
 
-    /// Sets what `queue` holds of `gpu_type`, keeping the sums.
+    /// Sets what `queue` holds of `gpu_type`, keeping the sums. A queue or
+    /// a type the book does not know (none should hold GPUs) is added:
+    /// quota 0, no cohort, weight 1; a type without live GPUs has no pool.
     fn set_used(&mut self, queue: &str, gpu_type: &str, new: u32) {
-        if let Some(trial) = &mut self.trial {
-            if !trial.iter().any(|(q, t, _)| q == queue && t == gpu_type) {
-                let before = self
-                    .types
-                    .get(gpu_type)
-                    .and_then(|t| t.used.get(queue))
-                    .copied()
-                    .unwrap_or(0);
-                trial.push((queue.to_string(), gpu_type.to_string(), before));
-            }
-        }
-        if !self.terms.contains_key(queue) {
-            // A queue the book does not know (none should hold GPUs):
-            // quota 0, no cohort, weight 1.
-            std::sync::Arc::make_mut(&mut self.terms).insert(
-                queue.to_string(),
-                Terms {
+        let q = match self.queue_id(queue) {
+            Some(q) => q,
+            None if new == 0 => return,
+            None => {
+                let names = std::sync::Arc::make_mut(&mut self.names);
+                let q = names.queues.len();
+                names.queue_ids.insert(queue.to_string(), q);
+                names.queues.push(queue.to_string());
+                names.terms.push(Terms {
                     weight: 1,
                     ..Terms::default()
-                },
-            );
-        }
-        let quota = self.quota(queue, gpu_type);
-        let Some(terms) = self.terms.get(queue) else {
-            return;
+                });
+                self.used.push(Vec::new());
+                q
+            }
         };
-        if !self.types.contains_key(gpu_type) {
-            self.types.insert(gpu_type.to_string(), TypeBook::default());
-        }
-        let Some(book) = self.types.get_mut(gpu_type) else {
-            return;
+        let t = match self.type_id(gpu_type) {
+            Some(t) => t,
+            None if new == 0 => return,
+            None => {
+                let names = std::sync::Arc::make_mut(&mut self.names);
+                let t = names.types.len();
+                names.type_ids.insert(gpu_type.to_string(), t);
+                names.types.push(gpu_type.to_string());
+                self.books.push(None);
+                t
+            }
         };
-        let old = book.used.get(queue).copied().unwrap_or(0);
+        self.set_used_at(q, t, new);
+    }
+
+    fn set_used_at(&mut self, q: usize, t: usize, new: u32) {
+        let old = self.used_at(q, t);
         if old == new {
             return;
         }
+        if let Some(trial) = &mut self.trial {
+            if !trial.iter().any(|(tq, tt, _)| *tq == q && *tt == t) {
+                trial.push((q, t, old));
+            }
+        }
+        let cohorts = self.names.cohorts.len();
+        let Some(terms) = self.names.terms.get(q) else {
+            return;
+        };
+        let Some(slot) = self.books.get_mut(t) else {
+            return;
+        };
+        // A type with no live GPUs gets a book (no pool) once held.
+        let book = slot.get_or_insert_with(|| TypeBook {
+            cohorts: vec![CohortSums::default(); cohorts],
+            ..TypeBook::default()
+        });
+        let quota = terms.quota(t);
         let contribution = |used: u32| {
             (
                 u64::from(used.saturating_sub(quota)),
-                u64::from(lendable(terms, gpu_type, quota.saturating_sub(used))),
+                u64::from(terms.lendable(t, quota.saturating_sub(used))),
             )
         };
         let (old_over, old_lend) = contribution(old);
         let (new_over, new_lend) = contribution(new);
-        match &terms.cohort {
-            Some(c) => {
-                if !book.cohorts.contains_key(c) {
-                    book.cohorts.insert(c.clone(), CohortSums::default());
-                }
-                let Some(sums) = book.cohorts.get_mut(c) else {
-                    return;
-                };
+        match terms.cohort.and_then(|c| book.cohorts.get_mut(c)) {
+            Some(sums) => {
                 let old_spill = sums.spill();
                 sums.over = sums.over - old_over + new_over;
                 sums.lendable = sums.lendable - old_lend + new_lend;
@@ -399,26 +557,76 @@ impl QuotaBook {
                 book.pool_used = book.pool_used - old_over + new_over;
             }
         }
-        if new == 0 {
-            book.used.remove(queue);
-        } else if let Some(used) = book.used.get_mut(queue) {
-            *used = new;
-        } else {
-            book.used.insert(queue.to_string(), new);
+        let Some(row) = self.used.get_mut(q) else {
+            return;
+        };
+        if row.len() <= t {
+            row.resize(t + 1, 0);
         }
+        row[t] = new;
     }
-}
 
-/// What a queue lends of `unused` GPUs of `gpu_type`: within its lending
-/// limit, and nothing outside a cohort.
-fn lendable(terms: &Terms, gpu_type: &str, unused: u32) -> u32 {
-    if terms.cohort.is_none() {
-        return 0;
+    /// The book by names, for [`PartialEq`].
+    fn view(&self) -> View<'_> {
+        let names = &self.names;
+        let type_name = |t: usize| names.types.get(t).map_or("", String::as_str);
+        let queues = names
+            .queue_ids
+            .iter()
+            .map(|(name, q)| {
+                let terms = &names.terms[*q];
+                let by_type = (0..names.types.len())
+                    .map(|t| {
+                        (
+                            type_name(t),
+                            (
+                                terms.quota(t),
+                                terms.borrow_limit(t),
+                                terms.lend_limit.get(t).copied().flatten(),
+                            ),
+                        )
+                    })
+                    .filter(|(_, v)| *v != (0, None, None))
+                    .collect();
+                (
+                    name.as_str(),
+                    (
+                        by_type,
+                        terms
+                            .cohort
+                            .and_then(|c| names.cohorts.get(c))
+                            .map(String::as_str),
+                        terms.weight,
+                    ),
+                )
+            })
+            .collect();
+        let mut used = BTreeMap::new();
+        for (name, q) in &names.queue_ids {
+            for (t, n) in self.used.get(*q).into_iter().flatten().enumerate() {
+                if *n > 0 {
+                    used.insert((name.as_str(), type_name(t)), *n);
+                }
+            }
+        }
+        let books = self
+            .books
+            .iter()
+            .enumerate()
+            .filter_map(|(t, b)| {
+                let b = b.as_ref()?;
+                let cohorts = b
+                    .cohorts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| **s != CohortSums::default())
+                    .map(|(c, s)| (names.cohorts.get(c).map_or("", String::as_str), *s))
+                    .collect();
+                Some((type_name(t), (b.pool, b.pool_used, cohorts)))
+            })
+            .collect();
+        (queues, used, books)
     }
-    terms
-        .lend_limit
-        .get(gpu_type)
-        .map_or(unused, |l| unused.min(*l))
 }
 
 /// A queue's name for a job's `queue` field (empty: the default queue).

@@ -21,11 +21,10 @@ use crate::model::{Job, JobId, Node};
 use crate::queue::Queues;
 use crate::quota::{queue_of, QuotaBook};
 
-/// Which queue a holding job is charged to, for which allocation.
+/// The allocation a holding job is charged for (its queue is its spec's).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Charge {
     epoch: u64,
-    queue: String,
 }
 
 /// What a holding job holds of its queue's quota (what reclaim reads,
@@ -170,41 +169,51 @@ impl QueueIndex {
             (None, None) => return,
             _ => {}
         }
-        if let Some(old) = self.charges.remove(&id) {
-            let mut held = None;
-            if let Some(jobs) = self.holding.get_mut(&old.queue) {
-                held = jobs.remove(&id);
-                if jobs.is_empty() {
-                    self.holding.remove(&old.queue);
+        if self.charges.remove(&id).is_some() {
+            // A job's queue never changes; a job no longer there (removed)
+            // is looked for in every queue.
+            let queue: Option<String> = match job {
+                Some(j) => Some(queue_of(&j.spec.queue).to_string()),
+                None => self
+                    .holding
+                    .iter()
+                    .find(|(_, jobs)| jobs.contains_key(&id))
+                    .map(|(q, _)| q.clone()),
+            };
+            if let Some(queue) = queue {
+                let mut held = None;
+                if let Some(jobs) = self.holding.get_mut(&queue) {
+                    held = jobs.remove(&id);
+                    if jobs.is_empty() {
+                        self.holding.remove(&queue);
+                    }
                 }
-            }
-            if let (Some(held), Some(book)) = (held, &mut self.book) {
-                for (t, n) in &held.by_type {
-                    book.give_back(&old.queue, t, *n);
+                if let (Some(held), Some(book)) = (held, &mut self.book) {
+                    for (t, n) in &held.by_type {
+                        book.give_back(&queue, t, *n);
+                    }
                 }
             }
         }
         if let Some((job, a)) = alloc {
-            let charge = Charge {
-                epoch: a.epoch,
-                queue: queue_of(&job.spec.queue).to_string(),
-            };
+            let charge = Charge { epoch: a.epoch };
+            let queue = queue_of(&job.spec.queue);
             let held = Held {
                 by_type: super::gpus_by_type(nodes, &a.gpus),
                 preemptible: job.spec.preemptible,
             };
             if let Some(book) = &mut self.book {
                 for (t, n) in &held.by_type {
-                    book.force(&charge.queue, t, *n);
+                    book.force(queue, t, *n);
                 }
             }
-            match self.holding.get_mut(&charge.queue) {
+            match self.holding.get_mut(queue) {
                 Some(jobs) => {
                     jobs.insert(id, held);
                 }
                 None => {
                     self.holding
-                        .insert(charge.queue.clone(), BTreeMap::from([(id, held)]));
+                        .insert(queue.to_string(), BTreeMap::from([(id, held)]));
                 }
             }
             self.charges.insert(id, charge);
