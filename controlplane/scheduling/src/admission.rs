@@ -523,6 +523,15 @@ impl Admission {
                         && !self.reclaimed.contains_key(id)
                 })
                 .filter_map(|(id, held)| Some((state.job(id)?, &held.by_type)))
+                // A job sharing its GPUs with one that may not be preempted
+                // stays with it (the pair is kept whole).
+                .filter(|(j, _)| {
+                    j.allocation
+                        .as_ref()
+                        .and_then(|a| a.shared_with)
+                        .and_then(|p| state.job(p))
+                        .is_none_or(|p| p.spec.preemptible)
+                })
                 .collect();
             victims.sort_by_key(|(j, _)| {
                 let placed = j.allocation.as_ref().map_or(0, |a| a.decided_at_ms);
