@@ -275,14 +275,10 @@ impl Granted {
     /// Whether the caller may submit a job to queue `queue` (`""`: the
     /// default queue): a token limited to queues (issue 23) names it.
     pub fn check_queue(&self, queue: &str) -> Result<(), ApiError> {
-        let queue = if queue.is_empty() {
-            keel_state::queue::DEFAULT_QUEUE
-        } else {
-            queue
-        };
-        if self.queues.is_empty() || self.queues.contains(queue) {
+        if keel_state::acl::queue_allowed(&self.queues, queue) {
             return Ok(());
         }
+        let queue = keel_state::quota::queue_of(queue);
         Err(ApiError::PermissionDenied {
             right: self.right.name(),
             message: format!(

@@ -179,62 +179,22 @@ fn queues_in_the_simulator_run_and_bad_ones_name_what_is_wrong() {
         "bad-queue.jsonl",
         "{\"arrival_s\": 0, \"model\": \"resnet50\", \"total_steps\": 10, \"queue\": \"Team A\"}\n",
     );
+    let generated = |queues: &'static str| -> Vec<&str> {
+        vec![
+            "--generate",
+            "10",
+            "--cluster-file",
+            cluster.as_str(),
+            "--generate-queues",
+            queues,
+        ]
+    };
     for (args, expected) in [
-        (
-            vec![
-                "--generate",
-                "10",
-                "--cluster-file",
-                &cluster,
-                "--generate-queues",
-                "a",
-            ],
-            "is not QUEUE=SHARE",
-        ),
-        (
-            vec![
-                "--generate",
-                "10",
-                "--cluster-file",
-                &cluster,
-                "--generate-queues",
-                "a=x",
-            ],
-            "the share",
-        ),
-        (
-            vec![
-                "--generate",
-                "10",
-                "--cluster-file",
-                &cluster,
-                "--generate-queues",
-                "A=1",
-            ],
-            "not a queue name",
-        ),
-        (
-            vec![
-                "--generate",
-                "10",
-                "--cluster-file",
-                &cluster,
-                "--generate-queues",
-                "a=0",
-            ],
-            "a share above 0",
-        ),
-        (
-            vec![
-                "--generate",
-                "10",
-                "--cluster-file",
-                &cluster,
-                "--generate-queues",
-                "z=1",
-            ],
-            "does not define",
-        ),
+        (generated("a"), "is not QUEUE=SHARE"),
+        (generated("a=x"), "the share"),
+        (generated("A=1"), "not a queue name"),
+        (generated("a=0"), "a share above 0"),
+        (generated("z=1"), "does not define"),
         (
             vec!["--generate", "10", "--cluster-file", &unknown_type],
             "quota",

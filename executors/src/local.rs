@@ -1163,6 +1163,18 @@ mod tests {
         panic!("worker {id} did not exit within 10 s");
     }
 
+    /// The worker ends as one that never started (exit 127), for a
+    /// reason that says `why`.
+    async fn assert_not_started(exec: &LocalExecutor, id: &WorkerId, why: &str) {
+        match wait_exit(exec, id).await {
+            Observed::Exited { exit_code, reason } => {
+                assert_eq!(exit_code, Some(127));
+                assert!(reason.contains(why), "{reason}");
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
     async fn wait_log(exec: &LocalExecutor, job_id: JobId, needle: &str) {
         for _ in 0..1000 {
             let logs = exec.logs(job_id, 1 << 16).await.expect("logs");
@@ -1270,13 +1282,7 @@ mod tests {
         exec.launch(l.clone())
             .await
             .expect("launch reports through observe");
-        match wait_exit(&exec, &l.id).await {
-            Observed::Exited { exit_code, reason } => {
-                assert_eq!(exit_code, Some(127));
-                assert!(reason.contains("could not start"), "{reason}");
-            }
-            o => panic!("{o:?}"),
-        }
+        assert_not_started(&exec, &l.id, "could not start").await;
     }
 
     /// A worker whose pid file cannot be written (a full disk; here the
@@ -1295,16 +1301,7 @@ mod tests {
         exec.launch(l.clone())
             .await
             .expect("launch reports through observe");
-        match wait_exit(&exec, &l.id).await {
-            Observed::Exited { exit_code, reason } => {
-                assert_eq!(exit_code, Some(127));
-                assert!(
-                    reason.contains("could not record the worker's pid file"),
-                    "{reason}"
-                );
-            }
-            o => panic!("{o:?}"),
-        }
+        assert_not_started(&exec, &l.id, "could not record the worker's pid file").await;
         // The launch waited for the worker to die: no live process runs it.
         let running: Vec<String> = std::fs::read_dir("/proc")
             .expect("/proc")

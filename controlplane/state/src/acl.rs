@@ -119,12 +119,7 @@ pub struct Token {
 impl Token {
     /// Whether its holder may submit to queue `queue` (`""`: the default).
     pub fn may_submit_to(&self, queue: &str) -> bool {
-        let queue = if queue.is_empty() {
-            crate::queue::DEFAULT_QUEUE
-        } else {
-            queue
-        };
-        self.queues.is_empty() || self.queues.contains(queue)
+        queue_allowed(&self.queues, queue)
     }
 
     /// Whether it has expired at `now_ms`.
@@ -213,6 +208,12 @@ pub fn validate_secret(secret: &str) -> Result<(), AclError> {
             ),
         })
     }
+}
+
+/// Whether a holder limited to `queues` (empty: any) may submit to the
+/// job's `queue` field (`""`: the default queue).
+pub fn queue_allowed(queues: &BTreeSet<String>, queue: &str) -> bool {
+    queues.is_empty() || queues.contains(crate::quota::queue_of(queue))
 }
 
 /// Checks the queues a token is limited to: a `user` token's only (the

@@ -133,7 +133,6 @@ struct TypeBook {
 #[derive(Debug, Clone, Default)]
 struct Names {
     queue_ids: BTreeMap<String, usize>,
-    queues: Vec<String>,
     /// By queue id.
     terms: Vec<Terms>,
     type_ids: BTreeMap<String, usize>,
@@ -230,8 +229,7 @@ impl QuotaBook {
                 lend_limit: by_type(&spec.lend_limit, &names.type_ids),
                 weight: spec.weight.max(1),
             };
-            names.queue_ids.insert(name.clone(), names.queues.len());
-            names.queues.push(name.clone());
+            names.queue_ids.insert(name.clone(), names.terms.len());
             names.terms.push(terms);
         }
         let cohorts = names.cohorts.len();
@@ -256,7 +254,7 @@ impl QuotaBook {
             books[t] = Some(book);
         }
         let mut book = QuotaBook {
-            used: vec![Vec::new(); names.queues.len()],
+            used: vec![Vec::new(); names.terms.len()],
             names: std::sync::Arc::new(names),
             books,
             trial: None,
@@ -489,9 +487,8 @@ impl QuotaBook {
             None if new == 0 => return,
             None => {
                 let names = std::sync::Arc::make_mut(&mut self.names);
-                let q = names.queues.len();
+                let q = names.terms.len();
                 names.queue_ids.insert(queue.to_string(), q);
-                names.queues.push(queue.to_string());
                 names.terms.push(Terms {
                     weight: 1,
                     ..Terms::default()

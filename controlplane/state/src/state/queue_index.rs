@@ -13,6 +13,7 @@
 //! [`ClusterState::check_invariants`](super::ClusterState::check_invariants)
 //! proves the kept index equals one built afresh.
 
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -172,20 +173,20 @@ impl QueueIndex {
         if self.charges.remove(&id).is_some() {
             // A job's queue never changes; a job no longer there (removed)
             // is looked for in every queue.
-            let queue: Option<String> = match job {
-                Some(j) => Some(queue_of(&j.spec.queue).to_string()),
+            let queue: Option<Cow<'_, str>> = match job {
+                Some(j) => Some(Cow::Borrowed(queue_of(&j.spec.queue))),
                 None => self
                     .holding
                     .iter()
                     .find(|(_, jobs)| jobs.contains_key(&id))
-                    .map(|(q, _)| q.clone()),
+                    .map(|(q, _)| Cow::Owned(q.clone())),
             };
             if let Some(queue) = queue {
                 let mut held = None;
-                if let Some(jobs) = self.holding.get_mut(&queue) {
+                if let Some(jobs) = self.holding.get_mut(queue.as_ref()) {
                     held = jobs.remove(&id);
                     if jobs.is_empty() {
-                        self.holding.remove(&queue);
+                        self.holding.remove(queue.as_ref());
                     }
                 }
                 if let (Some(held), Some(book)) = (held, &mut self.book) {
@@ -233,19 +234,19 @@ impl QueueIndex {
             // A job's queue never changes; a job no longer there (removed)
             // is looked for in every queue.
             let key = (Reverse(p), id);
-            let queue = match job {
-                Some(j) => Some(queue_of(&j.spec.queue).to_string()),
+            let queue: Option<Cow<'_, str>> = match job {
+                Some(j) => Some(Cow::Borrowed(queue_of(&j.spec.queue))),
                 None => self
                     .waiting
                     .iter()
                     .find(|(_, set)| set.contains(&key))
-                    .map(|(q, _)| q.clone()),
+                    .map(|(q, _)| Cow::Owned(q.clone())),
             };
             if let Some(q) = queue {
-                if let Some(set) = self.waiting.get_mut(&q) {
+                if let Some(set) = self.waiting.get_mut(q.as_ref()) {
                     set.remove(&key);
                     if set.is_empty() {
-                        self.waiting.remove(&q);
+                        self.waiting.remove(q.as_ref());
                     }
                 }
             }
