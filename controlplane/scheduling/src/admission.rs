@@ -36,6 +36,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::placement::Placement;
 use crate::policy::Plan;
+use keel_state::command::JobPlacement;
 use keel_state::model::{GpuRef, Job, JobId};
 use keel_state::quota::{queue_of, QuotaBook};
 use keel_state::state::ClusterState;
@@ -275,10 +276,7 @@ impl Admission {
                 misses: 0,
             };
             loop {
-                let unused: u64 = book
-                    .gpu_types()
-                    .map(|t| u64::from(book.quota(queue, t).saturating_sub(book.used(queue, t))))
-                    .sum();
+                let unused = book.unused_total(queue);
                 if unused == 0 || cursor.misses >= LOOKAHEAD {
                     break;
                 }
@@ -509,7 +507,7 @@ impl Admission {
         free: &mut BTreeMap<String, u64>,
         short: Vec<(String, u64)>,
     ) {
-        let borrowers: Vec<String> = borrowers(book).into_iter().map(str::to_string).collect();
+        let borrowers: Vec<String> = book.borrowers().cloned().collect();
         for (gpu_type, mut missing) in short {
             // The borrowers' running jobs on this type: lowest priority
             // first, then the most recently placed.
@@ -566,14 +564,15 @@ impl Admission {
         }
     }
 
-    /// Holds `plan` to the quotas, as `apply` will: reclaimed jobs leave
+    /// Holds `plan` to the quotas, as `apply` will, and returns its
+    /// changes ([`Plan::changes`]) once it holds: reclaimed jobs leave
     /// it; then, in job order, a placement that makes its queue hold more
     /// than it may is cut to the most whole workers (at least the job's
     /// minimum) that fit, or else the job keeps what it holds (a waiting
     /// job stays out). A pair is kept or dropped whole.
-    pub fn fit(&self, state: &ClusterState, plan: &mut Plan) {
+    pub fn fit(&self, state: &ClusterState, plan: &mut Plan) -> Vec<JobPlacement> {
         if !self.active {
-            return;
+            return plan.changes(state);
         }
         for id in self.reclaimed.keys() {
             plan.placements.remove(id);
@@ -586,15 +585,20 @@ impl Admission {
         // take (a hold kept is not given back): check again until a pass
         // changes nothing, which is the pass `apply` makes. Each pass that
         // changes something removes a change, so this ends.
-        while self.fit_once(state, plan) {}
+        loop {
+            if let Some(changes) = self.fit_once(state, plan) {
+                return changes;
+            }
+        }
     }
 
-    /// One pass of [`Admission::fit`]: whether it changed `plan`.
-    fn fit_once(&self, state: &ClusterState, plan: &mut Plan) -> bool {
-        let Some(mut book) = state.quota_book() else {
-            return false;
-        };
+    /// One pass of [`Admission::fit`]: `None` when it changed `plan`,
+    /// else the plan's changes (which hold to the quotas).
+    fn fit_once(&self, state: &ClusterState, plan: &mut Plan) -> Option<Vec<JobPlacement>> {
         let changes = plan.changes(state);
+        let Some(mut book) = state.quota_book() else {
+            return Some(changes);
+        };
         // (job, its queue, what it holds by type, its planned GPUs)
         type Growth<'s> = (JobId, &'s str, BTreeMap<String, u32>, Vec<GpuRef>);
         let mut growing: Vec<Growth<'_>> = Vec::new();
@@ -657,7 +661,9 @@ impl Admission {
                 }
             }
         }
-        let changed = cut || !dropped.is_empty();
+        if !cut && dropped.is_empty() {
+            return Some(changes);
+        }
         for job_id in dropped {
             let current = state
                 .job(job_id)
@@ -676,7 +682,7 @@ impl Admission {
                 plan.placements.remove(&partner);
             }
         }
-        changed
+        None
     }
 }
 
@@ -685,46 +691,34 @@ impl Admission {
 /// than it borrows of it.
 fn reclaim_potential(state: &ClusterState, book: &QuotaBook) -> BTreeMap<String, u64> {
     let mut potential: BTreeMap<String, u64> = BTreeMap::new();
-    for queue in borrowers(book) {
-        let mut held: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-        for (_, holding) in state.holdings_in_queue(queue) {
-            if !holding.preemptible {
-                continue;
-            }
-            for (t, n) in &holding.by_type {
-                held.entry(t.as_str()).or_default().push(*n);
-            }
-        }
-        for (t, sizes) in held {
+    for queue in book.borrowers() {
+        for (t, sizes) in state.preemptible_sizes_in_queue(queue) {
             let borrowed = u64::from(book.borrowed(queue, t));
             if borrowed > 0 {
-                *potential.entry(t.to_string()).or_default() += smallest_within(sizes, borrowed);
+                *potential.entry(t.clone()).or_default() += smallest_within(sizes, borrowed);
             }
         }
     }
     potential
 }
 
-/// The most of `sizes`, smallest first, that add up to no more than
-/// `limit`.
-fn smallest_within(mut sizes: Vec<u32>, limit: u64) -> u64 {
-    sizes.sort_unstable();
+/// The most of the jobs' holdings (`sizes`: size to how many jobs hold
+/// it), smallest first, that add up to no more than `limit`.
+fn smallest_within(sizes: &BTreeMap<u32, u32>, limit: u64) -> u64 {
     let mut freed = 0u64;
-    for n in sizes {
-        if freed + u64::from(n) > limit {
+    for (size, count) in sizes {
+        let size = u64::from(*size);
+        let fit = if size == 0 {
+            u64::from(*count)
+        } else {
+            (limit - freed) / size
+        };
+        freed += size * fit.min(u64::from(*count));
+        if fit < u64::from(*count) {
             break;
         }
-        freed += u64::from(n);
     }
     freed
-}
-
-/// The queues holding more than their quota of some type.
-fn borrowers(book: &QuotaBook) -> BTreeSet<&str> {
-    book.queues()
-        .filter(|q| book.borrowed_total(q) > 0)
-        .map(String::as_str)
-        .collect()
 }
 
 /// Takes every type of `want` for `queue`, or nothing.

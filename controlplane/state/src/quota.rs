@@ -144,8 +144,11 @@ struct Names {
 #[derive(Debug, Clone, Default)]
 pub struct QuotaBook {
     names: std::sync::Arc<Names>,
-    /// By queue id, then type id (past the end: 0).
-    used: Vec<Vec<u32>>,
+    /// By queue id, then type id: queue `q`'s holding of type `t` at
+    /// `q * stride + t` (one allocation, so a round's copy is cheap).
+    used: Vec<u32>,
+    /// The types `used` has room for per queue.
+    stride: usize,
     /// By type id: `None` for a type only a quota names (no live GPU).
     books: Vec<Option<TypeBook>>,
     /// During a trial ([`QuotaBook::begin_trial`]): what each (queue,
@@ -254,7 +257,8 @@ impl QuotaBook {
             books[t] = Some(book);
         }
         let mut book = QuotaBook {
-            used: vec![Vec::new(); names.terms.len()],
+            used: vec![0; names.terms.len() * names.types.len()],
+            stride: names.types.len(),
             names: std::sync::Arc::new(names),
             books,
             trial: None,
@@ -276,11 +280,10 @@ impl QuotaBook {
     }
 
     fn used_at(&self, q: usize, t: usize) -> u32 {
-        self.used
-            .get(q)
-            .and_then(|row| row.get(t))
-            .copied()
-            .unwrap_or(0)
+        if t >= self.stride {
+            return 0;
+        }
+        self.used.get(q * self.stride + t).copied().unwrap_or(0)
     }
 
     fn quota_at(&self, q: usize, t: usize) -> u32 {
@@ -326,6 +329,27 @@ impl QuotaBook {
         (0..self.books.len())
             .filter(|t| self.books[*t].is_some())
             .map(|t| u64::from(self.used_at(q, t).saturating_sub(self.quota_at(q, t))))
+            .sum()
+    }
+
+    /// The queues holding more than their quota of some live type, by
+    /// name.
+    pub fn borrowers(&self) -> impl Iterator<Item = &String> + '_ {
+        self.names.queue_ids.iter().filter_map(|(name, q)| {
+            (0..self.books.len())
+                .any(|t| self.books[t].is_some() && self.used_at(*q, t) > self.quota_at(*q, t))
+                .then_some(name)
+        })
+    }
+
+    /// Queue `queue`'s unused quota, all live types together.
+    pub fn unused_total(&self, queue: &str) -> u64 {
+        let Some(q) = self.queue_id(queue) else {
+            return 0;
+        };
+        (0..self.books.len())
+            .filter(|t| self.books[*t].is_some())
+            .map(|t| u64::from(self.quota_at(q, t).saturating_sub(self.used_at(q, t))))
             .sum()
     }
 
@@ -493,7 +517,7 @@ impl QuotaBook {
                     weight: 1,
                     ..Terms::default()
                 });
-                self.used.push(Vec::new());
+                self.used.resize(self.used.len() + self.stride, 0);
                 q
             }
         };
@@ -506,6 +530,18 @@ impl QuotaBook {
                 names.type_ids.insert(gpu_type.to_string(), t);
                 names.types.push(gpu_type.to_string());
                 self.books.push(None);
+                // Room for the new type in every queue's row (the stride
+                // is always the number of types).
+                let queues = names.terms.len();
+                let (old, stride) = (self.stride, self.stride + 1);
+                let mut used = vec![0; queues * stride];
+                for q in 0..queues {
+                    if let Some(row) = self.used.get(q * old..(q + 1) * old) {
+                        used[q * stride..q * stride + old].copy_from_slice(row);
+                    }
+                }
+                self.used = used;
+                self.stride = stride;
                 t
             }
         };
@@ -554,13 +590,13 @@ impl QuotaBook {
                 book.pool_used = book.pool_used - old_over + new_over;
             }
         }
-        let Some(row) = self.used.get_mut(q) else {
-            return;
-        };
-        if row.len() <= t {
-            row.resize(t + 1, 0);
+        if let Some(slot) = self
+            .used
+            .get_mut(q * self.stride + t)
+            .filter(|_| t < self.stride)
+        {
+            *slot = new;
         }
-        row[t] = new;
     }
 
     /// The book by names, for [`PartialEq`].
@@ -600,7 +636,8 @@ impl QuotaBook {
             .collect();
         let mut used = BTreeMap::new();
         for (name, q) in &names.queue_ids {
-            for (t, n) in self.used.get(*q).into_iter().flatten().enumerate() {
+            let row = self.used.get(q * self.stride..(q + 1) * self.stride);
+            for (t, n) in row.into_iter().flatten().enumerate() {
                 if *n > 0 {
                     used.insert((name.as_str(), type_name(t)), *n);
                 }
@@ -770,6 +807,32 @@ mod tests {
             }
         }
         assert_eq!(rebuilt.borrowed_total("a"), 3);
+    }
+
+    /// A queue or a type the book did not know, once held, gets its own
+    /// counters beside the others' (which keep theirs).
+    #[test]
+    fn a_queue_or_type_first_met_when_held_is_added_beside_the_others() {
+        let q = queues(&[("a", QueueSpec::with_quota(types(&[("v100", 2)])))]);
+        let mut stepped = book_of(&q, &[("v100", 4)]);
+        stepped.force("a", "v100", 2);
+        stepped.force("a", "k80", 3);
+        stepped.force("x", "v100", 1);
+        stepped.force("x", "t4", 5);
+        assert_eq!(stepped.used("a", "v100"), 2);
+        assert_eq!(stepped.used("a", "k80"), 3);
+        assert_eq!(stepped.used("x", "v100"), 1);
+        assert_eq!(stepped.used("x", "t4"), 5);
+        assert_eq!(stepped.used("x", "k80"), 0);
+        assert_eq!(stepped.borrowed("a", "k80"), 3);
+        let mut usage: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
+        usage.insert("a".into(), types(&[("v100", 2), ("k80", 3)]));
+        usage.insert("x".into(), types(&[("v100", 1), ("t4", 5)]));
+        let capacity = types(&[("v100", 4)]);
+        let rebuilt = QuotaBook::new(&q, capacity.iter().map(|(t, n)| (t, *n as usize)), &usage);
+        assert_eq!(rebuilt, stepped);
+        stepped.give_back("x", "t4", 5);
+        assert_ne!(rebuilt, stepped);
     }
 
     /// `apply` holds every decision to the same book: a placement beyond

@@ -227,6 +227,9 @@ struct JobIndexes {
     unfinished: BTreeSet<JobId>,
     /// Jobs holding an allocation.
     allocated: BTreeSet<JobId>,
+    /// Of those, the ones that may not be preempted (a round reads them
+    /// without walking every allocated job).
+    allocated_unpreemptible: BTreeSet<JobId>,
     /// Jobs with a worker recorded as running (a cancelled job's workers
     /// stay recorded until their exits are).
     with_running_workers: BTreeSet<JobId>,
@@ -320,6 +323,10 @@ impl JobIndexes {
         set(
             &mut self.allocated,
             job.is_some_and(|j| j.allocation.is_some()),
+        );
+        set(
+            &mut self.allocated_unpreemptible,
+            job.is_some_and(|j| j.allocation.is_some() && !j.spec.preemptible),
         );
         let running_workers =
             job.is_some_and(|j| j.workers.values().any(|w| w.state == WorkerState::Running));
@@ -502,6 +509,12 @@ impl ClusterState {
         self.indexed(&self.indexes.allocated)
     }
 
+    /// The jobs holding GPUs that may not be preempted
+    /// (`preemptible: false`), in submission order.
+    pub fn allocated_unpreemptible_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.allocated_unpreemptible)
+    }
+
     /// Jobs with a worker recorded as running, in submission order.
     pub fn jobs_with_running_workers(&self) -> impl Iterator<Item = &Job> + '_ {
         self.indexed(&self.indexes.with_running_workers)
@@ -674,6 +687,16 @@ impl ClusterState {
         queue: &str,
     ) -> impl Iterator<Item = (JobId, &'a Held)> + 'a {
         self.queue_index.holding_in(queue)
+    }
+
+    /// What the preemptible jobs of queue `queue` holding GPUs hold, by
+    /// type: each size (GPUs of that type one job holds), smallest first,
+    /// and how many jobs hold it (what reclaim could free).
+    pub fn preemptible_sizes_in_queue<'a>(
+        &'a self,
+        queue: &str,
+    ) -> impl Iterator<Item = (&'a String, &'a BTreeMap<u32, u32>)> + 'a {
+        self.queue_index.preemptible_sizes_in(queue)
     }
 
     /// The queues with jobs waiting for GPUs, by name.

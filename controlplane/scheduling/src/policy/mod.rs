@@ -222,8 +222,7 @@ pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<
         admission: &admission,
     });
     keep_unpreemptible(state, &mut plan);
-    admission.fit(state, &mut plan);
-    let placements = plan.changes(state);
+    let placements = admission.fit(state, &mut plan);
     let memory = plan.memory.filter(|m| state.policy_memory() != Some(m));
     (!placements.is_empty() || memory.is_some()).then(|| Command::DecideAllocation {
         based_on: state.last_index(),
@@ -241,10 +240,7 @@ pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<
 /// place it was keeps its own GPUs when no one else is planned there).
 /// `apply` refuses the same changes, so a plan never meets the refusal.
 pub fn keep_unpreemptible(state: &ClusterState, plan: &mut Plan) {
-    let fixed: Vec<&Job> = state
-        .allocated_jobs()
-        .filter(|j| !j.spec.preemptible)
-        .collect();
+    let fixed: Vec<&Job> = state.allocated_unpreemptible_jobs().collect();
     if fixed.is_empty() {
         return;
     }

@@ -46,6 +46,10 @@ pub(super) struct QueueIndex {
     /// The jobs holding GPUs, by queue, with what each holds (what reclaim
     /// looks through).
     holding: BTreeMap<String, BTreeMap<JobId, Held>>,
+    /// The sizes of what preemptible holding jobs hold, by queue, then
+    /// type: size to how many jobs hold that many GPUs of the type (what
+    /// reclaim could free, read without walking the jobs).
+    sizes: BTreeMap<String, BTreeMap<String, BTreeMap<u32, u32>>>,
     /// Unfinished jobs holding no GPUs, by queue, in admission order.
     waiting: BTreeMap<String, BTreeSet<(Reverse<i32>, JobId)>>,
     /// Each waiting job's priority (its queue is its spec's).
@@ -94,6 +98,7 @@ impl QueueIndex {
         let holding: Vec<JobId> = self.charges.keys().copied().collect();
         self.charges.clear();
         self.holding.clear();
+        self.sizes.clear();
         for id in holding {
             self.charge(id, jobs.get(&id), nodes);
         }
@@ -158,6 +163,16 @@ impl QueueIndex {
             .map(|(id, held)| (*id, held))
     }
 
+    /// What the preemptible jobs of `queue` hold, by type: each size (GPUs
+    /// of the type one job holds) and how many jobs hold it, smallest
+    /// first.
+    pub(super) fn preemptible_sizes_in<'a>(
+        &'a self,
+        queue: &str,
+    ) -> impl Iterator<Item = (&'a String, &'a BTreeMap<u32, u32>)> + 'a {
+        self.sizes.get(queue).into_iter().flatten()
+    }
+
     pub(super) fn queues_with_waiting(&self) -> impl Iterator<Item = &String> + '_ {
         self.waiting.keys()
     }
@@ -189,9 +204,14 @@ impl QueueIndex {
                         self.holding.remove(queue.as_ref());
                     }
                 }
-                if let (Some(held), Some(book)) = (held, &mut self.book) {
-                    for (t, n) in &held.by_type {
-                        book.give_back(&queue, t, *n);
+                if let Some(held) = held {
+                    if held.preemptible {
+                        self.forget_sizes(&queue, &held);
+                    }
+                    if let Some(book) = &mut self.book {
+                        for (t, n) in &held.by_type {
+                            book.give_back(&queue, t, *n);
+                        }
                     }
                 }
             }
@@ -208,6 +228,19 @@ impl QueueIndex {
                     book.force(queue, t, *n);
                 }
             }
+            if held.preemptible {
+                let sizes = match self.sizes.get_mut(queue) {
+                    Some(sizes) => sizes,
+                    None => self.sizes.entry(queue.to_string()).or_default(),
+                };
+                for (t, n) in &held.by_type {
+                    let by_size = match sizes.get_mut(t) {
+                        Some(by_size) => by_size,
+                        None => sizes.entry(t.clone()).or_default(),
+                    };
+                    *by_size.entry(*n).or_default() += 1;
+                }
+            }
             match self.holding.get_mut(queue) {
                 Some(jobs) => {
                     jobs.insert(id, held);
@@ -218,6 +251,29 @@ impl QueueIndex {
                 }
             }
             self.charges.insert(id, charge);
+        }
+    }
+
+    /// Takes what `held` holds out of `queue`'s sizes.
+    fn forget_sizes(&mut self, queue: &str, held: &Held) {
+        let Some(sizes) = self.sizes.get_mut(queue) else {
+            return;
+        };
+        for (t, n) in &held.by_type {
+            if let Some(by_size) = sizes.get_mut(t) {
+                if let Some(count) = by_size.get_mut(n) {
+                    *count -= 1;
+                    if *count == 0 {
+                        by_size.remove(n);
+                    }
+                }
+                if by_size.is_empty() {
+                    sizes.remove(t);
+                }
+            }
+        }
+        if sizes.is_empty() {
+            self.sizes.remove(queue);
         }
     }
 
