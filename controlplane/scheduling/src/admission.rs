@@ -32,6 +32,7 @@
 //! ordered maps only. Nothing here changes the state: reclaim is a plan's
 //! preemption, decided and logged like any other.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::placement::Placement;
@@ -570,7 +571,7 @@ impl Admission {
     /// than it may is cut to the most whole workers (at least the job's
     /// minimum) that fit, or else the job keeps what it holds (a waiting
     /// job stays out). A pair is kept or dropped whole.
-    pub fn fit(&self, state: &ClusterState, plan: &mut Plan) -> Vec<JobPlacement> {
+    pub fn fit<'a>(&self, state: &'a ClusterState, plan: &mut Plan<'a>) -> Vec<JobPlacement> {
         if !self.active {
             return plan.changes(state);
         }
@@ -594,7 +595,11 @@ impl Admission {
 
     /// One pass of [`Admission::fit`]: `None` when it changed `plan`,
     /// else the plan's changes (which hold to the quotas).
-    fn fit_once(&self, state: &ClusterState, plan: &mut Plan) -> Option<Vec<JobPlacement>> {
+    fn fit_once<'a>(
+        &self,
+        state: &'a ClusterState,
+        plan: &mut Plan<'a>,
+    ) -> Option<Vec<JobPlacement>> {
         let changes = plan.changes(state);
         let Some(mut book) = state.quota_book() else {
             return Some(changes);
@@ -650,7 +655,7 @@ impl Admission {
             match fitted {
                 Some(part) if part.len() == gpus.len() => {}
                 Some(part) => {
-                    plan.placements.insert(job_id, part);
+                    plan.placements.insert(job_id, part.into());
                     cut = true;
                 }
                 None => {
@@ -668,7 +673,7 @@ impl Admission {
             let current = state
                 .job(job_id)
                 .and_then(|j| j.allocation.as_ref())
-                .map(|a| a.gpus.clone());
+                .map(|a| Cow::Borrowed(a.gpus.as_slice()));
             match current {
                 Some(gpus) => {
                     plan.placements.insert(job_id, gpus);
@@ -708,11 +713,9 @@ fn smallest_within(sizes: &BTreeMap<u32, u32>, limit: u64) -> u64 {
     let mut freed = 0u64;
     for (size, count) in sizes {
         let size = u64::from(*size);
-        let fit = if size == 0 {
-            u64::from(*count)
-        } else {
-            (limit - freed) / size
-        };
+        let fit = (limit - freed)
+            .checked_div(size)
+            .unwrap_or(u64::from(*count));
         freed += size * fit.min(u64::from(*count));
         if fit < u64::from(*count) {
             break;

@@ -94,7 +94,7 @@ fn shrink(gpus: &[GpuRef], per_worker: u32, workers: u32) -> Vec<GpuRef> {
 /// Places `sizes` (jobs in `order`, most important first) onto the
 /// cluster's GPUs. A job whose planned size cannot be placed gets the
 /// largest smaller size (down to its minimum) that can, or none.
-pub fn place_sizes(state: &ClusterState, sizes: &Sizes, order: &[JobId]) -> Plan {
+pub fn place_sizes<'a>(state: &'a ClusterState, sizes: &Sizes, order: &[JobId]) -> Plan<'a> {
     place_sizes_of(state, |id| state.job(id), sizes, order)
 }
 
@@ -105,7 +105,7 @@ pub fn place_sizes_of<'a>(
     job: impl Fn(JobId) -> Option<&'a Job>,
     sizes: &Sizes,
     order: &[JobId],
-) -> Plan {
+) -> Plan<'a> {
     let mut free = state.free_gpus().clone();
     let mut plan = Plan::default();
     // The sized jobs in `order` (which may list many more): stop once all
@@ -132,7 +132,7 @@ pub fn place_sizes_of<'a>(
         } else {
             shrink(&a.gpus, per, *workers)
         };
-        plan.placements.insert(job.id, kept);
+        plan.placements.insert(job.id, kept.into());
     }
     // Whatever running jobs no longer keep is free for the rest.
     for job in state.allocated_jobs() {
@@ -175,10 +175,10 @@ pub fn place_sizes_of<'a>(
                     .find_map(|w| free.place_near(gpu_type, per, w, &near));
                 if let Some(extra) = extra {
                     free.remove(&extra);
-                    let mut all = kept;
+                    let mut all = kept.into_owned();
                     all.extend(extra);
                     all.sort();
-                    plan.placements.insert(job.id, all);
+                    plan.placements.insert(job.id, all.into());
                 }
             }
             None => {
@@ -187,7 +187,7 @@ pub fn place_sizes_of<'a>(
                 match placed {
                     Some(gpus) => {
                         free.remove(&gpus);
-                        plan.placements.insert(job.id, gpus);
+                        plan.placements.insert(job.id, gpus.into());
                     }
                     None => unplaced.push((job.id, *workers)),
                 }
@@ -216,7 +216,7 @@ pub fn place_sizes_of<'a>(
                     free.release(state, old);
                 }
                 free.remove(&gpus);
-                plan.placements.insert(id, gpus);
+                plan.placements.insert(id, gpus.into());
             }
             break;
         }
@@ -377,7 +377,7 @@ fn repack(
     for gpus in out.values_mut() {
         gpus.sort();
     }
-    out.retain(|id, gpus| plan.placements.get(id) != Some(gpus));
+    out.retain(|id, gpus| plan.placements.get(id).map(|p| &p[..]) != Some(&gpus[..]));
     Some(out)
 }
 
@@ -481,7 +481,7 @@ mod tests {
             })
             .count();
         assert_eq!(moved, 2);
-        let all: Vec<&GpuRef> = plan.placements.values().flatten().collect();
+        let all: Vec<&GpuRef> = plan.placements.values().flat_map(|p| p.iter()).collect();
         let distinct: BTreeSet<&GpuRef> = all.iter().copied().collect();
         assert_eq!(all.len(), distinct.len());
     }

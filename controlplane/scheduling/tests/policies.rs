@@ -110,7 +110,7 @@ proptest! {
                 if partner.is_some_and(|p| p < job_id) {
                     continue;
                 }
-                for g in gpus {
+                for g in gpus.iter() {
                     prop_assert!(seen.insert(g.clone()), "GPU {} planned twice", g);
                 }
             }

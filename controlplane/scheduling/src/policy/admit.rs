@@ -3,6 +3,7 @@
 //! running job that is no longer among the most important loses its GPUs.
 
 use crate::placement::Placement;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use keel_state::model::{Job, JobId, JobState};
@@ -14,7 +15,7 @@ use super::{Plan, SchedulingInput};
 /// current GPUs and size); a job that does not fit is passed over, not
 /// waited for; running jobs left out are preempted. Jobs in retry backoff
 /// at `now_ms` and jobs the whole cluster could not hold are skipped.
-pub(crate) fn admit_in_order(input: &SchedulingInput<'_>, order: &[JobId]) -> Plan {
+pub(crate) fn admit_in_order<'a>(input: &SchedulingInput<'a>, order: &[JobId]) -> Plan<'a> {
     let (state, now_ms) = (input.state, input.now_ms);
     let capacity = state.capacity();
     let mut budget = capacity.total();
@@ -58,7 +59,7 @@ pub(crate) fn admit_in_order(input: &SchedulingInput<'_>, order: &[JobId]) -> Pl
     // GPUs back.
     for job in admitted.iter().filter(|j| j.state == JobState::Running) {
         if let Some(a) = &job.allocation {
-            plan.placements.insert(job.id, a.gpus.clone());
+            plan.placements.insert(job.id, Cow::Borrowed(&a.gpus));
         }
     }
     let mut free = state.free_gpus().clone();
@@ -71,7 +72,7 @@ pub(crate) fn admit_in_order(input: &SchedulingInput<'_>, order: &[JobId]) -> Pl
     for job in admitted.iter().filter(|j| j.allocation.is_none()) {
         if let Some(gpus) = free.place(&job.spec, job.spec.workers.min) {
             free.remove(&gpus);
-            plan.placements.insert(job.id, gpus);
+            plan.placements.insert(job.id, gpus.into());
         }
     }
     plan

@@ -30,7 +30,7 @@ impl Policy for AfsL {
         Some(srjf::rank(input))
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let jobs = candidates_in(input, srjf::rank(input));
         // Speeds by job and worker count, worked out when first needed.
         let mut perf: Vec<Option<JobPerf<'_>>> = vec![None; jobs.len()];

@@ -17,7 +17,7 @@ impl Policy for Drf {
         "drf"
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let jobs = candidates(input);
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         // Highest gain = smallest share (GPUs held), ties: earlier job.

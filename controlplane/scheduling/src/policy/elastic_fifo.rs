@@ -17,7 +17,7 @@ impl Policy for ElasticFifo {
         "elastic_fifo"
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let jobs = candidates(input);
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         round_robin(&jobs, &mut sizes, left);

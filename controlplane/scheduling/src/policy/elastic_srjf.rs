@@ -22,7 +22,7 @@ impl Policy for ElasticSrjf {
         Some(srjf::rank(input))
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let jobs = candidates_in(input, srjf::rank(input));
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         round_robin(&jobs, &mut sizes, left);

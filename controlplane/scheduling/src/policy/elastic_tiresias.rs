@@ -38,7 +38,7 @@ impl Policy for ElasticTiresias {
         Some(self.ranking.rank(input))
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let jobs = candidates_in(input, self.ranking.rank(input));
         let (mut sizes, left) = minimums(&jobs, budget(input.state));
         // Models are fitted for the jobs that can grow, when first asked.

@@ -18,7 +18,7 @@ impl Policy for FfdlOptimizer {
         "ffdl_optimizer"
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let jobs = candidates(input);
         let (mut sizes, spare) = minimums(&jobs, budget(input.state));
         // Only jobs that can grow take part in the programme.

@@ -10,6 +10,7 @@
 //! retry backoff.
 
 use crate::placement::Placement;
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 
 use keel_state::model::JobState;
@@ -32,14 +33,14 @@ impl Policy for Fifo {
         "fifo"
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let state = input.state;
         let mut plan = Plan::default();
         let mut free = input.free_gpus();
         let capacity = state.capacity();
         for job in input.allocated_jobs() {
             if let Some(a) = &job.allocation {
-                plan.placements.insert(job.id, a.gpus.clone());
+                plan.placements.insert(job.id, Cow::Borrowed(&a.gpus));
             }
         }
         // Shapes (GPUs per worker, minimum workers, allowed types) that did
@@ -86,7 +87,7 @@ impl Policy for Fifo {
             match fits {
                 Some(gpus) => {
                     free.remove(&gpus);
-                    plan.placements.insert(*job_id, gpus);
+                    plan.placements.insert(*job_id, gpus.into());
                 }
                 None if capacity.place(spec, spec.workers.min).is_none() => {
                     // Can never run here; do not hold the queue up for it.

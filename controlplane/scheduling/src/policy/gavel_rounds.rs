@@ -599,14 +599,14 @@ impl GavelRounds {
 /// The current round's plan for the jobs still unfinished and not waiting
 /// out a retry backoff. A pair whose partner left runs on alone until the
 /// next round.
-fn round_plan(rounds: &Rounds, state: &ClusterState, now_ms: u64) -> Plan {
+fn round_plan(rounds: &Rounds, state: &ClusterState, now_ms: u64) -> Plan<'static> {
     let mut plan = Plan::default();
     for (job_id, gpus) in &rounds.plan {
         if state
             .job(*job_id)
             .is_some_and(|j| !j.state.is_terminal() && !j.backing_off(now_ms))
         {
-            plan.placements.insert(*job_id, gpus.clone());
+            plan.placements.insert(*job_id, gpus.clone().into());
         }
     }
     for (a, b) in &rounds.partners {
@@ -646,7 +646,7 @@ impl Policy for GavelRounds {
     /// Between round boundaries: the current round's plan, from the memory
     /// the state holds. At a boundary (or with no usable memory): the next
     /// round's plan, with the memory after it to log.
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let state = input.state;
         let layout = Layout::of(state);
         let mut guard = self.logged(state);

@@ -21,6 +21,7 @@ mod sizing;
 mod srjf;
 mod tiresias;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 pub use afs_l::AfsL;
@@ -121,8 +122,10 @@ impl<'a> SchedulingInput<'a> {
 /// The GPUs every job should hold after this round. A job that is not in the
 /// plan should hold none.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan {
-    pub placements: BTreeMap<JobId, Vec<GpuRef>>,
+pub struct Plan<'a> {
+    /// Each job's GPUs: borrowed from the state where the job keeps what
+    /// it holds (a round copies no allocation it does not change).
+    pub placements: BTreeMap<JobId, Cow<'a, [GpuRef]>>,
     /// Space sharing: each job of a pair, mapped to the other (both
     /// directions). Both are in `placements` with the same GPUs.
     pub partners: BTreeMap<JobId, JobId>,
@@ -132,7 +135,7 @@ pub struct Plan {
     pub memory: Option<PolicyMemory>,
 }
 
-impl Plan {
+impl Plan<'_> {
     /// The placements that differ from the state's current allocations:
     /// jobs that gain, change or lose GPUs. Empty when the plan is what the
     /// cluster already runs (then nothing is proposed).
@@ -164,7 +167,7 @@ impl Plan {
                 .map(|a| (a.gpus.as_slice(), a.shared_with));
             let partner = self.partners.get(&job_id).copied();
             match (current, plan) {
-                (Some(now), Some(planned)) if now == (planned.as_slice(), partner) => {}
+                (Some(now), Some(planned)) if now == (&planned[..], partner) => {}
                 (None, None) => {}
                 (Some(_), None) => out.push(JobPlacement::alone(job_id, Vec::new())),
                 (_, Some(planned)) => {
@@ -173,7 +176,7 @@ impl Plan {
                     }
                     out.push(JobPlacement {
                         job_id,
-                        gpus: planned.clone(),
+                        gpus: planned.to_vec(),
                         share_with: partner.filter(|_| !planned.is_empty()),
                     })
                 }
@@ -188,7 +191,7 @@ impl Plan {
 pub trait Policy: std::fmt::Debug + Send + Sync {
     /// The name used in configuration and recorded in every decision.
     fn name(&self) -> &'static str;
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan;
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a>;
     /// What the policy counts for operators (empty for most), from its
     /// memory in `state`: read after each plan and shown by `keel cluster
     /// status`.
@@ -239,7 +242,7 @@ pub fn decide(policy: &dyn Policy, state: &ClusterState, now_ms: u64) -> Option<
 /// a placement planned on their GPUs is dropped (a running job whose
 /// place it was keeps its own GPUs when no one else is planned there).
 /// `apply` refuses the same changes, so a plan never meets the refusal.
-pub fn keep_unpreemptible(state: &ClusterState, plan: &mut Plan) {
+pub fn keep_unpreemptible<'a>(state: &'a ClusterState, plan: &mut Plan<'a>) {
     let fixed: Vec<&Job> = state.allocated_unpreemptible_jobs().collect();
     if fixed.is_empty() {
         return;
@@ -252,11 +255,11 @@ pub fn keep_unpreemptible(state: &ClusterState, plan: &mut Plan) {
             held.insert(g, job.id);
         }
         kept.push(job.id);
-        plan.placements.insert(job.id, a.gpus.clone());
+        plan.placements.insert(job.id, Cow::Borrowed(&a.gpus));
         plan.partners.remove(&job.id);
         if let Some(partner) = a.shared_with {
             kept.push(partner);
-            plan.placements.insert(partner, a.gpus.clone());
+            plan.placements.insert(partner, Cow::Borrowed(&a.gpus));
             plan.partners.insert(job.id, partner);
             plan.partners.insert(partner, job.id);
         }
@@ -280,7 +283,7 @@ pub fn keep_unpreemptible(state: &ClusterState, plan: &mut Plan) {
                 .iter()
                 .all(|g| !held.contains_key(g) && !plan.placements.values().any(|p| p.contains(g)));
             if free && a.shared_with.is_none() {
-                plan.placements.insert(id, a.gpus.clone());
+                plan.placements.insert(id, Cow::Borrowed(&a.gpus));
             }
         }
     }

@@ -23,7 +23,7 @@ impl Policy for Optimus {
         "optimus"
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let jobs = candidates(input);
         let total = budget(input.state);
         let (mut sizes, left) = minimums(&jobs, total);

@@ -177,7 +177,7 @@ pub(crate) fn greedy<'a>(
 }
 
 /// Places `sizes`, most important first as in `order`.
-pub(crate) fn plan(input: &SchedulingInput<'_>, sizes: &Sizes, order: &[&Job]) -> Plan {
+pub(crate) fn plan<'a>(input: &SchedulingInput<'a>, sizes: &Sizes, order: &[&Job]) -> Plan<'a> {
     let ids: Vec<JobId> = order.iter().map(|j| j.id).collect();
     place_sizes_of(input.state, |id| input.job(id), sizes, &ids)
 }

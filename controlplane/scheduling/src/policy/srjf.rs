@@ -52,7 +52,7 @@ impl Policy for Srjf {
         "srjf"
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let order = rank(input);
         admit_in_order(input, &order)
     }

@@ -77,7 +77,7 @@ impl Policy for Tiresias {
         "tiresias"
     }
 
-    fn plan(&self, input: &SchedulingInput<'_>) -> Plan {
+    fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
         let order = self.rank(input);
         admit_in_order(input, &order)
     }
