@@ -13,7 +13,6 @@
 //! [`ClusterState::check_invariants`](super::ClusterState::check_invariants)
 //! proves the kept index equals one built afresh.
 
-use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -22,10 +21,12 @@ use crate::model::{Job, JobId, Node};
 use crate::queue::Queues;
 use crate::quota::{queue_of, QuotaBook};
 
-/// The allocation a holding job is charged for (its queue is its spec's).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// The allocation a holding job is charged for, and its queue's number
+/// (a job's queue never changes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Charge {
     epoch: u64,
+    queue: usize,
 }
 
 /// What a holding job holds of its queue's quota (what reclaim reads,
@@ -38,23 +39,59 @@ pub struct Held {
     pub preemptible: bool,
 }
 
+/// One queue's part of the index.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct QueueJobs {
+    /// Its jobs holding GPUs, with what each holds (what reclaim looks
+    /// through).
+    holding: BTreeMap<JobId, Held>,
+    /// The sizes of what its preemptible holding jobs hold, by type: size
+    /// to how many jobs hold that many GPUs of the type (what reclaim
+    /// could free, read without walking the jobs).
+    sizes: BTreeMap<String, BTreeMap<u32, u32>>,
+    /// Its unfinished jobs holding no GPUs, in admission order.
+    waiting: BTreeSet<(Reverse<i32>, JobId)>,
+}
+
+impl QueueJobs {
+    fn is_empty(&self) -> bool {
+        self.holding.is_empty() && self.sizes.is_empty() && self.waiting.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Default)]
 pub(super) struct QueueIndex {
     /// `None` while the cluster has no queue: nothing is kept.
     book: Option<QuotaBook>,
+    /// Queue names to their numbers in `queues` (given as queues are first
+    /// met, never taken back while the index lives).
+    ids: BTreeMap<String, usize>,
+    /// Queue names by number.
+    names: Vec<String>,
+    /// By queue number.
+    queues: Vec<QueueJobs>,
     charges: BTreeMap<JobId, Charge>,
-    /// The jobs holding GPUs, by queue, with what each holds (what reclaim
-    /// looks through).
-    holding: BTreeMap<String, BTreeMap<JobId, Held>>,
-    /// The sizes of what preemptible holding jobs hold, by queue, then
-    /// type: size to how many jobs hold that many GPUs of the type (what
-    /// reclaim could free, read without walking the jobs).
-    sizes: BTreeMap<String, BTreeMap<String, BTreeMap<u32, u32>>>,
-    /// Unfinished jobs holding no GPUs, by queue, in admission order.
-    waiting: BTreeMap<String, BTreeSet<(Reverse<i32>, JobId)>>,
-    /// Each waiting job's priority (its queue is its spec's).
-    waiting_key: BTreeMap<JobId, i32>,
+    /// Each waiting job's priority and queue number.
+    waiting_key: BTreeMap<JobId, (i32, usize)>,
 }
+
+/// Two indexes are equal when they hold the same by queue name (numbers
+/// are given in the order queues are met, which differs between an index
+/// kept entry by entry and one built afresh).
+impl PartialEq for QueueIndex {
+    fn eq(&self, other: &QueueIndex) -> bool {
+        self.book == other.book && self.view() == other.view()
+    }
+}
+
+impl Eq for QueueIndex {}
+
+/// An index by names: each queue's part, each job's charge and wait.
+type IndexView<'a> = (
+    BTreeMap<&'a str, &'a QueueJobs>,
+    BTreeMap<JobId, (u64, &'a str)>,
+    BTreeMap<JobId, (i32, &'a str)>,
+);
 
 impl QueueIndex {
     /// The index of `jobs` with `queues` on a cluster of `nodes` whose
@@ -97,8 +134,10 @@ impl QueueIndex {
         }
         let holding: Vec<JobId> = self.charges.keys().copied().collect();
         self.charges.clear();
-        self.holding.clear();
-        self.sizes.clear();
+        for part in &mut self.queues {
+            part.holding.clear();
+            part.sizes.clear();
+        }
         for id in holding {
             self.charge(id, jobs.get(&id), nodes);
         }
@@ -118,9 +157,13 @@ impl QueueIndex {
     /// holding jobs: the book keeps the same sums, by type, then queue).
     pub(super) fn usage(&self) -> BTreeMap<String, BTreeMap<String, u32>> {
         let mut usage: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
-        for (queue, jobs) in &self.holding {
+        for (queue, q) in &self.ids {
+            let part = &self.queues[*q];
+            if part.holding.is_empty() {
+                continue;
+            }
             let by_type = usage.entry(queue.clone()).or_default();
-            for held in jobs.values() {
+            for held in part.holding.values() {
                 for (t, n) in &held.by_type {
                     *by_type.entry(t.clone()).or_default() += n;
                 }
@@ -143,11 +186,14 @@ impl QueueIndex {
         self.book = Some(book);
     }
 
+    fn part(&self, queue: &str) -> Option<&QueueJobs> {
+        self.ids.get(queue).map(|q| &self.queues[*q])
+    }
+
     pub(super) fn waiting_in<'a>(&'a self, queue: &str) -> impl Iterator<Item = JobId> + 'a {
-        self.waiting
-            .get(queue)
+        self.part(queue)
             .into_iter()
-            .flatten()
+            .flat_map(|p| p.waiting.iter())
             .map(|(_, id)| *id)
     }
 
@@ -156,10 +202,9 @@ impl QueueIndex {
         &'a self,
         queue: &str,
     ) -> impl Iterator<Item = (JobId, &'a Held)> + 'a {
-        self.holding
-            .get(queue)
+        self.part(queue)
             .into_iter()
-            .flatten()
+            .flat_map(|p| p.holding.iter())
             .map(|(id, held)| (*id, held))
     }
 
@@ -170,11 +215,46 @@ impl QueueIndex {
         &'a self,
         queue: &str,
     ) -> impl Iterator<Item = (&'a String, &'a BTreeMap<u32, u32>)> + 'a {
-        self.sizes.get(queue).into_iter().flatten()
+        self.part(queue).into_iter().flat_map(|p| p.sizes.iter())
     }
 
+    /// The queues with waiting jobs, by name.
     pub(super) fn queues_with_waiting(&self) -> impl Iterator<Item = &String> + '_ {
-        self.waiting.keys()
+        self.ids
+            .iter()
+            .filter(|(_, q)| !self.queues[**q].waiting.is_empty())
+            .map(|(name, _)| name)
+    }
+
+    /// The number of queue `queue`, given now if it has none.
+    fn queue_number(&mut self, queue: &str) -> usize {
+        if let Some(q) = self.ids.get(queue) {
+            return *q;
+        }
+        let q = self.queues.len();
+        self.ids.insert(queue.to_string(), q);
+        self.names.push(queue.to_string());
+        self.queues.push(QueueJobs::default());
+        q
+    }
+
+    fn view(&self) -> IndexView<'_> {
+        let names = &self.names;
+        (
+            self.ids
+                .iter()
+                .map(|(name, q)| (name.as_str(), &self.queues[*q]))
+                .filter(|(_, part)| !part.is_empty())
+                .collect(),
+            self.charges
+                .iter()
+                .map(|(id, c)| (*id, (c.epoch, names[c.queue].as_str())))
+                .collect(),
+            self.waiting_key
+                .iter()
+                .map(|(id, (p, q))| (*id, (*p, names[*q].as_str())))
+                .collect(),
+        )
     }
 
     /// Moves `id`'s charge to what `job` holds now.
@@ -185,40 +265,22 @@ impl QueueIndex {
             (None, None) => return,
             _ => {}
         }
-        if self.charges.remove(&id).is_some() {
-            // A job's queue never changes; a job no longer there (removed)
-            // is looked for in every queue.
-            let queue: Option<Cow<'_, str>> = match job {
-                Some(j) => Some(Cow::Borrowed(queue_of(&j.spec.queue))),
-                None => self
-                    .holding
-                    .iter()
-                    .find(|(_, jobs)| jobs.contains_key(&id))
-                    .map(|(q, _)| Cow::Owned(q.clone())),
-            };
-            if let Some(queue) = queue {
-                let mut held = None;
-                if let Some(jobs) = self.holding.get_mut(queue.as_ref()) {
-                    held = jobs.remove(&id);
-                    if jobs.is_empty() {
-                        self.holding.remove(queue.as_ref());
-                    }
+        if let Some(old) = self.charges.remove(&id) {
+            let q = old.queue;
+            if let Some(held) = self.queues[q].holding.remove(&id) {
+                if held.preemptible {
+                    forget_sizes(&mut self.queues[q].sizes, &held);
                 }
-                if let Some(held) = held {
-                    if held.preemptible {
-                        self.forget_sizes(&queue, &held);
-                    }
-                    if let Some(book) = &mut self.book {
-                        for (t, n) in &held.by_type {
-                            book.give_back(&queue, t, *n);
-                        }
+                if let Some(book) = &mut self.book {
+                    for (t, n) in &held.by_type {
+                        book.give_back(&self.names[q], t, *n);
                     }
                 }
             }
         }
         if let Some((job, a)) = alloc {
-            let charge = Charge { epoch: a.epoch };
             let queue = queue_of(&job.spec.queue);
+            let q = self.queue_number(queue);
             let held = Held {
                 by_type: super::gpus_by_type(nodes, &a.gpus),
                 preemptible: job.spec.preemptible,
@@ -228,52 +290,24 @@ impl QueueIndex {
                     book.force(queue, t, *n);
                 }
             }
+            let part = &mut self.queues[q];
             if held.preemptible {
-                let sizes = match self.sizes.get_mut(queue) {
-                    Some(sizes) => sizes,
-                    None => self.sizes.entry(queue.to_string()).or_default(),
-                };
                 for (t, n) in &held.by_type {
-                    let by_size = match sizes.get_mut(t) {
+                    let by_size = match part.sizes.get_mut(t) {
                         Some(by_size) => by_size,
-                        None => sizes.entry(t.clone()).or_default(),
+                        None => part.sizes.entry(t.clone()).or_default(),
                     };
                     *by_size.entry(*n).or_default() += 1;
                 }
             }
-            match self.holding.get_mut(queue) {
-                Some(jobs) => {
-                    jobs.insert(id, held);
-                }
-                None => {
-                    self.holding
-                        .insert(queue.to_string(), BTreeMap::from([(id, held)]));
-                }
-            }
-            self.charges.insert(id, charge);
-        }
-    }
-
-    /// Takes what `held` holds out of `queue`'s sizes.
-    fn forget_sizes(&mut self, queue: &str, held: &Held) {
-        let Some(sizes) = self.sizes.get_mut(queue) else {
-            return;
-        };
-        for (t, n) in &held.by_type {
-            if let Some(by_size) = sizes.get_mut(t) {
-                if let Some(count) = by_size.get_mut(n) {
-                    *count -= 1;
-                    if *count == 0 {
-                        by_size.remove(n);
-                    }
-                }
-                if by_size.is_empty() {
-                    sizes.remove(t);
-                }
-            }
-        }
-        if sizes.is_empty() {
-            self.sizes.remove(queue);
+            part.holding.insert(id, held);
+            self.charges.insert(
+                id,
+                Charge {
+                    epoch: a.epoch,
+                    queue: q,
+                },
+            );
         }
     }
 
@@ -282,43 +316,34 @@ impl QueueIndex {
         let waits = job.is_some_and(|j| !j.state.is_terminal() && j.allocation.is_none());
         let now = job.filter(|_| waits).map(|j| j.spec.priority);
         let before = self.waiting_key.get(&id).copied();
-        if before == now {
+        if before.map(|(p, _)| p) == now {
             return;
         }
-        if let Some(p) = before {
+        if let Some((p, q)) = before {
             self.waiting_key.remove(&id);
-            // A job's queue never changes; a job no longer there (removed)
-            // is looked for in every queue.
-            let key = (Reverse(p), id);
-            let queue: Option<Cow<'_, str>> = match job {
-                Some(j) => Some(Cow::Borrowed(queue_of(&j.spec.queue))),
-                None => self
-                    .waiting
-                    .iter()
-                    .find(|(_, set)| set.contains(&key))
-                    .map(|(q, _)| Cow::Owned(q.clone())),
-            };
-            if let Some(q) = queue {
-                if let Some(set) = self.waiting.get_mut(q.as_ref()) {
-                    set.remove(&key);
-                    if set.is_empty() {
-                        self.waiting.remove(q.as_ref());
-                    }
-                }
-            }
+            self.queues[q].waiting.remove(&(Reverse(p), id));
         }
         if let (Some(p), Some(j)) = (now, job) {
-            let q = queue_of(&j.spec.queue);
-            match self.waiting.get_mut(q) {
-                Some(set) => {
-                    set.insert((Reverse(p), id));
-                }
-                None => {
-                    self.waiting
-                        .insert(q.to_string(), BTreeSet::from([(Reverse(p), id)]));
+            let q = self.queue_number(queue_of(&j.spec.queue));
+            self.queues[q].waiting.insert((Reverse(p), id));
+            self.waiting_key.insert(id, (p, q));
+        }
+    }
+}
+
+/// Takes what `held` holds out of a queue's `sizes`.
+fn forget_sizes(sizes: &mut BTreeMap<String, BTreeMap<u32, u32>>, held: &Held) {
+    for (t, n) in &held.by_type {
+        if let Some(by_size) = sizes.get_mut(t) {
+            if let Some(count) = by_size.get_mut(n) {
+                *count -= 1;
+                if *count == 0 {
+                    by_size.remove(n);
                 }
             }
-            self.waiting_key.insert(id, p);
+            if by_size.is_empty() {
+                sizes.remove(t);
+            }
         }
     }
 }
