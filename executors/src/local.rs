@@ -183,11 +183,20 @@ fn log_name(id: &WorkerId) -> String {
 /// The kernel's start time of `pid` (clock ticks since boot), if it runs
 /// (a zombie does not).
 fn process_start_time(pid: u32) -> Option<u64> {
+    stat_start_time(pid, false)
+}
+
+/// The kernel's start time of `pid`, running or a zombie not yet waited
+/// for (`zombie_too`): a worker that ended before its launch finished
+/// still has the start time its pid file records.
+fn stat_start_time(pid: u32, zombie_too: bool) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let after_name = &stat[stat.rfind(')')? + 1..];
     let mut fields = after_name.split_whitespace();
-    if matches!(fields.next(), Some("Z") | Some("X")) {
-        return None;
+    match fields.next() {
+        Some("X") => return None,
+        Some("Z") if !zombie_too => return None,
+        _ => {}
     }
     fields.nth(18)?.parse().ok()
 }
@@ -954,7 +963,9 @@ fn write_pid_file(
     gpus: &[u32],
     cgroup: Option<PathBuf>,
 ) -> std::io::Result<()> {
-    let start = process_start_time(pid)
+    // The child is not waited for yet, so even one that already ended
+    // is a zombie whose start time reads.
+    let start = stat_start_time(pid, true)
         .ok_or_else(|| std::io::Error::other("its start time could not be read"))?;
     let record = PidFile {
         pid,
@@ -1283,6 +1294,42 @@ mod tests {
             .await
             .expect("launch reports through observe");
         assert_not_started(&exec, &l.id, "could not start").await;
+    }
+
+    /// A worker that ended before its launch wrote its pid file (a zombie
+    /// until waited for) still gets one, with its start time: its launch
+    /// is not taken for a failure (found when `true`-like workers raced
+    /// the pid file under load).
+    #[test]
+    fn a_worker_that_already_ended_still_gets_its_pid_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut child = std::process::Command::new("true").spawn().expect("spawns");
+        let pid = child.id();
+        // Ended, not waited for: a zombie.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let zombie = std::iter::from_fn(|| (std::time::Instant::now() < deadline).then_some(()))
+            .any(|()| {
+                let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .ok()
+                    .and_then(|s| {
+                        let after = s.get(s.rfind(')')? + 1..)?.to_string();
+                        after.split_whitespace().next().map(str::to_string)
+                    });
+                if state.as_deref() == Some("Z") {
+                    return true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                false
+            });
+        assert!(zombie, "the child did not end within 30 s");
+        assert_eq!(process_start_time(pid), None, "a zombie does not run");
+        let path = dir.path().join("w.pid");
+        write_pid_file(&path, pid, "n0", &[0], None).expect("written");
+        let record: PidFile =
+            serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("parses");
+        assert_eq!(record.pid, pid);
+        assert_eq!(Some(record.start), stat_start_time(pid, true));
+        let _ = child.wait();
     }
 
     /// A worker whose pid file cannot be written (a full disk; here the
