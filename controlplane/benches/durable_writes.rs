@@ -194,6 +194,7 @@ fn main() {
             request_timeout: keel::admission::REQUEST_TIMEOUT,
             max_streams_per_connection: keel::server::MAX_STREAMS_PER_CONNECTION,
             worker_umask: None,
+            http: keel::http::HttpListen::Off,
         };
         let server = Server::start(&config, system_clock()).await.expect("start");
         let addr = server.addr.to_string();

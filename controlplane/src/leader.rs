@@ -276,7 +276,17 @@ pub async fn scheduling_loop(
         // at 10,000 waiting jobs); applies wait for the read lock meanwhile.
         let (round, report) = {
             let applied = shared.read();
+            let planning = std::time::Instant::now();
             let round = engine.round(&applied.state, clock(), monotonic_ms());
+            node.metrics
+                .scheduling_round_duration
+                .observe(planning.elapsed().as_secs_f64());
+            node.metrics
+                .scheduling_rounds
+                .get_or_create(&crate::metrics::PolicyLabel {
+                    policy: engine.policy_name().to_string(),
+                })
+                .inc();
             let report = SchedulingReport {
                 policy_counters: engine.counters(&applied.state),
                 last_planned_index: applied.state.last_index(),
@@ -319,6 +329,10 @@ pub async fn scheduling_loop(
                     jobs = placements.len(),
                     "proposing an allocation"
                 );
+                node.metrics.scheduling_decisions.inc();
+                node.metrics
+                    .placement_changes
+                    .inc_by(placements.len() as u64);
             }
             if let Err(e) = proposer.propose(command).await {
                 tracing::warn!(error = %e, "allocation decision not committed");

@@ -270,6 +270,12 @@ enum Cmd {
         /// At most one progress entry per job this often, in seconds.
         #[arg(long, default_value_t = 2.0)]
         progress_interval_s: f64,
+        /// Where to serve `/metrics` (Prometheus), `/healthz` and `/readyz`,
+        /// or `off`. Without it: 127.0.0.1:7080, or a port the system picks
+        /// when that one is taken (written to DATA/http.addr). Loopback
+        /// only unless `--insecure` (the endpoint has no TLS yet).
+        #[arg(long, value_name = "ADDR|off")]
+        http_listen: Option<String>,
         #[command(flatten)]
         worker_logs: ServerLogArgs,
     },
@@ -1001,9 +1007,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
             max_streams_per_connection,
             strict_permissions,
             progress_interval_s,
+            http_listen,
             worker_logs,
         } => {
             init_tracing();
+            let http = keel::http::HttpListen::from_flag(http_listen.as_deref())
+                .map_err(anyhow::Error::msg)?;
+            if let Some(addr) = http.addr() {
+                if keel::http::check_listen(addr, insecure)? {
+                    tracing::warn!(
+                        "serving /metrics on {addr} without TLS or authentication (--insecure): \
+                         anyone who reaches it sees the cluster's jobs, queues and nodes"
+                    );
+                }
+            }
             let transport = match args.tls.files("keel server")? {
                 Some(files) => {
                     if files.cert.is_none() {
@@ -1082,6 +1099,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             }
             let request_timeout = seconds("request-timeout-s", request_timeout_s)?;
             let config = ServerConfig {
+                http,
                 acl,
                 request_timeout,
                 max_streams_per_connection,

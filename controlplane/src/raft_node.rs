@@ -325,6 +325,8 @@ pub struct RaftNode {
     pub wire_format: u32,
     /// See [`RaftSettings::transport`].
     pub transport: crate::transport::Transport,
+    /// What this replica shows on `/metrics` ([`crate::metrics`]).
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// Raft timing and compaction settings.
@@ -576,7 +578,15 @@ impl RaftNode {
                  directory is new joins as a learner first)"
             );
         }
+        let metrics = Arc::new(crate::metrics::Metrics::new().reading(
+            crate::metrics::StateCollector {
+                raft: raft.clone(),
+                state_machine: state_machine.clone(),
+                log: log.clone(),
+            },
+        ));
         Ok(RaftNode {
+            metrics,
             id: raft_id,
             strangers,
             removal,

@@ -82,6 +82,9 @@ pub struct ServerConfig {
     /// The umask the server was started with, which its local workers get
     /// back ([`crate::permissions`]); `None`: they keep the server's.
     pub worker_umask: Option<u32>,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served
+    /// ([`crate::http`]).
+    pub http: crate::http::HttpListen,
 }
 
 /// Where the Kubernetes executor finds its API server, and its settings.
@@ -172,6 +175,10 @@ pub struct Server {
     /// Where this server's local workers' logs are, and the free space
     /// below which they pause (for its nodes' note).
     logs_floor: Option<crate::node_liveness::LogsFloor>,
+    /// The HTTP endpoint's listener (`None`: off).
+    http: Option<TcpListener>,
+    /// Where it listens.
+    pub http_addr: Option<SocketAddr>,
 }
 
 impl std::fmt::Debug for Server {
@@ -215,6 +222,33 @@ impl Server {
                 addr: config.listen,
                 source,
             })?;
+        // The HTTP endpoint's address, for tools and tests likewise
+        // (`DATA/http.addr`).
+        let http = crate::http::bind(config.http)
+            .await
+            .map_err(|source| ServerError::Listen {
+                addr: config.http.addr().unwrap_or(config.listen),
+                source,
+            })?;
+        let http_addr = match &http {
+            Some(l) => Some(l.local_addr().map_err(|source| ServerError::Listen {
+                addr: config.listen,
+                source,
+            })?),
+            None => None,
+        };
+        if let Some(http_addr) = http_addr {
+            atomic_write_file::AtomicWriteFile::open(data_dir.root().join("http.addr"))
+                .and_then(|mut file| {
+                    use std::io::Write;
+                    file.write_all(http_addr.to_string().as_bytes())?;
+                    file.commit()
+                })
+                .map_err(|source| ServerError::Listen {
+                    addr: http_addr,
+                    source,
+                })?;
+        }
         let exe = std::env::current_exe().ok();
         let executor_dir = config
             .executor_dir
@@ -289,6 +323,8 @@ impl Server {
             config: config.clone(),
             executor: Arc::new(executor),
             logs_floor,
+            http,
+            http_addr,
         })
     }
 
@@ -326,6 +362,20 @@ impl Server {
             self.config.retention,
             stop_rx.clone(),
         ));
+        let following = tokio::spawn(crate::metrics::follow(
+            self.node.metrics.clone(),
+            self.node.raft.clone(),
+            self.node.state_machine.clone(),
+            stop_rx.clone(),
+        ));
+        let serving_http = self.http.map(|listener| {
+            tracing::info!(addr = ?self.http_addr, "serving /metrics, /healthz and /readyz");
+            tokio::spawn(crate::http::serve(
+                listener,
+                self.node.clone(),
+                stop_rx.clone(),
+            ))
+        });
         let reports = crate::leader::SchedulingReports::default();
         let scheduling = tokio::spawn(crate::leader::scheduling_loop(
             self.node.clone(),
@@ -369,17 +419,20 @@ impl Server {
             self.config.loops.clone(),
             stop_rx.clone(),
         ));
-        let service = crate::removal::RefuseWhenRemoved {
-            inner: crate::admission::Bounded::new(
-                crate::grpc_status::TooLargeIsResourceExhausted(
-                    KeelServer::from_arc(api)
-                        .max_decoding_message_size(MAX_REQUEST_BYTES)
-                        .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
-                ),
-                self.config.max_api_requests,
-            )
-            .with_deadline(self.config.request_timeout),
-            flag: self.node.removal.clone(),
+        let service = crate::metrics::Measured {
+            metrics: self.node.metrics.clone(),
+            inner: crate::removal::RefuseWhenRemoved {
+                inner: crate::admission::Bounded::new(
+                    crate::grpc_status::TooLargeIsResourceExhausted(
+                        KeelServer::from_arc(api)
+                            .max_decoding_message_size(MAX_REQUEST_BYTES)
+                            .max_encoding_message_size(64 * MAX_REQUEST_BYTES),
+                    ),
+                    self.config.max_api_requests,
+                )
+                .with_deadline(self.config.request_timeout),
+                flag: self.node.removal.clone(),
+            },
         };
         tracing::info!(addr = %self.addr, tls = self.node.transport.is_tls(), "serving the Keel API");
         // Accepted with Nagle off (replies are small and latency-bound),
@@ -470,6 +523,10 @@ impl Server {
             let _ = reloading.await;
         }
         let _ = clock_watch.await;
+        let _ = following.await;
+        if let Some(serving_http) = serving_http {
+            let _ = serving_http.await;
+        }
         watchdog.step("stopping Raft and flushing the log");
         let fatal = fatal.lock().ok().and_then(|mut f| f.take());
         let stopped = self.node.shutdown().await;

@@ -490,6 +490,12 @@ impl ClusterState {
         }
     }
 
+    /// Jobs ever submitted (ids are given from 1, in submission order;
+    /// removed jobs count too).
+    pub fn jobs_submitted(&self) -> u64 {
+        self.next_job_id.saturating_sub(1)
+    }
+
     pub fn jobs(&self) -> &BTreeMap<JobId, Job> {
         &self.jobs
     }

@@ -1,0 +1,240 @@
+//! The replica's HTTP endpoint (issue 24), on `--http-listen`:
+//! - `/metrics`: the figures of [`crate::metrics`], in OpenMetrics 1.0 to
+//!   a scraper that asks for it, else in Prometheus's classic text format;
+//! - `/healthz`: 200 while the process serves;
+//! - `/readyz`: 200 once this replica knows a leader and has applied every
+//!   entry it knows committed, else 503 and why (what a load balancer or a
+//!   Kubernetes readiness probe reads).
+//!
+//! Read-only: nothing here proposes, and no request reaches the state's
+//! write path. It has no TLS and no authentication yet, so it listens on
+//! loopback addresses only, unless `--insecure` ([`check_listen`]).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+
+use crate::raft_node::RaftNode;
+
+/// Where the HTTP endpoint listens unless `--http-listen` says otherwise:
+/// beside the API's default port (7070).
+pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:7080";
+
+/// Where a server's HTTP endpoint listens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpListen {
+    /// Not served (`--http-listen off`).
+    Off,
+    /// At this address, or the server does not start (`--http-listen`
+    /// given).
+    At(SocketAddr),
+    /// At this address if it is free, else at a port the system picks on
+    /// the same address (the default: a second replica on one machine
+    /// still starts; `DATA/http.addr` says where it went).
+    Preferably(SocketAddr),
+}
+
+impl HttpListen {
+    /// From `--http-listen`: `None` (not given) is the default address,
+    /// preferably; `off` turns the endpoint off.
+    pub fn from_flag(flag: Option<&str>) -> Result<HttpListen, String> {
+        match flag {
+            None => DEFAULT_HTTP_LISTEN
+                .parse()
+                .map(HttpListen::Preferably)
+                .map_err(|e| format!("{DEFAULT_HTTP_LISTEN}: {e}")),
+            Some("off") => Ok(HttpListen::Off),
+            Some(addr) => addr.parse().map(HttpListen::At).map_err(|e| {
+                format!("--http-listen {addr:?}: {e} (an address such as 127.0.0.1:7080, or off)")
+            }),
+        }
+    }
+
+    /// The address to try first.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        match self {
+            HttpListen::Off => None,
+            HttpListen::At(a) | HttpListen::Preferably(a) => Some(*a),
+        }
+    }
+}
+
+/// An HTTP address beyond this machine, refused without `--insecure`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "refusing to serve HTTP (/metrics, /readyz) on {0} without --insecure: the endpoint has no \
+     TLS and no authentication yet, and shows the cluster's jobs, queues and nodes to anyone who \
+     reaches it. Serve it on a loopback address (the default, {DEFAULT_HTTP_LISTEN}) and scrape \
+     it from this machine, or, on a network you trust, add --insecure"
+)]
+pub struct HttpExposed(pub SocketAddr);
+
+/// Whether the HTTP endpoint may listen on `listen`: loopback always, any
+/// other address only when `insecure` (`Ok(true)`: allowed but exposed).
+pub fn check_listen(listen: SocketAddr, insecure: bool) -> Result<bool, HttpExposed> {
+    if listen.ip().is_loopback() {
+        return Ok(false);
+    }
+    if insecure {
+        return Ok(true);
+    }
+    Err(HttpExposed(listen))
+}
+
+/// Binds `how`'s address (`None`: off). A preferred address that is taken
+/// gives way to a port the system picks on the same address.
+pub async fn bind(how: HttpListen) -> std::io::Result<Option<tokio::net::TcpListener>> {
+    let Some(addr) = how.addr() else {
+        return Ok(None);
+    };
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => Ok(Some(l)),
+        Err(e)
+            if e.kind() == std::io::ErrorKind::AddrInUse
+                && matches!(how, HttpListen::Preferably(_)) =>
+        {
+            let l = tokio::net::TcpListener::bind(SocketAddr::new(addr.ip(), 0)).await?;
+            tracing::warn!(
+                wanted = %addr,
+                serving = ?l.local_addr().ok(),
+                "the default HTTP address is taken (another replica on this machine?): \
+                 /metrics is served on a port the system picked; give --http-listen to choose"
+            );
+            Ok(Some(l))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// What `/metrics` answers with.
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The routes, on `node`.
+pub fn router(node: Arc<RaftNode>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(node)
+}
+
+/// What `/metrics` answers a scraper that does not ask for OpenMetrics.
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// OpenMetrics to a scraper that accepts it (Prometheus asks for it
+/// first), Prometheus's classic text format to any other (`curl`,
+/// `promtool`, older scrapers).
+async fn metrics(
+    State(node): State<Arc<RaftNode>>,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
+    let open = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let rendered = if open {
+        node.metrics.render().map(|t| (METRICS_CONTENT_TYPE, t))
+    } else {
+        node.metrics.render_text().map(|t| (TEXT_CONTENT_TYPE, t))
+    };
+    match rendered {
+        Ok((content_type, text)) => {
+            (StatusCode::OK, [(header::CONTENT_TYPE, content_type)], text).into_response()
+        }
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the metrics did not encode: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(node): State<Arc<RaftNode>>) -> impl IntoResponse {
+    match crate::metrics::readiness(&node.raft, &node.log) {
+        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        ),
+    }
+}
+
+/// Serves the routes on `listener` until `stop` turns true.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    node: Arc<RaftNode>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let served = axum::serve(listener, router(node))
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+    if let Err(e) = served {
+        tracing::error!(error = %e, "the HTTP endpoint stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flag_reads_an_address_off_or_the_default() {
+        assert_eq!(
+            HttpListen::from_flag(None),
+            Ok(HttpListen::Preferably(
+                DEFAULT_HTTP_LISTEN.parse().expect("an address")
+            ))
+        );
+        assert_eq!(HttpListen::from_flag(Some("off")), Ok(HttpListen::Off));
+        assert_eq!(
+            HttpListen::from_flag(Some("127.0.0.1:0")),
+            Ok(HttpListen::At("127.0.0.1:0".parse().expect("an address")))
+        );
+        let bad = HttpListen::from_flag(Some("metrics")).expect_err("refused");
+        assert!(
+            bad.contains("--http-listen") && bad.contains("off"),
+            "{bad}"
+        );
+    }
+
+    #[test]
+    fn beyond_loopback_only_with_insecure() {
+        let lo: SocketAddr = "127.0.0.1:7080".parse().expect("an address");
+        let any: SocketAddr = "0.0.0.0:7080".parse().expect("an address");
+        assert_eq!(check_listen(lo, false), Ok(false));
+        assert_eq!(check_listen(any, true), Ok(true));
+        let refused = check_listen(any, false).expect_err("refused");
+        assert!(refused.to_string().contains("--insecure"), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn a_taken_default_gives_way_and_a_chosen_address_does_not() {
+        let taken = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let addr = taken.local_addr().expect("an address");
+        let moved = bind(HttpListen::Preferably(addr))
+            .await
+            .expect("binds elsewhere")
+            .expect("a listener");
+        assert_ne!(moved.local_addr().expect("an address"), addr);
+        let err = bind(HttpListen::At(addr)).await.expect_err("taken");
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+        assert!(bind(HttpListen::Off)
+            .await
+            .expect("nothing to bind")
+            .is_none());
+    }
+}
