@@ -633,8 +633,37 @@ impl Collector for StateCollector {
         for (name, help, figure) in &raft {
             encode_figure(&mut encoder, name, help, figure)?;
         }
+        for (name, help, reading) in [
+            (
+                "wal_fsync_duration",
+                "Time from an append's sync request to its fdatasync's end (a sync under way waited for included)",
+                self.log.sync_latency().read(),
+            ),
+            (
+                "snapshot_duration",
+                "Time to build a snapshot: read the state, encode, save, compact the journal",
+                self.state_machine.snapshot_latency().read(),
+            ),
+        ] {
+            let metric =
+                encoder.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
+            encode_reading(metric, &reading)?;
+        }
         Ok(())
     }
+}
+
+/// A histogram the stores keep ([`keel_storage::Latency`]), as a sample.
+fn encode_reading(
+    mut metric: prometheus_client::encoding::MetricEncoder<'_>,
+    reading: &keel_storage::LatencyReading,
+) -> Result<(), std::fmt::Error> {
+    metric.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+        reading.sum_s,
+        reading.count,
+        &reading.buckets,
+        None,
+    )
 }
 
 /// What openraft and the log say of this replica.

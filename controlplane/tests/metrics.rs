@@ -164,6 +164,21 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
     );
     assert_eq!(sample(&text, "keel_raft_has_leader"), Some(1.0), "{text}");
     assert_eq!(sample(&text, "keel_raft_is_leader"), Some(1.0), "{text}");
+    // Every append so far waited for its fdatasync, and was timed.
+    assert!(
+        sample(&text, "keel_wal_fsync_duration_seconds_count").is_some_and(|n| n >= 3.0),
+        "{text}"
+    );
+    assert!(
+        sample(&text, "keel_wal_fsync_duration_seconds_bucket{le=\"+Inf\"}")
+            == sample(&text, "keel_wal_fsync_duration_seconds_count"),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "keel_snapshot_duration_seconds_count"),
+        Some(0.0),
+        "{text}"
+    );
     let applied = sample(&text, "keel_raft_applied_index").expect("applied index");
     assert!(applied >= 3.0, "{text}");
     assert_eq!(

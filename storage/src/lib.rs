@@ -27,6 +27,7 @@ mod data_dir;
 mod error;
 mod journal;
 mod journal_writer;
+mod latency;
 mod log_store;
 pub mod raft_wire;
 mod recovery;
@@ -53,6 +54,7 @@ pub mod snapshot_codec {
         snapshot_format_for_wire,
     };
 }
+pub use latency::{Latency, LatencyReading};
 pub use log_store::LogStore;
 
 /// The state store's values for Raft's own records (last applied log id,

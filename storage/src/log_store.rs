@@ -24,6 +24,8 @@ use std::path::Path;
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::latency::Latency;
+
 use keel_proto::replication as pb;
 use keel_state::codec::{decode_proposal, proposal_bytes};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
@@ -44,8 +46,9 @@ type WalVote = ((u64, u64), bool);
 
 /// What the WAL's flush worker calls back when a sync is done.
 pub(crate) enum WalCallback {
-    /// An append openraft waits on.
-    Appended(LogFlushed<TypeConfig>),
+    /// An append openraft waits on, when its sync was asked for, and
+    /// where the time to its end is counted.
+    Appended(LogFlushed<TypeConfig>, std::time::Instant, Arc<Latency>),
     /// A caller blocked until the sync is done.
     Blocking(SyncSender<io::Result<()>>),
 }
@@ -53,7 +56,7 @@ pub(crate) enum WalCallback {
 impl Debug for WalCallback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            WalCallback::Appended(_) => f.write_str("WalCallback::Appended"),
+            WalCallback::Appended(..) => f.write_str("WalCallback::Appended"),
             WalCallback::Blocking(_) => f.write_str("WalCallback::Blocking"),
         }
     }
@@ -62,7 +65,10 @@ impl Debug for WalCallback {
 impl raft_log::Callback for WalCallback {
     fn send(self, res: Result<(), io::Error>) {
         match self {
-            WalCallback::Appended(flushed) => flushed.log_io_completed(res),
+            WalCallback::Appended(flushed, asked, latency) => {
+                latency.observe(asked.elapsed());
+                flushed.log_io_completed(res);
+            }
             WalCallback::Blocking(tx) => {
                 // raft-log's own callback for a channel: a receiver that
                 // gave up is not an error.
@@ -153,6 +159,8 @@ fn io_err(subject: ErrorSubject<u64>, verb: ErrorVerb, e: io::Error) -> StorageE
 #[derive(Clone)]
 pub struct LogStore {
     wal: Arc<Mutex<RaftLog<WalTypes>>>,
+    /// How long appends waited for their `fdatasync` (`/metrics`).
+    sync_latency: Arc<Latency>,
 }
 
 impl Debug for LogStore {
@@ -177,7 +185,15 @@ impl LogStore {
         let wal = RaftLog::<WalTypes>::open(Arc::new(config))?;
         Ok(LogStore {
             wal: Arc::new(Mutex::new(wal)),
+            sync_latency: Arc::default(),
         })
+    }
+
+    /// How long appends waited from asking for their sync to its end
+    /// (queueing behind a sync under way included): etcd's
+    /// `wal_fsync_duration` for this log.
+    pub fn sync_latency(&self) -> &Latency {
+        &self.sync_latency
     }
 
     fn lock(&self) -> MutexGuard<'_, RaftLog<WalTypes>> {
@@ -369,8 +385,16 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         wal.append(records)
             .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))?;
         // openraft learns the entries are durable only once fdatasync returned.
-        wal.flush(true, Some(WalCallback::Appended(callback)))
-            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))
+        let asked = std::time::Instant::now();
+        wal.flush(
+            true,
+            Some(WalCallback::Appended(
+                callback,
+                asked,
+                self.sync_latency.clone(),
+            )),
+        )
+        .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))
     }
 
     async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {

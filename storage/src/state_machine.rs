@@ -347,6 +347,9 @@ pub struct StateMachineStore {
     /// The snapshot format written and the newest read from a leader
     /// ([`snapshot_format_for_wire`]).
     snapshot_format: Arc<std::sync::atomic::AtomicU32>,
+    /// How long building a snapshot took, state read to file saved and
+    /// journal compacted (`/metrics`).
+    snapshot_latency: Arc<crate::latency::Latency>,
 }
 
 impl StateMachineStore {
@@ -355,6 +358,12 @@ impl StateMachineStore {
     /// before format 8 did (mixed-release tests).
     pub fn use_snapshot_format(&self, format: u32) {
         self.snapshot_format.store(format, Ordering::Relaxed);
+    }
+
+    /// How long the snapshots this store built took (read, encode, save,
+    /// compact the journal).
+    pub fn snapshot_latency(&self) -> &crate::latency::Latency {
+        &self.snapshot_latency
     }
 
     /// Opens (or creates) the store in `dir` and rebuilds the state: the
@@ -419,6 +428,7 @@ impl StateMachineStore {
             writer,
             snapshot_seq: Arc::new(AtomicU64::new(0)),
             snapshot_format: Arc::new(std::sync::atomic::AtomicU32::new(SNAPSHOT_FORMAT_VERSION)),
+            snapshot_latency: Arc::default(),
         })
     }
 
@@ -604,6 +614,7 @@ pub(crate) mod meta_codec {
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let started = std::time::Instant::now();
         let (data, meta) = {
             let applied = self.shared.read();
             // Under the lock only what reads the state: the protobuf
@@ -653,6 +664,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             let merged = self.compact_journal(upto).map_err(sm_err)?;
             tracing::debug!(upto, merged, "journal compacted");
         }
+        self.snapshot_latency.observe(started.elapsed());
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),

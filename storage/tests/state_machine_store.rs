@@ -199,8 +199,13 @@ async fn journal_compaction_keeps_content_and_order() {
         "idempotent"
     );
     // A snapshot in the middle of a merged page, then reopen.
+    assert_eq!(sm.snapshot_latency().read().count, 0);
     let snap = sm.build_snapshot().await.expect("snapshot");
     assert_eq!(snap.meta.last_log_id.map(|l| l.index), Some(5_000));
+    // Timed for `/metrics`.
+    let timed = sm.snapshot_latency().read();
+    assert_eq!(timed.count, 1);
+    assert!(timed.sum_s > 0.0);
     sm.flush().expect("flush");
     drop(sm);
 
