@@ -34,6 +34,10 @@ macro_rules! each {
 }
 
 impl Executor for AnyExecutor {
+    fn kind(&self) -> &'static str {
+        each!(self, e => e.kind())
+    }
+
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
         each!(self, e => e.launch(launch).await)
     }

@@ -382,6 +382,7 @@ pub async fn reconcile_loop<E: Executor>(
         executor: executor.as_ref(),
         stop_grace: settings.stop_grace,
         confirm: true,
+        launches: Some((node.metrics.as_ref(), executor.kind())),
     };
     loop {
         tokio::select! {
@@ -532,6 +533,9 @@ pub struct Performer<'a, E: Executor, L: LogPort> {
     /// simulation's check of its own checker (which must then catch the
     /// stale leaders' launches).
     pub confirm: bool,
+    /// Where each launch is counted and timed, and the executor's name
+    /// (`None`: nowhere, as in the simulation).
+    pub launches: Option<(&'a crate::metrics::Metrics, &'static str)>,
 }
 
 impl<E: Executor, L: LogPort> std::fmt::Debug for Performer<'_, E, L> {
@@ -593,10 +597,10 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
                 }
                 Step::Stop { id } => self.executor.stop(&id, self.stop_grace).await?,
                 Step::Launch(first) => {
-                    let mut launches = vec![self.executor.launch(*first)];
+                    let mut launches = vec![self.launch(*first)];
                     while let Some(Step::Launch(_) | Step::NotOwned { .. }) = steps.peek() {
                         match steps.next() {
-                            Some(Step::Launch(l)) => launches.push(self.executor.launch(*l)),
+                            Some(Step::Launch(l)) => launches.push(self.launch(*l)),
                             Some(Step::NotOwned { id, node }) => not_owned(&id, &node),
                             _ => {}
                         }
@@ -635,6 +639,21 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
             }
         }
         Ok(Performed::All)
+    }
+}
+
+impl<E: Executor, L: LogPort> Performer<'_, E, L> {
+    /// Launches one worker, counted and timed where `launches` says.
+    async fn launch(
+        &self,
+        launch: keel_executors::contract::WorkerLaunch,
+    ) -> Result<(), ExecutorError> {
+        let started = std::time::Instant::now();
+        let launched = self.executor.launch(launch).await;
+        if let Some((metrics, executor)) = self.launches {
+            metrics.launched(executor, launched.is_ok(), started.elapsed());
+        }
+        launched
     }
 }
 

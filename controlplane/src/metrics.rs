@@ -64,6 +64,19 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// A launch's labels: the executor, and whether it started the worker.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LaunchLabels {
+    pub executor: String,
+    pub result: String,
+}
+
+/// A label set of one label, `executor`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ExecutorLabel {
+    pub executor: String,
+}
+
 /// A label set of one label, `to` (what a node became).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TransitionLabel {
@@ -92,6 +105,10 @@ pub struct Metrics {
     pub proposal_batch_entries: Histogram,
     /// Times this replica saw the leader change (a new leader, or none).
     pub leader_changes: Counter,
+    /// Worker launches this replica's executor made while it led, by
+    /// executor and result, and how long each took.
+    pub executor_launches: Family<LaunchLabels, Counter>,
+    pub executor_launch_duration: Family<ExecutorLabel, Histogram>,
     /// Applied events followed from the journal since this process
     /// started.
     pub jobs_finished: Family<OutcomeLabel, Counter>,
@@ -169,6 +186,22 @@ impl Metrics {
             "Times this replica saw its cluster's leader change",
             leader_changes.clone(),
         );
+        let executor_launches = Family::<LaunchLabels, Counter>::default();
+        registry.register(
+            "executor_launches",
+            "Worker launches by executor and result (ok, error), made while this replica led",
+            executor_launches.clone(),
+        );
+        let executor_launch_duration =
+            Family::<ExecutorLabel, Histogram>::new_with_constructor(|| {
+                Histogram::new(latency_buckets())
+            });
+        registry.register_with_unit(
+            "executor_launch_duration",
+            "Time an executor took to launch a worker (to start it, or to be refused)",
+            Unit::Seconds,
+            executor_launch_duration.clone(),
+        );
         let jobs_finished = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "jobs_finished",
@@ -220,6 +253,8 @@ impl Metrics {
             proposals,
             proposal_batch_entries,
             leader_changes,
+            executor_launches,
+            executor_launch_duration,
             jobs_finished,
             jobs_preempted,
             jobs_requeued,
@@ -281,6 +316,21 @@ impl Metrics {
                 _ => {}
             }
         }
+    }
+
+    /// Records one launch by `executor`.
+    pub fn launched(&self, executor: &str, ok: bool, took: Duration) {
+        self.executor_launches
+            .get_or_create(&LaunchLabels {
+                executor: executor.to_string(),
+                result: if ok { "ok" } else { "error" }.to_string(),
+            })
+            .inc();
+        self.executor_launch_duration
+            .get_or_create(&ExecutorLabel {
+                executor: executor.to_string(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     /// Records one API request.

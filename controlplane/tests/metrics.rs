@@ -135,7 +135,13 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
     let text = wait_for("the job running in the metrics", || {
         let (status, text) = get(&http, "/metrics").ok()?;
         assert_eq!(status, 200);
-        (sample(&text, "keel_jobs{state=\"running\"}") == Some(1.0)).then_some(text)
+        // Placed (the state), then launched (the executor, just after).
+        (sample(&text, "keel_jobs{state=\"running\"}") == Some(1.0)
+            && sample(
+                &text,
+                "keel_executor_launches_total{executor=\"local\",result=\"ok\"}",
+            ) == Some(1.0))
+        .then_some(text)
     });
     assert_eq!(
         sample(&text, "keel_gpus{gpu_type=\"v100\"}"),
@@ -206,6 +212,14 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
     );
     assert!(
         sample(&text, "keel_raft_proposals_total").is_some_and(|n| n >= 2.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "keel_executor_launch_duration_seconds_count{executor=\"local\"}"
+        ),
+        Some(1.0),
         "{text}"
     );
 

@@ -130,6 +130,9 @@ pub trait Executor: Send + Sync + 'static {
     /// heartbeat (which any client can send) never runs a command.
     fn owns(&self, node: &str) -> bool;
 
+    /// Its name in metrics and logs: `local`, `ssh`, `kubernetes`.
+    fn kind(&self) -> &'static str;
+
     /// Whether two workers of a declared pair can run on the same GPUs
     /// (space sharing). `None`: they can; `Some(why)`: they cannot, and
     /// the space-sharing policies must not run.

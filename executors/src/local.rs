@@ -994,6 +994,10 @@ fn parse_log_name(name: &str) -> Option<(u64, u32)> {
 }
 
 impl Executor for LocalExecutor {
+    fn kind(&self) -> &'static str {
+        "local"
+    }
+
     fn owns(&self, node: &str) -> bool {
         self.node_marker(node).is_some_and(|p| p.is_file())
     }

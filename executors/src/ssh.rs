@@ -412,6 +412,10 @@ impl SshExecutor {
 }
 
 impl Executor for SshExecutor {
+    fn kind(&self) -> &'static str {
+        "ssh"
+    }
+
     fn owns(&self, node: &str) -> bool {
         self.shared.hosts.contains_key(node)
     }

@@ -175,6 +175,10 @@ impl SimExecutor {
 }
 
 impl Executor for SimExecutor {
+    fn kind(&self) -> &'static str {
+        "simulated"
+    }
+
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
         if self.book.contains(&launch.id) {
             return Ok(());
@@ -466,6 +470,7 @@ pub(crate) async fn reconcile(
             executor: &executor,
             stop_grace: Duration::from_secs(1),
             confirm: !unconfirmed,
+            launches: None,
         };
         let (steps, run_passes) = engine.wake(ready_term, leads);
         let _ = performer.perform(steps).await;

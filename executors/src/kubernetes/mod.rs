@@ -1298,6 +1298,10 @@ pub const CANNOT_SHARE_GPUS: &str =
      replicas are not pinned to a device either); use a policy without space sharing";
 
 impl Executor for KubeExecutor {
+    fn kind(&self) -> &'static str {
+        "kubernetes"
+    }
+
     fn owns(&self, node: &str) -> bool {
         self.listed_nodes
             .lock()
