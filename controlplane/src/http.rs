@@ -1,6 +1,8 @@
 //! The replica's HTTP endpoint (issue 24), on `--http-listen`:
 //! - `/metrics`: the figures of [`crate::metrics`], in OpenMetrics 1.0 to
 //!   a scraper that asks for it, else in Prometheus's classic text format;
+//! - `/`: the web console ([`crate::console`]), drawn from
+//!   `/api/v1/cluster`;
 //! - `/healthz`: 200 while the process serves;
 //! - `/readyz`: 200 once this replica knows a leader and has applied every
 //!   entry it knows committed, else 503 and why (what a load balancer or a
@@ -117,6 +119,8 @@ pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.
 /// The routes, on `node`.
 pub fn router(node: Arc<RaftNode>) -> Router {
     Router::new()
+        .route("/", get(console))
+        .route("/api/v1/cluster", get(cluster))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -153,6 +157,40 @@ async fn metrics(
         )
             .into_response(),
     }
+}
+
+async fn console() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        crate::console::INDEX_HTML,
+    )
+}
+
+/// The cluster as this replica applied it ([`crate::console::view`]).
+async fn cluster(State(node): State<Arc<RaftNode>>) -> impl IntoResponse {
+    let m = node.raft.metrics().borrow().clone();
+    let raft = crate::console::RaftView {
+        member: crate::membership::show(m.id),
+        term: m.current_term,
+        leader: m.current_leader.map(crate::membership::show),
+        applied_index: m.last_applied.map_or(0, |l| l.index),
+        commit_index: node.log.committed_index().unwrap_or(0),
+        members: m
+            .membership_config
+            .membership()
+            .voter_ids()
+            .map(crate::membership::show)
+            .collect(),
+    };
+    let view = {
+        let shared = node.state_machine.shared();
+        let applied = shared.read();
+        crate::console::view(&applied.state, &raft)
+    };
+    axum::Json(view)
 }
 
 async fn healthz() -> &'static str {

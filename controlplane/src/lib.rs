@@ -28,6 +28,7 @@ pub mod api;
 pub mod authz;
 pub mod caller;
 pub mod clock;
+pub mod console;
 pub mod convert;
 pub mod executors;
 pub mod exposure;

@@ -223,6 +223,38 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
         "{text}"
     );
 
+    // The console: its page, and the job on the GPU the API says it holds.
+    let (status, page) = get(&http, "/").expect("the console");
+    assert_eq!(status, 200);
+    assert!(page.contains("<title>Keel</title>") && page.contains("/api/v1/cluster"));
+    let held = server.json(&["job", &id])["allocation"]["gpus"][0]
+        .as_str()
+        .expect("a GPU")
+        .to_string();
+    let (status, body) = get(&http, "/api/v1/cluster").expect("the cluster");
+    assert_eq!(status, 200);
+    let cluster: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let shown: Vec<String> = cluster["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .flat_map(|n| {
+            let name = n["name"].as_str().unwrap_or_default().to_string();
+            n["gpus"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|g| g["jobs"] == serde_json::json!([id.parse::<u64>().expect("an id")]))
+                .map(move |g| format!("{name}/{}", g["index"]))
+        })
+        .collect();
+    assert_eq!(shown, vec![held], "{body}");
+    assert_eq!(
+        cluster["raft"]["leader"], cluster["raft"]["member"],
+        "{body}"
+    );
+
     // A job cancelled is counted once its end is applied; a request for a
     // job that does not exist is counted with its code.
     server.cli_ok(&["cancel", &id]);
