@@ -1399,10 +1399,10 @@ fn never_fits(state: &keel_state::ClusterState, spec: &keel_state::JobSpec) -> O
 /// no fitting GPU free, retry backoff, behind its queue). Worked out once
 /// per request, and only when queues are defined; each queue's jobs in
 /// the running policy's order, as the scheduling loop takes them.
-struct AdmissionView(Option<keel_scheduling::admission::Admission>);
+pub(crate) struct AdmissionView(Option<keel_scheduling::admission::Admission>);
 
 impl AdmissionView {
-    fn of(state: &keel_state::ClusterState, default_policy: &str) -> AdmissionView {
+    pub(crate) fn of(state: &keel_state::ClusterState, default_policy: &str) -> AdmissionView {
         if state.queues().is_unset() {
             return AdmissionView(None);
         }
@@ -1432,6 +1432,22 @@ impl AdmissionView {
 }
 
 /// `why` after a job's own message (a preemption's, say), or alone.
+/// Why waiting job `job` waits, as `keel job` says it: no node could hold
+/// it, else what admission says (with queues), after its own message;
+/// `None` for a job that does not wait or has no reason to give.
+pub(crate) fn wait_message(
+    state: &keel_state::ClusterState,
+    job: &keel_state::Job,
+    admission: &AdmissionView,
+) -> Option<String> {
+    if let Some(why) = waiting(job).then(|| never_fits(state, &job.spec)).flatten() {
+        return Some(why);
+    }
+    admission
+        .why_waiting(job)
+        .map(|why| with_reason(&job.message, &why))
+}
+
 fn with_reason(message: &str, why: &str) -> String {
     if message.is_empty() {
         why.to_string()

@@ -36,8 +36,13 @@ pub struct RaftView {
 /// recently ended): the page stays small on a cluster that keeps many.
 pub const JOBS_SHOWN_MAX: usize = 1_000;
 
-/// The cluster as the page draws it.
-pub fn view(state: &ClusterState, raft: &RaftView) -> Value {
+/// The cluster as the page draws it; `why_waiting` gives a waiting job's
+/// reason (`keel job`'s).
+pub fn view(
+    state: &ClusterState,
+    raft: &RaftView,
+    why_waiting: impl Fn(&keel_state::model::Job) -> Option<String>,
+) -> Value {
     // Which jobs hold each GPU (two for a shared one).
     let mut holders: BTreeMap<(&str, u32), Vec<u64>> = BTreeMap::new();
     for job in state.allocated_jobs() {
@@ -95,7 +100,7 @@ pub fn view(state: &ClusterState, raft: &RaftView) -> Value {
                 "gpus": j.allocation.as_ref().map(|a| a.gpus.iter().map(|g| g.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
                 "shared_with": j.allocation.as_ref().and_then(|a| a.shared_with),
                 "progress": progress,
-                "message": j.message,
+                "message": why_waiting(j).unwrap_or_else(|| j.message.clone()),
             })
         })
         .collect();
@@ -172,7 +177,9 @@ mod tests {
                 },
             ],
         );
-        let v = view(&c.state, &RaftView::default());
+        let v = view(&c.state, &RaftView::default(), |j| {
+            (j.id == b).then(|| "waiting: the test's reason".to_string())
+        });
         let gpu = |node: usize, index: usize| v["nodes"][node]["gpus"][index]["jobs"].clone();
         assert_eq!(gpu(0, 1), json!([a]));
         assert_eq!(gpu(1, 0), json!([a]));
@@ -184,6 +191,7 @@ mod tests {
         let job_b = jobs.iter().find(|j| j["id"] == json!(b)).expect("b shown");
         assert_eq!(job_b["state"], "pending");
         assert_eq!(job_b["queue"], "default");
+        assert_eq!(job_b["message"], "waiting: the test's reason");
         assert_eq!(v["queues"][0]["pending"], json!(1));
         assert_eq!(v["queues"][0]["admitted"], json!(1));
         // Nothing of what a job runs.

@@ -116,15 +116,23 @@ pub async fn bind(how: HttpListen) -> std::io::Result<Option<tokio::net::TcpList
 /// What `/metrics` answers with.
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// The routes, on `node`.
-pub fn router(node: Arc<RaftNode>) -> Router {
+/// What the routes read: the replica, and the policy it runs when the log
+/// names none (admission's order, for why a job waits).
+#[derive(Debug, Clone)]
+pub struct Http {
+    pub node: Arc<RaftNode>,
+    pub default_policy: &'static str,
+}
+
+/// The routes, on `http`.
+pub fn router(http: Http) -> Router {
     Router::new()
         .route("/", get(console))
         .route("/api/v1/cluster", get(cluster))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(node)
+        .with_state(http)
 }
 
 /// What `/metrics` answers a scraper that does not ask for OpenMetrics.
@@ -133,10 +141,8 @@ pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// OpenMetrics to a scraper that accepts it (Prometheus asks for it
 /// first), Prometheus's classic text format to any other (`curl`,
 /// `promtool`, older scrapers).
-async fn metrics(
-    State(node): State<Arc<RaftNode>>,
-    headers: axum::http::HeaderMap,
-) -> impl IntoResponse {
+async fn metrics(State(http): State<Http>, headers: axum::http::HeaderMap) -> impl IntoResponse {
+    let node = &http.node;
     let open = headers
         .get_all(header::ACCEPT)
         .iter()
@@ -170,7 +176,8 @@ async fn console() -> impl IntoResponse {
 }
 
 /// The cluster as this replica applied it ([`crate::console::view`]).
-async fn cluster(State(node): State<Arc<RaftNode>>) -> impl IntoResponse {
+async fn cluster(State(http): State<Http>) -> impl IntoResponse {
+    let node = &http.node;
     let m = node.raft.metrics().borrow().clone();
     let raft = crate::console::RaftView {
         member: crate::membership::show(m.id),
@@ -188,7 +195,10 @@ async fn cluster(State(node): State<Arc<RaftNode>>) -> impl IntoResponse {
     let view = {
         let shared = node.state_machine.shared();
         let applied = shared.read();
-        crate::console::view(&applied.state, &raft)
+        let admission = crate::api::AdmissionView::of(&applied.state, http.default_policy);
+        crate::console::view(&applied.state, &raft, |job| {
+            crate::api::wait_message(&applied.state, job, &admission)
+        })
     };
     axum::Json(view)
 }
@@ -197,8 +207,8 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(node): State<Arc<RaftNode>>) -> impl IntoResponse {
-    match crate::metrics::readiness(&node.raft, &node.log) {
+async fn readyz(State(http): State<Http>) -> impl IntoResponse {
+    match crate::metrics::readiness(&http.node.raft, &http.node.log) {
         Ok(()) => (StatusCode::OK, "ready\n".to_string()),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -210,10 +220,10 @@ async fn readyz(State(node): State<Arc<RaftNode>>) -> impl IntoResponse {
 /// Serves the routes on `listener` until `stop` turns true.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    node: Arc<RaftNode>,
+    http: Http,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let served = axum::serve(listener, router(node))
+    let served = axum::serve(listener, router(http))
         .with_graceful_shutdown(async move {
             let _ = stop.wait_for(|s| *s).await;
         })

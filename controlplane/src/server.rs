@@ -372,7 +372,10 @@ impl Server {
             tracing::info!(addr = ?self.http_addr, "serving /metrics, /healthz and /readyz");
             tokio::spawn(crate::http::serve(
                 listener,
-                self.node.clone(),
+                crate::http::Http {
+                    node: self.node.clone(),
+                    default_policy: self.config.policy.name(),
+                },
                 stop_rx.clone(),
             ))
         });

@@ -326,6 +326,29 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    // The console says why a job waits, as `keel job` does.
+    let big = support::submit_spec(
+        &server,
+        dir.path(),
+        serde_json::json!({"name": "too-big", "command": ["sleep", "60"], "gpus": 4, "workers": 1}),
+    );
+    let (_, body) = get(&http, "/api/v1/cluster").expect("the cluster");
+    let cluster: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let shown = cluster["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .find(|j| j["id"].as_u64().map(|id| id.to_string()).as_deref() == Some(big.as_str()))
+        .cloned()
+        .expect("the waiting job listed");
+    let said = server.json(&["job", &big])["message"].clone();
+    assert!(
+        shown["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no node")),
+        "{shown}"
+    );
+    assert_eq!(shown["message"], said);
     server.terminate();
 }
 
