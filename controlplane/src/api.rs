@@ -37,7 +37,7 @@ pub fn system_clock() -> Clock {
 }
 
 mod acl;
-mod queues;
+pub(crate) mod queues;
 mod streams;
 pub use acl::BOOTSTRAP_TOKEN_NAME;
 pub use streams::MAX_EVENT_STREAMS_PER_CALLER;

@@ -14,7 +14,6 @@
 
 use std::collections::BTreeMap;
 
-use keel_state::model::JobState;
 use keel_state::ClusterState;
 use serde_json::{json, Value};
 
@@ -104,36 +103,23 @@ pub fn view(
             })
         })
         .collect();
+    let usage = crate::api::queues::usage_by_queue(state);
     let queues: Vec<Value> = state
         .queues()
         .all()
         .keys()
         .map(|name| {
-            let (pending, admitted) = if state.queues().is_unset() {
-                (
-                    state
-                        .unfinished_jobs()
-                        .filter(|j| j.allocation.is_none())
-                        .count(),
-                    state.allocated_jobs().count(),
-                )
-            } else {
-                (
-                    state.waiting_in_queue(name).count(),
-                    state.holdings_in_queue(name).count(),
-                )
-            };
-            json!({ "name": name, "pending": pending, "admitted": admitted })
+            let of_queue = usage.get(name.as_str());
+            json!({
+                "name": name,
+                "pending": of_queue.map_or(0, |u| u.pending_jobs),
+                "admitted": of_queue.map_or(0, |u| u.running_jobs),
+            })
         })
         .collect();
-    let counts: BTreeMap<&str, usize> = JobState::ALL
-        .iter()
-        .map(|s| {
-            (
-                s.as_str(),
-                state.jobs().values().filter(|j| j.state == *s).count(),
-            )
-        })
+    let counts: BTreeMap<&str, i64> = crate::metrics::jobs_by_state(state)
+        .into_iter()
+        .map(|(s, n)| (s.as_str(), n))
         .collect();
     json!({
         "applied_index": state.last_index(),

@@ -506,23 +506,29 @@ enum Figure {
 /// The figures of one state, by name, with their help (what the
 /// collector writes; a pure function of the state, tested without a
 /// replica).
-fn state_figures(state: &ClusterState) -> Vec<(&'static str, &'static str, Figure)> {
-    let mut by_state = [0i64; 6];
-    let mut spanning = 0i64;
+/// The jobs the state keeps, counted by state (in `JobState::ALL`'s
+/// order; the console shows the same counts).
+pub(crate) fn jobs_by_state(state: &ClusterState) -> [(JobState, i64); 6] {
+    let mut counts = JobState::ALL.map(|s| (s, 0i64));
     for job in state.jobs().values() {
-        if let Some(i) = JobState::ALL.iter().position(|s| *s == job.state) {
-            by_state[i] += 1;
-        }
-        if let Some(a) = &job.allocation {
-            let first = a.gpus.first().map(|g| &g.node);
-            if a.gpus.iter().any(|g| Some(&g.node) != first) {
-                spanning += 1;
-            }
+        if let Some((_, n)) = counts.iter_mut().find(|(s, _)| *s == job.state) {
+            *n += 1;
         }
     }
-    let jobs = JobState::ALL
-        .iter()
-        .zip(by_state)
+    counts
+}
+
+fn state_figures(state: &ClusterState) -> Vec<(&'static str, &'static str, Figure)> {
+    let spanning = state
+        .allocated_jobs()
+        .filter_map(|j| j.allocation.as_ref())
+        .filter(|a| {
+            let first = a.gpus.first().map(|g| &g.node);
+            a.gpus.iter().any(|g| Some(&g.node) != first)
+        })
+        .count() as i64;
+    let jobs = jobs_by_state(state)
+        .into_iter()
         .map(|(s, n)| (vec![("state", s.as_str().to_string())], n))
         .collect();
     let capacity = state.capacity();
@@ -578,36 +584,25 @@ fn state_figures(state: &ClusterState) -> Vec<(&'static str, &'static str, Figur
         ),
         ("nodes", "Nodes, by state", Figure::Gauge(nodes)),
     ];
-    // Queues: every queue, the default one included.
-    let queues = state.queues().all();
-    let usage = state.queue_usage();
+    // Queues: every queue, the default one included, counted as `keel
+    // queue list` counts them.
+    let usage = crate::api::queues::usage_by_queue(state);
     let mut pending = Vec::new();
     let mut holding = Vec::new();
     let mut quota = Vec::new();
     let mut used = Vec::new();
-    for (name, spec) in &queues {
-        let waiting = if state.queues().is_unset() {
-            state
-                .unfinished_jobs()
-                .filter(|j| j.allocation.is_none())
-                .count()
-        } else {
-            state.waiting_in_queue(name).count()
-        };
-        pending.push((vec![("queue", name.clone())], waiting as i64));
-        let held = if state.queues().is_unset() {
-            state.allocated_jobs().count()
-        } else {
-            state.holdings_in_queue(name).count()
-        };
-        holding.push((vec![("queue", name.clone())], held as i64));
+    for (name, spec) in &state.queues().all() {
+        let of_queue = usage.get(name.as_str());
+        let label = || vec![("queue", name.clone())];
+        pending.push((label(), of_queue.map_or(0, |u| i64::from(u.pending_jobs))));
+        holding.push((label(), of_queue.map_or(0, |u| i64::from(u.running_jobs))));
         for (t, n) in spec.quota.iter().flatten() {
             quota.push((
                 vec![("queue", name.clone()), ("gpu_type", t.clone())],
                 i64::from(*n),
             ));
         }
-        for (t, n) in usage.get(name).into_iter().flatten() {
+        for (t, n) in of_queue.into_iter().flat_map(|u| &u.used) {
             used.push((
                 vec![("queue", name.clone()), ("gpu_type", t.clone())],
                 i64::from(*n),
@@ -632,7 +627,7 @@ fn state_figures(state: &ClusterState) -> Vec<(&'static str, &'static str, Figur
         ),
         (
             "queue_used_gpus",
-            "GPUs a queue's jobs hold, by queue and type (queues exist only)",
+            "GPUs a queue's jobs hold, by queue and type",
             Figure::Gauge(used),
         ),
     ]);
@@ -817,24 +812,31 @@ pub async fn follow(
                 if upto <= seen {
                     continue;
                 }
-                // In batches, as `WatchEvents` reads them.
-                while seen < upto {
-                    match state_machine.applied_entries(seen + 1, 1024) {
-                        Ok(records) if !records.is_empty() => {
-                            for record in records.iter().filter(|r| r.index <= upto) {
-                                metrics.count_events(&record.events);
-                                seen = seen.max(record.index);
-                            }
-                            if records.last().is_some_and(|r| r.index >= upto) {
-                                seen = upto;
-                            }
-                        }
-                        Ok(_) => seen = upto,
+                // In batches of whole entries: a full batch may end inside
+                // an entry's records (a proposal's commands share its
+                // index), so its last entry is read again with the next.
+                const BATCH: usize = 4 * crate::proposer::PROPOSAL_MAX_COMMANDS;
+                loop {
+                    let records = match state_machine.applied_entries(seen + 1, BATCH) {
+                        Ok(records) => records,
                         Err(e) => {
                             tracing::debug!(error = %e, "metrics: the journal did not read");
-                            seen = upto;
+                            break;
                         }
+                    };
+                    let full = records.len() == BATCH;
+                    let last = records.last().map_or(seen, |r| r.index);
+                    let counted = if full { last - 1 } else { last };
+                    for record in records.iter().filter(|r| r.index <= counted) {
+                        metrics.count_events(&record.events);
                     }
+                    // A batch holds more records than one entry can, so a
+                    // full one always moves on; stop if it did not.
+                    if !full || counted <= seen {
+                        seen = seen.max(counted);
+                        break;
+                    }
+                    seen = counted;
                 }
             }
             changed = raft_metrics.changed() => {

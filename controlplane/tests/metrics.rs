@@ -543,3 +543,29 @@ fn prometheus_scrapes_three_replicas_and_promql_sees_the_workload() {
         "the leader's decisions"
     );
 }
+
+/// `keel server` refuses a bad `--http-listen` before it starts anything,
+/// naming the flag: an address that is not one, and an address beyond
+/// loopback without `--insecure`.
+#[test]
+fn a_bad_http_listen_is_refused_with_the_flag_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (value, says) in [
+        ("metrics-please", "--http-listen"),
+        ("0.0.0.0:0", "--insecure"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(["server", "--listen", "127.0.0.1:0", "--http-listen", value])
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .output()
+            .expect("keel server runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{value}: started");
+        assert!(stderr.contains(says), "{value}: {stderr}");
+        assert!(
+            !dir.path().join("data").join("server.addr").exists(),
+            "{value}: it served"
+        );
+    }
+}

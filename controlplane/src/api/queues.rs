@@ -30,12 +30,16 @@ fn checked_spec(
     Ok(spec)
 }
 
-/// What a queue's unfinished jobs hold and wait for.
+/// What a queue's unfinished jobs hold and wait for (`keel queue list`,
+/// the queue metrics and the console read the same).
 #[derive(Default)]
-struct Usage {
-    used: BTreeMap<String, u32>,
-    running_jobs: u32,
-    pending_jobs: u32,
+pub(crate) struct Usage {
+    /// GPUs its jobs hold, by type.
+    pub(crate) used: BTreeMap<String, u32>,
+    /// Its jobs holding GPUs.
+    pub(crate) running_jobs: u32,
+    /// Its jobs waiting for GPUs.
+    pub(crate) pending_jobs: u32,
     pending_gpus: u32,
     pending_by_type: BTreeMap<String, u32>,
 }
@@ -55,7 +59,7 @@ fn pending_key(allowed: &[String]) -> String {
 
 /// Every queue's usage, by name, from one pass over the unfinished jobs
 /// (a job naming no queue is the default queue's).
-fn usage_by_queue(state: &ClusterState) -> BTreeMap<&str, Usage> {
+pub(crate) fn usage_by_queue(state: &ClusterState) -> BTreeMap<&str, Usage> {
     let mut by_queue: BTreeMap<&str, Usage> = BTreeMap::new();
     for job in state.unfinished_jobs() {
         let name = if job.spec.queue.is_empty() {

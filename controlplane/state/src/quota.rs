@@ -321,36 +321,44 @@ impl QuotaBook {
         }
     }
 
+    /// The live types' ids (those with GPUs, so with a book).
+    fn live_types(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.books.len()).filter(|t| self.books[*t].is_some())
+    }
+
+    /// Queue number `q`'s holding beyond its quota (`over`) or its quota
+    /// left (`!over`), all live types together.
+    fn total_at(&self, q: usize, over: bool) -> u64 {
+        self.live_types()
+            .map(|t| {
+                let (used, quota) = (self.used_at(q, t), self.quota_at(q, t));
+                u64::from(if over {
+                    used.saturating_sub(quota)
+                } else {
+                    quota.saturating_sub(used)
+                })
+            })
+            .sum()
+    }
+
     /// GPUs queue `queue` holds beyond its quotas, all types together.
     pub fn borrowed_total(&self, queue: &str) -> u64 {
-        let Some(q) = self.queue_id(queue) else {
-            return 0;
-        };
-        (0..self.books.len())
-            .filter(|t| self.books[*t].is_some())
-            .map(|t| u64::from(self.used_at(q, t).saturating_sub(self.quota_at(q, t))))
-            .sum()
+        self.queue_id(queue).map_or(0, |q| self.total_at(q, true))
     }
 
     /// The queues holding more than their quota of some live type, by
     /// name.
     pub fn borrowers(&self) -> impl Iterator<Item = &String> + '_ {
-        self.names.queue_ids.iter().filter_map(|(name, q)| {
-            (0..self.books.len())
-                .any(|t| self.books[t].is_some() && self.used_at(*q, t) > self.quota_at(*q, t))
-                .then_some(name)
-        })
+        self.names
+            .queue_ids
+            .iter()
+            .filter(|(_, q)| self.total_at(**q, true) > 0)
+            .map(|(name, _)| name)
     }
 
     /// Queue `queue`'s unused quota, all live types together.
     pub fn unused_total(&self, queue: &str) -> u64 {
-        let Some(q) = self.queue_id(queue) else {
-            return 0;
-        };
-        (0..self.books.len())
-            .filter(|t| self.books[*t].is_some())
-            .map(|t| u64::from(self.quota_at(q, t).saturating_sub(self.used_at(q, t))))
-            .sum()
+        self.queue_id(queue).map_or(0, |q| self.total_at(q, false))
     }
 
     /// The GPU types the book knows (the cluster's live ones).
