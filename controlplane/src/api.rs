@@ -688,12 +688,14 @@ impl Keel for KeelApi {
                 }
                 _ = tx.closed() => return,
             }
-            let mut next = req.from_index;
+            // By (index, position): a batch may end inside an entry's
+            // records (a proposal's commands share its index).
+            let mut next = keel_storage::JournalCursor::at_index(req.from_index);
             loop {
                 // Mark the current index seen before reading, so an apply
                 // that lands after the read wakes the wait below.
                 applied_index.borrow_and_update();
-                let batch = match store.applied_entries(next, WATCH_BATCH) {
+                let batch = match store.applied_entries_at(next, WATCH_BATCH) {
                     Ok(b) => b,
                     Err(e) => {
                         let _ = tx.send(Err(Status::from(ApiError::from(e)))).await;
@@ -702,7 +704,7 @@ impl Keel for KeelApi {
                 };
                 let exhausted = batch.len() < WATCH_BATCH;
                 for record in batch {
-                    next = record.index + 1;
+                    next = keel_storage::JournalCursor::after(&record);
                     if tx.send(Ok(record)).await.is_err() {
                         return; // the client went away
                     }

@@ -800,6 +800,7 @@ pub async fn follow(
     let shared = state_machine.shared();
     let mut applied = shared.subscribe();
     let mut seen = *applied.borrow();
+    let mut next = keel_storage::JournalCursor::at_index(seen + 1);
     let mut raft_metrics = raft.metrics();
     let mut leader = raft_metrics.borrow().current_leader;
     loop {
@@ -812,32 +813,28 @@ pub async fn follow(
                 if upto <= seen {
                     continue;
                 }
-                // In batches of whole entries: a full batch may end inside
-                // an entry's records (a proposal's commands share its
-                // index), so its last entry is read again with the next.
+                // By (index, position): a batch may end inside an entry's
+                // records (a proposal's commands share its index).
                 const BATCH: usize = 4 * crate::proposer::PROPOSAL_MAX_COMMANDS;
                 loop {
-                    let records = match state_machine.applied_entries(seen + 1, BATCH) {
+                    let records = match state_machine.applied_entries_at(next, BATCH) {
                         Ok(records) => records,
                         Err(e) => {
                             tracing::debug!(error = %e, "metrics: the journal did not read");
                             break;
                         }
                     };
-                    let full = records.len() == BATCH;
-                    let last = records.last().map_or(seen, |r| r.index);
-                    let counted = if full { last - 1 } else { last };
-                    for record in records.iter().filter(|r| r.index <= counted) {
+                    for record in &records {
                         metrics.count_events(&record.events);
                     }
-                    // A batch holds more records than one entry can, so a
-                    // full one always moves on; stop if it did not.
-                    if !full || counted <= seen {
-                        seen = seen.max(counted);
+                    if let Some(last) = records.last() {
+                        next = keel_storage::JournalCursor::after(last);
+                    }
+                    if records.len() < BATCH {
                         break;
                     }
-                    seen = counted;
                 }
+                seen = upto;
             }
             changed = raft_metrics.changed() => {
                 if changed.is_err() {

@@ -139,6 +139,33 @@ pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
 }
 
 /// Key of an applied record: prefix, Raft index, position in the proposal.
+/// Where a reader of the journal stands: the next record it wants is the
+/// first at or after (`index`, `position`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct JournalCursor {
+    pub index: u64,
+    pub position: u32,
+}
+
+impl JournalCursor {
+    /// The first record of entry `index` (or of the first entry after it).
+    pub fn at_index(index: u64) -> Self {
+        Self { index, position: 0 }
+    }
+
+    /// The record right after `record`: the next of its entry, or the first
+    /// of the next entry.
+    pub fn after(record: &pb::AppliedEntry) -> Self {
+        match record.position.checked_add(1) {
+            Some(position) => Self {
+                index: record.index,
+                position,
+            },
+            None => Self::at_index(record.index.saturating_add(1)),
+        }
+    }
+}
+
 pub(crate) fn applied_key(index: u64, position: u32) -> [u8; 13] {
     let mut k = [0u8; 13];
     k[0] = PREFIX_APPLIED;
@@ -436,16 +463,29 @@ impl StateMachineStore {
         self.shared.clone()
     }
 
-    /// Up to `limit` applied-entry records from `from` on, in index order.
+    /// Up to `limit` applied-entry records from index `from` on, in order.
     pub fn applied_entries(
         &self,
         from: u64,
         limit: usize,
     ) -> Result<Vec<pb::AppliedEntry>, StoreError> {
+        self.applied_entries_at(JournalCursor::at_index(from), limit)
+    }
+
+    /// Up to `limit` applied-entry records from `from` on, in (index,
+    /// position) order. A proposal's commands share one index, so a reader
+    /// that goes on in batches resumes at [`JournalCursor::after`] its last
+    /// record, not at the next index (which would skip the rest of an entry
+    /// whose records a batch cut).
+    pub fn applied_entries_at(
+        &self,
+        from: JournalCursor,
+        limit: usize,
+    ) -> Result<Vec<pb::AppliedEntry>, StoreError> {
         let mut out = Vec::new();
         for item in self
             .tree
-            .range(applied_key(from, 0)..=applied_key(u64::MAX, u32::MAX))
+            .range(applied_key(from.index, from.position)..=applied_key(u64::MAX, u32::MAX))
             .take(limit)
         {
             let (k, v) = item?;

@@ -220,6 +220,75 @@ async fn journal_compaction_keeps_content_and_order() {
     assert_eq!(partial.state_hash, before);
 }
 
+/// A proposal's commands share its Raft index: a reader of the journal
+/// in batches smaller than a proposal resumes inside the entry, so it
+/// sees every record once (resuming at the next index skipped the rest
+/// of an entry whose records a batch cut).
+#[tokio::test]
+async fn a_journal_read_in_batches_resumes_inside_a_proposal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut sm = StateMachineStore::open(dir.path()).expect("open");
+    let commands = 700u32;
+    let big = Proposal::new(
+        (0..commands)
+            .map(|i| {
+                LogEntry::new(
+                    1_000,
+                    Command::SubmitJob {
+                        spec: spec(&format!("j{i}")),
+                    },
+                )
+            })
+            .collect(),
+    );
+    let entries = vec![
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), 1),
+            payload: EntryPayload::Normal(big),
+        },
+        normal(
+            2,
+            Command::CancelJob {
+                job_id: 1,
+                reason: "after the big one".into(),
+            },
+        ),
+    ];
+    sm.apply(entries).await.expect("apply");
+    sm.flush().expect("flush"); // the journal's writer has written it
+
+    let batch = 256;
+    let mut cursor = keel_storage::JournalCursor::at_index(0);
+    let mut seen = Vec::new();
+    loop {
+        let records = sm.applied_entries_at(cursor, batch).expect("read");
+        if let Some(last) = records.last() {
+            cursor = keel_storage::JournalCursor::after(last);
+        }
+        let done = records.len() < batch;
+        seen.extend(
+            records
+                .into_iter()
+                .map(|r| (r.index, r.position, r.command)),
+        );
+        if done {
+            break;
+        }
+    }
+    assert_eq!(seen.len(), commands as usize + 1, "every record once");
+    for (i, (index, position, command)) in seen.iter().take(commands as usize).enumerate() {
+        assert_eq!((*index, *position), (1, i as u32));
+        assert_eq!(command, "submit_job");
+    }
+    assert_eq!(seen[commands as usize], (2, 0, "cancel_job".to_string()));
+    // What a reader resuming at the next index would have missed.
+    let first = sm.applied_entries(0, batch).expect("read");
+    let skipped = sm
+        .applied_entries(first.last().expect("a record").index + 1, batch)
+        .expect("read");
+    assert_eq!(skipped.len(), 1, "the next index holds only the cancel");
+}
+
 /// A data directory at `root` whose Raft log holds `all` entries,
 /// committed, and whose journal only the first `journaled` (a replica
 /// killed before its journal writer caught up).
