@@ -40,7 +40,7 @@ use crate::policy::Plan;
 use keel_state::command::JobPlacement;
 use keel_state::model::{GpuRef, Job, JobId};
 use keel_state::quota::{queue_of, QuotaBook};
-use keel_state::state::ClusterState;
+use keel_state::state::{ClusterState, HeldGpus};
 
 /// The most jobs of one queue a round passes over without admitting them.
 pub const LOOKAHEAD: usize = 256;
@@ -512,16 +512,16 @@ impl Admission {
         for (gpu_type, mut missing) in short {
             // The borrowers' running jobs on this type: lowest priority
             // first, then the most recently placed.
-            let mut victims: Vec<(&Job, &BTreeMap<String, u32>)> = borrowers
+            let mut victims: Vec<(&Job, HeldGpus)> = borrowers
                 .iter()
                 .filter(|q| book.borrowed(q, &gpu_type) > 0)
                 .flat_map(|q| state.holdings_in_queue(q))
                 .filter(|(id, held)| {
-                    held.preemptible
-                        && held.by_type.contains_key(&gpu_type)
+                    held.preemptible()
+                        && held.of_type(&gpu_type) > 0
                         && !self.reclaimed.contains_key(id)
                 })
-                .filter_map(|(id, held)| Some((state.job(id)?, &held.by_type)))
+                .filter_map(|(id, held)| Some((state.job(id)?, held)))
                 // A job sharing its GPUs with one that may not be preempted
                 // stays with it (the pair is kept whole).
                 .filter(|(j, _)| {
@@ -545,14 +545,14 @@ impl Admission {
                     break;
                 }
                 let queue = queue_of(&job.spec.queue);
-                let held = by_type.get(&gpu_type).copied().unwrap_or(0);
+                let held = by_type.of_type(&gpu_type);
                 // Never below the borrower's own quota.
                 if book.borrowed(queue, &gpu_type) < held {
                     continue;
                 }
-                for (t, n) in by_type {
-                    book.give_back(queue, t, *n);
-                    *free.entry(t.clone()).or_default() += u64::from(*n);
+                for (t, n) in by_type.by_type() {
+                    book.give_back(queue, t, n);
+                    *free.entry(t.to_string()).or_default() += u64::from(n);
                 }
                 missing = missing.saturating_sub(u64::from(held));
                 self.reclaimed.insert(

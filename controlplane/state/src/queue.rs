@@ -239,6 +239,22 @@ impl Queues {
         all
     }
 
+    /// Every queue, the default one included, by name, borrowed (the
+    /// default one's spec made when no operator changed it).
+    pub fn each(&self) -> BTreeMap<&str, std::borrow::Cow<'_, QueueSpec>> {
+        let mut each: BTreeMap<&str, std::borrow::Cow<'_, QueueSpec>> = self
+            .queues
+            .iter()
+            .map(|(n, q)| (n.as_str(), std::borrow::Cow::Borrowed(&q.spec)))
+            .collect();
+        if !each.contains_key(DEFAULT_QUEUE) {
+            if let Some(default) = self.spec(DEFAULT_QUEUE) {
+                each.insert(DEFAULT_QUEUE, std::borrow::Cow::Owned(default));
+            }
+        }
+        each
+    }
+
     /// Makes queue `name` (validated already, see [`QueueSpec::validate`]).
     pub fn create(
         &mut self,

@@ -190,7 +190,7 @@ impl QuotaBook {
         capacity: impl IntoIterator<Item = (&'a String, usize)>,
         usage: &BTreeMap<String, BTreeMap<String, u32>>,
     ) -> QuotaBook {
-        let specs = queues.all();
+        let specs = queues.each();
         let capacity: Vec<(&String, usize)> = capacity.into_iter().collect();
         let mut names = Names::default();
         // Every type a capacity or a term names, and every cohort.
@@ -218,10 +218,13 @@ impl QuotaBook {
             v
         };
         for (name, spec) in &specs {
-            let quota = by_type(&spec.quota.clone().unwrap_or_default(), &names.type_ids)
-                .into_iter()
-                .map(|n| n.unwrap_or(0))
-                .collect();
+            let quota = match &spec.quota {
+                Some(quota) => by_type(quota, &names.type_ids)
+                    .into_iter()
+                    .map(|n| n.unwrap_or(0))
+                    .collect(),
+                None => vec![0; names.type_ids.len()],
+            };
             let terms = Terms {
                 quota,
                 cohort: spec
@@ -232,7 +235,7 @@ impl QuotaBook {
                 lend_limit: by_type(&spec.lend_limit, &names.type_ids),
                 weight: spec.weight.max(1),
             };
-            names.queue_ids.insert(name.clone(), names.terms.len());
+            names.queue_ids.insert(name.to_string(), names.terms.len());
             names.terms.push(terms);
         }
         let cohorts = names.cohorts.len();
@@ -271,22 +274,38 @@ impl QuotaBook {
         book
     }
 
-    fn queue_id(&self, queue: &str) -> Option<usize> {
+    /// The book's number for queue `queue` (what the `_at` calls take),
+    /// if it knows the queue. A number stays the queue's for the book's
+    /// life (copies included): names the book meets later get new ones.
+    pub(crate) fn queue_id(&self, queue: &str) -> Option<usize> {
         self.names.queue_ids.get(queue).copied()
     }
 
-    fn type_id(&self, gpu_type: &str) -> Option<usize> {
+    /// The book's number for `gpu_type`, as [`QuotaBook::queue_id`].
+    pub(crate) fn type_id(&self, gpu_type: &str) -> Option<usize> {
         self.names.type_ids.get(gpu_type).copied()
     }
 
-    fn used_at(&self, q: usize, t: usize) -> u32 {
+    /// [`QuotaBook::force`] by the book's numbers.
+    pub(crate) fn force_at(&mut self, q: usize, t: usize, n: u32) {
+        let used = self.used_at(q, t);
+        self.set_used_at(q, t, used.saturating_add(n));
+    }
+
+    /// [`QuotaBook::give_back`] by the book's numbers.
+    pub(crate) fn give_back_at(&mut self, q: usize, t: usize, n: u32) {
+        let used = self.used_at(q, t);
+        self.set_used_at(q, t, used.saturating_sub(n));
+    }
+
+    pub(crate) fn used_at(&self, q: usize, t: usize) -> u32 {
         if t >= self.stride {
             return 0;
         }
         self.used.get(q * self.stride + t).copied().unwrap_or(0)
     }
 
-    fn quota_at(&self, q: usize, t: usize) -> u32 {
+    pub(crate) fn quota_at(&self, q: usize, t: usize) -> u32 {
         self.names.terms.get(q).map_or(0, |terms| terms.quota(t))
     }
 
@@ -479,10 +498,7 @@ impl QuotaBook {
     /// held already, kept).
     pub fn force(&mut self, queue: &str, gpu_type: &str, n: u32) {
         match (self.queue_id(queue), self.type_id(gpu_type)) {
-            (Some(q), Some(t)) => {
-                let used = self.used_at(q, t);
-                self.set_used_at(q, t, used.saturating_add(n));
-            }
+            (Some(q), Some(t)) => self.force_at(q, t, n),
             _ => self.set_used(queue, gpu_type, n),
         }
     }
@@ -490,8 +506,7 @@ impl QuotaBook {
     /// Queue `queue` gives back `n` GPUs of `gpu_type`.
     pub fn give_back(&mut self, queue: &str, gpu_type: &str, n: u32) {
         if let (Some(q), Some(t)) = (self.queue_id(queue), self.type_id(gpu_type)) {
-            let used = self.used_at(q, t);
-            self.set_used_at(q, t, used.saturating_sub(n));
+            self.give_back_at(q, t, n);
         }
     }
 

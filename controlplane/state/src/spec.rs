@@ -325,6 +325,19 @@ fn check_len(field: &str, s: &str, limit: usize) -> Result<(), SpecError> {
     Ok(())
 }
 
+/// [`check_len`] for a field whose name is made (only when it is too
+/// long: a spec's every argument is checked on every submission).
+fn check_len_of(field: impl FnOnce() -> String, s: &str, limit: usize) -> Result<(), SpecError> {
+    if s.len() > limit {
+        return Err(SpecError::TooLong {
+            field: field(),
+            len: s.len(),
+            limit,
+        });
+    }
+    Ok(())
+}
+
 fn check_count(field: &str, count: usize, limit: usize) -> Result<(), SpecError> {
     if count > limit {
         return Err(SpecError::TooMany {
@@ -420,7 +433,7 @@ impl JobSpec {
         }
         check_count("command", self.command.len(), COMMAND_MAX_ARGS)?;
         for (i, arg) in self.command.iter().enumerate() {
-            check_len(&format!("command[{i}]"), arg, COMMAND_ARG_MAX_LEN)?;
+            check_len_of(|| format!("command[{i}]"), arg, COMMAND_ARG_MAX_LEN)?;
         }
         if self.command.first().is_some_and(String::is_empty) {
             return Err(SpecError::Invalid {
@@ -446,7 +459,7 @@ impl JobSpec {
                         .into(),
                 });
             }
-            check_len(&format!("env.{k}"), v, ENV_VALUE_MAX_LEN)?;
+            check_len_of(|| format!("env.{k}"), v, ENV_VALUE_MAX_LEN)?;
         }
         check_range("gpus", self.gpus.into(), 1, GPUS_PER_WORKER_MAX.into())?;
         check_range(

@@ -26,7 +26,7 @@ use crate::requests::{RecentRequests, Remembered};
 use crate::spec::SpecError;
 
 mod queue_index;
-pub use queue_index::Held;
+pub use queue_index::HeldGpus;
 mod snapshot;
 
 use queue_index::QueueIndex;
@@ -236,11 +236,43 @@ struct JobIndexes {
     /// (`not_before_ms`, job) of waiting jobs that carry a retry backoff,
     /// ended or not.
     backoffs: BTreeSet<(u64, JobId)>,
-    backoff_of: BTreeMap<JobId, u64>,
     /// (`finished_at_ms`, job) of ended jobs with no worker recorded as
     /// running: those a `RemoveJob` may remove, oldest first.
     removable: BTreeSet<(u64, JobId)>,
-    removable_at: BTreeMap<JobId, u64>,
+    /// Each job's place in the sets above (a job in none: absent), so an
+    /// entry that moves a job in none of them costs one lookup.
+    member_of: BTreeMap<JobId, Membership>,
+}
+
+/// Which of [`JobIndexes`]' sets hold a job, and under which key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Membership {
+    unfinished: bool,
+    allocated: bool,
+    allocated_unpreemptible: bool,
+    with_running_workers: bool,
+    backoff: Option<u64>,
+    removable: Option<u64>,
+}
+
+impl Membership {
+    fn of(job: Option<&Job>) -> Membership {
+        let Some(j) = job else {
+            return Membership::default();
+        };
+        let terminal = j.state.is_terminal();
+        let allocated = j.allocation.is_some();
+        let with_running_workers = j.workers.values().any(|w| w.state == WorkerState::Running);
+        Membership {
+            unfinished: !terminal,
+            allocated,
+            allocated_unpreemptible: allocated && !j.spec.preemptible,
+            with_running_workers,
+            backoff: j.not_before_ms.filter(|_| !terminal && !allocated),
+            removable: (terminal && !with_running_workers)
+                .then(|| j.finished_at_ms.unwrap_or(j.submitted_at_ms)),
+        }
+    }
 }
 
 /// GPUs of each type in `gpus`, the type names borrowed from `nodes` (a
@@ -299,46 +331,48 @@ impl JobIndexes {
 
     /// Puts `id` in exactly the sets that `job` (None: removed) belongs to.
     fn update(&mut self, id: JobId, job: Option<&Job>) {
-        if let Some(t) = self.backoff_of.remove(&id) {
-            self.backoffs.remove(&(t, id));
-        }
-        if let Some(t) = job
-            .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
-            .and_then(|j| j.not_before_ms)
-        {
-            self.backoffs.insert((t, id));
-            self.backoff_of.insert(id, t);
-        }
-        let set = |set: &mut BTreeSet<JobId>, member: bool| {
-            if member {
-                set.insert(id);
-            } else {
-                set.remove(&id);
+        let now = Membership::of(job);
+        let before = if now == Membership::default() {
+            self.member_of.remove(&id).unwrap_or_default()
+        } else {
+            match self.member_of.insert(id, now) {
+                Some(before) if before == now => return,
+                before => before.unwrap_or_default(),
             }
         };
-        set(
-            &mut self.unfinished,
-            job.is_some_and(|j| !j.state.is_terminal()),
-        );
-        set(
-            &mut self.allocated,
-            job.is_some_and(|j| j.allocation.is_some()),
-        );
+        let set = |set: &mut BTreeSet<JobId>, was: bool, is: bool| {
+            if was != is {
+                if is {
+                    set.insert(id);
+                } else {
+                    set.remove(&id);
+                }
+            }
+        };
+        set(&mut self.unfinished, before.unfinished, now.unfinished);
+        set(&mut self.allocated, before.allocated, now.allocated);
         set(
             &mut self.allocated_unpreemptible,
-            job.is_some_and(|j| j.allocation.is_some() && !j.spec.preemptible),
+            before.allocated_unpreemptible,
+            now.allocated_unpreemptible,
         );
-        let running_workers =
-            job.is_some_and(|j| j.workers.values().any(|w| w.state == WorkerState::Running));
-        set(&mut self.with_running_workers, running_workers);
-        if let Some(t) = self.removable_at.remove(&id) {
-            self.removable.remove(&(t, id));
-        }
-        if let Some(j) = job.filter(|j| j.state.is_terminal() && !running_workers) {
-            let t = j.finished_at_ms.unwrap_or(j.submitted_at_ms);
-            self.removable.insert((t, id));
-            self.removable_at.insert(id, t);
-        }
+        set(
+            &mut self.with_running_workers,
+            before.with_running_workers,
+            now.with_running_workers,
+        );
+        let keyed = |set: &mut BTreeSet<(u64, JobId)>, was: Option<u64>, is: Option<u64>| {
+            if was != is {
+                if let Some(t) = was {
+                    set.remove(&(t, id));
+                }
+                if let Some(t) = is {
+                    set.insert((t, id));
+                }
+            }
+        };
+        keyed(&mut self.backoffs, before.backoff, now.backoff);
+        keyed(&mut self.removable, before.removable, now.removable);
     }
 }
 
@@ -691,7 +725,7 @@ impl ClusterState {
     pub fn holdings_in_queue<'a>(
         &'a self,
         queue: &str,
-    ) -> impl Iterator<Item = (JobId, &'a Held)> + 'a {
+    ) -> impl Iterator<Item = (JobId, HeldGpus<'a>)> + 'a {
         self.queue_index.holding_in(queue)
     }
 
@@ -905,9 +939,14 @@ impl ClusterState {
                 .collect();
             touched.sort_unstable();
             touched.dedup();
+            // A worker's start changes neither a job's allocation nor
+            // whether it waits: nothing the queue index keeps.
+            let queued = !matches!(entry.command, Command::RecordWorkerStarted { .. });
             for id in touched {
                 self.indexes.update(id, self.jobs.get(&id));
-                self.queue_index.update(id, self.jobs.get(&id), &self.nodes);
+                if queued {
+                    self.queue_index.update(id, self.jobs.get(&id), &self.nodes);
+                }
             }
         }
         if matches!(
@@ -2128,42 +2167,19 @@ impl ClusterState {
         // shrinks or stays is kept, and what grows is checked in job order.
         // The book is the state's own: the pass tries the changes on it
         // and then puts it back as it was (`trial`); the index update after
-        // the entry charges what was granted.
-        if let Some(mut book) = self.queue_index.take_book() {
-            let nodes = &self.nodes;
-            // The common case first: when what the decision adds to each
-            // queue, net of what it gives back, stays within its quota,
-            // every growth is (releases come first, so each one meets a
-            // smaller hold), and nothing needs trying.
-            let mut net: Vec<(&str, &str, i64)> = Vec::new();
-            for (job_id, (gpus, _)) in &accepted {
-                let Some(job) = self.jobs.get(job_id) else {
-                    continue;
-                };
-                let queue = crate::quota::queue_of(&job.spec.queue);
-                let old = job.allocation.as_ref().map(|a| type_counts(nodes, &a.gpus));
-                let changes = old
-                    .into_iter()
-                    .flatten()
-                    .map(|(t, n)| (t, -i64::from(n)))
-                    .chain(
-                        type_counts(nodes, gpus)
-                            .into_iter()
-                            .map(|(t, n)| (t, i64::from(n))),
-                    );
-                for (t, n) in changes {
-                    match net.iter_mut().find(|(q, u, _)| *q == queue && *u == t) {
-                        Some((_, _, d)) => *d += n,
-                        None => net.push((queue, t, n)),
-                    }
-                }
-            }
-            let within = net.iter().all(|(q, t, d)| {
-                *d <= 0 || i64::from(book.used(q, t)) + d <= i64::from(book.quota(q, t))
-            });
-            if within {
-                self.queue_index.put_book(book);
-            } else {
+        // the entry charges what was granted. The common case needs no
+        // trial: what the decision adds to each queue, net of what it
+        // gives back, stays within its quota (`within_quotas`, read from
+        // the index's holdings by number).
+        if self.queue_index.book().is_some()
+            && !self.queue_index.within_quotas(
+                accepted
+                    .iter()
+                    .map(|(id, (gpus, _))| (*id, gpus.as_slice())),
+                &self.nodes,
+            )
+        {
+            if let Some(mut book) = self.queue_index.take_book() {
                 self.check_quotas(&mut book, &mut accepted, &mut events);
                 self.queue_index.put_book(book);
             }

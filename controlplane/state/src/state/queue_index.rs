@@ -2,13 +2,19 @@
 //! jobs, kept by `apply` once there are queues and not before: a cluster
 //! that never made a queue pays nothing for them.
 //!
-//! - each holding job's charge to its queue (the allocation's epoch, so an
-//!   entry that does not change the allocation costs one lookup), what it
-//!   holds by type and whether it may be preempted, by queue (what reclaim
-//!   reads), and the [`QuotaBook`] on their sum, which `apply`'s quota
-//!   check and the scheduler read;
-//! - the waiting jobs of each queue in the order admission takes them
-//!   (higher priority first, then submission order).
+//! - each job holding or waiting for GPUs in one slot: its queue, the
+//!   allocation it is charged for (the epoch) and its priority while it
+//!   waits, so an entry that changes neither costs one lookup;
+//! - by queue: what each holding job holds by type and whether it may be
+//!   preempted (what reclaim reads), the sizes of those holdings, and the
+//!   waiting jobs in the order admission takes them (higher priority
+//!   first, then submission order);
+//! - the [`QuotaBook`] on the holdings' sum, which `apply`'s quota check
+//!   and the scheduler read.
+//!
+//! Inside, queues and GPU types are small numbers given as they are first
+//! met (and the book's own numbers for them, looked up once), so keeping
+//! the index compares no names; names only at its edges.
 //!
 //! [`ClusterState::check_invariants`](super::ClusterState::check_invariants)
 //! proves the kept index equals one built afresh.
@@ -17,26 +23,59 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::free_gpus::FreeGpus;
-use crate::model::{Job, JobId, Node};
+use crate::model::{Allocation, GpuRef, Job, JobId, Node};
 use crate::queue::Queues;
 use crate::quota::{queue_of, QuotaBook};
 
-/// The allocation a holding job is charged for, and its queue's number
-/// (a job's queue never changes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Charge {
-    epoch: u64,
+/// A job holding GPUs or waiting for them, as the index knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    /// Its queue's number (a job's queue never changes).
     queue: usize,
+    /// The epoch of the allocation it is charged for, while it holds one.
+    charged: Option<u64>,
+    /// Its priority, while it waits.
+    waiting: Option<i32>,
 }
 
-/// What a holding job holds of its queue's quota (what reclaim reads,
-/// without looking the job up).
+/// What a holding job holds of its queue's quota.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Held {
-    /// Its GPUs by type.
-    pub by_type: BTreeMap<String, u32>,
+struct Held {
+    /// Its GPUs by type number, in the order of the types' names.
+    by_type: Vec<(usize, u32)>,
     /// Whether reclaim may preempt it (`JobSpec::preemptible`).
-    pub preemptible: bool,
+    preemptible: bool,
+}
+
+/// What a holding job holds of its queue's quota, by type name (what
+/// reclaim reads, without looking the job up).
+#[derive(Debug, Clone, Copy)]
+pub struct HeldGpus<'a> {
+    held: &'a Held,
+    types: &'a [String],
+}
+
+impl<'a> HeldGpus<'a> {
+    /// Whether reclaim may preempt the job (`JobSpec::preemptible`).
+    pub fn preemptible(&self) -> bool {
+        self.held.preemptible
+    }
+
+    /// Its GPUs of `gpu_type`.
+    pub fn of_type(&self, gpu_type: &str) -> u32 {
+        self.by_type()
+            .find(|(t, _)| *t == gpu_type)
+            .map_or(0, |(_, n)| n)
+    }
+
+    /// Its GPUs by type, in the order of the types' names.
+    pub fn by_type(&self) -> impl Iterator<Item = (&'a str, u32)> + 'a {
+        let types = self.types;
+        self.held
+            .by_type
+            .iter()
+            .map(move |(t, n)| (types.get(*t).map_or("", String::as_str), *n))
+    }
 }
 
 /// One queue's part of the index.
@@ -45,39 +84,51 @@ struct QueueJobs {
     /// Its jobs holding GPUs, with what each holds (what reclaim looks
     /// through).
     holding: BTreeMap<JobId, Held>,
-    /// The sizes of what its preemptible holding jobs hold, by type: size
-    /// to how many jobs hold that many GPUs of the type (what reclaim
+    /// By type number: the sizes of what its preemptible holding jobs hold
+    /// of the type, size to how many jobs hold that many (what reclaim
     /// could free, read without walking the jobs).
-    sizes: BTreeMap<String, BTreeMap<u32, u32>>,
+    sizes: Vec<BTreeMap<u32, u32>>,
     /// Its unfinished jobs holding no GPUs, in admission order.
     waiting: BTreeSet<(Reverse<i32>, JobId)>,
 }
 
 impl QueueJobs {
     fn is_empty(&self) -> bool {
-        self.holding.is_empty() && self.sizes.is_empty() && self.waiting.is_empty()
+        self.holding.is_empty()
+            && self.sizes.iter().all(BTreeMap::is_empty)
+            && self.waiting.is_empty()
     }
 }
+
+/// A queue's or a type's number the book has not given (yet).
+const NOT_IN_BOOK: usize = usize::MAX;
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct QueueIndex {
     /// `None` while the cluster has no queue: nothing is kept.
     book: Option<QuotaBook>,
-    /// Queue names to their numbers in `queues` (given as queues are first
-    /// met, never taken back while the index lives).
+    /// Queue names to their numbers (given as queues are first met, never
+    /// taken back while the index lives).
     ids: BTreeMap<String, usize>,
     /// Queue names by number.
     names: Vec<String>,
     /// By queue number.
     queues: Vec<QueueJobs>,
-    charges: BTreeMap<JobId, Charge>,
-    /// Each waiting job's priority and queue number.
-    waiting_key: BTreeMap<JobId, (i32, usize)>,
+    /// GPU type names to their numbers, as for queues.
+    type_ids: BTreeMap<String, usize>,
+    /// Type names by number.
+    types: Vec<String>,
+    /// The book's numbers for the index's queues and types, by the
+    /// index's numbers (`NOT_IN_BOOK`: the book does not know it). Looked
+    /// up again whenever the book is built anew.
+    book_queue: Vec<usize>,
+    book_type: Vec<usize>,
+    slots: BTreeMap<JobId, Slot>,
 }
 
-/// Two indexes are equal when they hold the same by queue name (numbers
-/// are given in the order queues are met, which differs between an index
-/// kept entry by entry and one built afresh).
+/// Two indexes are equal when they hold the same by queue and type name
+/// (numbers are given in the order queues and types are met, which differs
+/// between an index kept entry by entry and one built afresh).
 impl PartialEq for QueueIndex {
     fn eq(&self, other: &QueueIndex) -> bool {
         self.book == other.book && self.view() == other.view()
@@ -86,11 +137,20 @@ impl PartialEq for QueueIndex {
 
 impl Eq for QueueIndex {}
 
-/// An index by names: each queue's part, each job's charge and wait.
+/// A holding by type name, and whether it may be preempted.
+type HeldView<'a> = (BTreeMap<&'a str, u32>, bool);
+
+/// A queue's part by names: holdings, non-empty sizes, waiting jobs.
+type QueueView<'a> = (
+    BTreeMap<JobId, HeldView<'a>>,
+    BTreeMap<&'a str, &'a BTreeMap<u32, u32>>,
+    &'a BTreeSet<(Reverse<i32>, JobId)>,
+);
+
+/// An index by names: each queue's part, each job's slot.
 type IndexView<'a> = (
-    BTreeMap<&'a str, &'a QueueJobs>,
-    BTreeMap<JobId, (u64, &'a str)>,
-    BTreeMap<JobId, (i32, &'a str)>,
+    BTreeMap<&'a str, QueueView<'a>>,
+    BTreeMap<JobId, (&'a str, Option<u64>, Option<i32>)>,
 );
 
 impl QueueIndex {
@@ -107,10 +167,9 @@ impl QueueIndex {
             return index;
         }
         for (id, job) in jobs {
-            index.charge(*id, Some(job), nodes);
-            index.queue_up(*id, Some(job));
+            index.place(*id, Some(job), nodes);
         }
-        index.book = Some(book_of(queues, capacity, &index.usage()));
+        index.set_book(book_of(queues, capacity, &index.usage()));
         index
     }
 
@@ -132,16 +191,25 @@ impl QueueIndex {
             *self = QueueIndex::of(jobs, nodes, queues, capacity);
             return;
         }
-        let holding: Vec<JobId> = self.charges.keys().copied().collect();
-        self.charges.clear();
+        // The book is built below from the charges: none kept meanwhile.
+        self.book = None;
         for part in &mut self.queues {
             part.holding.clear();
             part.sizes.clear();
         }
+        let holding: Vec<JobId> = self
+            .slots
+            .iter_mut()
+            .filter(|(_, slot)| slot.charged.is_some())
+            .map(|(id, slot)| {
+                slot.charged = None;
+                *id
+            })
+            .collect();
         for id in holding {
-            self.charge(id, jobs.get(&id), nodes);
+            self.place(id, jobs.get(&id), nodes);
         }
-        self.book = Some(book_of(queues, capacity, &self.usage()));
+        self.set_book(book_of(queues, capacity, &self.usage()));
     }
 
     /// Puts job `id` (None: removed) where it now belongs.
@@ -149,8 +217,7 @@ impl QueueIndex {
         if self.book.is_none() {
             return;
         }
-        self.charge(id, job, nodes);
-        self.queue_up(id, job);
+        self.place(id, job, nodes);
     }
 
     /// GPUs each queue's jobs hold, by queue, then type (summed from the
@@ -165,7 +232,7 @@ impl QueueIndex {
             let by_type = usage.entry(queue.clone()).or_default();
             for held in part.holding.values() {
                 for (t, n) in &held.by_type {
-                    *by_type.entry(t.clone()).or_default() += n;
+                    *by_type.entry(self.types[*t].clone()).or_default() += n;
                 }
             }
         }
@@ -182,8 +249,62 @@ impl QueueIndex {
         self.book.take()
     }
 
+    /// Puts back the book [`QueueIndex::take_book`] took. A trial may
+    /// have met queues or types new to it (numbered after the others), so
+    /// the numbers it had not given are looked up again.
     pub(super) fn put_book(&mut self, book: QuotaBook) {
         self.book = Some(book);
+        self.look_up_book_numbers(false);
+    }
+
+    /// Whether a decision's changes (each job and its new GPUs), net of
+    /// what those jobs hold now, leave every queue within its quota of
+    /// every type: then no growth can be refused (releases come first, so
+    /// each one meets a smaller hold) and the decision needs no trial.
+    /// `false` also when it cannot say (a job, a type or a queue the index
+    /// or the book does not know yet).
+    pub(super) fn within_quotas<'g>(
+        &self,
+        changes: impl Iterator<Item = (JobId, &'g [GpuRef])>,
+        nodes: &BTreeMap<String, Node>,
+    ) -> bool {
+        let Some(book) = &self.book else {
+            return true;
+        };
+        let mut net: Vec<(usize, usize, i64)> = Vec::new();
+        let mut add = |q: usize, t: usize, n: i64| match net
+            .iter_mut()
+            .find(|(nq, nt, _)| *nq == q && *nt == t)
+        {
+            Some((_, _, d)) => *d += n,
+            None => net.push((q, t, n)),
+        };
+        for (id, gpus) in changes {
+            let Some(slot) = self.slots.get(&id) else {
+                return false;
+            };
+            let q = slot.queue;
+            if let Some(held) = self.queues[q].holding.get(&id) {
+                for (t, n) in &held.by_type {
+                    add(q, *t, -i64::from(*n));
+                }
+            }
+            for (name, n) in super::type_counts(nodes, gpus) {
+                let Some(t) = self.type_ids.get(name) else {
+                    return false;
+                };
+                add(q, *t, i64::from(n));
+            }
+        }
+        net.iter().all(|(q, t, d)| {
+            if *d <= 0 {
+                return true;
+            }
+            let (bq, bt) = (self.book_queue[*q], self.book_type[*t]);
+            bq != NOT_IN_BOOK
+                && bt != NOT_IN_BOOK
+                && i64::from(book.used_at(bq, bt)) + d <= i64::from(book.quota_at(bq, bt))
+        })
     }
 
     fn part(&self, queue: &str) -> Option<&QueueJobs> {
@@ -201,21 +322,26 @@ impl QueueIndex {
     pub(super) fn holding_in<'a>(
         &'a self,
         queue: &str,
-    ) -> impl Iterator<Item = (JobId, &'a Held)> + 'a {
+    ) -> impl Iterator<Item = (JobId, HeldGpus<'a>)> + 'a {
+        let types = self.types.as_slice();
         self.part(queue)
             .into_iter()
             .flat_map(|p| p.holding.iter())
-            .map(|(id, held)| (*id, held))
+            .map(move |(id, held)| (*id, HeldGpus { held, types }))
     }
 
-    /// What the preemptible jobs of `queue` hold, by type: each size (GPUs
-    /// of the type one job holds) and how many jobs hold it, smallest
-    /// first.
+    /// What the preemptible jobs of `queue` hold, by type name: each size
+    /// (GPUs of the type one job holds) and how many jobs hold it,
+    /// smallest first.
     pub(super) fn preemptible_sizes_in<'a>(
         &'a self,
         queue: &str,
     ) -> impl Iterator<Item = (&'a String, &'a BTreeMap<u32, u32>)> + 'a {
-        self.part(queue).into_iter().flat_map(|p| p.sizes.iter())
+        let part = self.part(queue);
+        self.type_ids.iter().filter_map(move |(name, t)| {
+            let sizes = part?.sizes.get(*t)?;
+            (!sizes.is_empty()).then_some((name, sizes))
+        })
     }
 
     /// The queues with waiting jobs, by name.
@@ -235,115 +361,238 @@ impl QueueIndex {
         self.ids.insert(queue.to_string(), q);
         self.names.push(queue.to_string());
         self.queues.push(QueueJobs::default());
+        let in_book = self.book.as_ref().and_then(|b| b.queue_id(queue));
+        self.book_queue.push(in_book.unwrap_or(NOT_IN_BOOK));
         q
     }
 
+    /// The number of GPU type `gpu_type`, given now if it has none.
+    fn type_number(&mut self, gpu_type: &str) -> usize {
+        if let Some(t) = self.type_ids.get(gpu_type) {
+            return *t;
+        }
+        let t = self.types.len();
+        self.type_ids.insert(gpu_type.to_string(), t);
+        self.types.push(gpu_type.to_string());
+        let in_book = self.book.as_ref().and_then(|b| b.type_id(gpu_type));
+        self.book_type.push(in_book.unwrap_or(NOT_IN_BOOK));
+        t
+    }
+
+    fn set_book(&mut self, book: QuotaBook) {
+        self.book = Some(book);
+        self.look_up_book_numbers(true);
+    }
+
+    /// Looks up the book's numbers for the index's queues and types: all
+    /// of them (`afresh`: a new book), or those it had not given.
+    fn look_up_book_numbers(&mut self, afresh: bool) {
+        let Some(book) = &self.book else {
+            return;
+        };
+        for (q, name) in self.names.iter().enumerate() {
+            if afresh || self.book_queue[q] == NOT_IN_BOOK {
+                self.book_queue[q] = book.queue_id(name).unwrap_or(NOT_IN_BOOK);
+            }
+        }
+        for (t, name) in self.types.iter().enumerate() {
+            if afresh || self.book_type[t] == NOT_IN_BOOK {
+                self.book_type[t] = book.type_id(name).unwrap_or(NOT_IN_BOOK);
+            }
+        }
+    }
+
+    /// Queue `q` takes (`more`) or gives back `n` GPUs of type `t` in the
+    /// book, by the book's numbers when it has them.
+    fn book_change(&mut self, q: usize, t: usize, n: u32, more: bool) {
+        let Some(book) = &mut self.book else {
+            return;
+        };
+        let (bq, bt) = (self.book_queue[q], self.book_type[t]);
+        if bq != NOT_IN_BOOK && bt != NOT_IN_BOOK {
+            if more {
+                book.force_at(bq, bt, n);
+            } else {
+                book.give_back_at(bq, bt, n);
+            }
+            return;
+        }
+        // A queue or type the book does not know (none should hold GPUs):
+        // by name, which adds it; then its new numbers.
+        if more {
+            book.force(&self.names[q], &self.types[t], n);
+        } else {
+            book.give_back(&self.names[q], &self.types[t], n);
+        }
+        self.book_queue[q] = book.queue_id(&self.names[q]).unwrap_or(NOT_IN_BOOK);
+        self.book_type[t] = book.type_id(&self.types[t]).unwrap_or(NOT_IN_BOOK);
+    }
+
     fn view(&self) -> IndexView<'_> {
-        let names = &self.names;
+        let type_name = |t: &usize| self.types[*t].as_str();
         (
             self.ids
                 .iter()
                 .map(|(name, q)| (name.as_str(), &self.queues[*q]))
                 .filter(|(_, part)| !part.is_empty())
+                .map(|(name, part)| {
+                    let holding = part
+                        .holding
+                        .iter()
+                        .map(|(id, held)| {
+                            let by_type = held
+                                .by_type
+                                .iter()
+                                .map(|(t, n)| (type_name(t), *n))
+                                .collect();
+                            (*id, (by_type, held.preemptible))
+                        })
+                        .collect();
+                    let sizes = part
+                        .sizes
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| !s.is_empty())
+                        .map(|(t, s)| (type_name(&t), s))
+                        .collect();
+                    (name, (holding, sizes, &part.waiting))
+                })
                 .collect(),
-            self.charges
+            self.slots
                 .iter()
-                .map(|(id, c)| (*id, (c.epoch, names[c.queue].as_str())))
-                .collect(),
-            self.waiting_key
-                .iter()
-                .map(|(id, (p, q))| (*id, (*p, names[*q].as_str())))
+                .map(|(id, s)| (*id, (self.names[s.queue].as_str(), s.charged, s.waiting)))
                 .collect(),
         )
     }
 
-    /// Moves `id`'s charge to what `job` holds now.
-    fn charge(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
-        let alloc = job.and_then(|j| j.allocation.as_ref().map(|a| (j, a)));
-        match (self.charges.get(&id), alloc) {
-            (Some(old), Some((_, a))) if old.epoch == a.epoch => return,
-            (None, None) => return,
-            _ => {}
-        }
-        if let Some(old) = self.charges.remove(&id) {
-            let q = old.queue;
-            if let Some(held) = self.queues[q].holding.remove(&id) {
-                if held.preemptible {
-                    forget_sizes(&mut self.queues[q].sizes, &held);
+    /// Puts job `id` (None: removed) where it now belongs: charged for
+    /// what it holds, or in its queue's waiting set, or out of the index.
+    fn place(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
+        use std::collections::btree_map::Entry;
+        let alloc = job.and_then(|j| j.allocation.as_ref());
+        let charged = alloc.map(|a| a.epoch);
+        let waiting = job
+            .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
+            .map(|j| j.spec.priority);
+        // The slots out of `self` for the entry (moving a map is a few
+        // words): one lookup whatever happens.
+        let mut slots = std::mem::take(&mut self.slots);
+        match slots.entry(id) {
+            Entry::Occupied(mut e) => {
+                let slot = e.get_mut();
+                if slot.charged != charged || slot.waiting != waiting {
+                    self.move_slot(slot, id, job, nodes, charged, waiting);
                 }
-                if let Some(book) = &mut self.book {
-                    for (t, n) in &held.by_type {
-                        book.give_back(&self.names[q], t, *n);
+                if slot.charged.is_none() && slot.waiting.is_none() {
+                    e.remove();
+                }
+            }
+            Entry::Vacant(e) => {
+                if let Some(j) = job.filter(|_| charged.is_some() || waiting.is_some()) {
+                    let mut slot = Slot {
+                        queue: self.queue_number(queue_of(&j.spec.queue)),
+                        charged: None,
+                        waiting: None,
+                    };
+                    self.move_slot(&mut slot, id, job, nodes, charged, waiting);
+                    e.insert(slot);
+                }
+            }
+        }
+        self.slots = slots;
+    }
+
+    /// Moves job `id`'s `slot` to what it holds (`charged`) and whether it
+    /// waits (`waiting`) now.
+    fn move_slot(
+        &mut self,
+        slot: &mut Slot,
+        id: JobId,
+        job: Option<&Job>,
+        nodes: &BTreeMap<String, Node>,
+        charged: Option<u64>,
+        waiting: Option<i32>,
+    ) {
+        let q = slot.queue;
+        if slot.charged != charged {
+            if slot.charged.is_some() {
+                self.uncharge(id, q);
+            }
+            if let Some((j, a)) = job.and_then(|j| Some((j, j.allocation.as_ref()?))) {
+                self.charge(id, q, j, a, nodes);
+            }
+            slot.charged = charged;
+        }
+        if slot.waiting != waiting {
+            let part = &mut self.queues[q];
+            if let Some(p) = slot.waiting {
+                part.waiting.remove(&(Reverse(p), id));
+            }
+            if let Some(p) = waiting {
+                part.waiting.insert((Reverse(p), id));
+            }
+            slot.waiting = waiting;
+        }
+    }
+
+    /// Charges job `id` of queue `q` for allocation `a`.
+    fn charge(
+        &mut self,
+        id: JobId,
+        q: usize,
+        job: &Job,
+        a: &Allocation,
+        nodes: &BTreeMap<String, Node>,
+    ) {
+        let mut counts = super::type_counts(nodes, &a.gpus);
+        if counts.len() > 1 {
+            counts.sort_unstable_by(|x, y| x.0.cmp(y.0));
+        }
+        let by_type: Vec<(usize, u32)> = counts
+            .into_iter()
+            .map(|(name, n)| (self.type_number(name), n))
+            .collect();
+        for (t, n) in &by_type {
+            self.book_change(q, *t, *n, true);
+        }
+        let part = &mut self.queues[q];
+        if job.spec.preemptible {
+            for (t, n) in &by_type {
+                if part.sizes.len() <= *t {
+                    part.sizes.resize_with(*t + 1, BTreeMap::new);
+                }
+                *part.sizes[*t].entry(*n).or_default() += 1;
+            }
+        }
+        part.holding.insert(
+            id,
+            Held {
+                by_type,
+                preemptible: job.spec.preemptible,
+            },
+        );
+    }
+
+    /// Takes back job `id`'s charge to queue `q`.
+    fn uncharge(&mut self, id: JobId, q: usize) {
+        let Some(held) = self.queues[q].holding.remove(&id) else {
+            return;
+        };
+        if held.preemptible {
+            let sizes = &mut self.queues[q].sizes;
+            for (t, n) in &held.by_type {
+                if let Some(by_size) = sizes.get_mut(*t) {
+                    if let Some(count) = by_size.get_mut(n) {
+                        *count -= 1;
+                        if *count == 0 {
+                            by_size.remove(n);
+                        }
                     }
                 }
             }
         }
-        if let Some((job, a)) = alloc {
-            let queue = queue_of(&job.spec.queue);
-            let q = self.queue_number(queue);
-            let held = Held {
-                by_type: super::gpus_by_type(nodes, &a.gpus),
-                preemptible: job.spec.preemptible,
-            };
-            if let Some(book) = &mut self.book {
-                for (t, n) in &held.by_type {
-                    book.force(queue, t, *n);
-                }
-            }
-            let part = &mut self.queues[q];
-            if held.preemptible {
-                for (t, n) in &held.by_type {
-                    let by_size = match part.sizes.get_mut(t) {
-                        Some(by_size) => by_size,
-                        None => part.sizes.entry(t.clone()).or_default(),
-                    };
-                    *by_size.entry(*n).or_default() += 1;
-                }
-            }
-            part.holding.insert(id, held);
-            self.charges.insert(
-                id,
-                Charge {
-                    epoch: a.epoch,
-                    queue: q,
-                },
-            );
-        }
-    }
-
-    /// Puts `id` in its queue's waiting set, or out of every one.
-    fn queue_up(&mut self, id: JobId, job: Option<&Job>) {
-        let waits = job.is_some_and(|j| !j.state.is_terminal() && j.allocation.is_none());
-        let now = job.filter(|_| waits).map(|j| j.spec.priority);
-        let before = self.waiting_key.get(&id).copied();
-        if before.map(|(p, _)| p) == now {
-            return;
-        }
-        if let Some((p, q)) = before {
-            self.waiting_key.remove(&id);
-            self.queues[q].waiting.remove(&(Reverse(p), id));
-        }
-        if let (Some(p), Some(j)) = (now, job) {
-            let q = self.queue_number(queue_of(&j.spec.queue));
-            self.queues[q].waiting.insert((Reverse(p), id));
-            self.waiting_key.insert(id, (p, q));
-        }
-    }
-}
-
-/// Takes what `held` holds out of a queue's `sizes`.
-fn forget_sizes(sizes: &mut BTreeMap<String, BTreeMap<u32, u32>>, held: &Held) {
-    for (t, n) in &held.by_type {
-        if let Some(by_size) = sizes.get_mut(t) {
-            if let Some(count) = by_size.get_mut(n) {
-                *count -= 1;
-                if *count == 0 {
-                    by_size.remove(n);
-                }
-            }
-            if by_size.is_empty() {
-                sizes.remove(t);
-            }
+        for (t, n) in &held.by_type {
+            self.book_change(q, *t, *n, false);
         }
     }
 }
