@@ -2,7 +2,10 @@
 //! - `/metrics`: the figures of [`crate::metrics`], in OpenMetrics 1.0 to
 //!   a scraper that asks for it, else in Prometheus's classic text format;
 //! - `/`: the web console ([`crate::console`]), drawn from
-//!   `/api/v1/cluster`;
+//!   `/api/v1/cluster`; `?at=INDEX` or `?at_time=RFC3339` gives the
+//!   cluster as it was then (time travel: rebuilt from this replica's
+//!   journal, one request at a time, at most
+//!   [`TIME_TRAVEL_MAX_ENTRIES`] entries replayed for one);
 //! - `/healthz`: 200 while the process serves;
 //! - `/readyz`: 200 once this replica knows a leader and has applied every
 //!   entry it knows committed, else 503 and why (what a load balancer or a
@@ -15,7 +18,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
@@ -116,12 +119,30 @@ pub async fn bind(how: HttpListen) -> std::io::Result<Option<tokio::net::TcpList
 /// What `/metrics` answers with.
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// The most log entries one time-travel request may replay (from the
+/// nearest checkpoint at or before the index asked for): about two
+/// seconds of one core (BENCHMARKS, replay).
+pub const TIME_TRAVEL_MAX_ENTRIES: u64 = 1_000_000;
+
 /// What the routes read: the replica, and the policy it runs when the log
 /// names none (admission's order, for why a job waits).
 #[derive(Debug, Clone)]
 pub struct Http {
     pub node: Arc<RaftNode>,
     pub default_policy: &'static str,
+    /// One time-travel replay at a time: a second is answered 429 at
+    /// once, so no client's requests take more than a core.
+    pub rewinds: Arc<tokio::sync::Semaphore>,
+}
+
+impl Http {
+    pub fn new(node: Arc<RaftNode>, default_policy: &'static str) -> Http {
+        Http {
+            node,
+            default_policy,
+            rewinds: Arc::new(tokio::sync::Semaphore::new(1)),
+        }
+    }
 }
 
 /// The routes, on `http`.
@@ -175,8 +196,53 @@ async fn console() -> impl IntoResponse {
     )
 }
 
-/// The cluster as this replica applied it ([`crate::console::view`]).
-async fn cluster(State(http): State<Http>) -> impl IntoResponse {
+/// When `/api/v1/cluster` is asked about the past.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterQuery {
+    /// A log index.
+    at: Option<String>,
+    /// An RFC 3339 time: the last entry stamped at or before it.
+    at_time: Option<String>,
+}
+
+impl ClusterQuery {
+    /// Where to rewind to (`None`: now), or what is wrong with the query.
+    fn until(&self) -> Result<Option<keel_storage::Until>, String> {
+        match (&self.at, &self.at_time) {
+            (Some(_), Some(_)) => Err("give at (a log index) or at_time (a time), not both".into()),
+            (Some(at), None) => at
+                .parse::<u64>()
+                .map(|i| Some(keel_storage::Until::Index(i)))
+                .map_err(|_| format!("at must be a log index (0 to {}), not {at:?}", u64::MAX)),
+            (None, Some(t)) => {
+                let time = humantime::parse_rfc3339_weak(t).map_err(|_| {
+                    format!(
+                        "at_time must be an RFC 3339 time such as 2026-11-26T10:00:00Z, not {t:?}"
+                    )
+                })?;
+                let ms = time
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                Ok(Some(keel_storage::Until::Time(ms)))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// The cluster as this replica applied it ([`crate::console::view`]), or,
+/// with `at` or `at_time`, as it was then: rebuilt from the journal, with
+/// `"at"` saying the index reached, its time and the state's hash (what
+/// `keel replay --until` prints).
+async fn cluster(
+    State(http): State<Http>,
+    query: Result<Query<ClusterQuery>, axum::extract::rejection::QueryRejection>,
+) -> axum::response::Response {
+    let until = match query.map_err(|e| e.body_text()).and_then(|q| q.until()) {
+        Ok(until) => until,
+        Err(why) => return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response(),
+    };
     let node = &http.node;
     let m = node.raft.metrics().borrow().clone();
     let raft = crate::console::RaftView {
@@ -192,15 +258,54 @@ async fn cluster(State(http): State<Http>) -> impl IntoResponse {
             .map(crate::membership::show)
             .collect(),
     };
-    let view = {
-        let shared = node.state_machine.shared();
-        let applied = shared.read();
-        let admission = crate::api::AdmissionView::of(&applied.state, http.default_policy);
-        crate::console::view(&applied.state, &raft, |job| {
-            crate::api::wait_message(&applied.state, job, &admission)
-        })
+    let Some(until) = until else {
+        let view = {
+            let shared = node.state_machine.shared();
+            let applied = shared.read();
+            let admission = crate::api::AdmissionView::of(&applied.state, http.default_policy);
+            crate::console::view(&applied.state, &raft, |job| {
+                crate::api::wait_message(&applied.state, job, &admission)
+            })
+        };
+        return axum::Json(view).into_response();
     };
-    axum::Json(view)
+    let Ok(_permit) = http.rewinds.clone().try_acquire_owned() else {
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [(header::RETRY_AFTER, "1")],
+            "another time-travel request is being rebuilt on this replica; try again\n",
+        )
+            .into_response();
+    };
+    let store = node.state_machine.clone();
+    let rebuilt =
+        tokio::task::spawn_blocking(move || store.state_at(until, TIME_TRAVEL_MAX_ENTRIES)).await;
+    let summary = match rebuilt {
+        Ok(Ok(summary)) => summary,
+        Ok(Err(e @ keel_storage::ReplayError::TooFar { .. })) => {
+            return (StatusCode::UNPROCESSABLE_ENTITY, format!("{e}\n")).into_response()
+        }
+        Ok(Err(e)) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        Err(e) => {
+            return (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the rebuild stopped: {e}\n"),
+            )
+                .into_response()
+        }
+    };
+    let state = &summary.state;
+    let admission = crate::api::AdmissionView::of(state, http.default_policy);
+    let mut view = crate::console::view(state, &raft, |job| {
+        crate::api::wait_message(state, job, &admission)
+    });
+    view["at"] = serde_json::json!({
+        "index": summary.last_index,
+        "at_ms": state.last_entry_at_ms(),
+        "state_hash": summary.state_hash.to_string(),
+        "replayed_from": summary.started_after,
+    });
+    axum::Json(view).into_response()
 }
 
 async fn healthz() -> &'static str {

@@ -369,13 +369,10 @@ impl Server {
             stop_rx.clone(),
         ));
         let serving_http = self.http.map(|listener| {
-            tracing::info!(addr = ?self.http_addr, "serving /metrics, /healthz and /readyz");
+            tracing::info!(addr = ?self.http_addr, "serving the console, /metrics, /healthz and /readyz");
             tokio::spawn(crate::http::serve(
                 listener,
-                crate::http::Http {
-                    node: self.node.clone(),
-                    default_policy: self.config.policy.name(),
-                },
+                crate::http::Http::new(self.node.clone(), self.config.policy.name()),
                 stop_rx.clone(),
             ))
         });

@@ -25,6 +25,12 @@ pub enum ReplayError {
     Checkpoint { index: u64, message: String },
     #[error("cannot read the Raft log in {path}: {message}")]
     Log { path: String, message: String },
+    #[error(
+        "rebuilding the state at index {to} would replay {} entries from {}, more than the limit of {limit} for one request",
+        to - from,
+        if *from == 0 { "the start".to_string() } else { format!("the checkpoint at index {from}") }
+    )]
+    TooFar { from: u64, to: u64, limit: u64 },
 }
 
 /// What a replay rebuilt.
@@ -267,23 +273,64 @@ fn index_at_time(tree: &sled::Tree, at_ms: u64) -> Result<u64, ReplayError> {
     Ok(best)
 }
 
+/// The state at `until` rebuilt from a live replica's journal `tree` (the
+/// console's time travel), refused when more than `max_entries` indexes
+/// lie between it and where the replay would start (the nearest
+/// checkpoint at or before it, or the start): one request's replay is
+/// bounded.
+pub(crate) fn rewind_tree(
+    tree: &sled::Tree,
+    until: Until,
+    max_entries: u64,
+) -> Result<ReplaySummary, ReplayError> {
+    // The last journaled index: a later one asked for is the journal's end.
+    let last = tree
+        .range(applied_key(0, 0)..=applied_key(u64::MAX, u32::MAX))
+        .next_back()
+        .transpose()
+        .map_err(|e| ReplayError::Read(e.to_string()))?
+        .and_then(|(k, _)| index_of(&k))
+        .unwrap_or(0);
+    let index = match until {
+        Until::End => last,
+        Until::Index(i) => i.min(last),
+        Until::Time(at_ms) => index_at_time(tree, at_ms)?,
+    };
+    let from = checkpoint_at_or_before(tree, index)?.map_or(0, |(i, _)| i);
+    if index - from > max_entries {
+        return Err(ReplayError::TooFar {
+            from,
+            to: index,
+            limit: max_entries,
+        });
+    }
+    replay_tree(tree, index, false, None)
+}
+
+/// The last installed checkpoint at or before `until`: its index and bytes.
+fn checkpoint_at_or_before(
+    tree: &sled::Tree,
+    until: u64,
+) -> Result<Option<(u64, sled::IVec)>, ReplayError> {
+    Ok(tree
+        .range(key(PREFIX_CHECKPOINT, 0)..=key(PREFIX_CHECKPOINT, until))
+        .next_back()
+        .transpose()
+        .map_err(|e| ReplayError::Read(e.to_string()))?
+        .map(|(k, v)| (index_of(&k).unwrap_or(0), v)))
+}
+
 fn replay_tree(
     tree: &sled::Tree,
     until: u64,
     check: bool,
     visit: Option<Visitor<'_>>,
 ) -> Result<ReplaySummary, ReplayError> {
-    let read = |e: sled::Error| ReplayError::Read(e.to_string());
     // Start from the last installed checkpoint at or before `until`, if any:
     // the journal has a gap before it.
-    let checkpoint = tree
-        .range(key(PREFIX_CHECKPOINT, 0)..=key(PREFIX_CHECKPOINT, until))
-        .next_back()
-        .transpose()
-        .map_err(read)?;
+    let checkpoint = checkpoint_at_or_before(tree, until)?;
     let (mut state, started_after) = match checkpoint {
-        Some((k, v)) => {
-            let index = index_of(&k).unwrap_or(0);
+        Some((index, v)) => {
             let state = decode_snapshot(&v)
                 .map_err(|message| ReplayError::Checkpoint { index, message })?;
             (state, index)

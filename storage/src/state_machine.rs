@@ -496,6 +496,21 @@ impl StateMachineStore {
         Ok(out)
     }
 
+    /// The state as it was at `until` (an index, or the last entry
+    /// stamped at or before a time), rebuilt from this replica's journal
+    /// while it runs: from the nearest checkpoint at or before it, and
+    /// refused when that is more than `max_entries` indexes back
+    /// ([`crate::ReplayError::TooFar`]). What the journal has not recorded
+    /// yet (it is written behind the state) is not in it: the summary's
+    /// `last_index` says where it stopped.
+    pub fn state_at(
+        &self,
+        until: crate::replay::Until,
+        max_entries: u64,
+    ) -> Result<crate::ReplaySummary, crate::ReplayError> {
+        crate::replay::rewind_tree(&self.tree, until, max_entries)
+    }
+
     /// The bytes of the last snapshot saved (0: none yet).
     pub fn snapshot_bytes(&self) -> Result<u64, StoreError> {
         Ok(self

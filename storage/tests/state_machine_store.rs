@@ -289,6 +289,65 @@ async fn a_journal_read_in_batches_resumes_inside_a_proposal() {
     assert_eq!(skipped.len(), 1, "the next index holds only the cancel");
 }
 
+/// Time travel on a live store: the state at an index, rebuilt from the
+/// store's own journal while it stays open, is the state the entries up
+/// to that index make; a request that would replay more than its bound
+/// is refused, naming the bound.
+#[tokio::test]
+async fn a_live_store_rebuilds_the_state_at_an_index_within_a_bound() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let entries = keel_state::fixtures::mixed_entries(3_000, 4, 7);
+    let mut sm = StateMachineStore::open(dir.path()).expect("open");
+    let batch: Vec<Entry> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), i as u64 + 1),
+            payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
+        })
+        .collect();
+    sm.apply(batch).await.expect("apply");
+    sm.flush().expect("flush");
+    let state_after = |n: usize| {
+        let mut state = keel_state::ClusterState::new();
+        for (i, e) in entries.iter().take(n).enumerate() {
+            let _ = state.apply(i as u64 + 1, e);
+        }
+        state.state_hash()
+    };
+
+    let at = sm
+        .state_at(keel_storage::Until::Index(1_234), 10_000)
+        .expect("state at 1234");
+    assert_eq!(at.last_index, 1_234);
+    assert_eq!(at.state_hash, state_after(1_234));
+    // The live state is untouched.
+    assert_eq!(sm.shared().read().state.state_hash(), state_after(3_000));
+    // Past the end: the journal's end.
+    let end = sm
+        .state_at(keel_storage::Until::Index(u64::MAX), 10_000)
+        .expect("state at the end");
+    assert_eq!(end.last_index, 3_000);
+    assert_eq!(end.state_hash, state_after(3_000));
+    // By time: the last entry stamped at or before it.
+    let stamp = entries[99].at_ms;
+    let by_time = sm
+        .state_at(keel_storage::Until::Time(stamp), 10_000)
+        .expect("state by time");
+    let last_at_stamp = entries.iter().rposition(|e| e.at_ms <= stamp).expect("one") + 1;
+    assert_eq!(by_time.last_index, last_at_stamp as u64);
+    assert_eq!(by_time.state_hash, state_after(last_at_stamp));
+    // Bounded.
+    let refused = sm
+        .state_at(keel_storage::Until::Index(2_000), 500)
+        .expect_err("too far");
+    let message = refused.to_string();
+    assert!(
+        message.contains("2000 entries") && message.contains("limit of 500"),
+        "{message}"
+    );
+}
+
 /// A data directory at `root` whose Raft log holds `all` entries,
 /// committed, and whose journal only the first `journaled` (a replica
 /// killed before its journal writer caught up).
