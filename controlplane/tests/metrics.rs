@@ -5,55 +5,11 @@
 
 mod support;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use support::{available_or_skip, submit_script, wait_for, ServerProcess};
-
-/// `GET path` on `addr`: the status code and the body.
-fn get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
-    let mut stream = std::net::TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, dechunk(&body)))
-}
-
-/// A chunked HTTP/1.1 body joined (a body that is not chunked, as is).
-fn dechunk(body: &str) -> String {
-    let mut out = String::new();
-    let mut rest = body;
-    loop {
-        let Some((size, after)) = rest.split_once("\r\n") else {
-            return body.to_string();
-        };
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
-            return body.to_string();
-        };
-        if n == 0 {
-            return out;
-        }
-        let Some(chunk) = after.get(..n) else {
-            return body.to_string();
-        };
-        out.push_str(chunk);
-        rest = after.get(n + 2..).unwrap_or_default();
-    }
-}
+use support::{available_or_skip, get, http_addr, submit_script, wait_for, ServerProcess};
 
 /// The value of the sample `name{labels}` (labels as written, in order),
 /// if the text has it.
@@ -61,14 +17,6 @@ fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         let (s, v) = l.rsplit_once(' ')?;
         (s == series).then(|| v.parse().ok()).flatten()
-    })
-}
-
-fn http_addr(data: &Path) -> String {
-    wait_for("the HTTP address", || {
-        std::fs::read_to_string(data.join("http.addr"))
-            .ok()
-            .filter(|a| a.parse::<std::net::SocketAddr>().is_ok())
     })
 }
 
@@ -350,120 +298,6 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
     );
     assert_eq!(shown["message"], said);
     server.terminate();
-}
-
-/// Time travel (issue 24, item 4): `/api/v1/cluster?at=N` draws the
-/// cluster as it was at index N, rebuilt from the running replica's
-/// journal; its state hash is the one `keel replay --until N` prints once
-/// the server stops. Bad queries are refused, naming the parameter.
-#[test]
-fn the_console_rewinds_to_an_index_as_keel_replay_does() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let server = ServerProcess::start(
-        &data,
-        &[
-            "--simulated-gpus",
-            "2xv100",
-            "--round-s",
-            "0.3",
-            "--http-listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let http = http_addr(&data);
-    let id = submit_script(&server, dir.path(), "sleeper", "sleep 60");
-    let number: u64 = id.parse().expect("an id");
-    let held = wait_for("the job placed", || {
-        let job = server.json(&["job", &id]);
-        job["allocation"]["gpus"][0].as_str().map(str::to_string)
-    });
-    let running_at = wait_for("the placement applied", || {
-        let (_, body) = get(&http, "/api/v1/cluster").ok()?;
-        let c: serde_json::Value = serde_json::from_str(&body).ok()?;
-        let listed = c["jobs"].as_array()?.iter().any(|j| {
-            j["id"].as_u64() == Some(number) && j["gpus"] == serde_json::json!([held.clone()])
-        });
-        listed.then(|| c["applied_index"].as_u64()).flatten()
-    });
-    server.cli_ok(&["cancel", &id]);
-    wait_for("the cancel applied", || {
-        (server.json(&["job", &id])["state"] == "cancelled").then_some(())
-    });
-
-    // Now: cancelled, holding nothing. Then: running on its GPU.
-    let (_, body) = get(&http, "/api/v1/cluster").expect("now");
-    let now: serde_json::Value = serde_json::from_str(&body).expect("JSON");
-    assert!(now.get("at").is_none(), "{body}");
-    assert!(now["nodes"][0]["gpus"]
-        .as_array()
-        .expect("gpus")
-        .iter()
-        .all(|g| g["jobs"] == serde_json::json!([])));
-    let (status, body) = wait_for("the journal caught up", || {
-        let (status, body) = get(&http, &format!("/api/v1/cluster?at={running_at}")).ok()?;
-        let then: serde_json::Value = serde_json::from_str(&body).ok()?;
-        (then["at"]["index"].as_u64() == Some(running_at)).then_some((status, body))
-    });
-    assert_eq!(status, 200, "{body}");
-    let then: serde_json::Value = serde_json::from_str(&body).expect("JSON");
-    let job = then["jobs"]
-        .as_array()
-        .expect("jobs")
-        .iter()
-        .find(|j| j["id"].as_u64() == Some(number))
-        .cloned()
-        .expect("the job, then");
-    assert_eq!(job["state"], "running", "{body}");
-    assert_eq!(job["gpus"], serde_json::json!([held.clone()]), "{body}");
-    let on_gpu = then["nodes"]
-        .as_array()
-        .expect("nodes")
-        .iter()
-        .flat_map(|n| {
-            let name = n["name"].as_str().unwrap_or_default().to_string();
-            n["gpus"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|g| g["jobs"] == serde_json::json!([number]))
-                .map(move |g| format!("{name}/{}", g["index"]))
-        })
-        .collect::<Vec<_>>();
-    assert_eq!(on_gpu, vec![held], "{body}");
-    let hash_then = then["at"]["state_hash"]
-        .as_str()
-        .expect("a hash")
-        .to_string();
-    // The page has the slider that asks for it.
-    let (_, page) = get(&http, "/").expect("the console");
-    assert!(page.contains("id=\"index\"") && page.contains("\"at=\""));
-
-    // Refused, naming what is wrong.
-    for (query, names) in [
-        ("at=soon", "at must be a log index"),
-        ("at_time=yesterday", "at_time must be an RFC 3339 time"),
-        ("at=1&at_time=2026-11-26T10:00:00Z", "not both"),
-        ("index=3", "unknown field `index`"),
-    ] {
-        let (status, body) = get(&http, &format!("/api/v1/cluster?{query}")).expect("answers");
-        assert_eq!(status, 400, "{query}: {body}");
-        assert!(body.contains(names), "{query}: {body}");
-    }
-
-    server.terminate();
-    let replayed = support::json_of(Command::new(support::KEEL).args([
-        "replay",
-        "--data-dir",
-        data.to_str().expect("a path"),
-        "--until",
-        &running_at.to_string(),
-        "-o",
-        "json",
-    ]));
-    assert_eq!(replayed["state_hash"], hash_then, "{replayed}");
-    assert_eq!(replayed["last_index"], running_at, "{replayed}");
 }
 
 /// A port from below the kernel's ephemeral range, free when chosen and

@@ -789,3 +789,57 @@ pub fn node_entries(server: &ServerProcess) -> (usize, usize) {
     }
     (inventories, refused)
 }
+
+/// `GET path` on `addr`: the status code and the body.
+pub fn get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, dechunk(&body)))
+}
+
+/// A chunked HTTP/1.1 body joined (a body that is not chunked, as is).
+fn dechunk(body: &str) -> String {
+    let mut out = String::new();
+    let mut rest = body;
+    loop {
+        let Some((size, after)) = rest.split_once("\r\n") else {
+            return body.to_string();
+        };
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            return body.to_string();
+        };
+        if n == 0 {
+            return out;
+        }
+        let Some(chunk) = after.get(..n) else {
+            return body.to_string();
+        };
+        out.push_str(chunk);
+        rest = after.get(n + 2..).unwrap_or_default();
+    }
+}
+
+/// The HTTP endpoint's address a server in `data` wrote (`http.addr`).
+pub fn http_addr(data: &Path) -> String {
+    wait_for("the HTTP address", || {
+        std::fs::read_to_string(data.join("http.addr"))
+            .ok()
+            .filter(|a| a.parse::<std::net::SocketAddr>().is_ok())
+    })
+}
