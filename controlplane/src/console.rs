@@ -84,24 +84,7 @@ pub fn view(
     shown.truncate(JOBS_SHOWN_MAX);
     let jobs: Vec<Value> = shown
         .iter()
-        .map(|j| {
-            let progress = j.progress.as_ref().map(|p| {
-                let remaining_s = (p.samples_per_s > 0.0 && p.total_steps > p.step)
-                    .then(|| ((p.total_steps - p.step) as f64 / p.samples_per_s).round());
-                json!({ "step": p.step, "total_steps": p.total_steps, "remaining_s": remaining_s })
-            });
-            json!({
-                "id": j.id,
-                "name": j.spec.name,
-                "state": j.state.as_str(),
-                "queue": keel_state::quota::queue_of(&j.spec.queue),
-                "priority": j.spec.priority,
-                "gpus": j.allocation.as_ref().map(|a| a.gpus.iter().map(|g| g.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
-                "shared_with": j.allocation.as_ref().and_then(|a| a.shared_with),
-                "progress": progress,
-                "message": why_waiting(j).unwrap_or_else(|| j.message.clone()),
-            })
-        })
+        .map(|j| job_json(j, why_waiting(j).unwrap_or_else(|| j.message.clone())))
         .collect();
     let usage = crate::api::queues::usage_by_queue(state);
     let queues: Vec<Value> = state
@@ -136,6 +119,147 @@ pub fn view(
             "commit_index": raft.commit_index,
             "members": raft.members,
         },
+    })
+}
+
+/// A job as the page lists it, with `message` (why it waits, or its own).
+fn job_json(j: &keel_state::model::Job, message: String) -> Value {
+    let progress = j.progress.as_ref().map(|p| {
+        let remaining_s = (p.samples_per_s > 0.0 && p.total_steps > p.step)
+            .then(|| ((p.total_steps - p.step) as f64 / p.samples_per_s).round());
+        json!({ "step": p.step, "total_steps": p.total_steps, "remaining_s": remaining_s })
+    });
+    json!({
+        "id": j.id,
+        "name": j.spec.name,
+        "state": j.state.as_str(),
+        "queue": keel_state::quota::queue_of(&j.spec.queue),
+        "priority": j.spec.priority,
+        "gpus": j.allocation.as_ref().map(|a| a.gpus.iter().map(|g| g.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
+        "shared_with": j.allocation.as_ref().and_then(|a| a.shared_with),
+        "progress": progress,
+        "submitted_at_ms": j.submitted_at_ms,
+        "finished_at_ms": j.finished_at_ms,
+        "message": message,
+    })
+}
+
+/// A job's page (`/api/v1/jobs/ID`): the job as the list shows it
+/// (`null` once retention removed it), its history entry by entry in the
+/// words of `keel why`, and its allocations over log time (the Gantt):
+/// each from the entry that placed it to the one that took it away
+/// (preemption, a requeue, its end; none yet: it still holds it).
+pub fn job_page(
+    job_id: u64,
+    job: Option<(&keel_state::model::Job, String)>,
+    history: &[keel_proto::entry::AppliedEntry],
+    truncated: bool,
+) -> Value {
+    use keel_proto::entry::event::Kind as K;
+    let mut allocations: Vec<Value> = Vec::new();
+    let mut open: Option<usize> = None;
+    let close = |allocations: &mut Vec<Value>,
+                 open: &mut Option<usize>,
+                 index: u64,
+                 at_ms: u64,
+                 how: &str| {
+        if let Some(i) = open.take() {
+            allocations[i]["to_index"] = json!(index);
+            allocations[i]["to_ms"] = json!(at_ms);
+            allocations[i]["ended_by"] = json!(how);
+        }
+    };
+    let mut entries: Vec<Value> = Vec::new();
+    for record in history {
+        let mine: Vec<&keel_proto::entry::Event> = record
+            .events
+            .iter()
+            .filter(|e| crate::history::event_job_id(e) == Some(job_id))
+            .collect();
+        for e in &mine {
+            match &e.kind {
+                Some(K::JobAllocated(x)) => {
+                    close(
+                        &mut allocations,
+                        &mut open,
+                        record.index,
+                        record.at_ms,
+                        "moved",
+                    );
+                    open = Some(allocations.len());
+                    allocations.push(json!({
+                        "epoch": x.epoch,
+                        "gpus": x.gpus.iter().map(|g| format!("{}/{}", g.node, g.index)).collect::<Vec<_>>(),
+                        "shared_with": x.shared_with,
+                        "policy": x.policy,
+                        "round": x.round,
+                        "from_index": record.index,
+                        "from_ms": record.at_ms,
+                        "to_index": null,
+                        "to_ms": null,
+                        "ended_by": null,
+                    }));
+                }
+                Some(K::JobPreempted(_)) => close(
+                    &mut allocations,
+                    &mut open,
+                    record.index,
+                    record.at_ms,
+                    "preempted",
+                ),
+                Some(K::JobRequeued(_)) => close(
+                    &mut allocations,
+                    &mut open,
+                    record.index,
+                    record.at_ms,
+                    "requeued",
+                ),
+                Some(K::JobFinished(x)) => close(
+                    &mut allocations,
+                    &mut open,
+                    record.index,
+                    record.at_ms,
+                    &x.state,
+                ),
+                Some(K::JobCancelled(_)) => close(
+                    &mut allocations,
+                    &mut open,
+                    record.index,
+                    record.at_ms,
+                    "cancelled",
+                ),
+                Some(K::JobRemoved(_)) => close(
+                    &mut allocations,
+                    &mut open,
+                    record.index,
+                    record.at_ms,
+                    "removed",
+                ),
+                _ => {}
+            }
+        }
+        let what = if record.refused.is_empty() {
+            mine.iter()
+                .map(|e| crate::history::describe_event(e))
+                .collect::<Vec<_>>()
+                .join("; ")
+        } else {
+            format!("refused: {}", record.refused)
+        };
+        entries.push(json!({
+            "index": record.index,
+            "at_ms": record.at_ms,
+            "command": record.command,
+            "what": what,
+            "by": crate::history::actor(record),
+        }));
+    }
+    json!({
+        "id": job_id,
+        "job": job.map(|(j, message)| job_json(j, message)),
+        "history": entries,
+        "truncated": truncated,
+        "allocations": allocations,
     })
 }
 
@@ -183,5 +307,102 @@ mod tests {
         // Nothing of what a job runs.
         let text = v.to_string();
         assert!(!text.contains("train.py"), "{text}");
+    }
+
+    #[test]
+    fn a_job_page_draws_each_allocation_from_its_placement_to_what_ended_it() {
+        use keel_proto::entry::{event::Kind, AppliedEntry, Event};
+        use keel_proto::entry::{GpuRef as Gpu, JobAllocated, JobFinished, JobPreempted};
+        let record = |index: u64, command: &str, kinds: Vec<Kind>| AppliedEntry {
+            index,
+            at_ms: index * 1_000,
+            command: command.into(),
+            events: kinds.into_iter().map(|k| Event { kind: Some(k) }).collect(),
+            ..AppliedEntry::default()
+        };
+        let allocated = |epoch: u64, gpu: u32| {
+            Kind::JobAllocated(JobAllocated {
+                job_id: 7,
+                epoch,
+                gpus: vec![Gpu {
+                    node: "n".into(),
+                    index: gpu,
+                }],
+                policy: "fifo".into(),
+                round: epoch,
+                ..JobAllocated::default()
+            })
+        };
+        let history = vec![
+            record(3, "decide_allocation", vec![allocated(1, 0)]),
+            record(
+                5,
+                "decide_allocation",
+                vec![Kind::JobPreempted(JobPreempted {
+                    job_id: 7,
+                    reason: "a job of higher priority".into(),
+                })],
+            ),
+            // Another job's event in the same entry is not this job's.
+            record(
+                8,
+                "decide_allocation",
+                vec![
+                    allocated(2, 1),
+                    Kind::JobAllocated(JobAllocated {
+                        job_id: 8,
+                        epoch: 1,
+                        ..JobAllocated::default()
+                    }),
+                ],
+            ),
+            record(
+                9,
+                "finish_job",
+                vec![Kind::JobFinished(JobFinished {
+                    job_id: 7,
+                    state: "succeeded".into(),
+                    reason: String::new(),
+                })],
+            ),
+        ];
+        let page = job_page(7, None, &history, false);
+        let a = page["allocations"].as_array().expect("allocations");
+        assert_eq!(a.len(), 2, "{page}");
+        assert_eq!(
+            (
+                &a[0]["gpus"],
+                &a[0]["from_index"],
+                &a[0]["to_index"],
+                &a[0]["ended_by"]
+            ),
+            (&json!(["n/0"]), &json!(3), &json!(5), &json!("preempted"))
+        );
+        assert_eq!(
+            (
+                &a[1]["gpus"],
+                &a[1]["from_ms"],
+                &a[1]["to_ms"],
+                &a[1]["ended_by"]
+            ),
+            (
+                &json!(["n/1"]),
+                &json!(8_000),
+                &json!(9_000),
+                &json!("succeeded")
+            )
+        );
+        assert_eq!(page["job"], Value::Null, "removed");
+        let words: Vec<&str> = page["history"]
+            .as_array()
+            .expect("history")
+            .iter()
+            .filter_map(|h| h["what"].as_str())
+            .collect();
+        assert_eq!(words[1], "job 7 preempted: a job of higher priority");
+        assert_eq!(page["history"][0]["by"], "leader");
+        // Still holding: no end yet.
+        let holding = job_page(7, None, &history[..1], false);
+        assert_eq!(holding["allocations"][0]["to_index"], Value::Null);
     }
 }

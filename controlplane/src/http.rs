@@ -6,6 +6,8 @@
 //!   cluster as it was then (time travel: rebuilt from this replica's
 //!   journal, one request at a time, at most
 //!   [`TIME_TRAVEL_MAX_ENTRIES`] entries replayed for one);
+//! - `/api/v1/jobs/ID`: a job's page ([`crate::console::job_page`]): its
+//!   history in `keel why`'s words and its allocations over log time;
 //! - `/healthz`: 200 while the process serves;
 //! - `/readyz`: 200 once this replica knows a leader and has applied every
 //!   entry it knows committed, else 503 and why (what a load balancer or a
@@ -18,7 +20,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
@@ -150,6 +152,7 @@ pub fn router(http: Http) -> Router {
     Router::new()
         .route("/", get(console))
         .route("/api/v1/cluster", get(cluster))
+        .route("/api/v1/jobs/{id}", get(job_page))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -306,6 +309,57 @@ async fn cluster(
         "replayed_from": summary.started_after,
     });
     axum::Json(view).into_response()
+}
+
+/// The most history entries a job's page reads (as `keel why`).
+pub const JOB_PAGE_MAX_ENTRIES: usize = 10_000;
+
+/// A job's page, read from this replica's state and journal.
+async fn job_page(State(http): State<Http>, Path(id): Path<String>) -> axum::response::Response {
+    let Ok(id) = id.parse::<u64>() else {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("the job id must be a number, not {id:?}\n"),
+        )
+            .into_response();
+    };
+    let node = &http.node;
+    let (job, removed) = {
+        let shared = node.state_machine.shared();
+        let applied = shared.read();
+        let state = &applied.state;
+        let job = state.job(id).map(|j| {
+            let admission = crate::api::AdmissionView::of(state, http.default_policy);
+            let message =
+                crate::api::wait_message(state, j, &admission).unwrap_or_else(|| j.message.clone());
+            (j.clone(), message)
+        });
+        (job, state.was_removed(id))
+    };
+    if job.is_none() && !removed {
+        return (StatusCode::NOT_FOUND, format!("job {id} does not exist\n")).into_response();
+    }
+    let store = node.state_machine.clone();
+    let read =
+        tokio::task::spawn_blocking(move || store.job_history(id, JOB_PAGE_MAX_ENTRIES)).await;
+    let (history, truncated) = match read {
+        Ok(Ok(read)) => read,
+        Ok(Err(e)) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        Err(e) => {
+            return (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the read stopped: {e}\n"),
+            )
+                .into_response()
+        }
+    };
+    let page = crate::console::job_page(
+        id,
+        job.as_ref().map(|(j, m)| (j, m.clone())),
+        &history,
+        truncated,
+    );
+    axum::Json(page).into_response()
 }
 
 async fn healthz() -> &'static str {

@@ -6,6 +6,7 @@
 //! - [`api`]: the `keel.api.v1.Keel` gRPC service.
 //! - [`caller`]: who made a request: the actor its entries record.
 //! - [`grpc_status`]: the one mapping from domain errors to gRPC status codes.
+//! - [`history`]: a journal record in words (`keel events`, `keel why`, the console's job page).
 //! - [`clock`]: log time and the replicas' clock offsets.
 //! - [`proposer`]: group commit: concurrent commands share one Raft entry.
 //! - [`convert`]: domain objects to their API messages.
@@ -33,6 +34,7 @@ pub mod convert;
 pub mod executors;
 pub mod exposure;
 pub mod grpc_status;
+pub mod history;
 pub mod http;
 pub mod inventory;
 pub mod leader;

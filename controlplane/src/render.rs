@@ -11,6 +11,7 @@ macro_rules! outln {
     };
 }
 
+use keel::history::{by_actor, describe_event, event_job_id};
 use keel_proto::api;
 use keel_proto::entry as pb;
 use serde::Serialize;
@@ -55,13 +56,7 @@ pub(crate) fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Resu
     Ok(())
 }
 
-pub(crate) fn time(ms: u64) -> String {
-    if ms == 0 {
-        return "-".into();
-    }
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
-    humantime::format_rfc3339_seconds(t).to_string()
-}
+pub(crate) use keel::history::time;
 
 fn gpu_ref(g: &pb::GpuRef) -> String {
     format!("{}/{}", g.node, g.index)
@@ -458,60 +453,6 @@ pub fn why(job_id: u64, history: &api::JobHistoryResponse, out: Output) -> anyho
     }
 }
 
-/// Who asked for an entry, as a suffix (issue 22): its actor; `leader` for
-/// the commands only the leader proposes; nothing for a client's command
-/// without an identity (plaintext).
-fn by_actor(record: &pb::AppliedEntry) -> String {
-    const LEADERS_OWN: [&str; 7] = [
-        "decide_allocation",
-        "record_worker_started",
-        "record_worker_exited",
-        "report_progress",
-        "finish_job",
-        "record_node_inventory",
-        "register_node",
-    ];
-    if !record.actor.is_empty() {
-        format!("  (by {})", record.actor)
-    } else if LEADERS_OWN.contains(&record.command.as_str()) {
-        "  (by leader)".to_string()
-    } else {
-        String::new()
-    }
-}
-
-fn event_job_id(e: &pb::Event) -> Option<u64> {
-    use pb::event::Kind as K;
-    match e.kind.as_ref()? {
-        K::JobSubmitted(x) => Some(x.job_id),
-        K::JobCancelled(x) => Some(x.job_id),
-        K::JobAllocated(x) => Some(x.job_id),
-        K::JobPreempted(x) => Some(x.job_id),
-        K::PlacementRefused(x) => Some(x.job_id),
-        K::WorkerStarted(x) => Some(x.job_id),
-        K::WorkerExited(x) => Some(x.job_id),
-        K::JobProgressReported(x) => Some(x.job_id),
-        K::JobFinished(x) => Some(x.job_id),
-        K::JobRequeued(x) => Some(x.job_id),
-        K::JobRemoved(x) => Some(x.job_id),
-        K::NodeRegistered(_)
-        | K::NodeInventoryChanged(_)
-        | K::NodeLost(_)
-        | K::NodeRecovered(_)
-        | K::NodeRemoved(_)
-        | K::PolicyChanged(_)
-        | K::PolicyMemoryRefused(_)
-        | K::RequestRepeated(_)
-        | K::AclBootstrapped(_)
-        | K::TokenCreated(_)
-        | K::TokenRevoked(_)
-        | K::MembershipChangeRecorded(_)
-        | K::QueueCreated(_)
-        | K::QueueUpdated(_)
-        | K::QueueDeleted(_) => None,
-    }
-}
-
 pub fn logs(job_id: u64, resp: &api::GetLogsResponse, out: Output) -> anyhow::Result<()> {
     match out {
         Output::Json => {
@@ -710,118 +651,6 @@ fn node_message(n: &api::Node) -> String {
         ));
     }
     parts.join("; ")
-}
-
-fn describe_event(e: &pb::Event) -> String {
-    use pb::event::Kind as K;
-    match &e.kind {
-        None => "unknown event".into(),
-        Some(K::NodeRegistered(x)) => {
-            format!("node {} registered with {} GPUs", x.name, x.gpus.len())
-        }
-        Some(K::NodeInventoryChanged(x)) => {
-            let mut parts: Vec<String> = x
-                .gone
-                .iter()
-                .map(|g| format!("GPU {} ({}) gone: {}", g.index, g.gpu_type, g.reason))
-                .collect();
-            if !x.added.is_empty() {
-                let added: Vec<String> = x
-                    .added
-                    .iter()
-                    .map(|g| format!("{} ({})", g.index, g.gpu_type))
-                    .collect();
-                parts.push(format!("GPUs added: {}", added.join(", ")));
-            }
-            format!("node {}: {}", x.name, parts.join("; "))
-        }
-        Some(K::NodeLost(x)) => format!("node {} lost: {}", x.name, x.reason),
-        Some(K::NodeRecovered(x)) => format!("node {} recovered", x.name),
-        Some(K::NodeRemoved(x)) => format!("node {} removed", x.name),
-        Some(K::RequestRepeated(x)) => format!(
-            "request {} repeated (a retry): nothing changed; answered as at index {}",
-            x.request_id, x.first_index
-        ),
-        Some(K::PolicyMemoryRefused(x)) => {
-            format!(
-                "{}'s memory from this decision not kept: {}",
-                x.policy, x.reason
-            )
-        }
-        Some(K::AclBootstrapped(x)) => format!("ACLs bootstrapped: admin token {}", x.name),
-        Some(K::TokenCreated(x)) => format!(
-            "token {} created for role {}{}",
-            x.name,
-            keel_state::codec::role_from_proto(x.role)
-                .map(|r| r.as_str())
-                .unwrap_or("unknown"),
-            x.expires_at_ms
-                .map(|at| format!(", expiring at {}", time(at)))
-                .unwrap_or_default()
-        ),
-        Some(K::TokenRevoked(x)) => format!("token {} revoked", x.name),
-        Some(K::MembershipChangeRecorded(x)) => format!(
-            "member {} {} (membership entry {})",
-            x.member, x.change, x.membership_index
-        ),
-        Some(K::QueueCreated(x)) => format!("queue {} created", x.name),
-        Some(K::QueueUpdated(x)) => format!("queue {} changed", x.name),
-        Some(K::QueueDeleted(x)) => format!("queue {} deleted", x.name),
-        Some(K::PolicyChanged(x)) => format!(
-            "policy changed from {} to {}",
-            if x.from.is_empty() {
-                "the server's default"
-            } else {
-                &x.from
-            },
-            x.to
-        ),
-        Some(K::JobSubmitted(x)) => format!("job {} submitted: {} by {}", x.job_id, x.name, x.user),
-        Some(K::JobCancelled(x)) => format!("job {} cancelled: {}", x.job_id, x.reason),
-        Some(K::JobAllocated(x)) => format!(
-            "job {} allocated {}{} (epoch {}, {} round {}, based on {})",
-            x.job_id,
-            x.gpus.iter().map(gpu_ref).collect::<Vec<_>>().join(","),
-            x.shared_with
-                .map(|p| format!(" shared with job {p}"))
-                .unwrap_or_default(),
-            x.epoch,
-            x.policy,
-            x.round,
-            x.based_on
-        ),
-        Some(K::JobPreempted(x)) => format!("job {} preempted: {}", x.job_id, x.reason),
-        Some(K::PlacementRefused(x)) => {
-            format!("placement of job {} refused: {}", x.job_id, x.reason)
-        }
-        Some(K::WorkerStarted(x)) => format!(
-            "job {} worker {} (epoch {}) started on {}",
-            x.job_id, x.rank, x.epoch, x.node
-        ),
-        Some(K::WorkerExited(x)) => {
-            let how = match (&x.reason, x.exit_code) {
-                (r, _) if !r.is_empty() => r.clone(),
-                (_, Some(c)) => format!("exited with code {c}"),
-                (_, None) => "exited".into(),
-            };
-            format!(
-                "job {} worker {} (epoch {}): {}",
-                x.job_id, x.rank, x.epoch, how
-            )
-        }
-        Some(K::JobProgressReported(x)) => format!(
-            "job {} at step {} ({} samples)",
-            x.job_id,
-            x.latest.as_ref().map_or(0, |s| s.step),
-            x.samples
-        ),
-        Some(K::JobFinished(x)) => format!("job {} {} {}", x.job_id, x.state, x.reason),
-        Some(K::JobRequeued(x)) => format!(
-            "job {} requeued (retry {}): {}",
-            x.job_id, x.retries, x.reason
-        ),
-        Some(K::JobRemoved(x)) => format!("job {} removed", x.job_id),
-    }
 }
 
 pub fn applied_entry(record: &pb::AppliedEntry, out: Output) -> anyhow::Result<()> {

@@ -146,6 +146,52 @@ fn the_console_rewinds_to_an_index_as_keel_replay_does() {
         assert!(body.contains(names), "{query}: {body}");
     }
 
+    // The job's page: its allocation from placement to cancel, and its
+    // history entry by entry as `keel why` gives it.
+    let why = wait_for("the worker's exit recorded", || {
+        let why = server.json(&["why", &id]);
+        let entries = why["entries"].as_array()?;
+        entries
+            .iter()
+            .any(|e| e["command"] == "record_worker_exited")
+            .then_some(why)
+    });
+    let (status, body) = get(&http, &format!("/api/v1/jobs/{id}")).expect("the job's page");
+    assert_eq!(status, 200, "{body}");
+    let page: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let allocations = page["allocations"].as_array().expect("allocations");
+    assert_eq!(allocations.len(), 1, "{body}");
+    assert_eq!(
+        allocations[0]["gpus"],
+        serde_json::json!([held.clone()]),
+        "{body}"
+    );
+    assert_eq!(allocations[0]["ended_by"], "cancelled", "{body}");
+    assert!(allocations[0]["from_index"].as_u64().expect("from") <= running_at);
+    assert!(allocations[0]["to_index"].as_u64().expect("to") > running_at);
+    // Its history is complete once the worker's exit is recorded.
+    let indexes = |entries: &serde_json::Value| -> Vec<u64> {
+        entries
+            .as_array()
+            .expect("entries")
+            .iter()
+            .filter_map(|e| e["index"].as_u64())
+            .collect()
+    };
+    assert_eq!(
+        indexes(&page["history"]),
+        indexes(&why["entries"]),
+        "{body}"
+    );
+    assert!(page["history"][0]["what"]
+        .as_str()
+        .is_some_and(|w| w.contains("submitted")));
+    assert!(!body.contains("sleep 60"), "no command on the page: {body}");
+    for (path, code) in [("/api/v1/jobs/x1", 400), ("/api/v1/jobs/999", 404)] {
+        let (status, body) = get(&http, path).expect("answers");
+        assert_eq!(status, code, "{path}: {body}");
+    }
+
     // The same in a real browser: the page's scripts draw the job on its
     // GPU now-then, with no message on the browser's console.
     if available_or_skip(
@@ -174,6 +220,16 @@ fn the_console_rewinds_to_an_index_as_keel_replay_does() {
             )),
             "{dom}"
         );
+        let (dom, said) = rendered(&format!("http://{http}/?job={id}"));
+        assert_eq!(console_lines(&said), Vec::<String>::new(), "{said}");
+        assert!(
+            dom.contains(&format!(
+                "data-epoch=\"1\" data-gpus=\"{held}\" data-ended-by=\"cancelled\""
+            )),
+            "{dom}"
+        );
+        let rows = dom.matches("<tr data-index=").count();
+        assert_eq!(rows, indexes(&why["entries"]).len(), "{dom}");
         let (dom, said) = rendered(&format!("http://{http}/"));
         assert_eq!(console_lines(&said), Vec::<String>::new(), "{said}");
         assert!(
