@@ -129,6 +129,9 @@ pub fn describe_event(e: &pb::Event) -> String {
             },
             x.to
         ),
+        Some(K::JobSubmitted(x)) if x.user.is_empty() => {
+            format!("job {} submitted: {}", x.job_id, x.name)
+        }
         Some(K::JobSubmitted(x)) => format!("job {} submitted: {} by {}", x.job_id, x.name, x.user),
         Some(K::JobCancelled(x)) => format!("job {} cancelled: {}", x.job_id, x.reason),
         Some(K::JobAllocated(x)) => format!(
