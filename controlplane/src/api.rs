@@ -412,6 +412,64 @@ const MEMBERSHIP_AUDIT_TIMEOUT: std::time::Duration = std::time::Duration::from_
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<AppliedEntry, Status>> + Send>>;
 
+/// Sends the journal's records from `next` on to `tx`, in order (by
+/// index and position: a batch may end inside a proposal's records);
+/// with `follow`, then waits for more and sends them as they are
+/// journaled. Everything applied before the call is in the journal before
+/// the first read. Ends when `tx`'s receiver goes away (noticed while
+/// waiting too), at the end without `follow`, or after sending a journal
+/// error. What `WatchEvents` and the console's event stream serve.
+pub(crate) async fn follow_journal(
+    store: keel_storage::StateMachineStore,
+    mut next: keel_storage::JournalCursor,
+    follow: bool,
+    tx: tokio::sync::mpsc::Sender<Result<AppliedEntry, keel_storage::StoreError>>,
+) {
+    let mut journaled = store.shared().subscribe();
+    let applied = store.shared().read().last_applied.map_or(0, |l| l.index);
+    tokio::select! {
+        caught_up = journaled.wait_for(|i| *i >= applied) => {
+            if caught_up.is_err() {
+                return;
+            }
+        }
+        _ = tx.closed() => return,
+    }
+    loop {
+        // Mark the current index seen before reading, so an apply that
+        // lands after the read wakes the wait below.
+        journaled.borrow_and_update();
+        let batch = match store.applied_entries_at(next, WATCH_BATCH) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        };
+        let exhausted = batch.len() < WATCH_BATCH;
+        for record in batch {
+            next = keel_storage::JournalCursor::after(&record);
+            if tx.send(Ok(record)).await.is_err() {
+                return; // the receiver went away
+            }
+        }
+        if !exhausted {
+            continue;
+        }
+        if !follow {
+            return;
+        }
+        tokio::select! {
+            changed = journaled.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            _ = tx.closed() => return,
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Keel for KeelApi {
     async fn submit_job(
@@ -670,63 +728,24 @@ impl Keel for KeelApi {
                 limit: MAX_EVENT_STREAMS_PER_CALLER,
             })?;
         let store = self.node.state_machine.clone();
-        let mut applied_index = store.shared().subscribe();
         let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BATCH);
-        // Everything applied before this request is in the journal first.
-        let applied = store.shared().read().last_applied.map_or(0, |l| l.index);
         tokio::spawn(async move {
             // Held until the stream ends: by its end, an error, or its client
-            // going away (noticed while waiting too, not only at the next
-            // entry's send).
+            // going away.
             let _permit = permit;
             let _place = place;
-            tokio::select! {
-                caught_up = applied_index.wait_for(|i| *i >= applied) => {
-                    if caught_up.is_err() {
-                        return;
-                    }
-                }
-                _ = tx.closed() => return,
-            }
-            // By (index, position): a batch may end inside an entry's
-            // records (a proposal's commands share its index).
-            let mut next = keel_storage::JournalCursor::at_index(req.from_index);
-            loop {
-                // Mark the current index seen before reading, so an apply
-                // that lands after the read wakes the wait below.
-                applied_index.borrow_and_update();
-                let batch = match store.applied_entries_at(next, WATCH_BATCH) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        let _ = tx.send(Err(Status::from(ApiError::from(e)))).await;
-                        return;
-                    }
-                };
-                let exhausted = batch.len() < WATCH_BATCH;
-                for record in batch {
-                    next = keel_storage::JournalCursor::after(&record);
-                    if tx.send(Ok(record)).await.is_err() {
-                        return; // the client went away
-                    }
-                }
-                if !exhausted {
-                    continue;
-                }
-                if !req.follow {
-                    return;
-                }
-                tokio::select! {
-                    changed = applied_index.changed() => {
-                        if changed.is_err() {
-                            return;
-                        }
-                    }
-                    _ = tx.closed() => return,
-                }
-            }
+            follow_journal(
+                store,
+                keel_storage::JournalCursor::at_index(req.from_index),
+                req.follow,
+                tx,
+            )
+            .await;
         });
+        use tokio_stream::StreamExt;
         Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
+            tokio_stream::wrappers::ReceiverStream::new(rx)
+                .map(|r| r.map_err(|e| Status::from(ApiError::from(e)))),
         )))
     }
 

@@ -20,6 +20,22 @@ use serde_json::{json, Value};
 /// The page.
 pub const INDEX_HTML: &str = include_str!("console/index.html");
 
+/// Where the page holds what it first shows (`null` until the server
+/// inlines it: [`crate::http`]'s `/`).
+pub const INITIAL_MARK: &str = "/*KEEL_INITIAL*/null";
+
+/// The page with `initial` inlined where [`INITIAL_MARK`] is: JSON whose
+/// `<`, `>` and `&` are escaped, so no text in it (a message a worker's
+/// exit or a node's report gave) can close the script element it sits in.
+pub fn page_with(initial: &Value) -> String {
+    let inlined = initial
+        .to_string()
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026");
+    INDEX_HTML.replacen(INITIAL_MARK, &inlined, 1)
+}
+
 /// What Raft says of this replica, for the page.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RaftView {
@@ -144,6 +160,38 @@ fn job_json(j: &keel_state::model::Job, message: String) -> Value {
     })
 }
 
+/// An applied entry as the page shows it: where it is in the log, when,
+/// what it did in the words of `keel events` (its `events`, or why it
+/// was refused) and who asked.
+fn entry_json(
+    record: &keel_proto::entry::AppliedEntry,
+    events: &[&keel_proto::entry::Event],
+) -> Value {
+    let what = if record.refused.is_empty() {
+        events
+            .iter()
+            .map(|e| crate::history::describe_event(e))
+            .collect::<Vec<_>>()
+            .join("; ")
+    } else {
+        format!("refused: {}", record.refused)
+    };
+    json!({
+        "index": record.index,
+        "position": record.position,
+        "at_ms": record.at_ms,
+        "command": record.command,
+        "what": what,
+        "by": crate::history::actor(record),
+    })
+}
+
+/// An applied entry as the page's live feed shows it (all its events).
+pub fn feed_entry(record: &keel_proto::entry::AppliedEntry) -> Value {
+    let events: Vec<&keel_proto::entry::Event> = record.events.iter().collect();
+    entry_json(record, &events)
+}
+
 /// A job's page (`/api/v1/jobs/ID`): the job as the list shows it
 /// (`null` once retention removed it), its history entry by entry in the
 /// words of `keel why`, and its allocations over log time (the Gantt):
@@ -238,21 +286,7 @@ pub fn job_page(
                 _ => {}
             }
         }
-        let what = if record.refused.is_empty() {
-            mine.iter()
-                .map(|e| crate::history::describe_event(e))
-                .collect::<Vec<_>>()
-                .join("; ")
-        } else {
-            format!("refused: {}", record.refused)
-        };
-        entries.push(json!({
-            "index": record.index,
-            "at_ms": record.at_ms,
-            "command": record.command,
-            "what": what,
-            "by": crate::history::actor(record),
-        }));
+        entries.push(entry_json(record, &mine));
     }
     json!({
         "id": job_id,
@@ -404,5 +438,21 @@ mod tests {
         // Still holding: no end yet.
         let holding = job_page(7, None, &history[..1], false);
         assert_eq!(holding["allocations"][0]["to_index"], Value::Null);
+    }
+
+    #[test]
+    fn what_the_page_inlines_cannot_close_its_script() {
+        let initial = json!({ "error": "</script><script>alert(1)</script> & more" });
+        let page = page_with(&initial);
+        assert!(!page.contains("</script><script>alert"), "{page}");
+        assert!(!page.contains(INITIAL_MARK));
+        // The browser reads the same text back.
+        let inlined = page
+            .split("<script id=\"initial\" type=\"application/json\">")
+            .nth(1)
+            .and_then(|rest| rest.split("</script>").next())
+            .expect("the inlined JSON");
+        let read: Value = serde_json::from_str(inlined).expect("JSON");
+        assert_eq!(read, initial);
     }
 }

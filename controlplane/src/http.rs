@@ -8,6 +8,10 @@
 //!   [`TIME_TRAVEL_MAX_ENTRIES`] entries replayed for one);
 //! - `/api/v1/jobs/ID`: a job's page ([`crate::console::job_page`]): its
 //!   history in `keel why`'s words and its allocations over log time;
+//! - `/api/v1/events`: the applied entries as they come, server-sent
+//!   events (what the console's live feed and refreshes follow), from
+//!   `?from=INDEX`, or after the `Last-Event-ID` a reconnecting browser
+//!   sends, or from now; at most [`EVENT_STREAMS_MAX`] at once;
 //! - `/healthz`: 200 while the process serves;
 //! - `/readyz`: 200 once this replica knows a leader and has applied every
 //!   entry it knows committed, else 503 and why (what a load balancer or a
@@ -135,7 +139,13 @@ pub struct Http {
     /// One time-travel replay at a time: a second is answered 429 at
     /// once, so no client's requests take more than a core.
     pub rewinds: Arc<tokio::sync::Semaphore>,
+    /// The event streams served now, at most [`EVENT_STREAMS_MAX`].
+    pub streams: Arc<tokio::sync::Semaphore>,
 }
+
+/// The most `/api/v1/events` streams a replica serves at once (one more
+/// is answered 429).
+pub const EVENT_STREAMS_MAX: usize = 64;
 
 impl Http {
     pub fn new(node: Arc<RaftNode>, default_policy: &'static str) -> Http {
@@ -143,6 +153,7 @@ impl Http {
             node,
             default_policy,
             rewinds: Arc::new(tokio::sync::Semaphore::new(1)),
+            streams: Arc::new(tokio::sync::Semaphore::new(EVENT_STREAMS_MAX)),
         }
     }
 }
@@ -153,6 +164,7 @@ pub fn router(http: Http) -> Router {
         .route("/", get(console))
         .route("/api/v1/cluster", get(cluster))
         .route("/api/v1/jobs/{id}", get(job_page))
+        .route("/api/v1/events", get(events))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -189,14 +201,64 @@ async fn metrics(State(http): State<Http>, headers: axum::http::HeaderMap) -> im
     }
 }
 
-async fn console() -> impl IntoResponse {
+/// What the page's address may ask for: a moment (as `/api/v1/cluster`)
+/// and a job whose page is open.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConsoleQuery {
+    at: Option<String>,
+    at_time: Option<String>,
+    job: Option<String>,
+}
+
+/// The console's page, with what it first shows inlined (the cluster now
+/// or at the moment its address asks for, and the open job's page): the
+/// page draws before any request of its own, and a browser that runs its
+/// scripts once shows the cluster.
+async fn console(
+    State(http): State<Http>,
+    query: Result<Query<ConsoleQuery>, axum::extract::rejection::QueryRejection>,
+) -> axum::response::Response {
+    let initial = match query {
+        Err(e) => serde_json::json!({ "error": e.body_text() }),
+        Ok(Query(q)) => {
+            let moment = ClusterQuery {
+                at: q.at,
+                at_time: q.at_time,
+            };
+            let cluster = match moment.until() {
+                Ok(until) => cluster_view(&http, until).await,
+                Err(why) => Err((StatusCode::BAD_REQUEST, why)),
+            };
+            let job = match &q.job {
+                Some(id) => Some(job_view(&http, id).await),
+                None => None,
+            };
+            let error = [
+                cluster.as_ref().err(),
+                job.as_ref().and_then(|j| j.as_ref().err()),
+            ]
+            .into_iter()
+            .flatten()
+            .map(|(_, why)| why.clone())
+            .collect::<Vec<_>>()
+            .join("; ");
+            serde_json::json!({
+                "cluster": cluster.ok(),
+                "job": job.and_then(Result::ok),
+                "error": (!error.is_empty()).then_some(error),
+            })
+        }
+    };
+    let page = crate::console::page_with(&initial);
     (
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
             (header::CACHE_CONTROL, "no-cache"),
         ],
-        crate::console::INDEX_HTML,
+        page,
     )
+        .into_response()
 }
 
 /// When `/api/v1/cluster` is asked about the past.
@@ -246,6 +308,28 @@ async fn cluster(
         Ok(until) => until,
         Err(why) => return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response(),
     };
+    answer(cluster_view(&http, until).await)
+}
+
+/// A view as JSON, or its refusal as text.
+fn answer(view: Result<serde_json::Value, (StatusCode, String)>) -> axum::response::Response {
+    match view {
+        Ok(view) => axum::Json(view).into_response(),
+        Err((StatusCode::TOO_MANY_REQUESTS, why)) => (
+            StatusCode::TOO_MANY_REQUESTS,
+            [(header::RETRY_AFTER, "1")],
+            format!("{why}\n"),
+        )
+            .into_response(),
+        Err((status, why)) => (status, format!("{why}\n")).into_response(),
+    }
+}
+
+/// [`cluster`]'s view: now (`until` none), or rebuilt at `until`.
+async fn cluster_view(
+    http: &Http,
+    until: Option<keel_storage::Until>,
+) -> Result<serde_json::Value, (StatusCode, String)> {
     let node = &http.node;
     let m = node.raft.metrics().borrow().clone();
     let raft = crate::console::RaftView {
@@ -262,23 +346,18 @@ async fn cluster(
             .collect(),
     };
     let Some(until) = until else {
-        let view = {
-            let shared = node.state_machine.shared();
-            let applied = shared.read();
-            let admission = crate::api::AdmissionView::of(&applied.state, http.default_policy);
-            crate::console::view(&applied.state, &raft, |job| {
-                crate::api::wait_message(&applied.state, job, &admission)
-            })
-        };
-        return axum::Json(view).into_response();
+        let shared = node.state_machine.shared();
+        let applied = shared.read();
+        let admission = crate::api::AdmissionView::of(&applied.state, http.default_policy);
+        return Ok(crate::console::view(&applied.state, &raft, |job| {
+            crate::api::wait_message(&applied.state, job, &admission)
+        }));
     };
     let Ok(_permit) = http.rewinds.clone().try_acquire_owned() else {
-        return (
+        return Err((
             StatusCode::TOO_MANY_REQUESTS,
-            [(header::RETRY_AFTER, "1")],
-            "another time-travel request is being rebuilt on this replica; try again\n",
-        )
-            .into_response();
+            "another time-travel request is being rebuilt on this replica; try again".into(),
+        ));
     };
     let store = node.state_machine.clone();
     let rebuilt =
@@ -286,15 +365,14 @@ async fn cluster(
     let summary = match rebuilt {
         Ok(Ok(summary)) => summary,
         Ok(Err(e @ keel_storage::ReplayError::TooFar { .. })) => {
-            return (StatusCode::UNPROCESSABLE_ENTITY, format!("{e}\n")).into_response()
+            return Err((StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))
         }
-        Ok(Err(e)) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        Ok(Err(e)) => return Err((StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
         Err(e) => {
-            return (
+            return Err((
                 StatusCode::INTERNAL_SERVER_ERROR,
-                format!("the rebuild stopped: {e}\n"),
-            )
-                .into_response()
+                format!("the rebuild stopped: {e}"),
+            ))
         }
     };
     let state = &summary.state;
@@ -308,7 +386,7 @@ async fn cluster(
         "state_hash": summary.state_hash.to_string(),
         "replayed_from": summary.started_after,
     });
-    axum::Json(view).into_response()
+    Ok(view)
 }
 
 /// The most history entries a job's page reads (as `keel why`).
@@ -316,12 +394,16 @@ pub const JOB_PAGE_MAX_ENTRIES: usize = 10_000;
 
 /// A job's page, read from this replica's state and journal.
 async fn job_page(State(http): State<Http>, Path(id): Path<String>) -> axum::response::Response {
+    answer(job_view(&http, &id).await)
+}
+
+/// [`job_page`]'s view of job `id` (as the address gave it).
+async fn job_view(http: &Http, id: &str) -> Result<serde_json::Value, (StatusCode, String)> {
     let Ok(id) = id.parse::<u64>() else {
-        return (
+        return Err((
             StatusCode::BAD_REQUEST,
-            format!("the job id must be a number, not {id:?}\n"),
-        )
-            .into_response();
+            format!("the job id must be a number, not {id:?}"),
+        ));
     };
     let node = &http.node;
     let (job, removed) = {
@@ -337,29 +419,101 @@ async fn job_page(State(http): State<Http>, Path(id): Path<String>) -> axum::res
         (job, state.was_removed(id))
     };
     if job.is_none() && !removed {
-        return (StatusCode::NOT_FOUND, format!("job {id} does not exist\n")).into_response();
+        return Err((StatusCode::NOT_FOUND, format!("job {id} does not exist")));
     }
     let store = node.state_machine.clone();
     let read =
         tokio::task::spawn_blocking(move || store.job_history(id, JOB_PAGE_MAX_ENTRIES)).await;
     let (history, truncated) = match read {
         Ok(Ok(read)) => read,
-        Ok(Err(e)) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        Ok(Err(e)) => return Err((StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
         Err(e) => {
-            return (
+            return Err((
                 StatusCode::INTERNAL_SERVER_ERROR,
-                format!("the read stopped: {e}\n"),
-            )
-                .into_response()
+                format!("the read stopped: {e}"),
+            ))
         }
     };
-    let page = crate::console::job_page(
+    Ok(crate::console::job_page(
         id,
         job.as_ref().map(|(j, m)| (j, m.clone())),
         &history,
         truncated,
-    );
-    axum::Json(page).into_response()
+    ))
+}
+
+/// Where `/api/v1/events` starts.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    /// A log index: its entry's records first.
+    from: Option<String>,
+}
+
+/// The applied entries as they come, as server-sent events: each an
+/// `entry` event whose id is `INDEX.POSITION` and whose data is
+/// [`crate::console::feed_entry`]'s JSON.
+async fn events(
+    State(http): State<Http>,
+    headers: axum::http::HeaderMap,
+    query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+) -> axum::response::Response {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    use tokio_stream::StreamExt;
+    let bad = |why: String| (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response();
+    let from = match query {
+        Ok(q) => q.0.from,
+        Err(e) => return bad(e.body_text()),
+    };
+    let resume = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let store = http.node.state_machine.clone();
+    let cursor = match (from, resume) {
+        (Some(from), _) => match from.parse::<u64>() {
+            Ok(i) => keel_storage::JournalCursor::at_index(i),
+            Err(_) => return bad(format!("from must be a log index, not {from:?}")),
+        },
+        (None, Some(id)) => match id.split_once('.').and_then(|(i, p)| {
+            Some(keel_storage::JournalCursor {
+                index: i.parse().ok()?,
+                position: p.parse::<u32>().ok()?.checked_add(1)?,
+            })
+        }) {
+            Some(cursor) => cursor,
+            None => return bad(format!("Last-Event-ID must be INDEX.POSITION, not {id:?}")),
+        },
+        (None, None) => keel_storage::JournalCursor::at_index(
+            store.shared().read().last_applied.map_or(0, |l| l.index) + 1,
+        ),
+    };
+    let Ok(permit) = http.streams.clone().try_acquire_owned() else {
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [(header::RETRY_AFTER, "5")],
+            format!("this replica serves {EVENT_STREAMS_MAX} event streams already; try again\n"),
+        )
+            .into_response();
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(512);
+    tokio::spawn(async move {
+        let _permit = permit; // held until the stream ends
+        crate::api::follow_journal(store, cursor, true, tx).await;
+    });
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|read| {
+        Ok::<_, std::convert::Infallible>(match read {
+            Ok(record) => Event::default()
+                .event("entry")
+                .id(format!("{}.{}", record.index, record.position))
+                .json_data(crate::console::feed_entry(&record))
+                .unwrap_or_else(|e| Event::default().event("error").data(e.to_string())),
+            Err(e) => Event::default().event("error").data(e.to_string()),
+        })
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }
 
 async fn healthz() -> &'static str {

@@ -7,11 +7,15 @@ mod support;
 
 use std::process::Command;
 
-use support::{available_or_skip, get, http_addr, submit_script, wait_for, ServerProcess};
+use support::{
+    available_or_skip, get, get_with, http_addr, submit_script, wait_for, ServerProcess,
+};
 
-/// The page at `url` as headless Chromium draws it: the DOM once its
-/// scripts have run (with up to three seconds of the page's timers), and
-/// what the browser logged.
+/// The page at `url` as headless Chromium draws it: the DOM once it has
+/// loaded and its scripts have run (the server inlines what the page
+/// first shows, so it is drawn by then; the page's event stream stays
+/// open, so no wait for the network to fall quiet), and what the browser
+/// logged.
 fn rendered(url: &str) -> (String, String) {
     let out = Command::new("chromium")
         .args([
@@ -20,7 +24,6 @@ fn rendered(url: &str) -> (String, String) {
             "--disable-gpu",
             "--disable-dev-shm-usage",
             "--enable-logging=stderr",
-            "--virtual-time-budget=3000",
             "--dump-dom",
             url,
         ])
@@ -35,6 +38,50 @@ fn rendered(url: &str) -> (String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// The first `want` events of the server-sent event stream at `path` on
+/// `addr` (with `headers`), as (id, data); fewer if it has no more within
+/// ten seconds.
+fn sse_events(addr: &str, path: &str, headers: &str, want: usize) -> Vec<(String, String)> {
+    sse_until(addr, path, headers, |events| events.len() == want)
+}
+
+/// The events of the stream at `path` until `enough` says so (or none
+/// comes for ten seconds).
+fn sse_until(
+    addr: &str,
+    path: &str,
+    headers: &str,
+    enough: impl Fn(&[(String, String)]) -> bool,
+) -> Vec<(String, String)> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connects");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n{headers}\r\n"
+    )
+    .expect("sent");
+    let mut events = Vec::new();
+    let (mut id, mut data) = (String::new(), String::new());
+    for line in BufReader::new(stream).lines() {
+        let Ok(line) = line else { break };
+        // Chunked framing: the chunk sizes are lines of their own.
+        if let Some(v) = line.strip_prefix("id: ") {
+            id = v.to_string();
+        } else if let Some(v) = line.strip_prefix("data: ") {
+            data = v.to_string();
+        } else if line.is_empty() && !data.is_empty() {
+            events.push((std::mem::take(&mut id), std::mem::take(&mut data)));
+            if enough(&events) {
+                break;
+            }
+        }
+    }
+    events
 }
 
 /// The page's console messages in what Chromium logged (errors and
@@ -191,6 +238,66 @@ fn the_console_rewinds_to_an_index_as_keel_replay_does() {
         let (status, body) = get(&http, path).expect("answers");
         assert_eq!(status, code, "{path}: {body}");
     }
+
+    // The log as it is applied: server-sent events from an index, and
+    // from where a reconnecting browser left off.
+    let first = sse_events(&http, "/api/v1/events?from=1", "", 3);
+    assert_eq!(first.len(), 3, "{first:?}");
+    let is_submission = |data: &str| data.contains(&format!("job {id} submitted: sleeper"));
+    let submitted = sse_until(&http, "/api/v1/events?from=1", "", |events| {
+        events.iter().any(|(_, data)| is_submission(data))
+    })
+    .into_iter()
+    .find(|(_, data)| is_submission(data))
+    .expect("the submission in the stream");
+    let entry: serde_json::Value = serde_json::from_str(&submitted.1).expect("JSON");
+    assert_eq!(entry["command"], "submit_job", "{entry}");
+    assert_eq!(
+        submitted.0,
+        format!("{}.{}", entry["index"], entry["position"]),
+        "{entry}"
+    );
+    let resumed = sse_events(
+        &http,
+        "/api/v1/events",
+        &format!("Last-Event-ID: {}\r\n", submitted.0),
+        1,
+    );
+    let next: serde_json::Value = serde_json::from_str(&resumed[0].1).expect("JSON");
+    assert!(
+        next["index"].as_u64() > entry["index"].as_u64()
+            || (next["index"] == entry["index"]
+                && next["position"].as_u64() > entry["position"].as_u64()),
+        "{next} after {entry}"
+    );
+    for (path, headers, names) in [
+        ("/api/v1/events?from=soon", "", "from must be a log index"),
+        (
+            "/api/v1/events",
+            "Last-Event-ID: yesterday\r\n",
+            "Last-Event-ID must be INDEX.POSITION",
+        ),
+    ] {
+        let (status, body) = get_with(&http, path, headers);
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(body.contains(names), "{path}: {body}");
+    }
+    // At most so many streams at once: one more is refused.
+    let streams: Vec<std::net::TcpStream> = (0..keel::http::EVENT_STREAMS_MAX)
+        .map(|_| {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(&http).expect("connects");
+            write!(s, "GET /api/v1/events HTTP/1.1\r\nHost: {http}\r\n\r\n").expect("sent");
+            let mut head = [0u8; 12];
+            s.read_exact(&mut head).expect("an answer");
+            assert_eq!(&head, b"HTTP/1.1 200");
+            s
+        })
+        .collect();
+    let (status, body) = get_with(&http, "/api/v1/events", "");
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("event streams already"), "{body}");
+    drop(streams);
 
     // The same in a real browser: the page's scripts draw the job on its
     // GPU now-then, with no message on the browser's console.

@@ -792,12 +792,22 @@ pub fn node_entries(server: &ServerProcess) -> (usize, usize) {
 
 /// `GET path` on `addr`: the status code and the body.
 pub fn get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
+    get_with_headers(addr, path, "")
+}
+
+/// [`get`] with more request headers (`Name: value\r\n` each); panics
+/// where the request cannot be made.
+pub fn get_with(addr: &str, path: &str, headers: &str) -> (u16, String) {
+    get_with_headers(addr, path, headers).expect("an HTTP answer")
+}
+
+fn get_with_headers(addr: &str, path: &str, headers: &str) -> std::io::Result<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{headers}\r\n"
     )?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
