@@ -227,13 +227,18 @@ pub async fn scheduling_loop(
         round_ms: u64::try_from(settings.round.as_millis()).unwrap_or(u64::MAX),
         debounce_ms: u64::try_from(settings.debounce.as_millis()).unwrap_or(u64::MAX),
     };
+    // Each policy's plan timed (`keel_scheduling_policy_solve_duration_seconds`).
+    let default_policy: Arc<dyn keel_scheduling::policy::Policy> = Arc::new(
+        crate::metrics::TimedPolicy::new(default_policy, node.metrics.clone()),
+    );
     let mut engine = SchedulingEngine::new(
         timings,
         default_policy,
         options,
         cannot_share_gpus,
         monotonic_ms(),
-    );
+    )
+    .wrapping_policies(crate::metrics::TimedPolicy::wrapper(node.metrics.clone()));
     loop {
         let wait = {
             let applied = shared.read();

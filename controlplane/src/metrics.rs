@@ -95,6 +95,9 @@ pub struct Metrics {
     pub scheduling_rounds: Family<PolicyLabel, Counter>,
     /// How long a round's planning took (admission, policy, fit, diff).
     pub scheduling_round_duration: Histogram,
+    /// How long the policy's own plan took within a round (for the
+    /// heterogeneity-aware policies, their LP solves), by policy.
+    pub policy_solve_duration: Family<PolicyLabel, Histogram>,
     /// Decisions proposed (rounds that changed something).
     pub scheduling_decisions: Counter,
     /// Placements those decisions carried (jobs that gain, move or lose
@@ -155,6 +158,15 @@ impl Metrics {
             "Time to plan one scheduling round (admission, policy, fit, changes)",
             Unit::Seconds,
             scheduling_round_duration.clone(),
+        );
+        let policy_solve_duration = Family::<PolicyLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(latency_buckets())
+        });
+        registry.register_with_unit(
+            "scheduling_policy_solve_duration",
+            "Time the policy's own plan took within a scheduling round (LP solves included), by policy",
+            Unit::Seconds,
+            policy_solve_duration.clone(),
         );
         let scheduling_decisions = Counter::default();
         registry.register(
@@ -248,6 +260,7 @@ impl Metrics {
             api_request_duration,
             scheduling_rounds,
             scheduling_round_duration,
+            policy_solve_duration,
             scheduling_decisions,
             placement_changes,
             proposals,
@@ -787,6 +800,59 @@ pub fn readiness(raft: &Raft, log: &LogStore) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// A policy whose plans are timed into
+/// `keel_scheduling_policy_solve_duration_seconds{policy}`: the runtime
+/// measures around the pure policy, which plans exactly as before (the
+/// scheduling engine puts it around every policy it makes).
+#[derive(Debug)]
+pub struct TimedPolicy {
+    inner: Arc<dyn keel_scheduling::policy::Policy>,
+    metrics: Arc<Metrics>,
+}
+
+impl TimedPolicy {
+    pub fn new(inner: Arc<dyn keel_scheduling::policy::Policy>, metrics: Arc<Metrics>) -> Self {
+        TimedPolicy { inner, metrics }
+    }
+
+    /// What the engine puts around each policy it makes.
+    pub fn wrapper(metrics: Arc<Metrics>) -> keel_scheduling::engine::PolicyWrapper {
+        Arc::new(move |p| Box::new(TimedPolicy::new(Arc::from(p), metrics.clone())))
+    }
+}
+
+impl keel_scheduling::policy::Policy for TimedPolicy {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn plan<'a>(
+        &self,
+        input: &keel_scheduling::policy::SchedulingInput<'a>,
+    ) -> keel_scheduling::policy::Plan<'a> {
+        let started = std::time::Instant::now();
+        let plan = self.inner.plan(input);
+        self.metrics
+            .policy_solve_duration
+            .get_or_create(&PolicyLabel {
+                policy: self.inner.name().to_string(),
+            })
+            .observe(started.elapsed().as_secs_f64());
+        plan
+    }
+
+    fn counters(&self, state: &ClusterState) -> std::collections::BTreeMap<&'static str, u64> {
+        self.inner.counters(state)
+    }
+
+    fn admission_order(
+        &self,
+        input: &keel_scheduling::policy::SchedulingInput<'_>,
+    ) -> Option<Vec<keel_state::model::JobId>> {
+        self.inner.admission_order(input)
+    }
 }
 
 /// Counts the applied events this replica journals, from its start on,

@@ -96,6 +96,14 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
         Some(2.0),
         "{text}"
     );
+    // The policy's own plan is timed in each round that ran it.
+    let solves = sample(
+        &text,
+        "keel_scheduling_policy_solve_duration_seconds_count{policy=\"fifo\"}",
+    )
+    .expect("the policy's solve time");
+    let rounds = sample(&text, "keel_scheduling_rounds_total{policy=\"fifo\"}").expect("rounds");
+    assert!(solves >= 1.0 && solves <= rounds, "{text}");
     assert_eq!(
         sample(&text, "keel_gpus_in_use{gpu_type=\"v100\"}"),
         Some(1.0),

@@ -85,7 +85,14 @@ pub struct SchedulingEngine {
     seen_version: Option<u64>,
     /// When the next round is due, on the monotonic clock.
     next_round_ms: u64,
+    /// What the runtime puts around each policy the engine makes (none:
+    /// the policy as it is): a measurement outside the pure core, such as
+    /// the time of each plan.
+    wrap: Option<PolicyWrapper>,
 }
+
+/// Puts something around a policy (it must plan as the policy does).
+pub type PolicyWrapper = Arc<dyn Fn(Box<dyn Policy>) -> Box<dyn Policy> + Send + Sync>;
 
 impl std::fmt::Debug for SchedulingEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -117,7 +124,16 @@ impl SchedulingEngine {
             cannot_share_gpus,
             seen_version: None,
             next_round_ms: started_ms.saturating_add(timings.round_ms),
+            wrap: None,
         }
+    }
+
+    /// The engine with `wrap` put around every policy it makes from now
+    /// on (the runtime's default policy it was given is the runtime's to
+    /// wrap).
+    pub fn wrapping_policies(mut self, wrap: PolicyWrapper) -> SchedulingEngine {
+        self.wrap = Some(wrap);
+        self
     }
 
     /// What to wait for, given the state's supply/demand `version`, the
@@ -173,6 +189,10 @@ impl SchedulingEngine {
                         from: self.policy.name().to_string(),
                         to: wanted.to_string(),
                     });
+                    let p = match &self.wrap {
+                        Some(wrap) => wrap(p),
+                        None => p,
+                    };
                     self.policy = Arc::from(p);
                 }
                 Err(e) => notices.push(Notice::KeptPolicy {
@@ -340,6 +360,41 @@ mod tests {
         assert!(matches!(e.wait(v, 10, None), Wait::ChangeOrDeadline { .. }));
         e.not_leading();
         assert_eq!(e.wait(v, 20, None), Wait::Debounce { ms: 50 });
+    }
+
+    /// A policy that counts its plans (what a runtime's timing wrapper
+    /// does with a clock), planning as the policy it wraps.
+    #[derive(Debug)]
+    struct Counted(Box<dyn Policy>, Arc<std::sync::atomic::AtomicU64>);
+
+    impl Policy for Counted {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn plan<'a>(&self, input: &crate::policy::SchedulingInput<'a>) -> crate::policy::Plan<'a> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.0.plan(input)
+        }
+    }
+
+    #[test]
+    fn a_policy_the_log_switches_to_gets_the_runtimes_wrapper_and_plans_the_same() {
+        let plans = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = plans.clone();
+        let mut wrapped = engine(None).wrapping_policies(Arc::new(move |p| {
+            Box::new(Counted(p, counter.clone())) as Box<dyn Policy>
+        }));
+        let mut bare = engine(None);
+        let mut c = TestCluster::v100_nodes(&[2]);
+        c.apply(Command::SetPolicy {
+            name: "srjf".into(),
+        });
+        c.submit(job_spec("a", 1, 1));
+        let (w, b) = (wrapped.round(&c.state, 1, 0), bare.round(&c.state, 1, 0));
+        assert_eq!(wrapped.policy_name(), "srjf");
+        assert!(w.command.is_some());
+        assert_eq!(w.command, b.command, "the wrapper plans as the policy");
+        assert_eq!(plans.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 
     #[test]
