@@ -292,6 +292,20 @@ pub enum Command {
 }
 
 impl Command {
+    /// The node a node command names (`RegisterNode`,
+    /// `RecordNodeInventory`, `MarkNodeLost`, `MarkNodeRecovered`,
+    /// `RemoveNode`).
+    pub fn node_name(&self) -> Option<&str> {
+        match self {
+            Command::RegisterNode { name, .. }
+            | Command::RecordNodeInventory { name, .. }
+            | Command::MarkNodeLost { name, .. }
+            | Command::MarkNodeRecovered { name }
+            | Command::RemoveNode { name, .. } => Some(name),
+            _ => None,
+        }
+    }
+
     /// The one job this command is about, if it names one.
     pub fn job_id(&self) -> Option<JobId> {
         match self {

@@ -137,6 +137,48 @@ impl FreeGpus {
         }
     }
 
+    /// Sets node `name`'s part of the index afresh: none of its old GPUs,
+    /// then those of `node` (when it is alive) that `keep` keeps (by
+    /// index: all for the capacity, the unheld ones for the free index).
+    /// What a node's change costs: its own GPUs and the types, not every
+    /// node's GPUs again.
+    pub(crate) fn replace_node(
+        &mut self,
+        name: &str,
+        node: Option<&crate::model::Node>,
+        keep: impl Fn(u32) -> bool,
+    ) {
+        let mut emptied = Vec::new();
+        for (gpu_type, nodes) in self.by_type.iter_mut() {
+            if let Some(old) = nodes.remove(name) {
+                if let Some(c) = self.count_by_type.get_mut(gpu_type) {
+                    *c -= old.len();
+                }
+                if nodes.is_empty() {
+                    emptied.push(gpu_type.clone());
+                }
+            }
+        }
+        for t in emptied {
+            self.by_type.remove(&t);
+            self.count_by_type.remove(&t);
+        }
+        let Some(node) = node.filter(|n| n.state == NodeState::Alive) else {
+            return;
+        };
+        for (index, gpu_type) in &node.gpus {
+            if keep(*index) {
+                self.release_one(
+                    gpu_type,
+                    &GpuRef {
+                        node: name.to_string(),
+                        index: *index,
+                    },
+                );
+            }
+        }
+    }
+
     /// Marks `gpus` as taken.
     pub fn remove(&mut self, gpus: &[GpuRef]) {
         let mut emptied: Option<String> = None;

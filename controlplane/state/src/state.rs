@@ -949,16 +949,20 @@ impl ClusterState {
                 }
             }
         }
-        if matches!(
-            entry.command,
-            Command::RegisterNode { .. }
-                | Command::RecordNodeInventory { .. }
-                | Command::MarkNodeLost { .. }
-                | Command::MarkNodeRecovered { .. }
-                | Command::RemoveNode { .. }
-        ) {
-            self.capacity = FreeGpus::of_nodes(&self.nodes);
-            self.free = FreeCache::default();
+        if let Some(name) = entry.command.node_name() {
+            // Only the named node's GPUs change in the indexes (a job
+            // preempted on another node already gave its GPUs back there).
+            let node = self.nodes.get(name);
+            self.capacity.replace_node(name, node, |_| true);
+            if let Some(free) = self.free.0.get_mut() {
+                let holders = &self.gpu_holders;
+                free.replace_node(name, node, |index| {
+                    !holders.contains_key(&GpuRef {
+                        node: name.to_string(),
+                        index,
+                    })
+                });
+            }
             // The pool beyond the quotas moved, and a held GPU's type may
             // have changed under its job.
             self.queue_index

@@ -1878,3 +1878,71 @@ proptest! {
         prop_assert_ne!(a.state_hash(), b.state_hash());
     }
 }
+
+/// A node's change updates the capacity and free-GPU indexes in place
+/// (only that node's part): after each kind of node command, with jobs
+/// holding GPUs on that node and across nodes and the free index built,
+/// both equal indexes built afresh (`check_invariants`).
+#[test]
+fn a_node_change_keeps_the_gpu_indexes_equal_to_fresh_ones() {
+    use keel_state::fixtures::{job_spec, TestCluster};
+    let gpu = |node: &str, index: u32| GpuRef {
+        node: node.into(),
+        index,
+    };
+    let v100s = |n: u32| -> Vec<Gpu> {
+        (0..n)
+            .map(|index| Gpu {
+                index,
+                gpu_type: "v100".into(),
+            })
+            .collect()
+    };
+    let mut c = TestCluster::v100_nodes(&[4, 4, 2]);
+    let spanning = c.submit(job_spec("spanning", 2, 2));
+    c.place(
+        spanning,
+        vec![gpu("n0", 0), gpu("n0", 1), gpu("n1", 0), gpu("n1", 1)],
+    );
+    let alone = c.submit(job_spec("alone", 1, 1));
+    c.place(alone, vec![gpu("n2", 0)]);
+    assert_eq!(c.state.free_gpus().total(), 5, "the free index built");
+    let commands = [
+        Command::MarkNodeLost {
+            name: "n1".into(),
+            reason: "unreachable".into(),
+        },
+        Command::MarkNodeRecovered { name: "n1".into() },
+        Command::RecordNodeInventory {
+            name: "n2".into(),
+            address: "127.0.0.1".into(),
+            gpus: vec![Gpu {
+                index: 1,
+                gpu_type: "k80".into(),
+            }],
+            failed: Vec::new(),
+            note: String::new(),
+        },
+        Command::RegisterNode {
+            name: "n3".into(),
+            address: "127.0.0.1".into(),
+            gpus: v100s(8),
+            note: String::new(),
+        },
+        Command::RemoveNode {
+            name: "n3".into(),
+            force: false,
+        },
+    ];
+    for command in commands {
+        c.apply(command.clone());
+        if let Err(e) = c.state.check_invariants() {
+            panic!("after {command:?}: {e}");
+        }
+    }
+    // n1 lost preempted the spanning job (its n0 GPUs came back too);
+    // n2 lost GPU 0 (the alone job with it) and offers one k80.
+    assert_eq!(c.state.free_gpus().free_of_type("v100"), 8);
+    assert_eq!(c.state.free_gpus().free_of_type("k80"), 1);
+    assert_eq!(c.state.capacity().total(), 9);
+}
