@@ -105,10 +105,10 @@ pub fn view(
     let usage = crate::api::queues::usage_by_queue(state);
     let queues: Vec<Value> = state
         .queues()
-        .all()
+        .each()
         .keys()
         .map(|name| {
-            let of_queue = usage.get(name.as_str());
+            let of_queue = usage.get(*name);
             json!({
                 "name": name,
                 "pending": of_queue.map_or(0, |u| u.pending_jobs),
@@ -206,17 +206,6 @@ pub fn job_page(
     use keel_proto::entry::event::Kind as K;
     let mut allocations: Vec<Value> = Vec::new();
     let mut open: Option<usize> = None;
-    let close = |allocations: &mut Vec<Value>,
-                 open: &mut Option<usize>,
-                 index: u64,
-                 at_ms: u64,
-                 how: &str| {
-        if let Some(i) = open.take() {
-            allocations[i]["to_index"] = json!(index);
-            allocations[i]["to_ms"] = json!(at_ms);
-            allocations[i]["ended_by"] = json!(how);
-        }
-    };
     let mut entries: Vec<Value> = Vec::new();
     for record in history {
         let mine: Vec<&keel_proto::entry::Event> = record
@@ -225,65 +214,36 @@ pub fn job_page(
             .filter(|e| crate::history::event_job_id(e) == Some(job_id))
             .collect();
         for e in &mine {
-            match &e.kind {
-                Some(K::JobAllocated(x)) => {
-                    close(
-                        &mut allocations,
-                        &mut open,
-                        record.index,
-                        record.at_ms,
-                        "moved",
-                    );
-                    open = Some(allocations.len());
-                    allocations.push(json!({
-                        "epoch": x.epoch,
-                        "gpus": x.gpus.iter().map(|g| format!("{}/{}", g.node, g.index)).collect::<Vec<_>>(),
-                        "shared_with": x.shared_with,
-                        "policy": x.policy,
-                        "round": x.round,
-                        "from_index": record.index,
-                        "from_ms": record.at_ms,
-                        "to_index": null,
-                        "to_ms": null,
-                        "ended_by": null,
-                    }));
-                }
-                Some(K::JobPreempted(_)) => close(
-                    &mut allocations,
-                    &mut open,
-                    record.index,
-                    record.at_ms,
-                    "preempted",
-                ),
-                Some(K::JobRequeued(_)) => close(
-                    &mut allocations,
-                    &mut open,
-                    record.index,
-                    record.at_ms,
-                    "requeued",
-                ),
-                Some(K::JobFinished(x)) => close(
-                    &mut allocations,
-                    &mut open,
-                    record.index,
-                    record.at_ms,
-                    &x.state,
-                ),
-                Some(K::JobCancelled(_)) => close(
-                    &mut allocations,
-                    &mut open,
-                    record.index,
-                    record.at_ms,
-                    "cancelled",
-                ),
-                Some(K::JobRemoved(_)) => close(
-                    &mut allocations,
-                    &mut open,
-                    record.index,
-                    record.at_ms,
-                    "removed",
-                ),
-                _ => {}
+            // What takes the allocation away (a new one replaces it).
+            let ends = match &e.kind {
+                Some(K::JobAllocated(_)) => Some("moved"),
+                Some(K::JobPreempted(_)) => Some("preempted"),
+                Some(K::JobRequeued(_)) => Some("requeued"),
+                Some(K::JobFinished(x)) => Some(x.state.as_str()),
+                Some(K::JobCancelled(_)) => Some("cancelled"),
+                Some(K::JobRemoved(_)) => Some("removed"),
+                _ => None,
+            };
+            if let (Some(how), Some(i)) = (ends, open) {
+                allocations[i]["to_index"] = json!(record.index);
+                allocations[i]["to_ms"] = json!(record.at_ms);
+                allocations[i]["ended_by"] = json!(how);
+                open = None;
+            }
+            if let Some(K::JobAllocated(x)) = &e.kind {
+                open = Some(allocations.len());
+                allocations.push(json!({
+                    "epoch": x.epoch,
+                    "gpus": x.gpus.iter().map(|g| format!("{}/{}", g.node, g.index)).collect::<Vec<_>>(),
+                    "shared_with": x.shared_with,
+                    "policy": x.policy,
+                    "round": x.round,
+                    "from_index": record.index,
+                    "from_ms": record.at_ms,
+                    "to_index": null,
+                    "to_ms": null,
+                    "ended_by": null,
+                }));
             }
         }
         entries.push(entry_json(record, &mine));

@@ -8,7 +8,7 @@ mod support;
 use std::process::Command;
 
 use support::{
-    available_or_skip, get, get_with, http_addr, submit_script, wait_for, ServerProcess,
+    available_or_skip, get, get_with, gpus_showing, start_with_http, submit_script, wait_for,
 };
 
 /// The page at `url` as headless Chromium draws it: the DOM once it has
@@ -101,18 +101,7 @@ fn console_lines(log: &str) -> Vec<String> {
 fn the_console_rewinds_to_an_index_as_keel_replay_does() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let server = ServerProcess::start(
-        &data,
-        &[
-            "--simulated-gpus",
-            "2xv100",
-            "--round-s",
-            "0.3",
-            "--http-listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let http = http_addr(&data);
+    let (server, http) = start_with_http(&data);
     let id = submit_script(&server, dir.path(), "sleeper", "sleep 60");
     let number: u64 = id.parse().expect("an id");
     let held = wait_for("the job placed", || {
@@ -157,21 +146,7 @@ fn the_console_rewinds_to_an_index_as_keel_replay_does() {
         .expect("the job, then");
     assert_eq!(job["state"], "running", "{body}");
     assert_eq!(job["gpus"], serde_json::json!([held.clone()]), "{body}");
-    let on_gpu = then["nodes"]
-        .as_array()
-        .expect("nodes")
-        .iter()
-        .flat_map(|n| {
-            let name = n["name"].as_str().unwrap_or_default().to_string();
-            n["gpus"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|g| g["jobs"] == serde_json::json!([number]))
-                .map(move |g| format!("{name}/{}", g["index"]))
-        })
-        .collect::<Vec<_>>();
+    let on_gpu = gpus_showing(&then, number);
     assert_eq!(on_gpu, vec![held.clone()], "{body}");
     let hash_then = then["at"]["state_hash"]
         .as_str()

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use support::{available_or_skip, get, http_addr, submit_script, wait_for, ServerProcess};
+use support::{available_or_skip, get, gpus_showing, start_with_http, submit_script, wait_for};
 
 /// The value of the sample `name{labels}` (labels as written, in order),
 /// if the text has it.
@@ -60,18 +60,7 @@ fn root() -> std::path::PathBuf {
 fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let server = ServerProcess::start(
-        &data,
-        &[
-            "--simulated-gpus",
-            "2xv100",
-            "--round-s",
-            "0.3",
-            "--http-listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let http = http_addr(&data);
+    let (server, http) = start_with_http(&data);
     assert_eq!(get(&http, "/healthz").expect("healthz").0, 200);
     wait_for("ready", || {
         (get(&http, "/readyz").ok()?.0 == 200).then_some(())
@@ -190,21 +179,7 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
     let (status, body) = get(&http, "/api/v1/cluster").expect("the cluster");
     assert_eq!(status, 200);
     let cluster: serde_json::Value = serde_json::from_str(&body).expect("JSON");
-    let shown: Vec<String> = cluster["nodes"]
-        .as_array()
-        .expect("nodes")
-        .iter()
-        .flat_map(|n| {
-            let name = n["name"].as_str().unwrap_or_default().to_string();
-            n["gpus"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|g| g["jobs"] == serde_json::json!([id.parse::<u64>().expect("an id")]))
-                .map(move |g| format!("{name}/{}", g["index"]))
-        })
-        .collect();
+    let shown = gpus_showing(&cluster, id.parse().expect("an id"));
     assert_eq!(shown, vec![held], "{body}");
     assert_eq!(
         cluster["raft"]["leader"], cluster["raft"]["member"],

@@ -1,12 +1,12 @@
 //! `ClusterState::apply` throughput on a recorded stream of mixed entries
 //! (submissions, placements, worker starts, progress batches, finishes,
-//! removals) over a 32-node, 256-GPU cluster.
+//! removals) over a 32-node, 256-GPU cluster; registering 5,000 nodes.
 //!
 //! Run: `cargo bench -p keel-state --bench apply`
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use keel_state::fixtures::{mixed_entries, mixed_entries_in_queues};
-use keel_state::ClusterState;
+use keel_state::{ClusterState, Command, Gpu, LogEntry};
 
 const ENTRIES: usize = 200_000;
 
@@ -35,6 +35,46 @@ fn apply_mixed_stream(c: &mut Criterion) {
             |mut state| {
                 for (i, e) in queued.iter().enumerate() {
                     let _ = std::hint::black_box(state.apply(i as u64 + 1, e));
+                }
+                state
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    group.finish();
+
+    // Registering 5,000 nodes of 8 GPUs, the free-GPU index read every
+    // 100 (as a scheduler would): each node's change sets only its own
+    // part of the GPU indexes (issue 26's scale).
+    let register: Vec<LogEntry> = (0..5_000u32)
+        .map(|n| {
+            LogEntry::new(
+                1,
+                Command::RegisterNode {
+                    name: format!("node-{n}"),
+                    address: "10.0.0.1:7070".into(),
+                    gpus: (0..8)
+                        .map(|index| Gpu {
+                            index,
+                            gpu_type: "v100".into(),
+                        })
+                        .collect(),
+                    note: String::new(),
+                },
+            )
+        })
+        .collect();
+    let mut group = c.benchmark_group("nodes");
+    group.sample_size(10);
+    group.bench_function("register_5000_nodes", |b| {
+        b.iter_batched(
+            ClusterState::new,
+            |mut state| {
+                for (i, e) in register.iter().enumerate() {
+                    let _ = std::hint::black_box(state.apply(i as u64 + 1, e));
+                    if i % 100 == 0 {
+                        std::hint::black_box(state.free_gpus().total());
+                    }
                 }
                 state
             },

@@ -939,14 +939,9 @@ impl ClusterState {
                 .collect();
             touched.sort_unstable();
             touched.dedup();
-            // A worker's start changes neither a job's allocation nor
-            // whether it waits: nothing the queue index keeps.
-            let queued = !matches!(entry.command, Command::RecordWorkerStarted { .. });
             for id in touched {
                 self.indexes.update(id, self.jobs.get(&id));
-                if queued {
-                    self.queue_index.update(id, self.jobs.get(&id), &self.nodes);
-                }
+                self.queue_index.update(id, self.jobs.get(&id), &self.nodes);
             }
         }
         if let Some(name) = entry.command.node_name() {

@@ -853,3 +853,41 @@ pub fn http_addr(data: &Path) -> String {
             .filter(|a| a.parse::<std::net::SocketAddr>().is_ok())
     })
 }
+
+/// A one-replica server in `data` with two simulated v100s, a round every
+/// 0.3 s and its HTTP endpoint on a port the system picks; and that
+/// endpoint's address.
+pub fn start_with_http(data: &Path) -> (ServerProcess, String) {
+    let server = ServerProcess::start(
+        data,
+        &[
+            "--simulated-gpus",
+            "2xv100",
+            "--round-s",
+            "0.3",
+            "--http-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let http = http_addr(data);
+    (server, http)
+}
+
+/// The GPUs (`node/index`) whose cells in a `/api/v1/cluster` answer show
+/// job `id` alone.
+pub fn gpus_showing(cluster: &serde_json::Value, id: u64) -> Vec<String> {
+    let nodes = cluster["nodes"].as_array().cloned().unwrap_or_default();
+    nodes
+        .iter()
+        .flat_map(|n| {
+            let name = n["name"].as_str().unwrap_or_default().to_string();
+            n["gpus"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|g| g["jobs"] == serde_json::json!([id]))
+                .map(move |g| format!("{name}/{}", g["index"]))
+        })
+        .collect()
+}
