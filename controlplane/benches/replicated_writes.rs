@@ -11,8 +11,15 @@
 //! mutual TLS (certificates from `keel tls init`, clients holding a client
 //! certificate), for TLS's cost (issue 22).
 //!
+//! Observability's cost (issue 24): Keel once more with `/metrics` off
+//! and no span export (`--http-listen off`), with `/metrics` scraped every
+//! second, and with that and spans exported over OTLP to a collector in
+//! this process, 1 % of the writes sampled (the servers' default ratio):
+//! the three runs after each other, twice.
+//!
 //! Run: `cargo bench -p keel --bench replicated_writes`
-//! (`KEEL_BENCH_SECONDS` sets each phase's length; default 5.)
+//! (`KEEL_BENCH_SECONDS` sets each phase's length; default 5;
+//! `KEEL_BENCH_ONLY=observability` runs the observability rows alone.)
 
 #![allow(clippy::print_stdout)]
 
@@ -25,6 +32,9 @@ use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest, SubmitJobRe
 use keel_proto::entry::JobSpec;
 use prost::Message;
 use tonic::transport::Channel;
+
+#[path = "../tests/support/otlp.rs"]
+mod otlp;
 
 const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 const VALUE_BYTES: usize = 256;
@@ -159,7 +169,7 @@ fn padded_spec(i: usize) -> JobSpec {
 
 /// Three replicas in `dir`; over TLS with the certificates in `certs`
 /// (`keel tls init`), if given.
-fn spawn_keel(dir: &Path, certs: Option<&Path>) -> (Vec<Child>, Vec<String>) {
+fn spawn_keel(dir: &Path, certs: Option<&Path>, extra: &[String]) -> (Vec<Child>, Vec<String>) {
     let addrs: Vec<String> = (0..3)
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
@@ -178,7 +188,8 @@ fn spawn_keel(dir: &Path, certs: Option<&Path>) -> (Vec<Child>, Vec<String>) {
             command
                 .args(["server", "--no-local-node", "--id", &id.to_string()])
                 .args(["--peers", &peers, "--listen", a, "--data-dir"])
-                .arg(dir.join(format!("keel{id}")));
+                .arg(dir.join(format!("keel{id}")))
+                .args(extra);
             if let Some(certs) = certs {
                 command
                     .arg("--tls-cert")
@@ -358,6 +369,27 @@ async fn keel_submit(ch: Channel, i: usize) -> bool {
         .is_ok()
 }
 
+/// Reads each replica's `/metrics` every second (its address from
+/// `DATA/http.addr`), until aborted.
+async fn scrape_every_second(dirs: Vec<std::path::PathBuf>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        for dir in &dirs {
+            let Ok(addr) = std::fs::read_to_string(dir.join("http.addr")) else {
+                continue;
+            };
+            if let Ok(mut s) = tokio::net::TcpStream::connect(addr.trim()).await {
+                let _ = s
+                    .write_all(b"GET /metrics HTTP/1.1\r\nHost: keel\r\nConnection: close\r\n\r\n")
+                    .await;
+                let mut body = Vec::new();
+                let _ = s.read_to_end(&mut body).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 fn main() {
     let secs: f64 = std::env::var("KEEL_BENCH_SECONDS")
         .ok()
@@ -368,19 +400,53 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
+    let only_observability = std::env::var("KEEL_BENCH_ONLY").as_deref() == Ok("observability");
+    let collector = otlp::Collector::start();
     let mut rows = Vec::new();
     rt.block_on(async {
         let (certs, tls) = tls_client(dir.path());
         let plain = Transport::Plain;
-        for (name, transport, certs) in [
-            ("keel", &plain, None),
-            ("keel over mutual TLS", &tls, Some(certs.as_path())),
-        ] {
-            let run_dir = dir
-                .path()
-                .join(if certs.is_some() { "tls" } else { "plain" });
-            let (mut keel, addrs) = spawn_keel(&run_dir, certs);
+        let off = vec!["--http-listen".to_string(), "off".to_string()];
+        let on = vec![
+            "--http-listen".to_string(),
+            "127.0.0.1:0".to_string(),
+            "--otlp-endpoint".to_string(),
+            collector.endpoint.clone(),
+        ];
+        let mut runs = Vec::new();
+        if !only_observability {
+            runs.push(("keel", &plain, None, Vec::new()));
+            runs.push((
+                "keel over mutual TLS",
+                &tls,
+                Some(certs.as_path()),
+                Vec::new(),
+            ));
+        }
+        let metrics_only = vec!["--http-listen".to_string(), "127.0.0.1:0".to_string()];
+        for _ in 0..2 {
+            runs.push(("keel, metrics and traces off", &plain, None, off.clone()));
+            runs.push(("keel, metrics scraped", &plain, None, metrics_only.clone()));
+            runs.push((
+                "keel, metrics scraped, traces at 1 %",
+                &plain,
+                None,
+                on.clone(),
+            ));
+        }
+        for (run, (name, transport, certs, extra)) in runs.into_iter().enumerate() {
+            let run_dir = dir.path().join(format!("run{run}"));
+            let (mut keel, addrs) = spawn_keel(&run_dir, certs, &extra);
             let leader = keel_leader(transport, &addrs).await;
+            // The metrics, scraped every second on each replica, as a
+            // Prometheus would (its own cost left out).
+            let scraping = extra.contains(&"127.0.0.1:0".to_string()).then(|| {
+                let dirs: Vec<std::path::PathBuf> = (1..=3)
+                    .map(|id| run_dir.join(format!("keel{id}")))
+                    .collect();
+                tokio::spawn(scrape_every_second(dirs))
+            });
+            let spans_before = collector.count();
             for clients in [1, 64] {
                 rows.push(
                     load(
@@ -393,10 +459,22 @@ fn main() {
                     .await,
                 );
             }
+            if let Some(scraping) = scraping {
+                scraping.abort();
+            }
+            if extra.contains(&"--otlp-endpoint".to_string()) {
+                println!(
+                    "{name}: {} spans exported",
+                    collector.count() - spans_before
+                );
+            }
             for c in &mut keel {
                 let _ = c.kill();
                 let _ = c.wait();
             }
+        }
+        if only_observability {
+            return;
         }
         match spawn_etcd(dir.path()) {
             None => println!(

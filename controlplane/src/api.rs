@@ -125,6 +125,13 @@ macro_rules! route {
                     .metadata_mut()
                     .insert(crate::authz::AUTHORIZATION_HEADER, token);
             }
+            // The leader's span a child of this one ([`crate::traces`]).
+            if let Some(value) = crate::traces::current_trace_parent().and_then(|t| t.parse().ok())
+            {
+                forwarded
+                    .metadata_mut()
+                    .insert(crate::traces::TRACEPARENT_HEADER, value);
+            }
             return leader.$method(forwarded).await.map_err(forward_error);
         }
     };

@@ -29,12 +29,20 @@ fn transport() -> keel::transport::Transport {
 /// The caller's token (`--token`, `KEEL_TOKEN`), set once by `main`.
 pub static TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
-/// Adds the read mode, and the caller's token, to every request.
+/// The trace the command's requests belong to (a W3C `traceparent`: the
+/// command's own span with `--otlp-endpoint`, else `TRACEPARENT` from the
+/// environment), set once by `main`.
+pub static TRACE_PARENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Adds the read mode, the caller's token and the trace context to every
+/// request.
 #[derive(Debug, Clone)]
 pub struct ReadMode {
     stale: bool,
     /// `Bearer <token>`, as the `authorization` metadata carries it.
     authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    /// The `traceparent` metadata ([`TRACE_PARENT`]).
+    traceparent: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
 }
 
 impl tonic::service::Interceptor for ReadMode {
@@ -52,6 +60,11 @@ impl tonic::service::Interceptor for ReadMode {
             request
                 .metadata_mut()
                 .insert(keel::authz::AUTHORIZATION_HEADER, value.clone());
+        }
+        if let Some(value) = &self.traceparent {
+            request
+                .metadata_mut()
+                .insert(keel::traces::TRACEPARENT_HEADER, value.clone());
         }
         Ok(request)
     }
@@ -108,6 +121,7 @@ async fn connect_one(addr: &str) -> anyhow::Result<Client> {
     let mode = ReadMode {
         stale: STALE_READS.get().copied().unwrap_or(false),
         authorization,
+        traceparent: TRACE_PARENT.get().and_then(|t| t.parse().ok()),
     };
     Ok(KeelClient::with_interceptor(channel, mode)
         .max_decoding_message_size(64 * keel::MAX_REQUEST_BYTES))

@@ -29,7 +29,7 @@ use keel_executors::{Executor, ExecutorError, WorkerId};
 use keel_scheduling::engine::{Notice, SchedulingEngine, SchedulingTimings, Wait};
 use keel_scheduling::policy::{Policy, PolicyOptions};
 use keel_state::state::limits::PROGRESS_SAMPLES_MAX;
-use keel_state::{Command, JobId, ProgressSample};
+use keel_state::{ClusterState, Command, JobId, ProgressSample};
 use openraft::ServerState;
 use tokio::sync::watch;
 
@@ -279,7 +279,7 @@ pub async fn scheduling_loop(
         // Read one consistent state at applied index i and plan on it. The
         // policy is a pure function over the borrowed state (FIFO: a few ms
         // at 10,000 waiting jobs); applies wait for the read lock meanwhile.
-        let (round, report) = {
+        let (round, report, _traced) = {
             let applied = shared.read();
             let planning = std::time::Instant::now();
             let round = engine.round(&applied.state, clock(), monotonic_ms());
@@ -296,7 +296,8 @@ pub async fn scheduling_loop(
                 policy_counters: engine.counters(&applied.state),
                 last_planned_index: applied.state.last_index(),
             };
-            (round, report)
+            let traced = decision_spans(&applied.state, round.command.as_ref());
+            (round, report, traced)
         };
         for notice in &round.notices {
             match notice {
@@ -654,12 +655,57 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
         launch: keel_executors::contract::WorkerLaunch,
     ) -> Result<(), ExecutorError> {
         let started = std::time::Instant::now();
-        let launched = self.executor.launch(launch).await;
+        // The launch's span, in the trace of the job's submission.
+        let span = tracing::trace_span!(
+            target: crate::traces::TARGET,
+            "keel.launch",
+            keel.job_id = launch.id.job_id,
+            keel.rank = launch.id.rank,
+            keel.node = %launch.node,
+        );
+        if let Some(parent) = &launch.trace_parent {
+            crate::traces::join(&span, parent);
+        }
+        let launched = tracing::Instrument::instrument(self.executor.launch(launch), span).await;
         if let Some((metrics, executor)) = self.launches {
             metrics.launched(executor, launched.is_ok(), started.elapsed());
         }
         launched
     }
+}
+
+/// One span per job the decision places that has a trace (its
+/// submission's): from the decision until its entry is applied here. None
+/// without `--otlp-endpoint`.
+fn decision_spans(state: &ClusterState, decision: Option<&Command>) -> Vec<tracing::Span> {
+    let Some(Command::DecideAllocation {
+        placements,
+        round,
+        policy,
+        ..
+    }) = decision
+    else {
+        return Vec::new();
+    };
+    if !tracing::enabled!(target: crate::traces::TARGET, tracing::Level::TRACE) {
+        return Vec::new();
+    }
+    placements
+        .iter()
+        .filter_map(|p| {
+            let parent = state.jobs().get(&p.job_id)?.trace_parent.as_deref()?;
+            let span = tracing::trace_span!(
+                target: crate::traces::TARGET,
+                "keel.decide",
+                keel.job_id = p.job_id,
+                keel.round = *round,
+                keel.policy = %policy,
+                keel.gpus = p.gpus.len(),
+            );
+            crate::traces::join(&span, parent);
+            Some(span)
+        })
+        .collect()
 }
 
 fn not_owned(id: &WorkerId, node: &str) {

@@ -50,6 +50,7 @@ pub mod removal;
 pub mod retention;
 pub mod server;
 pub mod tls;
+pub mod traces;
 pub mod transport;
 
 /// Largest gRPC request the server accepts, in bytes.

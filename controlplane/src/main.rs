@@ -66,6 +66,12 @@ struct Args {
     token_file: Option<PathBuf>,
     #[command(flatten)]
     tls: TlsArgs,
+    /// Export spans over OTLP/gRPC to this collector (`http://HOST:4317`):
+    /// a server's spans of the writes it serves, applies and acts on; a
+    /// client's span of its command, every one sampled, whose trace the
+    /// servers join (README, "Traces").
+    #[arg(long, global = true, env = "KEEL_OTLP_ENDPOINT", value_name = "URL")]
+    otlp_endpoint: Option<String>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -276,6 +282,12 @@ enum Cmd {
         /// only unless `--insecure` (the endpoint has no TLS yet).
         #[arg(long, value_name = "ADDR|off")]
         http_listen: Option<String>,
+        /// The share of the traces that start at this server (requests
+        /// without a sampled `traceparent`, the leader's own rounds) that
+        /// are exported, with `--otlp-endpoint`; spans under a sampled
+        /// caller's trace always are.
+        #[arg(long, default_value_t = 0.01)]
+        trace_sample_ratio: f64,
         #[command(flatten)]
         worker_logs: ServerLogArgs,
     },
@@ -771,7 +783,27 @@ impl WorkerLogArgs {
     }
 }
 
-fn init_tracing() {
+fn init_tracing(traces: Option<keel::traces::TraceLayer>) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    // The span export first: its filter names only the trace's target.
+    // Never an `Option` layer that is `None`: it answers "always" for
+    // every call site, so every debug span of openraft's would be built
+    // (BENCHMARKS.md, "What watching costs").
+    match traces {
+        Some(traces) => tracing_subscriber::registry()
+            .with(traces)
+            .with(log_layer())
+            .init(),
+        None => tracing_subscriber::registry().with(log_layer()).init(),
+    }
+}
+
+/// The server's log on stderr, filtered by `KEEL_LOG`.
+fn log_layer<S>() -> impl tracing_subscriber::Layer<S> + Send + Sync
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
     let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new(
             "info,openraft=warn,sled=warn,chunked_wal=warn,raft_log=warn",
@@ -788,18 +820,12 @@ fn init_tracing() {
     // its spans built: about 8 % of the replicas' CPU in a profile of the
     // write benchmark (BENCHMARKS.md, "Beside the commit before issue 21").
     use tracing_subscriber::filter::FilterExt;
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
     let repeats = keel::log_limit::RepeatLimit::new(vec!["openraft"], Duration::from_secs(60));
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .with_writer(std::io::stderr)
-                .with_filter(filter.and(repeats)),
-        )
-        .init();
+    tracing_subscriber::fmt::layer()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .with_filter(filter.and(repeats))
 }
 
 /// The Kubernetes executor's flags.
@@ -928,8 +954,31 @@ async fn main() -> std::process::ExitCode {
     // Chaos builds: failpoints from the FAILPOINTS environment variable.
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
-    let args = Args::parse();
-    match run(args).await {
+    let matches = <Args as clap::CommandFactory>::command().get_matches();
+    let args = match <Args as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(args) => args,
+        Err(e) => e.exit(),
+    };
+    let (traces, span) = match client_traces(&args, matches.subcommand_name().unwrap_or("")) {
+        Ok(Some((traces, span))) => (Some(traces), span),
+        Ok(None) => (None, tracing::Span::none()),
+        Err(e) => {
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: {e:#}");
+            }
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let outcome = tracing::Instrument::instrument(run(args), span.clone()).await;
+    if outcome.is_err() {
+        span.record("otel.status_code", "ERROR");
+    }
+    drop(span);
+    if let Some(traces) = traces {
+        traces.shutdown().await;
+    }
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // The reader went away (`keel jobs | head`): nothing more to say.
         Err(e) if closed_pipe(&e) => std::process::ExitCode::SUCCESS,
@@ -941,6 +990,47 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// A client command's trace: with `--otlp-endpoint`, its span (a child of
+/// `TRACEPARENT` from the environment, when set), whose context every
+/// request carries; without, `TRACEPARENT` passed on as it is. The server
+/// sets up its own export.
+fn client_traces(
+    args: &Args,
+    command: &str,
+) -> anyhow::Result<Option<(keel::traces::TraceExport, tracing::Span)>> {
+    if matches!(args.command, Cmd::Server { .. }) {
+        return Ok(None);
+    }
+    let inherited = std::env::var("TRACEPARENT")
+        .ok()
+        .filter(|t| keel::traces::parent_context(t).is_some());
+    let Some(endpoint) = &args.otlp_endpoint else {
+        if let Some(parent) = inherited {
+            let _ = cli::TRACE_PARENT.set(parent);
+        }
+        return Ok(None);
+    };
+    let (traces, layer) =
+        keel::traces::TraceExport::start(endpoint, keel::traces::Sampling::Always, "client")?;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    tracing_subscriber::registry().with(layer).init();
+    let span = tracing::trace_span!(
+        target: keel::traces::TARGET,
+        "keel.cli",
+        otel.name = format!("keel {command}"),
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+    );
+    if let Some(parent) = &inherited {
+        keel::traces::join(&span, parent);
+    }
+    if let Some(parent) = keel::traces::trace_parent_of(&span) {
+        let _ = cli::TRACE_PARENT.set(parent);
+    }
+    Ok(Some((traces, span)))
 }
 
 /// Whether `e` is a write to a pipe whose reader has gone.
@@ -1008,9 +1098,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
             strict_permissions,
             progress_interval_s,
             http_listen,
+            trace_sample_ratio,
             worker_logs,
         } => {
-            init_tracing();
+            let sampling = keel::traces::Sampling::ratio(trace_sample_ratio)?;
+            let traces = match &args.otlp_endpoint {
+                Some(endpoint) => Some(keel::traces::TraceExport::start(
+                    endpoint,
+                    sampling,
+                    &format!("member {id}"),
+                )?),
+                None => None,
+            };
+            let (traces, trace_layer) = traces.unzip();
+            init_tracing(trace_layer);
             let http = keel::http::HttpListen::from_flag(http_listen.as_deref())
                 .map_err(anyhow::Error::msg)?;
             if let Some(addr) = http.addr() {
@@ -1169,6 +1270,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 })?;
             tracing::info!(addr = %server.addr, data_dir = %config.data_dir.display(), "keel server started");
             server.serve(shutdown_signal()).await?;
+            if let Some(traces) = traces {
+                traces.shutdown().await;
+            }
             Ok(())
         }
         Cmd::Replay {

@@ -473,25 +473,37 @@ where
             .to_string();
         let started = std::time::Instant::now();
         let metrics = self.metrics.clone();
+        // The request's span, in the caller's trace when it sent one
+        // (built only with `--otlp-endpoint`).
+        let span = crate::traces::api_span(
+            request.uri().path(),
+            request
+                .headers()
+                .get(crate::traces::TRACEPARENT_HEADER)
+                .and_then(|v| v.to_str().ok()),
+        );
         let answer = self.inner.call(request);
-        Box::pin(async move {
-            let response = answer.await;
-            if let Ok(r) = &response {
-                let code = r
-                    .headers()
-                    .get("grpc-status")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<i32>().ok())
-                    .map_or(tonic::Code::Ok, tonic::Code::from_i32);
-                let method = if code == tonic::Code::Unimplemented {
-                    "unknown"
-                } else {
-                    method.as_str()
-                };
-                metrics.api_request(method, code, started.elapsed());
-            }
-            response
-        })
+        Box::pin(tracing::Instrument::instrument(
+            async move {
+                let response = answer.await;
+                if let Ok(r) = &response {
+                    let code = r
+                        .headers()
+                        .get("grpc-status")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<i32>().ok())
+                        .map_or(tonic::Code::Ok, tonic::Code::from_i32);
+                    let method = if code == tonic::Code::Unimplemented {
+                        "unknown"
+                    } else {
+                        method.as_str()
+                    };
+                    metrics.api_request(method, code, started.elapsed());
+                }
+                response
+            },
+            span,
+        ))
     }
 }
 

@@ -37,6 +37,8 @@ struct Pending {
     command: Command,
     request_id: Option<String>,
     actor: Option<String>,
+    /// The sampled trace the proposing caller is in ([`crate::traces`]).
+    trace_parent: Option<String>,
     reply: oneshot::Sender<Committed>,
 }
 
@@ -75,6 +77,9 @@ impl Proposer {
                 command,
                 request_id,
                 actor,
+                // The span the caller is in: the API's, for a client's
+                // write (none without `--otlp-endpoint`).
+                trace_parent: crate::traces::current_trace_parent(),
                 reply,
             })
             .await
@@ -184,6 +189,7 @@ async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
                 command: p.command,
                 request_id: p.request_id,
                 actor: p.actor,
+                trace_parent: p.trace_parent,
             };
             let size = entry_to_proto(&entry).encoded_len();
             if !entries.is_empty() && bytes + size > PROPOSAL_MAX_BYTES {
@@ -191,6 +197,7 @@ async fn run(node: Arc<RaftNode>, mut rx: mpsc::Receiver<Pending>) {
                     command: entry.command,
                     request_id: entry.request_id,
                     actor: entry.actor,
+                    trace_parent: entry.trace_parent,
                     reply: p.reply,
                 });
                 break;

@@ -4,6 +4,8 @@
 //! hashes at equal applied indexes, and a wiped member rejoining through a
 //! snapshot. Waits are bounded polls, never fixed sleeps.
 
+#[path = "support/otlp.rs"]
+mod collector;
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -2354,4 +2356,191 @@ fn a_queue_below_its_quota_reclaims_from_a_borrower_across_a_failover() {
     for id in [a1, a2, b1] {
         let _ = cli(&all, &["cancel", &id.to_string()]);
     }
+}
+
+/// Issue 24, item 2: one submission is one trace across processes and a
+/// change of leader. The CLI's span, the API's on the follower it reached
+/// and on the leader it was forwarded to, the WAL append and the apply of
+/// the entry on the replicas, and, after the leader that took it is
+/// killed, the new leader's decision placing the job, its launch and the
+/// job's first progress: every one reaches an OTLP collector under the
+/// CLI's trace id. The job waits behind another holding the only GPU until
+/// the new leader is elected, so the decision can only come from the
+/// context the log carried.
+#[test]
+fn a_submission_is_one_trace_across_replicas_and_a_failover() {
+    let collector = collector::Collector::start();
+    let shared = tempfile::tempdir().expect("tempdir");
+    let _reaper = support::WorkerReaper(shared.path().to_path_buf());
+    let shared_dir = shared.path().to_str().expect("utf-8").to_string();
+    let extra = [
+        "--simulated-gpus",
+        "1xv100",
+        "--node-name",
+        "m",
+        "--executor-dir",
+        &shared_dir,
+        "--round-s",
+        "0.3",
+        "--progress-interval-s",
+        "0.2",
+        "--otlp-endpoint",
+        &collector.endpoint,
+    ];
+    let mut cluster = Cluster::new();
+    for id in 1..=3 {
+        // Spans leave a replica in batches every 100 ms.
+        cluster.spawn_with_env(id, &extra, &[("OTEL_BSP_SCHEDULE_DELAY", "100")]);
+    }
+    let first = cluster.leader();
+    cluster.wait_node("m-0", "alive", &[]);
+    let all = cluster.all_addrs();
+    // The only GPU is taken: the traced job waits.
+    let spec = shared.path().join("blocker.yaml");
+    std::fs::write(&spec, "name: blocker\ncommand: [\"sleep\", \"600\"]\n").expect("spec");
+    let blocker = cluster
+        .json(&all, &["submit", "-f", spec.to_str().expect("utf-8")])
+        .and_then(|v| v["id"].as_u64())
+        .expect("the blocker's id");
+    wait_for("the blocker to run", || {
+        let job = cluster.json(&all, &["job", &blocker.to_string()])?;
+        (job["state"] == "running").then_some(())
+    });
+    // Submitted through a follower, traced by the CLI.
+    let follower = cluster
+        .replicas
+        .iter()
+        .find(|r| r.id != first)
+        .map(|r| r.addr.clone())
+        .expect("a follower");
+    let spec = shared.path().join("traced.yaml");
+    std::fs::write(
+        &spec,
+        "name: traced\ncommand: [\"sh\", \"-c\", \
+         \"echo 'KEEL_PROGRESS {\\\"step\\\": 1, \\\"total_steps\\\": 10}'; sleep 600\"]\n",
+    )
+    .expect("spec");
+    let out = Command::new(KEEL)
+        .args(["submit", "-o", "json", "-f"])
+        .arg(&spec)
+        .env("KEEL_ADDR", &follower)
+        .env("KEEL_OTLP_ENDPOINT", &collector.endpoint)
+        .output()
+        .expect("keel submit");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = serde_json::from_slice::<Value>(&out.stdout).expect("json")["id"]
+        .as_u64()
+        .expect("a job id");
+    // The CLI exported its span before it exited.
+    let trace = collector
+        .spans()
+        .into_iter()
+        .find(|s| s.name == "keel submit")
+        .expect("the CLI's span")
+        .trace_id;
+    let in_trace = |name: &str| -> Vec<collector::Received> {
+        collector
+            .spans()
+            .into_iter()
+            .filter(|s| s.trace_id == trace && s.name == name)
+            .collect()
+    };
+    // Every replica applied the submission under its trace, and the
+    // leader's span of the forwarded request is in.
+    let first_instance = format!("member {first}");
+    wait_for("the submission applied on every replica, traced", || {
+        let appliers: BTreeSet<String> = in_trace("keel.apply")
+            .into_iter()
+            .map(|s| s.instance)
+            .collect();
+        let leader_served = in_trace("keel.api.v1.Keel/SubmitJob")
+            .iter()
+            .any(|s| s.instance == first_instance);
+        (appliers.len() == 3 && leader_served).then_some(())
+    });
+    let job = cluster.json(&all, &["job", &id.to_string()]).expect("job");
+    assert_eq!(job["state"], "pending", "{job}");
+    // The leader that took it dies before anything places the job.
+    cluster.kill9(first);
+    let second = cluster.leader();
+    assert_ne!(first, second);
+    let out = cli(&all, &["cancel", &blocker.to_string()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for("the job's first progress", || {
+        let job = cluster.json(&all, &["job", &id.to_string()])?;
+        (job["state"] == "running" && job["progress"]["step"] == 1).then_some(())
+    });
+    let second_instance = format!("member {second}");
+    wait_for("the new leader's spans in the submitter's trace", || {
+        let from_second = |name: &str| in_trace(name).iter().any(|s| s.instance == second_instance);
+        (from_second("keel.decide")
+            && from_second("keel.launch")
+            && !in_trace("keel.first_progress").is_empty())
+        .then_some(())
+    });
+    let spans: Vec<collector::Received> = collector
+        .spans()
+        .into_iter()
+        .filter(|s| s.trace_id == trace)
+        .collect();
+    let names: BTreeSet<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+    for name in [
+        "keel submit",
+        "keel.api.v1.Keel/SubmitJob",
+        "keel.wal_append",
+        "keel.apply",
+        "keel.decide",
+        "keel.launch",
+        "keel.first_progress",
+    ] {
+        assert!(
+            names.contains(name),
+            "{name} missing from the trace: {names:?}"
+        );
+    }
+    // The API's spans: the follower's under the CLI's, the leader's
+    // (forwarded) under the follower's.
+    let cli_span = spans.iter().find(|s| s.name == "keel submit").expect("cli");
+    let api = |instance: &str| -> &collector::Received {
+        spans
+            .iter()
+            .find(|s| s.name == "keel.api.v1.Keel/SubmitJob" && s.instance == instance)
+            .unwrap_or_else(|| panic!("no SubmitJob span from {instance}: {spans:?}"))
+    };
+    let follower_instance = format!(
+        "member {}",
+        cluster
+            .replicas
+            .iter()
+            .find(|r| r.addr == follower)
+            .map(|r| r.id)
+            .expect("the follower")
+    );
+    assert_eq!(api(&follower_instance).parent_span_id, cli_span.span_id);
+    let proposed = api(&first_instance);
+    assert_eq!(proposed.parent_span_id, api(&follower_instance).span_id);
+    // What acted on the entry hangs under the span that proposed it (the
+    // context the entry carries), in whichever process: the new leader's
+    // decision and launch included.
+    for s in spans
+        .iter()
+        .filter(|s| s.name.starts_with("keel.") && !s.name.contains('/'))
+    {
+        assert_eq!(s.parent_span_id, proposed.span_id, "{s:?}");
+    }
+    let instances: BTreeSet<&str> = spans.iter().map(|s| s.instance.as_str()).collect();
+    assert_eq!(
+        instances,
+        BTreeSet::from(["client", "member 1", "member 2", "member 3"]),
+        "{spans:?}"
+    );
+    let _ = cli(&all, &["cancel", &id.to_string()]);
 }

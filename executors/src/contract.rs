@@ -75,6 +75,9 @@ pub struct WorkerLaunch {
     /// How the job asks its workers' logs to be rotated (within the
     /// server's maximum).
     pub logs: keel_state::spec::LogLimits,
+    /// The trace the job's submission belongs to (a W3C `traceparent`),
+    /// for the span of this launch (issue 24).
+    pub trace_parent: Option<String>,
 }
 
 /// The partner of a worker whose GPUs are shared (space sharing).
@@ -303,6 +306,7 @@ mod tests {
             shared_with: None,
             resources: Default::default(),
             logs: Default::default(),
+            trace_parent: None,
         };
         let env = environment(&launch, 29500, "/ckpt/job-4");
         assert_eq!(env["RANK"], "1");

@@ -1150,6 +1150,7 @@ mod tests {
             shared_with: None,
             resources: Default::default(),
             logs: Default::default(),
+            trace_parent: None,
         }
     }
 

@@ -152,6 +152,7 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
                     shared_with,
                     resources: job.spec.resources,
                     logs: job.spec.logs,
+                    trace_parent: job.trace_parent.clone(),
                 },
             );
         }

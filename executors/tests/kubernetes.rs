@@ -37,6 +37,7 @@ fn launch(job_id: u64, epoch: u64, rank: u32, world_size: u32) -> WorkerLaunch {
         shared_with: None,
         resources: Default::default(),
         logs: Default::default(),
+        trace_parent: None,
     }
 }
 

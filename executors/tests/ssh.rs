@@ -32,6 +32,7 @@ fn launch(node: &str, job_id: u64, rank: u32, script: &str) -> WorkerLaunch {
         shared_with: None,
         resources: Default::default(),
         logs: Default::default(),
+        trace_parent: None,
     }
 }
 

@@ -56,7 +56,13 @@ pub mod raft {
 ///   it would let its policy preempt the job where the others refuse.
 /// - 8: `CreateToken.queues` (issue 23, item 1). A build that ignored it
 ///   would let the token's holder submit to any queue.
-pub const ENTRY_FORMAT_VERSION: u32 = 8;
+/// - 9: `LogEntry.trace_parent` (issue 24, traces). A build that ignored it
+///   would keep no trace on the job, and hash to another state.
+pub const ENTRY_FORMAT_VERSION: u32 = 9;
+
+/// The version of a token limited to queues (and of no entry with a
+/// trace).
+pub const ENTRY_FORMAT_VERSION_TOKEN_QUEUES: u32 = 8;
 
 /// The version of a submission that may not be preempted (and of nothing
 /// of version 8).

@@ -34,6 +34,7 @@ mod recovery;
 mod replay;
 mod runtime;
 mod state_machine;
+pub mod trace_context;
 
 use std::io::Cursor;
 

@@ -47,8 +47,14 @@ type WalVote = ((u64, u64), bool);
 /// What the WAL's flush worker calls back when a sync is done.
 pub(crate) enum WalCallback {
     /// An append openraft waits on, when its sync was asked for, and
-    /// where the time to its end is counted.
-    Appended(LogFlushed<TypeConfig>, std::time::Instant, Arc<Latency>),
+    /// where the time to its end is counted; the spans of the traced
+    /// writes it carries end with it ([`crate::trace_context`]).
+    Appended(
+        LogFlushed<TypeConfig>,
+        std::time::Instant,
+        Arc<Latency>,
+        Vec<tracing::Span>,
+    ),
     /// A caller blocked until the sync is done.
     Blocking(SyncSender<io::Result<()>>),
 }
@@ -65,9 +71,10 @@ impl Debug for WalCallback {
 impl raft_log::Callback for WalCallback {
     fn send(self, res: Result<(), io::Error>) {
         match self {
-            WalCallback::Appended(flushed, asked, latency) => {
+            WalCallback::Appended(flushed, asked, latency, spans) => {
                 latency.observe(asked.elapsed());
                 flushed.log_io_completed(res);
+                drop(spans);
             }
             WalCallback::Blocking(tx) => {
                 // raft-log's own callback for a channel: a receiver that
@@ -363,10 +370,26 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // reads them again, so they are dropped.
         let purged = wal.log_state().purged().map(|p| p.1);
         let mut records = Vec::new();
+        let mut traced = Vec::new();
         for e in entries {
             if purged.is_some_and(|p| e.log_id.index <= p) {
                 tracing::debug!(log_id = %e.log_id, "append below the purge point dropped");
                 continue;
+            }
+            if let openraft::EntryPayload::Normal(proposal) = &e.payload {
+                for parent in proposal
+                    .entries
+                    .iter()
+                    .filter_map(|l| l.trace_parent.as_deref())
+                {
+                    let span = tracing::trace_span!(
+                        target: crate::trace_context::TARGET,
+                        "keel.wal_append",
+                        raft.index = e.log_id.index,
+                    );
+                    crate::trace_context::join(&span, parent);
+                    traced.push(span);
+                }
             }
             records.push((to_wal_id(&e.log_id), encode_payload(&e.payload)));
         }
@@ -392,6 +415,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 callback,
                 asked,
                 self.sync_latency.clone(),
+                traced,
             )),
         )
         .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))

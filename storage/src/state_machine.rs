@@ -23,6 +23,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use keel_proto::entry as pb;
 use keel_state::codec::applied_entry_to_proto;
+use keel_state::command::{Command, LogEntry};
 use keel_state::ClusterState;
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
@@ -130,6 +131,21 @@ const SNAPSHOT_FORMAT_VERSION_PREVIOUS: u32 = 6;
 /// A protobuf snapshot's first byte: field 1 (`format_version`), varint.
 /// A postcard snapshot starts with its version (6 or 7) instead.
 const PROTOBUF_FIRST_BYTE: u8 = 0x08;
+
+/// The trace of the job whose first progress sample `entry` reports, if
+/// the job has one and spans are exported.
+fn first_progress_trace(state: &ClusterState, entry: &LogEntry) -> Option<String> {
+    match &entry.command {
+        Command::ReportProgress { job_id, .. } if tracing::enabled!(target: crate::trace_context::TARGET, tracing::Level::TRACE) =>
+        {
+            let job = state.jobs().get(job_id)?;
+            (job.progress_samples == 0)
+                .then(|| job.trace_parent.clone())
+                .flatten()
+        }
+        _ => None,
+    }
+}
 
 pub(crate) fn key(prefix: u8, index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -756,7 +772,28 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         let mut outcomes = Vec::with_capacity(proposal.entries.len());
                         for (position, e) in proposal.entries.iter().enumerate() {
                             let position = u32::try_from(position).unwrap_or(u32::MAX);
+                            // A traced write's apply, and a traced job's
+                            // first progress, are spans of its trace.
+                            let _traced = e.trace_parent.as_deref().map(|parent| {
+                                let span = tracing::trace_span!(
+                                    target: crate::trace_context::TARGET,
+                                    "keel.apply",
+                                    raft.index = index,
+                                    keel.command = e.command.kind(),
+                                );
+                                crate::trace_context::join(&span, parent);
+                                span.entered()
+                            });
+                            let first_progress = first_progress_trace(&applied.state, e);
                             let outcome = applied.state.apply(index, e);
+                            if let (Some(parent), Ok(_)) = (first_progress, &outcome) {
+                                let span = tracing::trace_span!(
+                                    target: crate::trace_context::TARGET,
+                                    "keel.first_progress",
+                                    raft.index = index,
+                                );
+                                crate::trace_context::join(&span, &parent);
+                            }
                             page.push(index, e);
                             writes.inserts.push((
                                 applied_key(index, position).to_vec(),

@@ -115,7 +115,6 @@ fn examples() -> Vec<(&'static str, LogEntry)> {
             "submit_job-request-id",
             LogEntry {
                 request_id: Some("cli-golden-1".into()),
-                actor: None,
                 ..e(
                     2_500,
                     Command::SubmitJob {
@@ -543,7 +542,7 @@ fn a_token_limited_to_queues_decodes_from_its_golden_bytes() {
     create.actor = Some("token:root".into());
     assert_eq!(
         keel_state::codec::entry_to_proto(&create).format_version,
-        keel_proto::ENTRY_FORMAT_VERSION
+        keel_proto::ENTRY_FORMAT_VERSION_TOKEN_QUEUES
     );
     let bytes = golden("entry-create_token-queues.bin", &encode_entry(&create));
     assert_eq!(decode_entry(&bytes).as_ref(), Ok(&create));
@@ -745,6 +744,46 @@ fn an_entry_with_an_actor_and_a_snapshot_with_a_submitter_decode_from_their_gold
     entry.actor = None;
     anonymous.apply(1, &entry).expect("applies");
     assert_ne!(anonymous.state_hash(), state.state_hash());
+}
+
+/// Issue 24, item 2: a submission that carries its trace's context
+/// (format 9) and a snapshot whose job keeps it decode from their golden
+/// bytes; the release before refuses the entry (it would keep no trace),
+/// its Raft wire's postcard does not carry it, and the trace is part of
+/// the state's hash.
+#[test]
+fn an_entry_with_a_trace_and_a_snapshot_that_keeps_it_decode_from_their_golden_bytes() {
+    let mut entry = LogEntry::new(
+        60_000,
+        Command::SubmitJob {
+            spec: job_spec("traced", 1, 1),
+        },
+    );
+    entry.trace_parent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
+    let bytes = golden("entry-submit_job-with-trace.bin", &encode_entry(&entry));
+    assert_eq!(decode_entry(&bytes).as_ref(), Ok(&entry));
+    assert_eq!(
+        keel_state::codec::entry_to_proto(&entry).format_version,
+        keel_proto::ENTRY_FORMAT_VERSION
+    );
+    assert!(!Proposal::new(vec![entry.clone()]).postcard_carries_whole());
+    let mut state = ClusterState::new();
+    state.apply(1, &entry).expect("applies");
+    assert_eq!(state.jobs()[&1].trace_parent, entry.trace_parent);
+    assert!(!state.postcard_carries_whole());
+    let bytes = golden("snapshot-v8-trace.bin", &encode_snapshot(&state));
+    let decoded = decode_snapshot(&bytes).expect("the golden snapshot decodes");
+    assert_eq!(decoded, state);
+    assert_eq!(decoded.state_hash(), state.state_hash());
+    let mut untraced = ClusterState::new();
+    entry.trace_parent = None;
+    untraced.apply(1, &entry).expect("applies");
+    assert_ne!(untraced.state_hash(), state.state_hash());
+    // A context longer than any W3C version's is refused, naming it.
+    let mut msg = keel_state::codec::entry_to_proto(&entry);
+    msg.trace_parent = "0".repeat(keel_state::command::TRACE_PARENT_MAX_LEN + 1);
+    let err = decode_entry(&prost::Message::encode_to_vec(&msg)).expect_err("refused");
+    assert!(err.to_string().contains("trace_parent"), "{err}");
 }
 
 #[test]

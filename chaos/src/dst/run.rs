@@ -235,7 +235,6 @@ pub(crate) async fn write(
     }
     let proposal = Proposal::new(vec![LogEntry {
         request_id,
-        actor: None,
         ..LogEntry::new(net.clocks.stamp(member), command)
     }]);
 

@@ -257,6 +257,7 @@ mod tests {
                 },
                 request_id: None,
                 actor: None,
+                trace_parent: None,
             };
             s.apply(i as u64 + 1, &entry).expect("register");
         }

@@ -10,6 +10,7 @@ use keel_proto::{
     ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_ACTOR, ENTRY_FORMAT_VERSION_FIRST,
     ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE, ENTRY_FORMAT_VERSION_QUEUE,
     ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
+    ENTRY_FORMAT_VERSION_TOKEN_QUEUES,
 };
 use prost::Message;
 
@@ -286,8 +287,10 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     // The oldest version that expresses the entry, so a build one version
     // older refuses exactly the entries it would misread.
     pb::LogEntry {
-        format_version: if limits_queues {
+        format_version: if entry.trace_parent.is_some() {
             ENTRY_FORMAT_VERSION
+        } else if limits_queues {
+            ENTRY_FORMAT_VERSION_TOKEN_QUEUES
         } else if not_preemptible {
             ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE
         } else if names_a_queue {
@@ -307,6 +310,7 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
         command: Some(command),
         request_id: entry.request_id.clone().unwrap_or_default(),
         actor: entry.actor.clone().unwrap_or_default(),
+        trace_parent: entry.trace_parent.clone().unwrap_or_default(),
     }
 }
 
@@ -440,11 +444,19 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             crate::command::ACTOR_MAX_LEN
         )));
     }
+    if msg.trace_parent.len() > crate::command::TRACE_PARENT_MAX_LEN {
+        return Err(DecodeError::Inconsistent(format!(
+            "the entry's trace_parent is {} bytes, more than {}",
+            msg.trace_parent.len(),
+            crate::command::TRACE_PARENT_MAX_LEN
+        )));
+    }
     Ok(LogEntry {
         at_ms: msg.at_ms,
         command,
         request_id: Some(msg.request_id).filter(|id| !id.is_empty()),
         actor: Some(msg.actor).filter(|a| !a.is_empty()),
+        trace_parent: Some(msg.trace_parent).filter(|t| !t.is_empty()),
     })
 }
 
@@ -981,6 +993,7 @@ mod tests {
             command: None,
             request_id: String::new(),
             actor: String::new(),
+            trace_parent: String::new(),
         }
         .encode_to_vec();
         // tag = (99 << 3) | 2 (length-delimited), length 0
@@ -1001,6 +1014,7 @@ mod tests {
             })),
             request_id: String::new(),
             actor: String::new(),
+            trace_parent: String::new(),
         }
         .encode_to_vec();
         assert!(matches!(
@@ -1045,6 +1059,7 @@ mod tests {
             },
             request_id: None,
             actor: None,
+            trace_parent: None,
         };
         for (share, version) in [(false, 1), (true, 2)] {
             let entry = decision(share);
@@ -1055,7 +1070,6 @@ mod tests {
         // A request id makes any entry version 3, and round-trips.
         let entry = LogEntry {
             request_id: Some("cli-1".into()),
-            actor: None,
             ..decision(true)
         };
         assert_eq!(entry_to_proto(&entry).format_version, 3);

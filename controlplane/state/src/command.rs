@@ -14,6 +14,11 @@ use crate::spec::JobSpec;
 /// The longest actor an entry records ([`LogEntry::actor`]).
 pub const ACTOR_MAX_LEN: usize = 256;
 
+/// The longest trace context an entry carries ([`LogEntry::trace_parent`]):
+/// a W3C `traceparent` of version 00 is 55 bytes; later versions may add
+/// fields after it.
+pub const TRACE_PARENT_MAX_LEN: usize = 128;
+
 /// One entry of the replicated log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogEntry {
@@ -33,6 +38,15 @@ pub struct LogEntry {
     /// protobuf only ([`Proposal::postcard_carries_whole`]).
     #[serde(skip)]
     pub actor: Option<String>,
+    /// The trace this write belongs to (issue 24): the W3C `traceparent`
+    /// of the API's span that proposed it, when that trace is sampled
+    /// ([`TRACE_PARENT_MAX_LEN`] bytes at most). Opaque to the state
+    /// machine, which only keeps a submission's on its job, so that the
+    /// decision placing the job and its launch join the submitter's trace
+    /// on whichever replica leads then. Travels in protobuf only, like
+    /// `actor`.
+    #[serde(skip)]
+    pub trace_parent: Option<String>,
 }
 
 impl LogEntry {
@@ -43,6 +57,7 @@ impl LogEntry {
             command,
             request_id: None,
             actor: None,
+            trace_parent: None,
         }
     }
 }
@@ -77,7 +92,7 @@ impl Proposal {
     /// (`RecordNodeInventory`) travel in protobuf only.
     pub fn postcard_carries_whole(&self) -> bool {
         self.entries.iter().all(|e| match &e.command {
-            _ if e.actor.is_some() => false,
+            _ if e.actor.is_some() || e.trace_parent.is_some() => false,
             Command::SubmitJob { spec } => {
                 spec.resources.is_unset() && spec.logs.is_unset() && spec.queue.is_empty()
             }

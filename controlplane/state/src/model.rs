@@ -280,6 +280,12 @@ pub struct Job {
     /// job has one, carried by protobuf snapshots.
     #[serde(skip)]
     pub submitted_by: Option<String>,
+    /// The trace its submission belongs to ([`crate::command::LogEntry::trace_parent`]),
+    /// for the spans of the decision placing it and of its launch. Left out
+    /// of the binary form like the submitter: hashed apart when a job has
+    /// one, carried by protobuf snapshots.
+    #[serde(skip)]
+    pub trace_parent: Option<String>,
 }
 
 impl Job {

@@ -686,6 +686,7 @@ impl ClusterState {
                     && j.spec.queue.is_empty()
                     && j.spec.preemptible
                     && j.submitted_by.is_none()
+                    && j.trace_parent.is_none()
             })
             && self.nodes.values().all(|n| n.gone_gpus.is_empty())
     }
@@ -861,6 +862,15 @@ impl ClusterState {
             .collect();
         if !fixed.is_empty() {
             let _ = postcard::to_io(&fixed, &mut writer);
+        }
+        // And the jobs' traces, once a job has one.
+        let traces: Vec<(JobId, &String)> = self
+            .jobs
+            .iter()
+            .filter_map(|(id, job)| Some((*id, job.trace_parent.as_ref()?)))
+            .collect();
+        if !traces.is_empty() {
+            let _ = postcard::to_io(&traces, &mut writer);
         }
         StateHash(*hasher.finalize().as_bytes())
     }
@@ -1144,6 +1154,7 @@ impl ClusterState {
                         service_gpu_ms: 0,
                         queued_since_ms: at_ms,
                         submitted_by: entry.actor.clone(),
+                        trace_parent: entry.trace_parent.clone(),
                     },
                 );
                 Ok(vec![Event::JobSubmitted {

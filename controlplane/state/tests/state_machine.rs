@@ -1447,7 +1447,6 @@ fn run(commands: &[Command]) -> (ClusterState, Vec<Result<Vec<Event>, ApplyError
 fn requested(at_ms: u64, command: Command, id: &str) -> LogEntry {
     LogEntry {
         request_id: Some(id.into()),
-        actor: None,
         ..LogEntry::new(at_ms, command)
     }
 }

@@ -24,6 +24,7 @@ pub fn entry_at(index: u64) -> Entry {
             },
             request_id: None,
             actor: None,
+            trace_parent: None,
         }])),
     }
 }

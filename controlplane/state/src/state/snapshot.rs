@@ -275,6 +275,7 @@ fn job_to_proto(j: &Job) -> pb::JobRecord {
         queued_since_ms: j.queued_since_ms,
         perf: Some(perf_to_proto(&j.perf)),
         submitted_by: j.submitted_by.clone(),
+        trace_parent: j.trace_parent.clone(),
     }
 }
 
@@ -328,6 +329,7 @@ fn job_from_proto(j: pb::JobRecord) -> Result<Job, DecodeError> {
         queued_since_ms: j.queued_since_ms,
         perf: perf_from_proto(j.perf.unwrap_or_default()),
         submitted_by: j.submitted_by,
+        trace_parent: j.trace_parent,
     })
 }
 
