@@ -17,9 +17,14 @@
 //!   entry it knows committed, else 503 and why (what a load balancer or a
 //!   Kubernetes readiness probe reads).
 //!
+//! - `/login`, `/logout`: a browser's token kept in a cookie, or
+//!   forgotten ([`crate::http_access`]).
+//!
 //! Read-only: nothing here proposes, and no request reaches the state's
-//! write path. It has no TLS and no authentication yet, so it listens on
-//! loopback addresses only, unless `--insecure` ([`check_listen`]).
+//! write path. With `--acl`, all but `/healthz`, `/readyz` and the login
+//! need a token that may read the cluster ([`crate::http_access`]). It
+//! has no TLS yet, so it listens on loopback addresses only, unless
+//! `--insecure` ([`check_listen`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,7 +32,7 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 
 use crate::raft_node::RaftNode;
@@ -132,7 +137,7 @@ pub const TIME_TRAVEL_MAX_ENTRIES: u64 = 1_000_000;
 
 /// What the routes read: the replica, and the policy it runs when the log
 /// names none (admission's order, for why a job waits).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Http {
     pub node: Arc<RaftNode>,
     pub default_policy: &'static str,
@@ -141,11 +146,24 @@ pub struct Http {
     pub rewinds: Arc<tokio::sync::Semaphore>,
     /// The event streams served now, at most [`EVENT_STREAMS_MAX`].
     pub streams: Arc<tokio::sync::Semaphore>,
+    /// Whether callers need a token (`--acl`), and the clock its expiry
+    /// is read against ([`crate::http_access`]).
+    pub acl: bool,
+    pub clock: crate::api::Clock,
 }
 
 /// The most `/api/v1/events` streams a replica serves at once (one more
 /// is answered 429).
 pub const EVENT_STREAMS_MAX: usize = 64;
+
+impl std::fmt::Debug for Http {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Http")
+            .field("default_policy", &self.default_policy)
+            .field("acl", &self.acl)
+            .finish_non_exhaustive()
+    }
+}
 
 impl Http {
     pub fn new(node: Arc<RaftNode>, default_policy: &'static str) -> Http {
@@ -154,21 +172,102 @@ impl Http {
             default_policy,
             rewinds: Arc::new(tokio::sync::Semaphore::new(1)),
             streams: Arc::new(tokio::sync::Semaphore::new(EVENT_STREAMS_MAX)),
+            acl: false,
+            clock: crate::api::system_clock(),
         }
+    }
+
+    /// Callers need a token that may read the cluster (`--acl`), its
+    /// expiry read against `clock`.
+    pub fn with_acl(mut self, acl: bool, clock: crate::api::Clock) -> Http {
+        self.acl = acl;
+        self.clock = clock;
+        self
+    }
+
+    /// Whether `secret` may read the cluster now.
+    fn check(&self, secret: Option<&str>) -> Result<String, crate::http_access::Refused> {
+        let shared = self.node.state_machine.shared();
+        let applied = shared.read();
+        crate::http_access::check(applied.state.acl(), secret, (self.clock)())
     }
 }
 
 /// The routes, on `http`.
 pub fn router(http: Http) -> Router {
-    Router::new()
+    let readers_only = Router::new()
         .route("/", get(console))
         .route("/api/v1/cluster", get(cluster))
         .route("/api/v1/jobs/{id}", get(job_page))
         .route("/api/v1/events", get(events))
         .route("/metrics", get(metrics))
+        .route_layer(axum::middleware::from_fn_with_state(
+            http.clone(),
+            readers_only,
+        ));
+    Router::new()
+        .merge(readers_only)
+        .route("/login", post(login))
+        .route("/logout", post(logout))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(http)
+}
+
+/// With `--acl`, lets through only a request whose token may read the
+/// cluster; a browser without one gets the login form at `/`.
+async fn readers_only(
+    State(http): State<Http>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if !http.acl {
+        return next.run(request).await;
+    }
+    match http.check(crate::http_access::presented(request.headers())) {
+        Ok(_) => next.run(request).await,
+        Err(refused) if request.uri().path() == "/" => crate::http_access::login_page(&refused),
+        Err(refused) => refused.into_response(),
+    }
+}
+
+/// A browser's login: the token checked, then kept in a cookie.
+async fn login(
+    State(http): State<Http>,
+    axum::Form(form): axum::Form<crate::http_access::LoginForm>,
+) -> axum::response::Response {
+    let secret = form.token.trim();
+    if !http.acl {
+        return axum::response::Redirect::to("/").into_response();
+    }
+    match http.check(Some(secret)) {
+        Ok(name) => match crate::http_access::login_cookie(secret, false) {
+            Some(cookie) => {
+                tracing::info!(token = %name, "console login");
+                (
+                    [(header::SET_COOKIE, cookie)],
+                    axum::response::Redirect::to("/"),
+                )
+                    .into_response()
+            }
+            None => (
+                StatusCode::BAD_REQUEST,
+                "this token's secret cannot travel in a cookie: send it as \
+                 `Authorization: Bearer SECRET`\n",
+            )
+                .into_response(),
+        },
+        Err(refused) => crate::http_access::login_page(&refused),
+    }
+}
+
+/// Forgets the browser's token.
+async fn logout() -> axum::response::Response {
+    (
+        [(header::SET_COOKIE, crate::http_access::logout_cookie(false))],
+        axum::response::Redirect::to("/"),
+    )
+        .into_response()
 }
 
 /// What `/metrics` answers a scraper that does not ask for OpenMetrics.

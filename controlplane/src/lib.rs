@@ -36,6 +36,7 @@ pub mod exposure;
 pub mod grpc_status;
 pub mod history;
 pub mod http;
+pub mod http_access;
 pub mod inventory;
 pub mod leader;
 pub mod log_limit;

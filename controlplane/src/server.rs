@@ -372,7 +372,8 @@ impl Server {
             tracing::info!(addr = ?self.http_addr, "serving the console, /metrics, /healthz and /readyz");
             tokio::spawn(crate::http::serve(
                 listener,
-                crate::http::Http::new(self.node.clone(), self.config.policy.name()),
+                crate::http::Http::new(self.node.clone(), self.config.policy.name())
+                    .with_acl(self.config.acl, crate::api::system_clock()),
                 stop_rx.clone(),
             ))
         });

@@ -710,3 +710,162 @@ fn acl_without_tls_is_refused_at_start() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--acl needs TLS"), "{stderr}");
 }
+
+/// One HTTP/1.1 exchange on `addr`: the request's head lines after the
+/// request line, and a body; the answer's status, head and body.
+fn http_exchange(addr: &str, request_line: &str, head: &str, body: &str) -> (u16, String, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        stream,
+        "{request_line} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{head}\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    // To its end, or for an event stream (which never ends) to the end of
+    // its head.
+    let mut bytes = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).expect("read");
+        if n == 0 {
+            break;
+        }
+        bytes.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&bytes);
+        if text.contains("text/event-stream") && text.contains("\r\n\r\n") {
+            break;
+        }
+    }
+    let answer = String::from_utf8_lossy(&bytes).to_string();
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+/// Issue 24, item 4: with `--acl`, the HTTP endpoint shows the cluster only
+/// to a token that may read it (viewer, operator, admin), as a bearer
+/// token (a scraper) or in the cookie `POST /login` sets (a browser);
+/// `/healthz` and `/readyz` stay open; a user's token, another cluster's
+/// token and none are refused, the browser without one getting the login
+/// form.
+#[test]
+fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = init_certs(dir.path());
+    let data = dir.path().join("one");
+    let mut flags = vec![
+        "--acl".to_string(),
+        "--no-local-node".to_string(),
+        "--http-listen".to_string(),
+        "127.0.0.1:0".to_string(),
+    ];
+    flags.extend(tls_member_flags(&certs, 1));
+    let args: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let server =
+        ServerProcess::start_with_client_env(&data, &args, &[], &tls_env(&certs, "client-admin"));
+    let http = support::http_addr(&data);
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async {
+        let mut cert_only = client(&certs, &server.addr, None).await;
+        cert_only
+            .bootstrap_acl(api::BootstrapAclRequest {
+                name: "root".into(),
+                secret: secret("root"),
+                request_id: String::new(),
+            })
+            .await
+            .expect("bootstrap");
+        let mut admin = client(&certs, &server.addr, bearer(&secret("root"))).await;
+        for (name, role) in [("viewer", "viewer"), ("alice", "user")] {
+            admin
+                .create_token(api::CreateTokenRequest {
+                    name: name.into(),
+                    role: role.into(),
+                    ttl_s: 0,
+                    secret: secret(name),
+                    request_id: String::new(),
+                    queues: Vec::new(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("create {name}: {e}"));
+        }
+    });
+    let get = |path: &str, head: &str| http_exchange(&http, &format!("GET {path}"), head, "");
+    let as_bearer = |who: &str| format!("Authorization: Bearer {}\r\n", secret(who));
+    // Probes need nothing.
+    assert_eq!(get("/healthz", "").0, 200);
+    assert_ne!(get("/readyz", "").0, 401);
+    // A scraper: the metrics with a viewer's (or an admin's) token only.
+    let (status, head, body) = get("/metrics", "");
+    assert_eq!(status, 401, "{body}");
+    assert!(head.contains("www-authenticate: bearer"), "{head}");
+    assert!(body.contains("viewer, operator or admin"), "{body}");
+    for who in ["viewer", "root"] {
+        let (status, _, body) = get("/metrics", &as_bearer(who));
+        assert_eq!(status, 200, "{who}: {body}");
+        assert!(body.contains("keel_raft_has_leader"), "{who}");
+    }
+    let (status, _, body) = get("/metrics", &as_bearer("alice"));
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("\"alice\" is a user"), "{body}");
+    let (status, _, body) = get("/api/v1/cluster", "Authorization: Bearer not-a-token\r\n");
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("not one of this cluster's"), "{body}");
+    // A browser: the login form, then the console with the cookie.
+    let (status, _, body) = get("/", "");
+    assert_eq!(status, 401);
+    assert!(
+        body.contains("<form method=\"post\" action=\"/login\""),
+        "{body}"
+    );
+    assert!(!body.contains("keel_raft"), "{body}");
+    let login = |token: &str| {
+        http_exchange(
+            &http,
+            "POST /login",
+            "Content-Type: application/x-www-form-urlencoded\r\n",
+            &format!("token={token}"),
+        )
+    };
+    let (status, head, body) = login(&secret("alice"));
+    assert_eq!(status, 403, "{body}");
+    assert!(!head.contains("set-cookie"), "{head}");
+    assert!(body.contains("is a user"), "{body}");
+    let (status, head, _) = login(&secret("viewer"));
+    assert_eq!(status, 303, "{head}");
+    let cookie = head
+        .lines()
+        .find_map(|l| l.strip_prefix("set-cookie: "))
+        .expect("a cookie")
+        .to_string();
+    assert!(
+        cookie.contains("httponly") && cookie.contains("samesite=strict"),
+        "{cookie}"
+    );
+    let pair = cookie.split(';').next().expect("name=value").to_string();
+    let with_cookie = format!("Cookie: {pair}\r\n");
+    let (status, _, body) = get("/", &with_cookie);
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("<title>Keel"),
+        "{}",
+        &body[..body.len().min(300)]
+    );
+    assert_eq!(get("/api/v1/cluster", &with_cookie).0, 200);
+    let (status, head, _) = http_exchange(&http, "GET /api/v1/events", &with_cookie, "");
+    assert_eq!(status, 200, "{head}");
+    assert!(head.contains("text/event-stream"), "{head}");
+    // Logging out forgets it.
+    let (status, head, _) = http_exchange(&http, "POST /logout", &with_cookie, "");
+    assert_eq!(status, 303);
+    assert!(head.contains("max-age=0"), "{head}");
+}
