@@ -22,9 +22,10 @@
 //!
 //! Read-only: nothing here proposes, and no request reaches the state's
 //! write path. With `--acl`, all but `/healthz`, `/readyz` and the login
-//! need a token that may read the cluster ([`crate::http_access`]). It
-//! has no TLS yet, so it listens on loopback addresses only, unless
-//! `--insecure` ([`check_listen`]).
+//! need a token that may read the cluster ([`crate::http_access`]). With
+//! the server's TLS it is HTTPS (the member's certificate, no client
+//! certificate asked: [`serve`]); beyond loopback only with TLS and ACLs,
+//! or `--insecure` ([`check_listen`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -80,26 +81,35 @@ impl HttpListen {
     }
 }
 
-/// An HTTP address beyond this machine, refused without `--insecure`.
+/// An HTTP address beyond this machine without TLS and ACLs, refused
+/// without `--insecure`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "refusing to serve HTTP (/metrics, /readyz) on {0} without --insecure: the endpoint has no \
-     TLS and no authentication yet, and shows the cluster's jobs, queues and nodes to anyone who \
-     reaches it. Serve it on a loopback address (the default, {DEFAULT_HTTP_LISTEN}) and scrape \
-     it from this machine, or, on a network you trust, add --insecure"
+    "refusing to serve HTTP (the console, /metrics) on {listen} without {missing}: it would \
+     show the cluster's jobs, queues and nodes to anyone who reaches it. Serve it on a loopback \
+     address (the default, {DEFAULT_HTTP_LISTEN}); or give the server TLS (--tls-cert, \
+     --tls-key, --tls-ca) and --acl, so that it is HTTPS and asks for a viewer's token; or, on \
+     a network you trust, add --insecure"
 )]
-pub struct HttpExposed(pub SocketAddr);
+pub struct HttpExposed {
+    pub listen: SocketAddr,
+    pub missing: &'static str,
+}
 
-/// Whether the HTTP endpoint may listen on `listen`: loopback always, any
-/// other address only when `insecure` (`Ok(true)`: allowed but exposed).
-pub fn check_listen(listen: SocketAddr, insecure: bool) -> Result<bool, HttpExposed> {
-    if listen.ip().is_loopback() {
-        return Ok(false);
-    }
-    if insecure {
-        return Ok(true);
-    }
-    Err(HttpExposed(listen))
+/// Whether the HTTP endpoint may listen on `listen`: the API's rule
+/// ([`crate::exposure::check_listen`]): loopback always, any other address
+/// with TLS (the endpoint is then HTTPS) and ACLs (it then asks for a
+/// token), or when `insecure` (`Ok(true)`: allowed but exposed).
+pub fn check_listen(
+    listen: SocketAddr,
+    insecure: bool,
+    tls: bool,
+    acl: bool,
+) -> Result<bool, HttpExposed> {
+    crate::exposure::check_listen(listen, insecure, tls, acl).map_err(|e| HttpExposed {
+        listen,
+        missing: e.missing,
+    })
 }
 
 /// Binds `how`'s address (`None`: off). A preferred address that is taken
@@ -150,6 +160,9 @@ pub struct Http {
     /// is read against ([`crate::http_access`]).
     pub acl: bool,
     pub clock: crate::api::Clock,
+    /// Whether the endpoint is served over TLS (a login cookie is then
+    /// `Secure`).
+    pub tls: bool,
 }
 
 /// The most `/api/v1/events` streams a replica serves at once (one more
@@ -174,6 +187,7 @@ impl Http {
             streams: Arc::new(tokio::sync::Semaphore::new(EVENT_STREAMS_MAX)),
             acl: false,
             clock: crate::api::system_clock(),
+            tls: false,
         }
     }
 
@@ -182,6 +196,12 @@ impl Http {
     pub fn with_acl(mut self, acl: bool, clock: crate::api::Clock) -> Http {
         self.acl = acl;
         self.clock = clock;
+        self
+    }
+
+    /// Served over TLS.
+    pub fn with_tls(mut self, tls: bool) -> Http {
+        self.tls = tls;
         self
     }
 
@@ -241,7 +261,7 @@ async fn login(
         return axum::response::Redirect::to("/").into_response();
     }
     match http.check(Some(secret)) {
-        Ok(name) => match crate::http_access::login_cookie(secret, false) {
+        Ok(name) => match crate::http_access::login_cookie(secret, http.tls) {
             Some(cookie) => {
                 tracing::info!(token = %name, "console login");
                 (
@@ -262,9 +282,12 @@ async fn login(
 }
 
 /// Forgets the browser's token.
-async fn logout() -> axum::response::Response {
+async fn logout(State(http): State<Http>) -> axum::response::Response {
     (
-        [(header::SET_COOKIE, crate::http_access::logout_cookie(false))],
+        [(
+            header::SET_COOKIE,
+            crate::http_access::logout_cookie(http.tls),
+        )],
         axum::response::Redirect::to("/"),
     )
         .into_response()
@@ -629,19 +652,131 @@ async fn readyz(State(http): State<Http>) -> impl IntoResponse {
     }
 }
 
-/// Serves the routes on `listener` until `stop` turns true.
+/// Serves the routes on `listener` until `stop` turns true: over TLS with
+/// the replica's certificate when it has one (HTTPS, no client
+/// certificate asked), else in plaintext.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     http: Http,
+    tls: Option<Arc<crate::tls::TlsState>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let served = axum::serve(listener, router(http))
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await;
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let served = match tls {
+        Some(tls) => {
+            axum::serve(
+                https::TlsListener::new(listener, tls),
+                router(http.with_tls(true)),
+            )
+            .with_graceful_shutdown(stopped)
+            .await
+        }
+        None => {
+            axum::serve(listener, router(http))
+                .with_graceful_shutdown(stopped)
+                .await
+        }
+    };
     if let Err(e) = served {
         tracing::error!(error = %e, "the HTTP endpoint stopped");
+    }
+}
+
+/// The endpoint over TLS: connections handshaken apart from the accept
+/// loop, at most [`https::HANDSHAKES_MAX`] at once, each within
+/// [`https::HANDSHAKE_TIMEOUT`], so a client that never finishes its
+/// handshake holds up nobody.
+mod https {
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio_rustls::server::TlsStream;
+
+    /// Handshakes under way at once; a further connection waits.
+    pub const HANDSHAKES_MAX: usize = 256;
+    /// The longest a handshake may take.
+    pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+    pub struct TlsListener {
+        ready: tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+        local: std::io::Result<SocketAddr>,
+    }
+
+    impl TlsListener {
+        pub fn new(tcp: TcpListener, tls: Arc<crate::tls::TlsState>) -> TlsListener {
+            let local = tcp.local_addr();
+            let (tx, ready) = tokio::sync::mpsc::channel(64);
+            tokio::spawn(accept_loop(tcp, tls, tx));
+            TlsListener { ready, local }
+        }
+    }
+
+    async fn accept_loop(
+        tcp: TcpListener,
+        tls: Arc<crate::tls::TlsState>,
+        tx: tokio::sync::mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
+    ) {
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_MAX));
+        loop {
+            let Ok(permit) = handshakes.clone().acquire_owned().await else {
+                return;
+            };
+            let accepted = tokio::select! {
+                accepted = tcp.accept() => accepted,
+                // The server stopped serving: the listener was dropped.
+                _ = tx.closed() => return,
+            };
+            let (stream, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::debug!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            // The certificate current now: a reload (SIGHUP) applies to
+            // the connections that come after it.
+            let Some(config) = tls.web_config() else {
+                return;
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let acceptor = tokio_rustls::TlsAcceptor::from(config);
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send((tls, peer)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "HTTPS handshake failed"),
+                    Err(_) => tracing::debug!(%peer, "HTTPS handshake timed out"),
+                }
+                drop(permit);
+            });
+        }
+    }
+
+    impl axum::serve::Listener for TlsListener {
+        type Io = TlsStream<TcpStream>;
+        type Addr = SocketAddr;
+
+        async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+            match self.ready.recv().await {
+                Some(connection) => connection,
+                // The accept loop ended (no certificate): nothing more
+                // comes.
+                None => std::future::pending().await,
+            }
+        }
+
+        fn local_addr(&self) -> std::io::Result<SocketAddr> {
+            match &self.local {
+                Ok(a) => Ok(*a),
+                Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+            }
+        }
     }
 }
 
@@ -670,13 +805,24 @@ mod tests {
     }
 
     #[test]
-    fn beyond_loopback_only_with_insecure() {
+    fn beyond_loopback_only_with_tls_and_acls_or_insecure() {
         let lo: SocketAddr = "127.0.0.1:7080".parse().expect("an address");
         let any: SocketAddr = "0.0.0.0:7080".parse().expect("an address");
-        assert_eq!(check_listen(lo, false), Ok(false));
-        assert_eq!(check_listen(any, true), Ok(true));
-        let refused = check_listen(any, false).expect_err("refused");
-        assert!(refused.to_string().contains("--insecure"), "{refused}");
+        assert_eq!(check_listen(lo, false, false, false), Ok(false));
+        assert_eq!(check_listen(any, false, true, true), Ok(false));
+        assert_eq!(check_listen(any, true, false, false), Ok(true));
+        for (tls, acl, missing) in [
+            (false, false, "TLS and ACLs"),
+            (true, false, "ACLs"),
+            (false, true, "without TLS"),
+        ] {
+            let refused = check_listen(any, false, tls, acl).expect_err("refused");
+            let text = refused.to_string();
+            assert!(
+                text.contains("--insecure") && text.contains(missing),
+                "{text}"
+            );
+        }
     }
 
     #[tokio::test]

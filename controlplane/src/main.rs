@@ -278,8 +278,9 @@ enum Cmd {
         progress_interval_s: f64,
         /// Where to serve `/metrics` (Prometheus), `/healthz` and `/readyz`,
         /// or `off`. Without it: 127.0.0.1:7080, or a port the system picks
-        /// when that one is taken (written to DATA/http.addr). Loopback
-        /// only unless `--insecure` (the endpoint has no TLS yet).
+        /// when that one is taken (written to DATA/http.addr). HTTPS when
+        /// the server has TLS; beyond loopback only with TLS and `--acl`,
+        /// or `--insecure`.
         #[arg(long, value_name = "ADDR|off")]
         http_listen: Option<String>,
         /// The share of the traces that start at this server (requests
@@ -1114,14 +1115,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
             init_tracing(trace_layer);
             let http = keel::http::HttpListen::from_flag(http_listen.as_deref())
                 .map_err(anyhow::Error::msg)?;
-            if let Some(addr) = http.addr() {
-                if keel::http::check_listen(addr, insecure)? {
-                    tracing::warn!(
-                        "serving /metrics on {addr} without TLS or authentication (--insecure): \
-                         anyone who reaches it sees the cluster's jobs, queues and nodes"
-                    );
-                }
-            }
             let transport = match args.tls.files("keel server")? {
                 Some(files) => {
                     if files.cert.is_none() {
@@ -1140,6 +1133,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
                      them): replicas tell each other from clients by their certificates, and \
                      tokens must not cross the network in plaintext"
                 );
+            }
+            if let Some(addr) = http.addr() {
+                if keel::http::check_listen(addr, insecure, transport.is_tls(), acl)? {
+                    tracing::warn!(
+                        "serving the console and /metrics on {addr} without TLS and ACLs \
+                         (--insecure): anyone who reaches it sees the cluster's jobs, queues \
+                         and nodes"
+                    );
+                }
             }
             if keel::exposure::check_listen(listen, insecure, transport.is_tls(), acl)? {
                 tracing::warn!(

@@ -369,11 +369,21 @@ impl Server {
             stop_rx.clone(),
         ));
         let serving_http = self.http.map(|listener| {
-            tracing::info!(addr = ?self.http_addr, "serving the console, /metrics, /healthz and /readyz");
+            let tls = match &self.node.transport {
+                crate::transport::Transport::Tls(tls) => Some(tls.clone()),
+                crate::transport::Transport::Plain => None,
+            };
+            tracing::info!(
+                addr = ?self.http_addr,
+                https = tls.is_some(),
+                tokens = self.config.acl,
+                "serving the console, /metrics, /healthz and /readyz"
+            );
             tokio::spawn(crate::http::serve(
                 listener,
                 crate::http::Http::new(self.node.clone(), self.config.policy.name())
                     .with_acl(self.config.acl, crate::api::system_clock()),
+                tls,
                 stop_rx.clone(),
             ))
         });

@@ -115,6 +115,10 @@ pub enum Holder {
 struct Loaded {
     /// `None` for a client.
     server: Option<Arc<ServerConfig>>,
+    /// The HTTP endpoint's (the same certificate, no client certificate
+    /// asked: browsers and scrapers authenticate with tokens); `None` for
+    /// a client.
+    web: Option<Arc<ServerConfig>>,
     client: Arc<ClientConfig>,
 }
 
@@ -160,6 +164,12 @@ impl TlsState {
     /// client).
     pub fn server_config(&self) -> Option<Arc<ServerConfig>> {
         self.current().server.clone()
+    }
+
+    /// The configuration new connections to the HTTP endpoint use (`None`
+    /// for a client).
+    pub fn web_config(&self) -> Option<Arc<ServerConfig>> {
+        self.current().web.clone()
     }
 
     /// The configuration new outgoing connections use.
@@ -237,8 +247,8 @@ fn make(files: &TlsFiles, holder: Holder) -> Result<Loaded, TlsError> {
         None => client_builder.with_no_client_auth(),
     };
     client.alpn_protocols = vec![b"h2".to_vec()];
-    let server = match holder {
-        Holder::Client => None,
+    let (server, web) = match holder {
+        Holder::Client => (None, None),
         Holder::Member(id) => {
             let Some((chain, key)) = identity else {
                 return Err(TlsError::Incomplete("a replica"));
@@ -262,6 +272,13 @@ fn make(files: &TlsFiles, holder: Holder) -> Result<Loaded, TlsError> {
                     name: member_name(id),
                 });
             }
+            let mut web = ServerConfig::builder_with_provider(provider())
+                .with_safe_default_protocol_versions()
+                .map_err(config_error)?
+                .with_no_client_auth()
+                .with_single_cert(chain.clone(), key.clone_key())
+                .map_err(|e| key_error(files, e))?;
+            web.alpn_protocols = vec![b"http/1.1".to_vec()];
             let mut server = ServerConfig::builder_with_provider(provider())
                 .with_safe_default_protocol_versions()
                 .map_err(config_error)?
@@ -269,11 +286,12 @@ fn make(files: &TlsFiles, holder: Holder) -> Result<Loaded, TlsError> {
                 .with_single_cert(chain, key)
                 .map_err(|e| key_error(files, e))?;
             server.alpn_protocols = vec![b"h2".to_vec()];
-            Some(Arc::new(server))
+            (Some(Arc::new(server)), Some(Arc::new(web)))
         }
     };
     Ok(Loaded {
         server,
+        web,
         client: Arc::new(client),
     })
 }

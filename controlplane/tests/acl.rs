@@ -711,27 +711,63 @@ fn acl_without_tls_is_refused_at_start() {
     assert!(stderr.contains("--acl needs TLS"), "{stderr}");
 }
 
-/// One HTTP/1.1 exchange on `addr`: the request's head lines after the
-/// request line, and a body; the answer's status, head and body.
-fn http_exchange(addr: &str, request_line: &str, head: &str, body: &str) -> (u16, String, String) {
+/// A TLS client of the HTTP endpoint that trusts the cluster's CA (in
+/// `certs`) and shows no certificate, as a browser or a scraper.
+fn https_client(certs: &Path) -> std::sync::Arc<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in
+        rustls::pki_types::CertificateDer::pem_file_iter(certs.join("ca.crt")).expect("ca.crt")
+    {
+        roots.add(ca.expect("a certificate")).expect("a CA");
+    }
+    std::sync::Arc::new(
+        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth(),
+    )
+}
+
+/// One HTTP/1.1 exchange on `addr` (over TLS with `tls`): the request's
+/// head lines after the request line, and a body; the answer's status,
+/// head and body (status 0: no HTTP answer).
+fn http_exchange(
+    tls: Option<&std::sync::Arc<rustls::ClientConfig>>,
+    addr: &str,
+    request_line: &str,
+    head: &str,
+    body: &str,
+) -> (u16, String, String) {
     use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+    let tcp = std::net::TcpStream::connect(addr).expect("connect");
+    tcp.set_read_timeout(Some(std::time::Duration::from_secs(10)))
         .expect("timeout");
-    write!(
+    let mut stream: Box<dyn ReadWrite> = match tls {
+        Some(config) => {
+            let ip: std::net::SocketAddr = addr.parse().expect("an address");
+            let name = rustls::pki_types::ServerName::IpAddress(ip.ip().into());
+            let connection =
+                rustls::ClientConnection::new(config.clone(), name).expect("a TLS client");
+            Box::new(rustls::StreamOwned::new(connection, tcp))
+        }
+        None => Box::new(tcp),
+    };
+    let _ = write!(
         stream,
         "{request_line} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{head}\
          Content-Length: {}\r\n\r\n{body}",
         body.len()
-    )
-    .expect("write");
+    );
     // To its end, or for an event stream (which never ends) to the end of
     // its head.
     let mut bytes = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
-        let n = stream.read(&mut buf).expect("read");
+        let n = stream.read(&mut buf).unwrap_or(0);
         if n == 0 {
             break;
         }
@@ -751,12 +787,16 @@ fn http_exchange(addr: &str, request_line: &str, head: &str, body: &str) -> (u16
     (status, head.to_ascii_lowercase(), body.to_string())
 }
 
+trait ReadWrite: std::io::Read + std::io::Write {}
+impl<T: std::io::Read + std::io::Write> ReadWrite for T {}
+
 /// Issue 24, item 4: with `--acl`, the HTTP endpoint shows the cluster only
 /// to a token that may read it (viewer, operator, admin), as a bearer
 /// token (a scraper) or in the cookie `POST /login` sets (a browser);
 /// `/healthz` and `/readyz` stay open; a user's token, another cluster's
 /// token and none are refused, the browser without one getting the login
-/// form.
+/// form. With the server's TLS it is HTTPS (the member's certificate, no
+/// client certificate asked), and so may listen beyond loopback.
 #[test]
 fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -766,13 +806,20 @@ fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
         "--acl".to_string(),
         "--no-local-node".to_string(),
         "--http-listen".to_string(),
-        "127.0.0.1:0".to_string(),
+        "0.0.0.0:0".to_string(),
     ];
     flags.extend(tls_member_flags(&certs, 1));
     let args: Vec<&str> = flags.iter().map(String::as_str).collect();
     let server =
         ServerProcess::start_with_client_env(&data, &args, &[], &tls_env(&certs, "client-admin"));
-    let http = support::http_addr(&data);
+    let port = support::http_addr(&data)
+        .parse::<std::net::SocketAddr>()
+        .expect("an address")
+        .port();
+    let http = format!("127.0.0.1:{port}");
+    let tls = https_client(&certs);
+    // Plaintext gets no HTTP answer from it.
+    assert_eq!(http_exchange(None, &http, "GET /healthz", "", "").0, 0);
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
         let mut cert_only = client(&certs, &server.addr, None).await;
@@ -799,7 +846,8 @@ fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
                 .unwrap_or_else(|e| panic!("create {name}: {e}"));
         }
     });
-    let get = |path: &str, head: &str| http_exchange(&http, &format!("GET {path}"), head, "");
+    let get =
+        |path: &str, head: &str| http_exchange(Some(&tls), &http, &format!("GET {path}"), head, "");
     let as_bearer = |who: &str| format!("Authorization: Bearer {}\r\n", secret(who));
     // Probes need nothing.
     assert_eq!(get("/healthz", "").0, 200);
@@ -830,6 +878,7 @@ fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
     assert!(!body.contains("keel_raft"), "{body}");
     let login = |token: &str| {
         http_exchange(
+            Some(&tls),
             &http,
             "POST /login",
             "Content-Type: application/x-www-form-urlencoded\r\n",
@@ -848,7 +897,9 @@ fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
         .expect("a cookie")
         .to_string();
     assert!(
-        cookie.contains("httponly") && cookie.contains("samesite=strict"),
+        cookie.contains("httponly")
+            && cookie.contains("samesite=strict")
+            && cookie.contains("secure"),
         "{cookie}"
     );
     let pair = cookie.split(';').next().expect("name=value").to_string();
@@ -861,11 +912,12 @@ fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
         &body[..body.len().min(300)]
     );
     assert_eq!(get("/api/v1/cluster", &with_cookie).0, 200);
-    let (status, head, _) = http_exchange(&http, "GET /api/v1/events", &with_cookie, "");
+    let (status, head, _) =
+        http_exchange(Some(&tls), &http, "GET /api/v1/events", &with_cookie, "");
     assert_eq!(status, 200, "{head}");
     assert!(head.contains("text/event-stream"), "{head}");
     // Logging out forgets it.
-    let (status, head, _) = http_exchange(&http, "POST /logout", &with_cookie, "");
+    let (status, head, _) = http_exchange(Some(&tls), &http, "POST /logout", &with_cookie, "");
     assert_eq!(status, 303);
     assert!(head.contains("max-age=0"), "{head}");
 }
