@@ -473,6 +473,49 @@ fn prometheus_scrapes_three_replicas_and_promql_sees_the_workload() {
             .is_some_and(|v| v.first().is_some_and(|n| *n >= 1.0)),
         "the leader's decisions"
     );
+    // Every query of the Grafana dashboard, as Grafana would send it
+    // (its `$job` variable set to this job), runs on what Prometheus
+    // scraped, and the cluster's panels show the workload. (Grafana itself
+    // is in none of the registries CI reaches.)
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("deploy/grafana/keel.json")).expect("dashboard"),
+    )
+    .expect("the dashboard is JSON");
+    let queries: Vec<(String, String)> = dashboard["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .flat_map(|panel| {
+            let title = panel["title"].as_str().unwrap_or_default().to_string();
+            panel["targets"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(move |t| {
+                    Some((title.clone(), t["expr"].as_str()?.replace("$job", "keel")))
+                })
+        })
+        .collect();
+    assert!(queries.len() > 20, "{queries:?}");
+    for (title, promql) in &queries {
+        assert!(
+            query(&prometheus, promql).is_some(),
+            "{title}: Prometheus refused {promql}"
+        );
+    }
+    let shows = |title: &str, expected: &[f64]| {
+        wait_for(&format!("the panel {title:?}"), || {
+            queries
+                .iter()
+                .filter(|(t, _)| t == title)
+                .any(|(_, q)| query(&prometheus, q).as_deref() == Some(expected))
+                .then_some(())
+        })
+    };
+    shows("GPUs in use by type", &[3.0]);
+    shows("Raft health", &[1.0]);
+    shows("Queue depth", &[1.0]);
 }
 
 /// `keel server` refuses a bad `--http-listen` before it starts anything,
