@@ -236,26 +236,7 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
         "a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus (promtool check metrics)",
         "KEEL_REQUIRE_PROMETHEUS",
     ) {
-        let mut check = Command::new("promtool")
-            .args(["check", "metrics"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("promtool runs");
-        check
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(text.as_bytes())
-            .expect("written");
-        let out = check.wait_with_output().expect("promtool ends");
-        assert!(
-            out.status.success(),
-            "promtool check metrics: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_promtool_passes(&text, "the replica");
     }
     // The console says why a job waits, as `keel job` does.
     let big = support::submit_spec(
@@ -281,6 +262,30 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
     );
     assert_eq!(shown["message"], said);
     server.terminate();
+}
+
+/// `promtool check metrics` passes on the exposition `text` (of `whose`).
+fn assert_promtool_passes(text: &str, whose: &str) {
+    let mut check = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool runs");
+    check
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("written");
+    let out = check.wait_with_output().expect("promtool ends");
+    assert!(
+        out.status.success(),
+        "promtool check metrics on {whose}'s: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A port from below the kernel's ephemeral range, free when chosen and
@@ -473,6 +478,13 @@ fn prometheus_scrapes_three_replicas_and_promql_sees_the_workload() {
             .is_some_and(|v| v.first().is_some_and(|n| *n >= 1.0)),
         "the leader's decisions"
     );
+    // Prometheus's own checker passes on every replica's exposition (the
+    // leader's has the followers' lag too).
+    for (i, addr) in http.iter().enumerate() {
+        let (status, text) = get(addr, "/metrics").expect("/metrics");
+        assert_eq!(status, 200);
+        assert_promtool_passes(&text, &format!("replica {}", i + 1));
+    }
     // Every query of the Grafana dashboard, as Grafana would send it
     // (its `$job` variable set to this job), runs on what Prometheus
     // scraped, and the cluster's panels show the workload. (Grafana itself
