@@ -38,6 +38,11 @@ pub fn job_to_proto(job: &Job) -> api::Job {
         not_before_ms: job.not_before_ms.unwrap_or(0),
         estimate: None,
         submitted_by: job.submitted_by.clone().unwrap_or_default(),
+        trace_id: job
+            .trace_parent
+            .as_deref()
+            .and_then(crate::traces::trace_id_of)
+            .unwrap_or_default(),
     }
 }
 

@@ -125,6 +125,9 @@ struct JobView {
     /// Who submitted it, when the submission had an identity (issue 22).
     #[serde(skip_serializing_if = "Option::is_none")]
     submitted_by: Option<String>,
+    /// The trace of its submission, when it was sampled (issue 24).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trace_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -197,6 +200,7 @@ fn job_view(job: &api::Job) -> JobView {
         retries: job.retries,
         max_retries: job.max_retries,
         submitted_by: Some(job.submitted_by.clone()).filter(|s| !s.is_empty()),
+        trace_id: Some(job.trace_id.clone()).filter(|s| !s.is_empty()),
         workers: job
             .workers
             .iter()
@@ -361,6 +365,9 @@ pub fn job(
             );
             if let Some(by) = &view.submitted_by {
                 outln!("submitted by: {by}");
+            }
+            if let Some(trace) = &view.trace_id {
+                outln!("trace: {trace}");
             }
             if !view.message.is_empty() {
                 outln!("message: {}", view.message);

@@ -150,6 +150,13 @@ impl TraceExport {
     }
 }
 
+/// The trace id (32 hex digits) of a W3C `traceparent`, as a tracing
+/// backend looks a trace up.
+pub fn trace_id_of(trace_parent: &str) -> Option<String> {
+    let cx = parent_context(trace_parent)?;
+    Some(cx.span().span_context().trace_id().to_string())
+}
+
 /// Whether a trace that starts here (no parent) is kept: at the export's
 /// share, drawn from the thread's generator.
 pub fn starts_trace() -> bool {
@@ -190,6 +197,15 @@ pub fn api_span(path: &str, traceparent: Option<&str>) -> tracing::Span {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_jobs_trace_id_is_the_second_field_of_its_traceparent() {
+        assert_eq!(
+            trace_id_of("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(trace_id_of("garbage"), None);
+    }
 
     #[test]
     fn a_sample_ratio_outside_zero_to_one_is_refused_naming_the_flag() {

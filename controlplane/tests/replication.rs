@@ -2464,6 +2464,8 @@ fn a_submission_is_one_trace_across_replicas_and_a_failover() {
     });
     let job = cluster.json(&all, &["job", &id.to_string()]).expect("job");
     assert_eq!(job["state"], "pending", "{job}");
+    // `keel job` names the trace, to look it up in a tracing backend.
+    assert_eq!(job["trace_id"], trace.as_str(), "{job}");
     // The leader that took it dies before anything places the job.
     cluster.kill9(first);
     let second = cluster.leader();
