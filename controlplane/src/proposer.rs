@@ -71,21 +71,37 @@ impl Proposer {
         request_id: Option<String>,
         actor: Option<String>,
     ) -> Committed {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Pending {
-                command,
-                request_id,
-                actor,
-                // The span the caller is in: the API's, for a client's
-                // write (none without `--otlp-endpoint`).
-                trace_parent: crate::traces::current_trace_parent(),
-                reply,
-            })
-            .await
-            .map_err(|_| ApiError::Unavailable("the server is shutting down".into()))?;
-        rx.await
-            .map_err(|_| ApiError::Unavailable("the server is shutting down".into()))?
+        // A traced caller's write (the API's span, with `--otlp-endpoint`)
+        // is proposed in a span of its own, from the queue to the outcome
+        // (batching, the leader's WAL append, replication, commit, apply);
+        // its context goes into the entry, so what acts on the entry
+        // anywhere hangs under it. An untraced caller's gets no span.
+        let span = if crate::traces::current_trace_parent().is_some() {
+            tracing::trace_span!(
+                target: crate::traces::TARGET,
+                "keel.propose",
+                keel.command = command.kind(),
+            )
+        } else {
+            tracing::Span::none()
+        };
+        let trace_parent = crate::traces::trace_parent_of(&span);
+        let proposed = async {
+            let (reply, rx) = oneshot::channel();
+            self.tx
+                .send(Pending {
+                    command,
+                    request_id,
+                    actor,
+                    trace_parent,
+                    reply,
+                })
+                .await
+                .map_err(|_| ApiError::Unavailable("the server is shutting down".into()))?;
+            rx.await
+                .map_err(|_| ApiError::Unavailable("the server is shutting down".into()))?
+        };
+        tracing::Instrument::instrument(proposed, span).await
     }
 }
 

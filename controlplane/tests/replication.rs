@@ -2450,17 +2450,18 @@ fn a_submission_is_one_trace_across_replicas_and_a_failover() {
             .collect()
     };
     // Every replica applied the submission under its trace, and the
-    // leader's span of the forwarded request is in.
+    // leader's spans of the forwarded request and its proposal are in.
     let first_instance = format!("member {first}");
     wait_for("the submission applied on every replica, traced", || {
         let appliers: BTreeSet<String> = in_trace("keel.apply")
             .into_iter()
             .map(|s| s.instance)
             .collect();
-        let leader_served = in_trace("keel.api.v1.Keel/SubmitJob")
-            .iter()
-            .any(|s| s.instance == first_instance);
-        (appliers.len() == 3 && leader_served).then_some(())
+        let from_leader = |name: &str| in_trace(name).iter().any(|s| s.instance == first_instance);
+        (appliers.len() == 3
+            && from_leader("keel.api.v1.Keel/SubmitJob")
+            && from_leader("keel.propose"))
+        .then_some(())
     });
     let job = cluster.json(&all, &["job", &id.to_string()]).expect("job");
     assert_eq!(job["state"], "pending", "{job}");
@@ -2497,6 +2498,7 @@ fn a_submission_is_one_trace_across_replicas_and_a_failover() {
     for name in [
         "keel submit",
         "keel.api.v1.Keel/SubmitJob",
+        "keel.propose",
         "keel.wal_append",
         "keel.apply",
         "keel.decide",
@@ -2527,15 +2529,20 @@ fn a_submission_is_one_trace_across_replicas_and_a_failover() {
             .expect("the follower")
     );
     assert_eq!(api(&follower_instance).parent_span_id, cli_span.span_id);
-    let proposed = api(&first_instance);
-    assert_eq!(proposed.parent_span_id, api(&follower_instance).span_id);
-    // What acted on the entry hangs under the span that proposed it (the
-    // context the entry carries), in whichever process: the new leader's
-    // decision and launch included.
-    for s in spans
+    let served = api(&first_instance);
+    assert_eq!(served.parent_span_id, api(&follower_instance).span_id);
+    // The leader proposed it in a span of its own (queue, WAL, commit,
+    // apply), whose context the entry carries: what acted on the entry
+    // hangs under it, in whichever process, the new leader's decision and
+    // launch included.
+    let proposed = spans
         .iter()
-        .filter(|s| s.name.starts_with("keel.") && !s.name.contains('/'))
-    {
+        .find(|s| s.name == "keel.propose" && s.instance == first_instance)
+        .unwrap_or_else(|| panic!("no proposal span from the leader: {spans:?}"));
+    assert_eq!(proposed.parent_span_id, served.span_id);
+    for s in spans.iter().filter(|s| {
+        s.name.starts_with("keel.") && !s.name.contains('/') && s.name != "keel.propose"
+    }) {
         assert_eq!(s.parent_span_id, proposed.span_id, "{s:?}");
     }
     let instances: BTreeSet<&str> = spans.iter().map(|s| s.instance.as_str()).collect();
