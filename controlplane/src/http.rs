@@ -85,16 +85,15 @@ impl HttpListen {
 /// without `--insecure`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "refusing to serve HTTP (the console, /metrics) on {listen} without {missing}: it would \
+    "refusing to serve HTTP (the console, /metrics) on {} without {}: it would \
      show the cluster's jobs, queues and nodes to anyone who reaches it. Serve it on a loopback \
      address (the default, {DEFAULT_HTTP_LISTEN}); or give the server TLS (--tls-cert, \
      --tls-key, --tls-ca) and --acl, so that it is HTTPS and asks for a viewer's token; or, on \
-     a network you trust, add --insecure"
+     a network you trust, add --insecure",
+    .0.listen,
+    .0.missing
 )]
-pub struct HttpExposed {
-    pub listen: SocketAddr,
-    pub missing: &'static str,
-}
+pub struct HttpExposed(pub crate::exposure::Exposed);
 
 /// Whether the HTTP endpoint may listen on `listen`: the API's rule
 /// ([`crate::exposure::check_listen`]): loopback always, any other address
@@ -106,10 +105,7 @@ pub fn check_listen(
     tls: bool,
     acl: bool,
 ) -> Result<bool, HttpExposed> {
-    crate::exposure::check_listen(listen, insecure, tls, acl).map_err(|e| HttpExposed {
-        listen,
-        missing: e.missing,
-    })
+    crate::exposure::check_listen(listen, insecure, tls, acl).map_err(HttpExposed)
 }
 
 /// Binds `how`'s address (`None`: off). A preferred address that is taken
@@ -685,21 +681,13 @@ pub async fn serve(
 }
 
 /// The endpoint over TLS: connections handshaken apart from the accept
-/// loop, at most [`https::HANDSHAKES_MAX`] at once, each within
-/// [`https::HANDSHAKE_TIMEOUT`], so a client that never finishes its
-/// handshake holds up nobody.
+/// loop, by the API's own ([`crate::transport::accept_tls`]).
 mod https {
     use std::net::SocketAddr;
     use std::sync::Arc;
-    use std::time::Duration;
 
     use tokio::net::{TcpListener, TcpStream};
     use tokio_rustls::server::TlsStream;
-
-    /// Handshakes under way at once; a further connection waits.
-    pub const HANDSHAKES_MAX: usize = 256;
-    /// The longest a handshake may take.
-    pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
     pub struct TlsListener {
         ready: tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
@@ -710,51 +698,14 @@ mod https {
         pub fn new(tcp: TcpListener, tls: Arc<crate::tls::TlsState>) -> TlsListener {
             let local = tcp.local_addr();
             let (tx, ready) = tokio::sync::mpsc::channel(64);
-            tokio::spawn(accept_loop(tcp, tls, tx));
+            tokio::spawn(crate::transport::accept_tls(
+                tcp,
+                move || tls.web_config(),
+                tx,
+                |tls_stream, peer| (tls_stream, peer),
+                "a client without TLS?",
+            ));
             TlsListener { ready, local }
-        }
-    }
-
-    async fn accept_loop(
-        tcp: TcpListener,
-        tls: Arc<crate::tls::TlsState>,
-        tx: tokio::sync::mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
-    ) {
-        let handshakes = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_MAX));
-        loop {
-            let Ok(permit) = handshakes.clone().acquire_owned().await else {
-                return;
-            };
-            let accepted = tokio::select! {
-                accepted = tcp.accept() => accepted,
-                // The server stopped serving: the listener was dropped.
-                _ = tx.closed() => return,
-            };
-            let (stream, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::debug!(error = %e, "HTTP accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            // The certificate current now: a reload (SIGHUP) applies to
-            // the connections that come after it.
-            let Some(config) = tls.web_config() else {
-                return;
-            };
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let acceptor = tokio_rustls::TlsAcceptor::from(config);
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(tls)) => {
-                        let _ = tx.send((tls, peer)).await;
-                    }
-                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "HTTPS handshake failed"),
-                    Err(_) => tracing::debug!(%peer, "HTTPS handshake timed out"),
-                }
-                drop(permit);
-            });
         }
     }
 

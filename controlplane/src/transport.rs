@@ -105,7 +105,14 @@ impl Transport {
             )),
             Transport::Tls(tls) => {
                 let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(accept_tls(listener, tls.clone(), tx));
+                let tls = tls.clone();
+                tokio::spawn(accept_tls(
+                    listener,
+                    move || tls.server_config(),
+                    tx,
+                    |tls_stream, _| Ok(Conn::Tls(Box::new(tls_stream))),
+                    "a client without TLS, or without a certificate from the cluster's CA?",
+                ));
                 Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
             }
         }
@@ -182,10 +189,18 @@ fn connector(
     })
 }
 
-async fn accept_tls(
+/// Accepts connections on `listener` and handshakes each apart from the
+/// loop (within [`HANDSHAKE_TIMEOUT`]) with the configuration `config`
+/// gives at that moment (a reload applies to the connections after it),
+/// sending each handshaken one, as `wrap` makes it, to `tx`; stops when
+/// `tx`'s receiver is gone. A failed handshake is logged with `hint`.
+/// The API's listener and the HTTP endpoint's both use it.
+pub(crate) async fn accept_tls<T: Send + 'static>(
     listener: TcpListener,
-    tls: Arc<TlsState>,
-    tx: tokio::sync::mpsc::Sender<std::io::Result<Conn>>,
+    config: impl Fn() -> Option<Arc<rustls::ServerConfig>> + Send + 'static,
+    tx: tokio::sync::mpsc::Sender<T>,
+    wrap: fn(tokio_rustls::server::TlsStream<TcpStream>, SocketAddr) -> T,
+    hint: &'static str,
 ) {
     loop {
         let accepted = tokio::select! {
@@ -203,7 +218,7 @@ async fn accept_tls(
                 continue;
             }
         };
-        let Some(config) = tls.server_config() else {
+        let Some(config) = config() else {
             return;
         };
         let tx = tx.clone();
@@ -214,13 +229,12 @@ async fn accept_tls(
             let acceptor = tokio_rustls::TlsAcceptor::from(config);
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(tls_stream)) => {
-                    let _ = tx.send(Ok(Conn::Tls(Box::new(tls_stream)))).await;
+                    let _ = tx.send(wrap(tls_stream, remote)).await;
                 }
                 Ok(Err(e)) => tracing::warn!(
                     %remote,
                     error = %e,
-                    "refused a connection: its TLS handshake failed (a client without TLS, \
-                     or without a certificate from the cluster's CA?)"
+                    "refused a connection: its TLS handshake failed ({hint})"
                 ),
                 Err(_) => tracing::warn!(
                     %remote,

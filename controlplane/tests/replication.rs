@@ -2420,19 +2420,13 @@ fn a_submission_is_one_trace_across_replicas_and_a_failover() {
          \"echo 'KEEL_PROGRESS {\\\"step\\\": 1, \\\"total_steps\\\": 10}'; sleep 600\"]\n",
     )
     .expect("spec");
-    let out = Command::new(KEEL)
-        .args(["submit", "-o", "json", "-f"])
-        .arg(&spec)
-        .env("KEEL_ADDR", &follower)
-        .env("KEEL_OTLP_ENDPOINT", &collector.endpoint)
-        .output()
-        .expect("keel submit");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let id = serde_json::from_slice::<Value>(&out.stdout).expect("json")["id"]
+    let id = support::json_of(
+        Command::new(KEEL)
+            .args(["submit", "-o", "json", "-f"])
+            .arg(&spec)
+            .env("KEEL_ADDR", &follower)
+            .env("KEEL_OTLP_ENDPOINT", &collector.endpoint),
+    )["id"]
         .as_u64()
         .expect("a job id");
     // The CLI exported its span before it exited.

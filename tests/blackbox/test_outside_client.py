@@ -66,6 +66,43 @@ class OneServer(unittest.TestCase):
         self.assertEqual(sorted(j.spec.name for j in self.jobs()), sorted(jobs))
 
 
+class TraceContext(OneServer):
+    """Issue 24: the `traceparent` a caller sends. The server exports spans
+    (to a port where nothing listens) and starts no trace of its own
+    (ratio 0), so a job has a trace exactly when its caller sent a valid,
+    sampled context; anything else in the header is ignored, never an
+    error."""
+
+    args = (
+        *OneServer.args,
+        "--otlp-endpoint",
+        "http://127.0.0.1:1",
+        "--trace-sample-ratio",
+        "0",
+    )
+
+    def submit(self, name, traceparent):
+        answer = self.stub.SubmitJob(
+            api.SubmitJobRequest(spec=spec(name)),
+            timeout=20,
+            metadata=[("traceparent", traceparent)],
+        )
+        return self.stub.GetJob(api.GetJobRequest(job_id=answer.job_id), timeout=20)
+
+    def test_a_sampled_context_is_followed_and_anything_else_ignored(self):
+        trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+        self.assertEqual(self.submit("sampled", f"00-{trace}-00f067aa0ba902b7-01").trace_id, trace)
+        for name, header in [
+            ("unsampled", f"00-{trace}-00f067aa0ba902b7-00"),
+            ("zero-trace", "00-" + "0" * 32 + "-00f067aa0ba902b7-01"),
+            ("upper-case", f"00-{trace.upper()}-00f067aa0ba902b7-01"),
+            ("garbage", "not a trace context"),
+            ("oversized", "00-" + "a" * 4000),
+        ]:
+            self.assertEqual(self.submit(name, header).trace_id, "", name)
+        self.assertTrue(self.server.alive(), self.server.log_text()[-2000:])
+
+
 class RetriedWrites(OneServer):
     """Item 4: a write sent again under its request id applies once."""
 
