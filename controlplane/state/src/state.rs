@@ -278,8 +278,11 @@ impl Membership {
 /// GPUs of each type in `gpus`, the type names borrowed from `nodes` (a
 /// GPU of a node the state does not know counts as type ""): what a
 /// decision's quota check compares, without allocating.
-fn type_counts<'a>(nodes: &'a BTreeMap<String, Node>, gpus: &[GpuRef]) -> Vec<(&'a str, u32)> {
-    let mut counts: Vec<(&'a str, u32)> = Vec::new();
+fn type_counts<'a>(
+    nodes: &'a BTreeMap<String, Node>,
+    gpus: &[GpuRef],
+) -> smallvec::SmallVec<[(&'a str, u32); 2]> {
+    let mut counts: smallvec::SmallVec<[(&'a str, u32); 2]> = smallvec::SmallVec::new();
     let mut last: Option<(&str, &'a Node)> = None;
     for g in gpus {
         // Allocations are sorted, so one node lookup per node.
@@ -938,6 +941,9 @@ impl ClusterState {
 
     /// Applies an entry that is not a repeated request.
     fn apply_entry(&mut self, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
+        // What a decision's quota pre-check counted is for this entry's
+        // charges only.
+        self.queue_index.forget_counts();
         let events = self.apply_command(entry)?;
         // Every change to a job names it in an event (or in the command);
         // progress changes no index.
@@ -950,8 +956,9 @@ impl ClusterState {
             touched.sort_unstable();
             touched.dedup();
             for id in touched {
-                self.indexes.update(id, self.jobs.get(&id));
-                self.queue_index.update(id, self.jobs.get(&id), &self.nodes);
+                let job = self.jobs.get(&id);
+                self.indexes.update(id, job);
+                self.queue_index.update(id, job, &self.nodes);
             }
         }
         if let Some(name) = entry.command.node_name() {

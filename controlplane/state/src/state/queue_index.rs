@@ -22,6 +22,8 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
+use smallvec::SmallVec;
+
 use crate::free_gpus::FreeGpus;
 use crate::model::{Allocation, GpuRef, Job, JobId, Node};
 use crate::queue::Queues;
@@ -38,11 +40,15 @@ struct Slot {
     waiting: Option<i32>,
 }
 
+/// GPUs by type number (a job's GPUs are of one or two types, held
+/// without an allocation).
+type ByType = SmallVec<[(usize, u32); 2]>;
+
 /// What a holding job holds of its queue's quota.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Held {
     /// Its GPUs by type number, in the order of the types' names.
-    by_type: Vec<(usize, u32)>,
+    by_type: ByType,
     /// Whether reclaim may preempt it (`JobSpec::preemptible`).
     preemptible: bool,
 }
@@ -124,6 +130,11 @@ pub(super) struct QueueIndex {
     book_queue: Vec<usize>,
     book_type: Vec<usize>,
     slots: BTreeMap<JobId, Slot>,
+    /// A decision's new GPUs by type number, as its quota pre-check
+    /// counted them ([`QueueIndex::within_quotas`]), for the charges of
+    /// the same entry, which would count them again; emptied before each
+    /// entry ([`QueueIndex::forget_counts`]).
+    counted: Vec<(JobId, ByType)>,
 }
 
 /// Two indexes are equal when they hold the same by queue and type name
@@ -264,14 +275,31 @@ impl QueueIndex {
     /// `false` also when it cannot say (a job, a type or a queue the index
     /// or the book does not know yet).
     pub(super) fn within_quotas<'g>(
-        &self,
+        &mut self,
         changes: impl Iterator<Item = (JobId, &'g [GpuRef])>,
         nodes: &BTreeMap<String, Node>,
     ) -> bool {
+        if self.book.is_none() {
+            return true;
+        }
+        self.counted.clear();
+        for (id, gpus) in changes {
+            if !self.slots.contains_key(&id) {
+                return false;
+            }
+            let counts = self.count_types(nodes, gpus);
+            self.counted.push((id, counts));
+        }
+        self.counted_within_quotas()
+    }
+
+    /// Whether the changes [`QueueIndex::within_quotas`] counted, net of
+    /// what their jobs hold now, leave every queue within its quotas.
+    fn counted_within_quotas(&self) -> bool {
         let Some(book) = &self.book else {
             return true;
         };
-        let mut net: Vec<(usize, usize, i64)> = Vec::new();
+        let mut net: SmallVec<[(usize, usize, i64); 4]> = SmallVec::new();
         let mut add = |q: usize, t: usize, n: i64| match net
             .iter_mut()
             .find(|(nq, nt, _)| *nq == q && *nt == t)
@@ -279,21 +307,18 @@ impl QueueIndex {
             Some((_, _, d)) => *d += n,
             None => net.push((q, t, n)),
         };
-        for (id, gpus) in changes {
-            let Some(slot) = self.slots.get(&id) else {
+        for (id, counts) in &self.counted {
+            let Some(slot) = self.slots.get(id) else {
                 return false;
             };
             let q = slot.queue;
-            if let Some(held) = self.queues[q].holding.get(&id) {
+            if let Some(held) = self.queues[q].holding.get(id) {
                 for (t, n) in &held.by_type {
                     add(q, *t, -i64::from(*n));
                 }
             }
-            for (name, n) in super::type_counts(nodes, gpus) {
-                let Some(t) = self.type_ids.get(name) else {
-                    return false;
-                };
-                add(q, *t, i64::from(n));
+            for (t, n) in counts {
+                add(q, *t, i64::from(*n));
             }
         }
         net.iter().all(|(q, t, d)| {
@@ -305,6 +330,25 @@ impl QueueIndex {
                 && bt != NOT_IN_BOOK
                 && i64::from(book.used_at(bq, bt)) + d <= i64::from(book.quota_at(bq, bt))
         })
+    }
+
+    /// Forgets what a decision's pre-check counted (before each entry).
+    pub(super) fn forget_counts(&mut self) {
+        self.counted.clear();
+    }
+
+    /// GPUs of each type number in `gpus`, in the order of the types'
+    /// names (numbers given to types met for the first time; a GPU of a
+    /// node the state does not know counts as type "").
+    fn count_types(&mut self, nodes: &BTreeMap<String, Node>, gpus: &[GpuRef]) -> ByType {
+        let mut counts: ByType = super::type_counts(nodes, gpus)
+            .into_iter()
+            .map(|(name, n)| (self.type_number(name), n))
+            .collect();
+        if counts.len() > 1 {
+            counts.sort_unstable_by(|x, y| self.types[x.0].cmp(&self.types[y.0]));
+        }
+        counts
     }
 
     fn part(&self, queue: &str) -> Option<&QueueJobs> {
@@ -544,14 +588,19 @@ impl QueueIndex {
         a: &Allocation,
         nodes: &BTreeMap<String, Node>,
     ) {
-        let mut counts = super::type_counts(nodes, &a.gpus);
-        if counts.len() > 1 {
-            counts.sort_unstable_by(|x, y| x.0.cmp(y.0));
-        }
-        let by_type: Vec<(usize, u32)> = counts
-            .into_iter()
-            .map(|(name, n)| (self.type_number(name), n))
-            .collect();
+        // What this entry's pre-check counted for the job, when it did
+        // (the same GPUs: a job's allocation changes only by the decision
+        // that was checked).
+        let counted = self
+            .counted
+            .iter()
+            .position(|(j, _)| *j == id)
+            .map(|at| self.counted.swap_remove(at).1)
+            .filter(|c| c.iter().map(|(_, n)| *n as usize).sum::<usize>() == a.gpus.len());
+        let by_type = match counted {
+            Some(c) => c,
+            None => self.count_types(nodes, &a.gpus),
+        };
         for (t, n) in &by_type {
             self.book_change(q, *t, *n, true);
         }
