@@ -2,6 +2,7 @@
 
 mod acl_cmd;
 mod cli;
+mod config_file;
 mod queue_cmd;
 mod render;
 mod sim_cmd;
@@ -129,6 +130,15 @@ enum Cmd {
     },
     /// Run a Keel server (a Raft replica serving the API).
     Server {
+        /// Read the settings from this TOML file: each key is a flag's
+        /// name (`round_s = 5` for `--round-s 5`); flags and `KEEL_*`
+        /// variables (`KEEL_ROUND_S`) override it. Unknown keys are refused.
+        #[arg(long, env = "KEEL_CONFIG", value_name = "FILE")]
+        config: Option<PathBuf>,
+        /// Print the effective configuration (as a config file, each value
+        /// with where it came from) and exit without starting.
+        #[arg(long)]
+        print_config: bool,
         /// Where the Raft log, state and journal live.
         #[arg(long, default_value = "keel-data")]
         data_dir: PathBuf,
@@ -955,7 +965,27 @@ async fn main() -> std::process::ExitCode {
     // Chaos builds: failpoints from the FAILPOINTS environment variable.
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
-    let matches = <Args as clap::CommandFactory>::command().get_matches();
+    let command = <Args as clap::CommandFactory>::command();
+    let argv = match config_file::prepare(&command, std::env::args_os().collect(), &|var| {
+        std::env::var(var).ok()
+    }) {
+        Ok(config_file::Prepared::Run(argv)) => argv,
+        Ok(config_file::Prepared::Print(text)) => {
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{text}");
+            }
+            return std::process::ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: {e:#}");
+            }
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let matches = command.get_matches_from(argv);
     let args = match <Args as clap::FromArgMatches>::from_arg_matches(&matches) {
         Ok(args) => args,
         Err(e) => e.exit(),
@@ -1064,6 +1094,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Acl { command } => acl_cmd::run(&args.addr, command, out).await,
         Cmd::Queue { command } => queue_cmd::run(&args.addr, command, out).await,
         Cmd::Server {
+            config: _,
+            print_config: _,
             data_dir,
             listen,
             insecure,

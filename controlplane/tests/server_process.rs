@@ -1185,3 +1185,106 @@ fn event_streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
         });
     server.terminate();
 }
+
+/// Issue 25, item 1: a server takes its settings from `--config`, and
+/// `KEEL_*` variables and flags override the file; `--print-config`
+/// shows where each value came from without starting; a key no flag has
+/// or a value its flag refuses stops the server, naming the key, before
+/// a data directory is made.
+#[test]
+fn a_server_runs_on_its_config_file_and_refuses_a_bad_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("keel.toml");
+    std::fs::write(
+        &config,
+        "# a comment\nno_local_node = true\npolicy = \"srjf\"\nround-s = 0.5\n\
+         data_dir = \"not-this-one\"\nhttp_listen = \"off\"\n",
+    )
+    .expect("write config");
+    let config = config.to_str().expect("utf-8").to_string();
+    let data = dir.path().join("data");
+
+    // What it would run with, printed: nothing is made.
+    let out = Command::new(KEEL)
+        .args(["server", "--config", &config, "--print-config"])
+        .args(["--data-dir", data.to_str().expect("utf-8")])
+        .env("KEEL_POLICY", "tiresias")
+        .output()
+        .expect("keel server --print-config");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "no_local_node = true  # config file",
+        "round_s = 0.5  # config file",
+        "policy = \"tiresias\"  # environment",
+        "http_listen = \"off\"  # config file",
+        "# snapshot_every = 10000  # default",
+    ] {
+        assert!(
+            printed.lines().any(|l| l == line),
+            "{line:?} not in:\n{printed}"
+        );
+    }
+    assert!(
+        printed
+            .lines()
+            .any(|l| l.starts_with("data_dir = ") && l.ends_with("# command line")),
+        "{printed}"
+    );
+    assert!(!data.exists() && !dir.path().join("not-this-one").exists());
+
+    // Run on it: the file's settings, the environment's policy, the
+    // command line's data directory.
+    let server = ServerProcess::start_with_env(
+        &data,
+        &["--config", &config],
+        &[("KEEL_POLICY", "tiresias".into())],
+    );
+    assert_eq!(server.json(&["policy", "show"])["policy"], "tiresias");
+    assert_eq!(
+        server.json(&["nodes"]).as_array().map(Vec::len),
+        Some(0),
+        "no_local_node from the file"
+    );
+    assert!(!dir.path().join("not-this-one").exists());
+    assert!(
+        !data.join("http.addr").exists(),
+        "http_listen = \"off\" from the file"
+    );
+    server.terminate();
+
+    // A file it cannot take.
+    for (text, expected) in [
+        ("round_seconds = 1\n", "unknown key `round_seconds`"),
+        (
+            "round_s = \"soon\"\n",
+            "key `round_s`: invalid value 'soon'",
+        ),
+        (
+            "no_local_node = 1\n",
+            "key `no_local_node`: takes true or false",
+        ),
+    ] {
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, text).expect("write");
+        let fresh = dir.path().join("fresh");
+        let out = Command::new(KEEL)
+            .args(["server", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&bad)
+            .arg("--data-dir")
+            .arg(&fresh)
+            .output()
+            .expect("keel server");
+        assert_eq!(out.status.code(), Some(2), "{text:?} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(expected) && err.contains("bad.toml"),
+            "{text:?}: {err}"
+        );
+        assert!(!fresh.exists(), "{text:?} made a data directory");
+    }
+}
