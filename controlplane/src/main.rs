@@ -162,7 +162,9 @@ enum Cmd {
         id: u64,
         /// The cluster's members at bootstrap, `ID=HOST:PORT,...` (this
         /// replica included; each serves the API and Raft on that address).
-        /// Without it, the replica forms a one-member cluster.
+        /// HOST may be a DNS name, resolved at each connection and again
+        /// after a failed one. Without it, the replica forms a one-member
+        /// cluster.
         #[arg(long, value_delimiter = ',', value_parser = parse_peer)]
         peers: Vec<(u64, String)>,
         /// Build a snapshot and compact the log every this many entries.

@@ -2547,3 +2547,122 @@ fn a_submission_is_one_trace_across_replicas_and_a_failover() {
     );
     let _ = cli(&all, &["cancel", &id.to_string()]);
 }
+
+/// Where nss_wrapper is (Debian's libnss-wrapper): preloaded, it makes a
+/// process resolve host names from the file `NSS_WRAPPER_HOSTS` names,
+/// read again whenever it changes, as a DNS record changes.
+fn nss_wrapper_or_skip(test: &str) -> Option<PathBuf> {
+    use std::io::Write;
+    let found = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ]
+    .iter()
+    .map(|d| Path::new(d).join("libnss_wrapper.so"))
+    .find(|p| p.exists());
+    if found.is_none() {
+        assert!(
+            std::env::var_os("KEEL_REQUIRE_NSS_WRAPPER").is_none(),
+            "KEEL_REQUIRE_NSS_WRAPPER is set and libnss_wrapper.so is not installed"
+        );
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {test}: libnss_wrapper.so is not installed (Debian's libnss-wrapper; \
+             set KEEL_REQUIRE_NSS_WRAPPER=1 to make this a failure)"
+        );
+    }
+    found
+}
+
+/// Issue 25, item 2: `--peers` by name. Three replicas know each other as
+/// `keel-a.test`, `keel-b.test` and `keel-c.test` (names resolved through
+/// a hosts file, as DNS would); one is killed and comes back on another
+/// address under the same name, as a rescheduled Pod does, and rejoins
+/// with no change to anyone's flags: its peers resolve the name again
+/// when their connections to the old address fail.
+#[test]
+fn a_member_back_on_a_new_address_under_its_name_rejoins() {
+    let Some(wrapper) =
+        nss_wrapper_or_skip("a_member_back_on_a_new_address_under_its_name_rejoins")
+    else {
+        return;
+    };
+    let mut cluster = Cluster::new();
+    let hosts = cluster._dir.path().join("hosts");
+    let names = ["keel-a.test", "keel-b.test", "keel-c.test"];
+    let ports: Vec<String> = cluster
+        .replicas
+        .iter()
+        .map(|r| r.addr.rsplit(':').next().unwrap_or_default().to_string())
+        .collect();
+    let write_hosts = |ips: [&str; 3]| {
+        let text: String = ips
+            .iter()
+            .zip(names)
+            .map(|(ip, name)| format!("{ip} {name}\n"))
+            .collect();
+        std::fs::write(&hosts, text).expect("hosts file");
+    };
+    write_hosts(["127.0.0.11", "127.0.0.12", "127.0.0.13"]);
+    for (i, r) in cluster.replicas.iter_mut().enumerate() {
+        r.addr = format!("127.0.0.{}:{}", 11 + i, ports[i]);
+    }
+    cluster.peers = (0..3)
+        .map(|i| format!("{}={}:{}", i + 1, names[i], ports[i]))
+        .collect::<Vec<_>>()
+        .join(",");
+    let wrapper = wrapper.to_str().expect("utf-8").to_string();
+    let hosts_path = hosts.to_str().expect("utf-8").to_string();
+    let env = [
+        ("LD_PRELOAD", wrapper.as_str()),
+        ("NSS_WRAPPER_HOSTS", hosts_path.as_str()),
+    ];
+    for id in 1..=3 {
+        cluster.spawn_with_env(id, &[], &env);
+    }
+    let leader = cluster.leader();
+    let status = cluster.status(leader).expect("status");
+    assert!(
+        status.to_string().contains("keel-c.test"),
+        "the members are known by name: {status}"
+    );
+    let all = cluster.all_addrs();
+    cluster.submit(&all, "before").expect("submitted");
+    cluster.converged();
+
+    // Replica 3 (or, if it leads, replica 2) dies and comes back elsewhere.
+    let moved = if leader == 3 { 2 } else { 3 };
+    cluster.kill9(moved);
+    let mut ips = ["127.0.0.11", "127.0.0.12", "127.0.0.13"];
+    ips[moved as usize - 1] = if moved == 3 {
+        "127.0.0.23"
+    } else {
+        "127.0.0.22"
+    };
+    write_hosts(ips);
+    let r = &mut cluster.replicas[moved as usize - 1];
+    r.addr = format!("{}:{}", ips[moved as usize - 1], ports[moved as usize - 1]);
+    cluster.spawn_with_env(moved, &[], &env);
+
+    // Writes reach it at its new address: the three converge.
+    let all = cluster.all_addrs();
+    for i in 0..3 {
+        cluster
+            .submit(&all, &format!("after-{i}"))
+            .expect("submitted");
+    }
+    let (index, _) = cluster.converged();
+    let jobs = cluster.jobs_on(moved);
+    assert_eq!(
+        jobs.len(),
+        4,
+        "replica {moved} has every job at index {index}: {jobs:?}"
+    );
+    let status = cluster.status(leader).expect("status");
+    assert!(
+        status.to_string().contains(names[moved as usize - 1]),
+        "still known by its name, not its new address: {status}"
+    );
+}
