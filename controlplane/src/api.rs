@@ -38,8 +38,10 @@ pub fn system_clock() -> Clock {
 
 mod acl;
 pub(crate) mod queues;
+mod snapshots;
 mod streams;
 pub use acl::BOOTSTRAP_TOKEN_NAME;
+pub use snapshots::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_FILE_FORMAT};
 pub use streams::MAX_EVENT_STREAMS_PER_CALLER;
 
 /// Records sent per read of the journal while streaming events.
@@ -102,6 +104,11 @@ pub const MAX_EVENT_STREAMS: usize = 256;
 /// itself (see [`KeelApi::forward_to`]).
 macro_rules! route {
     ($self:ident, $request:ident, $method:ident, $write:expr) => {
+        route!($self, $request, $method, $write, |answer| answer)
+    };
+    // `$answer` turns the leader's answer into this call's (a stream's
+    // type differs between a client and a server).
+    ($self:ident, $request:ident, $method:ident, $write:expr, $answer:expr) => {
         if let Some(mut leader) = $self.forward_to(&$request, $write).await? {
             // Whom for: the leader believes it of a member's connection only.
             let caller = crate::caller::caller_of(&$request);
@@ -132,7 +139,11 @@ macro_rules! route {
                     .metadata_mut()
                     .insert(crate::traces::TRACEPARENT_HEADER, value);
             }
-            return leader.$method(forwarded).await.map_err(forward_error);
+            return leader
+                .$method(forwarded)
+                .await
+                .map($answer)
+                .map_err(forward_error);
         }
     };
 }
@@ -1346,6 +1357,19 @@ impl Keel for KeelApi {
         let stale = is_stale(&request);
         route!(self, request, list_queues, false);
         self.list_queues_call(request, stale).await
+    }
+
+    type SaveSnapshotStream = snapshots::SnapshotStream;
+
+    async fn save_snapshot(
+        &self,
+        request: Request<api::SaveSnapshotRequest>,
+    ) -> Result<Response<snapshots::SnapshotStream>, Status> {
+        route!(self, request, save_snapshot, false, |answer: Response<
+            tonic::Streaming<api::SnapshotChunk>,
+        >| answer
+            .map(|chunks| Box::pin(chunks) as snapshots::SnapshotStream));
+        self.save_snapshot_call(request).await
     }
 
     async fn who_am_i(

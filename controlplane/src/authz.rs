@@ -58,10 +58,13 @@ pub enum Right {
     BootstrapAcl,
     /// `CreateQueue`, `UpdateQueue`, `DeleteQueue` (issue 23).
     ManageQueues,
+    /// `SaveSnapshot`: the whole state, every job's spec included (issue
+    /// 25).
+    SaveSnapshots,
 }
 
 impl Right {
-    pub const ALL: [Right; 12] = [
+    pub const ALL: [Right; 13] = [
         Right::SubmitJobs,
         Right::ReadJobs,
         Right::CancelJobs,
@@ -74,6 +77,7 @@ impl Right {
         Right::ManageTokens,
         Right::BootstrapAcl,
         Right::ManageQueues,
+        Right::SaveSnapshots,
     ];
 
     pub fn name(self) -> &'static str {
@@ -90,6 +94,7 @@ impl Right {
             Right::ManageTokens => "manage-tokens",
             Right::BootstrapAcl => "bootstrap-acl",
             Right::ManageQueues => "manage-queues",
+            Right::SaveSnapshots => "save-snapshots",
         }
     }
 }

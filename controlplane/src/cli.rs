@@ -332,7 +332,7 @@ where
     }
 }
 
-fn status_error(e: tonic::Status) -> anyhow::Error {
+pub(crate) fn status_error(e: tonic::Status) -> anyhow::Error {
     // A connection the server's TLS refused reads, on the client's side,
     // as a broken HTTP/2 stream: say what to check.
     let hint = match e.code() {

@@ -7,6 +7,7 @@ mod queue_cmd;
 mod render;
 mod sim_cmd;
 mod sim_plot;
+mod snapshot_cmd;
 mod tls_cmd;
 
 /// mimalloc instead of glibc's malloc: the server allocates and frees small
@@ -122,6 +123,11 @@ enum Cmd {
     Acl {
         #[command(subcommand)]
         command: acl_cmd::AclCmd,
+    },
+    /// Back up the cluster's state, and found a new cluster on a backup.
+    Snapshot {
+        #[command(subcommand)]
+        command: snapshot_cmd::SnapshotCmd,
     },
     /// Queues: quotas of GPUs per type for teams sharing the cluster.
     Queue {
@@ -1095,6 +1101,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Tls { command } => tls_cmd::run(command, out),
         Cmd::Acl { command } => acl_cmd::run(&args.addr, command, out).await,
         Cmd::Queue { command } => queue_cmd::run(&args.addr, command, out).await,
+        Cmd::Snapshot { command } => snapshot_cmd::run(&args.addr, command, out).await,
         Cmd::Server {
             config: _,
             print_config: _,

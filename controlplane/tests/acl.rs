@@ -99,7 +99,7 @@ fn access<T>(result: Result<tonic::Response<T>, tonic::Status>) -> Access {
     }
 }
 
-const RPCS: [&str; 24] = [
+const RPCS: [&str; 25] = [
     "SubmitJob",
     "CancelJob",
     "GetJob",
@@ -124,6 +124,7 @@ const RPCS: [&str; 24] = [
     "UpdateQueue",
     "DeleteQueue",
     "ListQueues",
+    "SaveSnapshot",
 ];
 
 /// Calls `rpc` with a request that changes nothing that matters (or
@@ -265,6 +266,7 @@ async fn call(client: &mut Client, rpc: &str, job: u64) -> Access {
                 .await,
         ),
         "ListQueues" => access(client.list_queues(api::ListQueuesRequest {}).await),
+        "SaveSnapshot" => access(client.save_snapshot(api::SaveSnapshotRequest {}).await),
         other => unreachable!("{other}"),
     }
 }

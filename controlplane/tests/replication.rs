@@ -2666,3 +2666,135 @@ fn a_member_back_on_a_new_address_under_its_name_rejoins() {
         "still known by its name, not its new address: {status}"
     );
 }
+
+/// Issue 25, item 6: a backup saved through a follower (the leader
+/// answers, after a linearizable read) holds the state as of then, owner
+/// only; `inspect` checks its hash and a damaged copy is refused; restored
+/// into an empty data directory it founds a new cluster (a new cluster
+/// id) whose first member serves exactly that state (the same hash), and
+/// two members added on empty disks take it whole; a non-empty directory
+/// is refused.
+#[test]
+fn a_saved_snapshot_founds_a_new_three_replica_cluster_with_the_same_state() {
+    let source = Cluster::start(&[]);
+    let leader = source.leader();
+    let all = source.all_addrs();
+    let mut submitted = BTreeSet::new();
+    for i in 0..5 {
+        submitted.insert(source.submit(&all, &format!("job-{i}")).expect("submitted"));
+    }
+    let (index, hash) = source.converged();
+    let source_id = source.status(leader).expect("status")["cluster_id"]
+        .as_str()
+        .expect("cluster id")
+        .to_string();
+    let follower = (1..=3).find(|id| *id != leader).expect("a follower");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("backup.snap");
+    let file_arg = file.to_str().expect("utf-8");
+    let saved = source
+        .json(
+            &source.replicas[follower as usize - 1].addr,
+            &["snapshot", "save", file_arg],
+        )
+        .expect("saved");
+    assert_eq!(saved["index"], index, "{saved}");
+    assert_eq!(saved["state_hash"], hash.as_str(), "{saved}");
+    assert_eq!(saved["cluster_id"], source_id.as_str(), "{saved}");
+    assert_eq!(saved["unfinished_jobs"], 5, "{saved}");
+    assert_eq!(support::mode(&file), 0o600, "owner-only");
+    let inspected = json(&all, &["snapshot", "inspect", file_arg]).expect("inspected");
+    assert_eq!(inspected["state_hash"], hash.as_str());
+    assert_eq!(inspected["members"].as_array().map(Vec::len), Some(3));
+
+    // A damaged copy is refused, naming what is wrong.
+    let mut bytes = std::fs::read(&file).expect("read");
+    let at = bytes.len() - 20;
+    bytes[at] ^= 0x5a;
+    let damaged = dir.path().join("damaged.snap");
+    std::fs::write(&damaged, &bytes).expect("write");
+    let out = cli(
+        &all,
+        &["snapshot", "inspect", damaged.to_str().expect("utf-8")],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("damaged.snap"), "{err}");
+
+    // A new cluster from it: member 1 restored, started; 2 and 3 added.
+    let mut restored = Cluster::new();
+    let r1 = restored.replicas[0].data.clone();
+    let out = cli(
+        &all,
+        &[
+            "snapshot",
+            "restore",
+            file_arg,
+            "--data-dir",
+            r1.to_str().expect("utf-8"),
+            "--id",
+            "1",
+            "--member-addr",
+            &restored.replicas[0].addr,
+            "-o",
+            "json",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Not into a directory that holds anything.
+    let out = cli(
+        &all,
+        &[
+            "snapshot",
+            "restore",
+            file_arg,
+            "--data-dir",
+            r1.to_str().expect("utf-8"),
+            "--id",
+            "1",
+            "--member-addr",
+            &restored.replicas[0].addr,
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not empty"));
+
+    restored.spawn(1, &[]);
+    assert_eq!(restored.leader(), 1);
+    let first = restored.status(1).expect("status");
+    assert_eq!(
+        first["state_hash"],
+        hash.as_str(),
+        "the saved state, served: {first}"
+    );
+    assert_ne!(first["cluster_id"], source_id.as_str(), "a new cluster");
+    let mut ids = BTreeSet::new();
+    ids.extend(restored.jobs_on(1));
+    assert_eq!(ids, submitted);
+    for id in [2, 3] {
+        restored.spawn(id, &[]);
+        let addr = restored.replicas[id as usize - 1].addr.clone();
+        let id_arg = id.to_string();
+        let out = cli(
+            &restored.replicas[0].addr,
+            &["cluster", "add", "--id", &id_arg, "--member-addr", &addr],
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    restored.converged();
+    for id in [2, 3] {
+        assert_eq!(restored.jobs_on(id), submitted, "member {id}");
+    }
+    let after = restored
+        .submit(&restored.all_addrs(), "after")
+        .expect("it takes writes");
+    assert!(!submitted.contains(&after));
+}

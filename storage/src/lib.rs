@@ -79,7 +79,7 @@ pub mod journal_codec {
 pub mod wal_codec {
     pub use crate::log_store::{decode_payload, encode_payload};
 }
-pub use recovery::{force_single_voter, ForcedMembership, RecoveryError};
+pub use recovery::{force_single_voter, found_from_snapshot, ForcedMembership, RecoveryError};
 pub use replay::{
     replay, replay_data_dir, replay_data_dir_checked, replay_until, replay_until_checked,
     replay_until_visiting, ReplayError, ReplaySummary, Until,

@@ -50,6 +50,59 @@ pub enum RecoveryError {
          replica serves on"
     )]
     NoAddress { raft_id: u64 },
+    #[error("the data directory already holds a Raft log or vote: restore into an empty one")]
+    NotEmpty,
+    #[error("the snapshot cannot be read: {0}")]
+    Snapshot(String),
+}
+
+/// Founds a new one-member cluster in the empty data directory `dir` (held
+/// locked) from a snapshot's state (`keel snapshot restore`): the state
+/// machine holds `state` as its snapshot, applied at `index` of `term`,
+/// with a membership naming `raft_id` at `address` alone; the log holds a
+/// vote for `raft_id` at that term and no entry (Raft purges the log up
+/// to the snapshot when it starts). Started, the replica elects itself
+/// and serves the state from `index` on; other members are then added
+/// with `keel cluster add`. Returns the snapshot's log id.
+pub fn found_from_snapshot(
+    dir: &DataDir,
+    raft_id: u64,
+    address: &str,
+    term: u64,
+    index: u64,
+    state: &[u8],
+) -> Result<LogId, RecoveryError> {
+    let log_dir = dir.raft_log_dir();
+    let log = LogStore::open(&log_dir).map_err(|source| RecoveryError::Log {
+        path: log_dir.display().to_string(),
+        source,
+    })?;
+    if log.last_log_id().is_some() || log.vote().is_some() {
+        return Err(RecoveryError::NotEmpty);
+    }
+    crate::snapshot_codec::decode_snapshot(state).map_err(RecoveryError::Snapshot)?;
+    let term = term.max(1);
+    let log_id = LogId::new(CommittedLeaderId::new(term, raft_id), index);
+    let membership = Membership::new(
+        vec![BTreeSet::from([raft_id])],
+        BTreeMap::from([(
+            raft_id,
+            BasicNode {
+                addr: address.to_string(),
+            },
+        )]),
+    );
+    let meta = openraft::SnapshotMeta {
+        last_log_id: Some(log_id),
+        last_membership: openraft::StoredMembership::new(Some(log_id), membership),
+        snapshot_id: format!("restored-{term}-{index}"),
+    };
+    let sm = StateMachineStore::open(&dir.state_dir())?;
+    sm.restore_at_rest(&meta, state)?;
+    // No entry may be of a term above the vote.
+    log.save_vote_durable(&Vote::new(term, raft_id))?;
+    tracing::warn!(raft_id, %address, index, term, "founded a new one-member cluster from a snapshot");
+    Ok(log_id)
 }
 
 /// What [`force_single_voter`] did.
@@ -232,6 +285,53 @@ mod tests {
             }
             other => panic!("the last entry is {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_snapshot_founds_a_one_member_cluster_only_in_an_empty_directory() {
+        let mut state = keel_state::ClusterState::new();
+        let spec = keel_state::fixtures::job_spec("saved", 1, 1);
+        state
+            .apply(
+                1,
+                &keel_state::LogEntry::new(5, keel_state::Command::SubmitJob { spec }),
+            )
+            .expect("applied");
+        let bytes = crate::snapshot_codec::encode_snapshot(&state);
+        let tmp = tempfile::tempdir().expect("tempdir");
+        {
+            let dir = DataDir::open(tmp.path()).expect("data dir");
+            let refused = found_from_snapshot(&dir, 7, "127.0.0.1:7007", 3, 40, b"\x09junk")
+                .expect_err("not a snapshot");
+            assert!(matches!(refused, RecoveryError::Snapshot(_)), "{refused}");
+            let log_id =
+                found_from_snapshot(&dir, 7, "127.0.0.1:7007", 3, 40, &bytes).expect("founded");
+            assert_eq!((log_id.index, log_id.leader_id.term), (40, 3));
+            let again = found_from_snapshot(&dir, 7, "127.0.0.1:7007", 3, 40, &bytes)
+                .expect_err("not empty any more");
+            assert!(matches!(again, RecoveryError::NotEmpty), "{again}");
+        }
+        // What a start reads: the state at index 40, member 7 alone, and a
+        // vote for it at the snapshot's term (not committed: it elects
+        // itself).
+        let sm = StateMachineStore::open(&tmp.path().join("state")).expect("state");
+        let shared = sm.shared();
+        let applied = shared.read();
+        assert_eq!(applied.state.state_hash(), state.state_hash());
+        assert_eq!(applied.last_applied.map(|l| l.index), Some(40));
+        let voters: Vec<u64> = applied.membership.membership().voter_ids().collect();
+        assert_eq!(voters, vec![7]);
+        drop(applied);
+        let log = LogStore::open(&tmp.path().join("raft-log")).expect("log");
+        let vote = log.vote().expect("a vote");
+        assert_eq!(
+            (vote.leader_id.term, vote.leader_id.node_id, vote.committed),
+            (3, 7, false)
+        );
+        assert!(
+            log.last_log_id().is_none(),
+            "no entry: Raft purges up to the snapshot"
+        );
     }
 
     #[test]

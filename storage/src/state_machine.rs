@@ -576,6 +576,31 @@ impl StateMachineStore {
         Ok(())
     }
 
+    /// Makes the state of a store no Raft runs on (`keel snapshot
+    /// restore`) the snapshot `data` described by `meta`: its applied log
+    /// id and membership included, so that Raft starts from it (and purges
+    /// the log up to it). Refused unless the store holds nothing.
+    pub fn restore_at_rest(
+        &self,
+        meta: &SnapshotMeta<u64, BasicNode>,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        if self.shared.read().last_applied.is_some() || self.tree.get(KEY_SNAPSHOT_META)?.is_some()
+        {
+            return Err(StoreError::corrupt(
+                "the state directory",
+                "it already holds a state: restore into an empty data directory",
+            ));
+        }
+        let state = decode_snapshot(data).map_err(|e| StoreError::corrupt("the snapshot", e))?;
+        self.save_snapshot(meta, data, true)?;
+        let mut applied = self.shared.write();
+        applied.state = state;
+        applied.last_applied = meta.last_log_id;
+        applied.membership = meta.last_membership.clone();
+        Ok(())
+    }
+
     fn save_snapshot(
         &self,
         meta: &SnapshotMeta<u64, BasicNode>,

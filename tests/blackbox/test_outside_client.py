@@ -930,6 +930,39 @@ class AclTokens(unittest.TestCase):
         self.assertEqual(names, ["carols", "alices"])
 
 
+    def test_a_backup_is_for_an_admin_and_holds_the_state_it_names(self):
+        """Issue 25, item 6: SaveSnapshot answers an admin token only, in
+        pieces that together are a SnapshotFile whose state hash and index
+        are those the cluster shows."""
+        root_secret = "outside-root-secret-backup-0123456789ab"
+        self.stub.BootstrapAcl(api.BootstrapAclRequest(secret=root_secret), timeout=20)
+        root = self.bearer(root_secret)
+        user_secret = "outside-user-secret-backup-0123456789ab"
+        self.stub.CreateToken(
+            api.CreateTokenRequest(name="dana", role="user", secret=user_secret),
+            timeout=20,
+            metadata=root,
+        )
+        for who in [self.bearer(user_secret), None, [("x-keel-caller", "member 1")]]:
+            with self.assertRaises(grpc.RpcError) as caught:
+                list(self.stub.SaveSnapshot(api.SaveSnapshotRequest(), timeout=20, metadata=who))
+            self.assertIn(
+                caught.exception.code(),
+                (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED),
+                caught.exception.details(),
+            )
+        pieces = list(self.stub.SaveSnapshot(api.SaveSnapshotRequest(), timeout=20, metadata=root))
+        self.assertTrue(pieces)
+        self.assertTrue(all(len(p.data) <= 1 << 20 for p in pieces))
+        saved = api.SnapshotFile.FromString(b"".join(p.data for p in pieces))
+        status = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10, metadata=root)
+        self.assertEqual(saved.format, 1)
+        self.assertEqual(saved.state_hash, status.state_hash)
+        self.assertEqual(saved.index, status.last_applied_index)
+        self.assertEqual(saved.cluster_id, status.cluster_id)
+        self.assertTrue(saved.state)
+
+
 class Queues(OneServer):
     """Issue 23, item 1: queues from outside. Every bad request is refused
     naming its field and changes nothing, and a change sent again under
