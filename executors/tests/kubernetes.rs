@@ -427,9 +427,10 @@ async fn the_rbac_manifest_grants_exactly_what_the_executor_calls() {
     let used = api.rbac_uses();
 
     let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/rbac.yaml"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/kubernetes/base/rbac.yaml"),
     )
-    .expect("deploy/kubernetes/rbac.yaml");
+    .expect("deploy/kubernetes/base/rbac.yaml");
     let mut granted = std::collections::BTreeSet::new();
     let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text).expect("yaml");
     for doc in docs {
