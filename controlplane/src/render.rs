@@ -765,7 +765,7 @@ pub fn forced_membership(
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Clone)]
 struct MemberView {
     id: u64,
     /// The incarnation the membership records (hexadecimal; `-`: named by
@@ -797,6 +797,69 @@ struct ClusterView<'a> {
     #[serde(flatten)]
     contacted: &'a api::ClusterStatusResponse,
     members_status: Vec<MemberView>,
+    /// Whether one member may be restarted now (a rolling restart or
+    /// upgrade), and why, or why not ([`restart_verdict`]).
+    restart_safe: bool,
+    restart_advice: String,
+}
+
+/// How far behind the leader a member may be and still count as caught
+/// up (as for re-admitting a member on a new disk).
+const CAUGHT_UP_ENTRIES: u64 = 64;
+
+/// Whether one member may be restarted now without the cluster losing its
+/// quorum, and the advice: every voter answers and is within
+/// [`CAUGHT_UP_ENTRIES`] of the leader (so the last member restarted has
+/// caught up), and the voters but one are still a majority. The leader is
+/// restarted last (one change of leader in all).
+fn restart_verdict(views: &[MemberView]) -> (bool, String) {
+    let voters: Vec<&MemberView> = views.iter().filter(|v| v.voter).collect();
+    let Some(leader) = voters.iter().find(|v| v.role.as_deref() == Some("leader")) else {
+        return (false, "no: no member leads now".into());
+    };
+    if voters.len() < 3 {
+        return (
+            false,
+            format!(
+                "no: with {} voter(s), restarting one stops the cluster until it is back",
+                voters.len()
+            ),
+        );
+    }
+    for v in &voters {
+        if v.answered_as.is_some() {
+            return (
+                false,
+                format!("no: member {} is being re-admitted on a new disk", v.id),
+            );
+        }
+        if !v.reachable {
+            return (false, format!("no: member {} does not answer", v.id));
+        }
+        match v.replication_lag {
+            Some(lag) if lag <= CAUGHT_UP_ENTRIES => {}
+            Some(lag) => {
+                return (
+                    false,
+                    format!("no: member {} is {lag} entries behind the leader", v.id),
+                )
+            }
+            None => {
+                return (
+                    false,
+                    format!("no: the leader has not reached member {} yet", v.id),
+                )
+            }
+        }
+    }
+    (
+        true,
+        format!(
+            "yes: every voter answers and has caught up; restart one member at a time, \
+             waiting for this to say yes again, the followers first and the leader (member {}) last",
+            leader.id
+        ),
+    )
 }
 
 pub fn cluster_status(
@@ -855,10 +918,13 @@ pub fn cluster_status(
             }
         })
         .collect();
+    let (restart_safe, restart_advice) = restart_verdict(&views);
     match out {
         Output::Json => print_json(&ClusterView {
             contacted,
             members_status: views,
+            restart_safe,
+            restart_advice,
         }),
         Output::Table => {
             let opt = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_else(|| "-".into());
@@ -922,6 +988,7 @@ pub fn cluster_status(
                     );
                 }
             }
+            outln!("safe to restart a member: {restart_advice}");
             let mut rows: Vec<Vec<String>> = views
                 .iter()
                 .map(|v| {
@@ -1233,5 +1300,74 @@ mod tests {
             ..estimate("table")
         };
         assert!(describe_estimate(&unknown).starts_with("estimated remaining: unknown"));
+    }
+
+    fn member(id: u64, role: &str, lag: Option<u64>) -> MemberView {
+        MemberView {
+            id,
+            incarnation: "-".into(),
+            answered_as: None,
+            address: format!("127.0.0.1:{}", 7000 + id),
+            voter: true,
+            reachable: role != "unreachable",
+            role: (role != "unreachable").then(|| role.to_string()),
+            term: Some(2),
+            last_log_index: Some(100),
+            last_applied_index: Some(100),
+            state_hash: None,
+            cluster_id: None,
+            replication_lag: lag,
+            clock_offset_ms: None,
+            clock_refusal: None,
+        }
+    }
+
+    #[test]
+    fn a_member_may_be_restarted_only_while_every_voter_answers_caught_up() {
+        let healthy = vec![
+            member(1, "follower", Some(0)),
+            member(2, "leader", Some(0)),
+            member(3, "follower", Some(3)),
+        ];
+        let (safe, advice) = restart_verdict(&healthy);
+        assert!(safe, "{advice}");
+        assert!(advice.contains("the leader (member 2) last"), "{advice}");
+        for (members, why) in [
+            (
+                vec![
+                    member(1, "follower", Some(0)),
+                    member(2, "leader", Some(0)),
+                    member(3, "unreachable", None),
+                ],
+                "member 3 does not answer",
+            ),
+            (
+                vec![
+                    member(1, "follower", Some(0)),
+                    member(2, "leader", Some(0)),
+                    member(3, "follower", Some(65)),
+                ],
+                "member 3 is 65 entries behind",
+            ),
+            (
+                vec![
+                    member(1, "follower", Some(0)),
+                    member(2, "candidate", None),
+                    member(3, "follower", Some(0)),
+                ],
+                "no member leads",
+            ),
+            (vec![member(1, "leader", Some(0))], "with 1 voter(s)"),
+        ] {
+            let (safe, advice) = restart_verdict(&members);
+            assert!(!safe, "{why}: {advice}");
+            assert!(advice.contains(why), "{why}: {advice}");
+        }
+        // A learner's state does not count.
+        let mut with_learner = healthy.clone();
+        let mut learner = member(4, "unreachable", None);
+        learner.voter = false;
+        with_learner.push(learner);
+        assert!(restart_verdict(&with_learner).0);
     }
 }

@@ -2798,3 +2798,107 @@ fn a_saved_snapshot_founds_a_new_three_replica_cluster_with_the_same_state() {
         .expect("it takes writes");
     assert!(!submitted.contains(&after));
 }
+
+/// Issue 25, item 7: a rolling restart under client load. Each member in
+/// turn (the followers first, the leader last) is restarted once `keel
+/// cluster status` says it is safe (every voter answering and caught up),
+/// and the next waits until it says so again. A follower's restart changes
+/// no leader (the term stays); the leader's, at most once. Every
+/// submission acknowledged meanwhile is on every replica, once.
+#[test]
+fn a_rolling_restart_under_load_loses_nothing_and_changes_the_leader_at_most_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let mut cluster = Cluster::start(&[]);
+    let leader = cluster.leader();
+    cluster.converged();
+    let all = cluster.all_addrs();
+    let spec = cluster._dir.path().join("load.yaml");
+    std::fs::write(&spec, "name: load\ncommand: [\"true\"]\n").expect("spec");
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let load = {
+        let (stop, acked, all) = (stop.clone(), acked.clone(), all.clone());
+        let spec = spec.to_str().expect("utf-8").to_string();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                // A submission the CLI could not get acknowledged (it tried
+                // every address) is not counted; one it did is.
+                if let Some(id) =
+                    json(&all, &["submit", "-f", &spec]).and_then(|v| v["id"].as_u64())
+                {
+                    acked.lock().expect("lock").push(id);
+                }
+            }
+        })
+    };
+    let safe = |cluster: &Cluster| -> Value {
+        wait_for("cluster status to say a restart is safe", || {
+            let status = cluster.json(&cluster.all_addrs(), &["cluster", "status"])?;
+            (status["restart_safe"] == true).then_some(status)
+        })
+    };
+    let leader_term = |status: &Value| -> u64 {
+        status["members_status"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|m| m["role"] == "leader")
+            .and_then(|m| m["term"].as_u64())
+            .expect("a leader's term")
+    };
+    let order: Vec<u64> = (1..=3).filter(|id| *id != leader).chain([leader]).collect();
+    for id in order {
+        let before = safe(&cluster);
+        assert!(
+            before["restart_advice"]
+                .as_str()
+                .is_some_and(|a| a.contains(&format!("the leader (member {leader}) last"))),
+            "{before}"
+        );
+        let acked_before = acked.lock().expect("lock").len();
+        cluster.terminate(id);
+        cluster.spawn(id, &[]);
+        let after = safe(&cluster);
+        let (t0, t1) = (leader_term(&before), leader_term(&after));
+        if id == leader {
+            // At most one election (a split vote may take a second term,
+            // still electing one leader); none when the restarted leader
+            // is back before its followers' election timeouts.
+            assert!(
+                (t0..=t0 + 2).contains(&t1),
+                "the leader's restart: term {t0} -> {t1}"
+            );
+        } else {
+            assert_eq!(t1, t0, "member {id}'s restart changed the leader");
+        }
+        // The load went on through it.
+        wait_for("more submissions acknowledged", || {
+            (acked.lock().expect("lock").len() > acked_before + 3).then_some(())
+        });
+    }
+    stop.store(true, Ordering::Relaxed);
+    load.join().expect("the load's thread");
+    let acked: BTreeSet<u64> = acked.lock().expect("lock").iter().copied().collect();
+    assert!(acked.len() > 12, "{} submissions acknowledged", acked.len());
+    cluster.converged();
+    for id in 1..=3 {
+        let on = cluster.jobs_on(id);
+        assert!(
+            acked.is_subset(&on),
+            "member {id} lacks {:?}",
+            acked.difference(&on).collect::<Vec<_>>()
+        );
+        // Nothing applied twice: every job is one acknowledged submission
+        // (a submission whose answer was lost and not retried would be the
+        // only other kind; the CLI retries with its request id).
+        assert_eq!(
+            on.len(),
+            acked.len(),
+            "member {id}: {} jobs for {} acknowledged",
+            on.len(),
+            acked.len()
+        );
+    }
+}
