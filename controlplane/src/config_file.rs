@@ -427,26 +427,18 @@ mod tests {
             ],
             &no_env,
         );
-        assert!(
-            line_of(&once, "round_s").starts_with("round_s = 2.5  # config file"),
-            "{once}"
-        );
-        assert!(
-            line_of(&once, "peers").contains("\"2=keel-1:7070\""),
-            "{once}"
-        );
-        assert!(
-            line_of(&once, "backfill").starts_with("backfill = true"),
-            "{once}"
-        );
-        assert!(
-            line_of(&once, "http_listen").starts_with("http_listen = \"off\""),
-            "{once}"
-        );
-        assert!(
-            line_of(&once, "snapshot_every").ends_with("# default"),
-            "{once}"
-        );
+        for (key, starts) in [
+            ("round_s", "round_s = 2.5  # config file"),
+            (
+                "peers",
+                "peers = [\"1=keel-0:7070\", \"2=keel-1:7070\", \"3=keel-2:7070\"]",
+            ),
+            ("backfill", "backfill = true"),
+            ("http_listen", "http_listen = \"off\""),
+            ("snapshot_every", "# snapshot_every = 10000  # default"),
+        ] {
+            assert!(line_of(&once, key).starts_with(starts), "{key}: {once}");
+        }
         assert_eq!(line_of(&once, "executor_dir"), "# executor_dir = (not set)");
         // Read back: the same values, now all from the file.
         let (_dir2, second) = file(&once);

@@ -2724,42 +2724,31 @@ fn a_saved_snapshot_founds_a_new_three_replica_cluster_with_the_same_state() {
     // A new cluster from it: member 1 restored, started; 2 and 3 added.
     let mut restored = Cluster::new();
     let r1 = restored.replicas[0].data.clone();
-    let out = cli(
-        &all,
-        &[
-            "snapshot",
-            "restore",
-            file_arg,
-            "--data-dir",
-            r1.to_str().expect("utf-8"),
-            "--id",
-            "1",
-            "--member-addr",
-            &restored.replicas[0].addr,
-            "-o",
-            "json",
-        ],
-    );
+    let member_addr = restored.replicas[0].addr.clone();
+    let restore = || {
+        cli(
+            &all,
+            &[
+                "snapshot",
+                "restore",
+                file_arg,
+                "--data-dir",
+                r1.to_str().expect("utf-8"),
+                "--id",
+                "1",
+                "--member-addr",
+                &member_addr,
+            ],
+        )
+    };
+    let out = restore();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     // Not into a directory that holds anything.
-    let out = cli(
-        &all,
-        &[
-            "snapshot",
-            "restore",
-            file_arg,
-            "--data-dir",
-            r1.to_str().expect("utf-8"),
-            "--id",
-            "1",
-            "--member-addr",
-            &restored.replicas[0].addr,
-        ],
-    );
+    let out = restore();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not empty"));
 

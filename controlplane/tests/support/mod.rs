@@ -29,6 +29,26 @@ pub fn process_umask() -> u32 {
 
 /// Runs `command` (a `keel` that needs no server: `replay`, `policy eval`,
 /// ...), which must succeed, and parses its JSON output.
+/// What `keel server ... --print-config` printed (it must succeed), and
+/// a check that each of `lines` is one of its lines.
+#[allow(dead_code)]
+pub fn printed_config(command: &mut Command, lines: &[&str]) -> String {
+    let out = command.output().expect("keel server --print-config");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    for line in lines {
+        assert!(
+            printed.lines().any(|l| l == *line),
+            "{line:?} not in:\n{printed}"
+        );
+    }
+    printed
+}
+
 pub fn json_of(command: &mut Command) -> serde_json::Value {
     let out = command.output().expect("run keel");
     assert!(
