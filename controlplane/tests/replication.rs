@@ -2603,7 +2603,11 @@ fn a_member_back_on_a_new_address_under_its_name_rejoins() {
             .zip(names)
             .map(|(ip, name)| format!("{ip} {name}\n"))
             .collect();
-        std::fs::write(&hosts, text).expect("hosts file");
+        // A new file renamed over the old one: nss_wrapper notices a new
+        // inode at once, a rewrite only when its mtime's second moves.
+        let fresh = hosts.with_extension("new");
+        std::fs::write(&fresh, text).expect("hosts file");
+        std::fs::rename(&fresh, &hosts).expect("hosts file renamed");
     };
     write_hosts(["127.0.0.11", "127.0.0.12", "127.0.0.13"]);
     for (i, r) in cluster.replicas.iter_mut().enumerate() {
