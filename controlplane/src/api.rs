@@ -41,7 +41,7 @@ pub(crate) mod queues;
 mod snapshots;
 mod streams;
 pub use acl::BOOTSTRAP_TOKEN_NAME;
-pub use snapshots::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_FILE_FORMAT};
+pub use snapshots::SNAPSHOT_FILE_FORMAT;
 pub use streams::MAX_EVENT_STREAMS_PER_CALLER;
 
 /// Records sent per read of the journal while streaming events.

@@ -372,6 +372,15 @@ mod tests {
         }
     }
 
+    /// What `keel server --config FILE --print-config` prints.
+    fn printed_with(file: &Path) -> String {
+        let file = file.to_str().expect("utf-8");
+        printed(
+            &["keel", "server", "--config", file, "--print-config"],
+            &no_env,
+        )
+    }
+
     /// The value line of `key` in a printed configuration.
     fn line_of<'a>(printed: &'a str, key: &str) -> &'a str {
         printed
@@ -417,16 +426,7 @@ mod tests {
              gpu_prices = [\"v100=2.48\", \"k80=0.7\"]\nhttp-listen = \"off\"\n\
              trace_sample_ratio = 0.25\nsimulated_gpus = \"4xv100\"\n",
         );
-        let once = printed(
-            &[
-                "keel",
-                "server",
-                "--config",
-                first.to_str().expect("utf-8"),
-                "--print-config",
-            ],
-            &no_env,
-        );
+        let once = printed_with(&first);
         for (key, starts) in [
             ("round_s", "round_s = 2.5  # config file"),
             (
@@ -442,16 +442,7 @@ mod tests {
         assert_eq!(line_of(&once, "executor_dir"), "# executor_dir = (not set)");
         // Read back: the same values, now all from the file.
         let (_dir2, second) = file(&once);
-        let twice = printed(
-            &[
-                "keel",
-                "server",
-                "--config",
-                second.to_str().expect("utf-8"),
-                "--print-config",
-            ],
-            &no_env,
-        );
+        let twice = printed_with(&second);
         let values = |t: &str| -> Vec<String> {
             t.lines()
                 .filter(|l| !l.starts_with('#'))

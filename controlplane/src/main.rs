@@ -1556,11 +1556,17 @@ fn parse_peer(s: &str) -> Result<(u64, String), String> {
         .trim()
         .parse()
         .map_err(|_| format!("{id:?} in {s:?} is not a member id"))?;
+    let addr = parse_address(addr).map_err(|e| format!("{e} in {s:?}"))?;
+    Ok((id, addr))
+}
+
+/// A member's address, `HOST:PORT` (a host name or an IP address).
+fn parse_address(addr: &str) -> Result<String, String> {
     let addr = addr.trim();
     if addr.is_empty() || !addr.contains(':') {
-        return Err(format!("{addr:?} in {s:?} is not HOST:PORT"));
+        return Err(format!("{addr:?} is not HOST:PORT"));
     }
-    Ok((id, addr.to_string()))
+    Ok(addr.to_string())
 }
 
 #[cfg(test)]

@@ -36,11 +36,12 @@ pub enum SnapshotCmd {
         #[arg(long)]
         data_dir: PathBuf,
         /// The new replica's member id.
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u64)
+            .range(1..=keel::membership::MEMBER_ID_MAX))]
         id: u64,
         /// The address it will serve on (its `--listen`), as its peers
         /// reach it.
-        #[arg(long, value_name = "HOST:PORT")]
+        #[arg(long, value_name = "HOST:PORT", value_parser = crate::parse_address)]
         member_addr: String,
     },
 }
@@ -217,34 +218,18 @@ async fn save(addr: &str, path: &Path, out: Output) -> anyhow::Result<()> {
     print(&s, out)
 }
 
-/// Writes `bytes` to `path` whole or not at all: a synced temporary file,
-/// owner-only, renamed over it, the directory synced.
+/// Writes `bytes` to `path` whole or not at all, owner-only (a synced
+/// temporary file renamed over it, the directory synced: what
+/// `atomic_write_file` does; an older file's mode is not kept).
 fn write_owner_only(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use atomic_write_file::unix::OpenOptionsExt as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
     let what = || format!("cannot write {}", path.display());
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} names no file", path.display()))?;
-    let temporary = dir.join(format!(".{}.part", name.to_string_lossy()));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&temporary)
-        .with_context(what)?;
-    f.write_all(bytes).with_context(what)?;
-    f.sync_all().with_context(what)?;
-    drop(f);
-    std::fs::rename(&temporary, path).with_context(what)?;
-    std::fs::File::open(&dir)
-        .and_then(|d| d.sync_all())
-        .with_context(what)?;
-    Ok(())
+    let mut options = atomic_write_file::OpenOptions::new();
+    options.mode(0o600).preserve_mode(false);
+    let mut file = options.open(path).with_context(what)?;
+    file.write_all(bytes).with_context(what)?;
+    file.commit().with_context(what)
 }
 
 fn restore(
@@ -254,15 +239,6 @@ fn restore(
     member_addr: &str,
     out: Output,
 ) -> anyhow::Result<()> {
-    if !keel::membership::is_member_id(id) {
-        bail!(
-            "--id {id} is out of range: member ids are 1 to {}",
-            keel::membership::MEMBER_ID_MAX
-        );
-    }
-    if !member_addr.contains(':') || member_addr.starts_with(':') {
-        bail!("--member-addr {member_addr:?} is not HOST:PORT");
-    }
     let (file, state) = read(path)?;
     let empty = match std::fs::read_dir(data_dir) {
         Ok(mut entries) => entries.next().is_none(),

@@ -2552,7 +2552,6 @@ fn a_submission_is_one_trace_across_replicas_and_a_failover() {
 /// process resolve host names from the file `NSS_WRAPPER_HOSTS` names,
 /// read again whenever it changes, as a DNS record changes.
 fn nss_wrapper_or_skip(test: &str) -> Option<PathBuf> {
-    use std::io::Write;
     let found = [
         "/usr/lib/x86_64-linux-gnu",
         "/usr/lib/aarch64-linux-gnu",
@@ -2562,17 +2561,12 @@ fn nss_wrapper_or_skip(test: &str) -> Option<PathBuf> {
     .iter()
     .map(|d| Path::new(d).join("libnss_wrapper.so"))
     .find(|p| p.exists());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("KEEL_REQUIRE_NSS_WRAPPER").is_none(),
-            "KEEL_REQUIRE_NSS_WRAPPER is set and libnss_wrapper.so is not installed"
-        );
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED {test}: libnss_wrapper.so is not installed (Debian's libnss-wrapper; \
-             set KEEL_REQUIRE_NSS_WRAPPER=1 to make this a failure)"
-        );
-    }
+    support::present_or_skip(
+        found.is_some(),
+        "libnss_wrapper.so (Debian's libnss-wrapper)",
+        test,
+        "KEEL_REQUIRE_NSS_WRAPPER",
+    );
     found
 }
 

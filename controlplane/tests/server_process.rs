@@ -1277,3 +1277,103 @@ fn a_server_runs_on_its_config_file_and_refuses_a_bad_one() {
         assert!(!fresh.exists(), "{text:?} made a data directory");
     }
 }
+
+/// Issue 25, item 6: `keel snapshot inspect` and `restore` refuse what
+/// they cannot use, naming the flag or the file, and `restore` makes no
+/// data directory when it refuses.
+#[test]
+fn the_snapshot_commands_refuse_bad_inputs_and_write_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let not_a_snapshot = dir.path().join("notes.snap");
+    std::fs::write(&not_a_snapshot, "not a snapshot\n").expect("write");
+    let missing = dir.path().join("missing.snap");
+    let data = dir.path().join("data");
+    let (bad, missing_s) = (
+        not_a_snapshot.to_str().expect("utf-8"),
+        missing.to_str().expect("utf-8"),
+    );
+    let data_s = data.to_str().expect("utf-8");
+    for (args, expected) in [
+        (vec!["snapshot", "inspect", missing_s], "cannot read"),
+        (vec!["snapshot", "inspect", bad], "notes.snap"),
+        (
+            vec![
+                "snapshot",
+                "restore",
+                bad,
+                "--data-dir",
+                data_s,
+                "--id",
+                "0",
+                "--member-addr",
+                "h:1",
+            ],
+            "--id",
+        ),
+        (
+            vec![
+                "snapshot",
+                "restore",
+                bad,
+                "--data-dir",
+                data_s,
+                "--id",
+                "70000",
+                "--member-addr",
+                "h:1",
+            ],
+            "--id",
+        ),
+        (
+            vec![
+                "snapshot",
+                "restore",
+                bad,
+                "--data-dir",
+                data_s,
+                "--id",
+                "1",
+                "--member-addr",
+                "nowhere",
+            ],
+            "is not HOST:PORT",
+        ),
+        (
+            vec![
+                "snapshot",
+                "restore",
+                bad,
+                "--data-dir",
+                data_s,
+                "--id",
+                "1",
+                "--member-addr",
+                "h:1",
+            ],
+            "notes.snap",
+        ),
+        (
+            vec![
+                "snapshot",
+                "restore",
+                missing_s,
+                "--data-dir",
+                data_s,
+                "--id",
+                "1",
+                "--member-addr",
+                "h:1",
+            ],
+            "cannot read",
+        ),
+    ] {
+        let out = Command::new(KEEL)
+            .args(&args)
+            .output()
+            .expect("keel snapshot");
+        assert!(!out.status.success(), "{args:?} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{args:?}: {err}");
+        assert!(!data.exists(), "{args:?} made a data directory");
+    }
+}

@@ -80,7 +80,7 @@ pub fn found_from_snapshot(
     if log.last_log_id().is_some() || log.vote().is_some() {
         return Err(RecoveryError::NotEmpty);
     }
-    crate::snapshot_codec::decode_snapshot(state).map_err(RecoveryError::Snapshot)?;
+    let decoded = crate::snapshot_codec::decode_snapshot(state).map_err(RecoveryError::Snapshot)?;
     let term = term.max(1);
     let log_id = LogId::new(CommittedLeaderId::new(term, raft_id), index);
     let membership = Membership::new(
@@ -98,7 +98,7 @@ pub fn found_from_snapshot(
         snapshot_id: format!("restored-{term}-{index}"),
     };
     let sm = StateMachineStore::open(&dir.state_dir())?;
-    sm.restore_at_rest(&meta, state)?;
+    sm.restore_at_rest(&meta, state, decoded)?;
     // No entry may be of a term above the vote.
     log.save_vote_durable(&Vote::new(term, raft_id))?;
     tracing::warn!(raft_id, %address, index, term, "founded a new one-member cluster from a snapshot");

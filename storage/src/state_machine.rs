@@ -577,13 +577,15 @@ impl StateMachineStore {
     }
 
     /// Makes the state of a store no Raft runs on (`keel snapshot
-    /// restore`) the snapshot `data` described by `meta`: its applied log
-    /// id and membership included, so that Raft starts from it (and purges
-    /// the log up to it). Refused unless the store holds nothing.
-    pub fn restore_at_rest(
+    /// restore`) the snapshot `data` (whose decoding is `state`) described
+    /// by `meta`: its applied log id and membership included, so that Raft
+    /// starts from it (and purges the log up to it). Refused unless the
+    /// store holds nothing.
+    pub(crate) fn restore_at_rest(
         &self,
         meta: &SnapshotMeta<u64, BasicNode>,
         data: &[u8],
+        state: ClusterState,
     ) -> Result<(), StoreError> {
         if self.shared.read().last_applied.is_some() || self.tree.get(KEY_SNAPSHOT_META)?.is_some()
         {
@@ -592,7 +594,6 @@ impl StateMachineStore {
                 "it already holds a state: restore into an empty data directory",
             ));
         }
-        let state = decode_snapshot(data).map_err(|e| StoreError::corrupt("the snapshot", e))?;
         self.save_snapshot(meta, data, true)?;
         let mut applied = self.shared.write();
         applied.state = state;

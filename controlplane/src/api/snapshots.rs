@@ -23,7 +23,7 @@ pub const SNAPSHOT_FILE_FORMAT: u32 = 1;
 
 /// The largest piece of a file in one message (well under the 4 MiB a
 /// gRPC client accepts by default).
-pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
+const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
 impl KeelApi {
     pub(super) async fn save_snapshot_call(
@@ -40,20 +40,15 @@ impl KeelApi {
                 ApiError::Unavailable("this replica has applied nothing yet".into())
             })?;
             let state = keel_storage::snapshot_codec::encode_snapshot(&applied.state);
-            let members: Vec<api::SnapshotMember> = applied
-                .membership
-                .membership()
-                .nodes()
-                .filter(|(id, _)| {
-                    applied
-                        .membership
-                        .membership()
-                        .voter_ids()
-                        .any(|v| v == **id)
-                })
-                .map(|(id, node)| api::SnapshotMember {
-                    id: crate::membership::member_of(*id),
-                    address: node.addr.clone(),
+            let membership = applied.membership.membership();
+            let members: Vec<api::SnapshotMember> = membership
+                .voter_ids()
+                .map(|id| api::SnapshotMember {
+                    id: crate::membership::member_of(id),
+                    address: membership
+                        .get_node(&id)
+                        .map(|n| n.addr.clone())
+                        .unwrap_or_default(),
                 })
                 .collect();
             (

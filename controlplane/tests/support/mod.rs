@@ -385,24 +385,30 @@ impl Drop for WorkerReaper {
 /// `cargo test` needs nothing but the Rust toolchain; with the environment
 /// variable `require` set (CI sets it), its absence fails the test.
 pub fn available_or_skip(program: &str, test: &str, require: &str) -> bool {
-    use std::io::Write;
     let runs = Command::new(program)
         .arg("--version")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok();
-    if !runs {
+    present_or_skip(runs, program, test, require)
+}
+
+/// [`available_or_skip`] for anything `present` says is here or not
+/// (`what`: its name, as the message gives it).
+pub fn present_or_skip(present: bool, what: &str, test: &str, require: &str) -> bool {
+    use std::io::Write;
+    if !present {
         assert!(
             std::env::var_os(require).is_none(),
-            "{require} is set and {program} is not installed"
+            "{require} is set and {what} is not installed"
         );
         let _ = writeln!(
             std::io::stderr(),
-            "SKIPPED {test}: {program} is not installed (set {require}=1 to make this a failure)"
+            "SKIPPED {test}: {what} is not installed (set {require}=1 to make this a failure)"
         );
     }
-    runs
+    present
 }
 
 /// Where a server's log goes: the file `KEEL_TEST_SERVER_LOG` names, else
