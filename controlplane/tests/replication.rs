@@ -1828,6 +1828,9 @@ fn a_cluster_upgraded_one_member_at_a_time_keeps_committing() {
         "1",
     ];
     let mut cluster = Cluster::start(OLD);
+    // Submitted only once a leader is known: before the replicas serve, a
+    // CLI finds every address refusing connections and gives up.
+    cluster.leader();
     let all = cluster.all_addrs();
     let mut acked = BTreeSet::new();
     let mut submit = |cluster: &Cluster, name: String| {
