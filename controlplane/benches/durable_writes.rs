@@ -184,6 +184,7 @@ fn main() {
             retention: keel::retention::Retention::keep_all(),
             ssh: None,
             kubernetes: None,
+            hollow: false,
             policy: std::sync::Arc::new(keel_scheduling::policy::Fifo::default()),
             policy_options: Default::default(),
             loops: keel::leader::LoopSettings::default(),

@@ -1,6 +1,7 @@
 //! The executor a server runs workers with: local processes (the embedded
 //! default), hosts reached over SSH (`keel server --ssh-nodes FILE`), or
-//! Pods on Kubernetes (`keel server --kubernetes`).
+//! Pods on Kubernetes (`keel server --kubernetes`), or hollow workers
+//! without processes (`keel server --hollow`, for scale tests).
 //!
 //! `Executor` returns `impl Future`s, so it is not object-safe; this enum
 //! hands each call to the executor chosen at start.
@@ -10,8 +11,8 @@ use std::time::Duration;
 
 use keel_executors::contract::WorkerLaunch;
 use keel_executors::{
-    Executor, ExecutorError, KubeExecutor, LocalExecutor, NodeProbe, Observed, SshExecutor,
-    WorkerId, WorkerLog,
+    Executor, ExecutorError, HollowExecutor, KubeExecutor, LocalExecutor, NodeProbe, Observed,
+    SshExecutor, WorkerId, WorkerLog,
 };
 use keel_state::{JobId, ProgressSample};
 
@@ -21,6 +22,7 @@ pub enum AnyExecutor {
     Local(LocalExecutor),
     Ssh(SshExecutor),
     Kube(KubeExecutor),
+    Hollow(HollowExecutor),
 }
 
 macro_rules! each {
@@ -29,6 +31,7 @@ macro_rules! each {
             AnyExecutor::Local($e) => $body,
             AnyExecutor::Ssh($e) => $body,
             AnyExecutor::Kube($e) => $body,
+            AnyExecutor::Hollow($e) => $body,
         }
     };
 }

@@ -230,6 +230,15 @@ enum Cmd {
         /// executor".
         #[arg(long, conflicts_with_all = ["simulated_gpus", "simulated_nodes", "node_name", "executor_dir"])]
         ssh_nodes: Option<PathBuf>,
+        /// Run the simulated nodes' workers as hollow workers: real to the
+        /// control plane (launched, observed, progressing at their model's
+        /// speed from the throughput table, checkpointed, exiting) but
+        /// without a process each, so one machine can host thousands of
+        /// nodes (`--simulated-gpus 10000xv100 --simulated-nodes 1250`).
+        /// A job's `keel trainer` flags are honoured. For scale tests.
+        #[arg(long, requires = "simulated_gpus",
+              conflicts_with_all = ["ssh_nodes", "no_local_node", "kubernetes"])]
+        hollow: bool,
         #[command(flatten)]
         kubernetes: KubernetesArgs,
         /// Seconds without a heartbeat after which the leader marks a node
@@ -333,7 +342,7 @@ enum Cmd {
     /// A simulated training job for demos and tests: advances at the speed
     /// of its model on the GPUs it was given, reports progress, checkpoints
     /// on SIGTERM and resumes. Reads the worker contract's environment.
-    Trainer(TrainerArgs),
+    Trainer(keel_executors::trainer::TrainerArgs),
     /// Run a worker and record its exit (used by the local executor).
     #[command(hide = true)]
     Supervise {
@@ -555,65 +564,6 @@ enum PolicyCmd {
         #[arg(long)]
         policy: Option<String>,
     },
-}
-
-#[derive(clap::Args, Debug)]
-struct TrainerArgs {
-    /// Model (throughput table row).
-    #[arg(long, env = "KEEL_MODEL", default_value = keel_scheduling::throughput::GENERIC_MODEL)]
-    model: String,
-    /// Steps to train.
-    #[arg(long, env = "KEEL_TOTAL_STEPS", default_value_t = 1000)]
-    total_steps: u64,
-    /// Simulated seconds per real second.
-    #[arg(long, default_value_t = 1.0)]
-    speedup: f64,
-    /// Fail (exit with --exit-code) on reaching this step.
-    #[arg(long)]
-    fail_at_step: Option<u64>,
-    #[arg(long, default_value_t = 1)]
-    exit_code: i32,
-    /// Hold at this step (still reporting it) until --hold-until-file
-    /// exists: a run that waits for you rather than one sized to outlast
-    /// you.
-    #[arg(long, requires = "hold_until_file")]
-    hold_at_step: Option<u64>,
-    /// The file that lets a run held at --hold-at-step go on.
-    #[arg(long, requires = "hold_at_step")]
-    hold_until_file: Option<PathBuf>,
-    /// Seconds between progress lines.
-    #[arg(long, default_value_t = 1.0)]
-    report_every_s: f64,
-    /// Checkpoint every this many steps (default: a tenth of the run).
-    #[arg(long)]
-    checkpoint_every_steps: Option<u64>,
-    // The worker contract's environment (README, "The worker contract"),
-    // each also a flag.
-    /// GPU type of this worker's GPUs.
-    #[arg(long, env = "KEEL_GPU_TYPE", default_value = "v100")]
-    gpu_type: String,
-    /// GPUs per worker.
-    #[arg(long, env = "KEEL_GPUS_PER_WORKER", default_value_t = 1)]
-    gpus_per_worker: u32,
-    /// Workers of the job.
-    #[arg(long, env = "KEEL_WORLD_SIZE", default_value_t = 1)]
-    world_size: u32,
-    /// This worker's rank.
-    #[arg(long, env = "KEEL_RANK", default_value_t = 0)]
-    rank: u32,
-    /// Where checkpoints go (none: no checkpoints).
-    #[arg(long, env = "KEEL_CHECKPOINT_DIR")]
-    checkpoint_dir: Option<PathBuf>,
-    /// Space sharing: the model of the job on the same GPUs.
-    #[arg(long, env = "KEEL_SHARED_WITH_MODEL")]
-    shared_with_model: Option<String>,
-    /// Space sharing: the job on the same GPUs (its model, when not given,
-    /// counts as the generic one).
-    #[arg(long, env = "KEEL_SHARED_WITH_JOB")]
-    shared_with_job: Option<u64>,
-    /// The job's id (seeds the simulated loss curve).
-    #[arg(long, env = "KEEL_JOB_ID", default_value_t = 0)]
-    job_id: u64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -1122,6 +1072,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             gpu_kernel_log,
             executor_dir,
             ssh_nodes,
+            hollow,
             kubernetes,
             node_timeout_s,
             no_local_node,
@@ -1270,6 +1221,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 worker_logs,
                 retention,
                 ssh,
+                hollow,
                 kubernetes: kubernetes.target()?,
                 policy: policy.into(),
                 policy_options,
@@ -1511,35 +1463,9 @@ fn inventory(
 
 /// `keel trainer`: each setting from its flag, else the worker contract's
 /// environment, else its default (clap reads all three).
-async fn trainer(t: TrainerArgs) -> anyhow::Result<()> {
-    use keel_executors::trainer::{run, Hold, TrainerOptions};
-    let opts = TrainerOptions {
-        model: t.model,
-        total_steps: t.total_steps,
-        speedup: t.speedup,
-        fail_at_step: t.fail_at_step,
-        exit_code: t.exit_code,
-        report_every_s: t.report_every_s,
-        checkpoint_every_steps: t
-            .checkpoint_every_steps
-            .unwrap_or((t.total_steps / 10).max(1)),
-        gpu_type: t.gpu_type,
-        gpus: t.gpus_per_worker.saturating_mul(t.world_size),
-        rank: t.rank,
-        checkpoint_dir: t.checkpoint_dir,
-        shared_with_model: t.shared_with_model.or_else(|| {
-            t.shared_with_job
-                .map(|_| keel_scheduling::throughput::GENERIC_MODEL.into())
-        }),
-        seed: t.job_id,
-        hold: t
-            .hold_at_step
-            .zip(t.hold_until_file)
-            .map(|(at_step, until_file)| Hold {
-                at_step,
-                until_file,
-            }),
-    };
+async fn trainer(t: keel_executors::trainer::TrainerArgs) -> anyhow::Result<()> {
+    use keel_executors::trainer::run;
+    let opts = t.options();
     let mut stdout = std::io::stdout();
     let code = run(opts, &mut stdout).await?;
     // The exit code is the trainer's answer (0, 143 on SIGTERM, or the

@@ -11,7 +11,8 @@ use keel_storage::DataDir;
 use tokio::net::TcpListener;
 
 use keel_executors::{
-    KubeConfig, KubeExecutor, LocalConfig, LocalExecutor, SshConfig, SshExecutor,
+    HollowConfig, HollowExecutor, KubeConfig, KubeExecutor, LocalConfig, LocalExecutor, SshConfig,
+    SshExecutor,
 };
 use keel_scheduling::policy::Policy;
 
@@ -54,6 +55,9 @@ pub struct ServerConfig {
     /// Run workers on these SSH hosts instead of local processes (the
     /// leader's executor probes them: they need no heartbeats).
     pub ssh: Option<SshConfig>,
+    /// Run the nodes' workers as hollow workers: no process each, runs
+    /// computed from the throughput table (`keel_executors::hollow`).
+    pub hollow: bool,
     /// Run workers as Pods on this Kubernetes cluster instead (its Nodes
     /// with GPUs are probed by the leader's executor).
     pub kubernetes: Option<KubernetesTarget>,
@@ -276,6 +280,15 @@ impl Server {
                 AnyExecutor::Kube(KubeExecutor::new(client, k8s.config.clone()))
             }
             (Some(ssh), None) => AnyExecutor::Ssh(SshExecutor::new(ssh.clone())?),
+            (None, None) if config.hollow => {
+                let hollow = HollowExecutor::new(HollowConfig {
+                    dir: executor_dir.join("hollow"),
+                    checkpoints_dir: executor_dir.join("checkpoints"),
+                    tick_every: config.loops.progress_every,
+                })?;
+                hollow.declare_nodes(config.nodes.iter().map(|n| n.name.as_str()))?;
+                AnyExecutor::Hollow(hollow)
+            }
             (None, None) => {
                 let local = LocalExecutor::new(LocalConfig {
                     workers_dir: executor_dir.join("workers"),

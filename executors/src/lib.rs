@@ -14,6 +14,8 @@
 //! - [`ssh`]: workers on hosts reached over SSH, under a shell supervisor
 //!   that outlives the connection;
 //! - [`kubernetes`]: one Pod per worker through the API server (kube);
+//! - [`hollow`]: hollow workers, real to the control plane but without a
+//!   process (scale tests: thousands of simulated nodes on one machine);
 //! - [`supervisor`]: `keel supervise`, the parent that lets a worker outlive
 //!   its server and keeps its exit status;
 //! - [`discovery`]: GPU inventory from `nvidia-smi`, or simulated;
@@ -30,6 +32,7 @@ pub mod contract;
 pub mod discovery;
 pub mod executor;
 pub mod gpu_health;
+pub mod hollow;
 pub mod kubernetes;
 pub mod local;
 pub mod reconcile;
@@ -42,6 +45,7 @@ pub mod worker_log;
 use keel_state::JobId;
 
 pub use executor::{Executor, ExecutorError, NodeProbe, RemovedLogs, WorkerLog};
+pub use hollow::{HollowConfig, HollowExecutor};
 pub use kubernetes::{KubeConfig, KubeExecutor};
 pub use local::{LocalConfig, LocalExecutor};
 pub use reconcile::{Action, Observed};

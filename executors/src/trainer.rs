@@ -55,6 +55,103 @@ pub struct TrainerOptions {
     pub hold: Option<Hold>,
 }
 
+/// `keel trainer`'s flags, each falling back on the worker contract's
+/// environment where it has one. The real trainer reads them from its
+/// command line; a hollow worker ([`crate::hollow`]) from its job's
+/// command, with the contract's values given as flags.
+#[derive(clap::Parser, Debug, Clone, PartialEq)]
+#[command(name = "keel trainer", args_override_self = true)]
+pub struct TrainerArgs {
+    /// Model (throughput table row).
+    #[arg(long, env = "KEEL_MODEL", default_value = keel_scheduling::throughput::GENERIC_MODEL)]
+    pub model: String,
+    /// Steps to train.
+    #[arg(long, env = "KEEL_TOTAL_STEPS", default_value_t = 1000)]
+    pub total_steps: u64,
+    /// Simulated seconds per real second.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Fail (exit with --exit-code) on reaching this step.
+    #[arg(long)]
+    pub fail_at_step: Option<u64>,
+    #[arg(long, default_value_t = 1)]
+    pub exit_code: i32,
+    /// Hold at this step (still reporting it) until --hold-until-file
+    /// exists: a run that waits for you rather than one sized to outlast
+    /// you.
+    #[arg(long, requires = "hold_until_file")]
+    pub hold_at_step: Option<u64>,
+    /// The file that lets a run held at --hold-at-step go on.
+    #[arg(long, requires = "hold_at_step")]
+    pub hold_until_file: Option<PathBuf>,
+    /// Seconds between progress lines.
+    #[arg(long, default_value_t = 1.0)]
+    pub report_every_s: f64,
+    /// Checkpoint every this many steps (default: a tenth of the run).
+    #[arg(long)]
+    pub checkpoint_every_steps: Option<u64>,
+    // The worker contract's environment (README, "The worker contract"),
+    // each also a flag.
+    /// GPU type of this worker's GPUs.
+    #[arg(long, env = "KEEL_GPU_TYPE", default_value = "v100")]
+    pub gpu_type: String,
+    /// GPUs per worker.
+    #[arg(long, env = "KEEL_GPUS_PER_WORKER", default_value_t = 1)]
+    pub gpus_per_worker: u32,
+    /// Workers of the job.
+    #[arg(long, env = "KEEL_WORLD_SIZE", default_value_t = 1)]
+    pub world_size: u32,
+    /// This worker's rank.
+    #[arg(long, env = "KEEL_RANK", default_value_t = 0)]
+    pub rank: u32,
+    /// Where checkpoints go (none: no checkpoints).
+    #[arg(long, env = "KEEL_CHECKPOINT_DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Space sharing: the model of the job on the same GPUs.
+    #[arg(long, env = "KEEL_SHARED_WITH_MODEL")]
+    pub shared_with_model: Option<String>,
+    /// Space sharing: the job on the same GPUs (its model, when not given,
+    /// counts as the generic one).
+    #[arg(long, env = "KEEL_SHARED_WITH_JOB")]
+    pub shared_with_job: Option<u64>,
+    /// The job's id (seeds the simulated loss curve).
+    #[arg(long, env = "KEEL_JOB_ID", default_value_t = 0)]
+    pub job_id: u64,
+}
+
+impl TrainerArgs {
+    /// The trainer's options these flags ask for.
+    pub fn options(self) -> TrainerOptions {
+        TrainerOptions {
+            model: self.model,
+            total_steps: self.total_steps,
+            speedup: self.speedup,
+            fail_at_step: self.fail_at_step,
+            exit_code: self.exit_code,
+            report_every_s: self.report_every_s,
+            checkpoint_every_steps: self
+                .checkpoint_every_steps
+                .unwrap_or((self.total_steps / 10).max(1)),
+            gpu_type: self.gpu_type,
+            gpus: self.gpus_per_worker.saturating_mul(self.world_size),
+            rank: self.rank,
+            checkpoint_dir: self.checkpoint_dir,
+            shared_with_model: self.shared_with_model.or_else(|| {
+                self.shared_with_job
+                    .map(|_| keel_scheduling::throughput::GENERIC_MODEL.into())
+            }),
+            seed: self.job_id,
+            hold: self
+                .hold_at_step
+                .zip(self.hold_until_file)
+                .map(|(at_step, until_file)| Hold {
+                    at_step,
+                    until_file,
+                }),
+        }
+    }
+}
+
 /// A step the trainer stops at until a file exists.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Hold {
@@ -123,7 +220,8 @@ struct Checkpoint {
 
 const CHECKPOINT_FILE: &str = "keel-trainer.json";
 
-fn read_checkpoint(dir: &Path) -> Result<u64, TrainerError> {
+/// The step a checkpoint directory holds (0: none yet).
+pub(crate) fn read_checkpoint(dir: &Path) -> Result<u64, TrainerError> {
     let path = dir.join(CHECKPOINT_FILE);
     match std::fs::read(&path) {
         Ok(bytes) => serde_json::from_slice::<Checkpoint>(&bytes)
@@ -137,7 +235,8 @@ fn read_checkpoint(dir: &Path) -> Result<u64, TrainerError> {
     }
 }
 
-fn write_checkpoint(dir: &Path, step: u64, model: &str) -> Result<(), TrainerError> {
+/// Writes `step` as the checkpoint in `dir`, durably.
+pub(crate) fn write_checkpoint(dir: &Path, step: u64, model: &str) -> Result<(), TrainerError> {
     let path = dir.join(CHECKPOINT_FILE);
     let err = |source| TrainerError::Checkpoint {
         path: path.clone(),

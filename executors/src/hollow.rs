@@ -1,0 +1,972 @@
+//! Hollow nodes (issue 26): workers that are real to the control plane and
+//! cost no process, so one machine can drive a control plane managing
+//! thousands of GPUs (kubemark's hollow kubelets, nomad-nodesim).
+//!
+//! The nodes are the server's simulated ones (registered and heartbeating
+//! like any other); the leader places, launches, observes, stops and
+//! re-adopts their workers through the same reconciler and the same
+//! [`WorkerBook`] as the other executors. Only the process layer is
+//! replaced: a launch decides the worker's whole run at once, as `keel
+//! trainer` would run it (its flags read from the job's command with the
+//! same parser, [`TrainerArgs`]; the contract's values given as flags),
+//! and one ticker per executor, not a task per worker, reads where every
+//! run is at the clock's time:
+//!
+//! - it advances at its model's speed on its GPUs from the throughput
+//!   table (times `--speedup`), rank 0 reporting progress (step, loss on
+//!   the trainer's curve with seeded noise, samples/s) every tick;
+//! - it exits 0 at its last step, or `--exit-code` at `--fail-at-step`
+//!   (resuming from the last periodic checkpoint before it, as the trainer
+//!   does), or 143 when Keel stops it (checkpointed at the step reached);
+//! - a relaunch resumes from the job's checkpoint, the same file, in the
+//!   same format, that the real trainer writes
+//!   ([`crate::trainer::read_checkpoint`]).
+//!
+//! Each run is kept in a small record under the executor's directory
+//! (written when launched and when stopped, removed when forgotten): a
+//! leader that takes over, in this process or another sharing the
+//! directory, computes where every run is now, re-adopts the running ones
+//! and reports the exits no one saw, as it would for supervised processes.
+//! Records are not synced (a hollow run's durability is not what is
+//! measured). A run that asks for `--hold-at-step` is refused: it waits
+//! for a file, which a hollow worker does not look for.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use clap::Parser;
+use keel_scheduling::throughput::{profile, LossCurve};
+use keel_state::rng::SplitMix64;
+use keel_state::{JobId, ProgressSample};
+use serde::{Deserialize, Serialize};
+
+use crate::book::{Clock, SystemClock, Worker, WorkerBook};
+use crate::contract::{checkpoint_dir_name, gpu_refs, WorkerLaunch, EXIT_STOPPED};
+use crate::executor::{Executor, ExecutorError, WorkerLog};
+use crate::reconcile::Observed;
+use crate::trainer::{read_checkpoint, write_checkpoint, TrainerArgs};
+use crate::WorkerId;
+
+/// Where a hollow executor keeps its records, and how often it reads its
+/// runs.
+#[derive(Debug, Clone)]
+pub struct HollowConfig {
+    /// Run records (`job-1-e1-r0.json`) and node markers (`nodes/`).
+    pub dir: PathBuf,
+    /// Checkpoints, one directory per job, as the real trainer keeps them.
+    pub checkpoints_dir: PathBuf,
+    /// How often the ticker reads every run (progress, exits).
+    pub tick_every: Duration,
+}
+
+/// A hollow worker's whole run, decided at launch (or changed by a stop).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Run {
+    node: String,
+    gpus: Vec<u32>,
+    model: String,
+    /// When it was launched (the clock's Unix milliseconds).
+    launched_ms: u64,
+    start_step: u64,
+    total_steps: u64,
+    /// Steps per second of the clock (the speed-up included).
+    steps_per_s: f64,
+    samples_per_s: f64,
+    fail_at_step: Option<u64>,
+    exit_code: i32,
+    checkpoint_every_steps: u64,
+    /// Rank 0 reports progress and writes checkpoints.
+    reports: bool,
+    seed: u64,
+    /// When Keel stopped it.
+    stopped_ms: Option<u64>,
+}
+
+/// Where a run is at some time.
+#[derive(Debug, Clone, PartialEq)]
+enum Status {
+    Running {
+        step: u64,
+    },
+    Ended {
+        step: u64,
+        code: i32,
+        /// The step its checkpoint holds (`None`: none written, the run
+        /// ended at its last step).
+        checkpoint: Option<u64>,
+    },
+}
+
+impl Run {
+    /// The record of a launch that did not start (bad flags): ended.
+    fn not_started(launch: &WorkerLaunch, now_ms: u64) -> Run {
+        Run {
+            node: launch.node.clone(),
+            gpus: launch.gpus.clone(),
+            model: launch.model.clone().unwrap_or_default(),
+            launched_ms: now_ms,
+            start_step: 0,
+            total_steps: 1,
+            steps_per_s: 0.0,
+            samples_per_s: 0.0,
+            fail_at_step: None,
+            exit_code: 2,
+            checkpoint_every_steps: 1,
+            reports: false,
+            seed: 0,
+            stopped_ms: Some(now_ms),
+        }
+    }
+
+    /// The step reached at `at_ms`, before any exit.
+    fn step_at(&self, at_ms: u64) -> u64 {
+        let ran_s = at_ms.saturating_sub(self.launched_ms) as f64 / 1000.0;
+        let steps = (ran_s * self.steps_per_s) as u64;
+        self.start_step.saturating_add(steps).min(self.total_steps)
+    }
+
+    /// Where the run is at `at_ms`.
+    fn status_at(&self, at_ms: u64) -> Status {
+        let until = self.stopped_ms.map_or(at_ms, |s| s.min(at_ms));
+        let step = self.step_at(until);
+        if let Some(fail) = self
+            .fail_at_step
+            .filter(|f| self.start_step < *f && step >= *f)
+        {
+            // The trainer checkpoints every `checkpoint_every_steps` from
+            // where it started: its last one before the failure.
+            let every = self.checkpoint_every_steps.max(1);
+            let done = (fail - self.start_step - 1) / every * every;
+            return Status::Ended {
+                step: fail,
+                code: self.exit_code,
+                checkpoint: Some(self.start_step + done),
+            };
+        }
+        if step >= self.total_steps {
+            return Status::Ended {
+                step,
+                code: 0,
+                checkpoint: None,
+            };
+        }
+        if self.stopped_ms.is_some_and(|s| at_ms >= s) {
+            return Status::Ended {
+                step,
+                code: EXIT_STOPPED,
+                checkpoint: Some(step),
+            };
+        }
+        Status::Running { step }
+    }
+
+    /// Rank 0's progress line at `step`, read at `at_ms`.
+    fn sample(&self, step: u64, at_ms: u64) -> ProgressSample {
+        let curve = LossCurve::for_run(2.5, 0.1, self.total_steps);
+        let mut rng = SplitMix64::new(self.seed ^ step.rotate_left(17));
+        let mut noise = |amplitude: f64| 1.0 + amplitude * (2.0 * rng.unit() - 1.0);
+        ProgressSample {
+            step,
+            total_steps: self.total_steps,
+            loss: Some((curve.loss(step) * noise(0.03) * 1e4).round() / 1e4),
+            samples_per_s: (self.samples_per_s * noise(0.02) * 10.0).round() / 10.0,
+            at_ms,
+        }
+    }
+
+    /// What `keel logs` shows of it.
+    fn log(&self, status: &Status) -> String {
+        let mut text = format!(
+            "keel trainer (hollow): {} on {}x GPUs {:?} of {} at {:.2} steps/s, from step {} of {}\n",
+            self.model,
+            self.gpus.len(),
+            self.gpus,
+            self.node,
+            self.steps_per_s,
+            self.start_step,
+            self.total_steps
+        );
+        if let Status::Ended { step, code, .. } = status {
+            text.push_str(&format!(
+                "keel trainer (hollow): exited with code {code} at step {step}\n"
+            ));
+        }
+        text
+    }
+}
+
+/// What the book keeps of a hollow worker.
+#[derive(Debug)]
+pub struct Hollow {
+    run: Run,
+    /// The last step rank 0 reported.
+    reported: Option<u64>,
+}
+
+/// The executor whose workers are hollow (see the module's text).
+#[derive(Debug, Clone)]
+pub struct HollowExecutor {
+    config: Arc<HollowConfig>,
+    book: Arc<WorkerBook<Hollow>>,
+    /// The nodes whose workers it runs: its own and those of every server
+    /// sharing its directory (read again when it takes over).
+    owned: Arc<RwLock<BTreeSet<String>>>,
+}
+
+impl HollowExecutor {
+    pub fn new(config: HollowConfig) -> Result<HollowExecutor, ExecutorError> {
+        HollowExecutor::with_clock(config, Arc::new(SystemClock))
+    }
+
+    /// A hollow executor reading `clock` (tests move a manual one).
+    pub fn with_clock(
+        config: HollowConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<HollowExecutor, ExecutorError> {
+        for dir in [
+            &config.dir,
+            &config.dir.join("nodes"),
+            &config.checkpoints_dir,
+        ] {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| ExecutorError::Other(format!("creating {}: {e}", dir.display())))?;
+        }
+        let executor = HollowExecutor {
+            config: Arc::new(config),
+            book: Arc::new(WorkerBook::new(clock)),
+            owned: Arc::new(RwLock::new(BTreeSet::new())),
+        };
+        executor.read_nodes();
+        Ok(executor)
+    }
+
+    /// Declares `names` as nodes whose workers this executor (and every one
+    /// sharing its directory) runs.
+    pub fn declare_nodes<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Result<(), ExecutorError> {
+        let nodes = self.config.dir.join("nodes");
+        for name in names {
+            if !is_file_name(name) {
+                return Err(ExecutorError::Other(format!(
+                    "node name {name:?} is not a file name"
+                )));
+            }
+            let path = nodes.join(name);
+            std::fs::write(&path, b"")
+                .map_err(|e| ExecutorError::Other(format!("declaring {}: {e}", path.display())))?;
+        }
+        self.read_nodes();
+        Ok(())
+    }
+
+    fn read_nodes(&self) {
+        let Ok(entries) = std::fs::read_dir(self.config.dir.join("nodes")) else {
+            return;
+        };
+        let names: BTreeSet<String> = entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .collect();
+        *self.owned.write().unwrap_or_else(|e| e.into_inner()) = names;
+    }
+
+    fn record_path(&self, id: &WorkerId) -> PathBuf {
+        self.config.dir.join(format!("{id}.json"))
+    }
+
+    fn checkpoint_dir(&self, job_id: JobId) -> PathBuf {
+        self.config
+            .checkpoints_dir
+            .join(checkpoint_dir_name(job_id))
+    }
+
+    /// The run `launch` asks for, starting at `now_ms`, or why it cannot
+    /// start (the trainer's exit code 2: bad configuration).
+    fn plan(&self, launch: &WorkerLaunch, now_ms: u64) -> Result<Run, String> {
+        let args = TrainerArgs::try_parse_from(trainer_argv(launch))
+            .map_err(|e| format!("keel trainer (hollow): {}", e.to_string().trim()))?;
+        if args.hold_at_step.is_some() {
+            return Err(
+                "keel trainer (hollow): --hold-at-step is not modelled by hollow workers".into(),
+            );
+        }
+        let opts = args.options();
+        if !(opts.speedup.is_finite() && opts.speedup > 0.0) {
+            return Err(format!(
+                "keel trainer (hollow): --speedup must be a positive number, not {}",
+                opts.speedup
+            ));
+        }
+        if opts.total_steps == 0 {
+            return Err("keel trainer (hollow): --total-steps must be at least 1".into());
+        }
+        let model = profile(&opts.model);
+        let gpus = opts.gpus.max(1);
+        let shared = opts
+            .shared_with_model
+            .as_deref()
+            .map_or(1.0, |m| model.shared_fraction(profile(m)));
+        let start_step = read_checkpoint(&self.checkpoint_dir(launch.id.job_id))
+            .map_err(|e| format!("keel trainer (hollow): {e}"))?
+            .min(opts.total_steps);
+        Ok(Run {
+            node: launch.node.clone(),
+            gpus: launch.gpus.clone(),
+            model: model.model.to_string(),
+            launched_ms: now_ms,
+            start_step,
+            total_steps: opts.total_steps,
+            steps_per_s: model.steps_per_s(&opts.gpu_type, gpus) * shared * opts.speedup,
+            samples_per_s: model.samples_per_s(&opts.gpu_type, gpus) * shared,
+            fail_at_step: opts.fail_at_step,
+            exit_code: opts.exit_code,
+            checkpoint_every_steps: opts.checkpoint_every_steps,
+            reports: opts.rank == 0,
+            seed: opts.seed,
+            stopped_ms: None,
+        })
+    }
+
+    fn write_record(&self, id: &WorkerId, run: &Run) -> Result<(), ExecutorError> {
+        let path = self.record_path(id);
+        let body = serde_json::to_vec(run).map_err(|e| ExecutorError::Other(e.to_string()))?;
+        // Whole or not at all (a reader never sees half a record); not
+        // synced.
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, body)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|source| ExecutorError::Io {
+                id: id.clone(),
+                source,
+            })
+    }
+
+    /// Reads every run at the clock's time: rank 0's progress, and the
+    /// exits reached (their checkpoints written). The ticker calls it every
+    /// [`HollowConfig::tick_every`]; tests call it after moving a manual
+    /// clock.
+    pub fn tick(&self) {
+        let now_ms = self.book.unix_ms();
+        let mut checkpoints = Vec::new();
+        {
+            let mut book = self.book.lock();
+            let generation = book.generation();
+            let mut progress: Vec<(JobId, ProgressSample)> = Vec::new();
+            let mut exits = Vec::new();
+            for (id, worker) in book.workers.iter_mut() {
+                if worker.exited.is_some() {
+                    continue;
+                }
+                let hollow = &mut worker.extra;
+                let status = hollow.run.status_at(now_ms);
+                let step = match &status {
+                    Status::Running { step } | Status::Ended { step, .. } => *step,
+                };
+                if hollow.run.reports && hollow.reported != Some(step) {
+                    hollow.reported = Some(step);
+                    progress.push((id.job_id, hollow.run.sample(step, now_ms)));
+                }
+                if let Status::Ended {
+                    code, checkpoint, ..
+                } = status
+                {
+                    if let Some(at) = checkpoint.filter(|_| hollow.run.reports) {
+                        checkpoints.push((id.job_id, at, hollow.run.model.clone()));
+                    }
+                    exits.push((id.clone(), code, step));
+                }
+            }
+            for (job_id, sample) in progress {
+                book.add_progress(generation, job_id, [sample]);
+            }
+            for (id, code, step) in exits {
+                book.record_exit(&id, Some(code), exit_words(code, step));
+            }
+        }
+        for (job_id, step, model) in checkpoints {
+            self.checkpoint(job_id, step, &model);
+        }
+    }
+
+    fn checkpoint(&self, job_id: JobId, step: u64, model: &str) {
+        let dir = self.checkpoint_dir(job_id);
+        let written = std::fs::create_dir_all(&dir)
+            .map_err(|e| e.to_string())
+            .and_then(|()| write_checkpoint(&dir, step, model).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            tracing::warn!(job = job_id, step, error = %e, "hollow worker: checkpoint not written");
+        }
+    }
+
+    /// Finds the runs an earlier leader left: the running ones go on, the
+    /// ended ones are reported.
+    fn take_over_records(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.config.dir) else {
+            return;
+        };
+        let now_ms = self.book.unix_ms();
+        let mut found = 0usize;
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(id) = name
+                .to_str()
+                .and_then(|n| n.strip_suffix(".json"))
+                .and_then(parse_worker_id)
+            else {
+                continue;
+            };
+            if self.book.contains(&id) {
+                continue;
+            }
+            let Some(run) = std::fs::read(entry.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Run>(&b).ok())
+            else {
+                continue;
+            };
+            let status = run.status_at(now_ms);
+            let gpus = gpu_refs(&run.node, run.gpus.iter().copied());
+            let mut worker = Worker::running(
+                &run.node.clone(),
+                gpus,
+                Hollow {
+                    run,
+                    reported: None,
+                },
+            );
+            worker.stopping = worker.extra.run.stopped_ms.is_some();
+            self.book.insert(&id, worker);
+            if let Status::Ended { code, step, .. } = status {
+                self.book
+                    .record_exit(&id, Some(code), exit_words(code, step));
+            }
+            found += 1;
+        }
+        if found > 0 {
+            tracing::info!(workers = found, "hollow runs taken over");
+        }
+    }
+}
+
+/// How a hollow worker's exit reads (the local executor's words).
+fn exit_words(code: i32, step: u64) -> String {
+    format!("exited with code {code} at step {step}")
+}
+
+fn is_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
+}
+
+/// `job-1-e2-r3` back to its worker id.
+fn parse_worker_id(name: &str) -> Option<WorkerId> {
+    let rest = name.strip_prefix("job-")?;
+    let (job, rest) = rest.split_once("-e")?;
+    let (epoch, rank) = rest.split_once("-r")?;
+    Some(WorkerId {
+        job_id: job.parse().ok()?,
+        epoch: epoch.parse().ok()?,
+        rank: rank.parse().ok()?,
+    })
+}
+
+/// The trainer's command line for `launch`: the contract's values as
+/// flags, then the job's own flags when its command is `keel trainer`
+/// (which win, as flags win over the contract's environment). Any other
+/// command runs as the trainer with the job's model and steps.
+fn trainer_argv(launch: &WorkerLaunch) -> Vec<String> {
+    let mut argv: Vec<String> = vec!["keel trainer".into()];
+    let mut flag = |name: &str, value: String| {
+        argv.push(format!("--{name}"));
+        argv.push(value);
+    };
+    flag("gpu-type", launch.gpu_type.clone());
+    flag("gpus-per-worker", launch.gpus.len().max(1).to_string());
+    flag("world-size", launch.world_size.to_string());
+    flag("rank", launch.id.rank.to_string());
+    flag("job-id", launch.id.job_id.to_string());
+    if let Some(model) = &launch.model {
+        flag("model", model.clone());
+    }
+    if let Some(steps) = launch.total_steps {
+        flag("total-steps", steps.to_string());
+    }
+    if let Some(shared) = &launch.shared_with {
+        match &shared.model {
+            Some(model) => flag("shared-with-model", model.clone()),
+            None => flag("shared-with-job", shared.job_id.to_string()),
+        }
+    }
+    let is_trainer = launch.command.len() >= 2
+        && launch.command[1] == "trainer"
+        && Path::new(&launch.command[0])
+            .file_name()
+            .is_some_and(|n| n == "keel");
+    if is_trainer {
+        argv.extend(launch.command[2..].iter().cloned());
+    }
+    argv
+}
+
+impl Executor for HollowExecutor {
+    fn kind(&self) -> &'static str {
+        "hollow"
+    }
+
+    fn owns(&self, node: &str) -> bool {
+        self.owned
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(node)
+    }
+
+    async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {
+        if self.book.contains(&launch.id) {
+            return Ok(());
+        }
+        let now_ms = self.book.unix_ms();
+        let run = match self.plan(&launch, now_ms) {
+            Ok(run) => run,
+            Err(why) => {
+                let hollow = Hollow {
+                    run: Run::not_started(&launch, now_ms),
+                    reported: None,
+                };
+                self.book
+                    .insert_not_started(&launch.id, &launch.node, (Some(2), why), hollow);
+                return Ok(());
+            }
+        };
+        self.write_record(&launch.id, &run)?;
+        let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
+        self.book.insert(
+            &launch.id,
+            Worker::running(
+                &launch.node,
+                gpus,
+                Hollow {
+                    run,
+                    reported: None,
+                },
+            ),
+        );
+        Ok(())
+    }
+
+    async fn stop(&self, id: &WorkerId, _grace: Duration) -> Result<(), ExecutorError> {
+        if self.book.begin_stop(id).is_none() {
+            return Ok(());
+        }
+        // A hollow worker checkpoints and exits at once: its next tick
+        // reports the exit.
+        let now_ms = self.book.unix_ms();
+        let run = {
+            let mut book = self.book.lock();
+            let Some(worker) = book.workers.get_mut(id) else {
+                return Ok(());
+            };
+            worker.extra.run.stopped_ms = Some(now_ms);
+            worker.extra.run.clone()
+        };
+        self.write_record(id, &run)?;
+        self.tick();
+        Ok(())
+    }
+
+    async fn observe(&self) -> Result<BTreeMap<WorkerId, Observed>, ExecutorError> {
+        Ok(self.book.observe())
+    }
+
+    async fn forget(&self, id: &WorkerId) {
+        if self.book.forget(id).is_some() {
+            let _ = std::fs::remove_file(self.record_path(id));
+        }
+    }
+
+    async fn take_progress(&self) -> BTreeMap<JobId, Vec<ProgressSample>> {
+        self.book.take_progress()
+    }
+
+    async fn logs(&self, job_id: JobId, tail_bytes: u64) -> Result<Vec<WorkerLog>, ExecutorError> {
+        let now_ms = self.book.unix_ms();
+        let book = self.book.lock();
+        Ok(book
+            .workers
+            .iter()
+            .filter(|(id, _)| id.job_id == job_id)
+            .map(|(id, w)| {
+                let text = w.extra.run.log(&w.extra.run.status_at(now_ms));
+                let bytes = text.into_bytes();
+                let keep = bytes
+                    .len()
+                    .saturating_sub(usize::try_from(tail_bytes).unwrap_or(usize::MAX));
+                WorkerLog {
+                    id: id.clone(),
+                    total_bytes: bytes.len() as u64,
+                    content: bytes[keep..].to_vec(),
+                    paused: None,
+                }
+            })
+            .collect())
+    }
+
+    async fn take_over(&self) {
+        let Some(generation) = self.book.begin_leading() else {
+            return;
+        };
+        self.read_nodes();
+        self.take_over_records();
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(this.config.tick_every);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                if !this.book.is_current(generation) {
+                    return;
+                }
+                this.tick();
+            }
+        });
+    }
+
+    async fn release(&self) {
+        self.book.release();
+    }
+
+    async fn shutdown(&self, grace: Duration) {
+        // As the local executor does: the workers are stopped
+        // (checkpointed), and their records dropped so that the next
+        // server launches them again from their checkpoints.
+        let running = self.book.running();
+        for id in &running {
+            let _ = self.stop(id, grace).await;
+        }
+        self.book.end_leading();
+        for id in &running {
+            let _ = std::fs::remove_file(self.record_path(id));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::book::ManualClock;
+
+    /// Rank `rank` of job `job_id` (epoch `epoch`) running `command` on one
+    /// v100 of node n0, resnet50 for 1,000 steps.
+    fn launch(job_id: JobId, epoch: u64, rank: u32, command: &[&str]) -> WorkerLaunch {
+        WorkerLaunch {
+            id: WorkerId {
+                job_id,
+                epoch,
+                rank,
+            },
+            job_name: "t".into(),
+            command: command.iter().map(|s| s.to_string()).collect(),
+            image: None,
+            env: BTreeMap::new(),
+            node: "n0".into(),
+            gpus: vec![rank],
+            gpu_type: "v100".into(),
+            world_size: 2,
+            local_rank: rank,
+            local_world_size: 2,
+            rendezvous_addr: "127.0.0.1".into(),
+            model: Some("resnet50".into()),
+            total_steps: Some(1000),
+            shared_with: None,
+            resources: Default::default(),
+            logs: Default::default(),
+            trace_parent: None,
+        }
+    }
+
+    fn id(job_id: JobId, epoch: u64, rank: u32) -> WorkerId {
+        WorkerId {
+            job_id,
+            epoch,
+            rank,
+        }
+    }
+
+    fn executor(dir: &Path, clock: &Arc<ManualClock>) -> HollowExecutor {
+        let exec = HollowExecutor::with_clock(
+            HollowConfig {
+                dir: dir.join("hollow"),
+                checkpoints_dir: dir.join("checkpoints"),
+                tick_every: Duration::from_secs(1),
+            },
+            clock.clone(),
+        )
+        .expect("executor");
+        exec.declare_nodes(["n0"]).expect("declared");
+        exec
+    }
+
+    /// resnet50 on 2 v100s, the table's speed (the job has 2 workers of 1).
+    fn steps_per_s() -> f64 {
+        profile("resnet50").steps_per_s("v100", 2)
+    }
+
+    async fn observed(exec: &HollowExecutor, id: &WorkerId) -> Option<Observed> {
+        exec.observe().await.expect("observe").remove(id)
+    }
+
+    #[tokio::test]
+    async fn a_run_advances_at_its_models_speed_reports_from_rank_0_and_ends_at_its_last_step() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let exec = executor(dir.path(), &clock);
+        let trainer = ["keel", "trainer", "--speedup", "10"];
+        exec.launch(launch(7, 1, 0, &trainer))
+            .await
+            .expect("launch");
+        exec.launch(launch(7, 1, 1, &trainer))
+            .await
+            .expect("launch");
+        // Launching again is nothing new.
+        exec.launch(launch(7, 1, 0, &trainer))
+            .await
+            .expect("launch");
+        assert_eq!(exec.book.running().len(), 2);
+
+        clock.advance(Duration::from_secs(2));
+        exec.tick();
+        let progress = exec.take_progress().await;
+        let samples = &progress[&7];
+        assert_eq!(samples.len(), 1, "one sample, from rank 0: {samples:?}");
+        let expected = (2.0 * steps_per_s() * 10.0) as u64;
+        assert_eq!(samples[0].step, expected);
+        assert_eq!(samples[0].total_steps, 1000);
+        assert_eq!(samples[0].at_ms, 1_002_000);
+        assert!(samples[0].loss.is_some_and(|l| l > 0.0));
+        assert!(matches!(
+            observed(&exec, &id(7, 1, 0)).await,
+            Some(Observed::Running { .. })
+        ));
+        // Nothing moved: nothing reported again.
+        exec.tick();
+        assert!(exec.take_progress().await.is_empty());
+
+        clock.advance(Duration::from_secs(60));
+        exec.tick();
+        assert_eq!(exec.take_progress().await[&7][0].step, 1000);
+        for rank in 0..2 {
+            assert_eq!(
+                observed(&exec, &id(7, 1, rank)).await,
+                Some(Observed::Exited {
+                    exit_code: Some(0),
+                    reason: "exited with code 0 at step 1000".into()
+                })
+            );
+        }
+        // The exit is in the log now: forgotten, its record gone.
+        exec.forget(&id(7, 1, 0)).await;
+        assert_eq!(observed(&exec, &id(7, 1, 0)).await, None);
+        assert!(!dir.path().join("hollow/job-7-e1-r0.json").exists());
+        assert!(dir.path().join("hollow/job-7-e1-r1.json").exists());
+    }
+
+    #[tokio::test]
+    async fn a_failure_at_a_step_resumes_from_the_last_periodic_checkpoint_and_fails_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(0));
+        let exec = executor(dir.path(), &clock);
+        let flaky = [
+            "keel",
+            "trainer",
+            "--fail-at-step",
+            "350",
+            "--exit-code",
+            "3",
+        ];
+        exec.launch(launch(1, 1, 0, &flaky)).await.expect("launch");
+        clock.advance(Duration::from_secs(3600));
+        exec.tick();
+        assert_eq!(
+            observed(&exec, &id(1, 1, 0)).await,
+            Some(Observed::Exited {
+                exit_code: Some(3),
+                reason: "exited with code 3 at step 350".into()
+            })
+        );
+        // Checkpoints every tenth of the run (100 steps): the last before
+        // step 350 holds step 300, in the trainer's own file.
+        let checkpoints = dir.path().join("checkpoints").join("job-1");
+        assert_eq!(read_checkpoint(&checkpoints).expect("checkpoint"), 300);
+
+        exec.launch(launch(1, 2, 0, &flaky))
+            .await
+            .expect("relaunch");
+        exec.tick();
+        assert_eq!(
+            exec.take_progress().await[&1].last().map(|s| s.step),
+            Some(300)
+        );
+        clock.advance(Duration::from_secs(3600));
+        exec.tick();
+        assert!(matches!(
+            observed(&exec, &id(1, 2, 0)).await,
+            Some(Observed::Exited {
+                exit_code: Some(3),
+                ..
+            })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_stopped_run_checkpoints_where_it_is_and_a_relaunch_goes_on_from_there() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(0));
+        let exec = executor(dir.path(), &clock);
+        let trainer = ["keel", "trainer"];
+        exec.launch(launch(2, 1, 0, &trainer))
+            .await
+            .expect("launch");
+        clock.advance(Duration::from_secs(10));
+        exec.stop(&id(2, 1, 0), Duration::from_secs(10))
+            .await
+            .expect("stop");
+        let at = (10.0 * steps_per_s()) as u64;
+        assert_eq!(
+            observed(&exec, &id(2, 1, 0)).await,
+            Some(Observed::Exited {
+                exit_code: Some(EXIT_STOPPED),
+                reason: format!("exited with code 143 at step {at} (stopped by keel)")
+            })
+        );
+        let checkpoints = dir.path().join("checkpoints").join("job-2");
+        assert_eq!(read_checkpoint(&checkpoints).expect("checkpoint"), at);
+        assert_eq!(
+            exec.take_progress().await[&2].last().map(|s| s.step),
+            Some(at)
+        );
+        // Stopping again does nothing.
+        exec.stop(&id(2, 1, 0), Duration::from_secs(10))
+            .await
+            .expect("stop");
+
+        exec.launch(launch(2, 2, 0, &trainer))
+            .await
+            .expect("relaunch");
+        clock.advance(Duration::from_secs(1));
+        exec.tick();
+        let step = exec.take_progress().await[&2][0].step;
+        assert_eq!(step, at + steps_per_s() as u64);
+    }
+
+    #[tokio::test]
+    async fn the_next_leader_finds_the_runs_where_the_clock_says_and_reports_the_exits_no_one_saw()
+    {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(0));
+        let first = executor(dir.path(), &clock);
+        let slow = ["keel", "trainer", "--total-steps", "100000"];
+        let quick = ["keel", "trainer", "--total-steps", "10"];
+        first.launch(launch(3, 1, 0, &slow)).await.expect("launch");
+        first.launch(launch(4, 1, 0, &quick)).await.expect("launch");
+        first.launch(launch(5, 1, 0, &slow)).await.expect("launch");
+        first
+            .stop(&id(5, 1, 0), Duration::from_secs(1))
+            .await
+            .expect("stop");
+        clock.advance(Duration::from_secs(20));
+
+        // Another server sharing the directory (the first one is gone
+        // without a word: killed).
+        let next = HollowExecutor::with_clock(first.config.as_ref().clone(), clock.clone())
+            .expect("executor");
+        assert!(next.owns("n0"), "the nodes declared in the directory");
+        assert!(!next.owns("n1"));
+        next.take_over().await;
+        next.tick();
+        let seen = next.observe().await.expect("observe");
+        assert!(matches!(seen[&id(3, 1, 0)], Observed::Running { .. }));
+        assert_eq!(
+            seen[&id(4, 1, 0)],
+            Observed::Exited {
+                exit_code: Some(0),
+                reason: "exited with code 0 at step 10".into()
+            }
+        );
+        assert!(matches!(
+            &seen[&id(5, 1, 0)],
+            Observed::Exited { exit_code: Some(143), reason } if reason.contains("stopped by keel")
+        ));
+        let step = next.take_progress().await[&3][0].step;
+        assert_eq!(step, (20.0 * steps_per_s()) as u64, "where the clock says");
+        // Taking over twice finds nothing new.
+        next.take_over().await;
+        assert_eq!(next.observe().await.expect("observe").len(), 3);
+        // Leadership lost: the book forgets, the records stay for the next.
+        next.release().await;
+        assert!(next.observe().await.expect("observe").is_empty());
+        assert!(dir.path().join("hollow/job-3-e1-r0.json").exists());
+    }
+
+    #[tokio::test]
+    async fn bad_trainer_flags_are_an_exit_with_code_2_naming_the_flag() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(0));
+        let exec = executor(dir.path(), &clock);
+        let cases: [(&[&str], &str); 4] = [
+            (&["keel", "trainer", "--speedup", "0"], "--speedup"),
+            (&["keel", "trainer", "--no-such-flag"], "--no-such-flag"),
+            (&["keel", "trainer", "--total-steps", "0"], "--total-steps"),
+            (
+                &[
+                    "keel",
+                    "trainer",
+                    "--hold-at-step",
+                    "5",
+                    "--hold-until-file",
+                    "/x",
+                ],
+                "--hold-at-step",
+            ),
+        ];
+        for (job, (command, flag)) in (1..).zip(cases) {
+            exec.launch(launch(job, 1, 0, command))
+                .await
+                .expect("launch");
+            match observed(&exec, &id(job, 1, 0)).await {
+                Some(Observed::Exited {
+                    exit_code: Some(2),
+                    reason,
+                }) => assert!(reason.contains(flag), "{flag}: {reason}"),
+                other => panic!("{flag}: {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn any_other_command_runs_as_the_trainer_with_the_jobs_model_and_steps() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = Arc::new(ManualClock::new(0));
+        let exec = executor(dir.path(), &clock);
+        exec.launch(launch(
+            1,
+            1,
+            0,
+            &["python", "train.py", "--speedup", "1000"],
+        ))
+        .await
+        .expect("launch");
+        clock.advance(Duration::from_secs(1));
+        exec.tick();
+        // The job's flags are not the trainer's: speed-up 1.
+        let step = exec.take_progress().await[&1][0].step;
+        assert_eq!(step, steps_per_s() as u64);
+        let logs = exec.logs(1, 1 << 10).await.expect("logs");
+        let text = String::from_utf8_lossy(&logs[0].content);
+        assert!(
+            text.contains("resnet50") && text.contains("of 1000"),
+            "{text}"
+        );
+    }
+}
