@@ -284,7 +284,9 @@ impl Server {
                 let hollow = HollowExecutor::new(HollowConfig {
                     dir: executor_dir.join("hollow"),
                     checkpoints_dir: executor_dir.join("checkpoints"),
-                    tick_every: config.loops.progress_every,
+                    // Exits are found within a tenth of a second; progress
+                    // is reported at each run's own interval.
+                    tick_every: std::time::Duration::from_millis(100),
                 })?;
                 hollow.declare_nodes(config.nodes.iter().map(|n| n.name.as_str()))?;
                 AnyExecutor::Hollow(hollow)

@@ -14,7 +14,8 @@
 //!
 //! - it advances at its model's speed on its GPUs from the throughput
 //!   table (times `--speedup`), rank 0 reporting progress (step, loss on
-//!   the trainer's curve with seeded noise, samples/s) every tick;
+//!   the trainer's curve with seeded noise, samples/s) every
+//!   `--report-every-s`, as the trainer does;
 //! - it exits 0 at its last step, or `--exit-code` at `--fail-at-step`
 //!   (resuming from the last periodic checkpoint before it, as the trainer
 //!   does), or 143 when Keel stops it (checkpointed at the step reached);
@@ -22,18 +23,17 @@
 //!   same format, that the real trainer writes
 //!   ([`crate::trainer::read_checkpoint`]).
 //!
-//! Each run is kept in a small record under the executor's directory
-//! (written when launched and when stopped, removed when forgotten): a
-//! leader that takes over, in this process or another sharing the
-//! directory, computes where every run is now, re-adopts the running ones
-//! and reports the exits no one saw, as it would for supervised processes.
-//! Records are not synced (a hollow run's durability is not what is
-//! measured). A run that asks for `--hold-at-step` is refused: it waits
+//! Each run is a line in the executor directory's run journal
+//! ([`journal`]: launched, stopped, forgotten): a leader that takes over,
+//! in this process or another sharing the directory, computes where every
+//! run is now, re-adopts the running ones and reports the exits no one
+//! saw, as it would for supervised processes. The journal is not synced (a
+//! hollow run's durability is not what is measured). A run that asks for `--hold-at-step` is refused: it waits
 //! for a file, which a hollow worker does not look for.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use clap::Parser;
@@ -49,11 +49,16 @@ use crate::reconcile::Observed;
 use crate::trainer::{read_checkpoint, write_checkpoint, TrainerArgs};
 use crate::WorkerId;
 
+mod journal;
+
+use journal::{Journal, Line};
+
 /// Where a hollow executor keeps its records, and how often it reads its
-/// runs.
+/// runs (rank 0 reports every `--report-every-s` of its own, as the
+/// trainer does; a read more often only finds exits sooner).
 #[derive(Debug, Clone)]
 pub struct HollowConfig {
-    /// Run records (`job-1-e1-r0.json`) and node markers (`nodes/`).
+    /// The run journal (`runs.jsonl`) and node markers (`nodes/`).
     pub dir: PathBuf,
     /// Checkpoints, one directory per job, as the real trainer keeps them.
     pub checkpoints_dir: PathBuf,
@@ -79,6 +84,9 @@ struct Run {
     checkpoint_every_steps: u64,
     /// Rank 0 reports progress and writes checkpoints.
     reports: bool,
+    /// How often rank 0 reports (the trainer's `--report-every-s`).
+    #[serde(default = "default_report_every_ms")]
+    report_every_ms: u64,
     seed: u64,
     /// When Keel stopped it.
     stopped_ms: Option<u64>,
@@ -115,6 +123,7 @@ impl Run {
             exit_code: 2,
             checkpoint_every_steps: 1,
             reports: false,
+            report_every_ms: default_report_every_ms(),
             seed: 0,
             stopped_ms: Some(now_ms),
         }
@@ -197,12 +206,31 @@ impl Run {
     }
 }
 
+fn default_report_every_ms() -> u64 {
+    1000
+}
+
 /// What the book keeps of a hollow worker.
 #[derive(Debug)]
 pub struct Hollow {
     run: Run,
-    /// The last step rank 0 reported.
-    reported: Option<u64>,
+    /// The last step rank 0 reported, and when.
+    reported: Option<(u64, u64)>,
+}
+
+impl Hollow {
+    /// Whether rank 0 reports `step` at `at_ms`: at its first read, then
+    /// once every `report_every_ms` when the step moved, and at its end.
+    fn reports(&self, step: u64, at_ms: u64, ended: bool) -> bool {
+        if !self.run.reports {
+            return false;
+        }
+        match self.reported {
+            None => true,
+            Some((last, _)) if last == step => false,
+            Some((_, when)) => ended || at_ms.saturating_sub(when) >= self.run.report_every_ms,
+        }
+    }
 }
 
 /// The executor whose workers are hollow (see the module's text).
@@ -213,6 +241,7 @@ pub struct HollowExecutor {
     /// The nodes whose workers it runs: its own and those of every server
     /// sharing its directory (read again when it takes over).
     owned: Arc<RwLock<BTreeSet<String>>>,
+    journal: Arc<Mutex<Journal>>,
 }
 
 impl HollowExecutor {
@@ -233,10 +262,17 @@ impl HollowExecutor {
             std::fs::create_dir_all(dir)
                 .map_err(|e| ExecutorError::Other(format!("creating {}: {e}", dir.display())))?;
         }
+        let journal = Journal::open(&config.dir.join(JOURNAL)).map_err(|e| {
+            ExecutorError::Other(format!(
+                "opening {}: {e}",
+                config.dir.join(JOURNAL).display()
+            ))
+        })?;
         let executor = HollowExecutor {
             config: Arc::new(config),
             book: Arc::new(WorkerBook::new(clock)),
             owned: Arc::new(RwLock::new(BTreeSet::new())),
+            journal: Arc::new(Mutex::new(journal)),
         };
         executor.read_nodes();
         Ok(executor)
@@ -272,10 +308,6 @@ impl HollowExecutor {
             .filter_map(|e| e.file_name().to_str().map(str::to_string))
             .collect();
         *self.owned.write().unwrap_or_else(|e| e.into_inner()) = names;
-    }
-
-    fn record_path(&self, id: &WorkerId) -> PathBuf {
-        self.config.dir.join(format!("{id}.json"))
     }
 
     fn checkpoint_dir(&self, job_id: JobId) -> PathBuf {
@@ -326,23 +358,50 @@ impl HollowExecutor {
             exit_code: opts.exit_code,
             checkpoint_every_steps: opts.checkpoint_every_steps,
             reports: opts.rank == 0,
+            report_every_ms: (opts.report_every_s.max(0.01) * 1000.0) as u64,
             seed: opts.seed,
             stopped_ms: None,
         })
     }
 
-    fn write_record(&self, id: &WorkerId, run: &Run) -> Result<(), ExecutorError> {
-        let path = self.record_path(id);
-        let body = serde_json::to_vec(run).map_err(|e| ExecutorError::Other(e.to_string()))?;
-        // Whole or not at all (a reader never sees half a record); not
-        // synced.
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, body)
-            .and_then(|()| std::fs::rename(&tmp, &path))
+    /// Appends `line` to the run journal.
+    fn log(&self, id: &WorkerId, line: &Line) -> Result<(), ExecutorError> {
+        self.journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .append(line)
             .map_err(|source| ExecutorError::Io {
                 id: id.clone(),
                 source,
             })
+    }
+
+    /// Rewrites the run journal with the runs the book holds, when it has
+    /// grown well past them.
+    fn compact_journal(&self) {
+        let live: Vec<(WorkerId, Run)> = {
+            let book = self.book.lock();
+            let due = self
+                .journal
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .wants_compaction(book.workers.len());
+            if !due {
+                return;
+            }
+            book.workers
+                .iter()
+                .map(|(id, w)| (id.clone(), w.extra.run.clone()))
+                .collect()
+        };
+        let compacted = self
+            .journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .compact(live.iter().map(|(id, run)| (id, run)));
+        if let Err(e) = compacted {
+            tracing::warn!(error = %e, "hollow runs' journal not compacted");
+        }
     }
 
     /// Reads every run at the clock's time: rank 0's progress, and the
@@ -366,8 +425,8 @@ impl HollowExecutor {
                 let step = match &status {
                     Status::Running { step } | Status::Ended { step, .. } => *step,
                 };
-                if hollow.run.reports && hollow.reported != Some(step) {
-                    hollow.reported = Some(step);
+                if hollow.reports(step, now_ms, matches!(status, Status::Ended { .. })) {
+                    hollow.reported = Some((step, now_ms));
                     progress.push((id.job_id, hollow.run.sample(step, now_ms)));
                 }
                 if let Status::Ended {
@@ -405,29 +464,13 @@ impl HollowExecutor {
     /// Finds the runs an earlier leader left: the running ones go on, the
     /// ended ones are reported.
     fn take_over_records(&self) {
-        let Ok(entries) = std::fs::read_dir(&self.config.dir) else {
-            return;
-        };
+        let runs = journal::read(&self.config.dir.join(JOURNAL));
         let now_ms = self.book.unix_ms();
         let mut found = 0usize;
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(id) = name
-                .to_str()
-                .and_then(|n| n.strip_suffix(".json"))
-                .and_then(parse_worker_id)
-            else {
-                continue;
-            };
+        for (id, run) in runs {
             if self.book.contains(&id) {
                 continue;
             }
-            let Some(run) = std::fs::read(entry.path())
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Run>(&b).ok())
-            else {
-                continue;
-            };
             let status = run.status_at(now_ms);
             let gpus = gpu_refs(&run.node, run.gpus.iter().copied());
             let mut worker = Worker::running(
@@ -451,6 +494,9 @@ impl HollowExecutor {
         }
     }
 }
+
+/// The run journal's file in [`HollowConfig::dir`].
+const JOURNAL: &str = "runs.jsonl";
 
 /// How a hollow worker's exit reads (the local executor's words).
 fn exit_words(code: i32, step: u64) -> String {
@@ -540,7 +586,13 @@ impl Executor for HollowExecutor {
                 return Ok(());
             }
         };
-        self.write_record(&launch.id, &run)?;
+        self.log(
+            &launch.id,
+            &Line::Launched {
+                worker: launch.id.to_string(),
+                run: run.clone(),
+            },
+        )?;
         let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
         self.book.insert(
             &launch.id,
@@ -563,15 +615,20 @@ impl Executor for HollowExecutor {
         // A hollow worker checkpoints and exits at once: its next tick
         // reports the exit.
         let now_ms = self.book.unix_ms();
-        let run = {
+        {
             let mut book = self.book.lock();
             let Some(worker) = book.workers.get_mut(id) else {
                 return Ok(());
             };
             worker.extra.run.stopped_ms = Some(now_ms);
-            worker.extra.run.clone()
-        };
-        self.write_record(id, &run)?;
+        }
+        self.log(
+            id,
+            &Line::Stopped {
+                worker: id.to_string(),
+                at_ms: now_ms,
+            },
+        )?;
         self.tick();
         Ok(())
     }
@@ -582,7 +639,13 @@ impl Executor for HollowExecutor {
 
     async fn forget(&self, id: &WorkerId) {
         if self.book.forget(id).is_some() {
-            let _ = std::fs::remove_file(self.record_path(id));
+            let forgotten = Line::Forgotten {
+                worker: id.to_string(),
+            };
+            if let Err(e) = self.log(id, &forgotten) {
+                tracing::warn!(worker = %id, error = %e, "hollow run's end not journalled");
+            }
+            self.compact_journal();
         }
     }
 
@@ -647,7 +710,10 @@ impl Executor for HollowExecutor {
         }
         self.book.end_leading();
         for id in &running {
-            let _ = std::fs::remove_file(self.record_path(id));
+            let forgotten = Line::Forgotten {
+                worker: id.to_string(),
+            };
+            let _ = self.log(id, &forgotten);
         }
     }
 }
@@ -749,9 +815,16 @@ mod tests {
             observed(&exec, &id(7, 1, 0)).await,
             Some(Observed::Running { .. })
         ));
-        // Nothing moved: nothing reported again.
+        // Nothing moved: nothing reported again; then once a second (the
+        // trainer's --report-every-s), not at every read.
         exec.tick();
         assert!(exec.take_progress().await.is_empty());
+        clock.advance(Duration::from_millis(500));
+        exec.tick();
+        assert!(exec.take_progress().await.is_empty(), "half a second on");
+        clock.advance(Duration::from_millis(500));
+        exec.tick();
+        assert_eq!(exec.take_progress().await[&7].len(), 1, "a second on");
 
         clock.advance(Duration::from_secs(60));
         exec.tick();
@@ -765,11 +838,11 @@ mod tests {
                 })
             );
         }
-        // The exit is in the log now: forgotten, its record gone.
+        // The exit is in the log now: forgotten, here and in the journal.
         exec.forget(&id(7, 1, 0)).await;
         assert_eq!(observed(&exec, &id(7, 1, 0)).await, None);
-        assert!(!dir.path().join("hollow/job-7-e1-r0.json").exists());
-        assert!(dir.path().join("hollow/job-7-e1-r1.json").exists());
+        let journalled = journal::read(&dir.path().join("hollow").join(JOURNAL));
+        assert_eq!(journalled.keys().collect::<Vec<_>>(), vec![&id(7, 1, 1)]);
     }
 
     #[tokio::test]
@@ -903,10 +976,12 @@ mod tests {
         // Taking over twice finds nothing new.
         next.take_over().await;
         assert_eq!(next.observe().await.expect("observe").len(), 3);
-        // Leadership lost: the book forgets, the records stay for the next.
+        // Leadership lost: the book forgets, the journal keeps the runs for
+        // the next.
         next.release().await;
         assert!(next.observe().await.expect("observe").is_empty());
-        assert!(dir.path().join("hollow/job-3-e1-r0.json").exists());
+        let journalled = journal::read(&dir.path().join("hollow").join(JOURNAL));
+        assert_eq!(journalled.len(), 3);
     }
 
     #[tokio::test]
