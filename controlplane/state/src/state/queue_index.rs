@@ -20,7 +20,7 @@
 //! proves the kept index equals one built afresh.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use smallvec::SmallVec;
 
@@ -38,6 +38,79 @@ struct Slot {
     charged: Option<u64>,
     /// Its priority, while it waits.
     waiting: Option<i32>,
+}
+
+/// The slots by job id, kept in a window from the lowest id with a slot to
+/// the highest: ids are given in submission order and a job has a slot
+/// only while it waits or holds GPUs, so the window is about as long as
+/// the jobs submitted since the oldest unfinished one, and a lookup is an
+/// index, not a search (what the queued `apply` stream spent most in;
+/// BENCHMARKS, "The cost of queues").
+#[derive(Debug, Clone, Default)]
+struct Slots {
+    /// The id of the window's first place.
+    first: JobId,
+    window: VecDeque<Option<Slot>>,
+}
+
+impl Slots {
+    fn at(&self, id: JobId) -> Option<usize> {
+        let at = usize::try_from(id.checked_sub(self.first)?).ok()?;
+        (at < self.window.len()).then_some(at)
+    }
+
+    fn get(&self, id: JobId) -> Option<&Slot> {
+        self.window.get(self.at(id)?)?.as_ref()
+    }
+
+    fn get_mut(&mut self, id: JobId) -> Option<&mut Slot> {
+        let at = self.at(id)?;
+        self.window.get_mut(at)?.as_mut()
+    }
+
+    fn contains(&self, id: JobId) -> bool {
+        self.get(id).is_some()
+    }
+
+    fn insert(&mut self, id: JobId, slot: Slot) {
+        if self.window.is_empty() {
+            self.first = id;
+        }
+        while id < self.first {
+            self.window.push_front(None);
+            self.first -= 1;
+        }
+        let at = usize::try_from(id - self.first).unwrap_or(usize::MAX);
+        if at >= self.window.len() {
+            self.window.resize(at + 1, None);
+        }
+        self.window[at] = Some(slot);
+    }
+
+    fn remove(&mut self, id: JobId) {
+        if let Some(at) = self.at(id) {
+            self.window[at] = None;
+        }
+        while matches!(self.window.front(), Some(None)) {
+            self.window.pop_front();
+            self.first += 1;
+        }
+        while matches!(self.window.back(), Some(None)) {
+            self.window.pop_back();
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (JobId, &Slot)> + '_ {
+        (self.first..)
+            .zip(&self.window)
+            .filter_map(|(id, s)| Some((id, s.as_ref()?)))
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = (JobId, &mut Slot)> + '_ {
+        (self.first..)
+            .zip(&mut self.window)
+            .filter_map(|(id, s)| Some((id, s.as_mut()?)))
+    }
 }
 
 /// GPUs by type number (a job's GPUs are of one or two types, held
@@ -129,7 +202,7 @@ pub(super) struct QueueIndex {
     /// up again whenever the book is built anew.
     book_queue: Vec<usize>,
     book_type: Vec<usize>,
-    slots: BTreeMap<JobId, Slot>,
+    slots: Slots,
     /// A decision's new GPUs by type number, as its quota pre-check
     /// counted them ([`QueueIndex::within_quotas`]), for the charges of
     /// the same entry, which would count them again; emptied before each
@@ -214,7 +287,7 @@ impl QueueIndex {
             .filter(|(_, slot)| slot.charged.is_some())
             .map(|(id, slot)| {
                 slot.charged = None;
-                *id
+                id
             })
             .collect();
         for id in holding {
@@ -284,7 +357,7 @@ impl QueueIndex {
         }
         self.counted.clear();
         for (id, gpus) in changes {
-            if !self.slots.contains_key(&id) {
+            if !self.slots.contains(id) {
                 return false;
             }
             let counts = self.count_types(nodes, gpus);
@@ -308,7 +381,7 @@ impl QueueIndex {
             None => net.push((q, t, n)),
         };
         for (id, counts) in &self.counted {
-            let Some(slot) = self.slots.get(id) else {
+            let Some(slot) = self.slots.get(*id) else {
                 return false;
             };
             let q = slot.queue;
@@ -504,7 +577,7 @@ impl QueueIndex {
                 .collect(),
             self.slots
                 .iter()
-                .map(|(id, s)| (*id, (self.names[s.queue].as_str(), s.charged, s.waiting)))
+                .map(|(id, s)| (id, (self.names[s.queue].as_str(), s.charged, s.waiting)))
                 .collect(),
         )
     }
@@ -512,26 +585,24 @@ impl QueueIndex {
     /// Puts job `id` (None: removed) where it now belongs: charged for
     /// what it holds, or in its queue's waiting set, or out of the index.
     fn place(&mut self, id: JobId, job: Option<&Job>, nodes: &BTreeMap<String, Node>) {
-        use std::collections::btree_map::Entry;
         let alloc = job.and_then(|j| j.allocation.as_ref());
         let charged = alloc.map(|a| a.epoch);
         let waiting = job
             .filter(|j| !j.state.is_terminal() && j.allocation.is_none())
             .map(|j| j.spec.priority);
-        // The slots out of `self` for the entry (moving a map is a few
-        // words): one lookup whatever happens.
-        let mut slots = std::mem::take(&mut self.slots);
-        match slots.entry(id) {
-            Entry::Occupied(mut e) => {
-                let slot = e.get_mut();
+        match self.slots.get_mut(id) {
+            Some(slot) => {
                 if slot.charged != charged || slot.waiting != waiting {
-                    self.move_slot(slot, id, job, nodes, charged, waiting);
-                }
-                if slot.charged.is_none() && slot.waiting.is_none() {
-                    e.remove();
+                    let mut moved = *slot;
+                    self.move_slot(&mut moved, id, job, nodes, charged, waiting);
+                    if moved.charged.is_none() && moved.waiting.is_none() {
+                        self.slots.remove(id);
+                    } else if let Some(slot) = self.slots.get_mut(id) {
+                        *slot = moved;
+                    }
                 }
             }
-            Entry::Vacant(e) => {
+            None => {
                 if let Some(j) = job.filter(|_| charged.is_some() || waiting.is_some()) {
                     let mut slot = Slot {
                         queue: self.queue_number(queue_of(&j.spec.queue)),
@@ -539,11 +610,10 @@ impl QueueIndex {
                         waiting: None,
                     };
                     self.move_slot(&mut slot, id, job, nodes, charged, waiting);
-                    e.insert(slot);
+                    self.slots.insert(id, slot);
                 }
             }
         }
-        self.slots = slots;
     }
 
     /// Moves job `id`'s `slot` to what it holds (`charged`) and whether it
@@ -653,4 +723,49 @@ fn book_of(
 ) -> QuotaBook {
     let counts = capacity.types().map(|t| (t, capacity.free_of_type(t)));
     QuotaBook::new(queues, counts, usage)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(queue: usize) -> Slot {
+        Slot {
+            queue,
+            charged: None,
+            waiting: Some(0),
+        }
+    }
+
+    #[test]
+    fn the_slot_window_grows_both_ways_shrinks_from_both_ends_and_iterates_by_id() {
+        let mut slots = Slots::default();
+        slots.insert(10, slot(1));
+        slots.insert(13, slot(2));
+        slots.insert(8, slot(3));
+        assert_eq!((slots.first, slots.window.len()), (8, 6));
+        let ids: Vec<(JobId, usize)> = slots.iter().map(|(id, s)| (id, s.queue)).collect();
+        assert_eq!(ids, vec![(8, 3), (10, 1), (13, 2)]);
+        assert!(slots.contains(10) && !slots.contains(9) && !slots.contains(7));
+        assert!(!slots.contains(14) && !slots.contains(0));
+        if let Some(s) = slots.get_mut(13) {
+            s.charged = Some(4);
+        }
+        assert_eq!(slots.get(13).and_then(|s| s.charged), Some(4));
+
+        slots.remove(8);
+        assert_eq!((slots.first, slots.window.len()), (10, 4));
+        slots.remove(13);
+        assert_eq!((slots.first, slots.window.len()), (10, 1));
+        slots.remove(99);
+        slots.remove(10);
+        assert!(slots.window.is_empty());
+        // Empty, it starts again wherever the next id is.
+        slots.insert(1_000_000, slot(0));
+        assert_eq!((slots.first, slots.window.len()), (1_000_000, 1));
+        for (_, s) in slots.iter_mut() {
+            s.waiting = None;
+        }
+        assert_eq!(slots.get(1_000_000).and_then(|s| s.waiting), None);
+    }
 }
