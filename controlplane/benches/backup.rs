@@ -26,14 +26,9 @@ use keel_state::model::{Gpu, GpuRef};
 use keel_state::ClusterState;
 use prost::Message;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+mod common;
 
-fn count(var: &str, default: u64) -> u64 {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use common::{count, KEEL};
 
 /// The state: `nodes` nodes of 8 GPUs, `jobs` one-GPU jobs, the first
 /// 8 × `nodes` of them placed.
@@ -112,15 +107,7 @@ fn timed(args: &[&str]) -> Duration {
 }
 
 fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
+    common::status_mib(pid, "VmRSS:")
 }
 
 /// Applies `entries` progress reports of the running jobs to the state

@@ -19,14 +19,9 @@ use keel_proto::api::{keel_client::KeelClient, ClusterStatusRequest, SubmitJobRe
 use keel_proto::entry::JobSpec;
 use tonic::transport::Channel;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+mod common;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
+use common::{free_port, KEEL};
 
 struct Replica {
     id: u64,

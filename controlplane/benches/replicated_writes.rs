@@ -36,7 +36,9 @@ use tonic::transport::Channel;
 #[path = "../tests/support/otlp.rs"]
 mod otlp;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+mod common;
+
+use common::{free_port, percentile, KEEL};
 const VALUE_BYTES: usize = 256;
 
 /// The few etcd messages the benchmark needs (field numbers from etcd's
@@ -70,20 +72,6 @@ mod etcd {
         #[prost(uint64, tag = "4")]
         pub leader: u64,
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[(((sorted.len() as f64) - 1.0) * p).round() as usize]
 }
 
 struct Row {

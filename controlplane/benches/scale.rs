@@ -44,28 +44,9 @@ use keel_proto::api::{
 use keel_proto::entry::{event::Kind, JobSpec};
 use tonic::transport::Channel;
 
-const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+mod common;
 
-fn count(var: &str, default: u64) -> u64 {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[(((sorted.len() as f64) - 1.0) * p).round() as usize]
-}
+use common::{count, free_port, percentile, KEEL};
 
 /// Three replicas sharing one executor directory, each declaring the same
 /// hollow nodes (whichever leads runs their workers).
@@ -179,16 +160,10 @@ fn cpu_s(pid: u32) -> f64 {
 
 /// Peak and current RSS of `pid`, MiB.
 fn rss_mib(pid: u32) -> (f64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib = |key: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (kib("VmHWM:") / 1024.0, kib("VmRSS:") / 1024.0)
+    (
+        common::status_mib(pid, "VmHWM:"),
+        common::status_mib(pid, "VmRSS:"),
+    )
 }
 
 /// What the event streams showed: when each job was placed, recorded

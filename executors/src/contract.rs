@@ -87,6 +87,39 @@ pub struct SharedWith {
     pub model: Option<String>,
 }
 
+#[cfg(test)]
+impl WorkerLaunch {
+    /// A one-worker launch of `command` on `node`'s `gpus` (v100s), for the
+    /// executors' tests.
+    pub(crate) fn for_test(
+        id: WorkerId,
+        node: &str,
+        gpus: Vec<u32>,
+        command: &[&str],
+    ) -> WorkerLaunch {
+        WorkerLaunch {
+            id,
+            job_name: "t".into(),
+            command: command.iter().map(|s| s.to_string()).collect(),
+            image: None,
+            env: BTreeMap::new(),
+            node: node.into(),
+            gpus,
+            gpu_type: "v100".into(),
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            rendezvous_addr: "127.0.0.1".into(),
+            model: None,
+            total_steps: None,
+            shared_with: None,
+            resources: Default::default(),
+            logs: Default::default(),
+            trace_parent: None,
+        }
+    }
+}
+
 /// GPUs `indexes` of `node`, as the reconciler compares them.
 pub fn gpu_refs(node: &str, indexes: impl IntoIterator<Item = u32>) -> Vec<GpuRef> {
     indexes

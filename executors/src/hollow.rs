@@ -727,28 +727,12 @@ mod tests {
     /// v100 of node n0, resnet50 for 1,000 steps.
     fn launch(job_id: JobId, epoch: u64, rank: u32, command: &[&str]) -> WorkerLaunch {
         WorkerLaunch {
-            id: WorkerId {
-                job_id,
-                epoch,
-                rank,
-            },
-            job_name: "t".into(),
-            command: command.iter().map(|s| s.to_string()).collect(),
-            image: None,
-            env: BTreeMap::new(),
-            node: "n0".into(),
-            gpus: vec![rank],
-            gpu_type: "v100".into(),
             world_size: 2,
             local_rank: rank,
             local_world_size: 2,
-            rendezvous_addr: "127.0.0.1".into(),
             model: Some("resnet50".into()),
             total_steps: Some(1000),
-            shared_with: None,
-            resources: Default::default(),
-            logs: Default::default(),
-            trace_parent: None,
+            ..WorkerLaunch::for_test(id(job_id, epoch, rank), "n0", vec![rank], command)
         }
     }
 

@@ -1128,30 +1128,12 @@ mod tests {
     use super::*;
 
     fn launch(job_id: JobId, command: &[&str]) -> WorkerLaunch {
-        WorkerLaunch {
-            id: WorkerId {
-                job_id,
-                epoch: 1,
-                rank: 0,
-            },
-            job_name: "t".into(),
-            command: command.iter().map(|s| s.to_string()).collect(),
-            image: None,
-            env: BTreeMap::new(),
-            node: "local".into(),
-            gpus: vec![1, 3],
-            gpu_type: "v100".into(),
-            world_size: 1,
-            local_rank: 0,
-            local_world_size: 1,
-            rendezvous_addr: "127.0.0.1".into(),
-            model: None,
-            total_steps: None,
-            shared_with: None,
-            resources: Default::default(),
-            logs: Default::default(),
-            trace_parent: None,
-        }
+        let id = WorkerId {
+            job_id,
+            epoch: 1,
+            rank: 0,
+        };
+        WorkerLaunch::for_test(id, "local", vec![1, 3], command)
     }
 
     fn executor(dir: &Path) -> LocalExecutor {

@@ -1,0 +1,46 @@
+//! Helpers the end-to-end benchmarks share (each bench includes this
+//! module; not every one uses every helper).
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+/// The `keel` binary the benchmarks run.
+pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+
+/// A size from the environment variable `var`, or `default`.
+pub fn count(var: &str, default: u64) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A port nothing listens on now, on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// The `p` quantile (0 to 1) of `sorted`, nearest rank.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[(((sorted.len() as f64) - 1.0) * p).round() as usize]
+}
+
+/// A `/proc/PID/status` field in kB (`VmRSS:`, `VmHWM:`), as MiB.
+pub fn status_mib(pid: u32, field: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
