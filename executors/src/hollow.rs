@@ -377,16 +377,15 @@ impl HollowExecutor {
     }
 
     /// Rewrites the run journal with the runs the book holds, when it has
-    /// grown well past them.
+    /// grown well past them. The journal stays locked from reading the
+    /// book to the rewrite: a launch, stop or forget meanwhile (the book
+    /// changed first, the journal after) appends after the rewrite, so no
+    /// line is lost (at worst a launch is written twice, the same run).
     fn compact_journal(&self) {
+        let mut journal = self.journal.lock().unwrap_or_else(|e| e.into_inner());
         let live: Vec<(WorkerId, Run)> = {
             let book = self.book.lock();
-            let due = self
-                .journal
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .wants_compaction(book.workers.len());
-            if !due {
+            if !journal.wants_compaction(book.workers.len()) {
                 return;
             }
             book.workers
@@ -394,12 +393,7 @@ impl HollowExecutor {
                 .map(|(id, w)| (id.clone(), w.extra.run.clone()))
                 .collect()
         };
-        let compacted = self
-            .journal
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .compact(live.iter().map(|(id, run)| (id, run)));
-        if let Err(e) = compacted {
+        if let Err(e) = journal.compact(live.iter().map(|(id, run)| (id, run))) {
             tracing::warn!(error = %e, "hollow runs' journal not compacted");
         }
     }
