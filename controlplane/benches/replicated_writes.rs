@@ -158,15 +158,7 @@ fn padded_spec(i: usize) -> JobSpec {
 /// Three replicas in `dir`; over TLS with the certificates in `certs`
 /// (`keel tls init`), if given.
 fn spawn_keel(dir: &Path, certs: Option<&Path>, extra: &[String]) -> (Vec<Child>, Vec<String>) {
-    let addrs: Vec<String> = (0..3)
-        .map(|_| format!("127.0.0.1:{}", free_port()))
-        .collect();
-    let peers = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{}={a}", i + 1))
-        .collect::<Vec<_>>()
-        .join(",");
+    let (addrs, peers) = common::three_replicas();
     let children = addrs
         .iter()
         .enumerate()

@@ -46,20 +46,12 @@ use tonic::transport::Channel;
 
 mod common;
 
-use common::{count, free_port, percentile, KEEL};
+use common::{count, percentile, KEEL};
 
 /// Three replicas sharing one executor directory, each declaring the same
 /// hollow nodes (whichever leads runs their workers).
 fn spawn_keel(dir: &Path, nodes: u64) -> (Vec<Child>, Vec<String>) {
-    let addrs: Vec<String> = (0..3)
-        .map(|_| format!("127.0.0.1:{}", free_port()))
-        .collect();
-    let peers = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{}={a}", i + 1))
-        .collect::<Vec<_>>()
-        .join(",");
+    let (addrs, peers) = common::three_replicas();
     // One type: a worker's GPUs are of one type, so a node of 4 + 4
     // would take no single worker of more than 4.
     let gpus = format!("{}xv100", nodes * 8);

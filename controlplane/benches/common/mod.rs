@@ -44,3 +44,18 @@ pub fn status_mib(pid: u32, field: &str) -> f64 {
         })
         .map_or(0.0, |kb| kb / 1024.0)
 }
+
+/// Addresses for three replicas on 127.0.0.1, and the `--peers` value that
+/// names them (`1=ADDR,2=ADDR,3=ADDR`).
+pub fn three_replicas() -> (Vec<String>, String) {
+    let addrs: Vec<String> = (0..3)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    let peers = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{}={a}", i + 1))
+        .collect::<Vec<_>>()
+        .join(",");
+    (addrs, peers)
+}
