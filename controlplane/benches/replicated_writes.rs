@@ -158,35 +158,18 @@ fn padded_spec(i: usize) -> JobSpec {
 /// Three replicas in `dir`; over TLS with the certificates in `certs`
 /// (`keel tls init`), if given.
 fn spawn_keel(dir: &Path, certs: Option<&Path>, extra: &[String]) -> (Vec<Child>, Vec<String>) {
-    let (addrs, peers) = common::three_replicas();
-    let children = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            let id = i + 1;
-            let mut command = Command::new(KEEL);
+    common::spawn_three(dir, |id, command| {
+        command.arg("--no-local-node").args(extra);
+        if let Some(certs) = certs {
             command
-                .args(["server", "--no-local-node", "--id", &id.to_string()])
-                .args(["--peers", &peers, "--listen", a, "--data-dir"])
-                .arg(dir.join(format!("keel{id}")))
-                .args(extra);
-            if let Some(certs) = certs {
-                command
-                    .arg("--tls-cert")
-                    .arg(certs.join(format!("member-{id}.crt")))
-                    .arg("--tls-key")
-                    .arg(certs.join(format!("member-{id}.key")))
-                    .arg("--tls-ca")
-                    .arg(certs.join("ca.crt"));
-            }
-            command
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn keel")
-        })
-        .collect();
-    (children, addrs)
+                .arg("--tls-cert")
+                .arg(certs.join(format!("member-{id}.crt")))
+                .arg("--tls-key")
+                .arg(certs.join(format!("member-{id}.key")))
+                .arg("--tls-ca")
+                .arg(certs.join("ca.crt"));
+        }
+    })
 }
 
 /// The certificates of a three-member cluster and a client, in

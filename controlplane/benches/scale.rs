@@ -33,7 +33,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -46,36 +46,22 @@ use tonic::transport::Channel;
 
 mod common;
 
-use common::{count, percentile, KEEL};
+use common::{count, percentile};
 
 /// Three replicas sharing one executor directory, each declaring the same
 /// hollow nodes (whichever leads runs their workers).
 fn spawn_keel(dir: &Path, nodes: u64) -> (Vec<Child>, Vec<String>) {
-    let (addrs, peers) = common::three_replicas();
     // One type: a worker's GPUs are of one type, so a node of 4 + 4
     // would take no single worker of more than 4.
     let gpus = format!("{}xv100", nodes * 8);
-    let children = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            let id = i + 1;
-            Command::new(KEEL)
-                .args(["server", "--id", &id.to_string()])
-                .args(["--peers", &peers, "--listen", a, "--data-dir"])
-                .arg(dir.join(format!("keel{id}")))
-                .arg("--executor-dir")
-                .arg(dir.join("executor"))
-                .args(["--hollow", "--simulated-gpus", &gpus])
-                .args(["--simulated-nodes", &nodes.to_string()])
-                .args(["--round-s", "1", "--http-listen", "off"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn keel")
-        })
-        .collect();
-    (children, addrs)
+    common::spawn_three(dir, |_, command| {
+        command
+            .arg("--executor-dir")
+            .arg(dir.join("executor"))
+            .args(["--hollow", "--simulated-gpus", &gpus])
+            .args(["--simulated-nodes", &nodes.to_string()])
+            .args(["--round-s", "1", "--http-listen", "off"]);
+    })
 }
 
 async fn client(addr: &str) -> KeelClient<Channel> {
@@ -376,7 +362,7 @@ fn main() {
         .expect("runtime");
     let (mut keel, addrs) = spawn_keel(dir.path(), nodes);
     let pids: Vec<u32> = keel.iter().map(Child::id).collect();
-    let killed = rt.block_on(async {
+    rt.block_on(async {
         let cluster = Arc::new(Cluster {
             leader: tokio::sync::RwLock::new(leader(&addrs, None).await),
             addrs: addrs.clone(),
@@ -428,7 +414,8 @@ fn main() {
         let cpu_before: Vec<f64> = pids.iter().map(|p| cpu_s(*p)).collect();
         let start = Instant::now();
         let submitting = tokio::spawn(submit_all(cluster.clone(), 0..jobs, clients, spec, steps));
-        let mut killed: Option<(usize, u64, u64)> = None;
+        // When the leader was killed (Unix ms) and the last index seen then.
+        let mut killed: Option<(u64, u64)> = None;
         let deadline = Instant::now() + Duration::from_secs(600);
         let mut said = Instant::now();
         loop {
@@ -450,7 +437,7 @@ fn main() {
                     .as_millis() as u64;
                 keel[lead].kill().expect("kill -9 the leader");
                 eprintln!("scale: leader (member {}) killed at {placed} placed", lead + 1);
-                killed = Some((lead, at_ms, last_index));
+                killed = Some((at_ms, last_index));
             }
             if finished >= jobs || Instant::now() > deadline {
                 break;
@@ -513,7 +500,7 @@ fn main() {
         );
         println!("| most GPUs busy at once | {} of {} |", seen.most_gpus_busy, nodes * 8);
         println!("| GPUs given to a job while another held them | {} |", seen.double_booked);
-        if let Some((_, at_ms, index)) = killed {
+        if let Some((at_ms, index)) = killed {
             let resumed = seen
                 .allocated_log
                 .iter()
@@ -539,9 +526,7 @@ fn main() {
             seen.commands as f64 / placed,
             (last_index - first_index) as f64 / placed
         );
-        killed.map(|(lead, _, _)| lead)
     });
-    let _ = killed;
     for child in &mut keel {
         let _ = child.kill();
         let _ = child.wait();

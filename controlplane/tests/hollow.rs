@@ -8,7 +8,7 @@ use keel_proto::entry::JobSpec;
 
 mod support;
 
-use support::{wait_for, ServerProcess};
+use support::{wait_for, ServerProcess, KEEL};
 
 /// The processes whose parent is `pid`.
 fn children(pid: u32) -> Vec<u32> {
@@ -170,11 +170,7 @@ fn hollow_nodes_run_jobs_without_a_process_each_and_a_restarted_server_readopts_
         text.lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter_map(|l| l.get("launched").cloned())
-            .filter(|l| {
-                l["worker"]
-                    .as_str()
-                    .is_some_and(|w| w.starts_with(&format!("job-{long}-")))
-            })
+            .filter(|l| l["worker"]["job_id"] == long)
             .collect()
     };
     let launched = launches();
@@ -213,4 +209,34 @@ fn hollow_nodes_run_jobs_without_a_process_each_and_a_restarted_server_readopts_
             .then_some(())
     });
     server.terminate();
+}
+
+/// `--hollow` needs simulated GPUs and runs no other executor: refused,
+/// naming the flags, before anything is made.
+#[test]
+fn hollow_without_simulated_gpus_or_beside_another_executor_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let data_s = data.to_str().expect("utf-8");
+    for (extra, named) in [
+        (vec![], "--simulated-gpus"),
+        (
+            vec!["--simulated-gpus", "8xv100", "--no-local-node"],
+            "--no-local-node",
+        ),
+        (
+            vec!["--simulated-gpus", "8xv100", "--kubernetes"],
+            "--kubernetes",
+        ),
+    ] {
+        let out = std::process::Command::new(KEEL)
+            .args(["server", "--hollow", "--data-dir", data_s])
+            .args(&extra)
+            .output()
+            .expect("keel server");
+        assert!(!out.status.success(), "{extra:?} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(named), "{extra:?}: {err}");
+        assert!(!data.exists(), "{extra:?} made a data directory");
+    }
 }

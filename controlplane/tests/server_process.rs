@@ -1293,79 +1293,27 @@ fn the_snapshot_commands_refuse_bad_inputs_and_write_nothing() {
         missing.to_str().expect("utf-8"),
     );
     let data_s = data.to_str().expect("utf-8");
+    fn restore<'a>(file: &'a str, data: &'a str, id: &'a str, addr: &'a str) -> Vec<&'a str> {
+        vec![
+            "snapshot",
+            "restore",
+            file,
+            "--data-dir",
+            data,
+            "--id",
+            id,
+            "--member-addr",
+            addr,
+        ]
+    }
     for (args, expected) in [
         (vec!["snapshot", "inspect", missing_s], "cannot read"),
         (vec!["snapshot", "inspect", bad], "notes.snap"),
-        (
-            vec![
-                "snapshot",
-                "restore",
-                bad,
-                "--data-dir",
-                data_s,
-                "--id",
-                "0",
-                "--member-addr",
-                "h:1",
-            ],
-            "--id",
-        ),
-        (
-            vec![
-                "snapshot",
-                "restore",
-                bad,
-                "--data-dir",
-                data_s,
-                "--id",
-                "70000",
-                "--member-addr",
-                "h:1",
-            ],
-            "--id",
-        ),
-        (
-            vec![
-                "snapshot",
-                "restore",
-                bad,
-                "--data-dir",
-                data_s,
-                "--id",
-                "1",
-                "--member-addr",
-                "nowhere",
-            ],
-            "is not HOST:PORT",
-        ),
-        (
-            vec![
-                "snapshot",
-                "restore",
-                bad,
-                "--data-dir",
-                data_s,
-                "--id",
-                "1",
-                "--member-addr",
-                "h:1",
-            ],
-            "notes.snap",
-        ),
-        (
-            vec![
-                "snapshot",
-                "restore",
-                missing_s,
-                "--data-dir",
-                data_s,
-                "--id",
-                "1",
-                "--member-addr",
-                "h:1",
-            ],
-            "cannot read",
-        ),
+        (restore(bad, data_s, "0", "h:1"), "--id"),
+        (restore(bad, data_s, "70000", "h:1"), "--id"),
+        (restore(bad, data_s, "1", "nowhere"), "is not HOST:PORT"),
+        (restore(bad, data_s, "1", "h:1"), "notes.snap"),
+        (restore(missing_s, data_s, "1", "h:1"), "cannot read"),
     ] {
         let out = Command::new(KEEL)
             .args(&args)

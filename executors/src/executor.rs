@@ -130,7 +130,7 @@ pub trait Executor: Send + Sync + 'static {
     /// heartbeat (which any client can send) never runs a command.
     fn owns(&self, node: &str) -> bool;
 
-    /// Its name in metrics and logs: `local`, `ssh`, `kubernetes`.
+    /// Its name in metrics and logs: `local`, `ssh`, `kubernetes`, `hollow`.
     fn kind(&self) -> &'static str;
 
     /// Whether two workers of a declared pair can run on the same GPUs

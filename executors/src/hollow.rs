@@ -28,8 +28,9 @@
 //! in this process or another sharing the directory, computes where every
 //! run is now, re-adopts the running ones and reports the exits no one
 //! saw, as it would for supervised processes. The journal is not synced (a
-//! hollow run's durability is not what is measured). A run that asks for `--hold-at-step` is refused: it waits
-//! for a file, which a hollow worker does not look for.
+//! hollow run's durability is not what is measured). A run that asks for
+//! `--hold-at-step` is refused: it waits for a file, which a hollow worker
+//! does not look for.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -42,8 +43,9 @@ use keel_state::rng::SplitMix64;
 use keel_state::{JobId, ProgressSample};
 use serde::{Deserialize, Serialize};
 
-use crate::book::{Clock, SystemClock, Worker, WorkerBook};
+use crate::book::{Book, Clock, SystemClock, Worker, WorkerBook};
 use crate::contract::{checkpoint_dir_name, gpu_refs, WorkerLaunch, EXIT_STOPPED};
+use crate::declared_nodes::DeclaredNodes;
 use crate::executor::{Executor, ExecutorError, WorkerLog};
 use crate::reconcile::Observed;
 use crate::trainer::{read_checkpoint, write_checkpoint, TrainerArgs};
@@ -238,8 +240,10 @@ impl Hollow {
 pub struct HollowExecutor {
     config: Arc<HollowConfig>,
     book: Arc<WorkerBook<Hollow>>,
-    /// The nodes whose workers it runs: its own and those of every server
-    /// sharing its directory (read again when it takes over).
+    /// The nodes the servers sharing its directory declared.
+    nodes: DeclaredNodes,
+    /// Those nodes as last read (when declared, and when it takes over):
+    /// `owns` is asked for every wanted worker of every pass.
     owned: Arc<RwLock<BTreeSet<String>>>,
     journal: Arc<Mutex<Journal>>,
 }
@@ -269,6 +273,7 @@ impl HollowExecutor {
             ))
         })?;
         let executor = HollowExecutor {
+            nodes: DeclaredNodes::new(&config.dir.join("nodes")),
             config: Arc::new(config),
             book: Arc::new(WorkerBook::new(clock)),
             owned: Arc::new(RwLock::new(BTreeSet::new())),
@@ -284,30 +289,13 @@ impl HollowExecutor {
         &self,
         names: impl IntoIterator<Item = &'a str>,
     ) -> Result<(), ExecutorError> {
-        let nodes = self.config.dir.join("nodes");
-        for name in names {
-            if !is_file_name(name) {
-                return Err(ExecutorError::Other(format!(
-                    "node name {name:?} is not a file name"
-                )));
-            }
-            let path = nodes.join(name);
-            std::fs::write(&path, b"")
-                .map_err(|e| ExecutorError::Other(format!("declaring {}: {e}", path.display())))?;
-        }
+        self.nodes.declare(names)?;
         self.read_nodes();
         Ok(())
     }
 
     fn read_nodes(&self) {
-        let Ok(entries) = std::fs::read_dir(self.config.dir.join("nodes")) else {
-            return;
-        };
-        let names: BTreeSet<String> = entries
-            .flatten()
-            .filter_map(|e| e.file_name().to_str().map(str::to_string))
-            .collect();
-        *self.owned.write().unwrap_or_else(|e| e.into_inner()) = names;
+        *self.owned.write().unwrap_or_else(|e| e.into_inner()) = self.nodes.all();
     }
 
     fn checkpoint_dir(&self, job_id: JobId) -> PathBuf {
@@ -327,15 +315,8 @@ impl HollowExecutor {
             );
         }
         let opts = args.options();
-        if !(opts.speedup.is_finite() && opts.speedup > 0.0) {
-            return Err(format!(
-                "keel trainer (hollow): --speedup must be a positive number, not {}",
-                opts.speedup
-            ));
-        }
-        if opts.total_steps == 0 {
-            return Err("keel trainer (hollow): --total-steps must be at least 1".into());
-        }
+        opts.check()
+            .map_err(|e| format!("keel trainer (hollow): {e}"))?;
         let model = profile(&opts.model);
         let gpus = opts.gpus.max(1);
         let shared = opts
@@ -404,52 +385,31 @@ impl HollowExecutor {
     /// clock.
     pub fn tick(&self) {
         let now_ms = self.book.unix_ms();
-        let mut checkpoints = Vec::new();
-        {
+        let checkpoints: Vec<Checkpoint> = {
             let mut book = self.book.lock();
-            let generation = book.generation();
-            let mut progress: Vec<(JobId, ProgressSample)> = Vec::new();
-            let mut exits = Vec::new();
-            for (id, worker) in book.workers.iter_mut() {
-                if worker.exited.is_some() {
-                    continue;
-                }
-                let hollow = &mut worker.extra;
-                let status = hollow.run.status_at(now_ms);
-                let step = match &status {
-                    Status::Running { step } | Status::Ended { step, .. } => *step,
-                };
-                if hollow.reports(step, now_ms, matches!(status, Status::Ended { .. })) {
-                    hollow.reported = Some((step, now_ms));
-                    progress.push((id.job_id, hollow.run.sample(step, now_ms)));
-                }
-                if let Status::Ended {
-                    code, checkpoint, ..
-                } = status
-                {
-                    if let Some(at) = checkpoint.filter(|_| hollow.run.reports) {
-                        checkpoints.push((id.job_id, at, hollow.run.model.clone()));
-                    }
-                    exits.push((id.clone(), code, step));
-                }
-            }
-            for (job_id, sample) in progress {
-                book.add_progress(generation, job_id, [sample]);
-            }
-            for (id, code, step) in exits {
-                book.record_exit(&id, Some(code), exit_words(code, step));
-            }
-        }
-        for (job_id, step, model) in checkpoints {
-            self.checkpoint(job_id, step, &model);
+            let running: Vec<WorkerId> = book.running();
+            running
+                .iter()
+                .filter_map(|id| read_run(&mut book, id, now_ms))
+                .collect()
+        };
+        for c in checkpoints {
+            self.checkpoint(c);
         }
     }
 
-    fn checkpoint(&self, job_id: JobId, step: u64, model: &str) {
+    fn checkpoint(
+        &self,
+        Checkpoint {
+            job_id,
+            step,
+            model,
+        }: Checkpoint,
+    ) {
         let dir = self.checkpoint_dir(job_id);
         let written = std::fs::create_dir_all(&dir)
             .map_err(|e| e.to_string())
-            .and_then(|()| write_checkpoint(&dir, step, model).map_err(|e| e.to_string()));
+            .and_then(|()| write_checkpoint(&dir, step, &model).map_err(|e| e.to_string()));
         if let Err(e) = written {
             tracing::warn!(job = job_id, step, error = %e, "hollow worker: checkpoint not written");
         }
@@ -466,9 +426,12 @@ impl HollowExecutor {
                 continue;
             }
             let status = run.status_at(now_ms);
-            let gpus = gpu_refs(&run.node, run.gpus.iter().copied());
+            let (node, gpus) = (
+                run.node.clone(),
+                gpu_refs(&run.node, run.gpus.iter().copied()),
+            );
             let mut worker = Worker::running(
-                &run.node.clone(),
+                &node,
                 gpus,
                 Hollow {
                     run,
@@ -492,25 +455,54 @@ impl HollowExecutor {
 /// The run journal's file in [`HollowConfig::dir`].
 const JOURNAL: &str = "runs.jsonl";
 
+/// A checkpoint a run's end asks for (written outside the book's lock).
+struct Checkpoint {
+    job_id: JobId,
+    step: u64,
+    model: String,
+}
+
+/// Reads running worker `id`'s run at `now_ms` into the book: rank 0's
+/// progress when due, and its exit when it has ended; the checkpoint that
+/// exit asks for, if any.
+fn read_run(book: &mut Book<Hollow>, id: &WorkerId, now_ms: u64) -> Option<Checkpoint> {
+    let generation = book.generation();
+    let hollow = &mut book.workers.get_mut(id)?.extra;
+    let status = hollow.run.status_at(now_ms);
+    let (step, ended) = match &status {
+        Status::Running { step } => (*step, None),
+        Status::Ended {
+            step,
+            code,
+            checkpoint,
+        } => (*step, Some((*code, *checkpoint))),
+    };
+    let sample = hollow
+        .reports(step, now_ms, ended.is_some())
+        .then(|| hollow.run.sample(step, now_ms));
+    if sample.is_some() {
+        hollow.reported = Some((step, now_ms));
+    }
+    let checkpoint = ended
+        .and_then(|(_, at)| at)
+        .filter(|_| hollow.run.reports)
+        .map(|step| Checkpoint {
+            job_id: id.job_id,
+            step,
+            model: hollow.run.model.clone(),
+        });
+    if let Some(sample) = sample {
+        book.add_progress(generation, id.job_id, [sample]);
+    }
+    if let Some((code, _)) = ended {
+        book.record_exit(id, Some(code), exit_words(code, step));
+    }
+    checkpoint
+}
+
 /// How a hollow worker's exit reads (the local executor's words).
 fn exit_words(code: i32, step: u64) -> String {
     format!("exited with code {code} at step {step}")
-}
-
-fn is_file_name(name: &str) -> bool {
-    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
-}
-
-/// `job-1-e2-r3` back to its worker id.
-fn parse_worker_id(name: &str) -> Option<WorkerId> {
-    let rest = name.strip_prefix("job-")?;
-    let (job, rest) = rest.split_once("-e")?;
-    let (epoch, rank) = rest.split_once("-r")?;
-    Some(WorkerId {
-        job_id: job.parse().ok()?,
-        epoch: epoch.parse().ok()?,
-        rank: rank.parse().ok()?,
-    })
 }
 
 /// The trainer's command line for `launch`: the contract's values as
@@ -583,7 +575,7 @@ impl Executor for HollowExecutor {
         self.log(
             &launch.id,
             &Line::Launched {
-                worker: launch.id.to_string(),
+                worker: launch.id.clone(),
                 run: run.clone(),
             },
         )?;
@@ -606,24 +598,26 @@ impl Executor for HollowExecutor {
         if self.book.begin_stop(id).is_none() {
             return Ok(());
         }
-        // A hollow worker checkpoints and exits at once: its next tick
-        // reports the exit.
+        // A hollow worker checkpoints and exits at once.
         let now_ms = self.book.unix_ms();
-        {
+        let checkpoint = {
             let mut book = self.book.lock();
             let Some(worker) = book.workers.get_mut(id) else {
                 return Ok(());
             };
             worker.extra.run.stopped_ms = Some(now_ms);
+            read_run(&mut book, id, now_ms)
+        };
+        if let Some(c) = checkpoint {
+            self.checkpoint(c);
         }
         self.log(
             id,
             &Line::Stopped {
-                worker: id.to_string(),
+                worker: id.clone(),
                 at_ms: now_ms,
             },
         )?;
-        self.tick();
         Ok(())
     }
 
@@ -633,9 +627,7 @@ impl Executor for HollowExecutor {
 
     async fn forget(&self, id: &WorkerId) {
         if self.book.forget(id).is_some() {
-            let forgotten = Line::Forgotten {
-                worker: id.to_string(),
-            };
+            let forgotten = Line::Forgotten { worker: id.clone() };
             if let Err(e) = self.log(id, &forgotten) {
                 tracing::warn!(worker = %id, error = %e, "hollow run's end not journalled");
             }
@@ -696,7 +688,7 @@ impl Executor for HollowExecutor {
 
     async fn shutdown(&self, grace: Duration) {
         // As the local executor does: the workers are stopped
-        // (checkpointed), and their records dropped so that the next
+        // (checkpointed) and forgotten in the journal, so that the next
         // server launches them again from their checkpoints.
         let running = self.book.running();
         for id in &running {
@@ -704,9 +696,7 @@ impl Executor for HollowExecutor {
         }
         self.book.end_leading();
         for id in &running {
-            let forgotten = Line::Forgotten {
-                worker: id.to_string(),
-            };
+            let forgotten = Line::Forgotten { worker: id.clone() };
             let _ = self.log(id, &forgotten);
         }
     }

@@ -4,6 +4,8 @@
 //!   exit records, the progress buffer, probes, the injected clock);
 //! - [`contract`]: the worker contract (environment, progress lines, exit
 //!   codes), the same for every executor;
+//! - [`declared_nodes`]: the node markers that tell the servers sharing
+//!   an executor directory which nodes they run (local and hollow);
 //! - [`reconcile`]: the reconciler's decision as a pure function (desired
 //!   workers + observed workers → actions);
 //! - [`reconcile_engine`]: the reconcile loop's decisions as a pure engine
@@ -29,6 +31,7 @@
 pub mod book;
 pub mod containment;
 pub mod contract;
+pub mod declared_nodes;
 pub mod discovery;
 pub mod executor;
 pub mod gpu_health;
@@ -53,7 +56,9 @@ pub use ssh::{SshConfig, SshExecutor};
 /// A worker's identity. Reconciling twice launches nothing twice: an
 /// executor that already runs a worker with this identity leaves it alone,
 /// and a new allocation epoch is a new identity.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct WorkerId {
     pub job_id: JobId,
     pub epoch: u64,

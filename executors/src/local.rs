@@ -35,6 +35,7 @@ use tokio::io::AsyncWriteExt;
 use crate::book::{Clock, SystemClock, Worker, WorkerBook};
 use crate::containment::{Cgroups, WorkerCgroup};
 use crate::contract::{checkpoint_dir_name, environment, gpu_refs, WorkerLaunch};
+use crate::declared_nodes::DeclaredNodes;
 use crate::executor::{Executor, ExecutorError, RemovedLogs, WorkerLog};
 use crate::reconcile::Observed;
 use crate::supervisor::{read_exit, ExitRecord};
@@ -143,6 +144,8 @@ pub struct LocalExecutor {
     /// Where each worker's cgroup goes (with a supervisor, where a cgroup
     /// hierarchy is writable); `None`: process groups only.
     cgroups: Option<Arc<Cgroups>>,
+    /// The nodes the servers sharing the directory declared.
+    nodes: DeclaredNodes,
 }
 
 /// How long a worker's leftover processes get after its main process
@@ -238,6 +241,7 @@ impl LocalExecutor {
             }
         };
         Ok(LocalExecutor {
+            nodes: DeclaredNodes::new(&config.nodes_dir),
             config: Arc::new(config),
             book: Arc::new(WorkerBook::new(clock)),
             cgroups,
@@ -256,24 +260,7 @@ impl LocalExecutor {
         &self,
         names: impl IntoIterator<Item = &'a str>,
     ) -> Result<(), ExecutorError> {
-        for name in names {
-            let path = self.node_marker(name).ok_or_else(|| {
-                ExecutorError::Other(format!("node name {name:?} is not a file name"))
-            })?;
-            std::fs::write(&path, b"")
-                .map_err(|e| ExecutorError::Other(format!("declaring {}: {e}", path.display())))?;
-        }
-        Ok(())
-    }
-
-    /// The marker file of a node, if its name can be one.
-    fn node_marker(&self, name: &str) -> Option<PathBuf> {
-        let plain = !name.is_empty()
-            && !name.starts_with('.')
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        plain.then(|| self.config.nodes_dir.join(name))
+        self.nodes.declare(names)
     }
 
     /// Claims a worker's identity before launching it: an exclusive create
@@ -999,7 +986,7 @@ impl Executor for LocalExecutor {
     }
 
     fn owns(&self, node: &str) -> bool {
-        self.node_marker(node).is_some_and(|p| p.is_file())
+        self.nodes.contains(node)
     }
 
     async fn launch(&self, launch: WorkerLaunch) -> Result<(), ExecutorError> {

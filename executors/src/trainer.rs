@@ -254,19 +254,28 @@ pub(crate) fn write_checkpoint(dir: &Path, step: u64, model: &str) -> Result<(),
     file.commit().map_err(err)
 }
 
+impl TrainerOptions {
+    /// Refuses options no run can follow (what the real and the hollow
+    /// trainer both check).
+    pub fn check(&self) -> Result<(), TrainerError> {
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return Err(TrainerError::Config(format!(
+                "--speedup must be a positive number, not {}",
+                self.speedup
+            )));
+        }
+        if self.total_steps == 0 {
+            return Err(TrainerError::Config(
+                "--total-steps must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Runs the trainer to its end. Returns the process exit code.
 pub async fn run(opts: TrainerOptions, out: &mut (dyn Write + Send)) -> Result<i32, TrainerError> {
-    if !(opts.speedup.is_finite() && opts.speedup > 0.0) {
-        return Err(TrainerError::Config(format!(
-            "--speedup must be a positive number, not {}",
-            opts.speedup
-        )));
-    }
-    if opts.total_steps == 0 {
-        return Err(TrainerError::Config(
-            "--total-steps must be at least 1".into(),
-        ));
-    }
+    opts.check()?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(TrainerError::Signal)?;
     let leader = opts.rank == 0;
     let start_step = match &opts.checkpoint_dir {

@@ -85,9 +85,7 @@ pub use replay::{
     replay_until_visiting, ReplayError, ReplaySummary, Until,
 };
 pub use runtime::{seed_thread_rng, KeelRuntime, RaftRng};
-pub use state_machine::{
-    Applied, JournalCursor, RemovedMembers, SharedState, StateMachineStore, SLED_CACHE_BYTES,
-};
+pub use state_machine::{Applied, JournalCursor, RemovedMembers, SharedState, StateMachineStore};
 
 /// The result of applying one Raft entry: the outcome of each command in its
 /// proposal, in order (empty for Raft's own entries).

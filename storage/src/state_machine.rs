@@ -209,7 +209,7 @@ pub(crate) fn index_of(key: &[u8]) -> Option<u64> {
 /// 439 MiB for the same state fresh from a snapshot; BENCHMARKS, "Scale"):
 /// the state is in memory anyway, and the journal is written once and
 /// read for `keel events`, `why` and replays, which read it in order.
-pub const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// Opens a sled database. The data directory's lock already keeps other
 /// processes out; sled's own file lock can still be held for a moment by the

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// The `keel` binary the benchmarks run.
@@ -45,9 +46,14 @@ pub fn status_mib(pid: u32, field: &str) -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-/// Addresses for three replicas on 127.0.0.1, and the `--peers` value that
-/// names them (`1=ADDR,2=ADDR,3=ADDR`).
-pub fn three_replicas() -> (Vec<String>, String) {
+/// Three `keel server` replicas on 127.0.0.1, member `id` (1 to 3) in
+/// `dir/keelID`, each started as `keel server --id ID --peers ... --listen
+/// ADDR --data-dir DIR` with what `more` adds, their output discarded; and
+/// their addresses.
+pub fn spawn_three(
+    dir: &std::path::Path,
+    more: impl Fn(usize, &mut Command),
+) -> (Vec<Child>, Vec<String>) {
     let addrs: Vec<String> = (0..3)
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
@@ -57,5 +63,21 @@ pub fn three_replicas() -> (Vec<String>, String) {
         .map(|(i, a)| format!("{}={a}", i + 1))
         .collect::<Vec<_>>()
         .join(",");
-    (addrs, peers)
+    let children = (1..=3)
+        .zip(&addrs)
+        .map(|(id, addr)| {
+            let mut command = Command::new(KEEL);
+            command
+                .args(["server", "--id", &id.to_string()])
+                .args(["--peers", &peers, "--listen", addr, "--data-dir"])
+                .arg(dir.join(format!("keel{id}")));
+            more(id, &mut command);
+            command
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn keel")
+        })
+        .collect();
+    (children, addrs)
 }

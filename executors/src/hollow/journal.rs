@@ -24,9 +24,9 @@ use crate::WorkerId;
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(super) enum Line {
-    Launched { worker: String, run: Run },
-    Stopped { worker: String, at_ms: u64 },
-    Forgotten { worker: String },
+    Launched { worker: WorkerId, run: Run },
+    Stopped { worker: WorkerId, at_ms: u64 },
+    Forgotten { worker: WorkerId },
 }
 
 /// Lines beyond the live runs after which the file is rewritten.
@@ -50,7 +50,7 @@ impl Journal {
         };
         Ok(Journal {
             path: path.to_path_buf(),
-            file: append(path)?,
+            file: open_to_append(path)?,
             lines,
         })
     }
@@ -79,7 +79,7 @@ impl Journal {
         let mut lines = 0;
         for (id, run) in live {
             let line = Line::Launched {
-                worker: id.to_string(),
+                worker: id.clone(),
                 run: run.clone(),
             };
             serde_json::to_writer(&mut out, &line).map_err(std::io::Error::other)?;
@@ -88,13 +88,13 @@ impl Journal {
         }
         out.into_inner().map_err(|e| e.into_error())?;
         std::fs::rename(&tmp, &self.path)?;
-        self.file = append(&self.path)?;
+        self.file = open_to_append(&self.path)?;
         self.lines = lines;
         Ok(())
     }
 }
 
-fn append(path: &Path) -> std::io::Result<File> {
+fn open_to_append(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().create(true).append(true).open(path)
 }
 
@@ -113,20 +113,15 @@ pub(super) fn read(path: &Path) -> BTreeMap<WorkerId, Run> {
         };
         match line {
             Line::Launched { worker, run } => {
-                if let Some(id) = super::parse_worker_id(&worker) {
-                    runs.insert(id, run);
-                }
+                runs.insert(worker, run);
             }
             Line::Stopped { worker, at_ms } => {
-                if let Some(run) = super::parse_worker_id(&worker).and_then(|id| runs.get_mut(&id))
-                {
+                if let Some(run) = runs.get_mut(&worker) {
                     run.stopped_ms = Some(at_ms);
                 }
             }
             Line::Forgotten { worker } => {
-                if let Some(id) = super::parse_worker_id(&worker) {
-                    runs.remove(&id);
-                }
+                runs.remove(&worker);
             }
         }
     }
@@ -173,27 +168,25 @@ mod tests {
         for job in 1..=3 {
             journal
                 .append(&Line::Launched {
-                    worker: id(job).to_string(),
+                    worker: id(job),
                     run: run("n0"),
                 })
                 .expect("append");
         }
         journal
             .append(&Line::Stopped {
-                worker: id(2).to_string(),
+                worker: id(2),
                 at_ms: 9,
             })
             .expect("append");
         journal
-            .append(&Line::Forgotten {
-                worker: id(3).to_string(),
-            })
+            .append(&Line::Forgotten { worker: id(3) })
             .expect("append");
         // A kill -9 in the middle of a line.
         std::fs::OpenOptions::new()
             .append(true)
             .open(&path)
-            .and_then(|mut f| f.write_all(b"{\"launched\":{\"worker\":\"job-4-e1"))
+            .and_then(|mut f| f.write_all(b"{\"launched\":{\"worker\":{\"job_id\":4,\"epo"))
             .expect("torn");
 
         let runs = read(&path);
@@ -207,9 +200,7 @@ mod tests {
         assert_eq!(read(&path), runs);
         // Appends go on in the new file.
         journal
-            .append(&Line::Forgotten {
-                worker: id(1).to_string(),
-            })
+            .append(&Line::Forgotten { worker: id(1) })
             .expect("append");
         assert_eq!(read(&path).keys().cloned().collect::<Vec<_>>(), vec![id(2)]);
     }
