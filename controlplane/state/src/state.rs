@@ -614,8 +614,23 @@ impl ClusterState {
             .map(|(t, _)| *t)
     }
 
-    fn indexed<'a>(&'a self, ids: &'a BTreeSet<JobId>) -> impl Iterator<Item = &'a Job> + 'a {
-        ids.iter().filter_map(|id| self.jobs.get(id))
+    /// The jobs of an index, in id order. A large index (an eighth of the
+    /// jobs or more) is joined with the job map in one ordered walk of
+    /// both, seeking past long runs of jobs not in it; a small one looks
+    /// each id up.
+    fn indexed<'a>(&'a self, ids: &'a BTreeSet<JobId>) -> IndexedJobs<'a> {
+        if ids.len().saturating_mul(8) >= self.jobs.len() {
+            IndexedJobs::Walk {
+                ids: ids.iter(),
+                map: &self.jobs,
+                jobs: self.jobs.range(..).peekable(),
+            }
+        } else {
+            IndexedJobs::Lookup {
+                ids: ids.iter(),
+                jobs: &self.jobs,
+            }
+        }
     }
 
     pub fn job(&self, id: JobId) -> Option<&Job> {
@@ -2475,5 +2490,61 @@ impl std::io::Write for HashWriter<'_> {
     }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+/// The jobs of one of the state's id indexes, in id order
+/// (`ClusterState::indexed`).
+enum IndexedJobs<'a> {
+    Lookup {
+        ids: std::collections::btree_set::Iter<'a, JobId>,
+        jobs: &'a BTreeMap<JobId, Job>,
+    },
+    Walk {
+        ids: std::collections::btree_set::Iter<'a, JobId>,
+        map: &'a BTreeMap<JobId, Job>,
+        jobs: std::iter::Peekable<std::collections::btree_map::Range<'a, JobId, Job>>,
+    },
+}
+
+impl IndexedJobs<'_> {
+    /// Ids further apart than this are sought in the map, not walked to.
+    const WALK_GAP_MAX: u64 = 16;
+}
+
+impl<'a> Iterator for IndexedJobs<'a> {
+    type Item = &'a Job;
+
+    fn next(&mut self) -> Option<&'a Job> {
+        match self {
+            IndexedJobs::Lookup { ids, jobs } => ids.find_map(|id| jobs.get(id)),
+            IndexedJobs::Walk { ids, map, jobs } => {
+                for id in ids.by_ref() {
+                    // Both ascend: skip the jobs before `id` (seeking when
+                    // they are many); an id with no job (none, by the
+                    // indexes' invariant) is passed over.
+                    if jobs
+                        .peek()
+                        .is_some_and(|(job_id, _)| job_id.saturating_add(Self::WALK_GAP_MAX) < *id)
+                    {
+                        *jobs = map.range(*id..).peekable();
+                    }
+                    while jobs.next_if(|(job_id, _)| *job_id < id).is_some() {}
+                    if let Some((_, job)) = jobs.next_if(|(job_id, _)| *job_id == id) {
+                        return Some(job);
+                    }
+                }
+                None
+            }
+        }
+    }
+
+    /// Exact by the indexes' invariant (every id in one has a job), which
+    /// lets a collect allocate once.
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = match self {
+            IndexedJobs::Lookup { ids, .. } | IndexedJobs::Walk { ids, .. } => ids.len(),
+        };
+        (left, Some(left))
     }
 }

@@ -1945,3 +1945,65 @@ fn a_node_change_keeps_the_gpu_indexes_equal_to_fresh_ones() {
     assert_eq!(c.state.free_gpus().free_of_type("k80"), 1);
     assert_eq!(c.state.capacity().total(), 9);
 }
+
+/// The jobs of an index are read by one ordered walk beside the job map
+/// when the index is large (seeking past long runs of jobs not in it) and
+/// by one lookup per id when it is small: either way, exactly the jobs the
+/// index names, in id order.
+#[test]
+fn an_index_reads_the_same_jobs_walked_or_looked_up() {
+    let mut state = ClusterState::new();
+    let mut index = 0;
+    let mut apply = |state: &mut ClusterState, command: Command| {
+        index += 1;
+        state
+            .apply(index, &LogEntry::new(index * 10, command))
+            .expect("accepted");
+    };
+    for _ in 0..200 {
+        apply(
+            &mut state,
+            Command::SubmitJob {
+                spec: spec("j", 1, 1),
+            },
+        );
+    }
+    let unfinished_by_scan = |state: &ClusterState| -> Vec<JobId> {
+        state
+            .jobs()
+            .values()
+            .filter(|j| !j.state.is_terminal())
+            .map(|j| j.id)
+            .collect()
+    };
+    let unfinished_read =
+        |state: &ClusterState| -> Vec<JobId> { state.unfinished_jobs().map(|j| j.id).collect() };
+    // A long run ended (sought past), then short gaps (walked).
+    for job_id in (1..=60).chain((61..=200).filter(|id| id % 3 == 0)) {
+        apply(
+            &mut state,
+            Command::CancelJob {
+                job_id,
+                reason: String::new(),
+            },
+        );
+    }
+    let walked = unfinished_read(&state);
+    assert_eq!(walked.len(), 94, "the large index is walked");
+    assert_eq!(walked, unfinished_by_scan(&state));
+    assert_eq!(state.unfinished_jobs().size_hint(), (94, Some(94)));
+    // Few left: looked up one by one.
+    for job_id in (61..=190).filter(|id| id % 3 != 0) {
+        apply(
+            &mut state,
+            Command::CancelJob {
+                job_id,
+                reason: String::new(),
+            },
+        );
+    }
+    let looked_up = unfinished_read(&state);
+    assert_eq!(looked_up, vec![191, 193, 194, 196, 197, 199, 200]);
+    assert_eq!(looked_up, unfinished_by_scan(&state));
+    state.check_invariants().expect("invariants");
+}

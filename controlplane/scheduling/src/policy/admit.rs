@@ -10,12 +10,16 @@ use keel_state::model::{Job, JobId, JobState};
 
 use super::{Plan, SchedulingInput};
 
-/// Plans `order` (unfinished job ids, most important first): each job
+/// Plans `order` (unfinished job ids, most important first; read only
+/// until the cluster's GPUs are all handed out): each job
 /// gets its minimum workers while GPUs last (a running job keeps its
 /// current GPUs and size); a job that does not fit is passed over, not
 /// waited for; running jobs left out are preempted. Jobs in retry backoff
 /// at `now_ms` and jobs the whole cluster could not hold are skipped.
-pub(crate) fn admit_in_order<'a>(input: &SchedulingInput<'a>, order: &[JobId]) -> Plan<'a> {
+pub(crate) fn admit_in_order<'a>(
+    input: &SchedulingInput<'a>,
+    order: impl IntoIterator<Item = JobId>,
+) -> Plan<'a> {
     let (state, now_ms) = (input.state, input.now_ms);
     let capacity = state.capacity();
     let mut budget = capacity.total();
@@ -23,7 +27,7 @@ pub(crate) fn admit_in_order<'a>(input: &SchedulingInput<'a>, order: &[JobId]) -
     // fits the whole cluster, worked out once per shape.
     let mut fits_cluster: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
     let mut admitted: Vec<&Job> = Vec::new();
-    for job in order.iter().filter_map(|id| input.job(*id)) {
+    for job in order.into_iter().filter_map(|id| input.job(id)) {
         if budget == 0 {
             break;
         }

@@ -140,20 +140,26 @@ pub(crate) fn greedy<'a>(
     mut gain: impl FnMut(&'a Job, u32) -> f64,
 ) -> u32 {
     let mut heap = BinaryHeap::new();
-    for job in jobs {
+    let mut by_id: BTreeMap<JobId, &'a Job> = BTreeMap::new();
+    // Only elastic jobs can grow: the others are passed over before their
+    // size is looked up (most of a long queue, most rounds).
+    for job in jobs
+        .iter()
+        .filter(|j| j.spec.workers.max > j.spec.workers.min)
+    {
         if let Some(n) = sizes.get(&job.id) {
             if *n < job.spec.workers.max {
                 heap.push(Offer {
                     gain: gain(job, *n),
                     job_id: job.id,
                 });
+                by_id.insert(job.id, job);
             }
         }
     }
     if heap.is_empty() {
         return left;
     }
-    let by_id: BTreeMap<JobId, &'a Job> = jobs.iter().map(|j| (j.id, *j)).collect();
     while let Some(Offer { gain: g, job_id }) = heap.pop() {
         if left == 0 || g <= 0.0 || g.is_nan() {
             break;

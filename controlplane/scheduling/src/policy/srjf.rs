@@ -53,8 +53,7 @@ impl Policy for Srjf {
     }
 
     fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
-        let order = rank(input);
-        admit_in_order(input, &order)
+        admit_in_order(input, rank(input))
     }
 
     fn admission_order(&self, input: &SchedulingInput<'_>) -> Option<Vec<JobId>> {

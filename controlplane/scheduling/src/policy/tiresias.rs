@@ -8,6 +8,7 @@
 //! its wait.
 
 use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 use keel_state::model::JobId;
 
@@ -78,8 +79,7 @@ impl Policy for Tiresias {
     }
 
     fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
-        let order = self.rank(input);
-        admit_in_order(input, &order)
+        admit_in_order(input, self.rank_lazily(input))
     }
 
     fn admission_order(&self, input: &SchedulingInput<'_>) -> Option<Vec<JobId>> {
@@ -87,12 +87,32 @@ impl Policy for Tiresias {
     }
 }
 
+/// A job's place in the ranking: priority (higher first), queue,
+/// submission, id. Unique (the id), so sorting and a heap agree.
+type RankKey = (Reverse<i32>, usize, u64, JobId);
+
 impl Tiresias {
     /// Unfinished jobs, most important first: by priority (higher first),
     /// then queue, then submission.
     pub(crate) fn rank(&self, input: &SchedulingInput<'_>) -> Vec<JobId> {
+        let mut ranked = self.keys(input);
+        ranked.sort_unstable();
+        ranked.into_iter().map(|(_, _, _, id)| id).collect()
+    }
+
+    /// The same order as [`Self::rank`], sorted only as far as it is read:
+    /// the keys are heapified (linear) and popped one by one, so a round
+    /// whose first few hundred jobs fill the cluster does not sort the
+    /// thousands that wait behind them.
+    fn rank_lazily(&self, input: &SchedulingInput<'_>) -> impl Iterator<Item = JobId> {
+        let keys: Vec<Reverse<RankKey>> = self.keys(input).into_iter().map(Reverse).collect();
+        let mut heap = BinaryHeap::from(keys);
+        std::iter::from_fn(move || heap.pop().map(|Reverse((_, _, _, id))| id))
+    }
+
+    fn keys(&self, input: &SchedulingInput<'_>) -> Vec<RankKey> {
         let now = input.now_ms;
-        let mut ranked: Vec<(Reverse<i32>, usize, u64, JobId)> = input
+        input
             .unfinished_jobs()
             .map(|job| {
                 let attained_ms = job.attained_gpu_ms(now);
@@ -137,8 +157,54 @@ impl Tiresias {
                     job.id,
                 )
             })
-            .collect();
-        ranked.sort_unstable();
-        ranked.into_iter().map(|(_, _, _, id)| id).collect()
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_state::fixtures::{job_spec, TestCluster};
+    use keel_state::model::GpuRef;
+
+    /// The lazily sorted ranking is the sorted one, read to its end, at
+    /// times when running jobs cross thresholds and waiting ones are
+    /// promoted.
+    #[test]
+    fn the_lazy_ranking_is_the_sorted_one() {
+        let mut cluster = TestCluster::v100_nodes(&[8, 8]);
+        let mut running = Vec::new();
+        for i in 0..40u32 {
+            let mut spec = job_spec(&format!("j{i}"), 1 + i % 2, 1);
+            spec.priority = i32::try_from(i % 3).expect("small");
+            let id = cluster.submit(spec);
+            if i < 6 {
+                running.push(id);
+            }
+        }
+        for (n, id) in running.into_iter().enumerate() {
+            let n = u32::try_from(n).expect("small");
+            // Place each on GPUs of its own size.
+            let job = cluster.state.job(id).expect("submitted");
+            let size = job.spec.gpus;
+            let gpus = (0..size)
+                .map(|k| GpuRef {
+                    node: format!("n{}", n % 2),
+                    index: (n / 2) * 2 + k,
+                })
+                .collect();
+            cluster.place(id, gpus);
+        }
+        let tiresias = Tiresias::new(TiresiasOptions {
+            thresholds_gpu_s: vec![60, 600],
+            starvation_factor: 2,
+        });
+        for now_ms in [1, 30_000, 90_000, 700_000, 5_000_000] {
+            let input = SchedulingInput::everyone(&cluster.state, now_ms);
+            let sorted = tiresias.rank(&input);
+            assert_eq!(sorted.len(), 40);
+            let lazy: Vec<JobId> = tiresias.rank_lazily(&input).collect();
+            assert_eq!(lazy, sorted, "at {now_ms} ms");
+        }
     }
 }
