@@ -6,11 +6,11 @@ use crate::placement::Placement;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use keel_state::model::{Job, JobId, JobState};
+use keel_state::model::{Job, JobState};
 
 use super::{Plan, SchedulingInput};
 
-/// Plans `order` (unfinished job ids, most important first; read only
+/// Plans `order` (unfinished jobs as the round sees them, most important first; read only
 /// until the cluster's GPUs are all handed out): each job
 /// gets its minimum workers while GPUs last (a running job keeps its
 /// current GPUs and size); a job that does not fit is passed over, not
@@ -18,7 +18,7 @@ use super::{Plan, SchedulingInput};
 /// at `now_ms` and jobs the whole cluster could not hold are skipped.
 pub(crate) fn admit_in_order<'a>(
     input: &SchedulingInput<'a>,
-    order: impl IntoIterator<Item = JobId>,
+    order: impl IntoIterator<Item = &'a Job>,
 ) -> Plan<'a> {
     let (state, now_ms) = (input.state, input.now_ms);
     let capacity = state.capacity();
@@ -27,7 +27,7 @@ pub(crate) fn admit_in_order<'a>(
     // fits the whole cluster, worked out once per shape.
     let mut fits_cluster: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
     let mut admitted: Vec<&Job> = Vec::new();
-    for job in order.into_iter().filter_map(|id| input.job(id)) {
+    for job in order {
         if budget == 0 {
             break;
         }

@@ -6,7 +6,7 @@
 //! their minimum by priority, then submission order, then the GPUs left go to the jobs
 //! holding the fewest, up to their maximum.
 
-use super::sizing::{budget, candidates, greedy, minimums, per_worker, plan};
+use super::sizing::{candidates_with_minimums, greedy, per_worker, plan};
 use super::{Plan, Policy, SchedulingInput};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -18,8 +18,7 @@ impl Policy for Drf {
     }
 
     fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
-        let jobs = candidates(input);
-        let (mut sizes, left) = minimums(&jobs, budget(input.state));
+        let (jobs, mut sizes, left) = candidates_with_minimums(input);
         // Highest gain = smallest share (GPUs held), ties: earlier job.
         greedy(&jobs, &mut sizes, left, |job, n| {
             1.0 / (1.0 + f64::from(n.saturating_mul(per_worker(job))))

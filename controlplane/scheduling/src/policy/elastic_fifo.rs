@@ -6,7 +6,7 @@
 //! Earlier jobs are never shrunk below their minimum for later ones, but
 //! share their extra workers with them.
 
-use super::sizing::{budget, candidates, minimums, plan, round_robin};
+use super::sizing::{candidates_with_minimums, plan, round_robin};
 use super::{Plan, Policy, SchedulingInput};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -18,8 +18,7 @@ impl Policy for ElasticFifo {
     }
 
     fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
-        let jobs = candidates(input);
-        let (mut sizes, left) = minimums(&jobs, budget(input.state));
+        let (jobs, mut sizes, left) = candidates_with_minimums(input);
         round_robin(&jobs, &mut sizes, left);
         plan(input, &sizes, &jobs)
     }

@@ -7,7 +7,7 @@
 
 use crate::perf::JobPerf;
 
-use super::sizing::{budget, candidates, minimums, per_worker, plan};
+use super::sizing::{candidates_with_minimums, per_worker, plan};
 use super::{Plan, Policy, SchedulingInput};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -19,8 +19,7 @@ impl Policy for FfdlOptimizer {
     }
 
     fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
-        let jobs = candidates(input);
-        let (mut sizes, spare) = minimums(&jobs, budget(input.state));
+        let (jobs, mut sizes, spare) = candidates_with_minimums(input);
         // Only jobs that can grow take part in the programme.
         let elastic: Vec<_> = jobs
             .iter()

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use crate::perf::JobPerf;
 
-use super::sizing::{budget, candidates, greedy, minimums, per_worker, plan};
+use super::sizing::{budget, candidates_with_minimums, greedy, per_worker, plan};
 use super::{Plan, Policy, SchedulingInput};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -24,9 +24,8 @@ impl Policy for Optimus {
     }
 
     fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
-        let jobs = candidates(input);
         let total = budget(input.state);
-        let (mut sizes, left) = minimums(&jobs, total);
+        let (jobs, mut sizes, left) = candidates_with_minimums(input);
         // Models are fitted for the jobs that can grow, when first asked.
         let mut perf: BTreeMap<_, JobPerf<'_>> = BTreeMap::new();
         greedy(&jobs, &mut sizes, left, |job, n| {

@@ -21,28 +21,73 @@ use super::{Plan, SchedulingInput};
 /// backoff, and whose minimum fits the whole cluster. Higher priority
 /// first, then submission order.
 pub(crate) fn candidates<'a>(input: &SchedulingInput<'a>) -> Vec<&'a Job> {
-    let capacity = input.state.capacity();
-    let now_ms = input.now_ms;
-    let mut fits: BTreeMap<(u32, u32, &[String]), bool> = BTreeMap::new();
-    let eligible = input
-        .unfinished_jobs()
-        .filter(|job| !job.backing_off(now_ms))
-        .filter(|job| {
-            if job.allocation.is_some() {
-                // Running: it fits.
-                return true;
-            }
-            let spec = &job.spec;
-            let shape = (
-                spec.gpus,
-                spec.workers.min,
-                spec.gpu_types.allowed.as_slice(),
-            );
-            *fits
-                .entry(shape)
-                .or_insert_with(|| capacity.place(spec, spec.workers.min).is_some())
-        });
-    super::by_priority(eligible)
+    let mut eligible = Eligible::new(input);
+    super::by_priority(input.unfinished_jobs())
+        .into_iter()
+        .filter(|job| eligible.check(job))
+        .collect()
+}
+
+/// The [`candidates`] as far as [`minimums`] reads them with the whole
+/// cluster's budget, each given its minimum while GPUs last, and the GPUs
+/// left. The jobs after that prefix get no size, so a policy that sizes
+/// only jobs with a minimum (every elastic policy) plans the same from the
+/// prefix, and a long queue is checked only as far as the cluster fills.
+pub(crate) fn candidates_with_minimums<'a>(
+    input: &SchedulingInput<'a>,
+) -> (Vec<&'a Job>, Sizes, u32) {
+    let mut eligible = Eligible::new(input);
+    let mut sizes = Sizes::new();
+    let mut left = budget(input.state);
+    let mut prefix = Vec::new();
+    for job in super::by_priority(input.unfinished_jobs()) {
+        if left == 0 {
+            break;
+        }
+        if !eligible.check(job) {
+            continue;
+        }
+        prefix.push(job);
+        left = give_minimum(job, &mut sizes, left);
+    }
+    (prefix, sizes, left)
+}
+
+/// Whether a job may be sized now ([`candidates`]), with whether each
+/// shape fits the whole cluster worked out once.
+struct Eligible<'i, 'a> {
+    input: &'i SchedulingInput<'a>,
+    fits: BTreeMap<(u32, u32, &'a [String]), bool>,
+}
+
+impl<'i, 'a> Eligible<'i, 'a> {
+    fn new(input: &'i SchedulingInput<'a>) -> Self {
+        Eligible {
+            input,
+            fits: BTreeMap::new(),
+        }
+    }
+
+    fn check(&mut self, job: &'a Job) -> bool {
+        if job.backing_off(self.input.now_ms) {
+            return false;
+        }
+        if job.allocation.is_some() {
+            // Running: it fits.
+            return true;
+        }
+        let spec = &job.spec;
+        let shape = (
+            spec.gpus,
+            spec.workers.min,
+            spec.gpu_types.allowed.as_slice(),
+        );
+        let capacity = self.input.state.capacity();
+        *self
+            .fits
+            .entry(shape)
+            .or_insert_with(|| capacity.place(spec, spec.workers.min).is_some())
+    }
 }
 
 /// The [`candidates`] in `order` (job ids, most important first: the
@@ -75,13 +120,19 @@ pub(crate) fn minimums(order: &[&Job], mut left: u32) -> (Sizes, u32) {
         if left == 0 {
             break;
         }
-        let need = per_worker(job).saturating_mul(job.spec.workers.min);
-        if need <= left {
-            left -= need;
-            sizes.insert(job.id, job.spec.workers.min);
-        }
+        left = give_minimum(job, &mut sizes, left);
     }
     (sizes, left)
+}
+
+/// Sizes `job` at its minimum if that fits `left`; returns what is left.
+fn give_minimum(job: &Job, sizes: &mut Sizes, left: u32) -> u32 {
+    let need = per_worker(job).saturating_mul(job.spec.workers.min);
+    if need > left {
+        return left;
+    }
+    sizes.insert(job.id, job.spec.workers.min);
+    left - need
 }
 
 /// Voda's elastic hand-out: one more worker to each sized job in `order`,
@@ -186,4 +237,37 @@ pub(crate) fn greedy<'a>(
 pub(crate) fn plan<'a>(input: &SchedulingInput<'a>, sizes: &Sizes, order: &[&Job]) -> Plan<'a> {
     let ids: Vec<JobId> = order.iter().map(|j| j.id).collect();
     place_sizes_of(input.state, |id| input.job(id), sizes, &ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_state::fixtures::{job_spec, TestCluster};
+
+    /// Sizing minimums while reading the candidates gives what sizing the
+    /// whole list gives, from a prefix of it: a queue longer than the
+    /// cluster, priorities, a job too big for any node, elastic jobs.
+    #[test]
+    fn minimums_from_the_prefix_equal_minimums_from_every_candidate() {
+        let mut cluster = TestCluster::v100_nodes(&[4, 4]);
+        for i in 0..30u32 {
+            let gpus = if i == 3 { 16 } else { 1 + i % 3 };
+            let mut spec = job_spec(&format!("j{i}"), gpus, 1);
+            spec.workers.max = 1 + i % 2;
+            spec.priority = i32::try_from(i % 4).expect("small");
+            cluster.submit(spec);
+        }
+        let input = SchedulingInput::everyone(&cluster.state, 1);
+        let every = candidates(&input);
+        assert!(
+            every.iter().all(|j| j.spec.gpus != 16),
+            "the unfit job is out"
+        );
+        let (all_sizes, all_left) = minimums(&every, budget(input.state));
+        let (prefix, sizes, left) = candidates_with_minimums(&input);
+        assert_eq!((sizes, left), (all_sizes, all_left));
+        assert!(prefix.len() < every.len(), "the queue is read in part");
+        let ids = |jobs: &[&Job]| jobs.iter().map(|j| j.id).collect::<Vec<_>>();
+        assert_eq!(ids(&prefix), ids(&every[..prefix.len()]));
+    }
 }

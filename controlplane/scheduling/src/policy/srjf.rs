@@ -53,7 +53,10 @@ impl Policy for Srjf {
     }
 
     fn plan<'a>(&self, input: &SchedulingInput<'a>) -> Plan<'a> {
-        admit_in_order(input, rank(input))
+        admit_in_order(
+            input,
+            rank(input).into_iter().filter_map(|id| input.job(id)),
+        )
     }
 
     fn admission_order(&self, input: &SchedulingInput<'_>) -> Option<Vec<JobId>> {

@@ -10,7 +10,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use keel_state::model::JobId;
+use keel_state::model::{Job, JobId};
 
 /// The shortest run time the starvation guard counts with.
 const MIN_RUN_MS: u64 = 60_000;
@@ -91,26 +91,52 @@ impl Policy for Tiresias {
 /// submission, id. Unique (the id), so sorting and a heap agree.
 type RankKey = (Reverse<i32>, usize, u64, JobId);
 
+/// A job with its key, ordered by the key alone, least important
+/// greatest: the top of a [`BinaryHeap`] of them is the most important.
+struct Ranked<'a> {
+    key: RankKey,
+    job: &'a Job,
+}
+
+impl PartialEq for Ranked<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+
+impl Eq for Ranked<'_> {}
+
+impl PartialOrd for Ranked<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Ranked<'_> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.key.cmp(&self.key)
+    }
+}
+
 impl Tiresias {
     /// Unfinished jobs, most important first: by priority (higher first),
     /// then queue, then submission.
     pub(crate) fn rank(&self, input: &SchedulingInput<'_>) -> Vec<JobId> {
         let mut ranked = self.keys(input);
-        ranked.sort_unstable();
-        ranked.into_iter().map(|(_, _, _, id)| id).collect()
+        ranked.sort_unstable_by_key(|r| r.key);
+        ranked.into_iter().map(|r| r.job.id).collect()
     }
 
     /// The same order as [`Self::rank`], sorted only as far as it is read:
     /// the keys are heapified (linear) and popped one by one, so a round
     /// whose first few hundred jobs fill the cluster does not sort the
     /// thousands that wait behind them.
-    fn rank_lazily(&self, input: &SchedulingInput<'_>) -> impl Iterator<Item = JobId> {
-        let keys: Vec<Reverse<RankKey>> = self.keys(input).into_iter().map(Reverse).collect();
-        let mut heap = BinaryHeap::from(keys);
-        std::iter::from_fn(move || heap.pop().map(|Reverse((_, _, _, id))| id))
+    fn rank_lazily<'a>(&self, input: &SchedulingInput<'a>) -> impl Iterator<Item = &'a Job> {
+        let mut heap = BinaryHeap::from(self.keys(input));
+        std::iter::from_fn(move || heap.pop().map(|r| r.job))
     }
 
-    fn keys(&self, input: &SchedulingInput<'_>) -> Vec<RankKey> {
+    fn keys<'a>(&self, input: &SchedulingInput<'a>) -> Vec<Ranked<'a>> {
         let now = input.now_ms;
         input
             .unfinished_jobs()
@@ -150,12 +176,15 @@ impl Tiresias {
                 if promoted {
                     queue = 0;
                 }
-                (
-                    Reverse(job.spec.priority),
-                    queue,
-                    job.submitted_at_ms,
-                    job.id,
-                )
+                Ranked {
+                    key: (
+                        Reverse(job.spec.priority),
+                        queue,
+                        job.submitted_at_ms,
+                        job.id,
+                    ),
+                    job,
+                }
             })
             .collect()
     }
@@ -203,7 +232,7 @@ mod tests {
             let input = SchedulingInput::everyone(&cluster.state, now_ms);
             let sorted = tiresias.rank(&input);
             assert_eq!(sorted.len(), 40);
-            let lazy: Vec<JobId> = tiresias.rank_lazily(&input).collect();
+            let lazy: Vec<JobId> = tiresias.rank_lazily(&input).map(|j| j.id).collect();
             assert_eq!(lazy, sorted, "at {now_ms} ms");
         }
     }
