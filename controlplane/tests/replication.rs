@@ -2122,7 +2122,11 @@ fn a_clock_an_hour_off_neither_leads_nor_stalls_log_time() {
 /// removes it: it is told when it stands for election, and stops too.
 #[test]
 fn a_removed_member_says_so_stops_and_the_cli_goes_on_to_the_next_address() {
-    let mut cluster = Cluster::start(&["--removed-grace-s", "3"]);
+    // The grace outlasts the removed leader's own bounded wait for the
+    // removal's audit entry (5 s, `MEMBERSHIP_AUDIT_TIMEOUT`), after which
+    // it answers `cluster remove`: a grace shorter than that could end
+    // before the test's first request (seen on a loaded machine).
+    let mut cluster = Cluster::start(&["--removed-grace-s", "10"]);
     let leader = cluster.leader();
     let addrs = cluster.addrs_leader_first(leader);
     let leader_addr = cluster.replicas[leader as usize - 1].addr.clone();
