@@ -10,8 +10,8 @@ use keel_state::model::{Job, JobState};
 
 use super::{Plan, SchedulingInput};
 
-/// Plans `order` (unfinished jobs as the round sees them, most important first; read only
-/// until the cluster's GPUs are all handed out): each job
+/// Plans `order` (unfinished jobs as the round sees them, most important
+/// first; read only until the cluster's GPUs are all handed out): each job
 /// gets its minimum workers while GPUs last (a running job keeps its
 /// current GPUs and size); a job that does not fit is passed over, not
 /// waited for; running jobs left out are preempted. Jobs in retry backoff
