@@ -130,6 +130,11 @@ pub mod reason {
     pub const QUEUE_EXISTS: &str = "QUEUE_EXISTS";
     /// No queue of that name.
     pub const QUEUE_NOT_FOUND: &str = "QUEUE_NOT_FOUND";
+    /// No such secret, or no such key in it (issue 35).
+    pub const SECRET_NOT_FOUND: &str = "SECRET_NOT_FOUND";
+    /// This server cannot seal or open secrets: it holds no key, or not
+    /// the one a value was sealed with (issue 35).
+    pub const SECRET_KEY_MISSING: &str = "SECRET_KEY_MISSING";
     pub const NODE_NOT_FOUND: &str = "NODE_NOT_FOUND";
     /// The state refuses the command as it stands (a job ended, a node in
     /// use, a stale epoch, ...).
@@ -238,6 +243,26 @@ impl ApiError {
                         }
                         Q::TooMany { .. } => (Code::ResourceExhausted, FAILED_PRECONDITION, None),
                         Q::Invalid { field, .. } => {
+                            (Code::InvalidArgument, INVALID_ARGUMENT, Some(field.clone()))
+                        }
+                    }
+                }
+                ApplyError::Secret(e) => {
+                    use keel_state::secret::SecretError as S;
+                    match e {
+                        S::Unknown(_) | S::UnknownKey { .. } => {
+                            (Code::NotFound, SECRET_NOT_FOUND, None)
+                        }
+                        S::RevisionMoved { .. } | S::InUse { .. } => {
+                            (Code::FailedPrecondition, FAILED_PRECONDITION, None)
+                        }
+                        S::NotYours { field, .. } => (
+                            Code::PermissionDenied,
+                            PERMISSION_DENIED,
+                            Some(field.clone()),
+                        ),
+                        S::TooMany { .. } => (Code::ResourceExhausted, FAILED_PRECONDITION, None),
+                        S::TooLarge { field, .. } | S::Invalid { field, .. } => {
                             (Code::InvalidArgument, INVALID_ARGUMENT, Some(field.clone()))
                         }
                     }

@@ -60,7 +60,9 @@ pub fn event_job_id(e: &pb::Event) -> Option<u64> {
         | K::MembershipChangeRecorded(_)
         | K::QueueCreated(_)
         | K::QueueUpdated(_)
-        | K::QueueDeleted(_) => None,
+        | K::QueueDeleted(_)
+        | K::SecretPut(_)
+        | K::SecretDeleted(_) => None,
     }
 }
 
@@ -120,6 +122,13 @@ pub fn describe_event(e: &pb::Event) -> String {
         Some(K::QueueCreated(x)) => format!("queue {} created", x.name),
         Some(K::QueueUpdated(x)) => format!("queue {} changed", x.name),
         Some(K::QueueDeleted(x)) => format!("queue {} deleted", x.name),
+        Some(K::SecretPut(x)) => format!(
+            "secret {} put (revision {}; keys {})",
+            x.name,
+            x.revision,
+            x.keys.join(", ")
+        ),
+        Some(K::SecretDeleted(x)) => format!("secret {} deleted", x.name),
         Some(K::PolicyChanged(x)) => format!(
             "policy changed from {} to {}",
             if x.from.is_empty() {

@@ -58,7 +58,13 @@ pub mod raft {
 ///   would let the token's holder submit to any queue.
 /// - 9: `LogEntry.trace_parent` (issue 24, traces). A build that ignored it
 ///   would keep no trace on the job, and hash to another state.
-pub const ENTRY_FORMAT_VERSION: u32 = 9;
+/// - 10: secrets (issue 35): `PutSecret`, `DeleteSecret` and
+///   `JobSpec.secret_env`. A build that ignored a spec's references would
+///   launch the job without its credentials.
+pub const ENTRY_FORMAT_VERSION: u32 = 10;
+
+/// The version of an entry with a trace (and nothing of version 10).
+pub const ENTRY_FORMAT_VERSION_TRACE: u32 = 9;
 
 /// The version of a token limited to queues (and of no entry with a
 /// trace).

@@ -67,10 +67,12 @@ const fn every_kind(c: &Command) {
         | Command::RecordMembershipChange { .. }
         | Command::CreateQueue { .. }
         | Command::UpdateQueue { .. }
-        | Command::DeleteQueue { .. } => {}
+        | Command::DeleteQueue { .. }
+        | Command::PutSecret { .. }
+        | Command::DeleteSecret { .. } => {}
     }
 }
-const KINDS: usize = 21;
+const KINDS: usize = 23;
 
 fn gpu(index: u32) -> GpuRef {
     GpuRef {
@@ -408,6 +410,111 @@ fn queue_examples() -> Vec<(&'static str, LogEntry)> {
     ]
 }
 
+/// Issue 35: a secret put, a job using it, a re-seal and a delete.
+fn secret_examples() -> Vec<(&'static str, LogEntry)> {
+    use keel_state::secret::{SealedValue, SecretRef};
+    let sealed = |byte: u8| SealedValue {
+        key_id: "a1b2c3d4e5f60718".into(),
+        nonce: vec![byte; 24],
+        ciphertext: vec![byte ^ 0x5a; 33],
+    };
+    let by_root = |at_ms: u64, command: Command| LogEntry {
+        actor: Some("token:root".into()),
+        ..LogEntry::new(at_ms, command)
+    };
+    let mut spec = job_spec("with-secret", 1, 1);
+    spec.secret_env.insert(
+        "WANDB_API_KEY".into(),
+        SecretRef {
+            name: "tracker".into(),
+            key: "api_key".into(),
+        },
+    );
+    vec![
+        (
+            "put_secret",
+            by_root(
+                60_000,
+                Command::PutSecret {
+                    name: "tracker".into(),
+                    values: [("api_key".to_string(), sealed(1))].into(),
+                    queue: String::new(),
+                    replaces_revision: None,
+                },
+            ),
+        ),
+        (
+            "submit_job-secret",
+            by_root(61_000, Command::SubmitJob { spec }),
+        ),
+        (
+            "put_secret-reseal",
+            by_root(
+                62_000,
+                Command::PutSecret {
+                    name: "tracker".into(),
+                    values: [("api_key".to_string(), sealed(2))].into(),
+                    queue: String::new(),
+                    replaces_revision: Some(1),
+                },
+            ),
+        ),
+        (
+            "put_secret-second",
+            LogEntry::new(
+                63_000,
+                Command::PutSecret {
+                    name: "old".into(),
+                    values: [("a".to_string(), sealed(3)), ("b".to_string(), sealed(4))].into(),
+                    queue: String::new(),
+                    replaces_revision: None,
+                },
+            ),
+        ),
+        (
+            "delete_secret",
+            LogEntry::new(64_000, Command::DeleteSecret { name: "old".into() }),
+        ),
+    ]
+}
+
+/// Issue 35: a state with a sealed secret and a job referring to it
+/// (snapshot field 17 and the spec's field 21, hashed apart) decodes from
+/// its golden bytes to the same state and hash.
+#[test]
+fn a_snapshot_with_secrets_decodes_from_its_golden_bytes() {
+    let mut state = ClusterState::new();
+    let mut entries = vec![examples().remove(0)];
+    entries.extend(secret_examples());
+    for (index, (name, entry)) in entries.iter().enumerate() {
+        state
+            .apply(index as u64 + 1, entry)
+            .unwrap_or_else(|e| panic!("{name} applies: {e}"));
+    }
+    let tracker = state.secrets().get("tracker").expect("kept");
+    assert_eq!(tracker.revision, 2);
+    assert_eq!(tracker.owner.as_deref(), Some("token:root"));
+    assert!(state.secrets().get("old").is_none());
+    for (name, entry) in &entries[1..] {
+        assert_eq!(
+            keel_state::codec::entry_to_proto(entry).format_version,
+            keel_proto::ENTRY_FORMAT_VERSION,
+            "{name} is the newest format"
+        );
+    }
+    assert!(!state.postcard_carries_whole());
+    let bytes = golden("snapshot-v8-secrets.bin", &encode_snapshot(&state));
+    let decoded = decode_snapshot(&bytes).expect("the golden snapshot decodes");
+    assert_eq!(decoded, state);
+    assert_eq!(decoded.state_hash(), state.state_hash());
+    assert_eq!(decoded.secrets(), state.secrets());
+    let job = decoded.jobs().values().next().expect("the job");
+    assert_eq!(
+        job.spec.secret_env["WANDB_API_KEY"].to_string(),
+        "tracker/api_key"
+    );
+}
+
 /// Issue 23: a state with queues and a job naming one (snapshot field 16
 /// and the spec's field 19, hashed apart) decodes from its golden bytes
 /// to the same state and hash.
@@ -586,6 +693,7 @@ fn every_entry_kind_decodes_from_its_golden_bytes() {
     examples.extend(acl_examples());
     let queues = examples.len();
     examples.extend(queue_examples());
+    examples.extend(secret_examples());
     let kinds: std::collections::BTreeSet<&str> = examples
         .iter()
         .map(|(_, e)| {
@@ -764,7 +872,7 @@ fn an_entry_with_a_trace_and_a_snapshot_that_keeps_it_decode_from_their_golden_b
     assert_eq!(decode_entry(&bytes).as_ref(), Ok(&entry));
     assert_eq!(
         keel_state::codec::entry_to_proto(&entry).format_version,
-        keel_proto::ENTRY_FORMAT_VERSION
+        keel_proto::ENTRY_FORMAT_VERSION_TRACE
     );
     assert!(!Proposal::new(vec![entry.clone()]).postcard_carries_whole());
     let mut state = ClusterState::new();

@@ -439,6 +439,7 @@ impl Engine<'_> {
             command: vec!["keel".into(), "trainer".into()],
             image: None,
             env: BTreeMap::new(),
+            secret_env: BTreeMap::new(),
             gpus: job.gpus_per_worker,
             workers: Workers {
                 min: job.workers_min,

@@ -10,7 +10,7 @@ use keel_proto::{
     ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_ACTOR, ENTRY_FORMAT_VERSION_FIRST,
     ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE, ENTRY_FORMAT_VERSION_QUEUE,
     ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
-    ENTRY_FORMAT_VERSION_TOKEN_QUEUES,
+    ENTRY_FORMAT_VERSION_TOKEN_QUEUES, ENTRY_FORMAT_VERSION_TRACE,
 };
 use prost::Message;
 
@@ -20,6 +20,7 @@ use crate::event::Event;
 use crate::model::{FailedGpu, Gpu, GpuRef, ProgressSample};
 use crate::policy_memory::PolicyMemory;
 use crate::queue::QueueSpec;
+use crate::secret::{SealedValue, SecretRef};
 use crate::spec::{GpuTypes, JobSpec, Workers};
 
 /// Largest encoded log entry accepted, in bytes.
@@ -268,6 +269,26 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
             spec: Some(queue_spec_to_proto(spec)),
         }),
         Command::DeleteQueue { name } => C::DeleteQueue(pb::DeleteQueue { name: name.clone() }),
+        Command::PutSecret {
+            name,
+            values,
+            queue,
+            replaces_revision,
+        } => C::PutSecret(pb::PutSecret {
+            name: name.clone(),
+            values: values
+                .iter()
+                .map(|(k, v)| (k.clone(), sealed_to_proto(v)))
+                .collect(),
+            queue: queue.clone(),
+            replaces_revision: *replaces_revision,
+        }),
+        Command::DeleteSecret { name } => C::DeleteSecret(pb::DeleteSecret { name: name.clone() }),
+    };
+    let uses_secrets = match &entry.command {
+        Command::SubmitJob { spec } => !spec.secret_env.is_empty(),
+        Command::PutSecret { .. } | Command::DeleteSecret { .. } => true,
+        _ => false,
     };
     let names_a_queue =
         matches!(&entry.command, Command::SubmitJob { spec } if !spec.queue.is_empty());
@@ -287,8 +308,10 @@ pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
     // The oldest version that expresses the entry, so a build one version
     // older refuses exactly the entries it would misread.
     pb::LogEntry {
-        format_version: if entry.trace_parent.is_some() {
+        format_version: if uses_secrets {
             ENTRY_FORMAT_VERSION
+        } else if entry.trace_parent.is_some() {
+            ENTRY_FORMAT_VERSION_TRACE
         } else if limits_queues {
             ENTRY_FORMAT_VERSION_TOKEN_QUEUES
         } else if not_preemptible {
@@ -436,6 +459,17 @@ pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
             spec: queue_spec_from_proto(c.spec.ok_or(DecodeError::MissingField("spec"))?),
         },
         Some(C::DeleteQueue(c)) => Command::DeleteQueue { name: c.name },
+        Some(C::PutSecret(c)) => Command::PutSecret {
+            name: c.name,
+            values: c
+                .values
+                .into_iter()
+                .map(|(k, v)| (k, sealed_from_proto(v)))
+                .collect(),
+            queue: c.queue,
+            replaces_revision: c.replaces_revision,
+        },
+        Some(C::DeleteSecret(c)) => Command::DeleteSecret { name: c.name },
     };
     if msg.actor.len() > crate::command::ACTOR_MAX_LEN {
         return Err(DecodeError::Inconsistent(format!(
@@ -490,6 +524,28 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
         }),
         queue: s.queue.clone(),
         not_preemptible: !s.preemptible,
+        secret_env: s
+            .secret_env
+            .iter()
+            .map(|(k, r)| (k.clone(), r.to_string()))
+            .collect(),
+    }
+}
+
+pub fn sealed_to_proto(v: &SealedValue) -> pb::SealedValue {
+    pb::SealedValue {
+        key_id: v.key_id.clone(),
+        nonce: v.nonce.clone(),
+        ciphertext: v.ciphertext.clone(),
+    }
+}
+
+/// Validation happens in [`SealedValue::validate`], not here.
+pub fn sealed_from_proto(v: pb::SealedValue) -> SealedValue {
+    SealedValue {
+        key_id: v.key_id,
+        nonce: v.nonce,
+        ciphertext: v.ciphertext,
     }
 }
 
@@ -563,6 +619,20 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
             .unwrap_or_default(),
         queue: s.queue,
         preemptible: !s.not_preemptible,
+        // `NAME/KEY`; one that is not stays as it came, for validation to
+        // refuse naming the variable.
+        secret_env: s
+            .secret_env
+            .into_iter()
+            .map(|(k, r)| {
+                let (name, key) = r.split_once('/').unwrap_or((r.as_str(), ""));
+                let reference = SecretRef {
+                    name: name.into(),
+                    key: key.into(),
+                };
+                (k, reference)
+            })
+            .collect(),
     }
 }
 
@@ -672,6 +742,16 @@ pub fn event_to_proto(e: &Event) -> pb::Event {
         Event::QueueCreated { name } => K::QueueCreated(pb::QueueCreated { name: name.clone() }),
         Event::QueueUpdated { name } => K::QueueUpdated(pb::QueueUpdated { name: name.clone() }),
         Event::QueueDeleted { name } => K::QueueDeleted(pb::QueueDeleted { name: name.clone() }),
+        Event::SecretPut {
+            name,
+            keys,
+            revision,
+        } => K::SecretPut(pb::SecretPut {
+            name: name.clone(),
+            keys: keys.clone(),
+            revision: *revision,
+        }),
+        Event::SecretDeleted { name } => K::SecretDeleted(pb::SecretDeleted { name: name.clone() }),
         Event::NodeRegistered { name, gpus } => K::NodeRegistered(pb::NodeRegistered {
             name: name.clone(),
             gpus: gpus.iter().map(gpu_to_proto).collect(),
@@ -817,6 +897,12 @@ pub fn event_from_proto(e: pb::Event) -> Result<Event, DecodeError> {
             K::QueueCreated(e) => Event::QueueCreated { name: e.name },
             K::QueueUpdated(e) => Event::QueueUpdated { name: e.name },
             K::QueueDeleted(e) => Event::QueueDeleted { name: e.name },
+            K::SecretPut(e) => Event::SecretPut {
+                name: e.name,
+                keys: e.keys,
+                revision: e.revision,
+            },
+            K::SecretDeleted(e) => Event::SecretDeleted { name: e.name },
             K::NodeRegistered(e) => Event::NodeRegistered {
                 name: e.name,
                 gpus: e.gpus.into_iter().map(gpu_from_proto).collect(),

@@ -3,12 +3,15 @@
 //! A [`LogEntry`] is a [`Command`] stamped by the leader with the time it was
 //! proposed. Applying it is the only way `ClusterState` changes.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::acl::{Role, SecretHash};
 use crate::model::{FailedGpu, Gpu, GpuRef, JobId, ProgressSample};
 use crate::policy_memory::PolicyMemory;
 use crate::queue::QueueSpec;
+use crate::secret::SealedValue;
 use crate::spec::JobSpec;
 
 /// The longest actor an entry records ([`LogEntry::actor`]).
@@ -94,7 +97,11 @@ impl Proposal {
         self.entries.iter().all(|e| match &e.command {
             _ if e.actor.is_some() || e.trace_parent.is_some() => false,
             Command::SubmitJob { spec } => {
-                spec.resources.is_unset() && spec.logs.is_unset() && spec.queue.is_empty()
+                spec.resources.is_unset()
+                    && spec.logs.is_unset()
+                    && spec.queue.is_empty()
+                    && spec.preemptible
+                    && spec.secret_env.is_empty()
             }
             // Commands the release before does not know.
             Command::RecordNodeInventory { .. }
@@ -104,7 +111,9 @@ impl Proposal {
             | Command::RecordMembershipChange { .. }
             | Command::CreateQueue { .. }
             | Command::UpdateQueue { .. }
-            | Command::DeleteQueue { .. } => false,
+            | Command::DeleteQueue { .. }
+            | Command::PutSecret { .. }
+            | Command::DeleteSecret { .. } => false,
             _ => true,
         })
     }
@@ -304,6 +313,21 @@ pub enum Command {
     DeleteQueue {
         name: String,
     },
+    /// Added after the others (issue 35). Creates or replaces a secret:
+    /// its keys' values sealed by the server that took the request (the
+    /// state never holds a value in the clear).
+    PutSecret {
+        name: String,
+        values: BTreeMap<String, SealedValue>,
+        /// The queue whose jobs may use it besides its owner's.
+        queue: String,
+        /// A re-seal: the revision it read (refused if it moved).
+        replaces_revision: Option<u64>,
+    },
+    /// Removes a secret; refused while an unfinished job uses it.
+    DeleteSecret {
+        name: String,
+    },
 }
 
 impl Command {
@@ -344,7 +368,9 @@ impl Command {
             | Command::RecordMembershipChange { .. }
             | Command::CreateQueue { .. }
             | Command::UpdateQueue { .. }
-            | Command::DeleteQueue { .. } => None,
+            | Command::DeleteQueue { .. }
+            | Command::PutSecret { .. }
+            | Command::DeleteSecret { .. } => None,
         }
     }
 
@@ -372,6 +398,8 @@ impl Command {
             Command::CreateQueue { .. } => "create_queue",
             Command::UpdateQueue { .. } => "update_queue",
             Command::DeleteQueue { .. } => "delete_queue",
+            Command::PutSecret { .. } => "put_secret",
+            Command::DeleteSecret { .. } => "delete_secret",
         }
     }
 }

@@ -143,6 +143,15 @@ pub enum Event {
     QueueDeleted {
         name: String,
     },
+    /// Added after the others (issue 35): its keys, never their values.
+    SecretPut {
+        name: String,
+        keys: Vec<String>,
+        revision: u64,
+    },
+    SecretDeleted {
+        name: String,
+    },
 }
 
 impl Event {
@@ -163,7 +172,9 @@ impl Event {
             | Event::MembershipChangeRecorded { .. }
             | Event::QueueCreated { .. }
             | Event::QueueUpdated { .. }
-            | Event::QueueDeleted { .. } => None,
+            | Event::QueueDeleted { .. }
+            | Event::SecretPut { .. }
+            | Event::SecretDeleted { .. } => None,
             Event::JobSubmitted { job_id, .. }
             | Event::JobCancelled { job_id, .. }
             | Event::JobAllocated { job_id, .. }

@@ -21,6 +21,7 @@ pub fn job_spec(name: &str, gpus: u32, workers: u32) -> JobSpec {
         command: vec!["python3".into(), "train.py".into()],
         image: None,
         env: Default::default(),
+        secret_env: Default::default(),
         gpus,
         workers: Workers {
             min: workers,

@@ -31,6 +31,7 @@ pub mod quota;
 pub mod requests;
 pub mod resources;
 pub mod rng;
+pub mod secret;
 pub mod spec;
 pub mod state;
 

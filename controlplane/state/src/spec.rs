@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use crate::resources::{LogLimits, Resources};
+pub use crate::secret::SecretRef;
 
 /// Size and range limits on a job spec. Public so clients can show them.
 pub mod limits {
@@ -56,8 +57,17 @@ pub struct JobSpec {
     /// A container image, for executors that run containers.
     #[serde(default)]
     pub image: Option<String>,
-    #[serde(default)]
+    /// Plain variables. In the written form a variable may instead name a
+    /// secret (`WANDB_API_KEY: {secret: tracker/key}`), which goes to
+    /// `secret_env`.
+    #[serde(default, with = "env_form")]
     pub env: BTreeMap<String, String>,
+    /// Variables whose value the executor takes from a secret at launch
+    /// (issue 35): the spec, the log and every answer hold the reference
+    /// only. Written inside `env` (see there); like `queue`, not in the
+    /// binary form: hashed apart when set.
+    #[serde(skip)]
+    pub secret_env: BTreeMap<String, SecretRef>,
     /// GPUs per worker.
     #[serde(default = "one")]
     pub gpus: u32,
@@ -152,7 +162,15 @@ struct SpecRecord {
 impl Serialize for JobSpec {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         if s.is_human_readable() {
-            return JobSpec::serialize(self, s);
+            if self.secret_env.is_empty() {
+                return JobSpec::serialize(self, s);
+            }
+            // The written form keeps the references inside `env`.
+            let mut written = self.clone();
+            for (name, reference) in std::mem::take(&mut written.secret_env) {
+                written.env.insert(name, env_form::encode(&reference));
+            }
+            return JobSpec::serialize(&written, s);
         }
         SpecRecordRef {
             name: &self.name,
@@ -177,7 +195,11 @@ impl Serialize for JobSpec {
 impl<'de> Deserialize<'de> for JobSpec {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         if d.is_human_readable() {
-            return JobSpec::deserialize(d);
+            let mut spec = JobSpec::deserialize(d)?;
+            let (plain, secrets) = env_form::split(std::mem::take(&mut spec.env));
+            spec.env = plain;
+            spec.secret_env = secrets;
+            return Ok(spec);
         }
         let r = SpecRecord::deserialize(d)?;
         Ok(JobSpec {
@@ -186,6 +208,7 @@ impl<'de> Deserialize<'de> for JobSpec {
             command: r.command,
             image: r.image,
             env: r.env,
+            secret_env: BTreeMap::new(),
             gpus: r.gpus,
             workers: r.workers,
             gpu_types: r.gpu_types,
@@ -200,6 +223,148 @@ impl<'de> Deserialize<'de> for JobSpec {
             queue: String::new(),
             preemptible: true,
         })
+    }
+}
+
+/// The written form of `env`: each value a string, or `{secret: NAME/KEY}`
+/// for a variable taken from a secret. Inside the derived form a reference
+/// travels as a value no plain variable can hold (it starts with a NUL,
+/// which [`JobSpec::validate`] refuses in plain values), and
+/// [`JobSpec`]'s own impls move it to and from `secret_env`.
+mod env_form {
+    use std::collections::BTreeMap;
+
+    use serde::de::{self, MapAccess, Visitor};
+    use serde::ser::SerializeMap;
+    use serde::{Deserializer, Serializer};
+
+    use super::SecretRef;
+
+    const MARK: &str = "\0secret:";
+
+    pub(super) fn encode(reference: &SecretRef) -> String {
+        format!("{MARK}{reference}")
+    }
+
+    /// The plain variables and the references, apart.
+    pub(super) fn split(
+        env: BTreeMap<String, String>,
+    ) -> (BTreeMap<String, String>, BTreeMap<String, SecretRef>) {
+        let mut plain = BTreeMap::new();
+        let mut secrets = BTreeMap::new();
+        for (name, value) in env {
+            match value.strip_prefix(MARK).and_then(|r| r.split_once('/')) {
+                Some((secret, key)) => {
+                    secrets.insert(
+                        name,
+                        SecretRef {
+                            name: secret.into(),
+                            key: key.into(),
+                        },
+                    );
+                }
+                None => {
+                    plain.insert(name, value);
+                }
+            }
+        }
+        (plain, secrets)
+    }
+
+    pub(super) fn serialize<S: Serializer>(
+        env: &BTreeMap<String, String>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(env.len()))?;
+        for (name, value) in env {
+            match value.strip_prefix(MARK) {
+                Some(reference) => {
+                    let one: BTreeMap<&str, &str> = [("secret", reference)].into();
+                    map.serialize_entry(name, &one)?
+                }
+                None => map.serialize_entry(name, value)?,
+            }
+        }
+        map.end()
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<String, String>, D::Error> {
+        d.deserialize_map(EnvVisitor)
+    }
+
+    struct EnvVisitor;
+
+    impl<'de> Visitor<'de> for EnvVisitor {
+        type Value = BTreeMap<String, String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a map of variable names to values or {secret: NAME/KEY}")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut env = BTreeMap::new();
+            while let Some(name) = map.next_key::<String>()? {
+                let value = map.next_value::<Value>()?;
+                env.insert(name, value.0);
+            }
+            Ok(env)
+        }
+    }
+
+    /// One variable's value, a plain scalar's text or an encoded
+    /// reference. A YAML number or boolean comes as its value, not its
+    /// text (`0.10` as `0.1`): `keel submit` puts the text back
+    /// (`keel::cli::read_spec`).
+    struct Value(String);
+
+    impl<'de> serde::Deserialize<'de> for Value {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(ValueVisitor)
+        }
+    }
+
+    struct ValueVisitor;
+
+    impl<'de> Visitor<'de> for ValueVisitor {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a string, or {secret: NAME/KEY}")
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+            Ok(Value(v.into()))
+        }
+        fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
+            Ok(Value(v))
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+            Ok(Value(v.to_string()))
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+            Ok(Value(v.to_string()))
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+            Ok(Value(v.to_string()))
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+            Ok(Value(v.to_string()))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut reference = None;
+            while let Some(key) = map.next_key::<String>()? {
+                if key != "secret" || reference.is_some() {
+                    return Err(de::Error::custom(format!(
+                        "a variable from a secret is {{secret: NAME/KEY}}, not {key:?}"
+                    )));
+                }
+                let text: String = map.next_value()?;
+                let parsed = SecretRef::parse("secret", &text).map_err(de::Error::custom)?;
+                reference = Some(parsed);
+            }
+            let reference = reference.ok_or_else(|| {
+                de::Error::custom("a variable from a secret is {secret: NAME/KEY}")
+            })?;
+            Ok(Value(encode(&reference)))
+        }
     }
 }
 
@@ -338,6 +503,23 @@ fn check_len_of(field: impl FnOnce() -> String, s: &str, limit: usize) -> Result
     Ok(())
 }
 
+/// Checks an environment variable's name.
+fn check_env_name(k: &str) -> Result<(), SpecError> {
+    check_len("env key", k, limits::ENV_KEY_MAX_LEN)?;
+    let valid_key = k
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if !valid_key {
+        return Err(SpecError::Invalid {
+            field: format!("env.{k}"),
+            reason: "a variable name is letters, digits and '_', not starting with a digit".into(),
+        });
+    }
+    Ok(())
+}
+
 fn check_count(field: &str, count: usize, limit: usize) -> Result<(), SpecError> {
     if count > limit {
         return Err(SpecError::TooMany {
@@ -446,20 +628,36 @@ impl JobSpec {
         }
         check_count("env", self.env.len(), ENV_MAX_ENTRIES)?;
         for (k, v) in &self.env {
-            check_len("env key", k, ENV_KEY_MAX_LEN)?;
-            let valid_key = k
-                .bytes()
-                .next()
-                .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
-                && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-            if !valid_key {
+            check_env_name(k)?;
+            check_len_of(|| format!("env.{k}"), v, ENV_VALUE_MAX_LEN)?;
+            if v.contains('\0') {
                 return Err(SpecError::Invalid {
                     field: format!("env.{k}"),
-                    reason: "a variable name is letters, digits and '_', not starting with a digit"
-                        .into(),
+                    reason: "a variable's value cannot hold a NUL byte".into(),
                 });
             }
-            check_len_of(|| format!("env.{k}"), v, ENV_VALUE_MAX_LEN)?;
+        }
+        check_count(
+            "env",
+            self.env.len() + self.secret_env.len(),
+            ENV_MAX_ENTRIES,
+        )?;
+        for (k, reference) in &self.secret_env {
+            let field = format!("env.{k}");
+            check_env_name(k)?;
+            if self.env.contains_key(k) {
+                return Err(SpecError::Invalid {
+                    field,
+                    reason: "a variable is either a plain value or a secret, not both".into(),
+                });
+            }
+            reference.validate(&field).map_err(|e| SpecError::Invalid {
+                field: field.clone(),
+                reason: match e {
+                    crate::secret::SecretError::Invalid { reason, .. } => reason,
+                    other => other.to_string(),
+                },
+            })?;
         }
         check_range("gpus", self.gpus.into(), 1, GPUS_PER_WORKER_MAX.into())?;
         check_range(
@@ -692,5 +890,48 @@ mod tests {
             serde_json::from_str(r#"{"name":"a","command":["x"],"workers":{"min":1,"max":4}}"#)
                 .expect("ranged workers parse");
         assert_eq!(s.workers, Workers { min: 1, max: 4 });
+    }
+}
+
+#[cfg(test)]
+mod env_form_tests {
+    use super::*;
+
+    #[test]
+    fn a_variable_from_a_secret_is_written_inside_env_and_read_back_apart() {
+        let text = r#"{"name": "t", "command": ["x"], "env": {"A": "1", "KEY": {"secret": "tracker/api_key"}}}"#;
+        let spec: JobSpec = serde_json::from_str(text).expect("parses");
+        assert_eq!(spec.env, [("A".to_string(), "1".to_string())].into());
+        assert_eq!(spec.secret_env["KEY"].to_string(), "tracker/api_key");
+        spec.validate().expect("valid");
+        let written = serde_json::to_value(&spec).expect("writes");
+        assert_eq!(
+            written["env"],
+            serde_json::json!({"A": "1", "KEY": {"secret": "tracker/api_key"}})
+        );
+        let back: JobSpec = serde_json::from_value(written).expect("reads back");
+        assert_eq!(back, spec);
+        for (bad, says) in [
+            (r#"{"KEY": {"secret": "tracker"}}"#, "NAME/KEY"),
+            (r#"{"KEY": {"vault": "a/b"}}"#, "not \"vault\""),
+            (r#"{"KEY": {}}"#, "{secret: NAME/KEY}"),
+        ] {
+            let text = format!(r#"{{"name": "t", "command": ["x"], "env": {bad}}}"#);
+            let e = serde_json::from_str::<JobSpec>(&text)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // A plain value cannot pose as a reference.
+        let mut forged = spec.clone();
+        forged
+            .env
+            .insert("B".into(), "\0secret:tracker/api_key".into());
+        let e = forged.validate().unwrap_err().to_string();
+        assert!(e.contains("env.B") && e.contains("NUL"), "{e}");
+        let mut both = spec;
+        both.env.insert("KEY".into(), "x".into());
+        let e = both.validate().unwrap_err().to_string();
+        assert!(e.contains("env.KEY") && e.contains("not both"), "{e}");
     }
 }

@@ -23,6 +23,7 @@ use crate::policy_memory::{PolicyMemory, PolicyMemorySlot, POLICY_MEMORY_MAX_BYT
 use crate::queue::Queues;
 use crate::quota::QuotaBook;
 use crate::requests::{RecentRequests, Remembered};
+use crate::secret::Secrets;
 use crate::spec::SpecError;
 
 mod queue_index;
@@ -125,6 +126,9 @@ pub enum ApplyError {
     /// Added after the others (issue 23).
     #[error("{0}")]
     Queue(#[from] crate::queue::QueueError),
+    /// Added after the others (issue 35).
+    #[error("{0}")]
+    Secret(#[from] crate::secret::SecretError),
 }
 
 /// The whole scheduler state: a fold of `apply` over the log.
@@ -178,6 +182,10 @@ pub struct ClusterState {
     /// state that never had one encodes and hashes as before.
     #[serde(skip)]
     queues: Queues,
+    /// The secrets, sealed ([`crate::secret`]). Encoded apart like the
+    /// queues: a state that never had one encodes and hashes as before.
+    #[serde(skip)]
+    secrets: Secrets,
     #[serde(skip)]
     indexes: JobIndexes,
     /// What each queue's jobs hold and wait for, and the quota book, kept
@@ -413,6 +421,7 @@ impl<'de> Deserialize<'de> for ClusterState {
             policy_memory: PolicyMemorySlot::default(),
             acl: Acl::default(),
             queues: Queues::default(),
+            secrets: Secrets::default(),
             indexes,
             queue_index: QueueIndex::default(),
             capacity,
@@ -698,10 +707,12 @@ impl ClusterState {
     pub fn postcard_carries_whole(&self) -> bool {
         !self.acl.is_bootstrapped()
             && self.queues.is_unset()
+            && self.secrets.is_unset()
             && self.jobs.values().all(|j| {
                 j.spec.resources.is_unset()
                     && j.spec.logs.is_unset()
                     && j.spec.queue.is_empty()
+                    && j.spec.secret_env.is_empty()
                     && j.spec.preemptible
                     && j.submitted_by.is_none()
                     && j.trace_parent.is_none()
@@ -717,6 +728,11 @@ impl ClusterState {
     /// The cluster's queues ([`crate::queue`]).
     pub fn queues(&self) -> &Queues {
         &self.queues
+    }
+
+    /// The cluster's secrets, sealed ([`crate::secret`]).
+    pub fn secrets(&self) -> &Secrets {
+        &self.secrets
     }
 
     /// GPUs each queue's jobs hold, by queue, then type (a job naming no
@@ -890,6 +906,20 @@ impl ClusterState {
         if !traces.is_empty() {
             let _ = postcard::to_io(&traces, &mut writer);
         }
+        // And the jobs' secret references and the secrets, once there is
+        // one.
+        let references: Vec<(JobId, &BTreeMap<String, crate::secret::SecretRef>)> = self
+            .jobs
+            .iter()
+            .filter(|(_, job)| !job.spec.secret_env.is_empty())
+            .map(|(id, job)| (*id, &job.spec.secret_env))
+            .collect();
+        if !references.is_empty() {
+            let _ = postcard::to_io(&references, &mut writer);
+        }
+        if !self.secrets.is_unset() {
+            let _ = postcard::to_io(&self.secrets, &mut writer);
+        }
         StateHash(*hasher.finalize().as_bytes())
     }
 
@@ -1012,6 +1042,8 @@ impl ClusterState {
                     | Event::TokenCreated { .. }
                     | Event::TokenRevoked { .. }
                     | Event::MembershipChangeRecorded { .. }
+                    | Event::SecretPut { .. }
+                    | Event::SecretDeleted { .. }
             )
         });
         if moves_supply_or_demand {
@@ -1104,6 +1136,41 @@ impl ClusterState {
                 self.queues.delete(name, &unfinished)?;
                 Ok(vec![Event::QueueDeleted { name: name.clone() }])
             }
+            Command::PutSecret {
+                name,
+                values,
+                queue,
+                replaces_revision,
+            } => {
+                if !queue.is_empty() && !self.queues.exists(queue) {
+                    return Err(ApplyError::Invalid {
+                        field: "queue".into(),
+                        reason: format!("no queue is named {queue:?} (keel queue list shows them)"),
+                    });
+                }
+                let revision = self.secrets.put(
+                    name,
+                    values,
+                    queue,
+                    *replaces_revision,
+                    at_ms,
+                    entry.actor.as_ref(),
+                )?;
+                Ok(vec![Event::SecretPut {
+                    name: name.clone(),
+                    keys: values.keys().cloned().collect(),
+                    revision,
+                }])
+            }
+            Command::DeleteSecret { name } => {
+                let users: Vec<JobId> = self
+                    .unfinished_jobs()
+                    .filter(|j| j.spec.secret_env.values().any(|r| r.name == *name))
+                    .map(|j| j.id)
+                    .collect();
+                self.secrets.delete(name, &users)?;
+                Ok(vec![Event::SecretDeleted { name: name.clone() }])
+            }
             Command::RemoveNode { name, force } => self.remove_node(name, *force, at_ms),
             Command::SetPolicy { name } => {
                 check_len("policy", name, limits::POLICY_NAME_MAX_LEN)?;
@@ -1152,6 +1219,14 @@ impl ClusterState {
                             spec.queue
                         ),
                     });
+                }
+                for (variable, reference) in &spec.secret_env {
+                    self.secrets.check_use(
+                        &format!("env.{variable}"),
+                        reference,
+                        entry.actor.as_ref(),
+                        &spec.queue,
+                    )?;
                 }
                 let job_id = self.next_job_id;
                 self.next_job_id += 1;

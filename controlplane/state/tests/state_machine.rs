@@ -2007,3 +2007,135 @@ fn an_index_reads_the_same_jobs_walked_or_looked_up() {
     assert_eq!(looked_up, unfinished_by_scan(&state));
     state.check_invariants().expect("invariants");
 }
+
+#[test]
+fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sealed() {
+    use keel_state::secret::{SealedValue, SecretError, SecretRef};
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let before = h.state.state_hash();
+    let sealed = |byte: u8| SealedValue {
+        key_id: "k0123".into(),
+        nonce: vec![byte; 24],
+        ciphertext: vec![byte; 40],
+    };
+    // Entries with an actor, as the API proposes them.
+    let as_actor = |h: &mut Harness, actor: &str, command: Command| {
+        h.index += 1;
+        let mut entry = LogEntry::new(1000 * h.index, command);
+        entry.actor = Some(actor.into());
+        let decoded = decode_entry(&encode_entry(&entry)).expect("round trip");
+        assert_eq!(decoded, entry);
+        let res = h.state.apply(h.index, &entry);
+        h.state.check_invariants().expect("invariants");
+        res
+    };
+    let put = |name: &str, queue: &str| Command::PutSecret {
+        name: name.into(),
+        values: [("api_key".to_string(), sealed(1))].into(),
+        queue: queue.into(),
+        replaces_revision: None,
+    };
+    assert_eq!(
+        as_actor(&mut h, "token:alice", put("tracker", "")),
+        Ok(vec![Event::SecretPut {
+            name: "tracker".into(),
+            keys: vec!["api_key".into()],
+            revision: 1
+        }])
+    );
+    assert_ne!(h.state.state_hash(), before, "secrets are hashed");
+    assert!(!h.state.postcard_carries_whole(), "postcard has no secrets");
+    let mut uses = spec("train", 1, 1);
+    uses.secret_env.insert(
+        "WANDB_API_KEY".into(),
+        SecretRef {
+            name: "tracker".into(),
+            key: "api_key".into(),
+        },
+    );
+    // Another user's job may not use it; its owner's may.
+    let refused = as_actor(
+        &mut h,
+        "token:bob",
+        Command::SubmitJob { spec: uses.clone() },
+    );
+    assert!(
+        matches!(&refused, Err(ApplyError::Secret(SecretError::NotYours { field, .. })) if field == "env.WANDB_API_KEY"),
+        "{refused:?}"
+    );
+    let mut wrong_key = uses.clone();
+    wrong_key.secret_env.insert(
+        "OTHER".into(),
+        SecretRef {
+            name: "tracker".into(),
+            key: "nope".into(),
+        },
+    );
+    assert!(matches!(
+        as_actor(
+            &mut h,
+            "token:alice",
+            Command::SubmitJob { spec: wrong_key }
+        ),
+        Err(ApplyError::Secret(SecretError::UnknownKey { .. }))
+    ));
+    let events = as_actor(&mut h, "token:alice", Command::SubmitJob { spec: uses })
+        .expect("the owner's job");
+    let Some(Event::JobSubmitted { job_id, .. }) = events.first() else {
+        panic!("{events:?}")
+    };
+    let job_id = *job_id;
+    assert_eq!(
+        h.state
+            .job(job_id)
+            .map(|j| j.spec.secret_env["WANDB_API_KEY"].to_string()),
+        Some("tracker/api_key".into())
+    );
+    // A secret for a queue's jobs.
+    h.apply(Command::CreateQueue {
+        name: "team-a".into(),
+        spec: keel_state::queue::QueueSpec::with_quota([("v100".to_string(), 1)].into()),
+    })
+    .expect("queue");
+    as_actor(&mut h, "token:root", put("shared", "team-a")).expect("put for a queue");
+    let mut in_team = spec("team-job", 1, 1);
+    in_team.queue = "team-a".into();
+    in_team.secret_env.insert(
+        "TOKEN".into(),
+        SecretRef {
+            name: "shared".into(),
+            key: "api_key".into(),
+        },
+    );
+    as_actor(&mut h, "token:bob", Command::SubmitJob { spec: in_team }).expect("the queue's job");
+    // Kept while a job that uses it is unfinished.
+    assert!(matches!(
+        h.apply(Command::DeleteSecret {
+            name: "tracker".into()
+        }),
+        Err(ApplyError::Secret(SecretError::InUse { jobs: 1, .. }))
+    ));
+    // Snapshots carry the sealed values and the references, same hash.
+    let back = ClusterState::from_snapshot_proto(h.state.to_snapshot_proto()).expect("decodes");
+    assert_eq!(back.state_hash(), h.state.state_hash());
+    assert_eq!(back.secrets(), h.state.secrets());
+    assert_eq!(
+        back.job(job_id).map(|j| &j.spec.secret_env),
+        h.state.job(job_id).map(|j| &j.spec.secret_env)
+    );
+    h.apply(Command::CancelJob {
+        job_id,
+        reason: String::new(),
+    })
+    .expect("cancelled");
+    assert_eq!(
+        h.apply(Command::DeleteSecret {
+            name: "tracker".into()
+        }),
+        Ok(vec![Event::SecretDeleted {
+            name: "tracker".into()
+        }])
+    );
+    assert!(h.state.secrets().get("tracker").is_none());
+}

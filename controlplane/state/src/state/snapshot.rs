@@ -16,7 +16,8 @@ use crate::acl::{Acl, Token};
 use crate::codec::{
     event_from_proto, event_to_proto, gpu_ref_from_proto, gpu_ref_to_proto, queue_spec_from_proto,
     queue_spec_to_proto, role_from_proto, role_to_proto, sample_from_proto, sample_to_proto,
-    secret_hash_from_proto, spec_from_proto, spec_to_proto, DecodeError,
+    sealed_from_proto, sealed_to_proto, secret_hash_from_proto, spec_from_proto, spec_to_proto,
+    DecodeError,
 };
 use crate::free_gpus::FreeGpus;
 use crate::model::{
@@ -26,6 +27,7 @@ use crate::perf_history::{PerfHistory, SpeedStat};
 use crate::policy_memory::{PolicyMemory, PolicyMemorySlot};
 use crate::queue::{Queue, Queues};
 use crate::requests::{RecentRequests, Remembered};
+use crate::secret::{Secret, Secrets};
 
 impl ClusterState {
     /// The bytes of its snapshot's encoding (for reports of its size).
@@ -100,6 +102,25 @@ impl ClusterState {
                         spec: Some(queue_spec_to_proto(&q.spec)),
                         changed_at_ms: q.changed_at_ms,
                         changed_by: q.changed_by.clone(),
+                    })
+                    .collect(),
+            }),
+            secrets: (!self.secrets.is_unset()).then(|| pb::SecretState {
+                secrets: self
+                    .secrets
+                    .all()
+                    .iter()
+                    .map(|(name, secret)| pb::SecretRecord {
+                        name: name.clone(),
+                        values: secret
+                            .values
+                            .iter()
+                            .map(|(k, v)| (k.clone(), sealed_to_proto(v)))
+                            .collect(),
+                        owner: secret.owner.clone(),
+                        queue: secret.queue.clone(),
+                        revision: secret.revision,
+                        changed_at_ms: secret.changed_at_ms,
                     })
                     .collect(),
             }),
@@ -210,9 +231,27 @@ impl ClusterState {
                 return Err(inconsistent(format!("queue {:?} is listed twice", q.name)));
             }
         }
+        let mut secrets = BTreeMap::new();
+        for r in m.secrets.map(|s| s.secrets).unwrap_or_default() {
+            let secret = Secret {
+                values: r
+                    .values
+                    .into_iter()
+                    .map(|(k, v)| (k, sealed_from_proto(v)))
+                    .collect(),
+                owner: r.owner,
+                queue: r.queue,
+                revision: r.revision,
+                changed_at_ms: r.changed_at_ms,
+            };
+            if secrets.insert(r.name.clone(), secret).is_some() {
+                return Err(inconsistent(format!("secret {:?} is listed twice", r.name)));
+            }
+        }
         let state = ClusterState {
             acl,
             queues: Queues::from_parts(queues),
+            secrets: Secrets::from_parts(secrets),
             next_job_id: m.next_job_id,
             indexes: JobIndexes::of(&jobs),
             queue_index: super::QueueIndex::default(),
