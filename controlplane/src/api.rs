@@ -38,6 +38,7 @@ pub fn system_clock() -> Clock {
 
 mod acl;
 pub(crate) mod queues;
+mod secrets;
 mod snapshots;
 mod streams;
 pub use acl::BOOTSTRAP_TOKEN_NAME;
@@ -94,6 +95,8 @@ pub struct KeelApi {
     acl: bool,
     /// The clock tokens' expiry is read against.
     clock: Clock,
+    /// The operators' keys that seal secrets ([`crate::secret_keys`]).
+    secret_keys: Arc<crate::secret_keys::SecretKeys>,
 }
 
 /// The most `WatchEvents` streams one replica serves at once, unless
@@ -205,7 +208,14 @@ impl KeelApi {
             streams_by_caller: Default::default(),
             acl: false,
             clock: system_clock(),
+            secret_keys: Default::default(),
         }
+    }
+
+    /// Seals secrets with `keys` ([`crate::secret_keys`]).
+    pub fn with_secret_keys(mut self, keys: Arc<crate::secret_keys::SecretKeys>) -> Self {
+        self.secret_keys = keys;
+        self
     }
 
     /// Checks every caller against its role ([`crate::authz`]).
@@ -1357,6 +1367,39 @@ impl Keel for KeelApi {
         let stale = is_stale(&request);
         route!(self, request, list_queues, false);
         self.list_queues_call(request, stale).await
+    }
+
+    async fn put_secret(
+        &self,
+        request: Request<api::PutSecretRequest>,
+    ) -> Result<Response<api::SecretChangeResponse>, Status> {
+        route!(self, request, put_secret, true);
+        self.put_secret_call(request).await
+    }
+
+    async fn delete_secret(
+        &self,
+        request: Request<api::DeleteSecretRequest>,
+    ) -> Result<Response<api::SecretChangeResponse>, Status> {
+        route!(self, request, delete_secret, true);
+        self.delete_secret_call(request).await
+    }
+
+    async fn list_secrets(
+        &self,
+        request: Request<api::ListSecretsRequest>,
+    ) -> Result<Response<api::ListSecretsResponse>, Status> {
+        let stale = is_stale(&request);
+        route!(self, request, list_secrets, false);
+        self.list_secrets_call(request, stale).await
+    }
+
+    async fn rotate_secret_key(
+        &self,
+        request: Request<api::RotateSecretKeyRequest>,
+    ) -> Result<Response<api::RotateSecretKeyResponse>, Status> {
+        route!(self, request, rotate_secret_key, true);
+        self.rotate_secret_key_call(request).await
     }
 
     type SaveSnapshotStream = snapshots::SnapshotStream;

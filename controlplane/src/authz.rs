@@ -61,10 +61,13 @@ pub enum Right {
     /// `SaveSnapshot`: the whole state, every job's spec included (issue
     /// 25).
     SaveSnapshots,
+    /// `PutSecret`, `DeleteSecret`, `ListSecrets` (issue 35: a user its
+    /// own), `RotateSecretKey` (every secret: admin).
+    ManageSecrets,
 }
 
 impl Right {
-    pub const ALL: [Right; 13] = [
+    pub const ALL: [Right; 14] = [
         Right::SubmitJobs,
         Right::ReadJobs,
         Right::CancelJobs,
@@ -78,6 +81,7 @@ impl Right {
         Right::BootstrapAcl,
         Right::ManageQueues,
         Right::SaveSnapshots,
+        Right::ManageSecrets,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +99,7 @@ impl Right {
             Right::BootstrapAcl => "bootstrap-acl",
             Right::ManageQueues => "manage-queues",
             Right::SaveSnapshots => "save-snapshots",
+            Right::ManageSecrets => "manage-secrets",
         }
     }
 }
@@ -124,7 +129,7 @@ pub fn scope(role: Role, right: Right) -> Scope {
         }
         (Viewer, ReadJobs | ReadCluster | ReadStatus) => Scope::All,
         (User, SubmitJobs | ReadStatus) => Scope::All,
-        (User, ReadJobs | CancelJobs) => Scope::Own,
+        (User, ReadJobs | CancelJobs | ManageSecrets) => Scope::Own,
         (_, BootstrapAcl) => Scope::All,
         (Operator | Viewer | User, _) => Scope::None,
     }
@@ -462,6 +467,8 @@ mod tests {
         assert_eq!(all(Role::User), vec![SubmitJobs, ReadStatus, BootstrapAcl]);
         assert_eq!(scope(Role::User, ReadJobs), Scope::Own);
         assert_eq!(scope(Role::User, CancelJobs), Scope::Own);
+        assert_eq!(scope(Role::User, ManageSecrets), Scope::Own);
+        assert_eq!(scope(Role::Operator, ManageSecrets), Scope::None);
         assert_eq!(
             all(Role::Node),
             vec![ReadStatus, SendHeartbeats, BootstrapAcl]

@@ -35,6 +35,10 @@ pub enum ApiError {
     /// The request is valid but this server cannot carry it out.
     #[error("{0}")]
     Unsupported(String),
+    /// This server cannot seal or open a secret: no key, or not the one a
+    /// value was sealed with (issue 35).
+    #[error("{0}")]
+    SecretKey(String),
     /// A member to add does not answer at its address, so its identity
     /// (member id and incarnation) cannot be learnt.
     #[error("cannot ask the replica at {address} who it is (start it first, with --id {id} and --peers): {reason}")]
@@ -275,6 +279,7 @@ impl ApiError {
             ApiError::Unavailable(_) => (Code::Unavailable, RAFT_UNAVAILABLE, None),
             ApiError::Storage(_) => (Code::Internal, STORAGE, None),
             ApiError::Unsupported(_) => (Code::FailedPrecondition, UNSUPPORTED, None),
+            ApiError::SecretKey(_) => (Code::FailedPrecondition, SECRET_KEY_MISSING, None),
             ApiError::NewMemberUnreachable { .. } => {
                 (Code::FailedPrecondition, NEW_MEMBER_UNREACHABLE, None)
             }

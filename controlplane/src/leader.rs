@@ -60,6 +60,9 @@ pub struct LoopSettings {
     pub node_timeout: Duration,
     /// How often a server reports its nodes to the leader.
     pub heartbeat_every: Duration,
+    /// The operators' keys: the API seals secrets with them, launches open
+    /// them ([`crate::secret_keys`]).
+    pub secret_keys: Arc<crate::secret_keys::SecretKeys>,
 }
 
 impl Default for LoopSettings {
@@ -73,6 +76,7 @@ impl Default for LoopSettings {
             shutdown_timeout: Duration::from_secs(30),
             node_timeout: Duration::from_secs(10),
             heartbeat_every: Duration::from_secs(1),
+            secret_keys: Default::default(),
         }
     }
 }
@@ -389,6 +393,7 @@ pub async fn reconcile_loop<E: Executor>(
         stop_grace: settings.stop_grace,
         confirm: true,
         launches: Some((node.metrics.as_ref(), executor.kind())),
+        secret_keys: &settings.secret_keys,
     };
     loop {
         tokio::select! {
@@ -542,6 +547,8 @@ pub struct Performer<'a, E: Executor, L: LogPort> {
     /// Where each launch is counted and timed, and the executor's name
     /// (`None`: nowhere, as in the simulation).
     pub launches: Option<(&'a crate::metrics::Metrics, &'static str)>,
+    /// The keys a launch opens its job's secrets with.
+    pub secret_keys: &'a crate::secret_keys::SecretKeys,
 }
 
 impl<E: Executor, L: LogPort> std::fmt::Debug for Performer<'_, E, L> {
@@ -652,8 +659,30 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
     /// Launches one worker, counted and timed where `launches` says.
     async fn launch(
         &self,
-        launch: keel_executors::contract::WorkerLaunch,
+        mut launch: keel_executors::contract::WorkerLaunch,
     ) -> Result<(), ExecutorError> {
+        // The job's secrets, opened here and nowhere else. One that does
+        // not open (no such key here, or gone) is the worker's exit before
+        // it started: not admitted, so no retry is spent and the job waits
+        // and tries again, here or under a leader that holds the key.
+        if let Err(reason) = open_secrets(self.secret_keys, &mut launch) {
+            tracing::warn!(worker = %launch.id, %reason, "not launched: a secret does not open");
+            let outcome = self
+                .log
+                .propose(Command::RecordWorkerExited {
+                    job_id: launch.id.job_id,
+                    epoch: launch.id.epoch,
+                    rank: launch.id.rank,
+                    exit_code: None,
+                    reason,
+                    not_admitted: true,
+                })
+                .await;
+            if let Err(e) = outcome {
+                tracing::debug!(error = %e, "secret refusal not recorded");
+            }
+            return Ok(());
+        }
         let started = std::time::Instant::now();
         // The launch's span, in the trace of the job's submission.
         let span = tracing::trace_span!(
@@ -672,6 +701,27 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
         }
         launched
     }
+}
+
+/// Opens every secret `launch` takes ([`crate::secret_keys`]) into its
+/// values; why one does not open, in words for the job's record.
+pub fn open_secrets(
+    keys: &crate::secret_keys::SecretKeys,
+    launch: &mut keel_executors::contract::WorkerLaunch,
+) -> Result<(), String> {
+    for (variable, secret) in &mut launch.secret_env {
+        let reference = &secret.reference;
+        let Some(sealed) = &secret.sealed else {
+            return Err(format!(
+                "env.{variable}: secret {reference} is gone (keel secret list shows the secrets)"
+            ));
+        };
+        let value = keys
+            .open(&reference.name, &reference.key, sealed)
+            .map_err(|e| format!("env.{variable}: {e}"))?;
+        secret.value = Some(value);
+    }
+    Ok(())
 }
 
 /// One span per job the decision places that has a trace (its

@@ -49,6 +49,7 @@ pub mod raft_network;
 pub mod raft_node;
 pub mod removal;
 pub mod retention;
+pub mod secret_keys;
 pub mod server;
 pub mod tls;
 pub mod traces;

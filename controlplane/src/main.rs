@@ -5,6 +5,7 @@ mod cli;
 mod config_file;
 mod queue_cmd;
 mod render;
+mod secret_cmd;
 mod sim_cmd;
 mod sim_plot;
 mod snapshot_cmd;
@@ -133,6 +134,12 @@ enum Cmd {
     Queue {
         #[command(subcommand)]
         command: queue_cmd::QueueCmd,
+    },
+    /// Secrets: credentials a job's environment takes by reference,
+    /// sealed with the operators' key (`env: {VAR: {secret: NAME/KEY}}`).
+    Secret {
+        #[command(subcommand)]
+        command: secret_cmd::SecretCmd,
     },
     /// Run a Keel server (a Raft replica serving the API).
     Server {
@@ -300,6 +307,12 @@ enum Cmd {
         /// may read (without it, a warning).
         #[arg(long)]
         strict_permissions: bool,
+        /// A file holding a key that seals and opens secrets (64 hex
+        /// digits, `keel secret new-key`); repeat it while rotating: the
+        /// first seals, every one opens. Give every replica the same keys.
+        /// A key may also come in KEEL_SECRET_KEY.
+        #[arg(long = "secret-key-file", value_name = "FILE")]
+        secret_key_file: Vec<PathBuf>,
         /// At most one progress entry per job this often, in seconds.
         #[arg(long, default_value_t = 2.0)]
         progress_interval_s: f64,
@@ -1051,6 +1064,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Cmd::Tls { command } => tls_cmd::run(command, out),
         Cmd::Acl { command } => acl_cmd::run(&args.addr, command, out).await,
         Cmd::Queue { command } => queue_cmd::run(&args.addr, command, out).await,
+        Cmd::Secret { command } => secret_cmd::run(&args.addr, command, out).await,
         Cmd::Snapshot { command } => snapshot_cmd::run(&args.addr, command, out).await,
         Cmd::Server {
             config: _,
@@ -1089,6 +1103,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             request_timeout_s,
             max_streams_per_connection,
             strict_permissions,
+            secret_key_file,
             progress_interval_s,
             http_listen,
             trace_sample_ratio,
@@ -1247,6 +1262,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     heartbeat_every: seconds("node-timeout-s", node_timeout_s)?
                         .div_f64(4.0)
                         .min(Duration::from_secs(1)),
+                    secret_keys: std::sync::Arc::new(keel::secret_keys::SecretKeys::load(
+                        &secret_key_file,
+                        std::env::var(keel::secret_keys::SECRET_KEY_ENV)
+                            .ok()
+                            .as_deref(),
+                    )?),
                     ..LoopSettings::default()
                 },
             };

@@ -104,6 +104,11 @@ struct JobView {
     preemptible: bool,
     command: Vec<String>,
     image: String,
+    /// Its variables: plain ones as given, one taken from a secret as
+    /// `<secret NAME/KEY>` (issue 35: the value is nowhere but in its
+    /// workers).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    env: std::collections::BTreeMap<String, String>,
     /// The worker's CPU and memory limits (`{cpus, memory}`), when it has any.
     #[serde(skip_serializing_if = "Option::is_none")]
     resources: Option<keel_state::spec::Resources>,
@@ -171,6 +176,15 @@ fn job_view(job: &api::Job) -> JobView {
         preemptible: !spec.not_preemptible,
         command: spec.command,
         image: spec.image,
+        env: spec
+            .env
+            .into_iter()
+            .chain(
+                spec.secret_env
+                    .into_iter()
+                    .map(|(k, r)| (k, format!("<secret {r}>"))),
+            )
+            .collect(),
         resources: spec.resources.map(|r| keel_state::spec::Resources {
             cpu_millis: r.cpu_millis,
             memory_bytes: r.memory_bytes,
@@ -368,6 +382,10 @@ pub fn job(
             }
             if let Some(trace) = &view.trace_id {
                 outln!("trace: {trace}");
+            }
+            if !view.env.is_empty() {
+                let env: Vec<String> = view.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                outln!("env: {}", env.join(" "));
             }
             if !view.message.is_empty() {
                 outln!("message: {}", view.message);
@@ -1127,6 +1145,73 @@ fn counts(map: &std::collections::BTreeMap<String, u32>) -> String {
 }
 
 /// `keel queue list` and `keel queue show`.
+/// `keel secret list`: names, keys and who may use them; never a value.
+pub fn secrets(list: &api::ListSecretsResponse, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => {
+            let secrets: Vec<serde_json::Value> = list
+                .secrets
+                .iter()
+                .map(|s| {
+                    serde_json::json!({
+                        "name": s.name,
+                        "keys": s.keys,
+                        "owner": s.owner,
+                        "queue": s.queue,
+                        "revision": s.revision,
+                        "changed_at_ms": s.changed_at_ms,
+                        "key_ids": s.key_ids,
+                        "opens_here": s.opens_here,
+                    })
+                })
+                .collect();
+            print_json(&serde_json::json!({
+                "secrets": secrets,
+                "key_ids_held": list.key_ids_held,
+            }))
+        }
+        Output::Table => {
+            let rows: Vec<Vec<String>> = list
+                .secrets
+                .iter()
+                .map(|s| {
+                    vec![
+                        s.name.clone(),
+                        s.keys.join(","),
+                        if s.owner.is_empty() {
+                            "-".into()
+                        } else {
+                            s.owner.clone()
+                        },
+                        if s.queue.is_empty() {
+                            "-".into()
+                        } else {
+                            s.queue.clone()
+                        },
+                        s.revision.to_string(),
+                        format!(
+                            "{}{}",
+                            s.key_ids.join(","),
+                            if s.opens_here { "" } else { " (not held here)" }
+                        ),
+                    ]
+                })
+                .collect();
+            print_table(
+                &["NAME", "KEYS", "OWNER", "QUEUE", "REVISION", "SEALED WITH"],
+                &rows,
+            )?;
+            if list.key_ids_held.is_empty() {
+                writeln!(
+                    std::io::stdout().lock(),
+                    "this server holds no secret key (--secret-key-file)"
+                )?;
+            }
+            Ok(())
+        }
+    }
+}
+
 pub fn queues(list: &[api::QueueStatus], out: Output) -> anyhow::Result<()> {
     match out {
         Output::Json => {

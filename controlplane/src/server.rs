@@ -435,7 +435,8 @@ impl Server {
                 reports,
                 self.config.max_event_streams,
             )
-            .with_acl(self.config.acl),
+            .with_acl(self.config.acl)
+            .with_secret_keys(self.config.loops.secret_keys.clone()),
         );
         let beating = tokio::spawn(crate::node_liveness::heartbeat_loop(
             api.clone(),

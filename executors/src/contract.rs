@@ -39,6 +39,10 @@ pub fn buffer_progress(
     }
 }
 
+/// Variables of the server's environment a worker must not inherit: the
+/// operators' secret key (`keel::secret_keys`).
+pub const SERVER_ONLY_ENV: [&str; 1] = ["KEEL_SECRET_KEY"];
+
 /// Exit code a worker uses when it stopped on SIGTERM after checkpointing.
 pub const EXIT_STOPPED: i32 = 143;
 
@@ -54,6 +58,9 @@ pub struct WorkerLaunch {
     pub image: Option<String>,
     /// The user's environment from the spec (the contract's variables win).
     pub env: BTreeMap<String, String>,
+    /// The variables the spec takes from secrets (issue 35), sealed; the
+    /// leader opens them just before the launch ([`SecretEnv::value`]).
+    pub secret_env: BTreeMap<String, SecretEnv>,
     pub node: String,
     /// GPU indexes on `node` (what `CUDA_VISIBLE_DEVICES` lists).
     pub gpus: Vec<u32>,
@@ -80,6 +87,29 @@ pub struct WorkerLaunch {
     pub trace_parent: Option<String>,
 }
 
+/// A variable taken from a secret. Its `Debug` shows where from, never the
+/// value.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SecretEnv {
+    pub reference: keel_state::secret::SecretRef,
+    /// The sealed value, as the state holds it (`None`: the secret or its
+    /// key is gone).
+    pub sealed: Option<keel_state::secret::SealedValue>,
+    /// The value, once opened by the leader's launch.
+    pub value: Option<String>,
+}
+
+impl std::fmt::Debug for SecretEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "<secret {}{}>",
+            self.reference,
+            if self.value.is_some() { ", opened" } else { "" }
+        )
+    }
+}
+
 /// The partner of a worker whose GPUs are shared (space sharing).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedWith {
@@ -103,6 +133,7 @@ impl WorkerLaunch {
             command: command.iter().map(|s| s.to_string()).collect(),
             image: None,
             env: BTreeMap::new(),
+            secret_env: BTreeMap::new(),
             node: node.into(),
             gpus,
             gpu_type: "v100".into(),
@@ -145,6 +176,11 @@ pub fn environment(
     checkpoint_dir: &str,
 ) -> BTreeMap<String, String> {
     let mut env = launch.env.clone();
+    for (name, secret) in &launch.secret_env {
+        if let Some(value) = &secret.value {
+            env.insert(name.clone(), value.clone());
+        }
+    }
     let gpus = launch
         .gpus
         .iter()
@@ -310,6 +346,14 @@ mod tests {
         assert_eq!(got.iter().map(|s| s.step).collect::<Vec<_>>(), vec![7]);
     }
 
+    fn secret_env(reference: &str, value: Option<&str>) -> SecretEnv {
+        SecretEnv {
+            reference: keel_state::secret::SecretRef::parse("t", reference).expect("ref"),
+            sealed: None,
+            value: value.map(str::to_string),
+        }
+    }
+
     #[test]
     fn the_contract_overrides_user_variables() {
         let launch = WorkerLaunch {
@@ -327,6 +371,11 @@ mod tests {
             ]
             .into_iter()
             .collect(),
+            secret_env: [
+                ("SEALED".to_string(), secret_env("db/pw", None)),
+                ("OPENED".to_string(), secret_env("db/user", Some("ada"))),
+            ]
+            .into(),
             node: "n1".into(),
             gpus: vec![2, 3],
             gpu_type: "v100".into(),
@@ -344,6 +393,14 @@ mod tests {
         let env = environment(&launch, 29500, "/ckpt/job-4");
         assert_eq!(env["RANK"], "1");
         assert_eq!(env["MINE"], "x");
+        // A secret's value once opened; one not opened is left out.
+        assert_eq!(env["OPENED"], "ada");
+        assert!(!env.contains_key("SEALED"));
+        let shown = format!("{launch:?}");
+        assert!(
+            shown.contains("<secret db/user, opened>") && !shown.contains("ada"),
+            "{shown}"
+        );
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "2,3");
         assert_eq!(env["MASTER_PORT"], "29500");
         assert_eq!(env["KEEL_TOTAL_STEPS"], "100");

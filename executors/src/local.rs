@@ -685,6 +685,11 @@ impl LocalExecutor {
                 c
             }
         };
+        // The server's own key never reaches a worker (unless the job's
+        // spec sets the variable itself).
+        for name in crate::contract::SERVER_ONLY_ENV {
+            cmd.env_remove(name);
+        }
         cmd.envs(&env)
             .stdin(std::process::Stdio::null())
             .process_group(0)

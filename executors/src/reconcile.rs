@@ -140,6 +140,24 @@ pub fn desired_workers(state: &ClusterState) -> BTreeMap<WorkerId, WorkerLaunch>
                     command: job.spec.command.clone(),
                     image: job.spec.image.clone().filter(|i| !i.is_empty()),
                     env: job.spec.env.clone(),
+                    secret_env: job
+                        .spec
+                        .secret_env
+                        .iter()
+                        .map(|(name, reference)| {
+                            let sealed = state
+                                .secrets()
+                                .get(&reference.name)
+                                .and_then(|s| s.values.get(&reference.key))
+                                .cloned();
+                            let secret = crate::contract::SecretEnv {
+                                reference: reference.clone(),
+                                sealed,
+                                value: None,
+                            };
+                            (name.clone(), secret)
+                        })
+                        .collect(),
                     node: first.node.clone(),
                     gpus: gpus.iter().map(|g| g.index).collect(),
                     gpu_type,

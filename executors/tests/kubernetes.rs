@@ -25,6 +25,7 @@ fn launch(job_id: u64, epoch: u64, rank: u32, world_size: u32) -> WorkerLaunch {
         command: vec!["python3".into(), "train.py".into()],
         image: Some("registry.example/train:1".into()),
         env: BTreeMap::from([("MINE".to_string(), "x".to_string())]),
+        secret_env: BTreeMap::new(),
         node: format!("gpu-{rank}"),
         gpus: vec![0, 1],
         gpu_type: "a100".into(),

@@ -20,6 +20,7 @@ fn launch(node: &str, job_id: u64, rank: u32, script: &str) -> WorkerLaunch {
         command: vec!["sh".into(), "-c".into(), script.into()],
         image: None,
         env: BTreeMap::from([("MINE".to_string(), "it's mine".to_string())]),
+        secret_env: BTreeMap::new(),
         node: node.into(),
         gpus: vec![rank * 2, rank * 2 + 1],
         gpu_type: "v100".into(),

@@ -471,6 +471,7 @@ pub(crate) async fn reconcile(
             stop_grace: Duration::from_secs(1),
             confirm: !unconfirmed,
             launches: None,
+            secret_keys: &keel::secret_keys::SecretKeys::default(),
         };
         let (steps, run_passes) = engine.wake(ready_term, leads);
         let _ = performer.perform(steps).await;

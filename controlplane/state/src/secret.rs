@@ -178,15 +178,8 @@ pub enum SecretError {
         jobs: usize,
         first: u64,
     },
-    #[error("{field}: secret {name:?} belongs to {owner}{queue}; a job of {job_owner} in queue {job_queue:?} may not use it")]
-    NotYours {
-        field: String,
-        name: String,
-        owner: String,
-        queue: String,
-        job_owner: String,
-        job_queue: String,
-    },
+    #[error("{field}: {reason}")]
+    NotYours { field: String, reason: String },
     #[error("the cluster holds {limit} secrets, the limit; delete some first")]
     TooMany { limit: usize },
     #[error("{field} is {len} bytes; the limit is {limit}")]
@@ -388,15 +381,17 @@ impl Secrets {
         }
         Err(SecretError::NotYours {
             field: field.into(),
-            name: reference.name.clone(),
-            owner: owner.clone(),
-            queue: if secret.queue.is_empty() {
-                String::new()
-            } else {
-                format!(" and queue {:?}", secret.queue)
-            },
-            job_owner: job_owner.cloned().unwrap_or_else(|| "nobody".into()),
-            job_queue: queue_of(job_queue),
+            reason: format!(
+                "secret {:?} belongs to {owner}{}; a job of {} in queue {:?} may not use it",
+                reference.name,
+                if secret.queue.is_empty() {
+                    String::new()
+                } else {
+                    format!(" and queue {:?}", secret.queue)
+                },
+                job_owner.map_or("nobody", String::as_str),
+                queue_of(job_queue),
+            ),
         })
     }
 }
