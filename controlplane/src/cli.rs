@@ -379,11 +379,52 @@ pub fn read_spec(file: &Path) -> anyhow::Result<JobSpec> {
     let spec: JobSpec = if name.ends_with(".json") {
         serde_json::from_str(&text).with_context(|| format!("{name} is not a valid job spec"))?
     } else {
-        serde_saphyr::from_str(&text).with_context(|| format!("{name} is not a valid job spec"))?
+        let mut spec: JobSpec = serde_saphyr::from_str(&text)
+            .with_context(|| format!("{name} is not a valid job spec"))?;
+        keep_plain_env_text(&text, &mut spec);
+        spec
     };
     spec.validate()
         .with_context(|| format!("{name} is not a valid job spec"))?;
     Ok(spec)
+}
+
+/// Puts back the text of `env` values written as plain YAML scalars: the
+/// spec's parse reads a value that may also be `{secret: NAME/KEY}`, and so
+/// takes a plain number or boolean as its value (`0.10` as `0.1`, `010`
+/// as `10`), where the text as written is what the variable should hold.
+fn keep_plain_env_text(text: &str, spec: &mut JobSpec) {
+    #[derive(serde::Deserialize)]
+    struct EnvSpans {
+        #[serde(default)]
+        env: std::collections::BTreeMap<String, serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    }
+    let Ok(spans) = serde_saphyr::from_str::<EnvSpans>(text) else {
+        return;
+    };
+    for (variable, spanned) in spans.env {
+        let Some(value) = spec.env.get_mut(&variable) else {
+            continue;
+        };
+        let span = spanned.referenced.span();
+        let (Some(offset), Some(len)) = (span.byte_offset(), span.byte_len()) else {
+            continue;
+        };
+        let (Ok(start), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
+            continue;
+        };
+        let Some(raw) = text.get(start..start.saturating_add(len)) else {
+            continue;
+        };
+        // A plain scalar on one line: its text is its value. Quoted,
+        // block, tagged or aliased ones already came as their text.
+        let plain = !raw.is_empty()
+            && !raw.contains('\n')
+            && !raw.starts_with(['"', '\'', '|', '>', '{', '[', '!', '&', '*']);
+        if plain && raw.trim() != value.as_str() {
+            *value = raw.trim().to_string();
+        }
+    }
 }
 
 pub async fn submit(addr: &str, file: &Path, out: Output) -> anyhow::Result<()> {
@@ -789,4 +830,27 @@ pub fn replay(data_dir: &Path, until: keel_storage::Until, out: Output) -> anyho
     let summary = keel_storage::replay_data_dir(&dir, until)
         .with_context(|| format!("cannot replay {}", data_dir.display()))?;
     render::replay(&summary, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plain_yaml_env_value_keeps_its_text_and_a_secret_is_a_reference() {
+        let text = "name: t\ncommand: [x]\nenv:\n  LR: 0.10\n  N: 010\n  FLAG: yes\n  \
+                    Q: '0.50'\n  S: plain words   # a comment\n  K: {secret: tracker/api_key}\n";
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("spec.yaml");
+        std::fs::write(&file, text).expect("write");
+        let spec = read_spec(&file).expect("parses");
+        let env = |k: &str| spec.env.get(k).map(String::as_str);
+        assert_eq!(env("LR"), Some("0.10"));
+        assert_eq!(env("N"), Some("010"));
+        assert_eq!(env("FLAG"), Some("yes"));
+        assert_eq!(env("Q"), Some("0.50"));
+        assert_eq!(env("S"), Some("plain words"));
+        assert_eq!(env("K"), None);
+        assert_eq!(spec.secret_env["K"].to_string(), "tracker/api_key");
+    }
 }

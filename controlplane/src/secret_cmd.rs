@@ -140,7 +140,12 @@ pub async fn run(addr: &str, command: SecretCmd, out: Output) -> anyhow::Result<
                 async move { client.put_secret(request).await }
             })
             .await?;
-            changed("put", &name, resp.index, out)
+            changed(
+                &format!("put (revision {})", resp.revision),
+                &name,
+                resp.index,
+                out,
+            )
         }
         SecretCmd::Delete { name } => {
             let resp = cli::write(addr, |mut client, request_id| {

@@ -15,7 +15,19 @@ use tonic::transport::Channel;
 
 /// Member 1 over TLS, with ACLs.
 fn start(dir: &Path, certs: &Path) -> ServerProcess {
-    let mut flags = vec!["--acl".to_string(), "--no-local-node".to_string()];
+    // A key for secrets (issue 35), in a file beside the data directory.
+    let key = dir.with_extension("key");
+    let made = std::process::Command::new(support::KEEL)
+        .args(["secret", "new-key"])
+        .output()
+        .expect("keel secret new-key");
+    std::fs::write(&key, &made.stdout).expect("key file");
+    let mut flags = vec![
+        "--acl".to_string(),
+        "--no-local-node".to_string(),
+        "--secret-key-file".to_string(),
+        key.display().to_string(),
+    ];
     flags.extend(tls_member_flags(certs, 1));
     let args: Vec<&str> = flags.iter().map(String::as_str).collect();
     ServerProcess::start_with_client_env(dir, &args, &[], &tls_env(certs, "client-admin"))
@@ -99,7 +111,7 @@ fn access<T>(result: Result<tonic::Response<T>, tonic::Status>) -> Access {
     }
 }
 
-const RPCS: [&str; 25] = [
+const RPCS: [&str; 29] = [
     "SubmitJob",
     "CancelJob",
     "GetJob",
@@ -125,6 +137,10 @@ const RPCS: [&str; 25] = [
     "DeleteQueue",
     "ListQueues",
     "SaveSnapshot",
+    "PutSecret",
+    "DeleteSecret",
+    "ListSecrets",
+    "RotateSecretKey",
 ];
 
 /// Calls `rpc` with a request that changes nothing that matters (or
@@ -267,6 +283,30 @@ async fn call(client: &mut Client, rpc: &str, job: u64) -> Access {
         ),
         "ListQueues" => access(client.list_queues(api::ListQueuesRequest {}).await),
         "SaveSnapshot" => access(client.save_snapshot(api::SaveSnapshotRequest {}).await),
+        // No values: refused once allowed.
+        "PutSecret" => access(
+            client
+                .put_secret(api::PutSecretRequest {
+                    name: "matrix".into(),
+                    ..Default::default()
+                })
+                .await,
+        ),
+        "DeleteSecret" => access(
+            client
+                .delete_secret(api::DeleteSecretRequest {
+                    name: "no-such-secret".into(),
+                    request_id: String::new(),
+                })
+                .await,
+        ),
+        "ListSecrets" => access(client.list_secrets(api::ListSecretsRequest {}).await),
+        // Nothing to re-seal: allowed changes nothing.
+        "RotateSecretKey" => access(
+            client
+                .rotate_secret_key(api::RotateSecretKeyRequest {})
+                .await,
+        ),
         other => unreachable!("{other}"),
     }
 }
@@ -398,6 +438,11 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
             "ListQueues",
             "BootstrapAcl",
             "WhoAmI",
+            // Their own secrets (issue 35); re-sealing every one is an
+            // admin's.
+            "PutSecret",
+            "DeleteSecret",
+            "ListSecrets",
         ];
         let alices: Vec<&str> = user_rights
             .iter()
@@ -532,6 +577,57 @@ fn every_rpc_is_allowed_or_refused_as_the_callers_role_says_over_tls() {
             .jobs
             .len();
         assert!(every > bobs.len());
+        // Secrets (issue 35): a user manages its own, and only its own
+        // jobs (or its queue's) use them.
+        let put = |name: &str| api::PutSecretRequest {
+            name: name.into(),
+            values: [("k".to_string(), b"alice's value".to_vec())].into(),
+            queue: String::new(),
+            request_id: String::new(),
+        };
+        alice.put_secret(put("alices")).await.expect("alice puts");
+        for refused in [
+            bob.put_secret(put("alices")).await.map(|_| ()),
+            bob.delete_secret(api::DeleteSecretRequest {
+                name: "alices".into(),
+                request_id: String::new(),
+            })
+            .await
+            .map(|_| ()),
+        ] {
+            let e = refused.expect_err("bob may not touch alice's secret");
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+            assert!(e.message().contains("token:alice"), "{}", e.message());
+        }
+        let listed = |r: api::ListSecretsResponse| -> Vec<(String, String)> {
+            r.secrets.into_iter().map(|s| (s.name, s.owner)).collect()
+        };
+        let bobs_list = bob
+            .list_secrets(api::ListSecretsRequest {})
+            .await
+            .expect("bob lists")
+            .into_inner();
+        assert_eq!(listed(bobs_list), vec![]);
+        let every_secret = admin
+            .list_secrets(api::ListSecretsRequest {})
+            .await
+            .expect("admin lists")
+            .into_inner();
+        assert_eq!(
+            listed(every_secret),
+            vec![("alices".to_string(), "token:alice".to_string())]
+        );
+        let mut uses = submission("uses-alices");
+        if let Some(spec) = uses.spec.as_mut() {
+            spec.secret_env.insert("K".into(), "alices/k".into());
+        }
+        let e = bob
+            .submit_job(uses.clone())
+            .await
+            .expect_err("bob's job may not use alice's secret");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("env.K"), "{}", e.message());
+        alice.submit_job(uses).await.expect("alice's job may");
         // A node token reports its own nodes only (NAME, NAME-*): the
         // node appears; a node of another name is refused, and never does.
         let mut node = client(&certs, addr, bearer(&secret("node"))).await;

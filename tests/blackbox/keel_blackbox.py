@@ -174,6 +174,8 @@ def spec(name, **fields):
     for k, v in fields.items():
         if isinstance(v, list):
             getattr(s, k).extend(v)
+        elif isinstance(v, dict):
+            getattr(s, k).update(v)
         else:
             setattr(s, k, v)
     return s

@@ -1036,6 +1036,99 @@ class Queues(OneServer):
         self.assertEqual(names, ["default"])
 
 
+def secret_key_file():
+    """A file holding a fresh key from `keel secret new-key`."""
+    import tempfile
+
+    key = subprocess.run([KEEL, "secret", "new-key"], check=True, capture_output=True, text=True).stdout
+    fd, path = tempfile.mkstemp(prefix="keel-blackbox-key-")
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return path
+
+
+class Secrets(OneServer):
+    """Issue 35: secrets from outside. Bad puts are refused naming their
+    field and change nothing; a put sent again under its request id is
+    taken once; no answer holds a value; a job naming a secret or key that
+    does not exist is refused."""
+
+    VALUE = b"py-outside-credential-5e2d"
+
+    def setUp(self):
+        self.key_file = secret_key_file()
+        self.args = ("--no-local-node", "--node-timeout-s", "300", "--secret-key-file", self.key_file)
+        super().setUp()
+
+    def tearDown(self):
+        super().tearDown()
+        os.remove(self.key_file)
+
+    def test_bad_secret_requests_name_their_field_and_a_retry_applies_once(self):
+        put = self.stub.PutSecret
+        for request, field in [
+            (api.PutSecretRequest(name="Bad Name", values={"k": b"v"}), "name"),
+            (api.PutSecretRequest(name="x" * 64, values={"k": b"v"}), "name"),
+            (api.PutSecretRequest(name="empty"), "values"),
+            (api.PutSecretRequest(name="many", values={"k%d" % i: b"v" for i in range(65)}), "values"),
+            (api.PutSecretRequest(name="bad-key", values={"a key": b"v"}), "values"),
+            (api.PutSecretRequest(name="long", values={"k": b"v" * 8193}), "values.k"),
+            (api.PutSecretRequest(name="binary", values={"k": b"\xff\xfe"}), "values.k"),
+            (api.PutSecretRequest(name="nul", values={"k": b"a\x00b"}), "values.k"),
+            (api.PutSecretRequest(name="lost", values={"k": b"v"}, queue="nowhere"), "queue"),
+        ]:
+            code, message, info = refusal(self, put, request)
+            self.assertEqual(code, CODE.INVALID_ARGUMENT, message)
+            self.assertEqual(info.metadata["field"], field, message)
+        code, _, info = refusal(self, self.stub.DeleteSecret, api.DeleteSecretRequest(name="nowhere"))
+        self.assertEqual((code, info.reason), (CODE.NOT_FOUND, "SECRET_NOT_FOUND"))
+        self.assertEqual(list(self.stub.ListSecrets(api.ListSecretsRequest(), timeout=10).secrets), [])
+        # Sent twice under one request id (the answer was lost): one put.
+        request = api.PutSecretRequest(name="tracker", values={"api_key": self.VALUE}, request_id="py-secret-1")
+        self.assertEqual(put(request, timeout=20).revision, 1)
+        self.assertEqual(put(request, timeout=20).revision, 1, "the retry gets the first answer")
+        listed = self.stub.ListSecrets(api.ListSecretsRequest(), timeout=10)
+        self.assertEqual([(s.name, list(s.keys), s.revision) for s in listed.secrets], [("tracker", ["api_key"], 1)])
+        self.assertTrue(listed.secrets[0].opens_here)
+        self.assertNotIn(self.VALUE, listed.SerializeToString())
+        # A job naming a secret or a key that does not exist is refused.
+        for ref in ("nowhere/api_key", "tracker/nope"):
+            code, message, info = refusal(
+                self, self.stub.SubmitJob, api.SubmitJobRequest(spec=spec("lost", secret_env={"K": ref}))
+            )
+            self.assertEqual((code, info.reason), (CODE.NOT_FOUND, "SECRET_NOT_FOUND"), message)
+        code, message, info = refusal(
+            self, self.stub.SubmitJob, api.SubmitJobRequest(spec=spec("bad", secret_env={"K": "no-slash"}))
+        )
+        self.assertEqual((code, info.metadata["field"]), (CODE.INVALID_ARGUMENT, "spec.env.K"), message)
+        self.assertIn("NAME/KEY", message)
+        job = self.stub.SubmitJob(
+            api.SubmitJobRequest(spec=spec("uses", secret_env={"TRACKER_KEY": "tracker/api_key"})), timeout=20
+        ).job_id
+        answer = self.stub.GetJob(api.GetJobRequest(job_id=job), timeout=10)
+        self.assertEqual(dict(answer.spec.secret_env), {"TRACKER_KEY": "tracker/api_key"})
+        self.assertNotIn(self.VALUE, answer.SerializeToString())
+        # Kept while the job is unfinished.
+        code, message, _ = refusal(self, self.stub.DeleteSecret, api.DeleteSecretRequest(name="tracker"))
+        self.assertEqual(code, CODE.FAILED_PRECONDITION, message)
+        self.assertIn("job %d" % job, message)
+        self.assert_serving(["uses"])
+
+
+class NoSecretKey(OneServer):
+    """Issue 35: a server started without a key refuses to keep a secret,
+    saying how to give it one."""
+
+    def test_a_put_without_a_key_is_refused_naming_the_flag(self):
+        code, message, info = refusal(
+            self, self.stub.PutSecret, api.PutSecretRequest(name="tracker", values={"k": b"v"})
+        )
+        self.assertEqual((code, info.reason), (CODE.FAILED_PRECONDITION, "SECRET_KEY_MISSING"), message)
+        self.assertIn("--secret-key-file", message)
+        self.assertEqual(list(self.stub.ListSecrets(api.ListSecretsRequest(), timeout=10).secrets), [])
+        self.assert_serving([])
+
+
 class Admission(OneServer):
     """Issue 23, items 2 and 6: a queue's quota holds from outside. A job
     beyond its queue's quota waits, and GetJob says why; a job within

@@ -114,11 +114,18 @@ impl KeelApi {
             queue: req.queue,
             replaces_revision: None,
         };
-        let (index, _) = self
+        let (index, events) = self
             .propose_request(command, req.request_id, granted.actor())
             .await?;
-        tracing::info!(secret = %req.name, index, "secret put");
-        Ok(Response::new(api::SecretChangeResponse { index }))
+        let revision = events
+            .iter()
+            .find_map(|e| match e {
+                keel_state::Event::SecretPut { revision, .. } => Some(*revision),
+                _ => None,
+            })
+            .unwrap_or_default();
+        tracing::info!(secret = %req.name, index, revision, "secret put");
+        Ok(Response::new(api::SecretChangeResponse { index, revision }))
     }
 
     pub(super) async fn delete_secret_call(
@@ -145,7 +152,10 @@ impl KeelApi {
             .propose_request(command, req.request_id, granted.actor())
             .await?;
         tracing::info!(secret = %req.name, index, "secret deleted");
-        Ok(Response::new(api::SecretChangeResponse { index }))
+        Ok(Response::new(api::SecretChangeResponse {
+            index,
+            revision: 0,
+        }))
     }
 
     pub(super) async fn list_secrets_call(

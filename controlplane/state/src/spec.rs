@@ -651,6 +651,15 @@ impl JobSpec {
                     reason: "a variable is either a plain value or a secret, not both".into(),
                 });
             }
+            if reference.key.is_empty() {
+                return Err(SpecError::Invalid {
+                    field,
+                    reason: format!(
+                        "{:?} is not a secret reference: NAME/KEY, e.g. tracker/api_key",
+                        reference.name
+                    ),
+                });
+            }
             reference.validate(&field).map_err(|e| SpecError::Invalid {
                 field: field.clone(),
                 reason: match e {
@@ -751,8 +760,9 @@ impl JobSpec {
                 format!(
                     "env.{name} looks like a credential: a plain env value is written to the \
                      replicated log and snapshots on every replica and shown by `keel job` to \
-                     anyone who can reach the API; give the job its credentials another way \
-                     (a file on the node only the job's user can read)"
+                     anyone who can reach the API; put it in a secret instead (`keel secret \
+                     create NAME --from-file KEY=PATH`) and write `{name}: {{secret: NAME/KEY}}` \
+                     in the spec's env"
                 )
             })
             .collect()
@@ -802,7 +812,8 @@ mod tests {
         let warnings = s.warnings();
         assert_eq!(warnings.len(), 5);
         assert!(
-            warnings[0].starts_with("env.DB_PASSWORD looks like a credential"),
+            warnings[0].starts_with("env.DB_PASSWORD looks like a credential")
+                && warnings[0].contains("DB_PASSWORD: {secret: NAME/KEY}"),
             "{warnings:?}"
         );
         assert_eq!(s.validate(), Ok(()));
