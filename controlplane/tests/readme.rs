@@ -722,3 +722,78 @@ fn the_readme_queue_block_runs_as_written() {
     assert_eq!(names, ["default", "team-a"], "after {seen:?}");
     server.terminate();
 }
+
+/// "Secrets": the block as written against a server holding a key; the
+/// example job sees the value, and the delete waits for it to end (the
+/// README says it is refused while the job is unfinished).
+#[test]
+fn the_readme_secrets_block_runs_as_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let made = std::process::Command::new(support::KEEL)
+        .args(["secret", "new-key"])
+        .output()
+        .expect("keel secret new-key");
+    let key = dir.path().join("secret.key");
+    std::fs::write(&key, &made.stdout).expect("key file");
+    let key_arg = key.display().to_string();
+    let server = ServerProcess::start(
+        &dir.path().join("keel-data"),
+        &[
+            "--simulated-gpus",
+            "1xv100",
+            "--round-s",
+            "0.2",
+            "--secret-key-file",
+            &key_arg,
+        ],
+    );
+    let (root, addr) = (root(), server.addr.clone());
+    let block = &sh_blocks("Secrets")[0];
+    let mut submitted = None;
+    let mut seen = Vec::new();
+    for line in block {
+        let words: Vec<&str> = line.command.split_whitespace().collect();
+        let args = words
+            .strip_prefix(&["keel"])
+            .unwrap_or_else(|| panic!("not a keel command: {line:?}"));
+        if args.starts_with(&["secret", "delete"]) {
+            let id = submitted.expect("the block submits before it deletes");
+            wait_for("the example job to end", || {
+                (job(&root, &addr, id)["state"] == "succeeded").then_some(())
+            });
+            let logs = keel_ok(&root, &addr, &["logs", &id.to_string()]);
+            assert!(
+                logs.contains("the tracker key is set, 12 bytes"),
+                "the worker sees the value: {logs}"
+            );
+        }
+        let out = keel_ok(&root, &addr, args);
+        match args {
+            ["secret", "list"] => {
+                assert!(out.contains("tracker") && out.contains("api_key"), "{out}");
+                assert!(!out.contains("wandb-abc123"), "a value shown: {out}");
+            }
+            ["submit", ..] => {
+                let id: u64 = out
+                    .split_whitespace()
+                    .find_map(|w| w.parse().ok())
+                    .unwrap_or_else(|| panic!("a job id in {out:?}"));
+                let shown = keel_ok(&root, &addr, &["job", &id.to_string()]);
+                assert!(
+                    shown.contains("WANDB_API_KEY=<secret tracker/api_key>")
+                        && shown.contains("LEARNING_RATE=0.10"),
+                    "{shown}"
+                );
+                submitted = Some(id);
+            }
+            ["secret", "rotate-key"] => {
+                assert!(out.contains("0 re-sealed, 1 already were"), "{out}");
+            }
+            _ => {}
+        }
+        seen.push(args.join(" "));
+    }
+    let left = keel_ok(&root, &addr, &["secret", "list", "-o", "json"]);
+    assert!(left.contains("\"secrets\": []"), "after {seen:?}: {left}");
+    server.terminate();
+}
