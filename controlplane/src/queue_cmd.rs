@@ -3,7 +3,6 @@
 //! `--quota v100=16,a100=8`.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 
 use clap::Subcommand;
 use keel_proto::api;
@@ -112,19 +111,6 @@ async fn list(addr: &str) -> anyhow::Result<Vec<api::QueueStatus>> {
     Ok(list.queues)
 }
 
-fn changed(what: &str, name: &str, index: u64, out: Output) -> anyhow::Result<()> {
-    match out {
-        Output::Json => render::print_json(&serde_json::json!({"name": name, "index": index})),
-        Output::Table => {
-            writeln!(
-                std::io::stdout().lock(),
-                "queue {name} {what} at index {index}"
-            )?;
-            Ok(())
-        }
-    }
-}
-
 pub async fn run(addr: &str, command: QueueCmd, out: Output) -> anyhow::Result<()> {
     match command {
         QueueCmd::Create { name, spec } => {
@@ -141,7 +127,7 @@ pub async fn run(addr: &str, command: QueueCmd, out: Output) -> anyhow::Result<(
                 async move { client.create_queue(request).await }
             })
             .await?;
-            changed("created", &name, resp.index, out)
+            render::changed("queue", "created", &name, resp.index, out)
         }
         QueueCmd::Update { name, spec } => {
             let current = list(addr)
@@ -159,7 +145,7 @@ pub async fn run(addr: &str, command: QueueCmd, out: Output) -> anyhow::Result<(
                 async move { client.update_queue(request).await }
             })
             .await?;
-            changed("changed", &name, resp.index, out)
+            render::changed("queue", "changed", &name, resp.index, out)
         }
         QueueCmd::Delete { name } => {
             let resp = cli::write(addr, |mut client, request_id| {
@@ -170,7 +156,7 @@ pub async fn run(addr: &str, command: QueueCmd, out: Output) -> anyhow::Result<(
                 async move { client.delete_queue(request).await }
             })
             .await?;
-            changed("deleted", &name, resp.index, out)
+            render::changed("queue", "deleted", &name, resp.index, out)
         }
         QueueCmd::List => render::queues(&list(addr).await?, out),
         QueueCmd::Show { name } => {

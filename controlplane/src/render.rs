@@ -1145,6 +1145,18 @@ fn counts(map: &std::collections::BTreeMap<String, u32>) -> String {
 }
 
 /// `keel queue list` and `keel queue show`.
+/// What a queue or secret change says: `NOUN NAME WHAT at index N`, or
+/// `{name, index}` in JSON.
+pub fn changed(noun: &str, what: &str, name: &str, index: u64, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => print_json(&serde_json::json!({"name": name, "index": index})),
+        Output::Table => {
+            outln!("{noun} {name} {what} at index {index}");
+            Ok(())
+        }
+    }
+}
+
 /// `keel secret list`: names, keys and who may use them; never a value.
 pub fn secrets(list: &api::ListSecretsResponse, out: Output) -> anyhow::Result<()> {
     match out {

@@ -108,19 +108,6 @@ fn values(
     Ok(out)
 }
 
-fn changed(what: &str, name: &str, index: u64, out: Output) -> anyhow::Result<()> {
-    match out {
-        Output::Json => render::print_json(&serde_json::json!({"name": name, "index": index})),
-        Output::Table => {
-            writeln!(
-                std::io::stdout().lock(),
-                "secret {name} {what} at index {index}"
-            )?;
-            Ok(())
-        }
-    }
-}
-
 pub async fn run(addr: &str, command: SecretCmd, out: Output) -> anyhow::Result<()> {
     match command {
         SecretCmd::Create {
@@ -140,7 +127,8 @@ pub async fn run(addr: &str, command: SecretCmd, out: Output) -> anyhow::Result<
                 async move { client.put_secret(request).await }
             })
             .await?;
-            changed(
+            render::changed(
+                "secret",
                 &format!("put (revision {})", resp.revision),
                 &name,
                 resp.index,
@@ -156,7 +144,7 @@ pub async fn run(addr: &str, command: SecretCmd, out: Output) -> anyhow::Result<
                 async move { client.delete_secret(request).await }
             })
             .await?;
-            changed("deleted", &name, resp.index, out)
+            render::changed("secret", "deleted", &name, resp.index, out)
         }
         SecretCmd::List => {
             let (list, _) = cli::read(addr, |mut client| async move {
