@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keel_executors::book::ManualClock;
-use keel_executors::contract::WorkerLaunch;
+use keel_executors::contract::{SecretEnv, WorkerLaunch};
 use keel_executors::kubernetes::pod_name;
 use keel_executors::{Executor, KubeConfig, KubeExecutor, NodeProbe, Observed, WorkerId};
 use support::kube_standin::{CreateFault, NodeShape, StandIn};
@@ -182,6 +182,96 @@ async fn workers_run_as_pinned_pods_with_gpus_labels_the_contract_and_a_rendezvo
     exec.forget(&r1.id).await;
     wait_for("the finished pods and the service to go", async || {
         (api.pod_names().is_empty() && api.service("keel-j7-e2").is_none()).then_some(())
+    })
+    .await;
+}
+
+/// A variable opened from a secret (issue 35), as the leader hands it to
+/// the executor.
+fn with_secret(name: &str, value: &str) -> BTreeMap<String, SecretEnv> {
+    BTreeMap::from([(
+        name.to_string(),
+        SecretEnv {
+            reference: keel_state::secret::SecretRef {
+                name: "tracker".into(),
+                key: "api_key".into(),
+            },
+            sealed: None,
+            value: Some(value.into()),
+        },
+    )])
+}
+
+/// Issue 35: a worker's variable from a secret is in a Secret of its own,
+/// read by the Pod through `secretKeyRef`: the Pod holds no value. The
+/// Secret goes with the finished worker, and a new leader that finds the
+/// Pod deletes it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_secret_is_a_secret_object_the_pod_refers_to_and_goes_with_it() {
+    const VALUE: &str = "k8s-tracker-credential-91c4";
+    let api = StandIn::start().await;
+    let exec = KubeExecutor::new(api.client("train"), config());
+    exec.take_over().await;
+    let mut l = launch(5, 1, 0, 1);
+    l.secret_env = with_secret("TRACKER_KEY", VALUE);
+    exec.launch(l.clone()).await.expect("launch");
+    let pod = created(&api, &l.id).await;
+    let name = pod_name(&l.id);
+    assert!(
+        !pod.to_string().contains(VALUE),
+        "the pod holds the value: {pod}"
+    );
+    assert!(!env_of(&pod).contains_key("TRACKER_KEY"));
+    let from = pod["spec"]["containers"][0]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["name"] == "TRACKER_KEY")
+        .cloned()
+        .expect("the variable");
+    assert_eq!(
+        from["valueFrom"]["secretKeyRef"],
+        serde_json::json!({"name": name, "key": "TRACKER_KEY", "optional": false})
+    );
+    assert_eq!(env_of(&pod)["MINE"], "x", "plain variables stay");
+    let secret = api
+        .secret(&name)
+        .expect("the worker's secret, made before its pod");
+    let posts: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.starts_with("POST"))
+        .collect();
+    assert_eq!(
+        posts,
+        [format!("POST secrets {name}"), format!("POST pods {name}")]
+    );
+    let stored: k8s_openapi::api::core::v1::Secret =
+        serde_json::from_value(secret.clone()).expect("a Secret");
+    assert_eq!(
+        stored
+            .data
+            .as_ref()
+            .and_then(|d| d.get("TRACKER_KEY"))
+            .map(|b| b.0.as_slice()),
+        Some(VALUE.as_bytes())
+    );
+    assert_eq!(secret["metadata"]["labels"]["keel.dev/job"], "5");
+
+    // A new leader finds the pod, and deletes its secret with it.
+    exec.release().await;
+    let next = KubeExecutor::new(api.client("train"), config());
+    next.take_over().await;
+    wait_for("the new leader to find the pod", async || {
+        matches!(observed(&next, &l.id).await, Some(Observed::Running { .. })).then_some(())
+    })
+    .await;
+    api.run(&name);
+    api.exit(&name, 0);
+    assert_eq!(wait_exit(&next, &l.id).await.0, Some(0));
+    next.forget(&l.id).await;
+    wait_for("the pod and its secret to go", async || {
+        (api.pod(&name).is_none() && api.secret(&name).is_none()).then_some(())
     })
     .await;
 }
@@ -385,7 +475,10 @@ async fn the_rbac_manifest_grants_exactly_what_the_executor_calls() {
     api.add_node("gpu-0", 2, "NVIDIA-A100-SXM4-80GB", true);
     let exec = KubeExecutor::new(api.client("train"), config());
     exec.take_over().await;
-    let (r0, r1) = (launch(1, 1, 0, 2), launch(1, 1, 1, 2));
+    let (mut r0, r1) = (launch(1, 1, 0, 2), launch(1, 1, 1, 2));
+    // A worker with a variable from a secret: its Secret is made and
+    // deleted.
+    r0.secret_env = with_secret("TRACKER_KEY", "v");
     // One create is taken but answered 504: the retry's 409 reads the pod.
     api.fail_creates(&[CreateFault::PersistedButTimedOut]);
     exec.launch(r0.clone()).await.expect("launch");
@@ -421,9 +514,15 @@ async fn the_rbac_manifest_grants_exactly_what_the_executor_calls() {
     wait_exit(&exec, &r1.id).await;
     exec.forget(&r0.id).await;
     exec.forget(&r1.id).await;
-    wait_for("the finished pods and the service to go", async || {
-        (api.pod_names().is_empty() && api.service("keel-j1-e1").is_none()).then_some(())
-    })
+    wait_for(
+        "the finished pods, the service and the secret to go",
+        async || {
+            (api.pod_names().is_empty()
+                && api.service("keel-j1-e1").is_none()
+                && api.secret(&pod_name(&r0.id)).is_none())
+            .then_some(())
+        },
+    )
     .await;
     let used = api.rbac_uses();
 

@@ -48,8 +48,8 @@ use std::time::{Duration, Instant};
 
 use futures::{AsyncReadExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{
-    Container, EnvVar, Node, Pod, PodSpec, ResourceRequirements, Service, ServicePort, ServiceSpec,
-    Toleration, Volume, VolumeMount,
+    Container, EnvVar, EnvVarSource, Node, Pod, PodSpec, ResourceRequirements, Secret,
+    SecretKeySelector, Service, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -321,6 +321,30 @@ struct PodWorker {
     /// Still terminating past its grace and `terminating_timeout`: said
     /// once, and its GPUs kept out of the Node's offer.
     stuck: bool,
+    /// Its variables from secrets are in a Secret named like its Pod
+    /// (issue 35), deleted when the worker is forgotten.
+    has_secret: bool,
+}
+
+/// What a worker's Pod needs made before it: the job's rendezvous Service
+/// (rank 0 of a multi-worker job) and the worker's Secret.
+struct PodExtras {
+    service: Option<Service>,
+    secret: Option<Secret>,
+}
+
+/// Whether `pod` reads variables from the Secret named like it (a worker
+/// with secrets, found by a new leader).
+fn reads_own_secret(pod: &Pod) -> bool {
+    let own = pod.metadata.name.as_deref();
+    pod.spec.iter().flat_map(|s| &s.containers).any(|c| {
+        c.env.iter().flatten().any(|e| {
+            e.value_from
+                .as_ref()
+                .and_then(|v| v.secret_key_ref.as_ref())
+                .is_some_and(|r| Some(r.name.as_str()) == own)
+        })
+    })
 }
 
 /// What the executor sees of the cluster besides its own workers (cleared
@@ -390,6 +414,10 @@ impl KubeExecutor {
         Api::namespaced(self.client.clone(), &self.config.namespace)
     }
 
+    fn secrets(&self) -> Api<Secret> {
+        Api::namespaced(self.client.clone(), &self.config.namespace)
+    }
+
     fn selector() -> String {
         format!("{MANAGED_BY}=keel")
     }
@@ -428,6 +456,25 @@ impl KubeExecutor {
         let mut env = environment(&contract, RENDEZVOUS_PORT, &checkpoint);
         // The device plugin exposes the Pod's GPUs and sets this itself.
         env.remove("CUDA_VISIBLE_DEVICES");
+        // A variable from a secret is read from the worker's Secret
+        // ([`Self::secret_for`]): its value is not in the Pod.
+        let from_secret: Vec<EnvVar> = launch
+            .secret_env
+            .keys()
+            .filter(|name| env.remove(name.as_str()).is_some())
+            .map(|name| EnvVar {
+                name: name.clone(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    secret_key_ref: Some(SecretKeySelector {
+                        name: pod_name(id),
+                        key: name.clone(),
+                        optional: Some(false),
+                    }),
+                    ..EnvVarSource::default()
+                }),
+            })
+            .collect();
         let labels: BTreeMap<String, String> = [
             (MANAGED_BY.to_string(), "keel".to_string()),
             (LABEL_JOB.to_string(), id.job_id.to_string()),
@@ -499,6 +546,7 @@ impl KubeExecutor {
                                 value: Some(value),
                                 value_from: None,
                             })
+                            .chain(from_secret)
                             .collect(),
                     ),
                     resources: Some(ResourceRequirements {
@@ -516,6 +564,38 @@ impl KubeExecutor {
                 ..PodSpec::default()
             }),
             status: None,
+        })
+    }
+
+    /// The Secret holding `launch`'s opened variables from secrets, named
+    /// like its Pod and labelled like it; none without such variables.
+    fn secret_for(&self, launch: &WorkerLaunch) -> Option<Secret> {
+        let values: BTreeMap<String, String> = launch
+            .secret_env
+            .iter()
+            .filter_map(|(name, s)| Some((name.clone(), s.value.clone()?)))
+            .collect();
+        if values.is_empty() {
+            return None;
+        }
+        let id = &launch.id;
+        let labels: BTreeMap<String, String> = [
+            (MANAGED_BY.to_string(), "keel".to_string()),
+            (LABEL_JOB.to_string(), id.job_id.to_string()),
+            (LABEL_EPOCH.to_string(), id.epoch.to_string()),
+            (LABEL_RANK.to_string(), id.rank.to_string()),
+        ]
+        .into();
+        Some(Secret {
+            metadata: ObjectMeta {
+                name: Some(pod_name(id)),
+                namespace: Some(self.config.namespace.clone()),
+                labels: Some(labels),
+                ..ObjectMeta::default()
+            },
+            string_data: Some(values),
+            type_: Some("Opaque".into()),
+            ..Secret::default()
         })
     }
 
@@ -565,8 +645,10 @@ impl KubeExecutor {
                 return;
             }
         };
+        let secret = self.secret_for(&launch);
         let extra = PodWorker {
             pending_since: Some(self.book.now()),
+            has_secret: secret.is_some(),
             ..PodWorker::default()
         };
         let gpus = gpu_refs(&launch.node, launch.gpus.iter().copied());
@@ -575,7 +657,10 @@ impl KubeExecutor {
         let generation = self.book.generation();
         let service =
             (launch.world_size > 1 && id.rank == 0).then(|| self.service_for(id.job_id, id.epoch));
-        tokio::spawn(self.clone().create(id, pod, service, generation));
+        tokio::spawn(
+            self.clone()
+                .create(id, pod, PodExtras { service, secret }, generation),
+        );
     }
 
     /// Whether a task of `generation` should go on with `id`: it leads,
@@ -602,9 +687,14 @@ impl KubeExecutor {
     /// Creates a worker's Pod, trying again after transient failures (no
     /// answer, 429 after its `Retry-After`, 5xx) until it is taken,
     /// refused, or no longer wanted.
-    async fn create(self, id: WorkerId, pod: Pod, service: Option<Service>, generation: u64) {
+    async fn create(self, id: WorkerId, pod: Pod, extras: PodExtras, generation: u64) {
         let deadline = self.config.call_timeout;
-        if let Some(svc) = service {
+        if let Some(secret) = extras.secret {
+            if !self.create_secret(&id, &secret, generation).await {
+                return;
+            }
+        }
+        if let Some(svc) = extras.service {
             match bounded(
                 deadline,
                 self.services().create(&PostParams::default(), &svc),
@@ -677,6 +767,43 @@ impl KubeExecutor {
         }
     }
 
+    /// Creates a worker's Secret before its Pod, trying again after
+    /// transient failures; one there already is this worker's (a create
+    /// taken but answered with an error, a launch retried by a new
+    /// leader). Whether the Pod may be created.
+    async fn create_secret(&self, id: &WorkerId, secret: &Secret, generation: u64) -> bool {
+        let mut attempt = 0u32;
+        while self.still_wanted(id, generation) {
+            let created = bounded(
+                self.config.call_timeout,
+                self.secrets().create(&PostParams::default(), secret),
+            )
+            .await;
+            let wait = match created {
+                Ok(_) | Err(CallError::Conflict(_)) => return true,
+                Err(e @ (CallError::Refused { .. } | CallError::NotFound)) => {
+                    self.record_exit(
+                        id,
+                        Some(127),
+                        format!(
+                            "could not start: the API server refused the worker's Secret \
+                             (the executor's role needs create and delete on secrets): {e}"
+                        ),
+                    );
+                    return false;
+                }
+                Err(e @ CallError::Transient { .. }) => {
+                    let wait = retry_delay(attempt, retry_after(&e));
+                    tracing::warn!(worker = %id, error = %e, retry_in_s = wait.as_secs_f64(), "secret not created yet");
+                    wait
+                }
+            };
+            attempt = attempt.saturating_add(1);
+            tokio::time::sleep(wait).await;
+        }
+        false
+    }
+
     /// Deletes a Pod with `grace_s`, trying again after transient failures
     /// while this generation leads and the worker is in the book.
     async fn delete(self, id: WorkerId, grace_s: i64, generation: u64) {
@@ -739,6 +866,7 @@ impl KubeExecutor {
                 let terminating = pod.metadata.deletion_timestamp.is_some();
                 let extra = PodWorker {
                     pending_since: Some(now),
+                    has_secret: reads_own_secret(pod),
                     // Being deleted already: timed as a stop from now.
                     stop_asked: terminating.then(|| {
                         let grace = pod
@@ -1343,25 +1471,34 @@ impl Executor for KubeExecutor {
     }
 
     async fn forget(&self, id: &WorkerId) {
-        let known = self
+        let (known, has_secret) = self
             .book
             .lock()
             .workers
             .get(id)
-            .is_some_and(|w| !w.is_running());
+            .map_or((false, false), |w| (!w.is_running(), w.extra.has_secret));
         if !known {
             return;
         }
         self.book.forget(id);
         // The exit is in the log: the finished Pod (and the epoch's Service,
         // with rank 0) can go, in the background.
-        let (pods, services) = (self.pods(), self.services());
+        let (pods, services, secrets) = (self.pods(), self.services(), self.secrets());
         let (name, deadline) = (pod_name(id), self.config.call_timeout);
         let service = (id.rank == 0).then(|| service_name(id.job_id, id.epoch));
         tokio::spawn(async move {
             if let Err(e) = bounded(deadline, pods.delete(&name, &DeleteParams::default())).await {
                 if e != CallError::NotFound {
                     tracing::debug!(pod = %name, error = %e, "finished pod not deleted");
+                }
+            }
+            if has_secret {
+                if let Err(e) =
+                    bounded(deadline, secrets.delete(&name, &DeleteParams::default())).await
+                {
+                    if e != CallError::NotFound {
+                        tracing::warn!(secret = %name, error = %e, "finished worker's secret not deleted");
+                    }
                 }
             }
             if let Some(svc) = service {

@@ -69,6 +69,9 @@ struct World {
     log_generation: BTreeMap<String, u64>,
     log_clock_ns: u64,
     services: BTreeMap<String, Value>,
+    /// Secrets by name, as a real API server keeps them: `stringData`
+    /// merged into `data`, base64.
+    secrets: BTreeMap<String, Value>,
     nodes: BTreeMap<String, Value>,
     /// Every Pod change: (resource version, type, object).
     events: Vec<(u64, &'static str, Value)>,
@@ -686,6 +689,56 @@ async fn delete_service(
     }
 }
 
+async fn create_secret(
+    State(world): State<Shared>,
+    Path(ns): Path<String>,
+    Json(mut secret): Json<Value>,
+) -> Response {
+    let mut w = world.lock().expect("world");
+    let Some(name) = secret["metadata"]["name"].as_str().map(String::from) else {
+        return status(422, "Invalid", "metadata.name: Required value");
+    };
+    w.requests.push(format!("POST secrets {name}"));
+    if w.secrets.contains_key(&name) {
+        return status(
+            409,
+            "AlreadyExists",
+            &format!("secrets \"{name}\" already exists"),
+        );
+    }
+    // `stringData` is write-only: the API server keeps it in `data`
+    // (base64 in JSON, as k8s-openapi's `ByteString` writes it).
+    let Ok(mut typed) =
+        serde_json::from_value::<k8s_openapi::api::core::v1::Secret>(secret.clone())
+    else {
+        return status(422, "Invalid", "not a Secret");
+    };
+    if let Some(strings) = typed.string_data.take() {
+        let data = typed.data.get_or_insert_with(Default::default);
+        for (k, v) in strings {
+            data.insert(k, k8s_openapi::ByteString(v.into_bytes()));
+        }
+    }
+    secret = serde_json::to_value(&typed).unwrap_or(secret);
+    secret["apiVersion"] = json!("v1");
+    secret["kind"] = json!("Secret");
+    secret["metadata"]["namespace"] = json!(ns);
+    w.secrets.insert(name, secret.clone());
+    (StatusCode::CREATED, Json(secret)).into_response()
+}
+
+async fn delete_secret(
+    State(world): State<Shared>,
+    Path((_ns, name)): Path<(String, String)>,
+) -> Response {
+    let mut w = world.lock().expect("world");
+    w.requests.push(format!("DELETE secrets {name}"));
+    match w.secrets.remove(&name) {
+        Some(secret) => Json(secret).into_response(),
+        None => status(404, "NotFound", &format!("secrets \"{name}\" not found")),
+    }
+}
+
 async fn list_nodes(State(world): State<Shared>) -> Response {
     let mut w = world.lock().expect("world");
     w.requests.push("LIST nodes".into());
@@ -737,6 +790,14 @@ impl StandIn {
             .route(
                 "/api/v1/namespaces/{ns}/services/{name}",
                 delete(delete_service),
+            )
+            .route(
+                "/api/v1/namespaces/{ns}/secrets",
+                axum::routing::post(create_secret),
+            )
+            .route(
+                "/api/v1/namespaces/{ns}/secrets/{name}",
+                delete(delete_secret),
             )
             .with_state(world.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -991,6 +1052,11 @@ impl StandIn {
                 Some((scope.to_string(), resource.to_string(), verb.to_string()))
             })
             .collect()
+    }
+
+    /// Secret `name` as the API server keeps it (`data`, base64).
+    pub fn secret(&self, name: &str) -> Option<Value> {
+        self.world.lock().expect("world").secrets.get(name).cloned()
     }
 
     pub fn requests(&self) -> Vec<String> {
