@@ -326,6 +326,17 @@ struct PodWorker {
     has_secret: bool,
 }
 
+/// The labels that name a worker's Pod and Secret as Keel's and its.
+fn worker_labels(id: &WorkerId) -> BTreeMap<String, String> {
+    [
+        (MANAGED_BY.to_string(), "keel".to_string()),
+        (LABEL_JOB.to_string(), id.job_id.to_string()),
+        (LABEL_EPOCH.to_string(), id.epoch.to_string()),
+        (LABEL_RANK.to_string(), id.rank.to_string()),
+    ]
+    .into()
+}
+
 /// What a worker's Pod needs made before it: the job's rendezvous Service
 /// (rank 0 of a multi-worker job) and the worker's Secret.
 struct PodExtras {
@@ -475,13 +486,7 @@ impl KubeExecutor {
                 }),
             })
             .collect();
-        let labels: BTreeMap<String, String> = [
-            (MANAGED_BY.to_string(), "keel".to_string()),
-            (LABEL_JOB.to_string(), id.job_id.to_string()),
-            (LABEL_EPOCH.to_string(), id.epoch.to_string()),
-            (LABEL_RANK.to_string(), id.rank.to_string()),
-        ]
-        .into();
+        let labels = worker_labels(id);
         let gpus_csv = launch
             .gpus
             .iter()
@@ -579,13 +584,7 @@ impl KubeExecutor {
             return None;
         }
         let id = &launch.id;
-        let labels: BTreeMap<String, String> = [
-            (MANAGED_BY.to_string(), "keel".to_string()),
-            (LABEL_JOB.to_string(), id.job_id.to_string()),
-            (LABEL_EPOCH.to_string(), id.epoch.to_string()),
-            (LABEL_RANK.to_string(), id.rank.to_string()),
-        ]
-        .into();
+        let labels = worker_labels(id);
         Some(Secret {
             metadata: ObjectMeta {
                 name: Some(pod_name(id)),
