@@ -313,10 +313,11 @@ impl Secrets {
                 limit: limits::SECRETS_MAX,
             });
         }
-        // A re-seal keeps the owner; a new put makes its writer the owner.
-        let owner = match (replaces_revision, existing) {
-            (Some(_), Some(s)) => s.owner.clone(),
-            _ => actor.cloned(),
+        // Who made it owns it: a replace (an admin's, a re-seal) keeps the
+        // owner, so the owner's jobs go on using it.
+        let owner = match existing {
+            Some(s) => s.owner.clone(),
+            None => actor.cloned(),
         };
         let revision = existing.map_or(0, |s| s.revision) + 1;
         self.secrets.insert(
@@ -454,17 +455,26 @@ mod tests {
             s.put("db", &values(&["pw"]), "", Some(1), 2, Some(&admin)),
             Ok(2)
         );
+        assert_eq!(
+            s.get("db").and_then(|d| d.owner.clone()),
+            Some(alice.clone())
+        );
+        // A plain replace by another (an admin) keeps the owner too.
+        assert_eq!(
+            s.put("db", &values(&["pw"]), "", None, 3, Some(&admin)),
+            Ok(3)
+        );
         assert_eq!(s.get("db").and_then(|d| d.owner.clone()), Some(alice));
         // A re-seal of what was read before a newer put changes nothing.
         assert_eq!(
-            s.put("db", &values(&["pw"]), "", Some(1), 3, Some(&admin)),
+            s.put("db", &values(&["pw"]), "", Some(1), 4, Some(&admin)),
             Err(SecretError::RevisionMoved {
                 name: "db".into(),
                 expected: 1,
-                current: 2
+                current: 3
             })
         );
-        assert_eq!(s.get("db").map(|d| d.changed_at_ms), Some(2));
+        assert_eq!(s.get("db").map(|d| d.changed_at_ms), Some(3));
     }
 
     #[test]
