@@ -705,7 +705,7 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
 
 /// Opens every secret `launch` takes ([`crate::secret_keys`]) into its
 /// values; why one does not open, in words for the job's record.
-pub fn open_secrets(
+fn open_secrets(
     keys: &crate::secret_keys::SecretKeys,
     launch: &mut keel_executors::contract::WorkerLaunch,
 ) -> Result<(), String> {

@@ -87,6 +87,24 @@ fn a_secret_reaches_its_worker_only_and_a_replica_without_its_key_loses_nothing(
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         ServerProcess::start(&data, &args)
     };
+    // A key file that holds no key: refused at start, naming the file,
+    // before a data directory exists.
+    let bad_key = dir.path().join("bad.key");
+    std::fs::write(&bad_key, "not a key\n").expect("bad key file");
+    let refused = std::process::Command::new(KEEL)
+        .args(["server", "--listen", "127.0.0.1:0", "--secret-key-file"])
+        .arg(&bad_key)
+        .arg("--data-dir")
+        .arg(&data)
+        .output()
+        .expect("run keel server");
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("bad.key") && err.contains("64 hex digits"),
+        "{err}"
+    );
+    assert!(!data.exists(), "nothing made for a refused start");
     let server = start(&[&old_key]);
     let _reaper = WorkerReaper(data.join("workers"));
 

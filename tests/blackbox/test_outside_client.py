@@ -1108,6 +1108,12 @@ class Secrets(OneServer):
         answer = self.stub.GetJob(api.GetJobRequest(job_id=job), timeout=10)
         self.assertEqual(dict(answer.spec.secret_env), {"TRACKER_KEY": "tracker/api_key"})
         self.assertNotIn(self.VALUE, answer.SerializeToString())
+        # A rotation with the one key this server holds re-seals nothing,
+        # and again nothing: it is idempotent, so a client may retry it.
+        for _ in range(2):
+            rotated = self.stub.RotateSecretKey(api.RotateSecretKeyRequest(), timeout=20)
+            self.assertEqual((rotated.resealed, rotated.already_current), (0, 1))
+            self.assertEqual(rotated.key_id, listed.key_ids_held[0])
         # Kept while the job is unfinished.
         code, message, _ = refusal(self, self.stub.DeleteSecret, api.DeleteSecretRequest(name="tracker"))
         self.assertEqual(code, CODE.FAILED_PRECONDITION, message)
@@ -1116,16 +1122,19 @@ class Secrets(OneServer):
 
 
 class NoSecretKey(OneServer):
-    """Issue 35: a server started without a key refuses to keep a secret,
-    saying how to give it one."""
+    """Issue 35: a server started without a key refuses to keep or re-seal
+    a secret, saying how to give it one."""
 
-    def test_a_put_without_a_key_is_refused_naming_the_flag(self):
+    def test_a_put_or_rotation_without_a_key_is_refused_naming_the_flag(self):
         code, message, info = refusal(
             self, self.stub.PutSecret, api.PutSecretRequest(name="tracker", values={"k": b"v"})
         )
         self.assertEqual((code, info.reason), (CODE.FAILED_PRECONDITION, "SECRET_KEY_MISSING"), message)
         self.assertIn("--secret-key-file", message)
-        self.assertEqual(list(self.stub.ListSecrets(api.ListSecretsRequest(), timeout=10).secrets), [])
+        code, message, info = refusal(self, self.stub.RotateSecretKey, api.RotateSecretKeyRequest())
+        self.assertEqual((code, info.reason), (CODE.FAILED_PRECONDITION, "SECRET_KEY_MISSING"), message)
+        listed = self.stub.ListSecrets(api.ListSecretsRequest(), timeout=10)
+        self.assertEqual((list(listed.secrets), list(listed.key_ids_held)), ([], []))
         self.assert_serving([])
 
 

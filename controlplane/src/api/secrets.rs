@@ -21,7 +21,7 @@ fn refused(e: SecretError) -> ApiError {
 }
 
 /// A key problem as the API says it: the server cannot seal.
-pub(crate) fn key_error(e: SecretKeyError) -> ApiError {
+fn key_error(e: SecretKeyError) -> ApiError {
     ApiError::SecretKey(e.to_string())
 }
 

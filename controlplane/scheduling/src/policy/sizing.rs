@@ -22,10 +22,7 @@ use super::{Plan, SchedulingInput};
 /// first, then submission order.
 pub(crate) fn candidates<'a>(input: &SchedulingInput<'a>) -> Vec<&'a Job> {
     let mut eligible = Eligible::new(input);
-    super::by_priority(input.unfinished_jobs())
-        .into_iter()
-        .filter(|job| eligible.check(job))
-        .collect()
+    super::by_priority(input.unfinished_jobs().filter(|job| eligible.check(job)))
 }
 
 /// The [`candidates`] as far as [`minimums`] reads them with the whole
