@@ -7,6 +7,7 @@
 //! the state it meets: parts that no longer hold are refused
 //! ([`Event::PlacementRefused`]), the rest applied.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
@@ -247,6 +248,14 @@ struct JobIndexes {
     /// (`finished_at_ms`, job) of ended jobs with no worker recorded as
     /// running: those a `RemoveJob` may remove, oldest first.
     removable: BTreeSet<(u64, JobId)>,
+    /// Unfinished jobs waiting that have had no service yet (no
+    /// allocation, no GPU-time), most important first: higher priority,
+    /// then earlier submission, then id. Every job in it has attained
+    /// nothing, so a least-attained-service ranking takes them in this
+    /// order without reading them (Tiresias's, issue 26).
+    never_served: BTreeSet<(Reverse<i32>, u64, JobId)>,
+    /// The other unfinished jobs: holding GPUs, or waiting after service.
+    served: BTreeSet<JobId>,
     /// Each job's place in the sets above (a job in none: absent), so an
     /// entry that moves a job in none of them costs one lookup.
     member_of: BTreeMap<JobId, Membership>,
@@ -261,6 +270,9 @@ struct Membership {
     with_running_workers: bool,
     backoff: Option<u64>,
     removable: Option<u64>,
+    /// In `never_served`, with its priority and submission time.
+    never_served: Option<(i32, u64)>,
+    served: bool,
 }
 
 impl Membership {
@@ -279,6 +291,9 @@ impl Membership {
             backoff: j.not_before_ms.filter(|_| !terminal && !allocated),
             removable: (terminal && !with_running_workers)
                 .then(|| j.finished_at_ms.unwrap_or(j.submitted_at_ms)),
+            never_served: (!terminal && !allocated && j.service_gpu_ms == 0)
+                .then_some((j.spec.priority, j.submitted_at_ms)),
+            served: !terminal && (allocated || j.service_gpu_ms > 0),
         }
     }
 }
@@ -384,6 +399,15 @@ impl JobIndexes {
         };
         keyed(&mut self.backoffs, before.backoff, now.backoff);
         keyed(&mut self.removable, before.removable, now.removable);
+        set(&mut self.served, before.served, now.served);
+        if before.never_served != now.never_served {
+            if let Some((priority, at_ms)) = before.never_served {
+                self.never_served.remove(&(Reverse(priority), at_ms, id));
+            }
+            if let Some((priority, at_ms)) = now.never_served {
+                self.never_served.insert((Reverse(priority), at_ms, id));
+            }
+        }
     }
 }
 
@@ -549,6 +573,24 @@ impl ClusterState {
     /// Jobs not yet in a terminal state, in submission order.
     pub fn unfinished_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
         self.indexed(&self.indexes.unfinished)
+    }
+
+    /// The unfinished jobs waiting that have had no service yet (never
+    /// allocated, or allocated and released before any GPU-time), most
+    /// important first: higher priority, then earlier submission, then
+    /// id. With [`Self::served_unfinished_jobs`], every unfinished job,
+    /// once.
+    pub fn never_served_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexes
+            .never_served
+            .iter()
+            .filter_map(|(_, _, id)| self.jobs.get(id))
+    }
+
+    /// The unfinished jobs that hold GPUs or have had service, in
+    /// submission order: those [`Self::never_served_jobs`] leaves out.
+    pub fn served_unfinished_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexed(&self.indexes.served)
     }
 
     /// How many jobs wait for GPUs (unfinished, without an allocation).
@@ -988,7 +1030,7 @@ impl ClusterState {
     fn apply_entry(&mut self, entry: &LogEntry) -> Result<Vec<Event>, ApplyError> {
         // What a decision's quota pre-check counted is for this entry's
         // charges only.
-        self.queue_index.forget_counts();
+        self.queue_index.start_entry();
         let events = self.apply_command(entry)?;
         // Every change to a job names it in an event (or in the command);
         // progress changes no index.
@@ -1211,7 +1253,14 @@ impl ClusterState {
             }
             Command::SubmitJob { spec } => {
                 spec.validate()?;
-                if !spec.queue.is_empty() && !self.queues.exists(&spec.queue) {
+                let job_id = self.next_job_id;
+                // Once queues are kept, the index answers from its own
+                // numbers and keeps the one for the job's slot.
+                let known = match self.queue_index.admit_queue_name(job_id, &spec.queue) {
+                    Some(known) => known,
+                    None => spec.queue.is_empty() || self.queues.exists(&spec.queue),
+                };
+                if !known {
                     return Err(ApplyError::Invalid {
                         field: "queue".into(),
                         reason: format!(
@@ -1228,7 +1277,6 @@ impl ClusterState {
                         &spec.queue,
                     )?;
                 }
-                let job_id = self.next_job_id;
                 self.next_job_id += 1;
                 self.jobs.insert(
                     job_id,

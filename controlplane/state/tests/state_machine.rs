@@ -1102,6 +1102,80 @@ fn queues_are_made_changed_and_deleted_through_the_log_and_jobs_name_them() {
     assert_eq!(decoded.state_hash(), h.state.state_hash());
 }
 
+/// Once queues are kept, a submission's queue is answered from the queue
+/// index's numbers: a queue deleted after its jobs had a number there is
+/// refused all the same, and one made after the index was built is taken.
+#[test]
+fn a_deleted_queues_name_is_refused_while_other_queues_are_kept() {
+    use keel_state::queue::QueueSpec;
+    let mut h = Harness::new();
+    h.node("n0", 2);
+    let quota = |t: &str, n: u32| QueueSpec::with_quota([(t.to_string(), n)].into());
+    let refused_field = |r: Result<Vec<Event>, ApplyError>| match r {
+        Err(ApplyError::Invalid { field, .. }) => field,
+        other => panic!("{other:?}"),
+    };
+    for name in ["team-a", "team-b"] {
+        h.apply(Command::CreateQueue {
+            name: name.into(),
+            spec: quota("v100", 1),
+        })
+        .expect("created");
+    }
+    let in_queue = |queue: &str| {
+        let mut s = spec("a", 1, 1);
+        s.queue = queue.into();
+        s
+    };
+    let a = h.submit(in_queue("team-a"));
+    h.apply(Command::CancelJob {
+        job_id: a,
+        reason: String::new(),
+    })
+    .expect("cancelled");
+    h.apply(Command::DeleteQueue {
+        name: "team-a".into(),
+    })
+    .expect("deleted");
+    assert!(!h.state.queues().is_unset(), "team-b keeps the index");
+    assert_eq!(
+        refused_field(h.apply(Command::SubmitJob {
+            spec: in_queue("team-a")
+        })),
+        "queue",
+        "a deleted queue is refused"
+    );
+    assert_eq!(
+        refused_field(h.apply(Command::SubmitJob {
+            spec: in_queue("team-c")
+        })),
+        "queue",
+        "a queue never made is refused"
+    );
+    h.submit(in_queue("team-b"));
+    h.submit(in_queue(""));
+    h.submit(in_queue("default"));
+    h.apply(Command::CreateQueue {
+        name: "team-c".into(),
+        spec: quota("v100", 1),
+    })
+    .expect("created");
+    h.submit(in_queue("team-c"));
+    h.apply(Command::CreateQueue {
+        name: "team-a".into(),
+        spec: quota("v100", 1),
+    })
+    .expect("made again");
+    let again = h.submit(in_queue("team-a"));
+    assert_eq!(
+        h.state
+            .waiting_in_queue("team-a")
+            .map(|j| j.id)
+            .collect::<Vec<_>>(),
+        vec![again]
+    );
+}
+
 fn v100s(indexes: &[u32]) -> Vec<Gpu> {
     indexes
         .iter()

@@ -122,7 +122,7 @@ impl Tiresias {
     /// Unfinished jobs, most important first: by priority (higher first),
     /// then queue, then submission.
     pub(crate) fn rank(&self, input: &SchedulingInput<'_>) -> Vec<JobId> {
-        let mut ranked = self.keys(input);
+        let mut ranked = self.keys(input.now_ms, input.unfinished_jobs());
         ranked.sort_unstable_by_key(|r| r.key);
         ranked.into_iter().map(|r| r.job.id).collect()
     }
@@ -131,62 +131,97 @@ impl Tiresias {
     /// the keys are heapified (linear) and popped one by one, so a round
     /// whose first few hundred jobs fill the cluster does not sort the
     /// thousands that wait behind them.
+    ///
+    /// Without queue admission (every unfinished job in the round), the
+    /// jobs that have had no service are not read at all but merged in
+    /// from the state's index of them, which holds them in their ranking
+    /// order: they have attained nothing, so all are in the same queue and
+    /// none is promoted, and their key is (priority, that queue,
+    /// submission, id). They are most of the waiting jobs of a loaded
+    /// cluster (BENCHMARKS, "The overloaded multi-GPU run").
     fn rank_lazily<'a>(&self, input: &SchedulingInput<'a>) -> impl Iterator<Item = &'a Job> {
-        let mut heap = BinaryHeap::from(self.keys(input));
-        std::iter::from_fn(move || heap.pop().map(|r| r.job))
+        let merge_never_served = !input.admission.is_active();
+        let mut heap = BinaryHeap::from(if merge_never_served {
+            self.keys(input.now_ms, input.state.served_unfinished_jobs())
+        } else {
+            self.keys(input.now_ms, input.unfinished_jobs())
+        });
+        let first_queue = self.queue_of(0);
+        let mut never_served = merge_never_served
+            .then(|| input.state.never_served_jobs())
+            .into_iter()
+            .flatten()
+            .map(move |job| Ranked {
+                key: (
+                    Reverse(job.spec.priority),
+                    first_queue,
+                    job.submitted_at_ms,
+                    job.id,
+                ),
+                job,
+            })
+            .peekable();
+        std::iter::from_fn(move || match (heap.peek(), never_served.peek()) {
+            (Some(served), Some(fresh)) if fresh.key < served.key => {
+                never_served.next().map(|r| r.job)
+            }
+            (Some(_), _) => heap.pop().map(|r| r.job),
+            (None, _) => never_served.next().map(|r| r.job),
+        })
     }
 
-    fn keys<'a>(&self, input: &SchedulingInput<'a>) -> Vec<Ranked<'a>> {
-        let now = input.now_ms;
-        input
-            .unfinished_jobs()
-            .map(|job| {
-                let attained_ms = job.attained_gpu_ms(now);
-                let mut queue = self
-                    .options
-                    .thresholds_gpu_s
-                    .iter()
-                    .take_while(|t| attained_ms >= t.saturating_mul(1000))
-                    .count();
-                let factor = self.options.starvation_factor;
-                // How long it has run in all (service over its size), at
-                // least a minute: a job preempted moments after it started
-                // must not come back moments later.
-                let size = u64::from(job.spec.gpus.saturating_mul(job.spec.workers.min).max(1));
-                let executed_ms = (job.service_gpu_ms / size).max(MIN_RUN_MS);
-                let promoted = match &job.allocation {
-                    // Waiting long enough: back to queue 0.
-                    None => {
-                        factor > 0
-                            && job.service_gpu_ms > 0
-                            && now.saturating_sub(job.queued_since_ms)
-                                >= executed_ms.saturating_mul(factor)
-                    }
-                    // Promoted and now running: it keeps queue 0 for a
-                    // slice of its wait, so it is not preempted again at
-                    // the next pass.
-                    Some(a) => {
-                        let waited = a.decided_at_ms.saturating_sub(job.queued_since_ms);
-                        factor > 0
-                            && job.service_gpu_ms > 0
-                            && waited >= executed_ms.saturating_mul(factor)
-                            && now.saturating_sub(a.decided_at_ms) < waited / factor
-                    }
-                };
-                if promoted {
-                    queue = 0;
+    /// The queue of a job that has attained `attained_ms` of GPU-time
+    /// (before any promotion).
+    fn queue_of(&self, attained_ms: u64) -> usize {
+        self.options
+            .thresholds_gpu_s
+            .iter()
+            .take_while(|t| attained_ms >= t.saturating_mul(1000))
+            .count()
+    }
+
+    fn keys<'a>(&self, now: u64, jobs: impl Iterator<Item = &'a Job>) -> Vec<Ranked<'a>> {
+        jobs.map(|job| {
+            let mut queue = self.queue_of(job.attained_gpu_ms(now));
+            let factor = self.options.starvation_factor;
+            // How long it has run in all (service over its size), at
+            // least a minute: a job preempted moments after it started
+            // must not come back moments later.
+            let size = u64::from(job.spec.gpus.saturating_mul(job.spec.workers.min).max(1));
+            let executed_ms = (job.service_gpu_ms / size).max(MIN_RUN_MS);
+            let promoted = match &job.allocation {
+                // Waiting long enough: back to queue 0.
+                None => {
+                    factor > 0
+                        && job.service_gpu_ms > 0
+                        && now.saturating_sub(job.queued_since_ms)
+                            >= executed_ms.saturating_mul(factor)
                 }
-                Ranked {
-                    key: (
-                        Reverse(job.spec.priority),
-                        queue,
-                        job.submitted_at_ms,
-                        job.id,
-                    ),
-                    job,
+                // Promoted and now running: it keeps queue 0 for a
+                // slice of its wait, so it is not preempted again at
+                // the next pass.
+                Some(a) => {
+                    let waited = a.decided_at_ms.saturating_sub(job.queued_since_ms);
+                    factor > 0
+                        && job.service_gpu_ms > 0
+                        && waited >= executed_ms.saturating_mul(factor)
+                        && now.saturating_sub(a.decided_at_ms) < waited / factor
                 }
-            })
-            .collect()
+            };
+            if promoted {
+                queue = 0;
+            }
+            Ranked {
+                key: (
+                    Reverse(job.spec.priority),
+                    queue,
+                    job.submitted_at_ms,
+                    job.id,
+                ),
+                job,
+            }
+        })
+        .collect()
     }
 }
 
@@ -195,6 +230,7 @@ mod tests {
     use super::*;
     use keel_state::fixtures::{job_spec, TestCluster};
     use keel_state::model::GpuRef;
+    use keel_state::{Command, JobPlacement, LogEntry};
 
     /// The lazily sorted ranking is the sorted one, read to its end, at
     /// times when running jobs cross thresholds and waiting ones are
@@ -228,12 +264,64 @@ mod tests {
             thresholds_gpu_s: vec![60, 600],
             starvation_factor: 2,
         });
-        for now_ms in [1, 30_000, 90_000, 700_000, 5_000_000] {
+        let same = |cluster: &TestCluster, now_ms: u64| {
             let input = SchedulingInput::everyone(&cluster.state, now_ms);
             let sorted = tiresias.rank(&input);
             assert_eq!(sorted.len(), 40);
             let lazy: Vec<JobId> = tiresias.rank_lazily(&input).map(|j| j.id).collect();
             assert_eq!(lazy, sorted, "at {now_ms} ms");
+        };
+        for now_ms in [1, 30_000, 90_000] {
+            same(&cluster, now_ms);
+        }
+        // Two running jobs preempted after 100 s of service wait with it
+        // (read, not merged from the index); one placed and preempted in
+        // the same millisecond had none (merged like a job never placed).
+        let (preempted, at_once) = ([1, 4], 21);
+        cluster.place(
+            at_once,
+            vec![GpuRef {
+                node: "n1".into(),
+                index: 7,
+            }],
+        );
+        for id in [at_once].into_iter().chain(preempted) {
+            cluster.index += 1;
+            let at_ms = if id == at_once { 1 } else { 100_000 };
+            cluster
+                .state
+                .apply(
+                    cluster.index,
+                    &LogEntry::new(
+                        at_ms,
+                        Command::DecideAllocation {
+                            based_on: cluster.index - 1,
+                            policy: "test".into(),
+                            round: cluster.state.last_round() + 1,
+                            placements: vec![JobPlacement::alone(id, Vec::new())],
+                            memory: None,
+                        },
+                    ),
+                )
+                .expect("preempted");
+        }
+        let never_served: Vec<JobId> = cluster.state.never_served_jobs().map(|j| j.id).collect();
+        assert!(never_served.contains(&at_once) && !never_served.contains(&1));
+        let mut served: Vec<JobId> = cluster
+            .state
+            .served_unfinished_jobs()
+            .map(|j| j.id)
+            .collect();
+        assert!(served.contains(&1) && served.contains(&4) && !served.contains(&at_once));
+        served.extend(never_served);
+        served.sort_unstable();
+        let unfinished: Vec<JobId> = cluster.state.unfinished_jobs().map(|j| j.id).collect();
+        assert_eq!(
+            served, unfinished,
+            "the two indexes split the unfinished jobs"
+        );
+        for now_ms in [100_000, 250_000, 700_000, 5_000_000] {
+            same(&cluster, now_ms);
         }
     }
 }

@@ -26,7 +26,7 @@ use smallvec::SmallVec;
 
 use crate::free_gpus::FreeGpus;
 use crate::model::{Allocation, GpuRef, Job, JobId, Node};
-use crate::queue::Queues;
+use crate::queue::{Queues, DEFAULT_QUEUE};
 use crate::quota::{queue_of, QuotaBook};
 
 /// A job holding GPUs or waiting for them, as the index knows it.
@@ -191,6 +191,15 @@ pub(super) struct QueueIndex {
     ids: BTreeMap<String, usize>,
     /// Queue names by number.
     names: Vec<String>,
+    /// By queue number: whether jobs may name the queue now. Every queue
+    /// that exists has a number (given when the index is built or
+    /// recharged, which every queue command does); a deleted queue keeps
+    /// its number, marked not live, so its name is refused.
+    live: Vec<bool>,
+    /// The job the current entry submits and its queue's number, as the
+    /// submission resolved it ([`QueueIndex::admit_queue_name`]), for its
+    /// slot: the name is looked up once per submission.
+    submitted: Option<(JobId, usize)>,
     /// By queue number.
     queues: Vec<QueueJobs>,
     /// GPU type names to their numbers, as for queues.
@@ -206,7 +215,7 @@ pub(super) struct QueueIndex {
     /// A decision's new GPUs by type number, as its quota pre-check
     /// counted them ([`QueueIndex::within_quotas`]), for the charges of
     /// the same entry, which would count them again; emptied before each
-    /// entry ([`QueueIndex::forget_counts`]).
+    /// entry ([`QueueIndex::start_entry`]).
     counted: Vec<(JobId, ByType)>,
 }
 
@@ -215,7 +224,9 @@ pub(super) struct QueueIndex {
 /// between an index kept entry by entry and one built afresh).
 impl PartialEq for QueueIndex {
     fn eq(&self, other: &QueueIndex) -> bool {
-        self.book == other.book && self.view() == other.view()
+        self.book == other.book
+            && self.view() == other.view()
+            && self.live_names() == other.live_names()
     }
 }
 
@@ -250,6 +261,7 @@ impl QueueIndex {
         if queues.is_unset() {
             return index;
         }
+        index.mark_live(queues);
         for (id, job) in jobs {
             index.place(*id, Some(job), nodes);
         }
@@ -290,10 +302,47 @@ impl QueueIndex {
                 id
             })
             .collect();
+        self.mark_live(queues);
         for id in holding {
             self.place(id, jobs.get(&id), nodes);
         }
         self.set_book(book_of(queues, capacity, &self.usage()));
+    }
+
+    /// Numbers every queue of `queues` (the default one too) and marks
+    /// which numbers jobs may name now.
+    fn mark_live(&mut self, queues: &Queues) {
+        self.live.iter_mut().for_each(|live| *live = false);
+        let names =
+            std::iter::once(DEFAULT_QUEUE).chain(queues.stored().keys().map(String::as_str));
+        for name in names {
+            let q = self.queue_number(name);
+            self.live[q] = true;
+        }
+    }
+
+    /// The names jobs may name, by the index.
+    fn live_names(&self) -> BTreeSet<&str> {
+        self.ids
+            .iter()
+            .filter(|(_, q)| self.live[**q])
+            .map(|(name, _)| name.as_str())
+            .collect()
+    }
+
+    /// Whether a job may name queue `queue` (`""`: the default one), from
+    /// the index's numbers while it is kept (`None`: it is not, ask the
+    /// queues). A yes keeps the number for job `id`'s slot, which this
+    /// entry makes next, so a submission looks its queue's name up once.
+    pub(super) fn admit_queue_name(&mut self, id: JobId, queue: &str) -> Option<bool> {
+        self.book.as_ref()?;
+        let q = self
+            .ids
+            .get(queue_of(queue))
+            .copied()
+            .filter(|q| self.live[*q]);
+        self.submitted = q.map(|q| (id, q));
+        Some(q.is_some())
     }
 
     /// Puts job `id` (None: removed) where it now belongs.
@@ -405,9 +454,11 @@ impl QueueIndex {
         })
     }
 
-    /// Forgets what a decision's pre-check counted (before each entry).
-    pub(super) fn forget_counts(&mut self) {
+    /// Forgets what the entry before resolved: a decision's pre-check's
+    /// counts, a submission's queue number (before each entry).
+    pub(super) fn start_entry(&mut self) {
         self.counted.clear();
+        self.submitted = None;
     }
 
     /// GPUs of each type number in `gpus`, in the order of the types'
@@ -477,6 +528,7 @@ impl QueueIndex {
         let q = self.queues.len();
         self.ids.insert(queue.to_string(), q);
         self.names.push(queue.to_string());
+        self.live.push(false);
         self.queues.push(QueueJobs::default());
         let in_book = self.book.as_ref().and_then(|b| b.queue_id(queue));
         self.book_queue.push(in_book.unwrap_or(NOT_IN_BOOK));
@@ -604,8 +656,12 @@ impl QueueIndex {
             }
             None => {
                 if let Some(j) = job.filter(|_| charged.is_some() || waiting.is_some()) {
+                    let queue = match self.submitted {
+                        Some((submitted, q)) if submitted == id => q,
+                        _ => self.queue_number(queue_of(&j.spec.queue)),
+                    };
                     let mut slot = Slot {
-                        queue: self.queue_number(queue_of(&j.spec.queue)),
+                        queue,
                         charged: None,
                         waiting: None,
                     };
