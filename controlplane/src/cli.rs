@@ -822,6 +822,17 @@ async fn history(client: &mut Client, id: u64) -> anyhow::Result<api::JobHistory
         .into_inner())
 }
 
+/// An RFC 3339 time given to `flag` (e.g. 2026-11-26T10:00:00Z), in Unix
+/// milliseconds.
+pub fn rfc3339_ms(text: &str, flag: &str) -> anyhow::Result<u64> {
+    let time = humantime::parse_rfc3339_weak(text)
+        .with_context(|| format!("{flag} {text:?} is not an RFC 3339 time"))?;
+    Ok(time
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0))
+}
+
 pub fn replay(data_dir: &Path, until: keel_storage::Until, out: Output) -> anyhow::Result<()> {
     // Take the directory's lock: replaying a directory a server is writing
     // would read a moving journal.

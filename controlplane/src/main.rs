@@ -1,6 +1,7 @@
 //! `keel`: the server and the command-line client.
 
 mod acl_cmd;
+mod audit_cmd;
 mod cli;
 mod config_file;
 mod queue_cmd;
@@ -455,6 +456,11 @@ enum Cmd {
         /// (RFC 3339, e.g. 2026-11-26T10:00:00Z).
         #[arg(long)]
         at: Option<String>,
+    },
+    /// A tamper-evident export of a data directory's log, and its check.
+    Audit {
+        #[command(subcommand)]
+        command: audit_cmd::AuditCmd,
     },
     /// Why a job is where it is: its history from the log (submission,
     /// every allocation decision that touched it with policy, round,
@@ -1062,6 +1068,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     match args.command {
         Cmd::Tls { command } => tls_cmd::run(command, out),
+        Cmd::Audit { command } => audit_cmd::run(command, out),
         Cmd::Acl { command } => acl_cmd::run(&args.addr, command, out).await,
         Cmd::Queue { command } => queue_cmd::run(&args.addr, command, out).await,
         Cmd::Secret { command } => secret_cmd::run(&args.addr, command, out).await,
@@ -1298,15 +1305,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         } => {
             let until = match (until, at) {
                 (Some(i), _) => keel_storage::Until::Index(i),
-                (None, Some(t)) => {
-                    let time = humantime::parse_rfc3339_weak(&t)
-                        .with_context(|| format!("--at {t:?} is not an RFC 3339 time"))?;
-                    let ms = time
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_millis() as u64)
-                        .unwrap_or(0);
-                    keel_storage::Until::Time(ms)
-                }
+                (None, Some(t)) => keel_storage::Until::Time(cli::rfc3339_ms(&t, "--at")?),
                 (None, None) => keel_storage::Until::End,
             };
             cli::replay(&data_dir, until, out)

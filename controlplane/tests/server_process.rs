@@ -1325,3 +1325,72 @@ fn the_snapshot_commands_refuse_bad_inputs_and_write_nothing() {
         assert!(!data.exists(), "{args:?} made a data directory");
     }
 }
+
+/// Issue 27, item 4, through the CLI: `keel audit export` of a stopped
+/// server's data directory verifies (`keel audit verify`) to the state
+/// hash the server showed, holds each entry it was sent, and a byte
+/// changed in one line fails verification naming that line.
+#[test]
+fn an_audit_export_verifies_to_the_servers_state_and_a_changed_byte_is_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let spec = write_spec(dir.path(), "job.yaml", SPEC);
+    let spec = spec.to_str().expect("utf-8 path");
+    let server = start(&data);
+    let id = server.json(&["submit", "-f", spec])["id"].to_string();
+    server.json(&["submit", "-f", spec]);
+    server.cli_ok(&["cancel", &id]);
+    let hash = server.json(&["cluster", "status"])["state_hash"].clone();
+    server.terminate();
+
+    let export = dir.path().join("audit.jsonl");
+    let exported = json_of(
+        Command::new(KEEL)
+            .args(["audit", "export", "-o", "json", "--data-dir"])
+            .arg(&data)
+            .arg("--to")
+            .arg(&export),
+    );
+    assert_eq!(exported["state_hash"], hash, "{exported}");
+    let verified = json_of(
+        Command::new(KEEL)
+            .args(["audit", "verify", "-o", "json"])
+            .arg(&export),
+    );
+    assert_eq!(verified["state_hash"], hash, "{verified}");
+    assert_eq!(verified["last_line_hash"], exported["last_line_hash"]);
+    let text = std::fs::read_to_string(&export).expect("read export");
+    let kinds: Vec<String> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["kind"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "submit_job").count(),
+        2,
+        "{kinds:?}"
+    );
+    assert!(kinds.iter().any(|k| k == "cancel_job"), "{kinds:?}");
+
+    // One byte of the cancellation's line: its reason's job id.
+    let (line, original) = text
+        .lines()
+        .enumerate()
+        .find(|(_, l)| l.contains("\"kind\":\"cancel_job\""))
+        .expect("the cancellation");
+    let changed = original.replacen(
+        &format!("\"job_id\":{id}"),
+        &format!("\"job_id\":{}", id.parse::<u64>().expect("id") + 1),
+        1,
+    );
+    assert_ne!(changed, original);
+    std::fs::write(&export, text.replacen(original, &changed, 1)).expect("write");
+    let out = Command::new(KEEL)
+        .args(["audit", "verify"])
+        .arg(&export)
+        .output()
+        .expect("run keel");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("(line {})", line + 1)), "{stderr}");
+}

@@ -117,6 +117,46 @@ fn read_pages(
     Ok(())
 }
 
+/// The first index the journal holds (0: none).
+pub(crate) fn first_index(tree: &sled::Tree) -> Result<u64, sled::Error> {
+    let Some(item) = tree
+        .range(key(PREFIX_PAGE, 0)..=key(PREFIX_PAGE, u64::MAX))
+        .next()
+    else {
+        return Ok(0);
+    };
+    let (k, _) = item?;
+    Ok(index_of(&k).unwrap_or(0))
+}
+
+/// Calls `each` with the journal entries with index in `from..=until`, in
+/// index order, decoded; returns the last index read (0: none).
+pub(crate) fn for_each_entry<E: From<ReplayError>>(
+    tree: &sled::Tree,
+    from: u64,
+    until: u64,
+    each: &mut dyn FnMut(u64, LogEntry) -> Result<(), E>,
+) -> Result<u64, E> {
+    let mut last = 0;
+    let (tx, rx) = std::sync::mpsc::sync_channel(16);
+    std::thread::scope(|scope| -> Result<u64, E> {
+        scope.spawn(move || {
+            if let Err(e) = read_pages(tree, from, until, &tx) {
+                let _ = tx.send(Err(e));
+            }
+        });
+        for page in rx {
+            for (index, entry) in page? {
+                let entry = entry_from_proto(entry)
+                    .map_err(|source| ReplayError::Decode { index, source })?;
+                each(index, entry)?;
+                last = index;
+            }
+        }
+        Ok(last)
+    })
+}
+
 /// Applies the journal entries with index in `from..=until` to `state`, in
 /// index order. One thread reads pages and decodes their protobuf while
 /// this one converts and applies the entries (the work splits about evenly

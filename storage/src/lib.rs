@@ -23,6 +23,7 @@
 //!   state/        sled: journal, applied state, snapshots
 //! ```
 
+pub mod audit;
 mod data_dir;
 mod error;
 mod journal;

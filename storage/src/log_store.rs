@@ -257,6 +257,15 @@ impl LogStore {
 
     /// The last index this log knows to be committed (as far as it reached
     /// the disk: openraft saves it with the next synced append).
+    /// The first index the WAL still holds (`None`: it holds none).
+    pub fn first_index(&self) -> Option<u64> {
+        let wal = self.lock();
+        let state = wal.log_state();
+        let last = state.last().map(|id| from_wal_id(id).index)?;
+        let first = state.purged().map_or(0, |id| from_wal_id(id).index + 1);
+        (first <= last).then_some(first)
+    }
+
     pub fn committed_index(&self) -> Option<u64> {
         self.lock()
             .log_state()

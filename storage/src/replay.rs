@@ -351,3 +351,52 @@ fn replay_tree(
     summary.invariant_violation = applied.first_violation;
     Ok(summary)
 }
+
+/// The log index `until` names in a state directory's journal (`End`: the
+/// last journaled one, or any later one the Raft log holds).
+pub(crate) fn index_of_until(state_dir: &Path, until: Until) -> Result<u64, ReplayError> {
+    match until {
+        Until::End => Ok(u64::MAX),
+        Until::Index(i) => Ok(i),
+        Until::Time(at_ms) => {
+            let db = open_state(state_dir)?;
+            let tree = db
+                .open_tree("sm")
+                .map_err(|e| ReplayError::Read(e.to_string()))?;
+            index_at_time(&tree, at_ms)
+        }
+    }
+}
+
+/// The first index the journal holds (0: it holds none). After a replica
+/// installed a snapshot, the journal starts past it.
+pub(crate) fn journal_start(state_dir: &Path) -> Result<u64, ReplayError> {
+    let db = open_state(state_dir)?;
+    let tree = db
+        .open_tree("sm")
+        .map_err(|e| ReplayError::Read(e.to_string()))?;
+    crate::journal::first_index(&tree).map_err(|e| ReplayError::Read(e.to_string()))
+}
+
+/// Calls `each` with every journaled entry with index in `from..=until`,
+/// in log order, without applying them; returns the last index read (0:
+/// none).
+pub(crate) fn journal_entries<E: From<ReplayError>>(
+    state_dir: &Path,
+    from: u64,
+    until: u64,
+    each: &mut dyn FnMut(u64, keel_state::LogEntry) -> Result<(), E>,
+) -> Result<u64, E> {
+    let db = open_state(state_dir)?;
+    let tree = db
+        .open_tree("sm")
+        .map_err(|e| ReplayError::Read(e.to_string()))?;
+    crate::journal::for_each_entry(&tree, from, until, each)
+}
+
+fn open_state(state_dir: &Path) -> Result<sled::Db, ReplayError> {
+    crate::state_machine::open_sled(state_dir).map_err(|e| ReplayError::Open {
+        path: state_dir.display().to_string(),
+        message: e.to_string(),
+    })
+}
