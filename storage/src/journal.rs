@@ -130,7 +130,10 @@ pub(crate) fn first_index(tree: &sled::Tree) -> Result<u64, sled::Error> {
 }
 
 /// Calls `each` with the journal entries with index in `from..=until`, in
-/// index order, decoded; returns the last index read (0: none).
+/// index order, decoded; returns the last index read (0: none). One
+/// thread reads pages and decodes their protobuf while this one converts
+/// the entries and runs `each` (for a replay the work splits about evenly
+/// over two cores).
 pub(crate) fn for_each_entry<E: From<ReplayError>>(
     tree: &sled::Tree,
     from: u64,
@@ -138,8 +141,9 @@ pub(crate) fn for_each_entry<E: From<ReplayError>>(
     each: &mut dyn FnMut(u64, LogEntry) -> Result<(), E>,
 ) -> Result<u64, E> {
     let mut last = 0;
-    let (tx, rx) = std::sync::mpsc::sync_channel(16);
     std::thread::scope(|scope| -> Result<u64, E> {
+        // Bounded: the reader runs at most a few pages ahead.
+        let (tx, rx) = std::sync::mpsc::sync_channel(16);
         scope.spawn(move || {
             if let Err(e) = read_pages(tree, from, until, &tx) {
                 let _ = tx.send(Err(e));
@@ -157,14 +161,12 @@ pub(crate) fn for_each_entry<E: From<ReplayError>>(
     })
 }
 
-/// Applies the journal entries with index in `from..=until` to `state`, in
-/// index order. One thread reads pages and decodes their protobuf while
-/// this one converts and applies the entries (the work splits about evenly
-/// over two cores); the result is that of a plain loop.
 /// What a replay calls with each journaled entry before applying it: its
 /// index, the entry, and the state it is applied to.
 pub type Visitor<'a> = &'a mut dyn FnMut(u64, &LogEntry, &ClusterState);
 
+/// Applies the journal entries with index in `from..=until` to `state`, in
+/// index order ([`for_each_entry`]); the result is that of a plain loop.
 pub(crate) fn apply_journal(
     tree: &sled::Tree,
     state: &mut ClusterState,
@@ -174,38 +176,27 @@ pub(crate) fn apply_journal(
     mut visit: Option<Visitor<'_>>,
 ) -> Result<JournalApplied, ReplayError> {
     let mut out = JournalApplied::default();
-    std::thread::scope(|scope| -> Result<(), ReplayError> {
-        // Bounded: the reader runs at most a few pages ahead.
-        let (tx, rx) = std::sync::mpsc::sync_channel(16);
-        scope.spawn(move || {
-            if let Err(e) = read_pages(tree, from, until, &tx) {
-                let _ = tx.send(Err(e));
-            }
-        });
-        for page in rx {
-            for (index, entry) in page? {
-                let entry = entry_from_proto(entry)
-                    .map_err(|source| ReplayError::Decode { index, source })?;
-                if let Some(visit) = visit.as_mut() {
-                    visit(index, &entry, state);
-                }
-                let backwards = check
-                    .then(|| earlier_than_before(state.last_entry_at_ms(), entry.at_ms))
-                    .flatten();
-                if state.apply(index, &entry).is_err() {
-                    out.refused += 1;
-                }
-                if check && out.first_violation.is_none() {
-                    if let Some(backwards) = backwards {
-                        out.first_violation = Some((index, backwards));
-                    } else if let Err(broken) = state.check_invariants() {
-                        out.first_violation = Some((index, broken));
-                    }
-                }
-                out.entries += 1;
-                out.last_index = Some(index);
+    for_each_entry(tree, from, until, &mut |index,
+                                            entry|
+     -> Result<(), ReplayError> {
+        if let Some(visit) = visit.as_mut() {
+            visit(index, &entry, state);
+        }
+        let backwards = check
+            .then(|| earlier_than_before(state.last_entry_at_ms(), entry.at_ms))
+            .flatten();
+        if state.apply(index, &entry).is_err() {
+            out.refused += 1;
+        }
+        if check && out.first_violation.is_none() {
+            if let Some(backwards) = backwards {
+                out.first_violation = Some((index, backwards));
+            } else if let Err(broken) = state.check_invariants() {
+                out.first_violation = Some((index, broken));
             }
         }
+        out.entries += 1;
+        out.last_index = Some(index);
         Ok(())
     })?;
     Ok(out)

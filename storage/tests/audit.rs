@@ -3,33 +3,13 @@
 //! verifies, is the same bytes every time, and fails at the line that was
 //! changed, whichever field of it was.
 
-use std::path::Path;
-
 use keel_storage::audit::{export, verify, AuditError};
 use keel_storage::{replay_data_dir, DataDir, Until};
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("create");
-    for entry in std::fs::read_dir(from).expect("read fixture") {
-        let entry = entry.expect("entry");
-        let target = to.join(entry.file_name());
-        if entry.file_type().expect("type").is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).expect("copy");
-        }
-    }
-}
+#[path = "support/fixture.rs"]
+mod fixture;
 
-/// A writable copy of the fixture (opening it may write to it).
-fn fixture() -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    copy_dir(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/datadir-v1"),
-        tmp.path(),
-    );
-    tmp
-}
+use fixture::fixture;
 
 fn export_of(dir: &DataDir, after: u64, until: Until) -> String {
     let mut out = Vec::new();

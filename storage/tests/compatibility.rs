@@ -4,36 +4,16 @@
 //! every record of its Raft log. Issue 21 changes the encodings; this is
 //! what holds them to the disks users already have.
 
-use std::path::Path;
-
 use keel_storage::{replay_data_dir, DataDir, LogStore, StateMachineStore, Until};
 
 /// What `keel replay` said of the fixture when it was written.
 const LAST_INDEX: u64 = 31;
 const STATE_HASH: &str = "a3fa95e79133ee6600af8ce36229b5aecf7c06a8990c5f65897ac6e19d7c6037";
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("create");
-    for entry in std::fs::read_dir(from).expect("read fixture") {
-        let entry = entry.expect("entry");
-        let target = to.join(entry.file_name());
-        if entry.file_type().expect("type").is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).expect("copy");
-        }
-    }
-}
+#[path = "support/fixture.rs"]
+mod fixture;
 
-/// A writable copy of the fixture (opening a store may write to it).
-fn fixture() -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    copy_dir(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/datadir-v1"),
-        tmp.path(),
-    );
-    tmp
-}
+use fixture::fixture;
 
 #[test]
 fn a_data_directory_of_entry_format_3_replays_to_the_same_state() {

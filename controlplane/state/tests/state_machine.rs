@@ -994,22 +994,30 @@ fn retention_removes_the_oldest_ended_jobs_but_not_one_whose_worker_runs() {
     );
 }
 
+/// A queue spec with a quota of `n` GPUs of type `t`.
+fn quota(t: &str, n: u32) -> keel_state::queue::QueueSpec {
+    keel_state::queue::QueueSpec::with_quota([(t.to_string(), n)].into())
+}
+
+/// The field a refusal names (a queue's or a command's).
+fn refused_field(r: Result<Vec<Event>, ApplyError>) -> String {
+    match r {
+        Err(ApplyError::Queue(keel_state::queue::QueueError::Invalid { field, .. }))
+        | Err(ApplyError::Invalid { field, .. }) => field.to_string(),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// Issue 23, item 1: queues are replicated state. A quota names the
 /// cluster's GPU types; a job names an existing queue; a queue holding an
 /// unfinished job is kept; every refusal names its field and changes
 /// nothing (the harness checks that); queues are hashed.
 #[test]
 fn queues_are_made_changed_and_deleted_through_the_log_and_jobs_name_them() {
-    use keel_state::queue::{QueueError, QueueSpec};
+    use keel_state::queue::QueueError;
     let mut h = Harness::new();
     h.node("n0", 2);
     let before = h.state.state_hash();
-    let quota = |t: &str, n: u32| QueueSpec::with_quota([(t.to_string(), n)].into());
-    let refused_field = |r: Result<Vec<Event>, ApplyError>| match r {
-        Err(ApplyError::Queue(QueueError::Invalid { field, .. }))
-        | Err(ApplyError::Invalid { field, .. }) => field,
-        other => panic!("{other:?}"),
-    };
     assert_eq!(
         refused_field(h.apply(Command::CreateQueue {
             name: "team-a".into(),
@@ -1107,14 +1115,8 @@ fn queues_are_made_changed_and_deleted_through_the_log_and_jobs_name_them() {
 /// refused all the same, and one made after the index was built is taken.
 #[test]
 fn a_deleted_queues_name_is_refused_while_other_queues_are_kept() {
-    use keel_state::queue::QueueSpec;
     let mut h = Harness::new();
     h.node("n0", 2);
-    let quota = |t: &str, n: u32| QueueSpec::with_quota([(t.to_string(), n)].into());
-    let refused_field = |r: Result<Vec<Event>, ApplyError>| match r {
-        Err(ApplyError::Invalid { field, .. }) => field,
-        other => panic!("{other:?}"),
-    };
     for name in ["team-a", "team-b"] {
         h.apply(Command::CreateQueue {
             name: name.into(),
