@@ -76,13 +76,7 @@ pub fn run(command: AuditCmd, out: Output) -> anyhow::Result<()> {
             until_time,
             to,
         } => {
-            let until = match (until, until_time) {
-                (Some(i), _) => keel_storage::Until::Index(i),
-                (None, Some(t)) => {
-                    keel_storage::Until::Time(crate::cli::rfc3339_ms(&t, "--until-time")?)
-                }
-                (None, None) => keel_storage::Until::End,
-            };
+            let until = crate::cli::until(until, until_time.as_deref(), "--until-time")?;
             let summary = export(&data_dir, from, until, to.as_deref())?;
             let report = Report::from(summary);
             if to.is_some() {

@@ -822,15 +822,26 @@ async fn history(client: &mut Client, id: u64) -> anyhow::Result<api::JobHistory
         .into_inner())
 }
 
-/// An RFC 3339 time given to `flag` (e.g. 2026-11-26T10:00:00Z), in Unix
-/// milliseconds.
-pub fn rfc3339_ms(text: &str, flag: &str) -> anyhow::Result<u64> {
-    let time = humantime::parse_rfc3339_weak(text)
-        .with_context(|| format!("{flag} {text:?} is not an RFC 3339 time"))?;
-    Ok(time
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0))
+/// Where an offline read of the log stops: after log index `index`, else
+/// after the last entry stamped at or before `time` (RFC 3339, e.g.
+/// 2026-11-26T10:00:00Z, given to `time_flag`), else at the end.
+pub fn until(
+    index: Option<u64>,
+    time: Option<&str>,
+    time_flag: &str,
+) -> anyhow::Result<keel_storage::Until> {
+    let time = match (index, time) {
+        (Some(i), _) => return Ok(keel_storage::Until::Index(i)),
+        (None, None) => return Ok(keel_storage::Until::End),
+        (None, Some(t)) => t,
+    };
+    let at = humantime::parse_rfc3339_weak(time)
+        .with_context(|| format!("{time_flag} {time:?} is not an RFC 3339 time"))?;
+    Ok(keel_storage::Until::Time(
+        at.duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0),
+    ))
 }
 
 pub fn replay(data_dir: &Path, until: keel_storage::Until, out: Output) -> anyhow::Result<()> {

@@ -1303,11 +1303,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             until,
             at,
         } => {
-            let until = match (until, at) {
-                (Some(i), _) => keel_storage::Until::Index(i),
-                (None, Some(t)) => keel_storage::Until::Time(cli::rfc3339_ms(&t, "--at")?),
-                (None, None) => keel_storage::Until::End,
-            };
+            let until = cli::until(until, at.as_deref(), "--at")?;
             cli::replay(&data_dir, until, out)
         }
         Cmd::Why { id } => cli::why(&args.addr, id, out).await,

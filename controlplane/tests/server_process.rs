@@ -1393,4 +1393,18 @@ fn an_audit_export_verifies_to_the_servers_state_and_a_changed_byte_is_named() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("(line {})", line + 1)), "{stderr}");
+
+    // Bad input names its flag; nothing is written.
+    let bad = dir.path().join("bad.jsonl");
+    let out = Command::new(KEEL)
+        .args(["audit", "export", "--until-time", "yesterday", "--data-dir"])
+        .arg(&data)
+        .arg("--to")
+        .arg(&bad)
+        .output()
+        .expect("run keel");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--until-time \"yesterday\""), "{stderr}");
+    assert!(!bad.exists());
 }
