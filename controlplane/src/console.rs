@@ -94,6 +94,7 @@ pub fn view(
         .jobs()
         .values()
         .filter(|j| j.state.is_terminal())
+        .map(Box::as_ref)
         .collect();
     ended.sort_by_key(|j| std::cmp::Reverse((j.finished_at_ms, j.id)));
     shown.extend(ended);

@@ -140,7 +140,7 @@ pub enum ApplyError {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ClusterState {
     next_job_id: JobId,
-    jobs: BTreeMap<JobId, Job>,
+    jobs: JobMap,
     nodes: BTreeMap<String, Node>,
     /// Which job (or declared pair of jobs) holds each GPU. Derived from
     /// the jobs' allocations, kept as an index;
@@ -301,11 +301,8 @@ impl Membership {
 /// GPUs of each type in `gpus`, the type names borrowed from `nodes` (a
 /// GPU of a node the state does not know counts as type ""): what a
 /// decision's quota check compares, without allocating.
-fn type_counts<'a>(
-    nodes: &'a BTreeMap<String, Node>,
-    gpus: &[GpuRef],
-) -> smallvec::SmallVec<[(&'a str, u32); 2]> {
-    let mut counts: smallvec::SmallVec<[(&'a str, u32); 2]> = smallvec::SmallVec::new();
+fn type_counts<'a>(nodes: &'a BTreeMap<String, Node>, gpus: &[GpuRef]) -> TypeCounts<'a> {
+    let mut counts = TypeCounts::new();
     let mut last: Option<(&str, &'a Node)> = None;
     for g in gpus {
         // Allocations are sorted, so one node lookup per node.
@@ -327,6 +324,15 @@ fn type_counts<'a>(
     counts
 }
 
+/// The jobs by id. Each job is boxed, so the map's nodes hold ids and
+/// pointers, not jobs (about 860 bytes each, 9.5 KB a node): a lookup
+/// descends through small nodes that stay in cache and then reads the
+/// one job it wants (BENCHMARKS, "The overloaded multi-GPU run").
+pub type JobMap = BTreeMap<JobId, Box<Job>>;
+
+/// GPUs by type name, the names borrowed from the nodes.
+type TypeCounts<'n> = smallvec::SmallVec<[(&'n str, u32); 2]>;
+
 fn count_of(counts: &[(&str, u32)], gpu_type: &str) -> u32 {
     counts
         .iter()
@@ -347,7 +353,7 @@ pub(crate) fn gpus_by_type(
 }
 
 impl JobIndexes {
-    fn of(jobs: &BTreeMap<JobId, Job>) -> JobIndexes {
+    fn of(jobs: &JobMap) -> JobIndexes {
         let mut indexes = JobIndexes::default();
         for (id, job) in jobs {
             indexes.update(*id, Some(job));
@@ -415,7 +421,7 @@ impl JobIndexes {
 #[derive(Deserialize)]
 struct EncodedClusterState {
     next_job_id: JobId,
-    jobs: BTreeMap<JobId, Job>,
+    jobs: JobMap,
     nodes: BTreeMap<String, Node>,
     gpu_holders: BTreeMap<GpuRef, GpuHolders>,
     last_index: u64,
@@ -566,7 +572,7 @@ impl ClusterState {
         self.next_job_id.saturating_sub(1)
     }
 
-    pub fn jobs(&self) -> &BTreeMap<JobId, Job> {
+    pub fn jobs(&self) -> &JobMap {
         &self.jobs
     }
 
@@ -584,7 +590,7 @@ impl ClusterState {
         self.indexes
             .never_served
             .iter()
-            .filter_map(|(_, _, id)| self.jobs.get(id))
+            .filter_map(|(_, _, id)| self.job(*id))
     }
 
     /// The unfinished jobs that hold GPUs or have had service, in
@@ -685,7 +691,7 @@ impl ClusterState {
     }
 
     pub fn job(&self, id: JobId) -> Option<&Job> {
-        self.jobs.get(&id)
+        self.jobs.get(&id).map(|j| &**j)
     }
 
     pub fn nodes(&self) -> &BTreeMap<String, Node> {
@@ -794,7 +800,7 @@ impl ClusterState {
     pub fn waiting_in_queue<'a>(&'a self, queue: &str) -> impl Iterator<Item = &'a Job> + 'a {
         self.queue_index
             .waiting_in(queue)
-            .filter_map(|id| self.jobs.get(&id))
+            .filter_map(|id| self.job(id))
     }
 
     /// What each job of queue `queue` holding GPUs holds, by job id,
@@ -1043,7 +1049,7 @@ impl ClusterState {
             touched.sort_unstable();
             touched.dedup();
             for id in touched {
-                let job = self.jobs.get(&id);
+                let job = self.jobs.get(&id).map(|j| &**j);
                 self.indexes.update(id, job);
                 self.queue_index.update(id, job, &self.nodes);
             }
@@ -1280,7 +1286,7 @@ impl ClusterState {
                 self.next_job_id += 1;
                 self.jobs.insert(
                     job_id,
-                    Job {
+                    Box::new(Job {
                         id: job_id,
                         spec: spec.clone(),
                         state: JobState::Pending,
@@ -1300,7 +1306,7 @@ impl ClusterState {
                         queued_since_ms: at_ms,
                         submitted_by: entry.actor.clone(),
                         trace_parent: entry.trace_parent.clone(),
-                    },
+                    }),
                 );
                 Ok(vec![Event::JobSubmitted {
                     job_id,
@@ -2107,9 +2113,18 @@ impl ClusterState {
     /// Checks one job's placement on its own: the job can hold GPUs, the GPU
     /// set has the right shape, and every GPU exists on a live node with an
     /// allowed type. Conflicts with other jobs are checked afterwards.
-    fn check_placement(&self, p: &JobPlacement) -> Result<Vec<GpuRef>, String> {
-        let job = self
-            .jobs
+    /// Checks one placement on its own: the job, the GPUs' shape, that
+    /// each GPU exists on a node not lost and is of an allowed type. Gives
+    /// its GPUs sorted and, when `count_types` (the quota check will need
+    /// them), how many of each type they are, found by the same lookups.
+    fn check_placement<'n>(
+        jobs: &JobMap,
+        nodes: &'n BTreeMap<String, Node>,
+        p: &JobPlacement,
+        count_types: bool,
+    ) -> Result<(Vec<GpuRef>, TypeCounts<'n>), String> {
+        let mut counts = TypeCounts::new();
+        let job = jobs
             .get(&p.job_id)
             .ok_or_else(|| format!("job {} does not exist", p.job_id))?;
         if job.state.is_terminal() {
@@ -2134,7 +2149,7 @@ impl ClusterState {
             }
         }
         if gpus.is_empty() {
-            return Ok(gpus);
+            return Ok((gpus, counts));
         }
         let per_worker = job.spec.gpus.max(1) as usize;
         let workers = gpus.len() / per_worker;
@@ -2162,8 +2177,7 @@ impl ClusterState {
             }
         }
         for gpu in &gpus {
-            let node = self
-                .nodes
+            let node = nodes
                 .get(&gpu.node)
                 .ok_or_else(|| format!("node {:?} does not exist", gpu.node))?;
             if node.state == NodeState::Lost {
@@ -2177,8 +2191,14 @@ impl ClusterState {
             if !allowed.is_empty() && !allowed.iter().any(|t| t == gpu_type) {
                 return Err(format!("GPU {gpu} is a {gpu_type}, not an allowed type"));
             }
+            if count_types {
+                match counts.iter_mut().find(|(t, _)| *t == gpu_type) {
+                    Some((_, n)) => *n += 1,
+                    None => counts.push((gpu_type.as_str(), 1)),
+                }
+            }
         }
-        Ok(gpus)
+        Ok((gpus, counts))
     }
 
     /// Keeps `memory`, from a decision based on the state at `based_on`,
@@ -2277,6 +2297,9 @@ impl ClusterState {
         let mut events = Vec::new();
         // Pass 1: each placement on its own.
         let mut accepted: BTreeMap<JobId, (Vec<GpuRef>, Option<JobId>)> = BTreeMap::new();
+        // With queues, each placement's GPUs by type, counted by pass 1's
+        // own lookups, for the quota pre-check and the charges after.
+        let count_types = self.queue_index.book().is_some();
         for p in placements {
             if accepted.contains_key(&p.job_id) {
                 events.push(Event::PlacementRefused {
@@ -2285,8 +2308,11 @@ impl ClusterState {
                 });
                 continue;
             }
-            match self.check_placement(p) {
-                Ok(gpus) => {
+            match Self::check_placement(&self.jobs, &self.nodes, p, count_types) {
+                Ok((gpus, counts)) => {
+                    if count_types {
+                        self.queue_index.note_counts(p.job_id, &counts);
+                    }
                     accepted.insert(p.job_id, (gpus, p.share_with));
                 }
                 Err(reason) => events.push(Event::PlacementRefused {
@@ -2326,14 +2352,7 @@ impl ClusterState {
         // trial: what the decision adds to each queue, net of what it
         // gives back, stays within its quota (`within_quotas`, read from
         // the index's holdings by number).
-        if self.queue_index.book().is_some()
-            && !self.queue_index.within_quotas(
-                accepted
-                    .iter()
-                    .map(|(id, (gpus, _))| (*id, gpus.as_slice())),
-                &self.nodes,
-            )
-        {
+        if count_types && !self.queue_index.within_quotas(accepted.keys().copied()) {
             if let Some(mut book) = self.queue_index.take_book() {
                 self.check_quotas(&mut book, &mut accepted, &mut events);
                 self.queue_index.put_book(book);
@@ -2621,12 +2640,12 @@ impl std::io::Write for HashWriter<'_> {
 enum IndexedJobs<'a> {
     Lookup {
         ids: std::collections::btree_set::Iter<'a, JobId>,
-        jobs: &'a BTreeMap<JobId, Job>,
+        jobs: &'a JobMap,
     },
     Walk {
         ids: std::collections::btree_set::Iter<'a, JobId>,
-        map: &'a BTreeMap<JobId, Job>,
-        jobs: std::iter::Peekable<std::collections::btree_map::Range<'a, JobId, Job>>,
+        map: &'a JobMap,
+        jobs: std::iter::Peekable<std::collections::btree_map::Range<'a, JobId, Box<Job>>>,
     },
 }
 
@@ -2640,7 +2659,7 @@ impl<'a> Iterator for IndexedJobs<'a> {
 
     fn next(&mut self) -> Option<&'a Job> {
         match self {
-            IndexedJobs::Lookup { ids, jobs } => ids.find_map(|id| jobs.get(id)),
+            IndexedJobs::Lookup { ids, jobs } => ids.find_map(|id| jobs.get(id)).map(|j| &**j),
             IndexedJobs::Walk { ids, map, jobs } => {
                 for id in ids.by_ref() {
                     // Both ascend: skip the jobs before `id` (seeking when

@@ -1178,6 +1178,53 @@ fn a_deleted_queues_name_is_refused_while_other_queues_are_kept() {
     );
 }
 
+/// A decision's quota check counts the placements it keeps, not those it
+/// refused before the check: a not-preemptible job's release, refused,
+/// gives nothing back to its queue, so another job of the queue that
+/// would take it beyond its quota (with nothing to borrow) is refused.
+#[test]
+fn a_refused_release_gives_no_quota_to_the_same_decisions_growth() {
+    let mut h = Harness::new();
+    h.node("n0", 4);
+    // The quotas take every GPU: nothing is left to borrow.
+    h.apply(Command::CreateQueue {
+        name: "team-a".into(),
+        spec: quota("v100", 2),
+    })
+    .expect("created");
+    h.apply(Command::UpdateQueue {
+        name: "default".into(),
+        spec: quota("v100", 2),
+    })
+    .expect("updated");
+    let in_team = |name: &str, preemptible: bool| {
+        let mut s = spec(name, 2, 1);
+        s.queue = "team-a".into();
+        s.preemptible = preemptible;
+        s
+    };
+    let kept = h.submit(in_team("kept", false));
+    let grows = h.submit(in_team("grows", true));
+    h.place(vec![(kept, vec![gpu("n0", 0), gpu("n0", 1)])]);
+    let events = h.decide(vec![
+        placed(kept, Vec::new(), None),
+        placed(grows, vec![gpu("n0", 2), gpu("n0", 3)], None),
+    ]);
+    let reasons = refused(&events);
+    assert_eq!(reasons.len(), 2, "{events:?}");
+    assert_eq!(reasons[0].0, kept);
+    assert!(reasons[0].1.contains("not preemptible"), "{reasons:?}");
+    assert_eq!(reasons[1].0, grows);
+    assert!(reasons[1].1.contains("quota"), "{reasons:?}");
+    let usage = h.state.queue_usage();
+    assert_eq!(
+        usage.get("team-a").and_then(|u| u.get("v100")),
+        Some(&2),
+        "{usage:?}"
+    );
+    assert_eq!(h.state.job(kept).map(|j| j.state), Some(JobState::Running));
+}
+
 fn v100s(indexes: &[u32]) -> Vec<Gpu> {
     indexes
         .iter()

@@ -28,6 +28,7 @@ use crate::free_gpus::FreeGpus;
 use crate::model::{Allocation, GpuRef, Job, JobId, Node};
 use crate::queue::{Queues, DEFAULT_QUEUE};
 use crate::quota::{queue_of, QuotaBook};
+use crate::state::JobMap;
 
 /// A job holding GPUs or waiting for them, as the index knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,10 +67,6 @@ impl Slots {
     fn get_mut(&mut self, id: JobId) -> Option<&mut Slot> {
         let at = self.at(id)?;
         self.window.get_mut(at)?.as_mut()
-    }
-
-    fn contains(&self, id: JobId) -> bool {
-        self.get(id).is_some()
     }
 
     fn insert(&mut self, id: JobId, slot: Slot) {
@@ -212,10 +209,11 @@ pub(super) struct QueueIndex {
     book_queue: Vec<usize>,
     book_type: Vec<usize>,
     slots: Slots,
-    /// A decision's new GPUs by type number, as its quota pre-check
-    /// counted them ([`QueueIndex::within_quotas`]), for the charges of
-    /// the same entry, which would count them again; emptied before each
-    /// entry ([`QueueIndex::start_entry`]).
+    /// A decision's new GPUs by type number and job, as the checks of its
+    /// placements counted them ([`QueueIndex::note_counts`]; sorted by
+    /// [`QueueIndex::within_quotas`]), for its quota pre-check and the
+    /// charges of the same entry, which would count them again; emptied
+    /// before each entry ([`QueueIndex::start_entry`]).
     counted: Vec<(JobId, ByType)>,
 }
 
@@ -252,7 +250,7 @@ impl QueueIndex {
     /// The index of `jobs` with `queues` on a cluster of `nodes` whose
     /// live GPUs are `capacity` (empty while there are no queues).
     pub(super) fn of(
-        jobs: &BTreeMap<JobId, Job>,
+        jobs: &JobMap,
         nodes: &BTreeMap<String, Node>,
         queues: &Queues,
         capacity: &FreeGpus,
@@ -273,7 +271,7 @@ impl QueueIndex {
     /// a node or a queue changed).
     pub(super) fn recharge(
         &mut self,
-        jobs: &BTreeMap<JobId, Job>,
+        jobs: &JobMap,
         nodes: &BTreeMap<String, Node>,
         queues: &Queues,
         capacity: &FreeGpus,
@@ -304,7 +302,7 @@ impl QueueIndex {
             .collect();
         self.mark_live(queues);
         for id in holding {
-            self.place(id, jobs.get(&id), nodes);
+            self.place(id, jobs.get(&id).map(|j| &**j), nodes);
         }
         self.set_book(book_of(queues, capacity, &self.usage()));
     }
@@ -390,37 +388,35 @@ impl QueueIndex {
         self.look_up_book_numbers(false);
     }
 
-    /// Whether a decision's changes (each job and its new GPUs), net of
-    /// what those jobs hold now, leave every queue within its quota of
-    /// every type: then no growth can be refused (releases come first, so
-    /// each one meets a smaller hold) and the decision needs no trial.
-    /// `false` also when it cannot say (a job, a type or a queue the index
-    /// or the book does not know yet).
-    pub(super) fn within_quotas<'g>(
-        &mut self,
-        changes: impl Iterator<Item = (JobId, &'g [GpuRef])>,
-        nodes: &BTreeMap<String, Node>,
-    ) -> bool {
-        if self.book.is_none() {
-            return true;
+    /// Keeps what a decision's placement of job `id` holds by type, as
+    /// the placement's check counted it, for [`QueueIndex::within_quotas`]
+    /// and the charges of the same entry.
+    pub(super) fn note_counts(&mut self, id: JobId, counts: &[(&str, u32)]) {
+        let mut by_type: ByType = counts
+            .iter()
+            .map(|(name, n)| (self.type_number(name), *n))
+            .collect();
+        if by_type.len() > 1 {
+            by_type.sort_unstable_by(|x, y| self.types[x.0].cmp(&self.types[y.0]));
         }
-        self.counted.clear();
-        for (id, gpus) in changes {
-            if !self.slots.contains(id) {
-                return false;
-            }
-            let counts = self.count_types(nodes, gpus);
-            self.counted.push((id, counts));
-        }
-        self.counted_within_quotas()
+        self.counted.push((id, by_type));
     }
 
-    /// Whether the changes [`QueueIndex::within_quotas`] counted, net of
-    /// what their jobs hold now, leave every queue within its quotas.
-    fn counted_within_quotas(&self) -> bool {
+    /// Whether a decision's changes (the jobs `ids`, whose new GPUs
+    /// [`QueueIndex::note_counts`] kept), net of what those jobs hold now,
+    /// leave every queue within its quota of every type: then no growth
+    /// can be refused (releases come first, so each one meets a smaller
+    /// hold) and the decision needs no trial. `false` also when it cannot
+    /// say (a job without counts, a job, a type or a queue the index or
+    /// the book does not know yet). Counts of jobs not in `ids` (refused
+    /// since) are passed over.
+    pub(super) fn within_quotas(&mut self, ids: impl Iterator<Item = JobId>) -> bool {
         let Some(book) = &self.book else {
             return true;
         };
+        if !self.counted.is_sorted_by_key(|(id, _)| *id) {
+            self.counted.sort_unstable_by_key(|(id, _)| *id);
+        }
         let mut net: SmallVec<[(usize, usize, i64); 4]> = SmallVec::new();
         let mut add = |q: usize, t: usize, n: i64| match net
             .iter_mut()
@@ -429,17 +425,20 @@ impl QueueIndex {
             Some((_, _, d)) => *d += n,
             None => net.push((q, t, n)),
         };
-        for (id, counts) in &self.counted {
-            let Some(slot) = self.slots.get(*id) else {
+        for id in ids {
+            let Ok(at) = self.counted.binary_search_by_key(&id, |(j, _)| *j) else {
+                return false;
+            };
+            let Some(slot) = self.slots.get(id) else {
                 return false;
             };
             let q = slot.queue;
-            if let Some(held) = self.queues[q].holding.get(id) {
+            if let Some(held) = self.queues[q].holding.get(&id) {
                 for (t, n) in &held.by_type {
                     add(q, *t, -i64::from(*n));
                 }
             }
-            for (t, n) in counts {
+            for (t, n) in &self.counted[at].1 {
                 add(q, *t, i64::from(*n));
             }
         }
@@ -719,9 +718,9 @@ impl QueueIndex {
         // that was checked).
         let counted = self
             .counted
-            .iter()
-            .position(|(j, _)| *j == id)
-            .map(|at| self.counted.swap_remove(at).1)
+            .binary_search_by_key(&id, |(j, _)| *j)
+            .ok()
+            .map(|at| std::mem::take(&mut self.counted[at].1))
             .filter(|c| c.iter().map(|(_, n)| *n as usize).sum::<usize>() == a.gpus.len());
         let by_type = match counted {
             Some(c) => c,
@@ -802,8 +801,8 @@ mod tests {
         assert_eq!((slots.first, slots.window.len()), (8, 6));
         let ids: Vec<(JobId, usize)> = slots.iter().map(|(id, s)| (id, s.queue)).collect();
         assert_eq!(ids, vec![(8, 3), (10, 1), (13, 2)]);
-        assert!(slots.contains(10) && !slots.contains(9) && !slots.contains(7));
-        assert!(!slots.contains(14) && !slots.contains(0));
+        assert!(slots.get(10).is_some() && slots.get(9).is_none() && slots.get(7).is_none());
+        assert!(slots.get(14).is_none() && slots.get(0).is_none());
         if let Some(s) = slots.get_mut(13) {
             s.charged = Some(4);
         }

@@ -42,7 +42,7 @@ impl ClusterState {
         pb::StateSnapshot {
             format_version: 0,
             next_job_id: self.next_job_id,
-            jobs: self.jobs.values().map(job_to_proto).collect(),
+            jobs: self.jobs.values().map(|j| job_to_proto(j)).collect(),
             nodes: self.nodes.values().map(node_to_proto).collect(),
             gpu_holders: self
                 .gpu_holders
@@ -130,11 +130,11 @@ impl ClusterState {
     /// The state a snapshot's protobuf message holds.
     pub fn from_snapshot_proto(m: pb::StateSnapshot) -> Result<ClusterState, DecodeError> {
         let inconsistent = DecodeError::Inconsistent;
-        let mut jobs = BTreeMap::new();
+        let mut jobs = super::JobMap::new();
         for j in m.jobs {
             let job = job_from_proto(j)?;
             let id = job.id;
-            if jobs.insert(id, job).is_some() {
+            if jobs.insert(id, Box::new(job)).is_some() {
                 return Err(inconsistent(format!("job {id} is listed twice")));
             }
         }
