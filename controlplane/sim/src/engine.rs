@@ -290,6 +290,17 @@ struct Running {
     placement: Vec<GpuRef>,
     /// When it last reported progress.
     reported_at_s: f64,
+    /// Steps done in all, kept here while it runs (the engine's
+    /// `steps_done` holds them while it does not): the clock's every move
+    /// credits the running jobs without a lookup.
+    steps_done: f64,
+    total_steps: f64,
+}
+
+impl Running {
+    fn remaining(&self) -> f64 {
+        self.total_steps - self.steps_done
+    }
 }
 
 #[derive(Debug)]
@@ -302,6 +313,8 @@ struct Engine<'a> {
     /// Workload position → state job id, and back.
     job_of: BTreeMap<u64, JobId>,
     sim_of: BTreeMap<JobId, usize>,
+    /// Steps done by the jobs not running now (a running job's are in its
+    /// [`Running`]).
     steps_done: BTreeMap<JobId, f64>,
     running: BTreeMap<JobId, Running>,
     results: Vec<JobResult>,
@@ -351,10 +364,10 @@ impl Engine<'_> {
         if contended {
             self.report.contended_s += dt;
         }
-        for (job_id, r) in &self.running {
+        for (job_id, r) in self.running.iter_mut() {
             let from = self.now_s.max(r.resumes_at_s);
             if t > from {
-                *self.steps_done.entry(*job_id).or_default() += r.rate * (t - from);
+                r.steps_done += r.rate * (t - from);
             }
             let gpu_s = f64::from(r.gpus) * dt;
             self.busy_gpu_s += gpu_s;
@@ -402,18 +415,27 @@ impl Engine<'_> {
             .map_or(0.0, |i| self.config.jobs[*i].total_steps as f64)
     }
 
-    fn remaining(&self, job_id: JobId) -> f64 {
-        self.total_steps(job_id) - self.steps_done.get(&job_id).copied().unwrap_or(0.0)
+    /// Steps `job_id` has done in all.
+    fn steps(&self, job_id: JobId) -> f64 {
+        match self.running.get(&job_id) {
+            Some(r) => r.steps_done,
+            None => self.steps_done.get(&job_id).copied().unwrap_or(0.0),
+        }
+    }
+
+    /// Takes `job_id` off the running jobs, keeping its steps.
+    fn stop_running(&mut self, job_id: JobId) -> Option<Running> {
+        let r = self.running.remove(&job_id)?;
+        self.steps_done.insert(job_id, r.steps_done);
+        Some(r)
     }
 
     /// When the next running job finishes, at the current rates.
     fn next_finish(&self) -> Option<f64> {
         self.running
-            .iter()
-            .filter(|(_, r)| r.rate > 0.0)
-            .map(|(job_id, r)| {
-                self.now_s.max(r.resumes_at_s) + self.remaining(*job_id).max(0.0) / r.rate
-            })
+            .values()
+            .filter(|r| r.rate > 0.0)
+            .map(|r| self.now_s.max(r.resumes_at_s) + r.remaining().max(0.0) / r.rate)
             .min_by(f64::total_cmp)
     }
 
@@ -504,9 +526,9 @@ impl Engine<'_> {
         let done: Vec<(JobId, u64)> = self
             .running
             .iter()
-            .filter(|(job_id, r)| {
-                let remaining = self.remaining(**job_id);
-                remaining <= EPSILON_STEPS * self.total_steps(**job_id).max(1.0)
+            .filter(|(_, r)| {
+                let remaining = r.remaining();
+                remaining <= EPSILON_STEPS * r.total_steps.max(1.0)
                     || (r.rate > 0.0
                         && self.now_s >= r.resumes_at_s
                         && self.now_s + remaining / r.rate <= self.now_s)
@@ -526,7 +548,7 @@ impl Engine<'_> {
                     not_admitted: false,
                 });
             }
-            self.running.remove(job_id);
+            self.stop_running(*job_id);
             let now = self.now_s;
             if let Some(r) = self.result_mut(*job_id) {
                 r.finish_s = Some(now);
@@ -537,12 +559,7 @@ impl Engine<'_> {
 
     fn report_progress(&mut self, job_id: JobId) {
         let total = self.total_steps(job_id);
-        let step = self
-            .steps_done
-            .get(&job_id)
-            .copied()
-            .unwrap_or(0.0)
-            .min(total);
+        let step = self.steps(job_id).min(total);
         let now = self.now_s;
         let rate = self.running.get_mut(&job_id).map_or(0.0, |r| {
             r.reported_at_s = now;
@@ -594,7 +611,7 @@ impl Engine<'_> {
         for job_id in stopped {
             // Its progress stays with the simulator (`steps_done`); the
             // state heard of it at the last round.
-            if let Some(r) = self.running.remove(&job_id) {
+            if let Some(r) = self.stop_running(job_id) {
                 moved_from.insert(job_id, r.placement);
             }
         }
@@ -651,6 +668,8 @@ impl Engine<'_> {
                     gpus: count,
                     placement: gpus,
                     reported_at_s: now,
+                    steps_done: self.steps(job_id),
+                    total_steps: self.total_steps(job_id),
                 },
             );
         }
