@@ -115,7 +115,15 @@ fn export(
             let file = std::fs::File::create(path)
                 .with_context(|| format!("cannot write {}", path.display()))?;
             let mut writer = std::io::BufWriter::new(file);
-            let summary = keel_storage::audit::export(&dir, after, until, &mut writer)?;
+            let summary = match keel_storage::audit::export(&dir, after, until, &mut writer) {
+                Ok(summary) => summary,
+                Err(e) => {
+                    // A failed export leaves no file to be taken for one.
+                    drop(writer);
+                    let _ = std::fs::remove_file(path);
+                    return Err(e.into());
+                }
+            };
             writer.flush()?;
             writer
                 .into_inner()

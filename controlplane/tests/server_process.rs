@@ -1407,4 +1407,28 @@ fn an_audit_export_verifies_to_the_servers_state_and_a_changed_byte_is_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--until-time \"yesterday\""), "{stderr}");
     assert!(!bad.exists());
+    // A range holding no entry is refused: the file the export opened is
+    // taken away again.
+    let out = Command::new(KEEL)
+        .args([
+            "audit",
+            "export",
+            "--from",
+            "5",
+            "--until",
+            "2",
+            "--data-dir",
+        ])
+        .arg(&data)
+        .arg("--to")
+        .arg(&bad)
+        .output()
+        .expect("run keel");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--from 5 is past the last entry"),
+        "{stderr}"
+    );
+    assert!(!bad.exists());
 }

@@ -45,6 +45,10 @@ pub enum AuditError {
     Write(std::io::Error),
     #[error("cannot read the export: {0}")]
     Read(std::io::Error),
+    /// The first index asked for is past the last one the export would
+    /// write: it would hold no entry.
+    #[error("--from {from} is past the last entry to export ({last}): the export would hold none")]
+    EmptyRange { from: u64, last: u64 },
     /// The export and its replay disagree: the first place they do.
     #[error("{}: {what}", match index { Some(i) => format!("index {i} (line {line})"), None => format!("line {line}") })]
     Disagrees {
@@ -151,13 +155,25 @@ fn command_json(entry: &LogEntry) -> serde_json::Value {
     serde_json::to_value(&entry.command).unwrap_or_default()
 }
 
-/// Writes lines, each chained to the one before.
+/// Writes lines, each chained to the one before; the header only once
+/// another line follows it, so that an export refused for holding no
+/// entry has written nothing.
 struct Chain<'w> {
     out: &'w mut dyn Write,
     prev: String,
+    header: Option<Line>,
 }
 
 impl Chain<'_> {
+    /// Writes the header if it is not written yet: before the line after
+    /// it is made, which links to it.
+    fn start(&mut self) -> Result<(), AuditError> {
+        match self.header.take() {
+            Some(header) => self.write(&header),
+            None => Ok(()),
+        }
+    }
+
     fn write(&mut self, line: &Line) -> Result<(), AuditError> {
         let text =
             serde_json::to_string(line).map_err(|e| AuditError::Write(std::io::Error::other(e)))?;
@@ -169,7 +185,9 @@ impl Chain<'_> {
 
 /// Exports the entries of data directory `dir` after index `after` up to
 /// `until` (the journal's, then the committed ones the Raft log holds
-/// past it) to `out`.
+/// past it) to `out`. A range that would hold no entry (`after`, when
+/// given, at or past the last index `until` names) is refused before
+/// anything is written.
 pub fn export(
     dir: &crate::DataDir,
     after: u64,
@@ -178,6 +196,13 @@ pub fn export(
 ) -> Result<AuditSummary, AuditError> {
     let state_dir = dir.state_dir();
     let until_index = crate::replay::index_of_until(&state_dir, until)?;
+    let asked_after = after;
+    if asked_after > 0 && asked_after >= until_index {
+        return Err(AuditError::EmptyRange {
+            from: asked_after + 1,
+            last: until_index,
+        });
+    }
     // The journal starts after the first snapshot a replica installed, if
     // it did: the entries then follow that snapshot's state.
     let after = after.max(crate::replay::journal_start(&state_dir)?.saturating_sub(1));
@@ -190,16 +215,17 @@ pub fn export(
     let mut chain = Chain {
         out,
         prev: String::new(),
+        header: Some(Line::Header {
+            keel_audit: AUDIT_FORMAT,
+            after_index: after,
+            state_hash: state.state_hash().to_string(),
+            snapshot,
+        }),
     };
-    chain.write(&Line::Header {
-        keel_audit: AUDIT_FORMAT,
-        after_index: after,
-        state_hash: state.state_hash().to_string(),
-        snapshot,
-    })?;
     let mut entries = 0u64;
     let mut last_index = after;
     let mut write_entry = |index: u64, entry: &LogEntry, term: Option<u64>| {
+        chain.start()?;
         let outcome = Outcome::of(&state.apply(index, entry));
         let line = Line::Entry {
             index,
@@ -231,7 +257,16 @@ pub fn export(
     for (index, term, entry) in log.committed_after(journaled.max(after), until_index)? {
         write_entry(index, &entry, Some(term))?;
     }
+    // A first index past the log's end (`until` not named): nothing to
+    // export, and nothing written yet.
+    if entries == 0 && asked_after > 0 {
+        return Err(AuditError::EmptyRange {
+            from: asked_after + 1,
+            last: state.last_index(),
+        });
+    }
     let state_hash = state.state_hash().to_string();
+    chain.start()?;
     chain.write(&Line::End {
         entries,
         prev: chain.prev.clone(),

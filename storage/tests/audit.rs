@@ -102,6 +102,24 @@ fn an_export_verifies_to_the_replayed_state_and_is_the_same_bytes_twice() {
     // Up to an index.
     let head = export_of(&dir, 0, Until::Index(12));
     assert_eq!(verify(head.as_bytes()).expect("verifies").last_index, 12);
+    // A first index past the last one is refused, naming both, and
+    // nothing is written.
+    let mut out = Vec::new();
+    match export(&dir, 20, Until::Index(12), &mut out) {
+        Err(AuditError::EmptyRange { from: 21, last: 12 }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(out.is_empty());
+    // Past the end, `--until` not named: found only by reading to the
+    // end, and still nothing written.
+    let last = summary.last_index;
+    match export(&dir, last, Until::End, &mut out) {
+        Err(AuditError::EmptyRange { from, last: l }) if from == last + 1 && l == last => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(out.is_empty());
+    let last = export_of(&dir, summary.last_index - 1, Until::End);
+    assert_eq!(verify(last.as_bytes()).expect("verifies").entries, 1);
 }
 
 #[test]
