@@ -316,12 +316,17 @@ fn type_counts<'a>(nodes: &'a BTreeMap<String, Node>, gpus: &[GpuRef]) -> TypeCo
         let gpu_type = node
             .and_then(|n| n.gpus.get(&g.index))
             .map_or("", String::as_str);
-        match counts.iter_mut().find(|(t, _)| *t == gpu_type) {
-            Some((_, n)) => *n += 1,
-            None => counts.push((gpu_type, 1)),
-        }
+        count_one(&mut counts, gpu_type);
     }
     counts
+}
+
+/// Counts one more GPU of `gpu_type` in `counts`.
+fn count_one<'n>(counts: &mut TypeCounts<'n>, gpu_type: &'n str) {
+    match counts.iter_mut().find(|(t, _)| *t == gpu_type) {
+        Some((_, n)) => *n += 1,
+        None => counts.push((gpu_type, 1)),
+    }
 }
 
 /// The jobs by id. Each job is boxed, so the map's nodes hold ids and
@@ -2113,10 +2118,9 @@ impl ClusterState {
     /// Checks one job's placement on its own: the job can hold GPUs, the GPU
     /// set has the right shape, and every GPU exists on a live node with an
     /// allowed type. Conflicts with other jobs are checked afterwards.
-    /// Checks one placement on its own: the job, the GPUs' shape, that
-    /// each GPU exists on a node not lost and is of an allowed type. Gives
-    /// its GPUs sorted and, when `count_types` (the quota check will need
-    /// them), how many of each type they are, found by the same lookups.
+    /// Gives its GPUs sorted and, when `count_types` (the quota check will
+    /// need them), how many of each type they are, found by the same
+    /// lookups.
     fn check_placement<'n>(
         jobs: &JobMap,
         nodes: &'n BTreeMap<String, Node>,
@@ -2192,10 +2196,7 @@ impl ClusterState {
                 return Err(format!("GPU {gpu} is a {gpu_type}, not an allowed type"));
             }
             if count_types {
-                match counts.iter_mut().find(|(t, _)| *t == gpu_type) {
-                    Some((_, n)) => *n += 1,
-                    None => counts.push((gpu_type.as_str(), 1)),
-                }
+                count_one(&mut counts, gpu_type);
             }
         }
         Ok((gpus, counts))

@@ -392,13 +392,7 @@ impl QueueIndex {
     /// the placement's check counted it, for [`QueueIndex::within_quotas`]
     /// and the charges of the same entry.
     pub(super) fn note_counts(&mut self, id: JobId, counts: &[(&str, u32)]) {
-        let mut by_type: ByType = counts
-            .iter()
-            .map(|(name, n)| (self.type_number(name), *n))
-            .collect();
-        if by_type.len() > 1 {
-            by_type.sort_unstable_by(|x, y| self.types[x.0].cmp(&self.types[y.0]));
-        }
+        let by_type = self.numbered(counts);
         self.counted.push((id, by_type));
     }
 
@@ -464,14 +458,20 @@ impl QueueIndex {
     /// names (numbers given to types met for the first time; a GPU of a
     /// node the state does not know counts as type "").
     fn count_types(&mut self, nodes: &BTreeMap<String, Node>, gpus: &[GpuRef]) -> ByType {
-        let mut counts: ByType = super::type_counts(nodes, gpus)
-            .into_iter()
-            .map(|(name, n)| (self.type_number(name), n))
+        self.numbered(&super::type_counts(nodes, gpus))
+    }
+
+    /// GPU counts by type name as counts by type number, in the order of
+    /// the types' names (numbers given to types met for the first time).
+    fn numbered(&mut self, counts: &[(&str, u32)]) -> ByType {
+        let mut by_type: ByType = counts
+            .iter()
+            .map(|(name, n)| (self.type_number(name), *n))
             .collect();
-        if counts.len() > 1 {
-            counts.sort_unstable_by(|x, y| self.types[x.0].cmp(&self.types[y.0]));
+        if by_type.len() > 1 {
+            by_type.sort_unstable_by(|x, y| self.types[x.0].cmp(&self.types[y.0]));
         }
-        counts
+        by_type
     }
 
     fn part(&self, queue: &str) -> Option<&QueueJobs> {
