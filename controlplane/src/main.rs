@@ -11,6 +11,7 @@ mod sim_cmd;
 mod sim_plot;
 mod snapshot_cmd;
 mod tls_cmd;
+mod whatif_cmd;
 
 /// mimalloc instead of glibc's malloc: the server allocates and frees small
 /// buffers per request, per entry and per RPC; with three replicas and 64
@@ -469,6 +470,10 @@ enum Cmd {
     /// Simulate a workload on a cluster with a policy: the real state
     /// machine and policies on a virtual clock (no server needed).
     Sim(Box<sim_cmd::SimArgs>),
+    /// Run a data directory's recorded history through the simulator: the
+    /// policies that decided (`recorded`), checked against what happened,
+    /// then other policies or another cluster.
+    Whatif(Box<whatif_cmd::WhatifArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -1308,6 +1313,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
         Cmd::Why { id } => cli::why(&args.addr, id, out).await,
         Cmd::Sim(sim) => sim_cmd::run(*sim, out),
+        Cmd::Whatif(args) => whatif_cmd::run(*args, out),
         Cmd::Submit { file } => cli::submit(&args.addr, &file, out).await,
         Cmd::Jobs { state, user, queue } => cli::jobs(&args.addr, state, user, queue, out).await,
         Cmd::Job { id } => cli::job(&args.addr, id, out).await,

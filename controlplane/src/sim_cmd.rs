@@ -237,18 +237,20 @@ type Cluster = (Vec<sim::SimNode>, sim::SimQueues);
 
 fn cluster(args: &SimArgs) -> anyhow::Result<Cluster> {
     match &args.cluster_file {
-        Some(path) => {
-            let file: sim::ClusterFile = serde_saphyr::from_str(&read_text(path)?)
-                .with_context(|| format!("in {}", path.display()))?;
-            Ok(file
-                .resolve()
-                .with_context(|| format!("in {}", path.display()))?)
-        }
+        Some(path) => read_cluster_file(path),
         None => Ok((
             sim::cluster_from_counts(&args.cluster, args.gpus_per_server)?,
             Vec::new(),
         )),
     }
+}
+
+/// The nodes and queues of a cluster file (YAML or JSON).
+pub(crate) fn read_cluster_file(path: &std::path::Path) -> anyhow::Result<Cluster> {
+    let file: sim::ClusterFile = serde_saphyr::from_str(&read_text(path)?)
+        .with_context(|| format!("in {}", path.display()))?;
+    file.resolve()
+        .with_context(|| format!("in {}", path.display()))
 }
 
 /// Every job's queue is one the cluster defines (or the default one).

@@ -237,6 +237,70 @@ fn a_tour_sized_run_completes_without_double_booking_a_gpu() {
     assert!(logs.contains("KEEL_PROGRESS"), "{logs}");
     assert!(logs.contains("rank 1"), "both ranks' logs: {logs}");
     server.terminate();
+    check_whatif(&dir.path().join("data"), ids.len());
+}
+
+/// Issue 27, items 1–3, on a live run's data directory: `keel whatif`
+/// reads back every job with its speeds measured, replays the policy that
+/// ran (and two others), reports its error, and gives the same bytes
+/// twice.
+fn check_whatif(data: &Path, jobs: usize) {
+    let whatif = || {
+        let out = std::process::Command::new(support::KEEL)
+            .args([
+                "whatif",
+                "-o",
+                "json",
+                "--policy",
+                "srjf,tiresias",
+                "--progress-interval-s",
+                "0.2",
+                "--data-dir",
+            ])
+            .arg(data)
+            .output()
+            .expect("run keel whatif");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    let bytes = whatif();
+    assert_eq!(bytes, whatif(), "the same history gave two reports");
+    let report: Value = serde_json::from_slice(&bytes).expect("JSON");
+    let history = &report["history"];
+    assert_eq!(history["jobs"], jobs, "{history}");
+    assert_eq!(history["succeeded"], jobs, "{history}");
+    assert_eq!(history["policies"][0]["name"], "fifo", "{history}");
+    assert!(
+        history["jobs_measured"].as_u64().unwrap_or(0) >= jobs as u64 / 2,
+        "{history}"
+    );
+    let runs: Vec<&str> = report["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .map(|r| r["policy"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(runs, ["recorded", "srjf", "tiresias"]);
+    let recorded = &report["runs"][0];
+    assert_eq!(recorded["finished"], jobs, "{recorded}");
+    assert!(
+        recorded["speeds_measured"].as_u64().unwrap_or(0) > 0,
+        "{recorded}"
+    );
+    // The simulator's error on this history. Jobs of a few seconds, so
+    // launch and exit weigh: measured per job, they came to 5 % (mean)
+    // and 1 % (p95) here; unmeasured, 40 % and 53 %. The issue's figure
+    // (5 %, 10 %) is for a 300-job day, recorded in BENCHMARKS.md.
+    let validation = &report["validation"];
+    assert_eq!(validation["jobs_compared"], jobs, "{validation}");
+    for error in ["mean_jct_error", "p95_jct_error"] {
+        let e = validation[error].as_f64().expect("a number");
+        assert!(e < 0.2, "{error}: {validation}");
+    }
 }
 
 #[test]

@@ -400,3 +400,74 @@ fn open_state(state_dir: &Path) -> Result<sled::Db, ReplayError> {
         message: e.to_string(),
     })
 }
+
+/// The state a data directory's journal starts from: the empty state, or
+/// the snapshot a replica installed before its first journaled entry
+/// (the history before it is not in the directory).
+pub fn state_before_journal(dir: &crate::DataDir) -> Result<ClusterState, ReplayError> {
+    let state_dir = dir.state_dir();
+    let start = journal_start(&state_dir)?;
+    if start <= 1 {
+        return Ok(ClusterState::new());
+    }
+    Ok(replay_until(&state_dir, Until::Index(start - 1))?.state)
+}
+
+/// Calls `each` with every entry of data directory `dir` after index
+/// `after` and up to `until`, in log order, without applying them: the
+/// journal's, then the committed entries the Raft log holds past it (a
+/// replica killed before its journal caught up). Returns the last index
+/// read (0: none).
+pub fn for_each_entry(
+    dir: &crate::DataDir,
+    after: u64,
+    until: Until,
+    each: &mut dyn FnMut(u64, &keel_state::LogEntry),
+) -> Result<u64, ReplayError> {
+    let state_dir = dir.state_dir();
+    let until_index = index_of_until(&state_dir, until)?;
+    // Past the journal, the log's entries are cut by their time.
+    let (log_until_index, until_ms) = match until {
+        Until::End => (u64::MAX, u64::MAX),
+        Until::Index(i) => (i, u64::MAX),
+        Until::Time(at_ms) => (u64::MAX, at_ms),
+    };
+    let journaled = journal_entries(&state_dir, after + 1, until_index, &mut |index, entry| {
+        each(index, &entry);
+        Ok::<(), ReplayError>(())
+    })?;
+    let log_dir = dir.raft_log_dir();
+    if !log_dir.exists() {
+        return Ok(journaled);
+    }
+    let log_error = |message: String| ReplayError::Log {
+        path: log_dir.display().to_string(),
+        message,
+    };
+    let log = crate::LogStore::open(&log_dir).map_err(|e| log_error(e.to_string()))?;
+    let end = log
+        .committed_index()
+        .unwrap_or(0)
+        .min(log_until_index)
+        .saturating_add(1);
+    let start = journaled.max(after).saturating_add(1);
+    let mut last = journaled;
+    if start >= end {
+        return Ok(last);
+    }
+    'entries: for entry in log
+        .entries(start, end)
+        .map_err(|e| log_error(e.to_string()))?
+    {
+        if let openraft::EntryPayload::Normal(proposal) = &entry.payload {
+            for e in &proposal.entries {
+                if e.at_ms > until_ms {
+                    break 'entries;
+                }
+                each(entry.log_id.index, e);
+                last = entry.log_id.index;
+            }
+        }
+    }
+    Ok(last)
+}

@@ -401,6 +401,31 @@ async fn replay_of_a_data_dir_takes_the_journal_tail_from_the_raft_log() {
         keel_storage::replay_data_dir(&dir, keel_storage::Until::Index(6)).expect("until 6");
     assert_eq!(until.last_index, 6);
     assert_eq!(until.from_log, 2);
+    // What `keel whatif` reads: every entry once, in log order, the
+    // journal's then the log's, and the same state when applied.
+    let read = |until: keel_storage::Until| {
+        let mut entries = Vec::new();
+        let last = keel_storage::for_each_entry(&dir, 0, until, &mut |index, entry| {
+            entries.push((index, entry.clone()))
+        })
+        .expect("read");
+        (last, entries)
+    };
+    let (read_last, entries) = read(keel_storage::Until::End);
+    assert_eq!(read_last, last.index);
+    let indexes: Vec<u64> = entries.iter().map(|(i, _)| *i).collect();
+    assert!(
+        indexes.windows(2).all(|w| w[0] <= w[1]),
+        "in order: {indexes:?}"
+    );
+    assert!(indexes.contains(&4) && indexes.contains(&5), "{indexes:?}");
+    let mut state = keel_state::ClusterState::new();
+    for (index, entry) in &entries {
+        let _ = state.apply(*index, entry);
+    }
+    assert_eq!(state.state_hash(), expected);
+    let (until_last, _) = read(keel_storage::Until::Index(6));
+    assert_eq!(until_last, 6);
 }
 
 /// The checked replays (what chaos runs and the deterministic simulation

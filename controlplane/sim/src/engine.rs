@@ -71,6 +71,34 @@ pub struct SimConfig {
     /// Queues made before the first job arrives (`default`: the default
     /// queue's terms), as `keel queue create` makes them live.
     pub queues: Vec<(String, QueueSpec)>,
+    /// Nodes lost and recovered over the run, by time (a recorded
+    /// history's).
+    pub node_changes: Vec<NodeChange>,
+    /// Keep the run's log in the report ([`SimReport::log`]): what a live
+    /// cluster would have recorded.
+    pub keep_log: bool,
+}
+
+/// A node lost (`up: false`) or back (`up: true`) at `at_s` on the
+/// workload's clock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeChange {
+    pub at_s: f64,
+    pub node: String,
+    pub up: bool,
+}
+
+/// Where the speeds of a run's allocations came from, one count per
+/// allocation a job started on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpeedSources {
+    /// Measured on the cluster on that GPU type and size.
+    pub measured: u64,
+    /// Scaled from the job's speed measured on another type or size, by
+    /// its model's profile.
+    pub modelled: u64,
+    /// From a throughput table (Gavel's, or the project's profile).
+    pub table: u64,
 }
 
 /// Which finished jobs a simulation removes from its state.
@@ -108,6 +136,8 @@ impl SimConfig {
             retention: None,
             state_size_samples: 0,
             queues: Vec::new(),
+            node_changes: Vec::new(),
+            keep_log: false,
         }
     }
 }
@@ -130,6 +160,8 @@ pub struct JobResult {
     pub arrival_s: f64,
     pub first_start_s: Option<f64>,
     pub finish_s: Option<f64>,
+    /// When it was cancelled ([`SimJob::cancel_at_s`]) before it finished.
+    pub cancelled_s: Option<f64>,
     /// How many times its allocation changed while it ran (preemptions,
     /// migrations, resizes).
     pub restarts: u32,
@@ -195,6 +227,11 @@ pub struct SimReport {
     pub queues: BTreeMap<String, QueueUse>,
     /// Simulated seconds during which two queues or more had jobs waiting.
     pub contended_s: f64,
+    /// Where the allocations' speeds came from.
+    pub speeds: SpeedSources,
+    /// The entries applied, by index ([`SimConfig::keep_log`]), with the
+    /// clock at 0 ms for the workload's time 0.
+    pub log: Vec<(u64, LogEntry)>,
 }
 
 /// What one queue used over a run.
@@ -245,6 +282,8 @@ impl SimReport {
             state_sizes: Vec::new(),
             queues: BTreeMap::new(),
             contended_s: 0.0,
+            speeds: SpeedSources::default(),
+            log: Vec::new(),
         }
     }
 
@@ -307,6 +346,8 @@ impl Running {
 struct Engine<'a> {
     config: &'a SimConfig,
     policy: &'a dyn Policy,
+    /// The policies from their time on ([`simulate_policies`]).
+    policies: &'a [(f64, &'a dyn Policy)],
     state: ClusterState,
     index: u64,
     now_s: f64,
@@ -336,7 +377,11 @@ impl Engine<'_> {
         self.index += 1;
         self.report.entries += 1;
         let entry = LogEntry::new(ms(self.now_s), command);
-        match self.state.apply(self.index, &entry) {
+        let applied = self.state.apply(self.index, &entry);
+        if self.config.keep_log {
+            self.report.log.push((self.index, entry));
+        }
+        match applied {
             Ok(events) => {
                 for e in &events {
                     if matches!(e, Event::JobPreempted { .. }) {
@@ -439,18 +484,78 @@ impl Engine<'_> {
             .min_by(f64::total_cmp)
     }
 
-    /// Steps per second of `job_id` on `gpus` GPUs of `gpu_type`.
-    fn rate(&self, job_id: JobId, gpu_type: &str, gpus: u32) -> f64 {
+    /// Steps per second of `job_id` on `gpus` GPUs of `gpu_type`: measured
+    /// there; else scaled from its closest measured speed (the same type
+    /// first, then the nearest size) by its model's profile; else from a
+    /// table. Counts where it came from.
+    fn rate(&mut self, job_id: JobId, gpu_type: &str, gpus: u32) -> f64 {
         let Some(job) = self.sim_of.get(&job_id).map(|i| &self.config.jobs[*i]) else {
             return 0.0;
         };
+        let profile = throughput::profile(&job.model);
+        if let Some(m) = job
+            .measured
+            .iter()
+            .find(|m| m.gpu_type == gpu_type && m.gpus == gpus)
+        {
+            self.report.speeds.measured += 1;
+            return m.steps_per_s;
+        }
+        let closest = job
+            .measured
+            .iter()
+            .min_by_key(|m| (m.gpu_type != gpu_type, m.gpus.abs_diff(gpus)));
+        if let Some(m) = closest {
+            let (to, from) = (
+                profile.steps_per_s(gpu_type, gpus),
+                profile.steps_per_s(&m.gpu_type, m.gpus),
+            );
+            if to > 0.0 && from > 0.0 {
+                self.report.speeds.modelled += 1;
+                return m.steps_per_s * to / from;
+            }
+        }
+        self.report.speeds.table += 1;
         let from_table = self
             .config
             .throughputs
             .as_ref()
             .zip(job.job_type.as_deref())
             .and_then(|(table, job_type)| table.steps_per_s(job_type, gpus, gpu_type));
-        from_table.unwrap_or_else(|| throughput::profile(&job.model).steps_per_s(gpu_type, gpus))
+        from_table.unwrap_or_else(|| profile.steps_per_s(gpu_type, gpus))
+    }
+
+    /// Cancels job `position` of the workload, unless it has ended.
+    fn cancel(&mut self, position: usize) {
+        let Some(job_id) = self.job_of.get(&self.config.jobs[position].id).copied() else {
+            return;
+        };
+        if self.state.job(job_id).is_none_or(|j| j.state.is_terminal()) {
+            return;
+        }
+        let cancelled = self.apply(Command::CancelJob {
+            job_id,
+            reason: "cancelled at its recorded time".into(),
+        });
+        let now = self.now_s;
+        if cancelled.is_some() {
+            if let Some(r) = self.result_mut(job_id) {
+                r.cancelled_s = Some(now);
+            }
+        }
+    }
+
+    /// Applies node change `change`.
+    fn change_node(&mut self, change: &NodeChange) {
+        let name = change.node.clone();
+        self.apply(if change.up {
+            Command::MarkNodeRecovered { name }
+        } else {
+            Command::MarkNodeLost {
+                name,
+                reason: "lost at its recorded time".into(),
+            }
+        });
     }
 
     fn submit(&mut self, position: usize) {
@@ -509,6 +614,7 @@ impl Engine<'_> {
             arrival_s,
             first_start_s: None,
             finish_s: None,
+            cancelled_s: None,
             restarts: 0,
         });
     }
@@ -650,7 +756,12 @@ impl Engine<'_> {
                     u64::from(keel_scheduling::topology::migrations(before, &gpus, per));
             }
             let rate = self.rate(job_id, &gpu_type, count);
-            let restart = self.config.restart_s.max(0.0);
+            let restart = self
+                .sim_of
+                .get(&job_id)
+                .and_then(|i| self.config.jobs[*i].restart_s)
+                .unwrap_or(self.config.restart_s)
+                .max(0.0);
             let now = self.now_s;
             if let Some(r) = self.result_mut(job_id) {
                 if r.first_start_s.is_none() {
@@ -739,8 +850,29 @@ impl Engine<'_> {
     }
 }
 
+/// Something the run does at a set time besides arrivals.
+#[derive(Debug, Clone, Copy)]
+enum Timed {
+    /// Cancel job `position` of the workload.
+    Cancel(usize),
+    /// Apply [`SimConfig::node_changes`]`[i]`.
+    Node(usize),
+    /// Switch to policy `i` of the schedule.
+    Policy(usize),
+}
+
 /// Runs the simulation of `config` under `policy`.
 pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
+    simulate_policies(config, &[(f64::NEG_INFINITY, policy)])
+}
+
+/// Runs the simulation of `config` under each policy of `policies` from
+/// its time on (seconds on the workload's clock; the first from the
+/// start, whatever its time): a recorded history's policy changes. The
+/// report is named after the first. An empty schedule runs FIFO.
+pub fn simulate_policies(config: &SimConfig, policies: &[(f64, &dyn Policy)]) -> SimReport {
+    let fifo = keel_scheduling::policy::Fifo::new(Default::default());
+    let policy: &dyn Policy = policies.first().map_or(&fifo, |(_, p)| *p);
     let total_gpus = config
         .nodes
         .iter()
@@ -754,9 +886,29 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             .then(a.cmp(b))
     });
     let start_s = order.first().map_or(0.0, |i| config.jobs[*i].arrival_s);
+    let mut timed: Vec<(f64, Timed)> = Vec::new();
+    for (position, job) in config.jobs.iter().enumerate() {
+        if let Some(at) = job.cancel_at_s.filter(|t| t.is_finite()) {
+            timed.push((at, Timed::Cancel(position)));
+        }
+    }
+    for (i, change) in config.node_changes.iter().enumerate() {
+        if change.at_s.is_finite() {
+            timed.push((change.at_s, Timed::Node(i)));
+        }
+    }
+    for (i, (at, _)) in policies.iter().enumerate().skip(1) {
+        if at.is_finite() {
+            timed.push((*at, Timed::Policy(i)));
+        }
+    }
+    // By time; at one time, in the order pushed (stable).
+    timed.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut next_timed = 0;
     let mut engine = Engine {
         config,
         policy,
+        policies,
         state: ClusterState::new(),
         index: 0,
         now_s: start_s,
@@ -799,14 +951,15 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
     loop {
         let arrival = order.get(next_arrival).map(|i| config.jobs[*i].arrival_s);
         let finish = engine.next_finish();
+        let due = timed.get(next_timed).map(|(at, _)| at.max(start_s));
         let idle = engine.running.is_empty();
-        if arrival.is_none() && finish.is_none() && idle {
-            // Nothing runs and nothing will arrive: what waits now can
-            // never be placed.
+        if arrival.is_none() && finish.is_none() && due.is_none() && idle {
+            // Nothing runs and nothing will arrive or change: what waits
+            // now can never be placed.
             break;
         }
         let mut t = next_tick;
-        for c in [arrival, finish].into_iter().flatten() {
+        for c in [arrival, finish, due].into_iter().flatten() {
             t = t.min(c);
         }
         if t - start_s > config.max_simulated_s {
@@ -823,6 +976,18 @@ pub fn simulate(config: &SimConfig, policy: &dyn Policy) -> SimReport {
             changed = true;
             if next_arrival % size_every == 0 {
                 engine.record_state_size(next_arrival as u64);
+            }
+        }
+        while let Some((at, what)) = timed.get(next_timed).copied() {
+            if at > engine.now_s {
+                break;
+            }
+            next_timed += 1;
+            changed = true;
+            match what {
+                Timed::Cancel(position) => engine.cancel(position),
+                Timed::Node(i) => engine.change_node(&config.node_changes[i]),
+                Timed::Policy(i) => engine.policy = engine.policies[i].1,
             }
         }
         let tick = engine.now_s >= next_tick;

@@ -138,6 +138,9 @@ impl GavelGenerator {
                 priority: 0,
                 job_type: Some(job_type.to_string()),
                 queue: String::new(),
+                measured: Vec::new(),
+                cancel_at_s: None,
+                restart_s: None,
             });
             unit_arrival += -(1.0 - arrival_rng.random()).ln();
         }

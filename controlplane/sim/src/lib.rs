@@ -13,17 +13,19 @@
 mod engine;
 pub mod gavel_generator;
 pub mod gavel_throughputs;
+pub mod history;
 pub mod rounds;
+pub mod whatif;
 pub mod workload;
 
 pub use engine::{
-    simulate, JctSummary, JobResult, QueueUse, Sample, SimConfig, SimNode, SimReport, SimRetention,
-    StateSize,
+    simulate, simulate_policies, JctSummary, JobResult, NodeChange, QueueUse, Sample, SimConfig,
+    SimNode, SimReport, SimRetention, SpeedSources, StateSize,
 };
 pub use gavel_generator::GavelGenerator;
 pub use gavel_throughputs::{ThroughputTable, ThroughputTableError};
 pub use rounds::{simulate_rounds, RoundSimConfig};
-pub use workload::{assign_queues, Generator, SimJob, WorkloadError};
+pub use workload::{assign_queues, Generator, MeasuredSpeed, SimJob, WorkloadError};
 
 use serde::Deserialize;
 

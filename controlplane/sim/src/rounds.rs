@@ -359,6 +359,7 @@ pub fn simulate_rounds(
                 arrival_s: job.arrival_s,
                 first_start_s: None,
                 finish_s: None,
+                cancelled_s: None,
                 restarts: 0,
             });
             next_arrival += 1;

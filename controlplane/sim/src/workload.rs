@@ -32,6 +32,28 @@ pub struct SimJob {
     /// The queue it is submitted to (empty: the default queue).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub queue: String,
+    /// Speeds measured on a cluster (a recorded history's, `keel whatif`),
+    /// by GPU type and allocation size: used before any table.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub measured: Vec<MeasuredSpeed>,
+    /// When its user cancels it, unless it finished before (seconds on
+    /// the workload's clock).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel_at_s: Option<f64>,
+    /// Its own seconds without progress at each (re)start, instead of the
+    /// run's (a recorded history's measured launch and exit time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_s: Option<f64>,
+}
+
+/// A job's speed measured on `gpus` GPUs of `gpu_type` (all its workers'
+/// GPUs together).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeasuredSpeed {
+    pub gpu_type: String,
+    pub gpus: u32,
+    pub steps_per_s: f64,
 }
 
 fn one() -> u32 {
@@ -136,6 +158,9 @@ pub fn parse_keel_trace(text: &str) -> Result<Vec<SimJob>, WorkloadError> {
             priority: t.priority,
             job_type: None,
             queue: t.queue,
+            measured: Vec::new(),
+            cancel_at_s: None,
+            restart_s: None,
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -197,6 +222,9 @@ pub fn parse_gavel_trace(text: &str) -> Result<Vec<SimJob>, WorkloadError> {
             priority: priority_weight.round() as i32,
             job_type: Some(cols[0].to_string()),
             queue: String::new(),
+            measured: Vec::new(),
+            cancel_at_s: None,
+            restart_s: None,
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -273,6 +301,9 @@ pub fn parse_gavel_generated_csv(
             priority: 0,
             job_type: Some(model.to_string()),
             queue: String::new(),
+            measured: Vec::new(),
+            cancel_at_s: None,
+            restart_s: None,
         };
         check_job(&job, line)?;
         push(&mut jobs, job, line)?;
@@ -400,6 +431,9 @@ impl Generator {
                 priority: 0,
                 job_type: None,
                 queue: String::new(),
+                measured: Vec::new(),
+                cancel_at_s: None,
+                restart_s: None,
             });
             if self.rate_per_hour > 0.0 {
                 arrival_s += -(1.0 - rng.unit()).ln() * 3600.0 / self.rate_per_hour;

@@ -263,6 +263,9 @@ fn space_sharing_places_pairs_and_beats_taking_turns_when_pairs_run_fast() {
             priority: 0,
             job_type: Some(if id % 3 == 0 { "B" } else { "A" }.into()),
             queue: String::new(),
+            measured: Vec::new(),
+            cancel_at_s: None,
+            restart_s: None,
         })
         .collect();
     let mut config = round_config(jobs);

@@ -100,6 +100,9 @@ fn an_idle_queue_lends_everything_and_gets_its_quota_back_within_a_round() {
             priority: 0,
             job_type: None,
             queue: "b".into(),
+            measured: Vec::new(),
+            cancel_at_s: None,
+            restart_s: None,
         });
     }
     let mut config = SimConfig::new(cluster_from_counts("36:36:36", 1).expect("cluster"), jobs);

@@ -22,6 +22,9 @@ fn job(id: u64, arrival_s: f64, workers: u32, total_steps: u64) -> SimJob {
         priority: 0,
         job_type: None,
         queue: String::new(),
+        measured: Vec::new(),
+        cancel_at_s: None,
+        restart_s: None,
     }
 }
 

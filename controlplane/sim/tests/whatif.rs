@@ -1,0 +1,212 @@
+//! A recorded history as a workload (issue 27): a simulated cluster's own
+//! log, read back by the recorder and replayed under the policies that
+//! decided, must give back what happened; speeds not measured are scaled
+//! from measured ones.
+
+use keel_scheduling::policy::{by_name, Policy};
+use keel_scheduling::throughput;
+use keel_sim::history::{RecordedEnd, Recorder};
+use keel_sim::whatif::{summarise, validate};
+use keel_sim::{
+    cluster_from_counts, simulate, simulate_policies, Generator, MeasuredSpeed, NodeChange,
+    SimConfig, SimJob, SimReport,
+};
+
+const ROUND_S: f64 = 360.0;
+
+/// A run of `policies` (name, from) on a 4:4:4 cluster of 4-GPU servers
+/// with its log kept: one job cancelled while it waits or runs, one node
+/// lost for two hours.
+fn recorded_run(policies: &[(&str, f64)]) -> SimReport {
+    let mut jobs = Generator {
+        jobs: 80,
+        rate_per_hour: 6.0,
+        seed: 27,
+        multi_gpu: true,
+        elastic: false,
+    }
+    .generate()
+    .expect("workload");
+    jobs[10].cancel_at_s = Some(jobs[10].arrival_s + 600.0);
+    let nodes = cluster_from_counts("4:4:4", 4).expect("cluster");
+    let mut config = SimConfig::new(nodes, jobs);
+    config.round_s = ROUND_S;
+    config.progress_interval_s = ROUND_S;
+    config.keep_log = true;
+    config.node_changes = vec![
+        NodeChange {
+            at_s: 3_600.0,
+            node: "p100-0".into(),
+            up: false,
+        },
+        NodeChange {
+            at_s: 3.0 * 3_600.0,
+            node: "p100-0".into(),
+            up: true,
+        },
+    ];
+    let boxed: Vec<(f64, Box<dyn Policy>)> = policies
+        .iter()
+        .map(|(name, at)| (*at, by_name(name, Default::default()).expect("policy")))
+        .collect();
+    let schedule: Vec<(f64, &dyn Policy)> = boxed.iter().map(|(at, p)| (*at, p.as_ref())).collect();
+    simulate_policies(&config, &schedule)
+}
+
+/// What a recorder reads from `report`'s log.
+fn replay(report: &SimReport) -> keel_sim::history::History {
+    let mut recorder = Recorder::new();
+    for (index, entry) in &report.log {
+        recorder.record(*index, entry);
+    }
+    recorder.finish()
+}
+
+#[test]
+fn a_history_replayed_under_its_own_policy_gives_back_what_happened() {
+    let original = recorded_run(&[("tiresias", 0.0)]);
+    let history = replay(&original);
+    assert_eq!(history.jobs.len(), 80);
+    assert_eq!(history.state_hash, original.state_hash);
+    assert_eq!(
+        history.jobs[10].end.map(|(_, end)| end),
+        Some(RecordedEnd::Cancelled)
+    );
+    assert_eq!(
+        history
+            .node_changes
+            .iter()
+            .map(|(_, n, up)| (n.as_str(), *up))
+            .collect::<Vec<_>>(),
+        [("p100-0", false), ("p100-0", true)]
+    );
+    assert_eq!(
+        history
+            .policies
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect::<Vec<_>>(),
+        ["tiresias"]
+    );
+    // What the log says each job took is what the run measured.
+    for (job, result) in history.jobs.iter().zip(&original.jobs) {
+        match (job.jct_s(), result.jct_s()) {
+            (Some(recorded), Some(ran)) => assert!(
+                (recorded - ran).abs() < 0.002,
+                "job {}: {recorded} s recorded, {ran} s run",
+                result.id
+            ),
+            (None, None) => {}
+            other => panic!("job {}: {other:?}", result.id),
+        }
+    }
+    let workload = history.workload();
+    assert!(
+        workload.jobs_measured > 40,
+        "{} of 80 jobs measured",
+        workload.jobs_measured
+    );
+    // The measured speeds are the run's own (the simulated executor's
+    // rates, from the project's table).
+    for job in &workload.jobs {
+        for m in &job.measured {
+            let table = throughput::profile(&job.model).steps_per_s(&m.gpu_type, m.gpus);
+            assert!(
+                (m.steps_per_s - table).abs() / table < 0.01,
+                "job {}: {m:?} against {table}",
+                job.id
+            );
+        }
+    }
+    let mut again = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
+    again.round_s = ROUND_S;
+    again.progress_interval_s = ROUND_S;
+    again.node_changes = workload.node_changes.clone();
+    let policy = by_name(&workload.policies[0].1, Default::default()).expect("policy");
+    let rerun = simulate(&again, policy.as_ref());
+    assert!(rerun.speeds.measured > 0, "{:?}", rerun.speeds);
+    let v = validate(&history, &rerun);
+    assert!(v.jobs_compared >= 70, "{v:?}");
+    assert!(v.mean_jct_error < 0.01, "{v:?}");
+    assert!(v.p95_jct_error < 0.01, "{v:?}");
+    assert!(v.utilisation_error < 0.01, "{v:?}");
+    let summary = summarise("recorded", &rerun);
+    assert_eq!(summary.cancelled, 1, "{summary:?}");
+}
+
+#[test]
+fn a_policy_change_in_the_history_is_replayed_at_its_time() {
+    let switch_s = 4.0 * 3_600.0;
+    let original = recorded_run(&[("fifo", 0.0), ("srjf", switch_s)]);
+    let history = replay(&original);
+    let names: Vec<&str> = history.policies.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["fifo", "srjf"]);
+    let workload = history.workload();
+    // First decided after the switch (at a round after it).
+    let (at, _) = &workload.policies[1];
+    assert!(*at >= switch_s - 1.0, "{:?}", workload.policies);
+    let boxed: Vec<(f64, Box<dyn Policy>)> = workload
+        .policies
+        .iter()
+        .map(|(at, name)| (*at, by_name(name, Default::default()).expect("policy")))
+        .collect();
+    let schedule: Vec<(f64, &dyn Policy)> = boxed.iter().map(|(at, p)| (*at, p.as_ref())).collect();
+    let mut again = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
+    again.round_s = ROUND_S;
+    again.progress_interval_s = ROUND_S;
+    again.node_changes = workload.node_changes.clone();
+    let v = validate(&history, &simulate_policies(&again, &schedule));
+    assert!(v.mean_jct_error < 0.01, "{v:?}");
+    // FIFO throughout is another history.
+    let fifo = by_name("fifo", Default::default()).expect("fifo");
+    let other = validate(&history, &simulate(&again, fifo.as_ref()));
+    assert!(
+        other.per_job_mean_error > v.per_job_mean_error,
+        "{other:?} against {v:?}"
+    );
+}
+
+#[test]
+fn a_speed_not_measured_is_scaled_from_a_measured_one_by_the_models_profile() {
+    let measured = 2.0;
+    let job = SimJob {
+        id: 0,
+        arrival_s: 0.0,
+        model: "resnet50".into(),
+        gpus_per_worker: 1,
+        workers_min: 1,
+        workers_max: 1,
+        total_steps: 1_000,
+        priority: 0,
+        job_type: None,
+        queue: String::new(),
+        measured: vec![MeasuredSpeed {
+            gpu_type: "v100".into(),
+            gpus: 1,
+            steps_per_s: measured,
+        }],
+        cancel_at_s: None,
+        restart_s: None,
+    };
+    let fifo = by_name("fifo", Default::default()).expect("fifo");
+    let k80s = cluster_from_counts("0:0:1", 1).expect("cluster");
+    let report = simulate(&SimConfig::new(k80s, vec![job.clone()]), fifo.as_ref());
+    assert_eq!(
+        (
+            report.speeds.measured,
+            report.speeds.modelled,
+            report.speeds.table
+        ),
+        (0, 1, 0)
+    );
+    let profile = throughput::profile("resnet50");
+    let rate = measured * profile.steps_per_s("k80", 1) / profile.steps_per_s("v100", 1);
+    let jct = report.jobs[0].jct_s().expect("finished");
+    assert!((jct - 1_000.0 / rate).abs() < 0.01, "{jct} s at {rate}");
+    // On the measured type, the measured speed itself.
+    let v100s = cluster_from_counts("1:0:0", 1).expect("cluster");
+    let report = simulate(&SimConfig::new(v100s, vec![job]), fifo.as_ref());
+    assert_eq!(report.speeds.measured, 1);
+    let jct = report.jobs[0].jct_s().expect("finished");
+    assert!((jct - 500.0).abs() < 0.01, "{jct}");
+}
