@@ -30,8 +30,9 @@ pub struct WhatifArgs {
     #[arg(long, value_delimiter = ',', default_value = RECORDED)]
     policy: Vec<String>,
     /// Run on these nodes instead of the recorded ones (`keel sim`'s
-    /// cluster file: `- {gpu_type: a100, gpus: 8, count: 4}`); the
-    /// recorded node losses are not replayed then.
+    /// cluster file: `- {gpu_type: a100, gpus: 8, count: 4}`), and its
+    /// queues if it has any (else the recorded ones); the recorded node
+    /// losses are not replayed then.
     #[arg(long)]
     cluster_file: Option<PathBuf>,
     /// Only the jobs submitted at or after this time (RFC 3339); jobs
@@ -90,6 +91,9 @@ struct HistorySummary {
     /// type × allocation size) measured in all.
     jobs_measured: usize,
     speeds_measured: usize,
+    /// Measured speeds over the table's (median): what unmeasured jobs
+    /// run at, times the table.
+    table_scale: f64,
     mean_jct_s: f64,
     utilisation: f64,
 }
@@ -154,10 +158,15 @@ pub fn run(args: WhatifArgs, out: Output) -> anyhow::Result<()> {
     let workload = history.workload();
     let mut config = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
     config.node_changes = workload.node_changes.clone();
+    config.queues = workload.queues.clone();
+    config.table_scale = workload.table_scale;
     if let Some(path) = &args.cluster_file {
         let (nodes, queues) = crate::sim_cmd::read_cluster_file(path)?;
         config.nodes = nodes;
-        config.queues = queues;
+        // Its queues, if it names any; else the recorded ones.
+        if !queues.is_empty() {
+            config.queues = queues;
+        }
         config.node_changes.clear();
     }
     config.round_s = args.round_s;
@@ -269,6 +278,7 @@ fn summarise_history(history: &History, workload: &RecordedWorkload) -> HistoryS
             .collect(),
         jobs_measured: workload.jobs_measured,
         speeds_measured: workload.speeds_measured,
+        table_scale: workload.table_scale,
         mean_jct_s: if jcts.is_empty() {
             0.0
         } else {
@@ -318,8 +328,8 @@ fn print_report(report: &Report) -> anyhow::Result<()> {
         vec![
             "speeds measured".into(),
             format!(
-                "{} jobs, {} job × GPU type × size figures",
-                h.jobs_measured, h.speeds_measured
+                "{} jobs, {} job × GPU type × size figures; the others at the table's × {:.3}",
+                h.jobs_measured, h.speeds_measured, h.table_scale
             ),
         ],
     ];

@@ -333,7 +333,7 @@ impl HollowExecutor {
             launched_ms: now_ms,
             start_step,
             total_steps: opts.total_steps,
-            steps_per_s: model.steps_per_s(&opts.gpu_type, gpus) * shared * opts.speedup,
+            steps_per_s: opts.steps_per_s() * opts.speedup,
             samples_per_s: model.samples_per_s(&opts.gpu_type, gpus) * shared,
             fail_at_step: opts.fail_at_step,
             exit_code: opts.exit_code,

@@ -53,6 +53,10 @@ pub struct TrainerOptions {
     /// Hold at this step (reporting it) until the file exists, then go on.
     /// A relaunch that resumes at or before the step holds there again.
     pub hold: Option<Hold>,
+    /// The run's speed is the table's times a factor drawn once in
+    /// `1 ± speed_noise`, seeded by the job, its GPU type and size: the
+    /// same job on the same GPUs always gets the same factor.
+    pub speed_noise: f64,
 }
 
 /// `keel trainer`'s flags, each falling back on the worker contract's
@@ -114,9 +118,14 @@ pub struct TrainerArgs {
     /// counts as the generic one).
     #[arg(long, env = "KEEL_SHARED_WITH_JOB")]
     pub shared_with_job: Option<u64>,
-    /// The job's id (seeds the simulated loss curve).
+    /// The job's id (seeds the simulated loss curve and the speed noise).
     #[arg(long, env = "KEEL_JOB_ID", default_value_t = 0)]
     pub job_id: u64,
+    /// Run at the table's speed times a factor in 1 ± this (0 to 0.9),
+    /// drawn once per job, GPU type and size: jobs of one model that do
+    /// not run alike.
+    #[arg(long, default_value_t = 0.0)]
+    pub speed_noise: f64,
 }
 
 impl TrainerArgs {
@@ -148,6 +157,7 @@ impl TrainerArgs {
                     at_step,
                     until_file,
                 }),
+            speed_noise: self.speed_noise,
         }
     }
 }
@@ -269,7 +279,39 @@ impl TrainerOptions {
                 "--total-steps must be at least 1".into(),
             ));
         }
+        if !(0.0..=0.9).contains(&self.speed_noise) {
+            return Err(TrainerError::Config(format!(
+                "--speed-noise must be between 0 and 0.9, not {}",
+                self.speed_noise
+            )));
+        }
         Ok(())
+    }
+
+    /// Steps per simulated second on its GPUs: the table's speed for its
+    /// model, GPU type and size, less what sharing costs, times its noise
+    /// factor.
+    pub fn steps_per_s(&self) -> f64 {
+        let model = profile(&self.model);
+        let gpus = self.gpus.max(1);
+        let shared = self
+            .shared_with_model
+            .as_deref()
+            .map_or(1.0, |m| model.shared_fraction(profile(m)));
+        model.steps_per_s(&self.gpu_type, gpus) * shared * self.speed_factor()
+    }
+
+    /// The factor in `1 ± speed_noise` of this job on these GPUs.
+    fn speed_factor(&self) -> f64 {
+        if self.speed_noise <= 0.0 {
+            return 1.0;
+        }
+        let mut seed = self.seed ^ u64::from(self.gpus.max(1)).rotate_left(32);
+        for byte in self.gpu_type.bytes() {
+            seed = seed.rotate_left(8) ^ u64::from(byte);
+        }
+        let mut rng = SplitMix64::new(seed);
+        1.0 + self.speed_noise * (2.0 * rng.unit() - 1.0)
     }
 }
 
@@ -287,7 +329,7 @@ pub async fn run(opts: TrainerOptions, out: &mut (dyn Write + Send)) -> Result<i
     let shared = opts.shared_with_model.as_deref().map_or(1.0, |m| {
         profile.shared_fraction(keel_scheduling::throughput::profile(m))
     });
-    let steps_per_wall_s = profile.steps_per_s(&opts.gpu_type, gpus) * shared * opts.speedup;
+    let steps_per_wall_s = opts.steps_per_s() * opts.speedup;
     let samples_per_s = profile.samples_per_s(&opts.gpu_type, gpus) * shared;
     let curve = LossCurve::for_run(2.5, 0.1, opts.total_steps);
     let mut rng = SplitMix64::new(opts.seed);
@@ -395,6 +437,7 @@ mod tests {
             seed: 1,
             shared_with_model: None,
             hold: None,
+            speed_noise: 0.0,
         }
     }
 
@@ -468,5 +511,40 @@ mod tests {
             .collect();
         assert!(steps.iter().filter(|s| **s == 100).count() > 1, "{text}");
         assert_eq!(steps.last(), Some(&200), "{text}");
+    }
+
+    #[test]
+    fn speed_noise_draws_one_factor_per_job_and_gpus_within_its_bound() {
+        let dir = Path::new("/nonexistent");
+        let table = opts(dir).steps_per_s();
+        assert_eq!(
+            table,
+            profile("resnet50").steps_per_s("v100", 1),
+            "no noise: the table"
+        );
+        let noisy = |seed: u64, gpu_type: &str| {
+            let mut o = opts(dir);
+            o.speed_noise = 0.2;
+            o.seed = seed;
+            o.gpu_type = gpu_type.into();
+            o.steps_per_s() / profile("resnet50").steps_per_s(gpu_type, 1)
+        };
+        let factors: Vec<f64> = (0..50).map(|job| noisy(job, "v100")).collect();
+        assert!(
+            factors.iter().all(|f| (0.8..=1.2).contains(f)),
+            "{factors:?}"
+        );
+        assert_eq!(
+            factors[7],
+            noisy(7, "v100"),
+            "the same job, the same factor"
+        );
+        assert_ne!(noisy(7, "v100"), noisy(7, "k80"), "another GPU type");
+        let spread = factors.iter().cloned().fold(f64::NAN, f64::max)
+            - factors.iter().cloned().fold(f64::NAN, f64::min);
+        assert!(spread > 0.2, "the jobs differ: {factors:?}");
+        let mut bad = opts(dir);
+        bad.speed_noise = 1.5;
+        assert!(bad.check().is_err());
     }
 }

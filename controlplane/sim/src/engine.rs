@@ -77,6 +77,10 @@ pub struct SimConfig {
     /// Keep the run's log in the report ([`SimReport::log`]): what a live
     /// cluster would have recorded.
     pub keep_log: bool,
+    /// Speeds from a table are multiplied by this: how a recorded
+    /// cluster's measured speeds compare with the table (1: as the table
+    /// says).
+    pub table_scale: f64,
 }
 
 /// A node lost (`up: false`) or back (`up: true`) at `at_s` on the
@@ -138,6 +142,7 @@ impl SimConfig {
             queues: Vec::new(),
             node_changes: Vec::new(),
             keep_log: false,
+            table_scale: 1.0,
         }
     }
 }
@@ -522,7 +527,8 @@ impl Engine<'_> {
             .as_ref()
             .zip(job.job_type.as_deref())
             .and_then(|(table, job_type)| table.steps_per_s(job_type, gpus, gpu_type));
-        from_table.unwrap_or_else(|| profile.steps_per_s(gpu_type, gpus))
+        let table = from_table.unwrap_or_else(|| profile.steps_per_s(gpu_type, gpus));
+        table * self.config.table_scale
     }
 
     /// Cancels job `position` of the workload, unless it has ended.

@@ -10,8 +10,8 @@
 //! - each job's measured speed on each GPU type and allocation size: the
 //!   steps between two progress samples of one allocation over the time
 //!   between them (the first sample of an allocation is not paired with
-//!   the one before it, so relaunch time is not counted as speed; samples
-//!   read at one time are paired as one);
+//!   the one before it, so relaunch time is not counted as speed; of
+//!   samples read at one time, the last is paired with the next);
 //! - the nodes, when they joined, were lost and recovered;
 //! - the policies that decided (`DecideAllocation` names its policy);
 //! - the GPUs held over time (the recorded utilisation).
@@ -21,9 +21,11 @@
 
 use std::collections::BTreeMap;
 
+use keel_scheduling::throughput;
 use keel_state::command::{Command, LogEntry};
 use keel_state::event::Event;
 use keel_state::model::{Gpu, JobId, JobState};
+use keel_state::queue::QueueSpec;
 use keel_state::state::ClusterState;
 
 use super::engine::{NodeChange, SimNode};
@@ -173,6 +175,9 @@ pub struct History {
     pub held_gpu_ms: u64,
     /// The state's hash after the last entry.
     pub state_hash: String,
+    /// Every queue the log defined, as last defined (a deleted one too:
+    /// its jobs are in the history).
+    pub queues: BTreeMap<String, QueueSpec>,
 }
 
 /// Where a job's progress stood at its last sample.
@@ -194,6 +199,7 @@ pub struct Recorder {
     last_sample: BTreeMap<JobId, LastSample>,
     /// GPUs each job holds now, and since when.
     holding: BTreeMap<JobId, (u32, u64)>,
+    queues: BTreeMap<String, QueueSpec>,
     /// Each job's current allocation: its epoch and when it was decided.
     allocated: BTreeMap<JobId, (u64, u64)>,
     /// The allocation of each job's last sample: epoch, GPU type, GPUs.
@@ -231,6 +237,7 @@ impl Recorder {
             holding: BTreeMap::new(),
             allocated: BTreeMap::new(),
             held_as: BTreeMap::new(),
+            queues: BTreeMap::new(),
             entries: 0,
             first_index: 0,
             last_index: 0,
@@ -246,6 +253,7 @@ impl Recorder {
         for name in names {
             recorder.note_node(&name);
         }
+        recorder.queues = recorder.state.queues().all();
         recorder
     }
 
@@ -329,6 +337,11 @@ impl Recorder {
                 Event::NodeRecovered { name } => {
                     self.node_changes.push((at_ms, name.clone(), true));
                 }
+                Event::QueueCreated { name } | Event::QueueUpdated { name } => {
+                    if let Some(spec) = self.state.queues().spec(name) {
+                        self.queues.insert(name.clone(), spec);
+                    }
+                }
                 _ => {}
             }
             if let Some(job_id) = event.job_id() {
@@ -384,9 +397,10 @@ impl Recorder {
                 self.held_as.insert(job_id, (epoch, gpu_type.clone(), gpus));
             }
             match same_epoch {
-                // Lines read together carry one time: the next later
-                // sample is paired with the first of them.
-                Some(b) if sample.at_ms <= b.at_ms => continue,
+                // Lines read together carry the time they were read,
+                // nearest the last one's: the next later sample is paired
+                // with the last of them.
+                Some(b) if sample.at_ms <= b.at_ms => {}
                 Some(b) if sample.step >= b.step => {
                     // Time without steps (a checkpoint, a stall) counts.
                     let m = recorded.speeds.entry((gpu_type.clone(), gpus)).or_default();
@@ -497,6 +511,7 @@ impl Recorder {
             last_ms,
             held_gpu_ms,
             state_hash: self.state.state_hash().to_string(),
+            queues: self.queues,
         }
     }
 }
@@ -514,6 +529,14 @@ pub struct RecordedWorkload {
     /// The policies that decided, by simulated time (seconds after the
     /// first submission).
     pub policies: Vec<(f64, String)>,
+    /// The queues, each as last defined (the default one's terms as
+    /// `default`, when set).
+    pub queues: Vec<(String, QueueSpec)>,
+    /// The median, over the measured figures, of measured speed over the
+    /// project table's speed for that model, GPU type and size (1 when
+    /// none was measured): what a job never measured runs at, times the
+    /// table ([`crate::SimConfig::table_scale`]).
+    pub table_scale: f64,
 }
 
 /// A job with no model runs at the project table's `generic` speed.
@@ -542,6 +565,25 @@ impl History {
 
     fn seconds_after_start(&self, at_ms: u64) -> f64 {
         at_ms.saturating_sub(self.first_ms) as f64 / 1000.0
+    }
+
+    /// [`RecordedWorkload::table_scale`].
+    fn table_scale(&self) -> f64 {
+        let mut ratios: Vec<f64> = Vec::new();
+        for job in &self.jobs {
+            let profile = throughput::profile(job.model.as_deref().unwrap_or(NO_MODEL));
+            for ((gpu_type, gpus), m) in &job.speeds {
+                let table = profile.steps_per_s(gpu_type, *gpus);
+                if table > 0.0 && m.steps_per_s() > 0.0 {
+                    ratios.push(m.steps_per_s() / table);
+                }
+            }
+        }
+        if ratios.is_empty() {
+            return 1.0;
+        }
+        ratios.sort_by(f64::total_cmp);
+        ratios[ratios.len() / 2]
     }
 
     /// Total GPUs over the nodes the log knew.
@@ -697,12 +739,18 @@ impl History {
             .map(|p| (self.seconds_after_start(p.from_ms), p.name.clone()))
             .collect();
         RecordedWorkload {
+            table_scale: self.table_scale(),
             jobs,
             nodes,
             node_changes,
             jobs_measured,
             speeds_measured,
             policies,
+            queues: self
+                .queues
+                .iter()
+                .map(|(name, spec)| (name.clone(), spec.clone()))
+                .collect(),
         }
     }
 }

@@ -7,6 +7,8 @@
 //! how far to trust the counterfactual runs; [`summarise`] gives one run's
 //! figures for the comparison table.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
 use super::engine::{JctSummary, SimReport, SpeedSources};
@@ -132,6 +134,9 @@ pub struct RunSummary {
     pub speeds_measured: u64,
     pub speeds_modelled: u64,
     pub speeds_from_table: u64,
+    /// Each queue's part of the GPU time the jobs held (with queues).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub queue_shares: BTreeMap<String, f64>,
 }
 
 /// `report`'s figures, named `policy`.
@@ -177,5 +182,16 @@ pub fn summarise(policy: &str, report: &SimReport) -> RunSummary {
         speeds_measured: measured,
         speeds_modelled: modelled,
         speeds_from_table: table,
+        queue_shares: {
+            let total: f64 = report.queues.values().map(|q| q.gpu_s).sum();
+            report
+                .queues
+                .iter()
+                .map(|(name, q)| {
+                    let share = if total > 0.0 { q.gpu_s / total } else { 0.0 };
+                    (name.clone(), share)
+                })
+                .collect()
+        },
     }
 }

@@ -3,6 +3,8 @@
 //! decided, must give back what happened; speeds not measured are scaled
 //! from measured ones.
 
+use std::collections::BTreeMap;
+
 use keel_scheduling::policy::{by_name, Policy};
 use keel_scheduling::throughput;
 use keel_sim::history::{RecordedEnd, Recorder};
@@ -11,6 +13,7 @@ use keel_sim::{
     cluster_from_counts, simulate, simulate_policies, Generator, MeasuredSpeed, NodeChange,
     SimConfig, SimJob, SimReport,
 };
+use keel_state::queue::QueueSpec;
 
 const ROUND_S: f64 = 360.0;
 
@@ -28,8 +31,27 @@ fn recorded_run(policies: &[(&str, f64)]) -> SimReport {
     .generate()
     .expect("workload");
     jobs[10].cancel_at_s = Some(jobs[10].arrival_s + 600.0);
+    for (i, job) in jobs.iter_mut().enumerate() {
+        job.queue = if i % 3 == 0 { "b" } else { "a" }.into();
+    }
     let nodes = cluster_from_counts("4:4:4", 4).expect("cluster");
     let mut config = SimConfig::new(nodes, jobs);
+    config.queues = ["a", "b"]
+        .into_iter()
+        .map(|name| {
+            let spec = QueueSpec {
+                quota: Some(BTreeMap::from([
+                    ("v100".to_string(), 2),
+                    ("k80".to_string(), 4),
+                ])),
+                cohort: Some("all".into()),
+                borrow_limit: BTreeMap::new(),
+                lend_limit: BTreeMap::new(),
+                weight: 1,
+            };
+            (name.to_string(), spec)
+        })
+        .collect();
     config.round_s = ROUND_S;
     config.progress_interval_s = ROUND_S;
     config.keep_log = true;
@@ -118,10 +140,20 @@ fn a_history_replayed_under_its_own_policy_gives_back_what_happened() {
             );
         }
     }
+    assert_eq!(
+        workload
+            .queues
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
+        ["a", "b", "default"],
+        "the queues as defined, the default one's terms too"
+    );
     let mut again = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
     again.round_s = ROUND_S;
     again.progress_interval_s = ROUND_S;
     again.node_changes = workload.node_changes.clone();
+    again.queues = workload.queues.clone();
     let policy = by_name(&workload.policies[0].1, Default::default()).expect("policy");
     let rerun = simulate(&again, policy.as_ref());
     assert!(rerun.speeds.measured > 0, "{:?}", rerun.speeds);
@@ -132,6 +164,8 @@ fn a_history_replayed_under_its_own_policy_gives_back_what_happened() {
     assert!(v.utilisation_error < 0.01, "{v:?}");
     let summary = summarise("recorded", &rerun);
     assert_eq!(summary.cancelled, 1, "{summary:?}");
+    let shares: Vec<&String> = summary.queue_shares.keys().collect();
+    assert_eq!(shares, ["a", "b"], "{summary:?}");
 }
 
 #[test]
@@ -155,6 +189,7 @@ fn a_policy_change_in_the_history_is_replayed_at_its_time() {
     again.round_s = ROUND_S;
     again.progress_interval_s = ROUND_S;
     again.node_changes = workload.node_changes.clone();
+    again.queues = workload.queues.clone();
     let v = validate(&history, &simulate_policies(&again, &schedule));
     assert!(v.mean_jct_error < 0.01, "{v:?}");
     // FIFO throughout is another history.
