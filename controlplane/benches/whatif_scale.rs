@@ -3,7 +3,7 @@
 //!
 //! The history is a simulated cluster's own log (`keel sim`'s engine with
 //! `keep_log`: 100,000 generated jobs, `KEEL_WHATIF_SCALE_JOBS`, on 1,536
-//! GPUs, progress reported every fourth round), written into a data directory's
+//! GPUs, progress reported at most every 40 minutes), written into a data directory's
 //! journal through the state machine store, as a replica writes it. Then
 //! the `keel` binary reads it back: `keel whatif --policy recorded`, and
 //! with three more policies, each timed.
@@ -41,11 +41,13 @@ fn main() {
     let nodes = keel_sim::cluster_from_counts("512:512:512", 8).expect("cluster");
     let mut config = keel_sim::SimConfig::new(nodes, workload);
     config.round_s = 360.0;
-    config.progress_interval_s = 1440.0;
+    config.progress_interval_s = 2400.0;
     config.keep_log = true;
     let fifo = keel_scheduling::policy::Fifo::new(Default::default());
-    let report = keel_sim::simulate(&config, &fifo);
-    let entries = report.log.len();
+    let mut report = keel_sim::simulate(&config, &fifo);
+    let log = std::mem::take(&mut report.log);
+    drop(report);
+    let entries = log.len();
     println!(
         "history: {jobs} jobs, {entries} entries, simulated in {:.1} s",
         started.elapsed().as_secs_f64()
@@ -58,31 +60,40 @@ fn main() {
         let data_dir = keel_storage::DataDir::open(&data).expect("data dir");
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         let mut sm = StateMachineStore::open(&data_dir.state_dir()).expect("open");
-        rt.block_on(async {
-            for chunk in report.log.chunks(64) {
-                let batch: Vec<Entry> = chunk
-                    .iter()
-                    .map(|(index, e)| Entry {
-                        log_id: LogId::new(CommittedLeaderId::new(1, 1), *index),
-                        payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
-                    })
-                    .collect();
-                sm.apply(batch).await.expect("apply");
+        let mut log = log.into_iter();
+        let mut written = 0usize;
+        loop {
+            let batch: Vec<Entry> = log
+                .by_ref()
+                .take(64)
+                .map(|(index, e)| Entry {
+                    log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+                    payload: EntryPayload::Normal(Proposal::new(vec![e])),
+                })
+                .collect();
+            if batch.is_empty() {
+                break;
             }
-        });
+            written += batch.len();
+            rt.block_on(sm.apply(batch)).expect("apply");
+            // Bounded: the journal writer's queue drained now and then,
+            // as a replica's pace bounds it.
+            if written % 65_536 < 64 {
+                sm.flush().expect("flush");
+            }
+        }
         sm.flush().expect("flush");
     }
     println!(
         "written to a journal in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    drop(report);
 
     for policies in ["recorded", "recorded,fifo,srjf,tiresias"] {
         let started = Instant::now();
         let out = Command::new(KEEL)
             .args(["whatif", "--policy", policies])
-            .args(["--round-s", "360", "--progress-interval-s", "1440"])
+            .args(["--round-s", "360", "--progress-interval-s", "2400"])
             .arg("--data-dir")
             .arg(&data)
             .output()

