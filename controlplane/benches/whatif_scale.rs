@@ -1,28 +1,28 @@
-//! Issue 27's speed figure: `keel whatif` on a history of 100,000 jobs and
-//! about 5 M entries.
+//! Issue 27's speed figure: what `keel whatif` does with a history of
+//! 100,000 jobs and about 5 M entries, past reading it.
 //!
 //! The history is a simulated cluster's own log (`keel sim`'s engine with
 //! `keep_log`: 100,000 generated jobs, `KEEL_WHATIF_SCALE_JOBS`, on 1,536
-//! GPUs, progress reported at most every 40 minutes), written into a data directory's
-//! journal through the state machine store, as a replica writes it. Then
-//! the `keel` binary reads it back: `keel whatif --policy recorded`, and
-//! with three more policies, each timed.
+//! GPUs, progress reported at most every 40 minutes). Timed: the recorder
+//! reading it (applying every entry to its own state), the workload it
+//! gives, and the `recorded` run (more policies on request). Reading a
+//! journal from disk is `cargo bench -p keel-storage --bench replay`'s
+//! figure (entries per second); writing 5 M entries into a journal here
+//! through the state machine store took more than 20 GB (see
+//! BENCHMARKS.md), so this bench keeps the history in memory.
 //!
 //! Run: `cargo bench -p keel --bench whatif_scale`
 
 #![allow(clippy::print_stdout)]
 
-use std::process::Command;
 use std::time::Instant;
 
-use keel_state::Proposal;
-use keel_storage::{Entry, StateMachineStore};
-use openraft::storage::RaftStateMachine;
-use openraft::{CommittedLeaderId, EntryPayload, LogId};
+use keel_scheduling::policy::Policy;
+use keel_sim::history::Recorder;
 
 mod common;
 
-use common::{count, KEEL};
+use common::count;
 
 fn main() {
     let jobs = count("KEEL_WHATIF_SCALE_JOBS", 100_000) as usize;
@@ -47,64 +47,47 @@ fn main() {
     let mut report = keel_sim::simulate(&config, &fifo);
     let log = std::mem::take(&mut report.log);
     drop(report);
-    let entries = log.len();
     println!(
-        "history: {jobs} jobs, {entries} entries, simulated in {:.1} s",
+        "history: {jobs} jobs, {} entries, simulated in {:.1} s",
+        log.len(),
         started.elapsed().as_secs_f64()
     );
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
     let started = Instant::now();
-    {
-        let data_dir = keel_storage::DataDir::open(&data).expect("data dir");
-        let rt = tokio::runtime::Runtime::new().expect("runtime");
-        let mut sm = StateMachineStore::open(&data_dir.state_dir()).expect("open");
-        let mut log = log.into_iter();
-        let mut written = 0usize;
-        loop {
-            let batch: Vec<Entry> = log
-                .by_ref()
-                .take(64)
-                .map(|(index, e)| Entry {
-                    log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-                    payload: EntryPayload::Normal(Proposal::new(vec![e])),
-                })
-                .collect();
-            if batch.is_empty() {
-                break;
-            }
-            written += batch.len();
-            rt.block_on(sm.apply(batch)).expect("apply");
-            // Bounded: the journal writer's queue drained now and then,
-            // as a replica's pace bounds it.
-            if written % 65_536 < 64 {
-                sm.flush().expect("flush");
-            }
-        }
-        sm.flush().expect("flush");
+    let mut recorder = Recorder::new();
+    for (index, entry) in &log {
+        recorder.record(*index, entry);
     }
+    let history = recorder.finish();
+    let read_s = started.elapsed().as_secs_f64();
+    drop(log);
+    let workload = history.workload();
+    let mut again = keel_sim::SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
+    again.round_s = 360.0;
+    again.progress_interval_s = 2400.0;
+    again.node_changes = workload.node_changes.clone();
+    again.table_scale = workload.table_scale;
+    let workload_s = started.elapsed().as_secs_f64() - read_s;
     println!(
-        "written to a journal in {:.1} s",
-        started.elapsed().as_secs_f64()
+        "recorder: {read_s:.1} s ({:.0} entries/s); workload: {workload_s:.1} s; {} jobs measured",
+        history.entries as f64 / read_s,
+        workload.jobs_measured
     );
-
-    for policies in ["recorded", "recorded,fifo,srjf,tiresias"] {
+    // The recorded run (FIFO decided); more with
+    // `KEEL_WHATIF_SCALE_POLICIES=fifo,srjf,...`.
+    let names = std::env::var("KEEL_WHATIF_SCALE_POLICIES").unwrap_or_else(|_| "fifo".into());
+    for name in names.split(',') {
+        let policy: Box<dyn Policy> =
+            keel_scheduling::policy::by_name(name, Default::default()).expect("policy");
         let started = Instant::now();
-        let out = Command::new(KEEL)
-            .args(["whatif", "--policy", policies])
-            .args(["--round-s", "360", "--progress-interval-s", "2400"])
-            .arg("--data-dir")
-            .arg(&data)
-            .output()
-            .expect("run keel whatif");
-        let wall_s = started.elapsed().as_secs_f64();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let run = keel_sim::simulate(&again, policy.as_ref());
+        let v = keel_sim::whatif::validate(&history, &run);
+        println!(
+            "{name}{}: {:.1} s; mean JCT {:.0} s against {:.0} s recorded",
+            if name == "fifo" { " (recorded)" } else { "" },
+            started.elapsed().as_secs_f64(),
+            v.mean_jct_simulated_s,
+            v.mean_jct_recorded_s
         );
-        println!("{}", String::from_utf8_lossy(&out.stdout));
-        println!("keel whatif --policy {policies}: {wall_s:.1} s");
     }
 }

@@ -102,29 +102,6 @@ fn replay_dir(
     check: bool,
 ) -> Result<ReplaySummary, ReplayError> {
     let journaled = replay_tree_at(&dir.state_dir(), until, check, None)?;
-    let log_dir = dir.raft_log_dir();
-    if !log_dir.exists() {
-        return Ok(journaled);
-    }
-    let log_error = |message: String| ReplayError::Log {
-        path: log_dir.display().to_string(),
-        message,
-    };
-    let log = crate::LogStore::open(&log_dir).map_err(|e| log_error(e.to_string()))?;
-    let (until_index, until_ms) = match until {
-        Until::End => (u64::MAX, u64::MAX),
-        Until::Index(i) => (i, u64::MAX),
-        Until::Time(t) => (u64::MAX, t),
-    };
-    let end = log
-        .committed_index()
-        .unwrap_or(0)
-        .min(until_index)
-        .saturating_add(1);
-    let start = journaled.last_index.saturating_add(1);
-    if start >= end {
-        return Ok(journaled);
-    }
     let ReplaySummary {
         mut entries,
         mut refused,
@@ -135,35 +112,24 @@ fn replay_dir(
         ..
     } = journaled;
     let mut from_log = 0;
-    'entries: for entry in log
-        .entries(start, end)
-        .map_err(|e| log_error(e.to_string()))?
-    {
-        let index = entry.log_id.index;
-        if let openraft::EntryPayload::Normal(proposal) = &entry.payload {
-            for e in &proposal.entries {
-                if e.at_ms > until_ms {
-                    break 'entries;
-                }
-                let backwards = check
-                    .then(|| earlier_than_before(state.last_entry_at_ms(), e.at_ms))
-                    .flatten();
-                if state.apply(index, e).is_err() {
-                    refused += 1;
-                }
-                if check && invariant_violation.is_none() {
-                    if let Some(backwards) = backwards {
-                        invariant_violation = Some((index, backwards));
-                    } else if let Err(broken) = state.check_invariants() {
-                        invariant_violation = Some((index, broken));
-                    }
-                }
-                entries += 1;
-                from_log += 1;
-                last_index = index;
+    log_tail(dir, last_index, until, &mut |index, e| {
+        let backwards = check
+            .then(|| earlier_than_before(state.last_entry_at_ms(), e.at_ms))
+            .flatten();
+        if state.apply(index, e).is_err() {
+            refused += 1;
+        }
+        if check && invariant_violation.is_none() {
+            if let Some(backwards) = backwards {
+                invariant_violation = Some((index, backwards));
+            } else if let Err(broken) = state.check_invariants() {
+                invariant_violation = Some((index, broken));
             }
         }
-    }
+        entries += 1;
+        from_log += 1;
+        last_index = index;
+    })?;
     let mut summary = summarise(state, entries, refused, started_after, last_index, from_log);
     summary.invariant_violation = invariant_violation;
     Ok(summary)
@@ -426,48 +392,63 @@ pub fn for_each_entry(
 ) -> Result<u64, ReplayError> {
     let state_dir = dir.state_dir();
     let until_index = index_of_until(&state_dir, until)?;
-    // Past the journal, the log's entries are cut by their time.
-    let (log_until_index, until_ms) = match until {
-        Until::End => (u64::MAX, u64::MAX),
-        Until::Index(i) => (i, u64::MAX),
-        Until::Time(at_ms) => (u64::MAX, at_ms),
-    };
     let journaled = journal_entries(&state_dir, after + 1, until_index, &mut |index, entry| {
         each(index, &entry);
         Ok::<(), ReplayError>(())
     })?;
+    let mut last = journaled;
+    log_tail(dir, journaled.max(after), until, &mut |index, e| {
+        each(index, e);
+        last = index;
+    })?;
+    Ok(last)
+}
+
+/// Calls `each` with the committed entries of `dir`'s Raft log after
+/// index `after`, up to `until` (an index, or the last entry stamped at
+/// or before a time), in log order: what a replica killed before its
+/// journal caught up holds past the journal. Nothing without a log.
+fn log_tail(
+    dir: &crate::DataDir,
+    after: u64,
+    until: Until,
+    each: &mut dyn FnMut(u64, &keel_state::LogEntry),
+) -> Result<(), ReplayError> {
     let log_dir = dir.raft_log_dir();
     if !log_dir.exists() {
-        return Ok(journaled);
+        return Ok(());
     }
     let log_error = |message: String| ReplayError::Log {
         path: log_dir.display().to_string(),
         message,
     };
+    let (until_index, until_ms) = match until {
+        Until::End => (u64::MAX, u64::MAX),
+        Until::Index(i) => (i, u64::MAX),
+        Until::Time(t) => (u64::MAX, t),
+    };
     let log = crate::LogStore::open(&log_dir).map_err(|e| log_error(e.to_string()))?;
     let end = log
         .committed_index()
         .unwrap_or(0)
-        .min(log_until_index)
+        .min(until_index)
         .saturating_add(1);
-    let start = journaled.max(after).saturating_add(1);
-    let mut last = journaled;
+    let start = after.saturating_add(1);
     if start >= end {
-        return Ok(last);
+        return Ok(());
     }
-    'entries: for entry in log
+    for entry in log
         .entries(start, end)
         .map_err(|e| log_error(e.to_string()))?
     {
         if let openraft::EntryPayload::Normal(proposal) = &entry.payload {
             for e in &proposal.entries {
                 if e.at_ms > until_ms {
-                    break 'entries;
+                    return Ok(());
                 }
                 each(entry.log_id.index, e);
-                last = entry.log_id.index;
             }
         }
     }
-    Ok(last)
+    Ok(())
 }
