@@ -830,18 +830,21 @@ pub fn until(
     time: Option<&str>,
     time_flag: &str,
 ) -> anyhow::Result<keel_storage::Until> {
-    let time = match (index, time) {
-        (Some(i), _) => return Ok(keel_storage::Until::Index(i)),
-        (None, None) => return Ok(keel_storage::Until::End),
-        (None, Some(t)) => t,
-    };
+    match (index, time) {
+        (Some(i), _) => Ok(keel_storage::Until::Index(i)),
+        (None, None) => Ok(keel_storage::Until::End),
+        (None, Some(t)) => Ok(keel_storage::Until::Time(unix_ms(t, time_flag)?)),
+    }
+}
+
+/// An RFC 3339 time given to `flag`, in Unix milliseconds.
+pub fn unix_ms(time: &str, flag: &str) -> anyhow::Result<u64> {
     let at = humantime::parse_rfc3339_weak(time)
-        .with_context(|| format!("{time_flag} {time:?} is not an RFC 3339 time"))?;
-    Ok(keel_storage::Until::Time(
-        at.duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0),
-    ))
+        .with_context(|| format!("{flag} {time:?} is not an RFC 3339 time"))?;
+    Ok(at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0))
 }
 
 pub fn replay(data_dir: &Path, until: keel_storage::Until, out: Output) -> anyhow::Result<()> {

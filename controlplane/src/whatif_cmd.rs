@@ -145,7 +145,7 @@ pub fn run(args: WhatifArgs, out: Output) -> anyhow::Result<()> {
     }
     let mut history = read_history(&args)?;
     if let Some(from) = &args.from_time {
-        history.keep_submitted_from(unix_ms(from, "--from-time")?);
+        history.keep_submitted_from(crate::cli::unix_ms(from, "--from-time")?);
     }
     if history.jobs.is_empty() {
         anyhow::bail!(
@@ -218,8 +218,9 @@ fn read_history(args: &WhatifArgs) -> anyhow::Result<History> {
     Ok(recorder.finish())
 }
 
-/// Runs the policies that decided, each from its first decision on (the
-/// server's configured one from the start when none decided).
+/// Runs the policies that decided, each from its first decision on (FIFO
+/// throughout when none decided: the log does not name the server's
+/// configured policy until one decides).
 fn run_recorded(
     config: &SimConfig,
     workload: &RecordedWorkload,
@@ -234,15 +235,6 @@ fn run_recorded(
     }
     let schedule: Vec<(f64, &dyn Policy)> = boxed.iter().map(|(at, p)| (*at, p.as_ref())).collect();
     Ok(sim::simulate_policies(config, &schedule))
-}
-
-fn unix_ms(time: &str, flag: &str) -> anyhow::Result<u64> {
-    let at = humantime::parse_rfc3339_weak(time)
-        .with_context(|| format!("{flag} {time:?} is not an RFC 3339 time"))?;
-    Ok(at
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0))
 }
 
 fn summarise_history(history: &History, workload: &RecordedWorkload) -> HistorySummary {

@@ -305,6 +305,38 @@ fn check_whatif(data: &Path, jobs: usize) {
         let e = validation[error].as_f64().expect("a number");
         assert!(e < 1.0, "{error}: {validation}");
     }
+    // Bad input is refused naming the flag and what is wrong.
+    for (args, expected) in [
+        (&["--policy", "nosuch"][..], "unknown policy \"nosuch\""),
+        (&["--round-s", "0"][..], "--round-s must be"),
+        (
+            &["--progress-interval-s=-1"][..],
+            "--progress-interval-s must be",
+        ),
+        (
+            &["--from-time", "yesterday"][..],
+            "--from-time \"yesterday\" is not an RFC 3339 time",
+        ),
+        (
+            &["--from-time", "2999-01-01T00:00:00Z"][..],
+            "holds no job submitted in the range",
+        ),
+        (
+            &["--until-time", "noon"][..],
+            "--until-time \"noon\" is not an RFC 3339 time",
+        ),
+    ] {
+        let out = std::process::Command::new(support::KEEL)
+            .arg("whatif")
+            .args(args)
+            .arg("--data-dir")
+            .arg(data)
+            .output()
+            .expect("run keel whatif");
+        assert!(!out.status.success(), "{args:?} was taken");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
 }
 
 #[test]

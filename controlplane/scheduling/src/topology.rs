@@ -61,8 +61,8 @@ pub fn migrations(before: &[GpuRef], after: &[GpuRef], per_worker: u32) -> u32 {
     left.saturating_sub(shrunk)
 }
 
-/// The GPU type of a job's allocation.
-fn allocation_type<'s>(state: &'s ClusterState, gpus: &[GpuRef]) -> Option<&'s str> {
+/// The GPU type of a job's allocation (its first GPU's).
+pub fn allocation_type<'s>(state: &'s ClusterState, gpus: &[GpuRef]) -> Option<&'s str> {
     let g = gpus.first()?;
     state
         .nodes()

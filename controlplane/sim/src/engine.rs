@@ -351,8 +351,6 @@ impl Running {
 struct Engine<'a> {
     config: &'a SimConfig,
     policy: &'a dyn Policy,
-    /// The policies from their time on ([`simulate_policies`]).
-    policies: &'a [(f64, &'a dyn Policy)],
     state: ClusterState,
     index: u64,
     now_s: f64,
@@ -497,7 +495,6 @@ impl Engine<'_> {
         let Some(job) = self.sim_of.get(&job_id).map(|i| &self.config.jobs[*i]) else {
             return 0.0;
         };
-        let profile = throughput::profile(&job.model);
         if let Some(m) = job
             .measured
             .iter()
@@ -510,6 +507,7 @@ impl Engine<'_> {
             .measured
             .iter()
             .min_by_key(|m| (m.gpu_type != gpu_type, m.gpus.abs_diff(gpus)));
+        let profile = throughput::profile(&job.model);
         if let Some(m) = closest {
             let (to, from) = (
                 profile.steps_per_s(gpu_type, gpus),
@@ -742,10 +740,9 @@ impl Engine<'_> {
             })
             .collect();
         for (job_id, epoch, gpus, nodes) in started {
-            let gpu_type = gpus
-                .first()
-                .and_then(|g| self.state.nodes().get(&g.node)?.gpus.get(&g.index).cloned())
-                .unwrap_or_default();
+            let gpu_type = keel_scheduling::topology::allocation_type(&self.state, &gpus)
+                .unwrap_or_default()
+                .to_string();
             let count = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
             for (rank, node) in nodes.into_iter().enumerate() {
                 self.apply(Command::RecordWorkerStarted {
@@ -858,13 +855,13 @@ impl Engine<'_> {
 
 /// Something the run does at a set time besides arrivals.
 #[derive(Debug, Clone, Copy)]
-enum Timed {
+enum Timed<'a> {
     /// Cancel job `position` of the workload.
     Cancel(usize),
     /// Apply [`SimConfig::node_changes`]`[i]`.
     Node(usize),
-    /// Switch to policy `i` of the schedule.
-    Policy(usize),
+    /// Switch to this policy.
+    Policy(&'a dyn Policy),
 }
 
 /// Runs the simulation of `config` under `policy`.
@@ -903,9 +900,9 @@ pub fn simulate_policies(config: &SimConfig, policies: &[(f64, &dyn Policy)]) ->
             timed.push((change.at_s, Timed::Node(i)));
         }
     }
-    for (i, (at, _)) in policies.iter().enumerate().skip(1) {
+    for (at, p) in policies.iter().skip(1) {
         if at.is_finite() {
-            timed.push((*at, Timed::Policy(i)));
+            timed.push((*at, Timed::Policy(*p)));
         }
     }
     // By time; at one time, in the order pushed (stable).
@@ -914,7 +911,6 @@ pub fn simulate_policies(config: &SimConfig, policies: &[(f64, &dyn Policy)]) ->
     let mut engine = Engine {
         config,
         policy,
-        policies,
         state: ClusterState::new(),
         index: 0,
         now_s: start_s,
@@ -993,7 +989,7 @@ pub fn simulate_policies(config: &SimConfig, policies: &[(f64, &dyn Policy)]) ->
             match what {
                 Timed::Cancel(position) => engine.cancel(position),
                 Timed::Node(i) => engine.change_node(&config.node_changes[i]),
-                Timed::Policy(i) => engine.policy = engine.policies[i].1,
+                Timed::Policy(p) => engine.policy = p,
             }
         }
         let tick = engine.now_s >= next_tick;

@@ -22,6 +22,7 @@
 use std::collections::BTreeMap;
 
 use keel_scheduling::throughput;
+use keel_scheduling::topology::allocation_type;
 use keel_state::command::{Command, LogEntry};
 use keel_state::event::Event;
 use keel_state::model::{Gpu, JobId, JobState};
@@ -55,6 +56,18 @@ pub enum RecordedEnd {
     Succeeded,
     Failed,
     Cancelled,
+}
+
+impl RecordedEnd {
+    /// How a job in `state` ended (`None`: it has not).
+    fn of(state: JobState) -> Option<RecordedEnd> {
+        match state {
+            JobState::Succeeded => Some(RecordedEnd::Succeeded),
+            JobState::Failed => Some(RecordedEnd::Failed),
+            JobState::Cancelled => Some(RecordedEnd::Cancelled),
+            JobState::Pending | JobState::Running | JobState::Preempted => None,
+        }
+    }
 }
 
 /// One job as the log recorded it.
@@ -296,11 +309,7 @@ impl Recorder {
                     }
                 }
                 Event::JobFinished { job_id, state, .. } => {
-                    let end = match state {
-                        JobState::Succeeded => RecordedEnd::Succeeded,
-                        JobState::Cancelled => RecordedEnd::Cancelled,
-                        _ => RecordedEnd::Failed,
-                    };
+                    let end = RecordedEnd::of(*state).unwrap_or(RecordedEnd::Failed);
                     let last = self.last_sample.get(job_id).copied();
                     let held = self.held_as.get(job_id).cloned();
                     if let Some(job) = self.jobs.get_mut(job_id) {
@@ -362,11 +371,9 @@ impl Recorder {
         };
         let epoch = allocation.epoch;
         let gpus = u32::try_from(allocation.gpus.len()).unwrap_or(u32::MAX);
-        let gpu_type = allocation
-            .gpus
-            .first()
-            .and_then(|g| self.state.nodes().get(&g.node)?.gpus.get(&g.index).cloned())
-            .unwrap_or_default();
+        let gpu_type = allocation_type(&self.state, &allocation.gpus)
+            .unwrap_or_default()
+            .to_string();
         let Some(recorded) = self.jobs.get_mut(&job_id) else {
             return;
         };
@@ -430,15 +437,7 @@ impl Recorder {
             total_steps: spec.total_steps,
             submitted_ms: job.submitted_at_ms,
             first_start_ms: job.started_at_ms,
-            end: job.finished_at_ms.and_then(|at| {
-                let end = match job.state {
-                    JobState::Succeeded => RecordedEnd::Succeeded,
-                    JobState::Cancelled => RecordedEnd::Cancelled,
-                    JobState::Failed => RecordedEnd::Failed,
-                    _ => return None,
-                };
-                Some((at, end))
-            }),
+            end: job.finished_at_ms.zip(RecordedEnd::of(job.state)),
             steps_reached: job.progress.as_ref().map_or(0, |p| p.step),
             held_gpu_ms: 0,
             gaps: Vec::new(),
@@ -621,9 +620,11 @@ impl History {
     /// The jobs, nodes and node changes to simulate. A job's work is the
     /// steps it needed: the steps it reached for one that failed, its
     /// total for the others (a cancelled one is cancelled at the time it
-    /// was, unless it finished before). A job
-    /// that reported no progress (a plain command) is modelled as one step
-    /// a second for as long as it held GPUs, on the allocations it had.
+    /// was, unless it finished before). A job that reported no step and
+    /// no total is given its held GPU-seconds as steps, at one step a
+    /// second on the allocations it reported progress from; a plain
+    /// command reports none, so it runs at the table's speed (times
+    /// [`RecordedWorkload::table_scale`]), which knows nothing of it.
     /// Nodes that registered after the first submission start lost until
     /// then.
     pub fn workload(&self) -> RecordedWorkload {
