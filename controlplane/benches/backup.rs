@@ -42,25 +42,22 @@ fn state(nodes: u64, jobs: u64) -> ClusterState {
     for n in 0..nodes {
         apply(
             &mut state,
-            Cmd::RegisterNode {
-                name: format!("gpu-{n:04}"),
-                address: format!("10.1.{}.{}:7070", n / 250, n % 250),
-                gpus: (0..8)
+            Cmd::register_node(
+                format!("gpu-{n:04}"),
+                format!("10.1.{}.{}:7070", n / 250, n % 250),
+                (0..8)
                     .map(|index| Gpu {
                         index,
                         gpu_type: if n % 2 == 0 { "a100" } else { "v100" }.into(),
                     })
                     .collect(),
-                note: String::new(),
-            },
+            ),
         );
     }
     for j in 0..jobs {
         apply(
             &mut state,
-            Cmd::SubmitJob {
-                spec: keel_state::fixtures::job_spec(&format!("job-{j}"), 1, 1),
-            },
+            Cmd::submit_job(keel_state::fixtures::job_spec(&format!("job-{j}"), 1, 1)),
         );
     }
     let mut job = 1u64;
@@ -82,13 +79,7 @@ fn state(nodes: u64, jobs: u64) -> ClusterState {
             .collect();
         apply(
             &mut state,
-            Cmd::DecideAllocation {
-                based_on: 0,
-                policy: "fifo".into(),
-                round: n + 1,
-                placements,
-                memory: None,
-            },
+            Cmd::decide_allocation(0, "fifo", n + 1, placements),
         );
     }
     state
@@ -136,16 +127,16 @@ fn journal(data: &std::path::Path, entries: u64, running: u64) {
                         log_id: LogId::new(CommittedLeaderId::new(leader.term, leader.node_id), i),
                         payload: EntryPayload::Normal(Proposal::new(vec![LogEntry::new(
                             at_ms,
-                            Cmd::ReportProgress {
-                                job_id: 1 + i % running,
-                                samples: vec![ProgressSample {
+                            Cmd::report_progress(
+                                1 + i % running,
+                                vec![ProgressSample {
                                     step: i,
                                     total_steps: u64::MAX / 2,
                                     loss: Some(1.0),
                                     samples_per_s: 250.0,
                                     at_ms,
                                 }],
-                            },
+                            ),
                         )])),
                     }
                 })

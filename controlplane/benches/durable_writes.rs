@@ -134,7 +134,7 @@ async fn proposals(proposer: &keel::proposer::Proposer, tasks: usize, secs: f64)
                 let spec = keel_state::codec::spec_from_proto(spec(i));
                 let t0 = Instant::now();
                 proposer
-                    .propose(keel_state::Command::SubmitJob { spec })
+                    .propose(keel_state::Command::submit_job(spec))
                     .await
                     .expect("propose");
                 latencies.push(t0.elapsed());

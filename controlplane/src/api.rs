@@ -270,11 +270,8 @@ impl KeelApi {
         membership_index: u64,
         actor: Option<String>,
     ) {
-        let command = Command::RecordMembershipChange {
-            member,
-            change: change.to_string(),
-            membership_index,
-        };
+        let command =
+            Command::record_membership_change(member, change.to_string(), membership_index);
         // Bounded: a leader that removed itself may be unable to commit
         // anything more (its successor is being elected), and the change
         // stands either way, so the caller is answered.
@@ -517,7 +514,7 @@ impl Keel for KeelApi {
         granted.check_queue(&spec.queue)?;
         let warnings = spec.warnings();
         let (index, events) = self
-            .propose_request(Command::SubmitJob { spec }, req.request_id, actor)
+            .propose_request(Command::submit_job(spec), req.request_id, actor)
             .await?;
         let job_id = events
             .iter()
@@ -544,10 +541,7 @@ impl Keel for KeelApi {
         let actor = granted.actor();
         let (index, _) = self
             .propose_request(
-                Command::CancelJob {
-                    job_id: req.job_id,
-                    reason: req.reason,
-                },
+                Command::cancel_job(req.job_id, req.reason),
                 req.request_id,
                 actor,
             )
@@ -1018,15 +1012,15 @@ impl Keel for KeelApi {
         let actor = self.authorize(&request, Right::ManageNodes)?.actor();
         let req = request.into_inner();
         let command = match req.state.as_str() {
-            "lost" => Command::MarkNodeLost {
-                name: req.name,
-                reason: if req.reason.is_empty() {
+            "lost" => Command::mark_node_lost(
+                req.name,
+                if req.reason.is_empty() {
                     "marked lost by an operator".into()
                 } else {
                     req.reason
                 },
-            },
-            "alive" => Command::MarkNodeRecovered { name: req.name },
+            ),
+            "alive" => Command::mark_node_recovered(req.name),
             other => {
                 return Err(ApiError::InvalidArgument {
                     field: "state",
@@ -1049,10 +1043,7 @@ impl Keel for KeelApi {
         let name = req.name.clone();
         let (index, events) = self
             .propose_request(
-                Command::RemoveNode {
-                    name: req.name,
-                    force: req.force,
-                },
+                Command::remove_node(req.name, req.force),
                 req.request_id,
                 actor,
             )
@@ -1092,7 +1083,7 @@ impl Keel for KeelApi {
             return Err(ApiError::Unsupported(format!("policy {name:?}: {why}")).into());
         }
         let (index, _) = self
-            .propose_request(Command::SetPolicy { name }, request_id, actor)
+            .propose_request(Command::set_policy(name), request_id, actor)
             .await?;
         Ok(Response::new(api::SetPolicyResponse { index }))
     }

@@ -188,21 +188,15 @@ mod tests {
         let mut state = ClusterState::new();
         let mut entries = vec![LogEntry::new(
             1,
-            Command::BootstrapAcl {
-                name: "root".into(),
-                secret_hash: SecretHash::of("root-secret-0123456789abcdefghijklmn"),
-            },
+            Command::bootstrap_acl(
+                "root",
+                SecretHash::of("root-secret-0123456789abcdefghijklmn"),
+            ),
         )];
         for (name, role, secret) in tokens {
             entries.push(LogEntry::new(
                 2,
-                Command::CreateToken {
-                    name: (*name).into(),
-                    role: *role,
-                    secret_hash: SecretHash::of(secret),
-                    ttl_ms: None,
-                    queues: Vec::new(),
-                },
+                Command::create_token(*name, *role, SecretHash::of(secret), None),
             ));
         }
         for (i, e) in entries.iter().enumerate() {

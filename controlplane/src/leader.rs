@@ -631,12 +631,9 @@ impl<E: Executor, L: LogPort> Performer<'_, E, L> {
                         }
                     }
                     let proposals = starts.into_iter().map(|(id, node)| {
-                        self.log.propose(Command::RecordWorkerStarted {
-                            job_id: id.job_id,
-                            epoch: id.epoch,
-                            rank: id.rank,
-                            node,
-                        })
+                        self.log.propose(Command::record_worker_started(
+                            id.job_id, id.epoch, id.rank, node,
+                        ))
                     });
                     for outcome in futures::future::join_all(proposals).await {
                         if let Err(e) = outcome {
@@ -812,7 +809,7 @@ async fn flush_progress<E: Executor, L: LogPort>(log: &L, executor: &E) {
         if samples.len() > PROGRESS_SAMPLES_MAX {
             samples.drain(..samples.len() - PROGRESS_SAMPLES_MAX);
         }
-        log.propose(Command::ReportProgress { job_id, samples })
+        log.propose(Command::report_progress(job_id, samples))
     });
     for outcome in futures::future::join_all(proposals).await {
         if let Err(e) = outcome {

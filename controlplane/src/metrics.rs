@@ -978,11 +978,11 @@ mod tests {
             figure(&figures, "jobs_submitted"),
             Figure::Counter(2)
         ));
-        c.apply(Command::FinishJob {
-            job_id: a,
-            outcome: keel_state::command::JobOutcome::Succeeded,
-            reason: String::new(),
-        });
+        c.apply(Command::finish_job(
+            a,
+            keel_state::command::JobOutcome::Succeeded,
+            String::new(),
+        ));
         let figures = state_figures(&c.state);
         assert_eq!(gauge(&figures, "gpus_in_use", "v100"), 0);
         assert_eq!(gauge(&figures, "jobs", "succeeded"), 1);

@@ -424,7 +424,7 @@ pub async fn liveness_loop(
             liveness.due(&applied.state, clock())
         };
         for command in due {
-            if let Command::MarkNodeLost { name, reason } = &command {
+            if let Command::MarkNodeLost { name, reason, .. } = &command {
                 tracing::warn!(node = %name, %reason, "marking a silent node lost");
             }
             let kind = command.kind();

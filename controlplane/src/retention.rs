@@ -177,7 +177,7 @@ pub async fn retention_loop<E: Executor>(
                 || remove_logs(executor.as_ref(), job_id, "--retain-finished-s").await;
             if logs_gone {
                 removed.remove(&job_id);
-                removals.push(proposer.propose(Command::RemoveJob { job_id }));
+                removals.push(proposer.propose(Command::remove_job(job_id)));
             }
         }
         if removals.is_empty() {
@@ -240,22 +240,11 @@ mod tests {
                 .expect("applied");
         };
         for (at, name) in [(1_000, "a"), (2_000, "b"), (3_000, "c")] {
-            apply(
-                at,
-                Command::SubmitJob {
-                    spec: job_spec(name, 1, 1),
-                },
-            );
+            apply(at, Command::submit_job(job_spec(name, 1, 1)));
         }
         // Job 1 cancelled at 10 s, job 2 at 20 s; job 3 still pending.
         for (at, job_id) in [(10_000, 1), (20_000, 2)] {
-            apply(
-                at,
-                Command::CancelJob {
-                    job_id,
-                    reason: String::new(),
-                },
-            );
+            apply(at, Command::cancel_job(job_id, String::new()));
         }
         let none = BTreeSet::new();
         assert_eq!(due(&state, 14_999, 5_000, &none, 10), Vec::<JobId>::new());

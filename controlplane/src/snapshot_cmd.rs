@@ -293,9 +293,7 @@ mod tests {
                 1,
                 &keel_state::LogEntry::new(
                     1_700_000_000_000,
-                    keel_state::Command::SubmitJob {
-                        spec: keel_state::fixtures::job_spec("saved", 2, 1),
-                    },
+                    keel_state::Command::submit_job(keel_state::fixtures::job_spec("saved", 2, 1)),
                 ),
             )
             .expect("applied");

@@ -290,24 +290,21 @@ pub(crate) mod tests {
         }
 
         pub(crate) fn add_node(&mut self, name: &str, address: &str, gpus: u32) {
-            self.apply(Command::RegisterNode {
-                name: name.into(),
-                address: address.into(),
-                gpus: (0..gpus)
+            self.apply(Command::register_node(
+                name,
+                address,
+                (0..gpus)
                     .map(|index| Gpu {
                         index,
                         gpu_type: "v100".into(),
                     })
                     .collect(),
-                note: String::new(),
-            });
+            ));
         }
 
         /// Submits a job of `gpus` GPUs in one worker; its id.
         pub(crate) fn submit(&mut self, name: &str, gpus: u32) -> u64 {
-            self.apply(Command::SubmitJob {
-                spec: job_spec(name, gpus, 1),
-            });
+            self.apply(Command::submit_job(job_spec(name, gpus, 1)));
             self.state.jobs().keys().copied().max().unwrap_or(0)
         }
 
@@ -323,11 +320,11 @@ pub(crate) mod tests {
 
         /// Places `job_id` on `gpus` of `node`.
         pub(crate) fn place_on(&mut self, job_id: u64, node: &str, gpus: &[u32]) {
-            self.apply(Command::DecideAllocation {
-                based_on: self.index,
-                policy: "test".into(),
-                round: 1,
-                placements: vec![JobPlacement {
+            self.apply(Command::decide_allocation(
+                self.index,
+                "test",
+                1,
+                vec![JobPlacement {
                     job_id,
                     gpus: gpus
                         .iter()
@@ -338,8 +335,7 @@ pub(crate) mod tests {
                         .collect(),
                     share_with: None,
                 }],
-                memory: None,
-            });
+            ));
         }
         fn actions(&self, observed: &BTreeMap<WorkerId, Observed>) -> Vec<Action> {
             reconcile(
@@ -374,9 +370,7 @@ pub(crate) mod tests {
     #[test]
     fn a_new_allocation_launches_every_rank_with_the_contract() {
         let mut w = World::new();
-        w.apply(Command::SubmitJob {
-            spec: job_spec("a", 2, 2),
-        });
+        w.apply(Command::submit_job(job_spec("a", 2, 2)));
         w.place(1, &[0, 1, 2, 3]);
         let actions = w.actions(&BTreeMap::new());
         let launches: Vec<&WorkerLaunch> = actions
@@ -397,9 +391,7 @@ pub(crate) mod tests {
     #[test]
     fn reconciling_twice_launches_nothing_twice() {
         let mut w = World::new();
-        w.apply(Command::SubmitJob {
-            spec: job_spec("a", 1, 1),
-        });
+        w.apply(Command::submit_job(job_spec("a", 1, 1)));
         w.place(1, &[0]);
         let observed: BTreeMap<_, _> = [(wid(1, 1, 0), running(&[0]))].into_iter().collect();
         // Running but not yet recorded: record it, launch nothing.
@@ -410,31 +402,22 @@ pub(crate) mod tests {
                 node: "n0".into()
             }]
         );
-        w.apply(Command::RecordWorkerStarted {
-            job_id: 1,
-            epoch: 1,
-            rank: 0,
-            node: "n0".into(),
-        });
+        w.apply(Command::record_worker_started(1, 1, 0, "n0"));
         assert_eq!(w.actions(&observed), vec![], "steady state: no action");
     }
 
     #[test]
     fn a_new_epoch_stops_the_old_worker_and_waits_for_its_gpus() {
         let mut w = World::new();
-        w.apply(Command::SubmitJob {
-            spec: job_spec("a", 1, 1),
-        });
-        w.apply(Command::SubmitJob {
-            spec: job_spec("b", 1, 1),
-        });
+        w.apply(Command::submit_job(job_spec("a", 1, 1)));
+        w.apply(Command::submit_job(job_spec("b", 1, 1)));
         w.place(1, &[0]);
         // Job 1 is preempted; job 2 gets its GPU.
-        w.apply(Command::DecideAllocation {
-            based_on: w.index,
-            policy: "test".into(),
-            round: 2,
-            placements: vec![
+        w.apply(Command::decide_allocation(
+            w.index,
+            "test",
+            2,
+            vec![
                 JobPlacement {
                     job_id: 1,
                     gpus: vec![],
@@ -446,8 +429,7 @@ pub(crate) mod tests {
                     share_with: None,
                 },
             ],
-            memory: None,
-        });
+        ));
         let mut observed: BTreeMap<_, _> = [(wid(1, 1, 0), running(&[0]))].into_iter().collect();
         assert_eq!(
             w.actions(&observed),
@@ -471,9 +453,7 @@ pub(crate) mod tests {
     fn a_declared_partner_launches_beside_a_running_worker_and_no_one_else_does() {
         let mut w = World::new();
         for name in ["a", "b", "c"] {
-            w.apply(Command::SubmitJob {
-                spec: job_spec(name, 1, 1),
-            });
+            w.apply(Command::submit_job(job_spec(name, 1, 1)));
         }
         w.place(3, &[0]);
         // Job 3 leaves GPU 0 to the pair of jobs 1 and 2.
@@ -482,13 +462,12 @@ pub(crate) mod tests {
             gpus: vec![gpu(0)],
             share_with: Some(b),
         };
-        w.apply(Command::DecideAllocation {
-            based_on: w.index,
-            policy: "test".into(),
-            round: 2,
-            placements: vec![JobPlacement::alone(3, vec![]), pair(1, 2), pair(2, 1)],
-            memory: None,
-        });
+        w.apply(Command::decide_allocation(
+            w.index,
+            "test",
+            2,
+            vec![JobPlacement::alone(3, vec![]), pair(1, 2), pair(2, 1)],
+        ));
         // Job 3's worker still runs: neither member may start.
         let mut observed: BTreeMap<_, _> = [(wid(3, 1, 0), running(&[0]))].into_iter().collect();
         assert_eq!(
@@ -526,18 +505,15 @@ pub(crate) mod tests {
     #[test]
     fn an_exited_rank_of_a_running_job_is_not_relaunched() {
         let mut w = World::new();
-        w.apply(Command::SubmitJob {
-            spec: job_spec("a", 1, 2),
-        });
+        w.apply(Command::submit_job(job_spec("a", 1, 2)));
         w.place(1, &[0, 1]);
-        w.apply(Command::RecordWorkerExited {
-            job_id: 1,
-            epoch: 1,
-            rank: 1,
-            exit_code: Some(0),
-            reason: String::new(),
-            not_admitted: false,
-        });
+        w.apply(Command::record_worker_exited(
+            1,
+            1,
+            1,
+            Some(0),
+            String::new(),
+        ));
         let observed: BTreeMap<_, _> = [(wid(1, 1, 0), running(&[0]))].into_iter().collect();
         let actions = w.actions(&observed);
         assert!(

@@ -552,7 +552,7 @@ mod tests {
                 spec.resources.memory_bytes = Some(64 << 20);
                 spec.resources.cpu_millis = Some(1500);
             }
-            let proposal = Proposal::new(vec![LogEntry::new(1_000, Command::SubmitJob { spec })]);
+            let proposal = Proposal::new(vec![LogEntry::new(1_000, Command::submit_job(spec))]);
             AppendEntriesRequest::<TypeConfig> {
                 vote: Vote::new_committed(1, 1),
                 prev_log_id: None,
@@ -565,7 +565,7 @@ mod tests {
         };
         let spec_of = |r: &AppendEntriesRequest<TypeConfig>| match &r.entries[0].payload {
             EntryPayload::Normal(p) => match &p.entries[0].command {
-                keel_state::Command::SubmitJob { spec } => spec.clone(),
+                keel_state::Command::SubmitJob { spec, .. } => spec.clone(),
                 other => panic!("not a submission: {other:?}"),
             },
             other => panic!("not a proposal: {other:?}"),

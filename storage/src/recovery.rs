@@ -294,7 +294,7 @@ mod tests {
         state
             .apply(
                 1,
-                &keel_state::LogEntry::new(5, keel_state::Command::SubmitJob { spec }),
+                &keel_state::LogEntry::new(5, keel_state::Command::submit_job(spec)),
             )
             .expect("applied");
         let bytes = crate::snapshot_codec::encode_snapshot(&state);

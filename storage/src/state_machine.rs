@@ -1010,11 +1010,8 @@ mod tests {
 
         // Version 6: the state alone, read as a state without memory.
         let mut old = ClusterState::new();
-        old.apply(
-            1,
-            &LogEntry::new(1, Command::SetPolicy { name: "drf".into() }),
-        )
-        .expect("applied");
+        old.apply(1, &LogEntry::new(1, Command::set_policy("drf")))
+            .expect("applied");
         let v6 = postcard::to_stdvec(&SnapshotFileRef {
             format_version: SNAPSHOT_FORMAT_VERSION_PREVIOUS,
             state: &old,
@@ -1069,9 +1066,7 @@ mod tests {
         let mut state = ClusterState::new();
         let mut submit = LogEntry::new(
             1_000,
-            Command::SubmitJob {
-                spec: keel_state::fixtures::job_spec("audited", 1, 1),
-            },
+            Command::submit_job(keel_state::fixtures::job_spec("audited", 1, 1)),
         );
         assert!(state.postcard_carries_whole());
         submit.actor = Some("token:alice".into());
@@ -1083,10 +1078,10 @@ mod tests {
                 1,
                 &LogEntry::new(
                     1_000,
-                    Command::BootstrapAcl {
-                        name: "root".into(),
-                        secret_hash: SecretHash::of("root-secret-0123456789abcdefghijk"),
-                    },
+                    Command::bootstrap_acl(
+                        "root",
+                        SecretHash::of("root-secret-0123456789abcdefghijk"),
+                    ),
                 ),
             )
             .expect("applies");

@@ -96,46 +96,36 @@ fn examples() -> Vec<(&'static str, LogEntry)> {
             "register_node",
             e(
                 1_000,
-                Command::RegisterNode {
-                    name: "n0".into(),
-                    address: "10.0.0.1:7070".into(),
-                    gpus: (0..4)
+                Command::register_node(
+                    "n0",
+                    "10.0.0.1:7070",
+                    (0..4)
                         .map(|index| Gpu {
                             index,
                             gpu_type: if index < 2 { "v100" } else { "k80" }.into(),
                         })
                         .collect(),
-                    note: String::new(),
-                },
+                ),
             ),
         ),
-        (
-            "submit_job",
-            e(2_000, Command::SubmitJob { spec: spec.clone() }),
-        ),
+        ("submit_job", e(2_000, Command::submit_job(spec.clone()))),
         (
             "submit_job-request-id",
             LogEntry {
                 request_id: Some("cli-golden-1".into()),
-                ..e(
-                    2_500,
-                    Command::SubmitJob {
-                        spec: job_spec("second", 1, 1),
-                    },
-                )
+                ..e(2_500, Command::submit_job(job_spec("second", 1, 1)))
             },
         ),
         (
             "decide_allocation",
             e(
                 3_000,
-                Command::DecideAllocation {
-                    based_on: 3,
-                    policy: "fifo".into(),
-                    round: 1,
-                    placements: vec![JobPlacement::alone(1, vec![gpu(0), gpu(1)])],
-                    memory: None,
-                },
+                Command::decide_allocation(
+                    3,
+                    "fifo",
+                    1,
+                    vec![JobPlacement::alone(1, vec![gpu(0), gpu(1)])],
+                ),
             ),
         ),
         (
@@ -161,102 +151,50 @@ fn examples() -> Vec<(&'static str, LogEntry)> {
         ),
         (
             "record_worker_started",
-            e(
-                4_000,
-                Command::RecordWorkerStarted {
-                    job_id: 1,
-                    epoch: 1,
-                    rank: 0,
-                    node: "n0".into(),
-                },
-            ),
+            e(4_000, Command::record_worker_started(1, 1, 0, "n0")),
         ),
         (
             "report_progress",
             e(
                 5_000,
-                Command::ReportProgress {
-                    job_id: 1,
-                    samples: vec![ProgressSample {
+                Command::report_progress(
+                    1,
+                    vec![ProgressSample {
                         step: 100,
                         total_steps: 1_000,
                         loss: Some(1.25),
                         samples_per_s: 320.5,
                         at_ms: 4_900,
                     }],
-                },
+                ),
             ),
         ),
         (
             "finish_job",
-            e(
-                6_000,
-                Command::FinishJob {
-                    job_id: 1,
-                    outcome: JobOutcome::Succeeded,
-                    reason: "done".into(),
-                },
-            ),
+            e(6_000, Command::finish_job(1, JobOutcome::Succeeded, "done")),
         ),
         (
             "record_worker_exited",
             e(
                 7_000,
-                Command::RecordWorkerExited {
-                    job_id: 1,
-                    epoch: 1,
-                    rank: 0,
-                    exit_code: Some(0),
-                    reason: "exited".into(),
-                    not_admitted: false,
-                },
+                Command::record_worker_exited(1, 1, 0, Some(0), "exited"),
             ),
         ),
-        ("remove_job", e(8_000, Command::RemoveJob { job_id: 1 })),
-        (
-            "cancel_job",
-            e(
-                9_000,
-                Command::CancelJob {
-                    job_id: 2,
-                    reason: "golden".into(),
-                },
-            ),
-        ),
+        ("remove_job", e(8_000, Command::remove_job(1))),
+        ("cancel_job", e(9_000, Command::cancel_job(2, "golden"))),
         (
             "set_policy",
-            e(
-                10_000,
-                Command::SetPolicy {
-                    // The memory's own policy: it keeps the memory.
-                    name: "max_min_fairness_packed".into(),
-                },
-            ),
+            e(10_000, Command::set_policy("max_min_fairness_packed")),
         ),
         (
             "mark_node_lost",
-            e(
-                11_000,
-                Command::MarkNodeLost {
-                    name: "n0".into(),
-                    reason: "silent".into(),
-                },
-            ),
+            e(11_000, Command::mark_node_lost("n0", "silent")),
         ),
         (
             "mark_node_recovered",
-            e(12_000, Command::MarkNodeRecovered { name: "n0".into() }),
+            e(12_000, Command::mark_node_recovered("n0")),
         ),
-        (
-            "remove_node",
-            e(
-                13_000,
-                Command::RemoveNode {
-                    name: "n0".into(),
-                    force: true,
-                },
-            ),
-        ),
+        ("remove_node", e(13_000, Command::remove_node("n0", true))),
     ]
 }
 
@@ -274,12 +212,7 @@ fn later_examples() -> Vec<(&'static str, LogEntry, LogEntry)> {
         "record_node_inventory",
         LogEntry::new(
             20_000,
-            Command::RegisterNode {
-                name: "n1".into(),
-                address: "10.0.0.2:7070".into(),
-                gpus: (0..3).map(v100).collect(),
-                note: String::new(),
-            },
+            Command::register_node("n1", "10.0.0.2:7070", (0..3).map(v100).collect()),
         ),
         LogEntry::new(
             21_000,
@@ -304,13 +237,12 @@ fn acl_examples() -> Vec<(&'static str, LogEntry)> {
     use keel_state::acl::{Role, SecretHash};
     let mut create = LogEntry::new(
         41_000,
-        Command::CreateToken {
-            name: "alice".into(),
-            role: Role::User,
-            secret_hash: SecretHash::of("alice-secret-0123456789abcdefghij"),
-            ttl_ms: Some(30 * 24 * 3600 * 1000),
-            queues: Vec::new(),
-        },
+        Command::create_token(
+            "alice",
+            Role::User,
+            SecretHash::of("alice-secret-0123456789abcdefghij"),
+            Some(30 * 24 * 3600 * 1000),
+        ),
     );
     create.actor = Some("token:root".into());
     create.request_id = Some("req-create-alice".into());
@@ -319,30 +251,18 @@ fn acl_examples() -> Vec<(&'static str, LogEntry)> {
             "bootstrap_acl",
             LogEntry::new(
                 40_000,
-                Command::BootstrapAcl {
-                    name: "root".into(),
-                    secret_hash: SecretHash::of("root-secret-0123456789abcdefghijk"),
-                },
+                Command::bootstrap_acl("root", SecretHash::of("root-secret-0123456789abcdefghijk")),
             ),
         ),
         ("create_token", create),
         (
             "revoke_token",
-            LogEntry::new(
-                42_000,
-                Command::RevokeToken {
-                    name: "alice".into(),
-                },
-            ),
+            LogEntry::new(42_000, Command::revoke_token("alice")),
         ),
         ("record_membership_change", {
             let mut e = LogEntry::new(
                 43_000,
-                Command::RecordMembershipChange {
-                    member: 4,
-                    change: "added as a voter".into(),
-                    membership_index: 42,
-                },
+                Command::record_membership_change(4, "added as a voter", 42),
             );
             e.actor = Some("token:root".into());
             e
@@ -360,13 +280,7 @@ fn queue_examples() -> Vec<(&'static str, LogEntry)> {
     team.borrow_limit = [("k80".to_string(), 1)].into();
     team.lend_limit = [("v100".to_string(), 1)].into();
     team.weight = 3;
-    let mut create = LogEntry::new(
-        50_000,
-        Command::CreateQueue {
-            name: "team-a".into(),
-            spec: team.clone(),
-        },
-    );
+    let mut create = LogEntry::new(50_000, Command::create_queue("team-a", team.clone()));
     create.actor = Some("token:root".into());
     let mut wider = team;
     wider.quota = Some([("v100".to_string(), 2), ("k80".to_string(), 2)].into());
@@ -376,36 +290,25 @@ fn queue_examples() -> Vec<(&'static str, LogEntry)> {
         ("create_queue", create),
         (
             "update_queue",
-            LogEntry::new(
-                51_000,
-                Command::UpdateQueue {
-                    name: "team-a".into(),
-                    spec: wider,
-                },
-            ),
+            LogEntry::new(51_000, Command::update_queue("team-a", wider)),
         ),
         (
             "submit_job-queue",
-            LogEntry::new(52_000, Command::SubmitJob { spec }),
+            LogEntry::new(52_000, Command::submit_job(spec)),
         ),
         (
             "create_queue-second",
             LogEntry::new(
                 53_000,
-                Command::CreateQueue {
-                    name: "team-b".into(),
-                    spec: QueueSpec::with_quota([("k80".to_string(), 1)].into()),
-                },
+                Command::create_queue(
+                    "team-b",
+                    QueueSpec::with_quota([("k80".to_string(), 1)].into()),
+                ),
             ),
         ),
         (
             "delete_queue",
-            LogEntry::new(
-                54_000,
-                Command::DeleteQueue {
-                    name: "team-b".into(),
-                },
-            ),
+            LogEntry::new(54_000, Command::delete_queue("team-b")),
         ),
     ]
 }
@@ -435,17 +338,16 @@ fn secret_examples() -> Vec<(&'static str, LogEntry)> {
             "put_secret",
             by_root(
                 60_000,
-                Command::PutSecret {
-                    name: "tracker".into(),
-                    values: [("api_key".to_string(), sealed(1))].into(),
-                    queue: String::new(),
-                    replaces_revision: None,
-                },
+                Command::put_secret(
+                    "tracker",
+                    [("api_key".to_string(), sealed(1))].into(),
+                    String::new(),
+                ),
             ),
         ),
         (
             "submit_job-secret",
-            by_root(61_000, Command::SubmitJob { spec }),
+            by_root(61_000, Command::submit_job(spec)),
         ),
         (
             "put_secret-reseal",
@@ -463,17 +365,16 @@ fn secret_examples() -> Vec<(&'static str, LogEntry)> {
             "put_secret-second",
             LogEntry::new(
                 63_000,
-                Command::PutSecret {
-                    name: "old".into(),
-                    values: [("a".to_string(), sealed(3)), ("b".to_string(), sealed(4))].into(),
-                    queue: String::new(),
-                    replaces_revision: None,
-                },
+                Command::put_secret(
+                    "old",
+                    [("a".to_string(), sealed(3)), ("b".to_string(), sealed(4))].into(),
+                    String::new(),
+                ),
             ),
         ),
         (
             "delete_secret",
-            LogEntry::new(64_000, Command::DeleteSecret { name: "old".into() }),
+            LogEntry::new(64_000, Command::delete_secret("old")),
         ),
     ]
 }
@@ -591,7 +492,7 @@ fn a_submission_that_may_not_be_preempted_decodes_from_its_golden_bytes() {
     let mut spec = job_spec("fixed", 1, 1);
     spec.queue = "team-a".into();
     spec.preemptible = false;
-    let entry = LogEntry::new(55_000, Command::SubmitJob { spec });
+    let entry = LogEntry::new(55_000, Command::submit_job(spec));
     assert_eq!(
         keel_state::codec::entry_to_proto(&entry).format_version,
         keel_proto::ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE
@@ -607,7 +508,7 @@ fn a_submission_that_may_not_be_preempted_decodes_from_its_golden_bytes() {
         spec.preemptible = preemptible;
         let mut state = ClusterState::new();
         state
-            .apply(1, &LogEntry::new(55_000, Command::SubmitJob { spec }))
+            .apply(1, &LogEntry::new(55_000, Command::submit_job(spec)))
             .expect("applies");
         state
     };
@@ -631,10 +532,10 @@ fn a_token_limited_to_queues_decodes_from_its_golden_bytes() {
     let mut entries: Vec<LogEntry> = acl_examples().into_iter().take(2).map(|(_, e)| e).collect();
     entries.push(LogEntry::new(
         50_000,
-        Command::CreateQueue {
-            name: "team-a".into(),
-            spec: keel_state::queue::QueueSpec::with_quota(Default::default()),
-        },
+        Command::create_queue(
+            "team-a",
+            keel_state::queue::QueueSpec::with_quota(Default::default()),
+        ),
     ));
     let mut create = LogEntry::new(
         51_000,
@@ -764,15 +665,12 @@ fn a_journal_page_and_applied_records_decode_from_their_golden_bytes() {
             "applied-{name}.bin decodes to another record"
         );
     }
-    let refused = state.apply(
-        99,
-        &LogEntry::new(99_000, Command::RemoveJob { job_id: 404 }),
-    );
+    let refused = state.apply(99, &LogEntry::new(99_000, Command::remove_job(404)));
     assert!(refused.is_err());
     let record = applied_entry_to_proto(
         99,
         1,
-        &LogEntry::new(99_000, Command::RemoveJob { job_id: 404 }),
+        &LogEntry::new(99_000, Command::remove_job(404)),
         &refused,
     );
     let bytes = golden("applied-refused.bin", &record.encode_to_vec());
@@ -825,12 +723,7 @@ fn a_snapshot_with_gone_gpus_decodes_from_its_golden_bytes() {
 /// field 18 of a job record, hashed apart).
 #[test]
 fn an_entry_with_an_actor_and_a_snapshot_with_a_submitter_decode_from_their_golden_bytes() {
-    let mut entry = LogEntry::new(
-        30_000,
-        Command::SubmitJob {
-            spec: job_spec("audited", 1, 1),
-        },
-    );
+    let mut entry = LogEntry::new(30_000, Command::submit_job(job_spec("audited", 1, 1)));
     entry.actor = Some("cert:alice".into());
     entry.request_id = Some("req-audited".into());
     let bytes = golden("entry-submit_job-with-actor.bin", &encode_entry(&entry));
@@ -861,12 +754,7 @@ fn an_entry_with_an_actor_and_a_snapshot_with_a_submitter_decode_from_their_gold
 /// the state's hash.
 #[test]
 fn an_entry_with_a_trace_and_a_snapshot_that_keeps_it_decode_from_their_golden_bytes() {
-    let mut entry = LogEntry::new(
-        60_000,
-        Command::SubmitJob {
-            spec: job_spec("traced", 1, 1),
-        },
-    );
+    let mut entry = LogEntry::new(60_000, Command::submit_job(job_spec("traced", 1, 1)));
     entry.trace_parent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
     let bytes = golden("entry-submit_job-with-trace.bin", &encode_entry(&entry));
     assert_eq!(decode_entry(&bytes).as_ref(), Ok(&entry));
@@ -953,12 +841,7 @@ mod raft_messages {
     }
 
     fn append_request() -> AppendEntriesRequest<TypeConfig> {
-        let proposal = Proposal::new(vec![LogEntry::new(
-            42_000,
-            Command::SetPolicy {
-                name: "fifo".into(),
-            },
-        )]);
+        let proposal = Proposal::new(vec![LogEntry::new(42_000, Command::set_policy("fifo"))]);
         AppendEntriesRequest {
             vote: Vote::new_committed(7, 2),
             prev_log_id: Some(log_id(6, 1, 40)),
@@ -1120,12 +1003,7 @@ mod records {
 
     #[test]
     fn every_wal_record_kind_decodes_from_its_golden_bytes() {
-        let proposal = Proposal::new(vec![LogEntry::new(
-            1_000,
-            Command::SetPolicy {
-                name: "fifo".into(),
-            },
-        )]);
+        let proposal = Proposal::new(vec![LogEntry::new(1_000, Command::set_policy("fifo"))]);
         for (name, payload) in [
             ("blank", EntryPayload::Blank),
             ("proposal", EntryPayload::Normal(proposal)),

@@ -26,35 +26,23 @@ fn history(from: u64, jobs: u64) -> Vec<Entry> {
     let mut i = from + 1;
     out.push(normal(
         i,
-        Command::RegisterNode {
-            name: format!("n{from}"),
-            address: "127.0.0.1".into(),
-            gpus: (0..4)
+        Command::register_node(
+            format!("n{from}"),
+            "127.0.0.1",
+            (0..4)
                 .map(|index| Gpu {
                     index,
                     gpu_type: "v100".into(),
                 })
                 .collect(),
-            note: String::new(),
-        },
+        ),
     ));
     for j in 0..jobs {
         i += 1;
-        out.push(normal(
-            i,
-            Command::SubmitJob {
-                spec: spec(&format!("j{j}")),
-            },
-        ));
+        out.push(normal(i, Command::submit_job(spec(&format!("j{j}")))));
     }
     i += 1;
-    out.push(normal(
-        i,
-        Command::CancelJob {
-            job_id: 10_000,
-            reason: "no such job".into(),
-        },
-    ));
+    out.push(normal(i, Command::cancel_job(10_000, "no such job")));
     out
 }
 
@@ -71,11 +59,11 @@ async fn state_survives_reopen_and_matches_offline_replay() {
         );
         let allocate = normal(
             9,
-            Command::DecideAllocation {
-                based_on: 8,
-                policy: "fifo".into(),
-                round: 1,
-                placements: vec![JobPlacement {
+            Command::decide_allocation(
+                8,
+                "fifo",
+                1,
+                vec![JobPlacement {
                     job_id: 1,
                     gpus: vec![GpuRef {
                         node: "n1".into(),
@@ -83,8 +71,7 @@ async fn state_survives_reopen_and_matches_offline_replay() {
                     }],
                     share_with: None,
                 }],
-                memory: None,
-            },
+            ),
         );
         sm.apply([allocate]).await.expect("apply plan");
         let shared = sm.shared();
@@ -231,14 +218,7 @@ async fn a_journal_read_in_batches_resumes_inside_a_proposal() {
     let commands = 700u32;
     let big = Proposal::new(
         (0..commands)
-            .map(|i| {
-                LogEntry::new(
-                    1_000,
-                    Command::SubmitJob {
-                        spec: spec(&format!("j{i}")),
-                    },
-                )
-            })
+            .map(|i| LogEntry::new(1_000, Command::submit_job(spec(&format!("j{i}")))))
             .collect(),
     );
     let entries = vec![
@@ -246,13 +226,7 @@ async fn a_journal_read_in_batches_resumes_inside_a_proposal() {
             log_id: LogId::new(CommittedLeaderId::new(1, 1), 1),
             payload: EntryPayload::Normal(big),
         },
-        normal(
-            2,
-            Command::CancelJob {
-                job_id: 1,
-                reason: "after the big one".into(),
-            },
-        ),
+        normal(2, Command::cancel_job(1, "after the big one")),
     ];
     sm.apply(entries).await.expect("apply");
     sm.flush().expect("flush"); // the journal's writer has written it

@@ -273,12 +273,13 @@ fn plan(state: &ClusterState, based_on: u64) -> Option<Command> {
             .filter(|g| !state.gpu_holders().contains_key(g))
             .take(want)
             .collect();
-        (free.len() == want).then(|| Command::DecideAllocation {
-            based_on,
-            policy: "dst".into(),
-            round: state.last_round() + 1,
-            placements: vec![JobPlacement::alone(job.id, free)],
-            memory: None,
+        (free.len() == want).then(|| {
+            Command::decide_allocation(
+                based_on,
+                "dst",
+                state.last_round() + 1,
+                vec![JobPlacement::alone(job.id, free)],
+            )
         })
     })
 }
@@ -333,9 +334,7 @@ impl Client {
                 (
                     "submit",
                     Some(name.clone()),
-                    Command::SubmitJob {
-                        spec: job_spec(&name, gpus, 1),
-                    },
+                    Command::submit_job(job_spec(&name, gpus, 1)),
                 )
             } else {
                 let command = {
@@ -348,25 +347,12 @@ impl Client {
                         pick_job(state, &[JobState::Running], pick).map(|job_id| {
                             (
                                 "finish",
-                                Command::FinishJob {
-                                    job_id,
-                                    outcome: JobOutcome::Succeeded,
-                                    reason: "dst".into(),
-                                },
+                                Command::finish_job(job_id, JobOutcome::Succeeded, "dst"),
                             )
                         })
                     } else {
-                        pick_job(state, &[JobState::Pending, JobState::Running], pick).map(
-                            |job_id| {
-                                (
-                                    "cancel",
-                                    Command::CancelJob {
-                                        job_id,
-                                        reason: "dst".into(),
-                                    },
-                                )
-                            },
-                        )
+                        pick_job(state, &[JobState::Pending, JobState::Running], pick)
+                            .map(|job_id| ("cancel", Command::cancel_job(job_id, "dst")))
                     }
                 };
                 let Some((kind, command)) = command else {
@@ -672,9 +658,7 @@ async fn probe(
             attempt += 1;
             // Each attempt its own job: one that timed out may still commit.
             let name = format!("{name}-{attempt}");
-            let command = Command::SubmitJob {
-                spec: job_spec(&name, 1, 1),
-            };
+            let command = Command::submit_job(job_spec(&name, 1, 1));
             let (outcome, _) = write(net, t, &raft, command, None).await;
             trace.note(format_args!("probe {name}: {outcome:?}"));
             let committed = matches!(outcome, Outcome::Committed { accepted: true, .. });
@@ -818,17 +802,16 @@ async fn simulate(config: &DstConfig) -> Result<DstReport, DstError> {
     let mut violations = Vec::new();
     // Two GPU nodes for the jobs to land on.
     for n in 0..2u32 {
-        let command = Command::RegisterNode {
-            name: format!("n{n}"),
-            address: format!("10.0.0.{n}:7070"),
-            gpus: (0..4)
+        let command = Command::register_node(
+            format!("n{n}"),
+            format!("10.0.0.{n}:7070"),
+            (0..4)
                 .map(|index| Gpu {
                     index,
                     gpu_type: "v100".into(),
                 })
                 .collect(),
-            note: String::new(),
-        };
+        );
         let deadline = tokio::time::Instant::now() + config.liveness_bound;
         loop {
             let target = leader_of(&replicas);

@@ -50,30 +50,23 @@ fn cluster_in_queues(
     for n in 0..NODES {
         apply(
             &mut state,
-            Command::RegisterNode {
-                name: format!("node-{n:03}"),
-                address: "10.0.0.1".into(),
-                gpus: (0..GPUS_PER_NODE)
+            Command::register_node(
+                format!("node-{n:03}"),
+                "10.0.0.1",
+                (0..GPUS_PER_NODE)
                     .map(|index| Gpu {
                         index,
                         gpu_type: TYPES[(n % 3) as usize].into(),
                     })
                     .collect(),
-                note: String::new(),
-            },
+            ),
         );
     }
     for q in 0..queues {
         let quota = TYPES.iter().map(|t| (t.to_string(), 13)).collect();
         let mut spec = keel_state::queue::QueueSpec::with_quota(quota);
         spec.cohort = Some("all".into());
-        apply(
-            &mut state,
-            Command::CreateQueue {
-                name: format!("q{q}"),
-                spec,
-            },
-        );
+        apply(&mut state, Command::create_queue(format!("q{q}"), spec));
     }
     let queue_of = |i: usize| {
         if queues == 0 {
@@ -86,7 +79,7 @@ fn cluster_in_queues(
     for r in 0..running {
         let mut spec = job_spec(&format!("running-{r}"), 2, 1);
         spec.queue = queue_of(r);
-        apply(&mut state, Command::SubmitJob { spec });
+        apply(&mut state, Command::submit_job(spec));
     }
     let placements: Vec<JobPlacement> = (0..running)
         .map(|r| {
@@ -107,28 +100,17 @@ fn cluster_in_queues(
     if !placements.is_empty() {
         apply(
             &mut state,
-            Command::DecideAllocation {
-                based_on: 0,
-                policy: "bench".into(),
-                round: 1,
-                placements,
-                memory: None,
-            },
+            Command::decide_allocation(0, "bench", 1, placements),
         );
     }
     for f in 0..finished {
         apply(
             &mut state,
-            Command::SubmitJob {
-                spec: job_spec(&format!("finished-{f}"), 1, 1),
-            },
+            Command::submit_job(job_spec(&format!("finished-{f}"), 1, 1)),
         );
         apply(
             &mut state,
-            Command::CancelJob {
-                job_id: (running + f) as u64 + 1,
-                reason: String::new(),
-            },
+            Command::cancel_job((running + f) as u64 + 1, String::new()),
         );
     }
     let mut rng = SplitMix64::new(7);
@@ -140,7 +122,7 @@ fn cluster_in_queues(
         if elastic {
             spec.workers.max = workers + 1 + rng.below(3) as u32;
         }
-        apply(&mut state, Command::SubmitJob { spec });
+        apply(&mut state, Command::submit_job(spec));
     }
     state
 }

@@ -302,26 +302,21 @@ mod tests {
         let job = c.submit(job_spec("a", 1, 1));
         let round = e.round(&c.state, 1, 0);
         apply(&mut c, &round);
-        c.apply(Command::RecordWorkerStarted {
-            job_id: job,
-            epoch: 1,
-            rank: 0,
-            node: "n0".into(),
-        });
+        c.apply(Command::record_worker_started(job, 1, 0, "n0"));
         e.round(&c.state, 1, 100);
         let v = c.state.supply_demand_version();
         // Progress arrives every second; the deadline stays where it was.
         for t in 1..=9u64 {
-            c.apply(Command::ReportProgress {
-                job_id: job,
-                samples: vec![ProgressSample {
+            c.apply(Command::report_progress(
+                job,
+                vec![ProgressSample {
                     step: t * 10,
                     total_steps: 10_000,
                     loss: None,
                     samples_per_s: 1.0,
                     at_ms: t * 1000,
                 }],
-            });
+            ));
             assert_eq!(c.state.supply_demand_version(), v, "progress is no change");
             assert_eq!(
                 e.wait(c.state.supply_demand_version(), 100 + t * 1000, None),
@@ -386,9 +381,7 @@ mod tests {
         }));
         let mut bare = engine(None);
         let mut c = TestCluster::v100_nodes(&[2]);
-        c.apply(Command::SetPolicy {
-            name: "srjf".into(),
-        });
+        c.apply(Command::set_policy("srjf"));
         c.submit(job_spec("a", 1, 1));
         let (w, b) = (wrapped.round(&c.state, 1, 0), bare.round(&c.state, 1, 0));
         assert_eq!(wrapped.policy_name(), "srjf");
@@ -401,9 +394,7 @@ mod tests {
     fn the_logged_policy_runs_unless_unknown_or_unshareable_here() {
         let mut e = engine(None);
         let mut c = TestCluster::v100_nodes(&[1]);
-        c.apply(Command::SetPolicy {
-            name: "srjf".into(),
-        });
+        c.apply(Command::set_policy("srjf"));
         let round = e.round(&c.state, 1, 0);
         assert_eq!(
             round.notices,
@@ -416,9 +407,7 @@ mod tests {
         assert!(e.round(&c.state, 1, 10).notices.is_empty(), "said once");
 
         // A name a later version knows: the current policy runs on.
-        c.apply(Command::SetPolicy {
-            name: "a_policy_of_a_later_version".into(),
-        });
+        c.apply(Command::set_policy("a_policy_of_a_later_version"));
         let round = e.round(&c.state, 1, 20);
         assert!(
             matches!(&round.notices[..], [Notice::KeptPolicy { wanted, current, .. }]
@@ -431,13 +420,9 @@ mod tests {
         // Space sharing where the executor cannot share GPUs: the
         // configured policy, said once.
         let mut e = engine(Some("the SSH executor cannot share GPUs"));
-        c.apply(Command::SetPolicy {
-            name: "srjf".into(),
-        });
+        c.apply(Command::set_policy("srjf"));
         e.round(&c.state, 1, 30);
-        c.apply(Command::SetPolicy {
-            name: "gandiva".into(),
-        });
+        c.apply(Command::set_policy("gandiva"));
         let round = e.round(&c.state, 1, 40);
         assert_eq!(
             round.notices,

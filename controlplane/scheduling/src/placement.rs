@@ -243,18 +243,16 @@ mod tests {
         for (i, (name, gpus)) in nodes.iter().enumerate() {
             let entry = LogEntry {
                 at_ms: 1,
-                command: Command::RegisterNode {
-                    name: name.to_string(),
-                    address: "127.0.0.1".into(),
-                    gpus: gpus
-                        .iter()
+                command: Command::register_node(
+                    name.to_string(),
+                    "127.0.0.1",
+                    gpus.iter()
                         .map(|(index, t)| Gpu {
                             index: *index,
                             gpu_type: t.to_string(),
                         })
                         .collect(),
-                    note: String::new(),
-                },
+                ),
                 request_id: None,
                 actor: None,
                 trace_parent: None,

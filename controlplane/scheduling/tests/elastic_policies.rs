@@ -153,13 +153,7 @@ fn elastic_policies_shrink_a_running_job_for_a_new_one() {
             .plan(&SchedulingInput::everyone(&c.state, c.index));
         let changes = plan.changes(&c.state);
         let based_on = c.index;
-        c.apply(Command::DecideAllocation {
-            based_on,
-            policy: policy.into(),
-            round: 1,
-            placements: changes,
-            memory: None,
-        });
+        c.apply(Command::decide_allocation(based_on, policy, 1, changes));
         assert_eq!(c.state.job(a).map(Job::worker_count), Some(4), "{policy}");
         let b = w.submit("resnet50", 1, 1, 1, 100_000);
         let after = w.plan(policy);

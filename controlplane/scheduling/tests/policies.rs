@@ -48,24 +48,23 @@ fn world(nodes: &[(u32, bool)], jobs: &[JobShape]) -> (ClusterState, u64) {
     for (n, (count, v100)) in nodes.iter().enumerate() {
         apply(
             &mut state,
-            Command::RegisterNode {
-                name: format!("n{n}"),
-                address: "127.0.0.1".into(),
-                gpus: (0..*count)
+            Command::register_node(
+                format!("n{n}"),
+                "127.0.0.1",
+                (0..*count)
                     .map(|index| Gpu {
                         index,
                         gpu_type: if *v100 { "v100" } else { "k80" }.into(),
                     })
                     .collect(),
-                note: String::new(),
-            },
+            ),
         );
     }
     for (i, j) in jobs.iter().enumerate() {
         let mut spec = job_spec(&format!("j{i}"), j.gpus, j.min);
         spec.workers.max = j.max;
         spec.gpu_types.allowed = j.allowed.iter().map(|t| t.to_string()).collect();
-        apply(&mut state, Command::SubmitJob { spec });
+        apply(&mut state, Command::submit_job(spec));
     }
     (state, index)
 }
@@ -119,13 +118,7 @@ proptest! {
             if !changes.is_empty() {
                 index += 1;
                 let events = state
-                    .apply(index, &LogEntry::new(index, Command::DecideAllocation {
-                            based_on: index - 1,
-                            policy: policy.name().into(),
-                            round: 1,
-                            placements: changes,
-                            memory: None,
-                        }))
+                    .apply(index, &LogEntry::new(index, Command::decide_allocation(index - 1, policy.name(), 1, changes)))
                     .expect("a decision is applied per job");
                 let refused: Vec<_> = events
                     .iter()

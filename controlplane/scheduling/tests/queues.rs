@@ -22,10 +22,7 @@ fn two_queues(cohort: bool) -> TestCluster {
     for name in ["a", "b"] {
         let mut spec = QueueSpec::with_quota(quota(&[("v100", 4)]));
         spec.cohort = cohort.then(|| "c".to_string());
-        c.apply(Command::CreateQueue {
-            name: name.into(),
-            spec,
-        });
+        c.apply(Command::create_queue(name, spec));
     }
     c
 }
@@ -141,10 +138,7 @@ fn the_pool_beyond_every_quota_is_shared_by_weight() {
     for (name, weight) in [("a", 1), ("b", 2)] {
         let mut spec = QueueSpec::with_quota(quota(&[("v100", 1)]));
         spec.weight = weight;
-        c.apply(Command::CreateQueue {
-            name: name.into(),
-            spec,
-        });
+        c.apply(Command::create_queue(name, spec));
     }
     for _ in 0..8 {
         submit(&mut c, "a", 1);
@@ -193,7 +187,7 @@ proptest! {
             let mut spec = QueueSpec::with_quota(quota(&[("v100", *q)]));
             spec.cohort = cohort.then(|| "c".to_string());
             spec.weight = *weight;
-            c.apply(Command::CreateQueue { name: format!("q{i}"), spec });
+            c.apply(Command::create_queue(format!("q{i}"), spec));
         }
         for (queue, gpus, min, extra, preemptible, priority) in &jobs {
             let mut spec = job_spec("j", *gpus, *min);

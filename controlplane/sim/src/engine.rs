@@ -537,10 +537,10 @@ impl Engine<'_> {
         if self.state.job(job_id).is_none_or(|j| j.state.is_terminal()) {
             return;
         }
-        let cancelled = self.apply(Command::CancelJob {
+        let cancelled = self.apply(Command::cancel_job(
             job_id,
-            reason: "cancelled at its recorded time".into(),
-        });
+            "cancelled at its recorded time",
+        ));
         let now = self.now_s;
         if cancelled.is_some() {
             if let Some(r) = self.result_mut(job_id) {
@@ -553,12 +553,9 @@ impl Engine<'_> {
     fn change_node(&mut self, change: &NodeChange) {
         let name = change.node.clone();
         self.apply(if change.up {
-            Command::MarkNodeRecovered { name }
+            Command::mark_node_recovered(name)
         } else {
-            Command::MarkNodeLost {
-                name,
-                reason: "lost at its recorded time".into(),
-            }
+            Command::mark_node_lost(name, "lost at its recorded time")
         });
     }
 
@@ -596,7 +593,7 @@ impl Engine<'_> {
             job.model.clone(),
             job.gpus_per_worker * job.workers_min,
         );
-        let job_id = self.apply(Command::SubmitJob { spec }).and_then(|events| {
+        let job_id = self.apply(Command::submit_job(spec)).and_then(|events| {
             events.iter().find_map(|e| match e {
                 Event::JobSubmitted { job_id, .. } => Some(*job_id),
                 _ => None,
@@ -649,14 +646,13 @@ impl Engine<'_> {
             self.report_progress(*job_id);
             let ranks = self.state.job(*job_id).map_or(0, |j| j.worker_count());
             for rank in 0..ranks {
-                self.apply(Command::RecordWorkerExited {
-                    job_id: *job_id,
-                    epoch: *epoch,
+                self.apply(Command::record_worker_exited(
+                    *job_id,
+                    *epoch,
                     rank,
-                    exit_code: Some(0),
-                    reason: "finished".into(),
-                    not_admitted: false,
-                });
+                    Some(0),
+                    "finished",
+                ));
             }
             self.stop_running(*job_id);
             let now = self.now_s;
@@ -678,9 +674,9 @@ impl Engine<'_> {
         let batch = self.sim_of.get(&job_id).map_or(1, |i| {
             throughput::profile(&self.config.jobs[*i].model).batch_size
         });
-        self.apply(Command::ReportProgress {
+        self.apply(Command::report_progress(
             job_id,
-            samples: vec![ProgressSample {
+            vec![ProgressSample {
                 step: step as u64,
                 total_steps: total as u64,
                 loss: Some(
@@ -689,7 +685,7 @@ impl Engine<'_> {
                 samples_per_s: rate * f64::from(batch),
                 at_ms: ms(self.now_s),
             }],
-        });
+        ));
     }
 
     /// One scheduling pass, then the simulated executor follows the state.
@@ -745,12 +741,12 @@ impl Engine<'_> {
                 .to_string();
             let count = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
             for (rank, node) in nodes.into_iter().enumerate() {
-                self.apply(Command::RecordWorkerStarted {
+                self.apply(Command::record_worker_started(
                     job_id,
                     epoch,
-                    rank: u32::try_from(rank).unwrap_or(u32::MAX),
+                    u32::try_from(rank).unwrap_or(u32::MAX),
                     node,
-                });
+                ));
             }
             if let Some(before) = moved_from.get(&job_id) {
                 let per = self.state.job(job_id).map_or(1, |j| j.spec.gpus);
@@ -817,7 +813,7 @@ impl Engine<'_> {
             usize::MAX,
         );
         for job_id in due {
-            if self.apply(Command::RemoveJob { job_id }).is_some() {
+            if self.apply(Command::remove_job(job_id)).is_some() {
                 self.report.jobs_removed += 1;
             }
         }
@@ -924,19 +920,18 @@ pub fn simulate_policies(config: &SimConfig, policies: &[(f64, &dyn Policy)]) ->
         busy_gpu_s: 0.0,
     };
     for node in &config.nodes {
-        engine.apply(Command::RegisterNode {
-            name: node.name.clone(),
-            address: "10.0.0.1".into(),
-            gpus: node.gpus.clone(),
-            note: String::new(),
-        });
+        engine.apply(Command::register_node(
+            node.name.clone(),
+            "10.0.0.1",
+            node.gpus.clone(),
+        ));
     }
     for (name, spec) in &config.queues {
         let (name, spec) = (name.clone(), spec.clone());
         engine.apply(if name == DEFAULT_QUEUE {
-            Command::UpdateQueue { name, spec }
+            Command::update_queue(name, spec)
         } else {
-            Command::CreateQueue { name, spec }
+            Command::create_queue(name, spec)
         });
     }
     let round_s = if config.round_s.is_finite() && config.round_s > 0.0 {

@@ -279,7 +279,10 @@ impl Recorder {
         self.entries += 1;
         let at_ms = entry.at_ms;
         self.last_ms = self.last_ms.max(at_ms);
-        if let Command::ReportProgress { job_id, samples } = &entry.command {
+        if let Command::ReportProgress {
+            job_id, samples, ..
+        } = &entry.command
+        {
             self.measure(*job_id, samples);
         }
         let Ok(events) = self.state.apply(index, entry) else {

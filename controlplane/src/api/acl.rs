@@ -53,10 +53,7 @@ impl KeelApi {
         let secret = secret_of(req.secret, &req.request_id)?;
         let (index, _) = self
             .propose_request(
-                Command::BootstrapAcl {
-                    name: name.clone(),
-                    secret_hash: SecretHash::of(&secret),
-                },
+                Command::bootstrap_acl(name.clone(), SecretHash::of(&secret)),
                 req.request_id,
                 actor,
             )
@@ -179,9 +176,7 @@ impl KeelApi {
         acl::validate_token_name(&req.name).map_err(|e| ApiError::Refused(e.into()))?;
         let (index, _) = self
             .propose_request(
-                Command::RevokeToken {
-                    name: req.name.clone(),
-                },
+                Command::revoke_token(req.name.clone()),
                 req.request_id,
                 actor,
             )

@@ -147,10 +147,7 @@ impl KeelApi {
             let applied = shared.read();
             checked_spec(&req.name, req.spec, &applied.state)?
         };
-        let command = Command::CreateQueue {
-            name: req.name.clone(),
-            spec,
-        };
+        let command = Command::create_queue(req.name.clone(), spec);
         self.propose_queue_change(command, &req.name, req.request_id, actor, "created")
             .await
     }
@@ -170,10 +167,7 @@ impl KeelApi {
             }
             spec
         };
-        let command = Command::UpdateQueue {
-            name: req.name.clone(),
-            spec,
-        };
+        let command = Command::update_queue(req.name.clone(), spec);
         self.propose_queue_change(command, &req.name, req.request_id, actor, "changed")
             .await
     }
@@ -188,9 +182,7 @@ impl KeelApi {
         if req.name == DEFAULT_QUEUE {
             return Err(ApiError::Refused(queue::QueueError::DefaultKept.into()).into());
         }
-        let command = Command::DeleteQueue {
-            name: req.name.clone(),
-        };
+        let command = Command::delete_queue(req.name.clone());
         self.propose_queue_change(command, &req.name, req.request_id, actor, "deleted")
             .await
     }
@@ -243,7 +235,7 @@ mod tests {
         either.gpu_types.allowed = vec!["v100".into(), "a100".into(), "v100".into()];
         let any = job_spec("any", 4, 1);
         for spec in [v100, either, any] {
-            apply(&mut state, Command::SubmitJob { spec });
+            apply(&mut state, Command::submit_job(spec));
         }
         let usage = usage_by_queue(&state);
         let default = &usage[DEFAULT_QUEUE];

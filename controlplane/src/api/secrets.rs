@@ -108,12 +108,7 @@ impl KeelApi {
                 .map_err(key_error)?;
             values.insert(key.clone(), sealed);
         }
-        let command = Command::PutSecret {
-            name: req.name.clone(),
-            values,
-            queue: req.queue,
-            replaces_revision: None,
-        };
+        let command = Command::put_secret(req.name.clone(), values, req.queue);
         let (index, events) = self
             .propose_request(command, req.request_id, granted.actor())
             .await?;
@@ -145,9 +140,7 @@ impl KeelApi {
                 .ok_or_else(|| refused(SecretError::Unknown(req.name.clone())))?;
             check_owner(&granted, &req.name, existing.owner.as_deref())?;
         }
-        let command = Command::DeleteSecret {
-            name: req.name.clone(),
-        };
+        let command = Command::delete_secret(req.name.clone());
         let (index, _) = self
             .propose_request(command, req.request_id, granted.actor())
             .await?;

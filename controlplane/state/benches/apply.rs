@@ -50,17 +50,16 @@ fn apply_mixed_stream(c: &mut Criterion) {
         .map(|n| {
             LogEntry::new(
                 1,
-                Command::RegisterNode {
-                    name: format!("node-{n}"),
-                    address: "10.0.0.1:7070".into(),
-                    gpus: (0..8)
+                Command::register_node(
+                    format!("node-{n}"),
+                    "10.0.0.1:7070",
+                    (0..8)
                         .map(|index| Gpu {
                             index,
                             gpu_type: "v100".into(),
                         })
                         .collect(),
-                    note: String::new(),
-                },
+                ),
             )
         })
         .collect();

@@ -334,6 +334,218 @@ pub enum Command {
     },
 }
 
+/// Constructors, one per command: the fields every caller names, in the
+/// order the variant declares them. A field with a natural default (an
+/// empty note, no policy memory, not a kubelet refusal) is left out and
+/// takes that default, so that a field added to a command later changes
+/// this block and the places that set it, not every place that builds the
+/// command (ARCHITECTURE.md, "What one new field costs"). A caller that
+/// sets a defaulted field writes the variant out whole.
+impl Command {
+    /// Registers a node offering all the GPUs it has (no note).
+    pub fn register_node(
+        name: impl Into<String>,
+        address: impl Into<String>,
+        gpus: Vec<Gpu>,
+    ) -> Command {
+        Command::RegisterNode {
+            name: name.into(),
+            address: address.into(),
+            gpus,
+            note: String::new(),
+        }
+    }
+
+    /// A node's agent's report of the GPUs it offers, none failed and no note.
+    pub fn record_node_inventory(
+        name: impl Into<String>,
+        address: impl Into<String>,
+        gpus: Vec<Gpu>,
+    ) -> Command {
+        Command::RecordNodeInventory {
+            name: name.into(),
+            address: address.into(),
+            gpus,
+            failed: Vec::new(),
+            note: String::new(),
+        }
+    }
+
+    pub fn mark_node_lost(name: impl Into<String>, reason: impl Into<String>) -> Command {
+        Command::MarkNodeLost {
+            name: name.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn mark_node_recovered(name: impl Into<String>) -> Command {
+        Command::MarkNodeRecovered { name: name.into() }
+    }
+
+    pub fn remove_node(name: impl Into<String>, force: bool) -> Command {
+        Command::RemoveNode {
+            name: name.into(),
+            force,
+        }
+    }
+
+    pub fn submit_job(spec: JobSpec) -> Command {
+        Command::SubmitJob { spec }
+    }
+
+    pub fn cancel_job(job_id: JobId, reason: impl Into<String>) -> Command {
+        Command::CancelJob {
+            job_id,
+            reason: reason.into(),
+        }
+    }
+
+    /// A policy's plan, with no policy memory recorded beside it.
+    pub fn decide_allocation(
+        based_on: u64,
+        policy: impl Into<String>,
+        round: u64,
+        placements: Vec<JobPlacement>,
+    ) -> Command {
+        Command::DecideAllocation {
+            based_on,
+            policy: policy.into(),
+            round,
+            placements,
+            memory: None,
+        }
+    }
+
+    pub fn record_worker_started(
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        node: impl Into<String>,
+    ) -> Command {
+        Command::RecordWorkerStarted {
+            job_id,
+            epoch,
+            rank,
+            node: node.into(),
+        }
+    }
+
+    /// A worker's exit; one its node refused to start is written out whole
+    /// (`not_admitted: true`).
+    pub fn record_worker_exited(
+        job_id: JobId,
+        epoch: u64,
+        rank: u32,
+        exit_code: Option<i32>,
+        reason: impl Into<String>,
+    ) -> Command {
+        Command::RecordWorkerExited {
+            job_id,
+            epoch,
+            rank,
+            exit_code,
+            reason: reason.into(),
+            not_admitted: false,
+        }
+    }
+
+    pub fn report_progress(job_id: JobId, samples: Vec<ProgressSample>) -> Command {
+        Command::ReportProgress { job_id, samples }
+    }
+
+    pub fn finish_job(job_id: JobId, outcome: JobOutcome, reason: impl Into<String>) -> Command {
+        Command::FinishJob {
+            job_id,
+            outcome,
+            reason: reason.into(),
+        }
+    }
+
+    pub fn remove_job(job_id: JobId) -> Command {
+        Command::RemoveJob { job_id }
+    }
+
+    pub fn set_policy(name: impl Into<String>) -> Command {
+        Command::SetPolicy { name: name.into() }
+    }
+
+    pub fn bootstrap_acl(name: impl Into<String>, secret_hash: SecretHash) -> Command {
+        Command::BootstrapAcl {
+            name: name.into(),
+            secret_hash,
+        }
+    }
+
+    /// A token for any queue its role allows.
+    pub fn create_token(
+        name: impl Into<String>,
+        role: Role,
+        secret_hash: SecretHash,
+        ttl_ms: Option<u64>,
+    ) -> Command {
+        Command::CreateToken {
+            name: name.into(),
+            role,
+            secret_hash,
+            ttl_ms,
+            queues: Vec::new(),
+        }
+    }
+
+    pub fn revoke_token(name: impl Into<String>) -> Command {
+        Command::RevokeToken { name: name.into() }
+    }
+
+    pub fn record_membership_change(
+        member: u64,
+        change: impl Into<String>,
+        membership_index: u64,
+    ) -> Command {
+        Command::RecordMembershipChange {
+            member,
+            change: change.into(),
+            membership_index,
+        }
+    }
+
+    pub fn create_queue(name: impl Into<String>, spec: QueueSpec) -> Command {
+        Command::CreateQueue {
+            name: name.into(),
+            spec,
+        }
+    }
+
+    pub fn update_queue(name: impl Into<String>, spec: QueueSpec) -> Command {
+        Command::UpdateQueue {
+            name: name.into(),
+            spec,
+        }
+    }
+
+    pub fn delete_queue(name: impl Into<String>) -> Command {
+        Command::DeleteQueue { name: name.into() }
+    }
+
+    /// A new secret or a replacement that does not check the revision it
+    /// read.
+    pub fn put_secret(
+        name: impl Into<String>,
+        values: BTreeMap<String, SealedValue>,
+        queue: impl Into<String>,
+    ) -> Command {
+        Command::PutSecret {
+            name: name.into(),
+            values,
+            queue: queue.into(),
+            replaces_revision: None,
+        }
+    }
+
+    pub fn delete_secret(name: impl Into<String>) -> Command {
+        Command::DeleteSecret { name: name.into() }
+    }
+}
+
 impl Command {
     /// The node a node command names (`RegisterNode`,
     /// `RecordNodeInventory`, `MarkNodeLost`, `MarkNodeRecovered`,

@@ -57,17 +57,16 @@ impl TestCluster {
             index: 0,
         };
         for (n, count) in gpus_per_node.iter().enumerate() {
-            c.apply(Command::RegisterNode {
-                name: format!("n{n}"),
-                address: "127.0.0.1".into(),
-                gpus: (0..*count)
+            c.apply(Command::register_node(
+                format!("n{n}"),
+                "127.0.0.1",
+                (0..*count)
                     .map(|index| Gpu {
                         index,
                         gpu_type: "v100".into(),
                     })
                     .collect(),
-                note: String::new(),
-            });
+            ));
         }
         c
     }
@@ -82,19 +81,18 @@ impl TestCluster {
 
     /// Submits `spec`; returns the new job's id.
     pub fn submit(&mut self, spec: JobSpec) -> JobId {
-        self.apply(Command::SubmitJob { spec });
+        self.apply(Command::submit_job(spec));
         self.state.jobs().keys().last().copied().expect("a job")
     }
 
     /// Gives `job_id` exactly `gpus` (one decision, based on the last entry).
     pub fn place(&mut self, job_id: JobId, gpus: Vec<GpuRef>) {
-        self.apply(Command::DecideAllocation {
-            based_on: self.index,
-            policy: "test".into(),
-            round: self.state.last_round() + 1,
-            placements: vec![JobPlacement::alone(job_id, gpus)],
-            memory: None,
-        });
+        self.apply(Command::decide_allocation(
+            self.index,
+            "test",
+            self.state.last_round() + 1,
+            vec![JobPlacement::alone(job_id, gpus)],
+        ));
     }
 }
 
@@ -128,17 +126,16 @@ pub fn mixed_entries_in_queues(
         push(
             &mut out,
             &mut state,
-            Command::RegisterNode {
-                name: format!("node-{n}"),
-                address: format!("10.0.0.{n}:7070"),
-                gpus: (0..8)
+            Command::register_node(
+                format!("node-{n}"),
+                format!("10.0.0.{n}:7070"),
+                (0..8)
                     .map(|index| Gpu {
                         index,
                         gpu_type: if n % 2 == 0 { "v100" } else { "k80" }.into(),
                     })
                     .collect(),
-                note: String::new(),
-            },
+            ),
             at_ms,
         );
     }
@@ -152,10 +149,7 @@ pub fn mixed_entries_in_queues(
         push(
             &mut out,
             &mut state,
-            Command::CreateQueue {
-                name: format!("q{q}"),
-                spec,
-            },
+            Command::create_queue(format!("q{q}"), spec),
             at_ms,
         );
     }
@@ -170,17 +164,15 @@ pub fn mixed_entries_in_queues(
         let roll = rng.below(100);
         let command = if roll < 8 || (roll >= 16 && running.is_empty()) {
             submitted += 1;
-            Command::SubmitJob {
-                spec: JobSpec {
-                    user: format!("user-{}", submitted % 7),
-                    queue: if queues == 0 {
-                        String::new()
-                    } else {
-                        format!("q{}", submitted % queues as u64)
-                    },
-                    ..job_spec(&format!("job-{submitted}"), 1 << rng.below(3), 1)
+            Command::submit_job(JobSpec {
+                user: format!("user-{}", submitted % 7),
+                queue: if queues == 0 {
+                    String::new()
+                } else {
+                    format!("q{}", submitted % queues as u64)
                 },
-            }
+                ..job_spec(&format!("job-{submitted}"), 1 << rng.below(3), 1)
+            })
         } else if roll < 16 {
             // Place the oldest pending job on free GPUs of one node, if any fit.
             let pending = state.jobs().values().find(|j| j.state == JobState::Pending);
@@ -206,22 +198,17 @@ pub fn mixed_entries_in_queues(
                 push(
                     &mut out,
                     &mut state,
-                    Command::FinishJob {
-                        job_id,
-                        outcome: JobOutcome::Succeeded,
-                        reason: String::new(),
-                    },
+                    Command::finish_job(job_id, JobOutcome::Succeeded, String::new()),
                     at_ms,
                 );
                 continue;
             };
-            Command::DecideAllocation {
-                based_on: out.len() as u64,
-                policy: "fifo".into(),
-                round: out.len() as u64,
-                placements: vec![JobPlacement::alone(job.id, gpus)],
-                memory: None,
-            }
+            Command::decide_allocation(
+                out.len() as u64,
+                "fifo",
+                out.len() as u64,
+                vec![JobPlacement::alone(job.id, gpus)],
+            )
         } else if roll < 22 {
             let job_id = running[rng.below(running.len() as u64) as usize];
             let Some(epoch) = state
@@ -231,23 +218,18 @@ pub fn mixed_entries_in_queues(
             else {
                 continue;
             };
-            Command::RecordWorkerStarted {
-                job_id,
-                epoch,
-                rank: 0,
-                node: "node-0".into(),
-            }
+            Command::record_worker_started(job_id, epoch, 0, "node-0")
         } else if roll < 25 {
             let job_id = running[rng.below(running.len() as u64) as usize];
-            Command::FinishJob {
+            Command::finish_job(
                 job_id,
-                outcome: if rng.below(10) == 0 {
+                if rng.below(10) == 0 {
                     JobOutcome::Failed
                 } else {
                     JobOutcome::Succeeded
                 },
-                reason: String::new(),
-            }
+                String::new(),
+            )
         } else if roll < 33 {
             // The oldest ended job whose workers have all exited, as the
             // leader's retention picks.
@@ -257,16 +239,16 @@ pub fn mixed_entries_in_queues(
             else {
                 continue;
             };
-            Command::RemoveJob { job_id }
+            Command::remove_job(job_id)
         } else {
             let job_id = running[rng.below(running.len() as u64) as usize];
             let step = state
                 .job(job_id)
                 .and_then(|j| j.progress.as_ref())
                 .map_or(0, |p| p.step);
-            Command::ReportProgress {
+            Command::report_progress(
                 job_id,
-                samples: (1..=4)
+                (1..=4)
                     .map(|k| ProgressSample {
                         step: step + k * 10,
                         total_steps: 10_000,
@@ -275,7 +257,7 @@ pub fn mixed_entries_in_queues(
                         at_ms: at_ms - (4 - k) * 500,
                     })
                     .collect(),
-            }
+            )
         };
         push(&mut out, &mut state, command, at_ms);
     }

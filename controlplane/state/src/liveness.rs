@@ -257,13 +257,13 @@ impl NodeLiveness {
                     .failure(name)
                     .map(|(_, reason)| format!(": {reason}"))
                     .unwrap_or_default();
-                out.push(Command::MarkNodeLost {
-                    name: name.clone(),
-                    reason: format!(
+                out.push(Command::mark_node_lost(
+                    name.clone(),
+                    format!(
                         "{LOST_BY_LIVENESS} for {:.1} s{why}",
                         now_ms.saturating_sub(last) as f64 / 1000.0
                     ),
-                });
+                ));
             }
         }
         // Declared nodes that were never reached: shown, lost, with why.
@@ -274,16 +274,15 @@ impl NodeLiveness {
             {
                 continue;
             }
-            out.push(Command::RegisterNode {
-                name: name.clone(),
-                address: String::new(),
-                gpus: Vec::new(),
-                note: String::new(),
-            });
-            out.push(Command::MarkNodeLost {
-                name: name.clone(),
-                reason: format!("{LOST_BY_LIVENESS} since it was declared: {reason}"),
-            });
+            out.push(Command::register_node(
+                name.clone(),
+                String::new(),
+                Vec::new(),
+            ));
+            out.push(Command::mark_node_lost(
+                name.clone(),
+                format!("{LOST_BY_LIVENESS} since it was declared: {reason}"),
+            ));
         }
         for (name, (at_ms, report)) in &self.heard {
             if !self.fresh(*at_ms, now_ms) {
@@ -322,7 +321,7 @@ impl NodeLiveness {
                     note: report.note.clone(),
                 });
             } else if lost_by_us {
-                out.push(Command::MarkNodeRecovered { name: name.clone() });
+                out.push(Command::mark_node_recovered(name.clone()));
             }
         }
         out
@@ -458,13 +457,7 @@ mod tests {
         l.forget_removed(&w.state);
         // Registered, and removed before liveness looks again.
         w.settle(&l, 0);
-        w.apply(
-            Command::RemoveNode {
-                name: "a".into(),
-                force: false,
-            },
-            1_000,
-        );
+        w.apply(Command::remove_node("a", false), 1_000);
         assert!(w.state.nodes().is_empty());
         l.forget_removed(&w.state);
         assert!(
@@ -553,13 +546,7 @@ mod tests {
         let mut l = NodeLiveness::new(TIMEOUT_MS, 0);
         l.heard(report("a", 1), 0);
         w.settle(&l, 0);
-        w.apply(
-            Command::MarkNodeLost {
-                name: "a".into(),
-                reason: "maintenance".into(),
-            },
-            1,
-        );
+        w.apply(Command::mark_node_lost("a", "maintenance"), 1);
         l.heard(report("a", 2), 1_000);
         assert!(w.settle(&l, 1_000).is_empty());
         assert_eq!(w.node_state("a"), NodeState::Lost);

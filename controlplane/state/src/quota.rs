@@ -879,10 +879,10 @@ mod tests {
         // pool, no borrowing.
         let mut c = TestCluster::v100_nodes(&[4, 4]);
         for name in ["a", "b"] {
-            c.apply(Command::CreateQueue {
-                name: name.into(),
-                spec: QueueSpec::with_quota(types(&[("v100", 4)])),
-            });
+            c.apply(Command::create_queue(
+                name,
+                QueueSpec::with_quota(types(&[("v100", 4)])),
+            ));
         }
         let in_queue = |queue: &str, name: &str, n: u32| {
             let mut spec = job_spec(name, n, 1);
@@ -892,17 +892,16 @@ mod tests {
         let a1 = c.submit(in_queue("a", "a1", 4));
         let a2 = c.submit(in_queue("a", "a2", 2));
         let b1 = c.submit(in_queue("b", "b1", 2));
-        let events = c.apply(Command::DecideAllocation {
-            based_on: c.index,
-            policy: "test".into(),
-            round: 1,
-            placements: vec![
+        let events = c.apply(Command::decide_allocation(
+            c.index,
+            "test",
+            1,
+            vec![
                 JobPlacement::alone(a1, gpus("n0", 0..4)),
                 JobPlacement::alone(a2, gpus("n1", 0..2)),
                 JobPlacement::alone(b1, gpus("n1", 2..4)),
             ],
-            memory: None,
-        });
+        ));
         let refused: Vec<(u64, &String)> = events
             .iter()
             .filter_map(|e| match e {
@@ -930,10 +929,7 @@ mod tests {
         );
         // a's job moving within its quota is no growth; a1 ending gives its
         // quota back, and a2 then fits.
-        c.apply(Command::CancelJob {
-            job_id: a1,
-            reason: String::new(),
-        });
+        c.apply(Command::cancel_job(a1, String::new()));
         assert_eq!(c.state.queue_usage().get("a"), None);
         c.place(a2, gpus("n0", 0..2));
         assert_eq!(
@@ -970,13 +966,7 @@ mod tests {
                 JobPlacement::alone(other, vec![gpu(0)]),
             ],
         ] {
-            let events = c.apply(Command::DecideAllocation {
-                based_on: c.index,
-                policy: "test".into(),
-                round: 9,
-                placements,
-                memory: None,
-            });
+            let events = c.apply(Command::decide_allocation(c.index, "test", 9, placements));
             assert!(
                 events.iter().any(|e| matches!(e,
                     Event::PlacementRefused { job_id, reason } if *job_id == fixed && reason.contains("not preemptible"))),

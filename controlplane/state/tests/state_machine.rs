@@ -47,32 +47,28 @@ impl Harness {
         if res.is_err() {
             let mut expected = before;
             // Only the index moves on a refusal.
-            let _ = expected.apply(
-                self.index,
-                &LogEntry::new(0, Command::RemoveJob { job_id: u64::MAX }),
-            );
+            let _ = expected.apply(self.index, &LogEntry::new(0, Command::remove_job(u64::MAX)));
             assert_eq!(self.state, expected, "a refused entry changed the state");
         }
         self.state.check_invariants().expect("invariants");
         res
     }
     fn node(&mut self, name: &str, gpus: u32) {
-        self.apply(Command::RegisterNode {
-            name: name.into(),
-            address: "127.0.0.1".into(),
-            gpus: (0..gpus)
+        self.apply(Command::register_node(
+            name,
+            "127.0.0.1",
+            (0..gpus)
                 .map(|index| Gpu {
                     index,
                     gpu_type: "v100".into(),
                 })
                 .collect(),
-            note: String::new(),
-        })
+        ))
         .expect("register");
     }
     fn submit(&mut self, s: JobSpec) -> JobId {
         match self
-            .apply(Command::SubmitJob { spec: s })
+            .apply(Command::submit_job(s))
             .expect("submit")
             .as_slice()
         {
@@ -81,16 +77,15 @@ impl Harness {
         }
     }
     fn place(&mut self, placements: Vec<(JobId, Vec<GpuRef>)>) -> Vec<Event> {
-        self.apply(Command::DecideAllocation {
-            based_on: self.index,
-            policy: "fifo".into(),
-            round: 1,
-            placements: placements
+        self.apply(Command::decide_allocation(
+            self.index,
+            "fifo",
+            1,
+            placements
                 .into_iter()
                 .map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus))
                 .collect(),
-            memory: None,
-        })
+        ))
         .expect("plans are applied per job")
     }
 }
@@ -124,14 +119,8 @@ fn placed(job_id: JobId, gpus: Vec<GpuRef>, share_with: Option<JobId>) -> JobPla
 impl Harness {
     /// One decision with these placements.
     fn decide(&mut self, placements: Vec<JobPlacement>) -> Vec<Event> {
-        self.apply(Command::DecideAllocation {
-            based_on: self.index,
-            policy: "p".into(),
-            round: 1,
-            placements,
-            memory: None,
-        })
-        .expect("applied per job")
+        self.apply(Command::decide_allocation(self.index, "p", 1, placements))
+            .expect("applied per job")
     }
 }
 
@@ -178,12 +167,8 @@ fn a_declared_pair_shares_its_gpus_and_the_survivor_runs_on_alone() {
         .job(b)
         .and_then(|j| j.allocation.as_ref())
         .map(|x| x.epoch);
-    h.apply(Command::FinishJob {
-        job_id: a,
-        outcome: JobOutcome::Succeeded,
-        reason: String::new(),
-    })
-    .expect("finish");
+    h.apply(Command::finish_job(a, JobOutcome::Succeeded, String::new()))
+        .expect("finish");
     assert_eq!(h.partner(b), None);
     assert_eq!(
         h.state
@@ -197,12 +182,8 @@ fn a_declared_pair_shares_its_gpus_and_the_survivor_runs_on_alone() {
         Some(&GpuHolders::one(b))
     );
     // b finishes too: the GPU is free again.
-    h.apply(Command::FinishJob {
-        job_id: b,
-        outcome: JobOutcome::Succeeded,
-        reason: String::new(),
-    })
-    .expect("finish");
+    h.apply(Command::finish_job(b, JobOutcome::Succeeded, String::new()))
+        .expect("finish");
     assert!(h.state.gpu_holders().is_empty());
     assert_eq!(h.state.free_gpus().total(), 2);
 }
@@ -293,11 +274,8 @@ fn a_pair_is_placed_whole_or_not_at_all() {
     );
     // A lost node preempts both members.
     h.pair(a, b, vec![gpu("n0", 0)]);
-    h.apply(Command::MarkNodeLost {
-        name: "n0".into(),
-        reason: "gone".into(),
-    })
-    .expect("lost");
+    h.apply(Command::mark_node_lost("n0", "gone"))
+        .expect("lost");
     for j in [a, b, c] {
         assert_eq!(h.state.job(j).map(|x| x.state), Some(JobState::Preempted));
     }
@@ -316,42 +294,27 @@ fn job_lifecycle_pending_running_succeeded() {
         [Event::JobAllocated { epoch: 1, .. }]
     ));
     assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Running));
-    h.apply(Command::RecordWorkerStarted {
-        job_id: j,
-        epoch: 1,
-        rank: 0,
-        node: "n0".into(),
-    })
-    .expect("worker started");
-    h.apply(Command::FinishJob {
-        job_id: j,
-        outcome: JobOutcome::Succeeded,
-        reason: String::new(),
-    })
-    .expect("finish");
+    h.apply(Command::record_worker_started(j, 1, 0, "n0"))
+        .expect("worker started");
+    h.apply(Command::finish_job(j, JobOutcome::Succeeded, String::new()))
+        .expect("finish");
     assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Succeeded));
     assert!(h.state.gpu_holders().is_empty(), "GPUs released on finish");
 }
 
 impl Harness {
     fn start(&mut self, job_id: JobId, epoch: u64, rank: u32, node: &str) {
-        self.apply(Command::RecordWorkerStarted {
-            job_id,
-            epoch,
-            rank,
-            node: node.into(),
-        })
-        .expect("worker started");
+        self.apply(Command::record_worker_started(job_id, epoch, rank, node))
+            .expect("worker started");
     }
     fn exit(&mut self, job_id: JobId, epoch: u64, rank: u32, code: Option<i32>) -> Vec<Event> {
-        self.apply(Command::RecordWorkerExited {
+        self.apply(Command::record_worker_exited(
             job_id,
             epoch,
             rank,
-            exit_code: code,
-            reason: String::new(),
-            not_admitted: false,
-        })
+            code,
+            String::new(),
+        ))
         .expect("exit recorded")
     }
 }
@@ -477,11 +440,7 @@ fn a_worker_exit_after_cancel_changes_nothing() {
     h.node("n0", 1);
     let j = h.submit(spec("a", 1, 1));
     h.place(vec![(j, vec![gpu("n0", 0)])]);
-    h.apply(Command::CancelJob {
-        job_id: j,
-        reason: "user".into(),
-    })
-    .expect("cancel");
+    h.apply(Command::cancel_job(j, "user")).expect("cancel");
     h.exit(j, 1, 0, Some(143));
     assert_eq!(h.state.job(j).map(|j| j.state), Some(JobState::Cancelled));
 }
@@ -511,16 +470,16 @@ fn the_supply_demand_version_moves_on_scheduling_changes_only() {
     let v2 = h.state.supply_demand_version();
     assert!(v2 > v1);
     h.start(j, 1, 0, "n0");
-    h.apply(Command::ReportProgress {
-        job_id: j,
-        samples: vec![ProgressSample {
+    h.apply(Command::report_progress(
+        j,
+        vec![ProgressSample {
             step: 1,
             total_steps: 10,
             loss: None,
             samples_per_s: 1.0,
             at_ms: 1,
         }],
-    })
+    ))
     .expect("progress");
     assert_eq!(h.state.supply_demand_version(), v2);
     assert_eq!(h.state.last_round(), 1);
@@ -550,10 +509,7 @@ fn a_size_refusal_names_its_unit() {
     let mut h = Harness::new();
     let j = h.submit(spec("a", 1, 1));
     let err = h
-        .apply(Command::CancelJob {
-            job_id: j,
-            reason: "x".repeat(100_000),
-        })
+        .apply(Command::cancel_job(j, "x".repeat(100_000)))
         .expect_err("too long");
     assert!(
         err.to_string()
@@ -561,17 +517,16 @@ fn a_size_refusal_names_its_unit() {
         "{err}"
     );
     let err = h
-        .apply(Command::RegisterNode {
-            name: "n".into(),
-            address: "a:1".into(),
-            gpus: (0..10_000)
+        .apply(Command::register_node(
+            "n",
+            "a:1",
+            (0..10_000)
                 .map(|index| Gpu {
                     index,
                     gpu_type: "v100".into(),
                 })
                 .collect(),
-            note: String::new(),
-        })
+        ))
         .expect_err("too many");
     assert!(
         err.to_string().contains("10000 entries; the limit is"),
@@ -583,16 +538,11 @@ fn a_size_refusal_names_its_unit() {
 /// entries too, survives a snapshot, and is neither content nor hash.
 #[test]
 fn the_latest_entry_time_counts_every_entry_and_survives_a_snapshot() {
-    let refused = Command::CancelJob {
-        job_id: 99,
-        reason: String::new(),
-    };
+    let refused = Command::cancel_job(99, String::new());
     // A job submitted at 5 s, then a refused entry stamped `refused_at_ms`.
     let state_with = |refused_at_ms: u64| {
         let mut state = ClusterState::new();
-        let submit = Command::SubmitJob {
-            spec: spec("a", 1, 1),
-        };
+        let submit = Command::submit_job(spec("a", 1, 1));
         state
             .apply(1, &LogEntry::new(5_000, submit))
             .expect("submitted");
@@ -675,17 +625,9 @@ fn a_jobs_log_rotation_is_kept_by_snapshots_and_hashed() {
 fn cancel_of_a_finished_job_is_refused() {
     let mut h = Harness::new();
     let j = h.submit(spec("a", 1, 1));
-    h.apply(Command::CancelJob {
-        job_id: j,
-        reason: "user".into(),
-    })
-    .expect("cancel pending job");
-    let err = h
-        .apply(Command::CancelJob {
-            job_id: j,
-            reason: "again".into(),
-        })
-        .unwrap_err();
+    h.apply(Command::cancel_job(j, "user"))
+        .expect("cancel pending job");
+    let err = h.apply(Command::cancel_job(j, "again")).unwrap_err();
     assert_eq!(
         err,
         ApplyError::JobEnded {
@@ -695,10 +637,7 @@ fn cancel_of_a_finished_job_is_refused() {
         }
     );
     assert_eq!(
-        h.apply(Command::CancelJob {
-            job_id: 99,
-            reason: String::new()
-        }),
+        h.apply(Command::cancel_job(99, String::new())),
         Err(ApplyError::UnknownJob(99))
     );
 }
@@ -748,10 +687,7 @@ fn allocation_on_a_lost_node_is_refused_and_loss_preempts() {
     let a = h.submit(spec("a", 1, 2));
     h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 0)])]);
     let ev = h
-        .apply(Command::MarkNodeLost {
-            name: "n1".into(),
-            reason: "heartbeat timeout".into(),
-        })
+        .apply(Command::mark_node_lost("n1", "heartbeat timeout"))
         .expect("lost");
     assert!(ev.contains(&Event::JobPreempted {
         job_id: a,
@@ -769,7 +705,7 @@ fn allocation_on_a_lost_node_is_refused_and_loss_preempts() {
             reason: "node \"n1\" is lost".into()
         }]
     );
-    h.apply(Command::MarkNodeRecovered { name: "n1".into() })
+    h.apply(Command::mark_node_recovered("n1"))
         .expect("recovered");
     let ev = h.place(vec![(a, vec![gpu("n0", 0), gpu("n1", 1)])]);
     assert!(matches!(
@@ -808,12 +744,7 @@ fn stale_epochs_and_bad_ranks_are_refused() {
     h.place(vec![(a, vec![gpu("n0", 0)])]);
     h.place(vec![(a, vec![gpu("n0", 1)])]);
     assert_eq!(
-        h.apply(Command::RecordWorkerStarted {
-            job_id: a,
-            epoch: 1,
-            rank: 0,
-            node: "n0".into()
-        }),
+        h.apply(Command::record_worker_started(a, 1, 0, "n0")),
         Err(ApplyError::StaleEpoch {
             job_id: a,
             epoch: 1,
@@ -821,12 +752,7 @@ fn stale_epochs_and_bad_ranks_are_refused() {
         })
     );
     assert!(matches!(
-        h.apply(Command::RecordWorkerStarted {
-            job_id: a,
-            epoch: 2,
-            rank: 1,
-            node: "n0".into()
-        }),
+        h.apply(Command::record_worker_started(a, 2, 1, "n0")),
         Err(ApplyError::RankOutOfRange { .. })
     ));
 }
@@ -841,10 +767,7 @@ fn a_node_is_removed_only_when_idle_unless_forced() {
     let a = h.submit(spec("a", 1, 1));
     h.place(vec![(a, vec![gpu("n0", 1)])]);
     let err = h
-        .apply(Command::RemoveNode {
-            name: "n0".into(),
-            force: false,
-        })
+        .apply(Command::remove_node("n0", false))
         .expect_err("a job holds a GPU");
     assert_eq!(
         err,
@@ -855,18 +778,10 @@ fn a_node_is_removed_only_when_idle_unless_forced() {
     );
     assert!(err.to_string().contains("force"), "{err}");
     assert_eq!(
-        h.apply(Command::RemoveNode {
-            name: "n1".into(),
-            force: false
-        }),
+        h.apply(Command::remove_node("n1", false)),
         Ok(vec![Event::NodeRemoved { name: "n1".into() }])
     );
-    let events = h
-        .apply(Command::RemoveNode {
-            name: "n0".into(),
-            force: true,
-        })
-        .expect("forced");
+    let events = h.apply(Command::remove_node("n0", true)).expect("forced");
     assert_eq!(
         events,
         vec![
@@ -883,10 +798,7 @@ fn a_node_is_removed_only_when_idle_unless_forced() {
     assert_eq!(job.state, JobState::Preempted);
     assert!(job.allocation.is_none());
     assert_eq!(
-        h.apply(Command::RemoveNode {
-            name: "n0".into(),
-            force: true
-        }),
+        h.apply(Command::remove_node("n0", true)),
         Err(ApplyError::UnknownNode("n0".into()))
     );
 }
@@ -898,18 +810,17 @@ fn removal_needs_an_ended_job_and_re_registration_keeps_held_gpus() {
     let a = h.submit(spec("a", 1, 1));
     h.place(vec![(a, vec![gpu("n0", 1)])]);
     assert!(matches!(
-        h.apply(Command::RemoveJob { job_id: a }),
+        h.apply(Command::remove_job(a)),
         Err(ApplyError::JobNotEnded { .. })
     ));
-    let shrink = h.apply(Command::RegisterNode {
-        name: "n0".into(),
-        address: "x".into(),
-        gpus: vec![Gpu {
+    let shrink = h.apply(Command::register_node(
+        "n0",
+        "x",
+        vec![Gpu {
             index: 0,
             gpu_type: "v100".into(),
         }],
-        note: String::new(),
-    });
+    ));
     assert!(matches!(shrink, Err(ApplyError::GpuInUse { .. })));
 }
 
@@ -926,11 +837,8 @@ fn retention_removes_the_oldest_ended_jobs_but_not_one_whose_worker_runs() {
     h.start(c, 1, 0, "n0");
     let mut finished_ms = Vec::new();
     for job_id in [a, b, c] {
-        h.apply(Command::CancelJob {
-            job_id,
-            reason: String::new(),
-        })
-        .expect("cancelled");
+        h.apply(Command::cancel_job(job_id, String::new()))
+            .expect("cancelled");
         finished_ms.push(
             h.state
                 .job(job_id)
@@ -968,7 +876,7 @@ fn retention_removes_the_oldest_ended_jobs_but_not_one_whose_worker_runs() {
         vec![a],
         "at most limit"
     );
-    let refused = h.apply(Command::RemoveJob { job_id: c });
+    let refused = h.apply(Command::remove_job(c));
     assert!(
         matches!(&refused, Err(ApplyError::Invalid { field, reason })
             if field == "job_id" && reason.contains("rank 0 is still recorded as running")),
@@ -980,7 +888,7 @@ fn retention_removes_the_oldest_ended_jobs_but_not_one_whose_worker_runs() {
         vec![a, b, c]
     );
     assert_eq!(
-        h.apply(Command::RemoveJob { job_id: a }),
+        h.apply(Command::remove_job(a)),
         Ok(vec![Event::JobRemoved { job_id: a }])
     );
     assert!(h.state.was_removed(a));
@@ -1019,43 +927,29 @@ fn queues_are_made_changed_and_deleted_through_the_log_and_jobs_name_them() {
     h.node("n0", 2);
     let before = h.state.state_hash();
     assert_eq!(
-        refused_field(h.apply(Command::CreateQueue {
-            name: "team-a".into(),
-            spec: quota("h100", 1),
-        })),
+        refused_field(h.apply(Command::create_queue("team-a", quota("h100", 1)))),
         "quota"
     );
     assert_eq!(
-        refused_field(h.apply(Command::CreateQueue {
-            name: "Team A".into(),
-            spec: quota("v100", 1),
-        })),
+        refused_field(h.apply(Command::create_queue("Team A", quota("v100", 1)))),
         "name"
     );
     let mut in_team = spec("a", 1, 1);
     in_team.queue = "team-a".into();
     assert_eq!(
-        refused_field(h.apply(Command::SubmitJob {
-            spec: in_team.clone()
-        })),
+        refused_field(h.apply(Command::submit_job(in_team.clone()))),
         "queue",
         "no such queue yet"
     );
     assert_eq!(
-        h.apply(Command::CreateQueue {
-            name: "team-a".into(),
-            spec: quota("v100", 1),
-        }),
+        h.apply(Command::create_queue("team-a", quota("v100", 1))),
         Ok(vec![Event::QueueCreated {
             name: "team-a".into()
         }])
     );
     assert_ne!(h.state.state_hash(), before, "queues are hashed");
     assert!(matches!(
-        h.apply(Command::CreateQueue {
-            name: "team-a".into(),
-            spec: quota("v100", 2),
-        }),
+        h.apply(Command::create_queue("team-a", quota("v100", 2))),
         Err(ApplyError::Queue(QueueError::Exists(_)))
     ));
     let a = h.submit(in_team);
@@ -1063,42 +957,27 @@ fn queues_are_made_changed_and_deleted_through_the_log_and_jobs_name_them() {
         h.state.job(a).map(|j| j.spec.queue.as_str()),
         Some("team-a")
     );
-    h.apply(Command::UpdateQueue {
-        name: "team-a".into(),
-        spec: quota("v100", 2),
-    })
-    .expect("updated");
+    h.apply(Command::update_queue("team-a", quota("v100", 2)))
+        .expect("updated");
     assert_eq!(
         h.state.queues().spec("team-a").and_then(|s| s.quota),
         Some([("v100".to_string(), 2)].into())
     );
     assert!(matches!(
-        h.apply(Command::DeleteQueue {
-            name: "team-a".into()
-        }),
+        h.apply(Command::delete_queue("team-a")),
         Err(ApplyError::Queue(QueueError::HoldsJobs { jobs: 1, .. }))
     ));
-    h.apply(Command::CancelJob {
-        job_id: a,
-        reason: String::new(),
-    })
-    .expect("cancelled");
-    h.apply(Command::DeleteQueue {
-        name: "team-a".into(),
-    })
-    .expect("deleted once its job ended");
+    h.apply(Command::cancel_job(a, String::new()))
+        .expect("cancelled");
+    h.apply(Command::delete_queue("team-a"))
+        .expect("deleted once its job ended");
     assert!(matches!(
-        h.apply(Command::DeleteQueue {
-            name: "default".into()
-        }),
+        h.apply(Command::delete_queue("default")),
         Err(ApplyError::Queue(QueueError::DefaultKept))
     ));
     // The default queue takes a quota, and jobs naming it or none.
-    h.apply(Command::UpdateQueue {
-        name: "default".into(),
-        spec: quota("v100", 1),
-    })
-    .expect("the default queue takes a quota");
+    h.apply(Command::update_queue("default", quota("v100", 1)))
+        .expect("the default queue takes a quota");
     let mut in_default = spec("b", 1, 1);
     in_default.queue = "default".into();
     h.submit(in_default);
@@ -1118,11 +997,8 @@ fn a_deleted_queues_name_is_refused_while_other_queues_are_kept() {
     let mut h = Harness::new();
     h.node("n0", 2);
     for name in ["team-a", "team-b"] {
-        h.apply(Command::CreateQueue {
-            name: name.into(),
-            spec: quota("v100", 1),
-        })
-        .expect("created");
+        h.apply(Command::create_queue(name, quota("v100", 1)))
+            .expect("created");
     }
     let in_queue = |queue: &str| {
         let mut s = spec("a", 1, 1);
@@ -1130,44 +1006,28 @@ fn a_deleted_queues_name_is_refused_while_other_queues_are_kept() {
         s
     };
     let a = h.submit(in_queue("team-a"));
-    h.apply(Command::CancelJob {
-        job_id: a,
-        reason: String::new(),
-    })
-    .expect("cancelled");
-    h.apply(Command::DeleteQueue {
-        name: "team-a".into(),
-    })
-    .expect("deleted");
+    h.apply(Command::cancel_job(a, String::new()))
+        .expect("cancelled");
+    h.apply(Command::delete_queue("team-a")).expect("deleted");
     assert!(!h.state.queues().is_unset(), "team-b keeps the index");
     assert_eq!(
-        refused_field(h.apply(Command::SubmitJob {
-            spec: in_queue("team-a")
-        })),
+        refused_field(h.apply(Command::submit_job(in_queue("team-a")))),
         "queue",
         "a deleted queue is refused"
     );
     assert_eq!(
-        refused_field(h.apply(Command::SubmitJob {
-            spec: in_queue("team-c")
-        })),
+        refused_field(h.apply(Command::submit_job(in_queue("team-c")))),
         "queue",
         "a queue never made is refused"
     );
     h.submit(in_queue("team-b"));
     h.submit(in_queue(""));
     h.submit(in_queue("default"));
-    h.apply(Command::CreateQueue {
-        name: "team-c".into(),
-        spec: quota("v100", 1),
-    })
-    .expect("created");
+    h.apply(Command::create_queue("team-c", quota("v100", 1)))
+        .expect("created");
     h.submit(in_queue("team-c"));
-    h.apply(Command::CreateQueue {
-        name: "team-a".into(),
-        spec: quota("v100", 1),
-    })
-    .expect("made again");
+    h.apply(Command::create_queue("team-a", quota("v100", 1)))
+        .expect("made again");
     let again = h.submit(in_queue("team-a"));
     assert_eq!(
         h.state
@@ -1187,16 +1047,10 @@ fn a_refused_release_gives_no_quota_to_the_same_decisions_growth() {
     let mut h = Harness::new();
     h.node("n0", 4);
     // The quotas take every GPU: nothing is left to borrow.
-    h.apply(Command::CreateQueue {
-        name: "team-a".into(),
-        spec: quota("v100", 2),
-    })
-    .expect("created");
-    h.apply(Command::UpdateQueue {
-        name: "default".into(),
-        spec: quota("v100", 2),
-    })
-    .expect("updated");
+    h.apply(Command::create_queue("team-a", quota("v100", 2)))
+        .expect("created");
+    h.apply(Command::update_queue("default", quota("v100", 2)))
+        .expect("updated");
     let in_team = |name: &str, preemptible: bool| {
         let mut s = spec(name, 2, 1);
         s.queue = "team-a".into();
@@ -1408,11 +1262,8 @@ fn a_report_offering_a_failed_gpu_is_refused() {
 fn a_report_does_not_revive_a_node_an_operator_marked_lost() {
     let mut h = Harness::new();
     h.node("n", 2);
-    h.apply(Command::MarkNodeLost {
-        name: "n".into(),
-        reason: "maintenance".into(),
-    })
-    .expect("lost");
+    h.apply(Command::mark_node_lost("n", "maintenance"))
+        .expect("lost");
     h.apply(inventory("n", v100s(&[0]), vec![]))
         .expect("applies");
     let node = &h.state.nodes()["n"];
@@ -1426,11 +1277,7 @@ fn a_report_does_not_revive_a_node_an_operator_marked_lost() {
 #[test]
 fn an_invalid_spec_is_refused_naming_the_field() {
     let mut h = Harness::new();
-    let err = h
-        .apply(Command::SubmitJob {
-            spec: spec("a", 0, 1),
-        })
-        .unwrap_err();
+    let err = h.apply(Command::submit_job(spec("a", 0, 1))).unwrap_err();
     assert_eq!(
         err.to_string(),
         "invalid job spec: spec.gpus is 0; it must be between 1 and 64"
@@ -1459,17 +1306,12 @@ fn arb_gpu() -> impl Strategy<Value = GpuRef> {
 fn arb_command() -> impl Strategy<Value = Command> {
     let job = 0u64..12;
     prop_oneof![
-        1 => (0..NODES.len(), 1u32..5).prop_map(|(n, g)| Command::RegisterNode {
-            name: NODES[n].into(),
-            address: "a".into(),
-            gpus: (0..g)
+        1 => (0..NODES.len(), 1u32..5).prop_map(|(n, g)| Command::register_node(NODES[n], "a", (0..g)
                 .map(|index| Gpu {
                     index,
                     gpu_type: if index % 2 == 0 { "v100" } else { "k80" }.into()
                 })
-                .collect(),
-                note: String::new(),
-            }),
+                .collect())),
         // Issue 33: any subset of GPUs 0..5, some failed, some retyped.
         1 => (0..NODES.len(), 0u32..32, 0u32..32, any::<bool>()).prop_map(
             |(n, offered, failed, retype)| Command::RecordNodeInventory {
@@ -1493,27 +1335,13 @@ fn arb_command() -> impl Strategy<Value = Command> {
                 note: String::new(),
             }
         ),
-        1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeLost {
-            name: NODES[n].into(),
-            reason: "r".into()
-        }),
-        1 => (0..NODES.len()).prop_map(|n| Command::MarkNodeRecovered {
-            name: NODES[n].into()
-        }),
-        1 => (0..NODES.len(), any::<bool>()).prop_map(|(n, force)| Command::RemoveNode {
-            name: NODES[n].into(),
-            force,
-        }),
-        3 => (1u32..3, 1u32..3).prop_map(|(g, w)| Command::SubmitJob { spec: spec("j", g, w) }),
-        1 => job.clone().prop_map(|job_id| Command::CancelJob { job_id, reason: String::new() }),
+        1 => (0..NODES.len()).prop_map(|n| Command::mark_node_lost(NODES[n], "r")),
+        1 => (0..NODES.len()).prop_map(|n| Command::mark_node_recovered(NODES[n])),
+        1 => (0..NODES.len(), any::<bool>()).prop_map(|(n, force)| Command::remove_node(NODES[n], force)),
+        3 => (1u32..3, 1u32..3).prop_map(|(g, w)| Command::submit_job(spec("j", g, w))),
+        1 => job.clone().prop_map(|job_id| Command::cancel_job(job_id, String::new())),
         4 => proptest::collection::vec((job.clone(), proptest::collection::vec(arb_gpu(), 0..5)), 1..4)
-            .prop_map(|ps| Command::DecideAllocation {
-                based_on: 0,
-                policy: "p".into(),
-                round: 0,
-                placements: ps.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)).collect(),
-                memory: None,
-            }),
+            .prop_map(|ps| Command::decide_allocation(0, "p", 0, ps.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)).collect())),
         // Space sharing: a pair, sometimes flawed (not on the same GPUs,
         // not mutual, one member missing), beside placements alone.
         3 => (job.clone(), job.clone(), proptest::collection::vec(arb_gpu(), 0..3), 0u8..5,
@@ -1531,28 +1359,16 @@ fn arb_command() -> impl Strategy<Value = Command> {
                     placements.pop();
                 }
                 placements.extend(alone.into_iter().map(|(job_id, gpus)| JobPlacement::alone(job_id, gpus)));
-                Command::DecideAllocation { based_on: 0, policy: "p".into(), round: 0, placements, memory: None }
+                Command::decide_allocation(0, "p", 0, placements)
             }),
-        1 => (job.clone(), 0u64..4, 0u32..3).prop_map(|(job_id, epoch, rank)| Command::RecordWorkerStarted {
-            job_id, epoch, rank, node: "n0".into()
-        }),
+        1 => (job.clone(), 0u64..4, 0u32..3).prop_map(|(job_id, epoch, rank)| Command::record_worker_started(job_id, epoch, rank, "n0")),
         1 => (job.clone(), 0u64..4, 0u32..3, proptest::option::of(-2i32..3)).prop_map(
-            |(job_id, epoch, rank, exit_code)| Command::RecordWorkerExited {
-                job_id, epoch, rank, exit_code, reason: String::new(),
-                not_admitted: false,
-            }),
-        1 => (job.clone(), 0u64..100).prop_map(|(job_id, step)| Command::ReportProgress {
-            job_id,
-            samples: vec![ProgressSample { step, total_steps: 100, loss: Some(1.0 / (step as f64 + 1.0)), samples_per_s: 10.0, at_ms: step }],
-        }),
-        1 => (job.clone(), any::<bool>()).prop_map(|(job_id, ok)| Command::FinishJob {
-            job_id,
-            outcome: if ok { JobOutcome::Succeeded } else { JobOutcome::Failed },
-            reason: String::new(),
-        }),
-        1 => job.prop_map(|job_id| Command::RemoveJob { job_id }),
+            |(job_id, epoch, rank, exit_code)| Command::record_worker_exited(job_id, epoch, rank, exit_code, String::new())),
+        1 => (job.clone(), 0u64..100).prop_map(|(job_id, step)| Command::report_progress(job_id, vec![ProgressSample { step, total_steps: 100, loss: Some(1.0 / (step as f64 + 1.0)), samples_per_s: 10.0, at_ms: step }])),
+        1 => (job.clone(), any::<bool>()).prop_map(|(job_id, ok)| Command::finish_job(job_id, if ok { JobOutcome::Succeeded } else { JobOutcome::Failed }, String::new())),
+        1 => job.prop_map(|job_id| Command::remove_job(job_id)),
         1 => prop::sample::select(vec!["fifo", "optimus", "no-such-policy"])
-            .prop_map(|name| Command::SetPolicy { name: name.into() }),
+            .prop_map(|name| Command::set_policy(name)),
     ]
 }
 
@@ -1579,9 +1395,7 @@ fn requested(at_ms: u64, command: Command, id: &str) -> LogEntry {
 #[test]
 fn a_retried_request_applies_once_and_is_answered_with_the_first_outcome() {
     let mut state = ClusterState::new();
-    let submit = || Command::SubmitJob {
-        spec: spec("train", 1, 1),
-    };
+    let submit = || Command::submit_job(spec("train", 1, 1));
     let first = state
         .apply(1, &requested(1_000, submit(), "cli-1"))
         .expect("accepted");
@@ -1602,7 +1416,7 @@ fn a_retried_request_applies_once_and_is_answered_with_the_first_outcome() {
     // Nothing but the index moved: a refused entry at the same index
     // leaves the same state.
     let mut expected = after_first;
-    let _ = expected.apply(2, &LogEntry::new(0, Command::RemoveJob { job_id: 99 }));
+    let _ = expected.apply(2, &LogEntry::new(0, Command::remove_job(99)));
     assert_eq!(state.state_hash(), expected.state_hash());
     // Without the id, the same command is a second job.
     state
@@ -1610,10 +1424,7 @@ fn a_retried_request_applies_once_and_is_answered_with_the_first_outcome() {
         .expect("accepted");
     assert_eq!(state.jobs().len(), 2);
     // A refusal is not remembered: its retry is judged again.
-    let cancel = || Command::CancelJob {
-        job_id: 7,
-        reason: String::new(),
-    };
+    let cancel = || Command::cancel_job(7, String::new());
     let refused = state.apply(4, &requested(7_000, cancel(), "cli-2"));
     assert_eq!(refused, Err(ApplyError::UnknownJob(7)));
     assert_eq!(
@@ -1627,29 +1438,11 @@ fn a_retried_request_applies_once_and_is_answered_with_the_first_outcome() {
 fn a_request_id_used_for_another_command_is_refused_and_changes_nothing() {
     let mut state = ClusterState::new();
     state
-        .apply(
-            1,
-            &requested(
-                0,
-                Command::SubmitJob {
-                    spec: spec("a", 1, 1),
-                },
-                "r",
-            ),
-        )
+        .apply(1, &requested(0, Command::submit_job(spec("a", 1, 1)), "r"))
         .expect("accepted");
     let before = state.clone();
     let err = state
-        .apply(
-            2,
-            &requested(
-                1,
-                Command::SubmitJob {
-                    spec: spec("b", 1, 1),
-                },
-                "r",
-            ),
-        )
+        .apply(2, &requested(1, Command::submit_job(spec("b", 1, 1)), "r"))
         .expect_err("another command under the same id");
     assert_eq!(
         err,
@@ -1665,13 +1458,7 @@ fn a_request_id_used_for_another_command_is_refused_and_changes_nothing() {
     let err = state
         .apply(
             3,
-            &requested(
-                2,
-                Command::SubmitJob {
-                    spec: spec("c", 1, 1),
-                },
-                &long,
-            ),
+            &requested(2, Command::submit_job(spec("c", 1, 1)), &long),
         )
         .expect_err("too long");
     assert!(
@@ -1687,9 +1474,7 @@ fn a_request_id_used_for_another_command_is_refused_and_changes_nothing() {
 fn a_request_is_remembered_for_the_window_of_log_time_only() {
     use keel_state::requests::REMEMBER_FOR_MS;
     let mut state = ClusterState::new();
-    let submit = || Command::SubmitJob {
-        spec: spec("a", 1, 1),
-    };
+    let submit = || Command::submit_job(spec("a", 1, 1));
     state
         .apply(1, &requested(0, submit(), "r"))
         .expect("accepted");
@@ -1712,9 +1497,7 @@ fn set_policy_logs_well_formed_names_and_refuses_others() {
     // Which policies exist is the API's check; `apply` holds the name to
     // its form, so no policy list decides how a log replays.
     let err = h
-        .apply(Command::SetPolicy {
-            name: "no-such-policy".into(),
-        })
+        .apply(Command::set_policy("no-such-policy"))
         .expect_err("not a name");
     let text = err.to_string();
     assert!(
@@ -1722,11 +1505,7 @@ fn set_policy_logs_well_formed_names_and_refuses_others() {
         "{text}"
     );
     assert_eq!(h.state.policy(), None);
-    let events = h
-        .apply(Command::SetPolicy {
-            name: "optimus".into(),
-        })
-        .expect("known name");
+    let events = h.apply(Command::set_policy("optimus")).expect("known name");
     assert_eq!(
         events,
         vec![Event::PolicyChanged {
@@ -1734,9 +1513,7 @@ fn set_policy_logs_well_formed_names_and_refuses_others() {
             to: "optimus".into()
         }]
     );
-    let events = h
-        .apply(Command::SetPolicy { name: "drf".into() })
-        .expect("known name");
+    let events = h.apply(Command::set_policy("drf")).expect("known name");
     assert_eq!(
         events,
         vec![Event::PolicyChanged {
@@ -1814,16 +1591,11 @@ fn a_decisions_policy_memory_is_state() {
     assert_eq!(h.state.policy_memory(), Some(&memory(b"two")));
     // The same policy chosen again keeps it; another one clears it, and a
     // decision planned before the switch cannot bring it back.
-    h.apply(Command::SetPolicy {
-        name: "max_min_fairness".into(),
-    })
-    .expect("set");
+    h.apply(Command::set_policy("max_min_fairness"))
+        .expect("set");
     assert_eq!(h.state.policy_memory(), Some(&memory(b"two")));
     let before_switch = h.index;
-    h.apply(Command::SetPolicy {
-        name: "fifo".into(),
-    })
-    .expect("set");
+    h.apply(Command::set_policy("fifo")).expect("set");
     assert_eq!(h.state.policy_memory(), None);
     let events = decide(&mut h, before_switch, memory(b"old")).expect("applied");
     assert!(
@@ -1843,11 +1615,11 @@ fn progress_reports_build_the_performance_history() {
     let id = h.submit(s);
     let place = |h: &mut Harness, gpus: u32| {
         let based_on = h.index;
-        h.apply(Command::DecideAllocation {
+        h.apply(Command::decide_allocation(
             based_on,
-            policy: "test".into(),
-            round: h.state.last_round() + 1,
-            placements: vec![JobPlacement {
+            "test",
+            h.state.last_round() + 1,
+            vec![JobPlacement {
                 job_id: id,
                 gpus: (0..gpus)
                     .map(|index| GpuRef {
@@ -1857,21 +1629,20 @@ fn progress_reports_build_the_performance_history() {
                     .collect(),
                 share_with: None,
             }],
-            memory: None,
-        })
+        ))
         .expect("placed");
     };
     let report = |h: &mut Harness, step: u64, at_ms: u64| {
-        h.apply(Command::ReportProgress {
-            job_id: id,
-            samples: vec![ProgressSample {
+        h.apply(Command::report_progress(
+            id,
+            vec![ProgressSample {
                 step,
                 total_steps: 0,
                 loss: Some(2.0 / (1.0 + step as f64 / 100.0)),
                 samples_per_s: 0.0,
                 at_ms,
             }],
-        })
+        ))
         .expect("progress");
     };
     place(&mut h, 1);
@@ -1995,7 +1766,7 @@ proptest! {
     fn a_different_history_gives_a_different_hash(commands in proptest::collection::vec(arb_command(), 1..40)) {
         let (a, _) = run(&commands);
         let mut longer = commands.clone();
-        longer.push(Command::SubmitJob { spec: spec("extra", 1, 1) });
+        longer.push(Command::submit_job(spec("extra", 1, 1)));
         let (b, _) = run(&longer);
         prop_assert_ne!(a.state_hash(), b.state_hash());
     }
@@ -2030,31 +1801,18 @@ fn a_node_change_keeps_the_gpu_indexes_equal_to_fresh_ones() {
     c.place(alone, vec![gpu("n2", 0)]);
     assert_eq!(c.state.free_gpus().total(), 5, "the free index built");
     let commands = [
-        Command::MarkNodeLost {
-            name: "n1".into(),
-            reason: "unreachable".into(),
-        },
-        Command::MarkNodeRecovered { name: "n1".into() },
-        Command::RecordNodeInventory {
-            name: "n2".into(),
-            address: "127.0.0.1".into(),
-            gpus: vec![Gpu {
+        Command::mark_node_lost("n1", "unreachable"),
+        Command::mark_node_recovered("n1"),
+        Command::record_node_inventory(
+            "n2",
+            "127.0.0.1",
+            vec![Gpu {
                 index: 1,
                 gpu_type: "k80".into(),
             }],
-            failed: Vec::new(),
-            note: String::new(),
-        },
-        Command::RegisterNode {
-            name: "n3".into(),
-            address: "127.0.0.1".into(),
-            gpus: v100s(8),
-            note: String::new(),
-        },
-        Command::RemoveNode {
-            name: "n3".into(),
-            force: false,
-        },
+        ),
+        Command::register_node("n3", "127.0.0.1", v100s(8)),
+        Command::remove_node("n3", false),
     ];
     for command in commands {
         c.apply(command.clone());
@@ -2084,12 +1842,7 @@ fn an_index_reads_the_same_jobs_walked_or_looked_up() {
             .expect("accepted");
     };
     for _ in 0..200 {
-        apply(
-            &mut state,
-            Command::SubmitJob {
-                spec: spec("j", 1, 1),
-            },
-        );
+        apply(&mut state, Command::submit_job(spec("j", 1, 1)));
     }
     let unfinished_by_scan = |state: &ClusterState| -> Vec<JobId> {
         state
@@ -2103,13 +1856,7 @@ fn an_index_reads_the_same_jobs_walked_or_looked_up() {
         |state: &ClusterState| -> Vec<JobId> { state.unfinished_jobs().map(|j| j.id).collect() };
     // A long run ended (sought past), then short gaps (walked).
     for job_id in (1..=60).chain((61..=200).filter(|id| id % 3 == 0)) {
-        apply(
-            &mut state,
-            Command::CancelJob {
-                job_id,
-                reason: String::new(),
-            },
-        );
+        apply(&mut state, Command::cancel_job(job_id, String::new()));
     }
     let walked = unfinished_read(&state);
     assert_eq!(walked.len(), 94, "the large index is walked");
@@ -2117,13 +1864,7 @@ fn an_index_reads_the_same_jobs_walked_or_looked_up() {
     assert_eq!(state.unfinished_jobs().size_hint(), (94, Some(94)));
     // Few left: looked up one by one.
     for job_id in (61..=190).filter(|id| id % 3 != 0) {
-        apply(
-            &mut state,
-            Command::CancelJob {
-                job_id,
-                reason: String::new(),
-            },
-        );
+        apply(&mut state, Command::cancel_job(job_id, String::new()));
     }
     let looked_up = unfinished_read(&state);
     assert_eq!(looked_up, vec![191, 193, 194, 196, 197, 199, 200]);
@@ -2153,11 +1894,8 @@ fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sea
         h.state.check_invariants().expect("invariants");
         res
     };
-    let put = |name: &str, queue: &str| Command::PutSecret {
-        name: name.into(),
-        values: [("api_key".to_string(), sealed(1))].into(),
-        queue: queue.into(),
-        replaces_revision: None,
+    let put = |name: &str, queue: &str| {
+        Command::put_secret(name, [("api_key".to_string(), sealed(1))].into(), queue)
     };
     assert_eq!(
         as_actor(&mut h, "token:alice", put("tracker", "")),
@@ -2178,11 +1916,7 @@ fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sea
         },
     );
     // Another user's job may not use it; its owner's may.
-    let refused = as_actor(
-        &mut h,
-        "token:bob",
-        Command::SubmitJob { spec: uses.clone() },
-    );
+    let refused = as_actor(&mut h, "token:bob", Command::submit_job(uses.clone()));
     assert!(
         matches!(&refused, Err(ApplyError::Secret(SecretError::NotYours { field, .. })) if field == "env.WANDB_API_KEY"),
         "{refused:?}"
@@ -2196,15 +1930,11 @@ fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sea
         },
     );
     assert!(matches!(
-        as_actor(
-            &mut h,
-            "token:alice",
-            Command::SubmitJob { spec: wrong_key }
-        ),
+        as_actor(&mut h, "token:alice", Command::submit_job(wrong_key)),
         Err(ApplyError::Secret(SecretError::UnknownKey { .. }))
     ));
-    let events = as_actor(&mut h, "token:alice", Command::SubmitJob { spec: uses })
-        .expect("the owner's job");
+    let events =
+        as_actor(&mut h, "token:alice", Command::submit_job(uses)).expect("the owner's job");
     let Some(Event::JobSubmitted { job_id, .. }) = events.first() else {
         panic!("{events:?}")
     };
@@ -2216,10 +1946,10 @@ fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sea
         Some("tracker/api_key".into())
     );
     // A secret for a queue's jobs.
-    h.apply(Command::CreateQueue {
-        name: "team-a".into(),
-        spec: keel_state::queue::QueueSpec::with_quota([("v100".to_string(), 1)].into()),
-    })
+    h.apply(Command::create_queue(
+        "team-a",
+        keel_state::queue::QueueSpec::with_quota([("v100".to_string(), 1)].into()),
+    ))
     .expect("queue");
     as_actor(&mut h, "token:root", put("shared", "team-a")).expect("put for a queue");
     let mut in_team = spec("team-job", 1, 1);
@@ -2231,12 +1961,10 @@ fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sea
             key: "api_key".into(),
         },
     );
-    as_actor(&mut h, "token:bob", Command::SubmitJob { spec: in_team }).expect("the queue's job");
+    as_actor(&mut h, "token:bob", Command::submit_job(in_team)).expect("the queue's job");
     // Kept while a job that uses it is unfinished.
     assert!(matches!(
-        h.apply(Command::DeleteSecret {
-            name: "tracker".into()
-        }),
+        h.apply(Command::delete_secret("tracker")),
         Err(ApplyError::Secret(SecretError::InUse { jobs: 1, .. }))
     ));
     // Snapshots carry the sealed values and the references, same hash.
@@ -2247,15 +1975,10 @@ fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sea
         back.job(job_id).map(|j| &j.spec.secret_env),
         h.state.job(job_id).map(|j| &j.spec.secret_env)
     );
-    h.apply(Command::CancelJob {
-        job_id,
-        reason: String::new(),
-    })
-    .expect("cancelled");
+    h.apply(Command::cancel_job(job_id, String::new()))
+        .expect("cancelled");
     assert_eq!(
-        h.apply(Command::DeleteSecret {
-            name: "tracker".into()
-        }),
+        h.apply(Command::delete_secret("tracker")),
         Ok(vec![Event::SecretDeleted {
             name: "tracker".into()
         }])

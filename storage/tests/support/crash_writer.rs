@@ -19,9 +19,7 @@ pub fn entry_at(index: u64) -> Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
         payload: EntryPayload::Normal(Proposal::new(vec![LogEntry {
             at_ms: index,
-            command: Command::SubmitJob {
-                spec: job_spec(&format!("job-{index}"), 1, 1),
-            },
+            command: Command::submit_job(job_spec(&format!("job-{index}"), 1, 1)),
             request_id: None,
             actor: None,
             trace_parent: None,

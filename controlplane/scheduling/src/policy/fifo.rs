@@ -139,13 +139,7 @@ mod tests {
             let placed = changes.iter().map(|p| p.job_id).collect();
             if !changes.is_empty() {
                 let based_on = self.index;
-                self.apply(Command::DecideAllocation {
-                    based_on,
-                    policy: "fifo".into(),
-                    round: 1,
-                    placements: changes,
-                    memory: None,
-                });
+                self.apply(Command::decide_allocation(based_on, "fifo", 1, changes));
             }
             self.state.check_invariants().expect("invariants");
             placed
@@ -191,14 +185,13 @@ mod tests {
             .and_then(|j| j.allocation.clone())
             .expect("a runs")
             .gpus;
-        w.apply(Command::RecordWorkerExited {
-            job_id: 1,
-            epoch: 1,
-            rank: 0,
-            exit_code: Some(0),
-            reason: String::new(),
-            not_admitted: false,
-        });
+        w.apply(Command::record_worker_exited(
+            1,
+            1,
+            0,
+            Some(0),
+            String::new(),
+        ));
         assert_eq!(w.state.job(1).map(|j| j.state), Some(JobState::Succeeded));
         assert_eq!(w.round(&fifo), vec![3]);
         let c_gpus = w
@@ -221,14 +214,13 @@ mod tests {
         let fifo = Fifo::default();
         assert_eq!(w.round(&fifo), vec![1]);
         // Fails at t = 1 ms (the World's entries are stamped at 1).
-        w.apply(Command::RecordWorkerExited {
-            job_id: 1,
-            epoch: 1,
-            rank: 0,
-            exit_code: Some(1),
-            reason: String::new(),
-            not_admitted: false,
-        });
+        w.apply(Command::record_worker_exited(
+            1,
+            1,
+            0,
+            Some(1),
+            String::new(),
+        ));
         let job = w.state.job(1).expect("job");
         assert_eq!(job.not_before_ms, Some(10_001));
         assert_eq!(w.state.next_backoff_end_ms(5_000), Some(10_001));

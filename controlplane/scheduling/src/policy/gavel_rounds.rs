@@ -859,11 +859,11 @@ mod tests {
             assert_eq!(epoch, Some(1), "job {j}");
         }
         // a finishes: b runs on alone and the next round keeps it there.
-        cluster.apply(keel_state::command::Command::FinishJob {
-            job_id: a,
-            outcome: keel_state::command::JobOutcome::Succeeded,
-            reason: String::new(),
-        });
+        cluster.apply(keel_state::command::Command::finish_job(
+            a,
+            keel_state::command::JobOutcome::Succeeded,
+            String::new(),
+        ));
         assert!(partners(&cluster).is_empty());
         assert_eq!(
             decide(&policy, &cluster.state, 4 * 60_000 - 1),
@@ -885,11 +885,11 @@ mod tests {
         };
         // The two resnet50s shared the GPU and measured a crawl: 0.5 steps/s
         // each, against 11 alone.
-        cluster.apply(keel_state::command::Command::DecideAllocation {
-            based_on: cluster.index,
-            policy: "test".into(),
-            round: 1,
-            placements: vec![
+        cluster.apply(keel_state::command::Command::decide_allocation(
+            cluster.index,
+            "test",
+            1,
+            vec![
                 keel_state::command::JobPlacement {
                     job_id: a,
                     gpus: vec![gpu.clone()],
@@ -901,20 +901,19 @@ mod tests {
                     share_with: Some(a),
                 },
             ],
-            memory: None,
-        });
+        ));
         for (i, step) in [(0u64, 0u64), (1, 10), (2, 20)] {
             for j in [a, b] {
-                cluster.apply(keel_state::command::Command::ReportProgress {
-                    job_id: j,
-                    samples: vec![keel_state::model::ProgressSample {
+                cluster.apply(keel_state::command::Command::report_progress(
+                    j,
+                    vec![keel_state::model::ProgressSample {
                         step,
                         total_steps: 10_000,
                         loss: None,
                         samples_per_s: 1.0,
                         at_ms: i * 20_000,
                     }],
-                });
+                ));
             }
         }
         let measured =

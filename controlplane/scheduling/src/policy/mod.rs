@@ -414,14 +414,7 @@ mod tests {
         // ...while `apply` checks only the form of the name, so the log
         // replays the same whatever policies a version knows.
         let mut state = ClusterState::new();
-        let set = |name: &str| {
-            LogEntry::new(
-                0,
-                Command::SetPolicy {
-                    name: name.to_string(),
-                },
-            )
-        };
+        let set = |name: &str| LogEntry::new(0, Command::set_policy(name.to_string()));
         state.apply(1, &set("gandiva")).expect("a known policy");
         state
             .apply(2, &set("a_policy_of_a_later_version"))
@@ -503,21 +496,16 @@ mod tests {
     fn a_round_proposes_only_changes_based_on_the_index_it_read() {
         let mut state = ClusterState::new();
         let entries = [
-            Command::RegisterNode {
-                name: "n0".into(),
-                address: "127.0.0.1".into(),
-                gpus: vec![Gpu {
+            Command::register_node(
+                "n0",
+                "127.0.0.1",
+                vec![Gpu {
                     index: 0,
                     gpu_type: "v100".into(),
                 }],
-                note: String::new(),
-            },
-            Command::SubmitJob {
-                spec: job_spec("a", 1, 1),
-            },
-            Command::SubmitJob {
-                spec: job_spec("b", 1, 1),
-            },
+            ),
+            Command::submit_job(job_spec("a", 1, 1)),
+            Command::submit_job(job_spec("b", 1, 1)),
         ];
         for (i, command) in entries.into_iter().enumerate() {
             state
@@ -528,19 +516,18 @@ mod tests {
         let decision = decide(&fifo, &state, 5).expect("job 1 starts");
         assert_eq!(
             decision,
-            Command::DecideAllocation {
-                based_on: 3,
-                policy: "fifo".into(),
-                round: 1,
-                placements: vec![JobPlacement::alone(
+            Command::decide_allocation(
+                3,
+                "fifo",
+                1,
+                vec![JobPlacement::alone(
                     1,
                     vec![GpuRef {
                         node: "n0".into(),
                         index: 0
                     }]
-                )],
-                memory: None,
-            }
+                )]
+            )
         );
         state
             .apply(4, &LogEntry::new(6, decision))

@@ -294,13 +294,12 @@ mod tests {
                     cluster.index,
                     &LogEntry::new(
                         at_ms,
-                        Command::DecideAllocation {
-                            based_on: cluster.index - 1,
-                            policy: "test".into(),
-                            round: cluster.state.last_round() + 1,
-                            placements: vec![JobPlacement::alone(id, Vec::new())],
-                            memory: None,
-                        },
+                        Command::decide_allocation(
+                            cluster.index - 1,
+                            "test",
+                            cluster.state.last_round() + 1,
+                            vec![JobPlacement::alone(id, Vec::new())],
+                        ),
                     ),
                 )
                 .expect("preempted");
