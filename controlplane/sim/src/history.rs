@@ -12,6 +12,9 @@
 //!   between them (the first sample of an allocation is not paired with
 //!   the one before it, so relaunch time is not counted as speed; of
 //!   samples read at one time, the last is paired with the next);
+//! - each job's runs: how long each of its allocations held GPUs, on what
+//!   type and how many (a job that reports no progress, a plain command,
+//!   is timed by them);
 //! - the nodes, when they joined, were lost and recovered;
 //! - the policies that decided (`DecideAllocation` names its policy);
 //! - the GPUs held over time (the recorded utilisation).
@@ -99,6 +102,17 @@ pub struct RecordedJob {
     pub gaps: Vec<Gap>,
     /// Measured speed by (GPU type, GPUs of the allocation).
     pub speeds: BTreeMap<(String, u32), Measured>,
+    /// Its allocations in order, each from its decision to its end (or to
+    /// the log's end for one it still holds).
+    pub runs: Vec<Run>,
+}
+
+/// One allocation of a job: `ms` long on `gpus` GPUs of `gpu_type`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    pub gpu_type: String,
+    pub gpus: u32,
+    pub ms: u64,
 }
 
 impl RecordedJob {
@@ -120,6 +134,40 @@ impl RecordedJob {
             }
         }
         (counted && starts > 0).then(|| overhead / starts as f64)
+    }
+
+    /// For a job that reported no progress (a plain command): its work
+    /// and its speed, from how long it ran. A job's
+    /// last run is taken as its work, since a command without a
+    /// checkpoint starts again on each allocation: the run that succeeded
+    /// or failed did all of it. For a job cancelled while it ran, or one
+    /// that still runs when the log ends, its runs together are the least
+    /// it would have needed. The work is its steps (the spec's or the
+    /// samples' total, for one that succeeded) or else its seconds, made
+    /// at that pace on the last run's GPU type and size. `None` without a
+    /// run of a second or more.
+    pub fn timed_by_runs(&self) -> Option<(u64, MeasuredSpeed)> {
+        let last = self.runs.last()?;
+        let ms = match self.end {
+            Some((_, RecordedEnd::Succeeded | RecordedEnd::Failed)) => last.ms,
+            Some((_, RecordedEnd::Cancelled)) | None => self.runs.iter().map(|r| r.ms).sum(),
+        };
+        let seconds = ms as f64 / 1000.0;
+        if seconds < 1.0 {
+            return None;
+        }
+        let steps = match (self.end, self.total_steps) {
+            (Some((_, RecordedEnd::Succeeded)), Some(total)) if total > 0 => total,
+            _ => ms / 1000,
+        };
+        Some((
+            steps,
+            MeasuredSpeed {
+                gpu_type: last.gpu_type.clone(),
+                gpus: last.gpus,
+                steps_per_s: steps as f64 / seconds,
+            },
+        ))
     }
 
     /// Its completion time, for a job that succeeded.
@@ -201,6 +249,15 @@ struct LastSample {
     at_ms: u64,
 }
 
+/// A job's current allocation, as the recorder times it.
+#[derive(Debug, Clone, PartialEq)]
+struct Holding {
+    epoch: u64,
+    gpu_type: String,
+    gpus: u32,
+    since_ms: u64,
+}
+
 /// Reads a log's entries into a [`History`].
 #[derive(Debug)]
 pub struct Recorder {
@@ -210,8 +267,8 @@ pub struct Recorder {
     node_changes: Vec<(u64, String, bool)>,
     policies: Vec<RecordedPolicy>,
     last_sample: BTreeMap<JobId, LastSample>,
-    /// GPUs each job holds now, and since when.
-    holding: BTreeMap<JobId, (u32, u64)>,
+    /// What each job holds now, and since when.
+    holding: BTreeMap<JobId, Holding>,
     queues: BTreeMap<String, QueueSpec>,
     /// Each job's current allocation: its epoch and when it was decided.
     allocated: BTreeMap<JobId, (u64, u64)>,
@@ -445,30 +502,47 @@ impl Recorder {
             held_gpu_ms: 0,
             gaps: Vec::new(),
             speeds: BTreeMap::new(),
+            runs: Vec::new(),
         });
     }
 
-    /// Settles the GPU time `job_id` held until `at_ms` and notes what it
-    /// holds from now.
+    /// Settles the run `job_id`'s allocation made until `at_ms` when it
+    /// has changed, and notes what it holds from now.
     fn note_holding(&mut self, job_id: JobId, at_ms: u64) {
         let now = self
             .state
             .job(job_id)
             .and_then(|j| j.allocation.as_ref())
-            .map_or(0, |a| u32::try_from(a.gpus.len()).unwrap_or(u32::MAX));
-        let before = self.holding.get(&job_id).copied();
-        if before.map(|(gpus, _)| gpus) == Some(now) {
+            .filter(|a| !a.gpus.is_empty());
+        if self.holding.get(&job_id).map(|h| h.epoch) == now.map(|a| a.epoch) {
             return;
         }
-        if let Some((gpus, since)) = before {
-            if let Some(job) = self.jobs.get_mut(&job_id) {
-                job.held_gpu_ms += u64::from(gpus) * at_ms.saturating_sub(since);
-            }
+        let now = now.map(|allocation| Holding {
+            epoch: allocation.epoch,
+            gpu_type: allocation_type(&self.state, &allocation.gpus)
+                .unwrap_or_default()
+                .to_string(),
+            gpus: u32::try_from(allocation.gpus.len()).unwrap_or(u32::MAX),
+            since_ms: at_ms,
+        });
+        if let Some(held) = self.holding.remove(&job_id) {
+            self.settle(job_id, held, at_ms);
         }
-        if now == 0 {
-            self.holding.remove(&job_id);
-        } else {
-            self.holding.insert(job_id, (now, at_ms));
+        if let Some(holding) = now {
+            self.holding.insert(job_id, holding);
+        }
+    }
+
+    /// Counts a run that ended at `at_ms`.
+    fn settle(&mut self, job_id: JobId, held: Holding, at_ms: u64) {
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            let ms = at_ms.saturating_sub(held.since_ms);
+            job.held_gpu_ms += u64::from(held.gpus) * ms;
+            job.runs.push(Run {
+                gpu_type: held.gpu_type,
+                gpus: held.gpus,
+                ms,
+            });
         }
     }
 
@@ -492,13 +566,8 @@ impl Recorder {
     /// What the entries recorded.
     pub fn finish(mut self) -> History {
         let last_ms = self.last_ms;
-        let holding: Vec<JobId> = self.holding.keys().copied().collect();
-        for job_id in holding {
-            if let Some((gpus, since)) = self.holding.remove(&job_id) {
-                if let Some(job) = self.jobs.get_mut(&job_id) {
-                    job.held_gpu_ms += u64::from(gpus) * last_ms.saturating_sub(since);
-                }
-            }
+        for (job_id, held) in std::mem::take(&mut self.holding) {
+            self.settle(job_id, held, last_ms);
         }
         let held_gpu_ms = self.jobs.values().map(|j| j.held_gpu_ms).sum();
         History {
@@ -623,18 +692,17 @@ impl History {
     /// The jobs, nodes and node changes to simulate. A job's work is the
     /// steps it needed: the steps it reached for one that failed, its
     /// total for the others (a cancelled one is cancelled at the time it
-    /// was, unless it finished before). A job that reported no step and
-    /// no total is given its held GPU-seconds as steps, at one step a
-    /// second on the allocations it reported progress from; a plain
-    /// command reports none, so it runs at the table's speed (times
-    /// [`RecordedWorkload::table_scale`]), which knows nothing of it.
-    /// Nodes that registered after the first submission start lost until
-    /// then.
+    /// was, unless it finished before), at the speeds its samples
+    /// measured. A job that reported no progress (a plain command) is
+    /// timed by its runs ([`RecordedJob::timed_by_runs`]). One that did
+    /// but was never measured (no two samples of one allocation), or
+    /// never ran a second, runs at the table's speed (times
+    /// [`RecordedWorkload::table_scale`]). Nodes that registered after
+    /// the first submission start lost until then.
     pub fn workload(&self) -> RecordedWorkload {
         let mut jobs = Vec::with_capacity(self.jobs.len());
         let (mut jobs_measured, mut speeds_measured) = (0, 0);
         for (position, job) in self.jobs.iter().enumerate() {
-            let total_gpus = job.gpus_per_worker.saturating_mul(job.workers_min).max(1);
             let mut measured: Vec<MeasuredSpeed> = job
                 .speeds
                 .iter()
@@ -653,19 +721,10 @@ impl History {
                     .unwrap_or(job.steps_reached)
                     .max(job.steps_reached)
             };
-            if job.steps_reached == 0 && job.total_steps.is_none() {
-                // No progress reported: its held time is its work.
-                let seconds = job.held_gpu_ms / u64::from(total_gpus) / 1000;
-                total_steps = seconds;
-                measured.clear();
-                if seconds > 0 {
-                    for (gpu_type, gpus) in job.speeds.keys() {
-                        measured.push(MeasuredSpeed {
-                            gpu_type: gpu_type.clone(),
-                            gpus: *gpus,
-                            steps_per_s: 1.0,
-                        });
-                    }
+            if measured.is_empty() && job.steps_reached == 0 {
+                if let Some((steps, speed)) = job.timed_by_runs() {
+                    total_steps = steps;
+                    measured.push(speed);
                 }
             }
             if !measured.is_empty() {

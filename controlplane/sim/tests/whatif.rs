@@ -13,6 +13,9 @@ use keel_sim::{
     cluster_from_counts, simulate, simulate_policies, Generator, MeasuredSpeed, NodeChange,
     SimConfig, SimJob, SimReport,
 };
+use keel_state::command::{Command, JobPlacement, LogEntry};
+use keel_state::fixtures::job_spec;
+use keel_state::model::{Gpu, GpuRef};
 use keel_state::queue::QueueSpec;
 
 const ROUND_S: f64 = 360.0;
@@ -244,4 +247,115 @@ fn a_speed_not_measured_is_scaled_from_a_measured_one_by_the_models_profile() {
     assert_eq!(report.speeds.measured, 1);
     let jct = report.jobs[0].jct_s().expect("finished");
     assert!((jct - 500.0).abs() < 0.01, "{jct}");
+}
+
+/// A job that reports no progress (a plain command) is timed by its runs:
+/// its last run is its work, on that run's GPU type and size, and not the
+/// project table's speed, which knows nothing of it.
+#[test]
+fn a_job_that_reports_no_progress_is_timed_by_its_runs() {
+    let mut log: Vec<LogEntry> = Vec::new();
+    let mut at = |ms: u64, command: Command| log.push(LogEntry::new(ms, command));
+    let v100s = (0..2)
+        .map(|index| Gpu {
+            index,
+            gpu_type: "v100".into(),
+        })
+        .collect();
+    at(0, Command::register_node("n0", "127.0.0.1", v100s));
+    for name in ["a", "b"] {
+        let mut spec = job_spec(name, 1, 1);
+        spec.model = None;
+        spec.total_steps = None;
+        at(0, Command::submit_job(spec));
+    }
+    let on = |job_id: u64, index: u32| {
+        JobPlacement::alone(
+            job_id,
+            vec![GpuRef {
+                node: "n0".into(),
+                index,
+            }],
+        )
+    };
+    at(
+        1_000,
+        Command::decide_allocation(3, "fifo", 1, vec![on(1, 0), on(2, 1)]),
+    );
+    at(2_000, Command::record_worker_started(1, 1, 0, "n0"));
+    at(2_000, Command::record_worker_started(2, 1, 0, "n0"));
+    // b runs 20 s and succeeds.
+    at(
+        21_000,
+        Command::record_worker_exited(2, 1, 0, Some(0), "exited"),
+    );
+    // a is preempted after 30 s, and placed again: it starts over and
+    // succeeds after another 60 s.
+    at(
+        31_000,
+        Command::decide_allocation(7, "fifo", 2, vec![JobPlacement::alone(1, vec![])]),
+    );
+    at(
+        32_000,
+        Command::record_worker_exited(1, 1, 0, None, "stopped"),
+    );
+    at(
+        40_000,
+        Command::decide_allocation(9, "fifo", 3, vec![on(1, 0)]),
+    );
+    at(41_000, Command::record_worker_started(1, 2, 0, "n0"));
+    at(
+        100_000,
+        Command::record_worker_exited(1, 2, 0, Some(0), "exited"),
+    );
+
+    let mut recorder = Recorder::new();
+    for (i, entry) in log.iter().enumerate() {
+        recorder.record(i as u64 + 1, entry);
+    }
+    let history = recorder.finish();
+    let runs: Vec<Vec<u64>> = history
+        .jobs
+        .iter()
+        .map(|j| j.runs.iter().map(|r| r.ms).collect())
+        .collect();
+    assert_eq!(runs, [vec![30_000, 60_000], vec![20_000]]);
+    assert_eq!(
+        history.jobs.iter().map(|j| j.jct_s()).collect::<Vec<_>>(),
+        [Some(100.0), Some(21.0)]
+    );
+    let workload = history.workload();
+    let timed: Vec<(u64, Vec<MeasuredSpeed>)> = workload
+        .jobs
+        .iter()
+        .map(|j| (j.total_steps, j.measured.clone()))
+        .collect();
+    let one_v100 = |steps_per_s: f64| MeasuredSpeed {
+        gpu_type: "v100".into(),
+        gpus: 1,
+        steps_per_s,
+    };
+    assert_eq!(
+        timed,
+        [(60, vec![one_v100(1.0)]), (20, vec![one_v100(1.0)])]
+    );
+    // Replayed without the preemption, each runs as long as its last run.
+    let mut config = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
+    config.round_s = 1.0;
+    config.progress_interval_s = 1.0;
+    let fifo = by_name("fifo", Default::default()).expect("fifo");
+    let report = simulate(&config, fifo.as_ref());
+    assert_eq!(
+        (report.speeds.measured, report.speeds.table),
+        (2, 0),
+        "{:?}",
+        report.speeds
+    );
+    let jcts: Vec<f64> = report
+        .jobs
+        .iter()
+        .map(|j| j.jct_s().expect("finished"))
+        .collect();
+    assert!((jcts[0] - 60.0).abs() <= 1.0, "{jcts:?}");
+    assert!((jcts[1] - 20.0).abs() <= 1.0, "{jcts:?}");
 }
