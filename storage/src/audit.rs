@@ -281,23 +281,23 @@ pub fn export(
     })
 }
 
-/// The Raft log of a data directory, for terms and its committed tail.
-struct LogTerms(Option<crate::LogStore>);
+/// The Raft log of a data directory (where it is, and the store when
+/// there is one), for terms and its committed tail.
+struct LogTerms(std::path::PathBuf, Option<crate::LogStore>);
 
 impl LogTerms {
     fn open(dir: &crate::DataDir) -> Result<LogTerms, AuditError> {
         let log_dir = dir.raft_log_dir();
         if !log_dir.exists() {
-            return Ok(LogTerms(None));
+            return Ok(LogTerms(log_dir, None));
         }
-        crate::LogStore::open(&log_dir)
-            .map(|log| LogTerms(Some(log)))
-            .map_err(|e| {
-                AuditError::Replay(ReplayError::Log {
-                    path: log_dir.display().to_string(),
-                    message: e.to_string(),
-                })
-            })
+        match crate::LogStore::open(&log_dir) {
+            Ok(log) => Ok(LogTerms(log_dir, Some(log))),
+            Err(e) => Err(AuditError::Replay(ReplayError::Log {
+                path: log_dir.display().to_string(),
+                message: e.to_string(),
+            })),
+        }
     }
 
     fn log_error(e: crate::StoreError) -> AuditError {
@@ -309,7 +309,7 @@ impl LogTerms {
 
     /// The term of entry `index`, while the log holds it.
     fn term(&self, index: u64) -> Result<Option<u64>, AuditError> {
-        let Some(log) = &self.0 else {
+        let Some(log) = &self.1 else {
             return Ok(None);
         };
         if log.first_index().is_none_or(|first| index < first) {
@@ -329,25 +329,15 @@ impl LogTerms {
         after: u64,
         until: u64,
     ) -> Result<Vec<(u64, u64, LogEntry)>, AuditError> {
-        let Some(log) = &self.0 else {
-            return Ok(Vec::new());
-        };
-        let end = log
-            .committed_index()
-            .unwrap_or(0)
-            .min(until)
-            .saturating_add(1);
-        let start = after.saturating_add(1);
-        if start >= end {
-            return Ok(Vec::new());
-        }
         let mut out = Vec::new();
-        for entry in log.entries(start, end).map_err(Self::log_error)? {
-            if let openraft::EntryPayload::Normal(proposal) = &entry.payload {
-                for e in &proposal.entries {
-                    out.push((entry.log_id.index, entry.log_id.leader_id.term, e.clone()));
-                }
-            }
+        if let Some(log) = &self.1 {
+            crate::replay::committed_tail(
+                log,
+                &self.0,
+                after,
+                crate::replay::Until::Index(until),
+                &mut |index, term, e| out.push((index, term, e.clone())),
+            )?;
         }
         Ok(out)
     }

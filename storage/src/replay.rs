@@ -112,7 +112,7 @@ fn replay_dir(
         ..
     } = journaled;
     let mut from_log = 0;
-    log_tail(dir, last_index, until, &mut |index, e| {
+    log_tail(dir, last_index, until, &mut |index, _, e| {
         let backwards = check
             .then(|| earlier_than_before(state.last_entry_at_ms(), e.at_ms))
             .flatten();
@@ -397,7 +397,7 @@ pub fn for_each_entry(
         Ok::<(), ReplayError>(())
     })?;
     let mut last = journaled;
-    log_tail(dir, journaled.max(after), until, &mut |index, e| {
+    log_tail(dir, journaled.max(after), until, &mut |index, _, e| {
         each(index, e);
         last = index;
     })?;
@@ -406,18 +406,35 @@ pub fn for_each_entry(
 
 /// Calls `each` with the committed entries of `dir`'s Raft log after
 /// index `after`, up to `until` (an index, or the last entry stamped at
-/// or before a time), in log order: what a replica killed before its
-/// journal caught up holds past the journal. Nothing without a log.
+/// or before a time), in log order, with their index and term: what a
+/// replica killed before its journal caught up holds past the journal.
+/// Nothing without a log.
 fn log_tail(
     dir: &crate::DataDir,
     after: u64,
     until: Until,
-    each: &mut dyn FnMut(u64, &keel_state::LogEntry),
+    each: &mut dyn FnMut(u64, u64, &keel_state::LogEntry),
 ) -> Result<(), ReplayError> {
     let log_dir = dir.raft_log_dir();
     if !log_dir.exists() {
         return Ok(());
     }
+    let log = crate::LogStore::open(&log_dir).map_err(|e| ReplayError::Log {
+        path: log_dir.display().to_string(),
+        message: e.to_string(),
+    })?;
+    committed_tail(&log, &log_dir, after, until, each)
+}
+
+/// [`log_tail`] of a log already open (`log_dir`: where it is, for
+/// errors).
+pub(crate) fn committed_tail(
+    log: &crate::LogStore,
+    log_dir: &std::path::Path,
+    after: u64,
+    until: Until,
+    each: &mut dyn FnMut(u64, u64, &keel_state::LogEntry),
+) -> Result<(), ReplayError> {
     let log_error = |message: String| ReplayError::Log {
         path: log_dir.display().to_string(),
         message,
@@ -427,7 +444,6 @@ fn log_tail(
         Until::Index(i) => (i, u64::MAX),
         Until::Time(t) => (u64::MAX, t),
     };
-    let log = crate::LogStore::open(&log_dir).map_err(|e| log_error(e.to_string()))?;
     let end = log
         .committed_index()
         .unwrap_or(0)
@@ -446,7 +462,7 @@ fn log_tail(
                 if e.at_ms > until_ms {
                     return Ok(());
                 }
-                each(entry.log_id.index, e);
+                each(entry.log_id.index, entry.log_id.leader_id.term, e);
             }
         }
     }
