@@ -16,7 +16,7 @@
 //! randomness but the workload's seed: the same inputs give the same
 //! report, state hash included.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use keel_scheduling::policy::{self, Policy};
 use keel_scheduling::throughput;
@@ -366,6 +366,10 @@ struct Engine<'a> {
     result_of: BTreeMap<JobId, usize>,
     report: SimReport,
     busy_gpu_s: f64,
+    /// Jobs an applied entry may have changed the allocation of (an event
+    /// named them) since the executor last followed the state: all it
+    /// reads ([`Engine::follow_allocations`]), not every job holding GPUs.
+    touched: BTreeSet<JobId>,
 }
 
 fn ms(s: f64) -> u64 {
@@ -389,6 +393,15 @@ impl Engine<'_> {
                 for e in &events {
                     if matches!(e, Event::JobPreempted { .. }) {
                         self.report.preemptions += 1;
+                    }
+                    // Progress and a worker's start move no allocation.
+                    if !matches!(
+                        e,
+                        Event::JobProgressReported { .. } | Event::WorkerStarted { .. }
+                    ) {
+                        if let Some(job_id) = e.job_id() {
+                            self.touched.insert(job_id);
+                        }
                     }
                 }
                 Some(events)
@@ -700,18 +713,22 @@ impl Engine<'_> {
     }
 
     /// Starts the workers of new allocations and stops those whose
-    /// allocation went away, as the reconciler does.
+    /// allocation went away, as the reconciler does: of the jobs whose
+    /// allocation may have changed since it last did (`touched`), in id
+    /// order.
     fn follow_allocations(&mut self) {
-        let stopped: Vec<JobId> = self
-            .running
+        let touched = std::mem::take(&mut self.touched);
+        let stopped: Vec<JobId> = touched
             .iter()
-            .filter(|(job_id, r)| {
-                self.state
-                    .job(**job_id)
-                    .and_then(|j| j.allocation.as_ref())
-                    .is_none_or(|a| a.epoch != r.epoch)
+            .filter(|job_id| {
+                self.running.get(job_id).is_some_and(|r| {
+                    self.state
+                        .job(**job_id)
+                        .and_then(|j| j.allocation.as_ref())
+                        .is_none_or(|a| a.epoch != r.epoch)
+                })
             })
-            .map(|(job_id, _)| *job_id)
+            .copied()
             .collect();
         let mut moved_from: BTreeMap<JobId, Vec<GpuRef>> = BTreeMap::new();
         for job_id in stopped {
@@ -721,9 +738,9 @@ impl Engine<'_> {
                 moved_from.insert(job_id, r.placement);
             }
         }
-        let started: Vec<(JobId, u64, Vec<GpuRef>, Vec<String>)> = self
-            .state
-            .allocated_jobs()
+        let started: Vec<(JobId, u64, Vec<GpuRef>, Vec<String>)> = touched
+            .iter()
+            .filter_map(|job_id| self.state.job(*job_id))
             .filter(|j| j.state == JobState::Running && !self.running.contains_key(&j.id))
             .filter_map(|j| {
                 let a = j.allocation.as_ref()?;
@@ -918,6 +935,7 @@ pub fn simulate_policies(config: &SimConfig, policies: &[(f64, &dyn Policy)]) ->
         result_of: BTreeMap::new(),
         report: SimReport::new(policy.name(), total_gpus),
         busy_gpu_s: 0.0,
+        touched: BTreeSet::new(),
     };
     for node in &config.nodes {
         engine.apply(Command::register_node(

@@ -256,6 +256,11 @@ struct JobIndexes {
     never_served: BTreeSet<(Reverse<i32>, u64, JobId)>,
     /// The other unfinished jobs: holding GPUs, or waiting after service.
     served: BTreeSet<JobId>,
+    /// Unfinished jobs without an allocation, higher priority first, then
+    /// by id (submission order): the order FIFO takes them in, read only
+    /// as far as a round gets (a long queue costs a round nothing when
+    /// its head does not fit).
+    waiting: BTreeSet<(Reverse<i32>, JobId)>,
     /// Each job's place in the sets above (a job in none: absent), so an
     /// entry that moves a job in none of them costs one lookup.
     member_of: BTreeMap<JobId, Membership>,
@@ -273,6 +278,8 @@ struct Membership {
     /// In `never_served`, with its priority and submission time.
     never_served: Option<(i32, u64)>,
     served: bool,
+    /// In `waiting`, with its priority.
+    waiting: Option<i32>,
 }
 
 impl Membership {
@@ -294,6 +301,7 @@ impl Membership {
             never_served: (!terminal && !allocated && j.service_gpu_ms == 0)
                 .then_some((j.spec.priority, j.submitted_at_ms)),
             served: !terminal && (allocated || j.service_gpu_ms > 0),
+            waiting: (!terminal && !allocated).then_some(j.spec.priority),
         }
     }
 }
@@ -411,6 +419,14 @@ impl JobIndexes {
         keyed(&mut self.backoffs, before.backoff, now.backoff);
         keyed(&mut self.removable, before.removable, now.removable);
         set(&mut self.served, before.served, now.served);
+        if before.waiting != now.waiting {
+            if let Some(priority) = before.waiting {
+                self.waiting.remove(&(Reverse(priority), id));
+            }
+            if let Some(priority) = now.waiting {
+                self.waiting.insert((Reverse(priority), id));
+            }
+        }
         if before.never_served != now.never_served {
             if let Some((priority, at_ms)) = before.never_served {
                 self.never_served.remove(&(Reverse(priority), at_ms, id));
@@ -602,6 +618,15 @@ impl ClusterState {
     /// submission order: those [`Self::never_served_jobs`] leaves out.
     pub fn served_unfinished_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
         self.indexed(&self.indexes.served)
+    }
+
+    /// The jobs waiting for GPUs (unfinished, without an allocation),
+    /// higher priority first, then in submission order.
+    pub fn waiting_jobs_by_priority(&self) -> impl Iterator<Item = &Job> + '_ {
+        self.indexes
+            .waiting
+            .iter()
+            .filter_map(|(_, id)| self.job(*id))
     }
 
     /// How many jobs wait for GPUs (unfinished, without an allocation).

@@ -1985,3 +1985,38 @@ fn secrets_are_put_used_by_their_owners_jobs_kept_while_used_and_snapshotted_sea
     );
     assert!(h.state.secrets().get("tracker").is_none());
 }
+
+/// The waiting jobs come higher priority first, then in submission order,
+/// without the jobs holding GPUs or the ended ones: FIFO's order, kept as
+/// an index so that a round reads only as far as it gets.
+#[test]
+fn the_waiting_jobs_come_by_priority_then_submission_without_the_running_or_ended() {
+    let mut c = fixtures::TestCluster::v100_nodes(&[1]);
+    let mut ids = Vec::new();
+    for (name, priority) in [
+        ("low", 0),
+        ("high", 5),
+        ("low2", 0),
+        ("high2", 5),
+        ("mid", 1),
+    ] {
+        let mut s = spec(name, 1, 1);
+        s.priority = priority;
+        ids.push(c.submit(s));
+    }
+    let order = |c: &fixtures::TestCluster| -> Vec<String> {
+        c.state
+            .waiting_jobs_by_priority()
+            .map(|j| j.spec.name.clone())
+            .collect()
+    };
+    assert_eq!(order(&c), ["high", "high2", "mid", "low", "low2"]);
+    c.place(ids[1], vec![gpu("n0", 0)]);
+    c.apply(Command::cancel_job(ids[4], "not needed"));
+    assert_eq!(order(&c), ["high2", "low", "low2"]);
+    // Preempted, it waits again in its place.
+    c.place(ids[1], Vec::new());
+    assert_eq!(order(&c), ["high", "high2", "low", "low2"]);
+    assert_eq!(c.state.queued_count(), 4);
+    c.state.check_invariants().expect("indexes agree");
+}

@@ -94,6 +94,18 @@ impl<'a> SchedulingInput<'a> {
         Box::new(jobs.into_iter())
     }
 
+    /// The admitted waiting jobs, higher priority first, then by id (the
+    /// order [`by_priority`] gives), read lazily where the state's index
+    /// gives them in that order (no queues).
+    pub fn waiting_jobs_by_priority(&self) -> Box<dyn Iterator<Item = &'a Job> + 'a> {
+        if !self.admission.is_active() {
+            return Box::new(self.state.waiting_jobs_by_priority());
+        }
+        let mut jobs: Vec<&'a Job> = self.admission.admitted(self.state).collect();
+        jobs.sort_unstable_by_key(|j| (std::cmp::Reverse(j.spec.priority), j.id));
+        Box::new(jobs.into_iter())
+    }
+
     /// The jobs holding GPUs that the round does not reclaim, by id.
     pub fn allocated_jobs(&self) -> impl Iterator<Item = &'a Job> + 'a {
         let reclaimed = self.admission.reclaimed();
@@ -167,6 +179,10 @@ impl Plan<'_> {
                 .map(|a| (a.gpus.as_slice(), a.shared_with));
             let partner = self.partners.get(&job_id).copied();
             match (current, plan) {
+                // A plan that kept the job's GPUs borrows the state's own
+                // list: the same slice needs no comparing.
+                (Some((gpus, shared)), Some(planned))
+                    if std::ptr::eq(gpus, &planned[..]) && shared == partner => {}
                 (Some(now), Some(planned)) if now == (&planned[..], partner) => {}
                 (None, None) => {}
                 (Some(_), None) => out.push(JobPlacement::alone(job_id, Vec::new())),
