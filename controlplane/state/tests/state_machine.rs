@@ -1366,9 +1366,9 @@ fn arb_command() -> impl Strategy<Value = Command> {
             |(job_id, epoch, rank, exit_code)| Command::record_worker_exited(job_id, epoch, rank, exit_code, String::new())),
         1 => (job.clone(), 0u64..100).prop_map(|(job_id, step)| Command::report_progress(job_id, vec![ProgressSample { step, total_steps: 100, loss: Some(1.0 / (step as f64 + 1.0)), samples_per_s: 10.0, at_ms: step }])),
         1 => (job.clone(), any::<bool>()).prop_map(|(job_id, ok)| Command::finish_job(job_id, if ok { JobOutcome::Succeeded } else { JobOutcome::Failed }, String::new())),
-        1 => job.prop_map(|job_id| Command::remove_job(job_id)),
+        1 => job.prop_map(Command::remove_job),
         1 => prop::sample::select(vec!["fifo", "optimus", "no-such-policy"])
-            .prop_map(|name| Command::set_policy(name)),
+            .prop_map(Command::set_policy),
     ]
 }
 
