@@ -70,7 +70,7 @@ pub fn speeds_v100(history: &PerfHistory, model: &str) -> BTreeMap<u32, SpeedSta
 }
 
 /// A type's speed relative to a v100 for `model`, from the table.
-fn type_factor(model: &str, gpu_type: &str) -> f64 {
+pub fn type_factor(model: &str, gpu_type: &str) -> f64 {
     let p = throughput::profile(model);
     let v100 = p.single_gpu_steps_per_s("v100");
     if v100 > 0.0 {

@@ -18,6 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use keel_scheduling::perf::{self, SpeedModel};
 use keel_scheduling::policy::{self, Policy};
 use keel_scheduling::throughput;
 use keel_state::command::{Command, LogEntry};
@@ -98,8 +99,9 @@ pub struct NodeChange {
 pub struct SpeedSources {
     /// Measured on the cluster on that GPU type and size.
     pub measured: u64,
-    /// Scaled from the job's speed measured on another type or size, by
-    /// its model's profile.
+    /// From the job's speeds measured on other types or sizes: Optimus's
+    /// speed model fitted to them (three sizes or more), else the closest
+    /// one scaled by its model's profile.
     pub modelled: u64,
     /// From a throughput table (Gavel's, or the project's profile).
     pub table: u64,
@@ -370,6 +372,23 @@ struct Engine<'a> {
     /// named them) since the executor last followed the state: all it
     /// reads ([`Engine::follow_allocations`]), not every job holding GPUs.
     touched: BTreeSet<JobId>,
+    /// Each job's speed model fitted to its measured speeds, once asked
+    /// for (`None`: too few sizes measured).
+    fits: BTreeMap<JobId, Option<SpeedModel>>,
+}
+
+/// Optimus's speed model (`perf::fit_speed`) over `job`'s measured speeds,
+/// each normalised to a v100 by its model's type factor.
+fn fit_measured(job: &SimJob) -> Option<SpeedModel> {
+    let points: Vec<(u32, f64)> = job
+        .measured
+        .iter()
+        .filter_map(|m| {
+            let factor = perf::type_factor(&job.model, &m.gpu_type);
+            (factor > 0.0).then(|| (m.gpus, m.steps_per_s / factor))
+        })
+        .collect();
+    perf::fit_speed(&points)
 }
 
 fn ms(s: f64) -> u64 {
@@ -501,11 +520,13 @@ impl Engine<'_> {
     }
 
     /// Steps per second of `job_id` on `gpus` GPUs of `gpu_type`: measured
-    /// there; else scaled from its closest measured speed (the same type
-    /// first, then the nearest size) by its model's profile; else from a
-    /// table. Counts where it came from.
+    /// there; else Optimus's speed model fitted to its measured speeds
+    /// (three sizes or more); else scaled from its closest measured speed
+    /// (the same type first, then the nearest size) by its model's
+    /// profile; else from a table. Counts where it came from.
     fn rate(&mut self, job_id: JobId, gpu_type: &str, gpus: u32) -> f64 {
-        let Some(job) = self.sim_of.get(&job_id).map(|i| &self.config.jobs[*i]) else {
+        let config = self.config;
+        let Some(job) = self.sim_of.get(&job_id).map(|i| &config.jobs[*i]) else {
             return 0.0;
         };
         if let Some(m) = job
@@ -515,6 +536,14 @@ impl Engine<'_> {
         {
             self.report.speeds.measured += 1;
             return m.steps_per_s;
+        }
+        let fitted = *self.fits.entry(job_id).or_insert_with(|| fit_measured(job));
+        if let Some(model) = fitted {
+            let speed = model.steps_per_s(gpus) * perf::type_factor(&job.model, gpu_type);
+            if speed > 0.0 {
+                self.report.speeds.modelled += 1;
+                return speed;
+            }
         }
         let closest = job
             .measured
@@ -936,6 +965,7 @@ pub fn simulate_policies(config: &SimConfig, policies: &[(f64, &dyn Policy)]) ->
         report: SimReport::new(policy.name(), total_gpus),
         busy_gpu_s: 0.0,
         touched: BTreeSet::new(),
+        fits: BTreeMap::new(),
     };
     for node in &config.nodes {
         engine.apply(Command::register_node(

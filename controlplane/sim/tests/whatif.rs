@@ -359,3 +359,62 @@ fn a_job_that_reports_no_progress_is_timed_by_its_runs() {
     assert!((jcts[0] - 60.0).abs() <= 1.0, "{jcts:?}");
     assert!((jcts[1] - 20.0).abs() <= 1.0, "{jcts:?}");
 }
+
+/// A size never measured, for a job measured on three sizes or more, comes
+/// from Optimus's speed model fitted to them (issue 27: the performance
+/// models before the table), not from the profile's curve.
+#[test]
+fn a_size_not_measured_comes_from_the_speed_model_fitted_to_the_measured_ones() {
+    // Seconds per step θ0/n + θ1 + θ2·n, a curve of its own (the profile's
+    // is another).
+    let speed = |n: u32| {
+        let n = f64::from(n);
+        1.0 / (2.0 / n + 0.05 + 0.02 * n)
+    };
+    let job = SimJob {
+        id: 0,
+        arrival_s: 0.0,
+        model: "resnet50".into(),
+        gpus_per_worker: 1,
+        workers_min: 8,
+        workers_max: 8,
+        total_steps: 10_000,
+        priority: 0,
+        job_type: None,
+        queue: String::new(),
+        measured: [1, 2, 4]
+            .into_iter()
+            .map(|gpus| MeasuredSpeed {
+                gpu_type: "v100".into(),
+                gpus,
+                steps_per_s: speed(gpus),
+            })
+            .collect(),
+        cancel_at_s: None,
+        restart_s: None,
+    };
+    let fifo = by_name("fifo", Default::default()).expect("fifo");
+    let v100s = cluster_from_counts("8:0:0", 8).expect("cluster");
+    let report = simulate(&SimConfig::new(v100s, vec![job]), fifo.as_ref());
+    assert_eq!(
+        (
+            report.speeds.measured,
+            report.speeds.modelled,
+            report.speeds.table
+        ),
+        (0, 1, 0)
+    );
+    let jct = report.jobs[0].jct_s().expect("finished");
+    let expected = 10_000.0 / speed(8);
+    assert!(
+        (jct - expected).abs() / expected < 0.01,
+        "{jct} s against {expected} s at the fitted speed"
+    );
+    // The profile's curve from the nearest size (4 GPUs) is another figure.
+    let profile = throughput::profile("resnet50");
+    let scaled = speed(4) * profile.steps_per_s("v100", 8) / profile.steps_per_s("v100", 4);
+    assert!(
+        (10_000.0 / scaled - expected).abs() / expected > 0.05,
+        "the test tells the two apart"
+    );
+}
