@@ -288,16 +288,8 @@ struct LogTerms(std::path::PathBuf, Option<crate::LogStore>);
 impl LogTerms {
     fn open(dir: &crate::DataDir) -> Result<LogTerms, AuditError> {
         let log_dir = dir.raft_log_dir();
-        if !log_dir.exists() {
-            return Ok(LogTerms(log_dir, None));
-        }
-        match crate::LogStore::open(&log_dir) {
-            Ok(log) => Ok(LogTerms(log_dir, Some(log))),
-            Err(e) => Err(AuditError::Replay(ReplayError::Log {
-                path: log_dir.display().to_string(),
-                message: e.to_string(),
-            })),
-        }
+        let log = crate::replay::open_log(&log_dir)?;
+        Ok(LogTerms(log_dir, log))
     }
 
     fn log_error(e: crate::StoreError) -> AuditError {

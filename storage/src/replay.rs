@@ -416,14 +416,23 @@ fn log_tail(
     each: &mut dyn FnMut(u64, u64, &keel_state::LogEntry),
 ) -> Result<(), ReplayError> {
     let log_dir = dir.raft_log_dir();
-    if !log_dir.exists() {
-        return Ok(());
+    match open_log(&log_dir)? {
+        Some(log) => committed_tail(&log, &log_dir, after, until, each),
+        None => Ok(()),
     }
-    let log = crate::LogStore::open(&log_dir).map_err(|e| ReplayError::Log {
-        path: log_dir.display().to_string(),
-        message: e.to_string(),
-    })?;
-    committed_tail(&log, &log_dir, after, until, each)
+}
+
+/// The Raft log at `log_dir`, when there is one.
+pub(crate) fn open_log(log_dir: &std::path::Path) -> Result<Option<crate::LogStore>, ReplayError> {
+    if !log_dir.exists() {
+        return Ok(None);
+    }
+    crate::LogStore::open(log_dir)
+        .map(Some)
+        .map_err(|e| ReplayError::Log {
+            path: log_dir.display().to_string(),
+            message: e.to_string(),
+        })
 }
 
 /// [`log_tail`] of a log already open (`log_dir`: where it is, for

@@ -92,8 +92,6 @@ pub struct RecordedJob {
     pub end: Option<(u64, RecordedEnd)>,
     /// The highest step a progress sample reported.
     pub steps_reached: u64,
-    /// GPU-milliseconds it held in all (every attempt).
-    pub held_gpu_ms: u64,
     /// The stretches its allocations held GPUs between a sample and
     /// something else: from each allocation to its first progress sample
     /// (launch, restore, and the steps made meanwhile), and from its last
@@ -116,6 +114,11 @@ pub struct Run {
 }
 
 impl RecordedJob {
+    /// GPU-milliseconds it held in all (every run).
+    pub fn held_gpu_ms(&self) -> u64 {
+        self.runs.iter().map(|r| u64::from(r.gpus) * r.ms).sum()
+    }
+
     /// Its time without progress per start: its gaps' time beyond their
     /// steps at the speed measured on their allocation, over its starts
     /// (`None` when no gap's allocation has a measured speed).
@@ -499,7 +502,6 @@ impl Recorder {
             first_start_ms: job.started_at_ms,
             end: job.finished_at_ms.zip(RecordedEnd::of(job.state)),
             steps_reached: job.progress.as_ref().map_or(0, |p| p.step),
-            held_gpu_ms: 0,
             gaps: Vec::new(),
             speeds: BTreeMap::new(),
             runs: Vec::new(),
@@ -536,12 +538,10 @@ impl Recorder {
     /// Counts a run that ended at `at_ms`.
     fn settle(&mut self, job_id: JobId, held: Holding, at_ms: u64) {
         if let Some(job) = self.jobs.get_mut(&job_id) {
-            let ms = at_ms.saturating_sub(held.since_ms);
-            job.held_gpu_ms += u64::from(held.gpus) * ms;
             job.runs.push(Run {
                 gpu_type: held.gpu_type,
                 gpus: held.gpus,
-                ms,
+                ms: at_ms.saturating_sub(held.since_ms),
             });
         }
     }
@@ -569,7 +569,7 @@ impl Recorder {
         for (job_id, held) in std::mem::take(&mut self.holding) {
             self.settle(job_id, held, last_ms);
         }
-        let held_gpu_ms = self.jobs.values().map(|j| j.held_gpu_ms).sum();
+        let held_gpu_ms = self.jobs.values().map(RecordedJob::held_gpu_ms).sum();
         History {
             jobs: self.jobs.into_values().collect(),
             nodes: self.nodes.into_values().collect(),
@@ -625,7 +625,7 @@ impl History {
             .map(|j| j.submitted_ms)
             .min()
             .unwrap_or(self.last_ms);
-        self.held_gpu_ms = self.jobs.iter().map(|j| j.held_gpu_ms).sum();
+        self.held_gpu_ms = self.jobs.iter().map(RecordedJob::held_gpu_ms).sum();
         // The policy in force then, and those after it.
         let in_force = self.policies.iter().rposition(|p| p.from_ms <= from_ms);
         if let Some(i) = in_force {

@@ -101,9 +101,8 @@ impl<'a> SchedulingInput<'a> {
         if !self.admission.is_active() {
             return Box::new(self.state.waiting_jobs_by_priority());
         }
-        let mut jobs: Vec<&'a Job> = self.admission.admitted(self.state).collect();
-        jobs.sort_unstable_by_key(|j| (std::cmp::Reverse(j.spec.priority), j.id));
-        Box::new(jobs.into_iter())
+        // Admitted jobs come in id order.
+        Box::new(by_priority(self.admission.admitted(self.state)).into_iter())
     }
 
     /// The jobs holding GPUs that the round does not reclaim, by id.
