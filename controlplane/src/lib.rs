@@ -39,6 +39,7 @@ pub mod http;
 pub mod http_access;
 pub mod inventory;
 pub mod leader;
+pub mod leader_loss;
 pub mod log_limit;
 pub mod membership;
 pub mod metrics;

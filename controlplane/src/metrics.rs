@@ -108,6 +108,9 @@ pub struct Metrics {
     pub proposal_batch_entries: Histogram,
     /// Times this replica saw the leader change (a new leader, or none).
     pub leader_changes: Counter,
+    /// Elections this replica stood for at once because its leader's
+    /// process was gone ([`crate::leader_loss`]).
+    pub leader_lost_elections: Counter,
     /// Worker launches this replica's executor made while it led, by
     /// executor and result, and how long each took.
     pub executor_launches: Family<LaunchLabels, Counter>,
@@ -198,6 +201,12 @@ impl Metrics {
             "Times this replica saw its cluster's leader change",
             leader_changes.clone(),
         );
+        let leader_lost_elections = Counter::default();
+        registry.register(
+            "raft_leader_lost_elections",
+            "Elections this replica stood for at once because its leader's process was gone",
+            leader_lost_elections.clone(),
+        );
         let executor_launches = Family::<LaunchLabels, Counter>::default();
         registry.register(
             "executor_launches",
@@ -266,6 +275,7 @@ impl Metrics {
             proposals,
             proposal_batch_entries,
             leader_changes,
+            leader_lost_elections,
             executor_launches,
             executor_launch_duration,
             jobs_finished,

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use keel_proto::raft::raft_client::RaftClient;
 use keel_proto::raft::raft_server::Raft as RaftRpc;
-use keel_proto::raft::RaftMessage;
+use keel_proto::raft::{FollowLeaderRequest, RaftMessage};
 use keel_storage::raft_wire::{self, WireError, WireMessage};
 use keel_storage::TypeConfig;
 use openraft::error::{
@@ -168,6 +168,20 @@ impl ClusterIdentity {
         self.set(id)
             .map_err(|e| Status::internal(format!("cannot keep the cluster id: {e}")))
     }
+}
+
+/// Names this replica's cluster and the Raft id `to` a message is for in
+/// its metadata (every Raft call carries both).
+pub(crate) fn address<T>(request: &mut Request<T>, identity: &ClusterIdentity, to: u64) {
+    if let Some(id) = identity
+        .get()
+        .and_then(|id| tonic::metadata::MetadataValue::try_from(id).ok())
+    {
+        request.metadata_mut().insert(CLUSTER_ID_HEADER, id);
+    }
+    request
+        .metadata_mut()
+        .insert(TO_HEADER, tonic::metadata::MetadataValue::from(to));
 }
 
 /// Makes a [`GrpcPeer`] for each peer openraft replicates to.
@@ -432,15 +446,7 @@ impl GrpcPeer {
             },
         });
         req.set_timeout(ttl);
-        if let Some(id) = self
-            .identity
-            .get()
-            .and_then(|id| tonic::metadata::MetadataValue::try_from(id).ok())
-        {
-            req.metadata_mut().insert(CLUSTER_ID_HEADER, id);
-        }
-        req.metadata_mut()
-            .insert(TO_HEADER, tonic::metadata::MetadataValue::from(self.target));
+        address(&mut req, &self.identity, self.target);
         let call = async {
             match kind {
                 RpcKind::AppendEntries => client.append_entries(req).await,
@@ -814,6 +820,11 @@ pub struct RaftService {
     clock: Arc<ServerClock>,
     /// See [`RaftService::members_by_certificate`].
     members_by_certificate: bool,
+    /// `FollowLeader` streams served at once ([`crate::leader_loss`]).
+    followers: Arc<tokio::sync::Semaphore>,
+    /// Set when the server begins to close: the `FollowLeader` streams end
+    /// (a graceful shutdown waits for open streams).
+    closing: tokio::sync::watch::Receiver<bool>,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -838,7 +849,18 @@ impl RaftService {
             last_refused: Arc::default(),
             clock,
             members_by_certificate: false,
+            followers: Arc::new(tokio::sync::Semaphore::new(
+                crate::leader_loss::MAX_FOLLOWERS,
+            )),
+            closing: tokio::sync::watch::channel(false).1,
         }
+    }
+
+    /// The `FollowLeader` streams end when `closing` turns true (or its
+    /// sender is dropped).
+    pub fn closing_with(mut self, closing: tokio::sync::watch::Receiver<bool>) -> RaftService {
+        self.closing = closing;
+        self
     }
 
     /// With TLS: a Raft message is refused unless the caller's certificate
@@ -1038,6 +1060,24 @@ impl RaftRpc for RaftService {
                 r.vote.leader_id().voted_for()
             })?;
         self.reply(format, &self.raft.install_snapshot(req).await)
+    }
+
+    type FollowLeaderStream = crate::leader_loss::LeaderStream;
+
+    async fn follow_leader(
+        &self,
+        request: Request<FollowLeaderRequest>,
+    ) -> Result<Response<Self::FollowLeaderStream>, Status> {
+        self.check_certificate(&request, Some(request.get_ref().follower))?;
+        self.admit(&request, false)?;
+        let permit = self.followers.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "this leader already serves {} FollowLeader streams",
+                crate::leader_loss::MAX_FOLLOWERS
+            ))
+        })?;
+        crate::leader_loss::leader_present(&self.raft, self.me, self.closing.clone(), permit)
+            .map(Response::new)
     }
 }
 

@@ -362,12 +362,13 @@ pub struct RaftSettings {
 impl Default for RaftSettings {
     fn default() -> Self {
         RaftSettings {
-            // A follower refuses to vote while it heard from a leader within
-            // the longest election timeout (openraft's leader lease), so a
-            // failover takes about one to two election timeouts: these keep
-            // it under a second (BENCHMARKS.md, "Failover of a three-replica
-            // cluster", compares these timeouts with the earlier, longer
-            // ones).
+            // When the leader's process ends, its followers see it at once
+            // and stand then (`crate::leader_loss`). These timeouts decide
+            // the rest (a frozen leader, a network fault): a follower
+            // refuses to vote while it heard from a leader within the
+            // longest election timeout (openraft's leader lease), so such a
+            // failover takes about one to two election timeouts
+            // (BENCHMARKS.md, "Failover of a three-replica cluster").
             heartbeat_interval_ms: 50,
             election_timeout_min_ms: 150,
             election_timeout_max_ms: 300,

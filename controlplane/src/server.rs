@@ -369,6 +369,10 @@ impl Server {
             stop_rx.clone(),
         ));
         let repairing = tokio::spawn(membership_repair_loop(self.node.clone(), stop_rx.clone()));
+        let following_leader = tokio::spawn(crate::leader_loss::follow_leader_loop(
+            self.node.clone(),
+            stop_rx.clone(),
+        ));
         let retaining = tokio::spawn(crate::retention::retention_loop(
             self.node.clone(),
             self.executor.clone(),
@@ -471,6 +475,9 @@ impl Server {
             }
             crate::transport::Transport::Plain => None,
         };
+        // Set when the API begins to close: open FollowLeader streams end,
+        // so the graceful shutdown does not wait on them.
+        let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
         let raft_service = keel_proto::raft::raft_server::RaftServer::new(
             RaftService::new(
                 self.node.raft.clone(),
@@ -479,7 +486,8 @@ impl Server {
                 self.node.wire_format,
                 self.node.clock.clone(),
             )
-            .members_by_certificate(self.node.transport.is_tls()),
+            .members_by_certificate(self.node.transport.is_tls())
+            .closing_with(closing_rx),
         )
         .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES);
@@ -525,6 +533,7 @@ impl Server {
                     }
                 }
             }
+            let _ = closing_tx.send(true);
             armed.arm("closing the API (requests in flight)");
         };
         let result = tonic::transport::Server::builder()
@@ -545,6 +554,7 @@ impl Server {
         let _ = beating.await;
         let _ = probing.await;
         let _ = repairing.await;
+        let _ = following_leader.await;
         let _ = retaining.await;
         if let Some(reloading) = reloading {
             let _ = reloading.await;

@@ -392,6 +392,15 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
                 .expect("acknowledged"),
         );
     }
+    // Issue 26: each follower holds a stream to the leader's process, so
+    // that it sees the process end at once.
+    let survivors: Vec<u64> = (1..=3).filter(|id| *id != first).collect();
+    wait_for("the followers to follow the leader's process", || {
+        survivors
+            .iter()
+            .all(|id| cluster.logs(*id).contains("following the leader's process"))
+            .then_some(())
+    });
     cluster.kill9(first);
     // The CLI fails over between addresses and retries while there is no
     // leader; every write that returns is acknowledged.
@@ -402,6 +411,17 @@ fn killing_the_leader_loses_nothing_and_the_replicas_agree() {
     }
     let second = cluster.leader();
     assert_ne!(first, second, "a new leader was elected");
+    // They stood at once rather than after their election timeout.
+    let stood: Vec<u64> = survivors
+        .iter()
+        .copied()
+        .filter(|id| cluster.logs(*id).contains("the leader's process is gone"))
+        .collect();
+    assert!(
+        !stood.is_empty(),
+        "no survivor saw the leader's process end: {}",
+        cluster.logs(second)
+    );
     assert!(
         acked.len() >= 15,
         "writes went on after the failover: {acked:?}"
