@@ -129,11 +129,18 @@ pub async fn retention_loop<E: Executor>(
     // Jobs whose logs this leadership removed (a new leader sweeps again;
     // removing what is gone costs a listing).
     let mut removed = BTreeSet::new();
+    // Whether the last sweep removed a full sweep's worth of jobs: then the
+    // next one follows at once, so a backlog is worked through as fast as
+    // the log takes the removals, not a sweep per interval.
+    let mut behind = false;
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = stop.changed() => return,
+        if !behind {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = stop.changed() => return,
+            }
         }
+        behind = false;
         if *stop.borrow() {
             return;
         }
@@ -189,6 +196,7 @@ pub async fn retention_loop<E: Executor>(
             .iter()
             .filter_map(|o| o.as_ref().err().map(ToString::to_string))
             .collect();
+        behind = asked == JOBS_PER_SWEEP && refused.is_empty();
         tracing::info!(
             removed = asked - refused.len(),
             "removed finished jobs from the state (--retain-finished-s, --retain-finished-max); the journal keeps their history"
