@@ -5,7 +5,8 @@
 //! restarted and the cluster allowed to converge before the next trial.
 //!
 //! Run: `cargo bench -p keel --bench failover`
-//! (`KEEL_FAILOVER_TRIALS` sets the number of trials; default 20.)
+//! (`KEEL_FAILOVER_TRIALS` sets the number of trials; default 20;
+//! `KEEL_BENCH_BIN` runs the servers from another build of `keel`.)
 
 #![allow(clippy::print_stdout)]
 
@@ -21,7 +22,7 @@ use tonic::transport::Channel;
 
 mod common;
 
-use common::{free_port, KEEL};
+use common::{free_port, server_binary};
 
 struct Replica {
     id: u64,
@@ -32,7 +33,7 @@ struct Replica {
 
 fn spawn(r: &mut Replica, peers: &str) {
     r.child = Some(
-        Command::new(KEEL)
+        Command::new(server_binary())
             .args(["server", "--no-local-node", "--id", &r.id.to_string()])
             .args(["--peers", peers, "--listen", &r.addr, "--data-dir"])
             .arg(&r.data)

@@ -9,6 +9,26 @@ use std::time::Duration;
 /// The `keel` binary the benchmarks run.
 pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
+/// The `keel` binary a benchmark starts its servers from: this build's,
+/// or `KEEL_BENCH_BIN`'s when set (a build of another commit, to measure
+/// both in one sitting with the same harness).
+pub fn server_binary() -> String {
+    std::env::var("KEEL_BENCH_BIN").unwrap_or_else(|_| KEEL.to_string())
+}
+
+/// Where server `id`'s log goes: `KEEL_BENCH_LOG_DIR/keelID.log` when that
+/// variable is set (appended to), else nowhere.
+pub fn server_log(id: usize) -> Stdio {
+    let Some(dir) = std::env::var_os("KEEL_BENCH_LOG_DIR") else {
+        return Stdio::null();
+    };
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(std::path::Path::new(&dir).join(format!("keel{id}.log")))
+        .map_or_else(|_| Stdio::null(), Stdio::from)
+}
+
 /// A size from the environment variable `var`, or `default`.
 pub fn count(var: &str, default: u64) -> u64 {
     std::env::var(var)
@@ -48,8 +68,8 @@ pub fn status_mib(pid: u32, field: &str) -> f64 {
 
 /// Three `keel server` replicas on 127.0.0.1, member `id` (1 to 3) in
 /// `dir/keelID`, each started as `keel server --id ID --peers ... --listen
-/// ADDR --data-dir DIR` with what `more` adds, their output discarded; and
-/// their addresses.
+/// ADDR --data-dir DIR` with what `more` adds, their output discarded
+/// (or kept, [`server_log`]); and their addresses.
 pub fn spawn_three(
     dir: &std::path::Path,
     more: impl Fn(usize, &mut Command),
@@ -66,7 +86,7 @@ pub fn spawn_three(
     let children = (1..=3)
         .zip(&addrs)
         .map(|(id, addr)| {
-            let mut command = Command::new(KEEL);
+            let mut command = Command::new(server_binary());
             command
                 .args(["server", "--id", &id.to_string()])
                 .args(["--peers", &peers, "--listen", addr, "--data-dir"])
@@ -74,7 +94,7 @@ pub fn spawn_three(
             more(id, &mut command);
             command
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stderr(server_log(id))
                 .spawn()
                 .expect("spawn keel")
         })
