@@ -7,8 +7,10 @@
 //!
 //! Every 200 ms the benchmark asks each replica its term and leader:
 //! any election, spurious or not, raises the term. It reports the terms
-//! and leaders seen, the writes and their latency, and the leader's CPU
-//! and peak RSS.
+//! and leaders seen, the writes and their latency, the leader's CPU and
+//! peak RSS, and each replica's histograms of WAL syncs and snapshot
+//! builds from its `/metrics` (what can hold up a replica long enough for
+//! an election).
 //!
 //! Run: `cargo bench -p keel --bench steady_leader`
 //! (`KEEL_BENCH_BIN` runs the servers from another build of `keel`.)
@@ -89,7 +91,7 @@ fn main() {
     let secs = count("KEEL_BENCH_SECONDS", 600);
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut children, addrs) = common::spawn_three(dir.path(), |_, c| {
-        c.args(["--no-local-node", "--http-listen", "off"])
+        c.args(["--no-local-node", "--http-listen", "127.0.0.1:0"])
             .args(["--retain-finished-s", "10"]);
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -201,6 +203,34 @@ fn main() {
             cpu * 100.0
         );
     });
+    // Each replica's histograms of snapshot builds and WAL syncs: how many
+    // took longer than the lease and timeout a follower waits.
+    for id in 1..=3 {
+        let Ok(addr) = std::fs::read_to_string(dir.path().join(format!("keel{id}/http.addr")))
+        else {
+            continue;
+        };
+        let Ok(mut s) = std::net::TcpStream::connect(addr.trim()) else {
+            continue;
+        };
+        use std::io::{Read, Write};
+        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: keel\r\nConnection: close\r\n\r\n");
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body);
+        for line in body.lines().filter(|l| {
+            (l.starts_with("keel_snapshot_duration_seconds")
+                || l.starts_with("keel_wal_fsync_duration_seconds"))
+                && (l.contains("_sum")
+                    || l.contains("_count")
+                    || l.contains("le=\"0.4096")
+                    || l.contains("le=\"0.8192")
+                    || l.contains("le=\"1.6384")
+                    || l.contains("le=\"3.2768")
+                    || l.contains("le=\"+Inf"))
+        }) {
+            println!("replica {id}: {line}");
+        }
+    }
     for c in &mut children {
         let _ = c.kill();
         let _ = c.wait();
