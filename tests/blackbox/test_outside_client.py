@@ -644,6 +644,72 @@ class RaftEnvelope(OneServer):
         self.assert_serving(["after"])
 
 
+class FollowLeaderStream(OneServer):
+    """Issue 26: `FollowLeader`, the stream a follower holds to its leader's
+    process, as an outside client can reach it on the API's port. Without
+    its addressee, or from another cluster, it is refused; addressed right,
+    the leader answers with its term and keeps the stream open; past 16
+    open streams the next is refused, and one closed makes room again.
+    None of it changes the leader's term."""
+
+    def follow(self, to=None, cluster=None):
+        call = self.server.channel.unary_stream(
+            "/keel.raft.v1.Raft/FollowLeader",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=raft.LeaderPresent.FromString,
+        )
+        metadata = []
+        if to is not None:
+            metadata.append(("keel-to", str(to)))
+        if cluster is not None:
+            metadata.append(("keel-cluster-id", cluster))
+        return call(raft.FollowLeaderRequest(follower=2), timeout=30, metadata=metadata)
+
+    def refused_stream(self, code, *words, **kwargs):
+        with self.assertRaises(grpc.RpcError) as caught:
+            next(self.follow(**kwargs))
+        self.assertEqual(caught.exception.code(), code, caught.exception.details())
+        for w in words:
+            self.assertIn(w, caught.exception.details())
+        return caught.exception
+
+    def test_bad_callers_are_refused_and_open_streams_are_bounded(self):
+        status = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        # Addressed to nobody: refused, naming the replica's Raft id.
+        err = self.refused_stream(CODE.FAILED_PRECONDITION)
+        me = dict(err.trailing_metadata())["keel-raft-id"]
+        # From another cluster.
+        self.refused_stream(
+            CODE.FAILED_PRECONDITION, "cluster id mismatch", to=me, cluster="another"
+        )
+        # Addressed right: the leader's term, and the stream stays open.
+        streams = [self.follow(to=me) for _ in range(16)]
+        for stream in streams:
+            self.assertEqual(next(stream).term, status.term)
+        self.refused_stream(CODE.RESOURCE_EXHAUSTED, "16 FollowLeader streams", to=me)
+        streams.pop().cancel()
+        # The place comes back once the server sees the cancel.
+        wait_for("a stream's place to be given back", lambda: self._opens(me), timeout_s=20)
+        for stream in streams:
+            stream.cancel()
+        after = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        self.assertEqual((after.role, after.term), ("leader", status.term))
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("after")), timeout=20)
+        self.assert_serving(["after"])
+
+    def _opens(self, me):
+        """Whether a new stream opens now (closing it again)."""
+        stream = self.follow(to=me)
+        try:
+            next(stream)
+            return True
+        except grpc.RpcError as e:
+            self.assertEqual(e.code(), CODE.RESOURCE_EXHAUSTED, e.details())
+            return False
+        finally:
+            stream.cancel()
+
+
 class RaftClockFields(OneServer):
     """Issue 29: the clock fields of the Raft envelope (the sender's clock,
     the log time, the offset a leader tells a follower) from an outside
@@ -753,6 +819,16 @@ class MutualTls(unittest.TestCase):
             )
         self.assertEqual(caught.exception.code(), CODE.PERMISSION_DENIED)
         self.assertIn("needs that member's certificate", caught.exception.details())
+        self.assertIn("2.members.keel", caught.exception.details())
+        # Nor can it hold a follower's stream to the leader (issue 26).
+        follow = self.server.channel.unary_stream(
+            "/keel.raft.v1.Raft/FollowLeader",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=raft.LeaderPresent.FromString,
+        )
+        with self.assertRaises(grpc.RpcError) as caught:
+            next(follow(raft.FollowLeaderRequest(follower=2), timeout=10))
+        self.assertEqual(caught.exception.code(), CODE.PERMISSION_DENIED)
         self.assertIn("2.members.keel", caught.exception.details())
         after = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
         self.assertEqual((after.role, after.term), ("leader", before.term))
