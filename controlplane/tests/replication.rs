@@ -220,15 +220,39 @@ impl Cluster {
         self.json(&self.replicas[id as usize - 1].addr, &["cluster", "status"])
     }
 
-    /// The leader as the live replicas agree on it.
+    /// The leader as the live replicas agree on it: the replica that says
+    /// it leads in the highest term any live replica reports, named as the
+    /// leader in that term by a majority of its voters (itself included).
+    /// A replica restarted after a kill -9 may say for a moment that it
+    /// still leads its old term (openraft resumes a committed vote of its
+    /// own) while the others have elected a new leader; that is no leader.
     fn leader(&self) -> u64 {
-        wait_for("a leader", || {
-            self.replicas
+        wait_for("a leader the live replicas agree on", || {
+            let statuses: Vec<Value> = self
+                .replicas
                 .iter()
                 .filter(|r| r.child.is_some())
                 .filter_map(|r| self.status(r.id))
-                .find(|s| s["role"] == "leader")
-                .and_then(|s| s["member_id"].as_u64())
+                .collect();
+            let term = statuses.iter().filter_map(|s| s["term"].as_u64()).max()?;
+            let claim = statuses
+                .iter()
+                .find(|s| s["role"] == "leader" && s["term"].as_u64() == Some(term))?;
+            let id = claim["member_id"].as_u64()?;
+            let voters: Vec<u64> = claim["voters"]
+                .as_array()?
+                .iter()
+                .filter_map(Value::as_u64)
+                .collect();
+            let agree = statuses
+                .iter()
+                .filter(|s| s["term"].as_u64() == Some(term))
+                .filter(|s| s["member_id"].as_u64().is_some_and(|m| voters.contains(&m)))
+                .filter(|s| {
+                    s["member_id"].as_u64() == Some(id) || s["leader_id"].as_u64() == Some(id)
+                })
+                .count();
+            (agree > voters.len() / 2).then_some(id)
         })
     }
 
