@@ -729,6 +729,15 @@ impl Collector for StateCollector {
                 encoder.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
             encode_reading(metric, &reading)?;
         }
+        let mut metric = encoder.encode_descriptor(
+            "snapshot_phase_duration",
+            "Time each part of a snapshot build took, by phase: read (the state under its lock; applies wait), encode, save (written and flushed), compact (the journal's pages behind it merged)",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        for (phase, latency) in self.state_machine.snapshot_phases().phases() {
+            encode_reading(metric.encode_family(&[("phase", phase)])?, &latency.read())?;
+        }
         Ok(())
     }
 }

@@ -130,6 +130,16 @@ fn a_server_shows_its_jobs_gpus_raft_and_requests_to_prometheus() {
         Some(0.0),
         "{text}"
     );
+    for phase in ["read", "encode", "save", "compact"] {
+        assert_eq!(
+            sample(
+                &text,
+                &format!("keel_snapshot_phase_duration_seconds_count{{phase=\"{phase}\"}}")
+            ),
+            Some(0.0),
+            "{text}"
+        );
+    }
     let applied = sample(&text, "keel_raft_applied_index").expect("applied index");
     assert!(applied >= 3.0, "{text}");
     assert_eq!(

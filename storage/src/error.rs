@@ -13,6 +13,10 @@ pub enum StoreError {
     Sled(#[from] sled::Error),
     #[error("{what} is corrupt or from an unknown version: {message}")]
     Corrupt { what: String, message: String },
+    /// Work handed to another thread that ended without an answer (the
+    /// runtime shutting down).
+    #[error("{what} did not finish: {message}")]
+    Unfinished { what: String, message: String },
 }
 
 impl StoreError {

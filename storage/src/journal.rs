@@ -202,12 +202,27 @@ pub(crate) fn apply_journal(
     Ok(out)
 }
 
+/// What one [`compact`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Compacted {
+    /// How many pages were merged away.
+    pub(crate) merged_away: usize,
+    /// Where the next compaction may start: every page that begins below
+    /// it is settled (full, or a small page a full one follows, which no
+    /// later compaction merges either).
+    pub(crate) settled_below: u64,
+}
+
 /// Merges runs of pages that lie wholly at or below `upto` into pages of
 /// about [`PAGE_TARGET_ENTRIES`]. Each merge is one atomic sled batch (the
 /// merged page replaces its parts), so a crash mid-way leaves a valid journal.
-/// Returns how many pages were merged away.
-pub(crate) fn compact(tree: &sled::Tree, upto: u64) -> Result<usize, sled::Error> {
+/// Pages that begin below `from` are not read: a compaction costs the pages
+/// written since the last one's [`Compacted::settled_below`], not the whole
+/// journal (which is never purged). Any `from` at or below that bound gives
+/// the same journal; one above it only leaves small pages unmerged.
+pub(crate) fn compact(tree: &sled::Tree, from: u64, upto: u64) -> Result<Compacted, sled::Error> {
     let mut merged_away = 0;
+    let mut settled_below = from;
     let mut run: Vec<(u64, pb::JournalPage)> = Vec::new();
     let mut run_entries = 0;
     let flush = |run: &mut Vec<(u64, pb::JournalPage)>| -> Result<usize, sled::Error> {
@@ -230,8 +245,14 @@ pub(crate) fn compact(tree: &sled::Tree, upto: u64) -> Result<usize, sled::Error
         tree.apply_batch(batch)?;
         Ok(parts)
     };
+    if upto < from {
+        return Ok(Compacted {
+            merged_away,
+            settled_below,
+        });
+    }
     let pages: Vec<(u64, pb::JournalPage)> = tree
-        .range(key(PREFIX_PAGE, 0)..=key(PREFIX_PAGE, upto))
+        .range(key(PREFIX_PAGE, from)..=key(PREFIX_PAGE, upto))
         .filter_map(|item| {
             let (k, v) = item.ok()?;
             Some((index_of(&k)?, pb::JournalPage::decode(v.as_ref()).ok()?))
@@ -239,14 +260,15 @@ pub(crate) fn compact(tree: &sled::Tree, upto: u64) -> Result<usize, sled::Error
         .collect();
     for (first, page) in pages {
         // Only pages wholly behind `upto`; and full pages stay as they are.
-        if page.indexes.last().is_none_or(|l| *l > upto) {
+        let Some(&last) = page.indexes.last().filter(|l| **l <= upto) else {
             break;
-        }
+        };
         if page.indexes.len() >= PAGE_TARGET_ENTRIES {
             let n = run.len();
             flush(&mut run)?;
             merged_away += n.saturating_sub(1);
             run_entries = 0;
+            settled_below = last + 1;
             continue;
         }
         run_entries += page.indexes.len();
@@ -256,10 +278,90 @@ pub(crate) fn compact(tree: &sled::Tree, upto: u64) -> Result<usize, sled::Error
             flush(&mut run)?;
             merged_away += n.saturating_sub(1);
             run_entries = 0;
+            settled_below = last + 1;
         }
+    }
+    // What is left merges into one page short of the target: the next
+    // compaction starts from it.
+    if let Some((first, _)) = run.first() {
+        settled_below = *first;
     }
     let n = run.len();
     let _ = flush(&mut run)?;
     merged_away += n.saturating_sub(1);
-    Ok(merged_away)
+    Ok(Compacted {
+        merged_away,
+        settled_below,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages of 1 to 5 entries, with a full one (past the target) every
+    /// 37th; returns the last index written.
+    fn write_pages(tree: &sled::Tree, pages: usize) -> u64 {
+        let entries = keel_state::fixtures::mixed_entries(64, 4, 5);
+        let mut index = 0u64;
+        for p in 0..pages {
+            let size = if p % 37 == 36 {
+                PAGE_TARGET_ENTRIES + 76
+            } else {
+                1 + p % 5
+            };
+            let mut page = PageBuilder::default();
+            for i in 0..size {
+                index += 1;
+                page.push(index, &entries[i % entries.len()]);
+            }
+            let (k, v) = page.finish().expect("a page");
+            tree.insert(k, v).expect("insert");
+        }
+        index
+    }
+
+    fn contents(tree: &sled::Tree) -> Vec<(Vec<u8>, Vec<u8>)> {
+        tree.iter()
+            .map(|kv| kv.expect("read"))
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect()
+    }
+
+    /// Compacting from where the last compaction settled gives the very
+    /// pages a compaction of the whole journal gives, step after step,
+    /// while reading ever less of it.
+    #[test]
+    fn a_compaction_from_the_settled_bound_equals_one_of_the_whole_journal() {
+        let db = sled::Config::new().temporary(true).open().expect("sled");
+        let whole = db.open_tree("whole").expect("tree");
+        let resumed = db.open_tree("resumed").expect("tree");
+        let last = write_pages(&whole, 600);
+        assert_eq!(write_pages(&resumed, 600), last);
+        let mut from = 0;
+        let mut bounds = Vec::new();
+        for upto in [7, 300, 2_500, 2_501, last / 2, last - 3, last] {
+            let a = compact(&whole, 0, upto).expect("compact the whole");
+            let b = compact(&resumed, from, upto).expect("compact from the bound");
+            assert_eq!(a.merged_away, b.merged_away, "at {upto}");
+            assert_eq!(contents(&whole), contents(&resumed), "at {upto}");
+            assert!(b.settled_below >= from && b.settled_below <= upto + 1);
+            from = b.settled_below;
+            bounds.push(from);
+        }
+        // The bound moved through the journal: each compaction after the
+        // first read only the pages past it.
+        assert!(bounds.windows(2).all(|w| w[0] <= w[1]), "{bounds:?}");
+        assert!(bounds[bounds.len() - 2] > last / 2, "{bounds:?}");
+        // Nothing left to merge behind the last bound.
+        assert_eq!(compact(&whole, 0, last).expect("again").merged_away, 0);
+        // The merged journal holds every entry once, in order.
+        let mut seen = Vec::new();
+        for kv in whole.iter() {
+            let (_, v) = kv.expect("read");
+            seen.extend(pb::JournalPage::decode(v.as_ref()).expect("page").indexes);
+        }
+        assert_eq!(seen, (1..=last).collect::<Vec<_>>());
+        assert!(whole.len() < 200, "{} pages", whole.len());
+    }
 }

@@ -76,6 +76,33 @@ impl Latency {
     }
 }
 
+/// How long a snapshot build took, in all and by part.
+#[derive(Debug, Default)]
+pub struct SnapshotLatency {
+    /// The whole build.
+    pub total: Latency,
+    /// The state read under its lock (applies wait meanwhile).
+    pub read: Latency,
+    /// The snapshot encoded, after the lock.
+    pub encode: Latency,
+    /// The snapshot saved and the store flushed.
+    pub save: Latency,
+    /// The journal's pages behind the snapshot merged.
+    pub compact: Latency,
+}
+
+impl SnapshotLatency {
+    /// Each part with its name, in the order a build runs them.
+    pub fn phases(&self) -> [(&'static str, &Latency); 4] {
+        [
+            ("read", &self.read),
+            ("encode", &self.encode),
+            ("save", &self.save),
+            ("compact", &self.compact),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -56,7 +56,7 @@ pub mod snapshot_codec {
         snapshot_format_for_wire,
     };
 }
-pub use latency::{Latency, LatencyReading};
+pub use latency::{Latency, LatencyReading, SnapshotLatency};
 pub use log_store::LogStore;
 
 /// The state store's values for Raft's own records (last applied log id,

@@ -115,6 +115,11 @@ impl RemovedMembers {
 }
 const KEY_SNAPSHOT_META: &[u8] = b"m/snapshot-meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
+/// Where the next journal compaction starts (8 bytes, big-endian): a hint
+/// (`journal::Compacted::settled_below`), so that a compaction after a
+/// restart does not read the whole journal again. Lost or behind, it costs
+/// time only.
+const KEY_JOURNAL_SETTLED: &[u8] = b"m/journal-settled";
 /// 2: `ClusterState` gained the supply/demand version, the last round and
 /// per-job retries. 3: jobs gained their attained service and queueing
 /// time. 4: jobs gained their performance history (loss points, speeds).
@@ -401,9 +406,14 @@ pub struct StateMachineStore {
     /// The snapshot format written and the newest read from a leader
     /// ([`snapshot_format_for_wire`]).
     snapshot_format: Arc<std::sync::atomic::AtomicU32>,
-    /// How long building a snapshot took, state read to file saved and
-    /// journal compacted (`/metrics`).
-    snapshot_latency: Arc<crate::latency::Latency>,
+    /// How long building a snapshot took, in all and by part (`/metrics`).
+    snapshot_latency: Arc<crate::latency::SnapshotLatency>,
+    /// Where the next journal compaction starts ([`KEY_JOURNAL_SETTLED`]).
+    journal_settled: Arc<AtomicU64>,
+    /// Build snapshots on the task that asks for one, not on Tokio's
+    /// blocking pool (the deterministic simulation: one thread, virtual
+    /// time).
+    build_inline: bool,
 }
 
 impl StateMachineStore {
@@ -417,7 +427,22 @@ impl StateMachineStore {
     /// How long the snapshots this store built took (read, encode, save,
     /// compact the journal).
     pub fn snapshot_latency(&self) -> &crate::latency::Latency {
+        &self.snapshot_latency.total
+    }
+
+    /// How long each part of the snapshots this store built took.
+    pub fn snapshot_phases(&self) -> &crate::latency::SnapshotLatency {
         &self.snapshot_latency
+    }
+
+    /// Builds snapshots on the task that asks for one. By default a build
+    /// (seconds for a large state: reading it, encoding, saving, merging
+    /// the journal's pages) runs on Tokio's blocking pool, so that it does
+    /// not hold one of the runtime's workers, which carry the heartbeats;
+    /// the deterministic simulation, one thread on virtual time, needs it
+    /// inline for a seed to replay the same run.
+    pub fn build_snapshots_inline(&mut self) {
+        self.build_inline = true;
     }
 
     /// Opens (or creates) the store in `dir` and rebuilds the state: the
@@ -474,6 +499,10 @@ impl StateMachineStore {
             }),
             applied_index,
         });
+        let journal_settled = match tree.get(KEY_JOURNAL_SETTLED)? {
+            Some(v) => <[u8; 8]>::try_from(v.as_ref()).map_or(0, u64::from_be_bytes),
+            None => 0,
+        };
         let writer = Arc::new(JournalWriter::spawn(tree.clone(), shared.clone())?);
         Ok(StateMachineStore {
             shared,
@@ -483,6 +512,8 @@ impl StateMachineStore {
             snapshot_seq: Arc::new(AtomicU64::new(0)),
             snapshot_format: Arc::new(std::sync::atomic::AtomicU32::new(SNAPSHOT_FORMAT_VERSION)),
             snapshot_latency: Arc::default(),
+            journal_settled: Arc::new(AtomicU64::new(journal_settled)),
+            build_inline: false,
         })
     }
 
@@ -575,9 +606,18 @@ impl StateMachineStore {
 
     /// Merges the journal's small pages at or below `upto` into larger ones
     /// (content unchanged). Runs after each snapshot; returns the number of
-    /// pages merged away.
+    /// pages merged away. Reads only the pages written since the last
+    /// compaction settled the ones before them.
     pub fn compact_journal(&self, upto: u64) -> Result<usize, StoreError> {
-        Ok(crate::journal::compact(&self.tree, upto)?)
+        let from = self.journal_settled.load(Ordering::Relaxed);
+        let done = crate::journal::compact(&self.tree, from, upto)?;
+        if done.settled_below != from {
+            self.tree
+                .insert(KEY_JOURNAL_SETTLED, &done.settled_below.to_be_bytes())?;
+            self.journal_settled
+                .store(done.settled_below, Ordering::Relaxed);
+        }
+        Ok(done.merged_away)
     }
 
     /// Makes everything applied so far survive a killed process.
@@ -720,8 +760,13 @@ pub(crate) mod meta_codec {
     }
 }
 
-impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
-    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+impl StateMachineStore {
+    /// Builds a snapshot of the state applied so far, on this thread: the
+    /// state read under its lock (applies wait meanwhile), encoded, saved
+    /// and flushed, then the journal behind it compacted. Each part's time
+    /// goes to [`StateMachineStore::snapshot_phases`].
+    fn build_snapshot_here(&self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let phases = &self.snapshot_latency;
         let started = std::time::Instant::now();
         let (data, meta) = {
             let applied = self.shared.read();
@@ -758,25 +803,63 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             };
             (data, meta)
         };
+        let read = started.elapsed();
+        phases.read.observe(read);
         let data = match data {
             PendingSnapshot::Message(message) => message.encode_to_vec(),
             PendingSnapshot::Encoded(bytes) => bytes,
         };
+        let encoded = started.elapsed();
+        phases.encode.observe(encoded.saturating_sub(read));
         self.save_snapshot(&meta, &data, false).map_err(|e| {
             e.into_raft(
                 ErrorSubject::Snapshot(Some(meta.signature())),
                 ErrorVerb::Write,
             )
         })?;
+        let saved = started.elapsed();
+        phases.save.observe(saved.saturating_sub(encoded));
         if let Some(upto) = meta.last_log_id.map(|l| l.index) {
             let merged = self.compact_journal(upto).map_err(sm_err)?;
             tracing::debug!(upto, merged, "journal compacted");
         }
-        self.snapshot_latency.observe(started.elapsed());
+        let total = started.elapsed();
+        phases.compact.observe(total.saturating_sub(saved));
+        phases.total.observe(total);
+        tracing::debug!(
+            bytes = data.len(),
+            read_ms = read.as_millis(),
+            encode_ms = (encoded - read).as_millis(),
+            save_ms = (saved - encoded).as_millis(),
+            compact_ms = (total - saved).as_millis(),
+            "snapshot built"
+        );
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
         })
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    /// On Tokio's blocking pool (unless [`build_snapshots_inline`]): a
+    /// build of a large state takes seconds, and on a runtime worker it
+    /// would hold up the tasks that send heartbeats.
+    ///
+    /// [`build_snapshots_inline`]: StateMachineStore::build_snapshots_inline
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        if self.build_inline {
+            return self.build_snapshot_here();
+        }
+        let store = self.clone();
+        match tokio::task::spawn_blocking(move || store.build_snapshot_here()).await {
+            Ok(built) => built,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(sm_err(StoreError::Unfinished {
+                what: "the snapshot build".into(),
+                message: e.to_string(),
+            })),
+        }
     }
 }
 

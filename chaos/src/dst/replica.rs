@@ -156,7 +156,10 @@ impl Replica {
         if self.running.is_some() {
             return Ok(());
         }
-        let state_machine = StateMachineStore::open(&self.state_dir)?;
+        let mut state_machine = StateMachineStore::open(&self.state_dir)?;
+        // On the one simulated thread: a build on Tokio's blocking pool
+        // would finish at a moment real time decides, not the seed.
+        state_machine.build_snapshots_inline();
         let (log, flusher) = SimLogStore::open(self.disk.clone());
         let epoch = net.begin(self.id);
         // A new process: its log clock has heard nothing.
