@@ -9,8 +9,8 @@
 //! any election, spurious or not, raises the term. It reports the terms
 //! and leaders seen, the writes and their latency, the leader's CPU and
 //! peak RSS, and each replica's histograms of WAL syncs and snapshot
-//! builds from its `/metrics` (what can hold up a replica long enough for
-//! an election).
+//! builds (and the time each part of the builds took) from its `/metrics`
+//! (what can hold up a replica long enough for an election).
 //!
 //! Run: `cargo bench -p keel --bench steady_leader`
 //! (`KEEL_BENCH_BIN` runs the servers from another build of `keel`.)
@@ -218,15 +218,19 @@ fn main() {
         let mut body = String::new();
         let _ = s.read_to_string(&mut body);
         for line in body.lines().filter(|l| {
-            (l.starts_with("keel_snapshot_duration_seconds")
-                || l.starts_with("keel_wal_fsync_duration_seconds"))
-                && (l.contains("_sum")
-                    || l.contains("_count")
-                    || l.contains("le=\"0.4096")
-                    || l.contains("le=\"0.8192")
-                    || l.contains("le=\"1.6384")
-                    || l.contains("le=\"3.2768")
-                    || l.contains("le=\"+Inf"))
+            let whole = l.starts_with("keel_snapshot_duration_seconds")
+                || l.starts_with("keel_wal_fsync_duration_seconds");
+            // Each part of the builds: its sum and count.
+            let part = l.starts_with("keel_snapshot_phase_duration_seconds");
+            let total = l.contains("_sum") || l.contains("_count");
+            (part && total)
+                || (whole
+                    && (total
+                        || l.contains("le=\"0.4096")
+                        || l.contains("le=\"0.8192")
+                        || l.contains("le=\"1.6384")
+                        || l.contains("le=\"3.2768")
+                        || l.contains("le=\"+Inf")))
         }) {
             println!("replica {id}: {line}");
         }

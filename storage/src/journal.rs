@@ -5,7 +5,11 @@
 //! atomic sled batch as the rest of its writes. Reading a million tiny sled
 //! values costs more than applying them, so [`compact`] merges runs of small
 //! pages behind a snapshot into pages of about [`PAGE_TARGET_ENTRIES`]: the
-//! content and order never change, only how many sled values hold them.
+//! content and order never change, only how many sled values hold them. A
+//! merge puts the pages' bytes one after the other (protobuf appends
+//! repeated fields), and each compaction starts where the last one left
+//! only settled pages behind it, so one costs the bytes written since the
+//! last, decoding no entry.
 
 use keel_proto::entry as pb;
 use keel_state::codec::{entry_from_proto, entry_to_proto};
@@ -223,27 +227,29 @@ pub(crate) struct Compacted {
 pub(crate) fn compact(tree: &sled::Tree, from: u64, upto: u64) -> Result<Compacted, sled::Error> {
     let mut merged_away = 0;
     let mut settled_below = from;
-    let mut run: Vec<(u64, pb::JournalPage)> = Vec::new();
+    // A run's pages: (first index, the page's bytes).
+    let mut run: Vec<(u64, sled::IVec)> = Vec::new();
     let mut run_entries = 0;
-    let flush = |run: &mut Vec<(u64, pb::JournalPage)>| -> Result<usize, sled::Error> {
+    // Two encoded `JournalPage`s one after the other are the encoding of
+    // the page holding both's indexes and entries, in order (protobuf
+    // appends repeated fields), so a merge copies bytes and decodes no
+    // entry.
+    let flush = |run: &mut Vec<(u64, sled::IVec)>| -> Result<(), sled::Error> {
         if run.len() < 2 {
             run.clear();
-            return Ok(0);
+            return Ok(());
         }
         let first = run[0].0;
-        let mut merged = pb::JournalPage::default();
+        let mut merged = Vec::with_capacity(run.iter().map(|(_, v)| v.len()).sum());
         let mut batch = sled::Batch::default();
         for (k, page) in run.drain(..) {
-            merged.indexes.extend(page.indexes);
-            merged.entries.extend(page.entries);
+            merged.extend_from_slice(&page);
             if k != first {
                 batch.remove(&key(PREFIX_PAGE, k)[..]);
             }
         }
-        let parts = merged.indexes.len();
-        batch.insert(&key(PREFIX_PAGE, first)[..], merged.encode_to_vec());
-        tree.apply_batch(batch)?;
-        Ok(parts)
+        batch.insert(&key(PREFIX_PAGE, first)[..], merged);
+        tree.apply_batch(batch)
     };
     if upto < from {
         return Ok(Compacted {
@@ -251,14 +257,14 @@ pub(crate) fn compact(tree: &sled::Tree, from: u64, upto: u64) -> Result<Compact
             settled_below,
         });
     }
-    let pages: Vec<(u64, pb::JournalPage)> = tree
+    // Read before any merge writes (the values are shared buffers).
+    let pages = tree
         .range(key(PREFIX_PAGE, from)..=key(PREFIX_PAGE, upto))
-        .filter_map(|item| {
-            let (k, v) = item.ok()?;
-            Some((index_of(&k)?, pb::JournalPage::decode(v.as_ref()).ok()?))
-        })
-        .collect();
-    for (first, page) in pages {
+        .collect::<Result<Vec<_>, _>>()?;
+    for (k, v) in pages {
+        let (Some(first), Ok(page)) = (index_of(&k), PageIndexes::decode(v.as_ref())) else {
+            continue;
+        };
         // Only pages wholly behind `upto`; and full pages stay as they are.
         let Some(&last) = page.indexes.last().filter(|l| **l <= upto) else {
             break;
@@ -272,7 +278,7 @@ pub(crate) fn compact(tree: &sled::Tree, from: u64, upto: u64) -> Result<Compact
             continue;
         }
         run_entries += page.indexes.len();
-        run.push((first, page));
+        run.push((first, v));
         if run_entries >= PAGE_TARGET_ENTRIES {
             let n = run.len();
             flush(&mut run)?;
@@ -287,7 +293,7 @@ pub(crate) fn compact(tree: &sled::Tree, from: u64, upto: u64) -> Result<Compact
         settled_below = *first;
     }
     let n = run.len();
-    let _ = flush(&mut run)?;
+    flush(&mut run)?;
     merged_away += n.saturating_sub(1);
     Ok(Compacted {
         merged_away,
@@ -295,14 +301,32 @@ pub(crate) fn compact(tree: &sled::Tree, from: u64, upto: u64) -> Result<Compact
     })
 }
 
+/// A `JournalPage`'s indexes alone (its field 1): decoding one skips the
+/// entries' bytes, so compaction counts a page's entries without decoding
+/// them.
+#[derive(Clone, PartialEq, prost::Message)]
+struct PageIndexes {
+    #[prost(uint64, repeated, tag = "1")]
+    indexes: Vec<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn entries() -> Vec<LogEntry> {
+        keel_state::fixtures::mixed_entries(64, 4, 5)
+    }
+
+    /// The entry written at `index`.
+    fn entry_at(entries: &[LogEntry], index: u64) -> &LogEntry {
+        &entries[index as usize % entries.len()]
+    }
+
     /// Pages of 1 to 5 entries, with a full one (past the target) every
     /// 37th; returns the last index written.
     fn write_pages(tree: &sled::Tree, pages: usize) -> u64 {
-        let entries = keel_state::fixtures::mixed_entries(64, 4, 5);
+        let entries = entries();
         let mut index = 0u64;
         for p in 0..pages {
             let size = if p % 37 == 36 {
@@ -311,9 +335,9 @@ mod tests {
                 1 + p % 5
             };
             let mut page = PageBuilder::default();
-            for i in 0..size {
+            for _ in 0..size {
                 index += 1;
-                page.push(index, &entries[i % entries.len()]);
+                page.push(index, entry_at(&entries, index));
             }
             let (k, v) = page.finish().expect("a page");
             tree.insert(k, v).expect("insert");
@@ -355,11 +379,22 @@ mod tests {
         assert!(bounds[bounds.len() - 2] > last / 2, "{bounds:?}");
         // Nothing left to merge behind the last bound.
         assert_eq!(compact(&whole, 0, last).expect("again").merged_away, 0);
-        // The merged journal holds every entry once, in order.
+        // The merged pages (bytes put one after the other) decode to every
+        // entry once, in order, each beside its index.
+        let entries = entries();
         let mut seen = Vec::new();
         for kv in whole.iter() {
             let (_, v) = kv.expect("read");
-            seen.extend(pb::JournalPage::decode(v.as_ref()).expect("page").indexes);
+            let page = pb::JournalPage::decode(v.as_ref()).expect("page");
+            assert_eq!(page.indexes.len(), page.entries.len());
+            for (index, entry) in page.indexes.iter().zip(&page.entries) {
+                assert_eq!(
+                    entry,
+                    &entry_to_proto(entry_at(&entries, *index)),
+                    "{index}"
+                );
+            }
+            seen.extend(page.indexes);
         }
         assert_eq!(seen, (1..=last).collect::<Vec<_>>());
         assert!(whole.len() < 200, "{} pages", whole.len());
