@@ -764,8 +764,9 @@ impl StateMachineStore {
     /// Builds a snapshot of the state applied so far, on this thread: the
     /// state read under its lock (applies wait meanwhile), encoded, saved
     /// and flushed, then the journal behind it compacted. Each part's time
-    /// goes to [`StateMachineStore::snapshot_phases`].
-    fn build_snapshot_here(&self) -> Result<Snapshot<TypeConfig>, StorageError> {
+    /// goes to [`StateMachineStore::snapshot_phases`]. (openraft's error,
+    /// boxed: it is large to carry back from another thread.)
+    fn build_snapshot_here(&self) -> Result<Snapshot<TypeConfig>, Box<StorageError>> {
         let phases = &self.snapshot_latency;
         let started = std::time::Instant::now();
         let (data, meta) = {
@@ -849,11 +850,11 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     /// [`build_snapshots_inline`]: StateMachineStore::build_snapshots_inline
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
         if self.build_inline {
-            return self.build_snapshot_here();
+            return self.build_snapshot_here().map_err(|e| *e);
         }
         let store = self.clone();
         match tokio::task::spawn_blocking(move || store.build_snapshot_here()).await {
-            Ok(built) => built,
+            Ok(built) => built.map_err(|e| *e),
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(e) => Err(sm_err(StoreError::Unfinished {
                 what: "the snapshot build".into(),
