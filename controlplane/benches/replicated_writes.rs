@@ -19,7 +19,8 @@
 //!
 //! Run: `cargo bench -p keel --bench replicated_writes`
 //! (`KEEL_BENCH_SECONDS` sets each phase's length; default 5;
-//! `KEEL_BENCH_ONLY=observability` runs the observability rows alone.)
+//! `KEEL_BENCH_ONLY=observability` runs the observability rows alone;
+//! `KEEL_BENCH_ONLY=single`, one replica beside a one-member etcd.)
 
 #![allow(clippy::print_stdout)]
 
@@ -213,7 +214,8 @@ async fn keel_leader(transport: &Transport, addrs: &[String]) -> String {
     }
 }
 
-fn spawn_etcd(dir: &Path) -> Option<(Vec<Child>, Vec<String>)> {
+/// `members` etcd members (1 or 3) in `dir`, if `etcd` is on PATH.
+fn spawn_etcd(dir: &Path, members: usize) -> Option<(Vec<Child>, Vec<String>)> {
     let available = Command::new("etcd")
         .arg("--version")
         .stdout(Stdio::null())
@@ -223,7 +225,7 @@ fn spawn_etcd(dir: &Path) -> Option<(Vec<Child>, Vec<String>)> {
     if !available {
         return None;
     }
-    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let ports: Vec<(u16, u16)> = (0..members).map(|_| (free_port(), free_port())).collect();
     let cluster = ports
         .iter()
         .enumerate()
@@ -363,9 +365,15 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let only_observability = std::env::var("KEEL_BENCH_ONLY").as_deref() == Ok("observability");
+    let only = std::env::var("KEEL_BENCH_ONLY").unwrap_or_default();
+    let only_observability = only == "observability";
     let collector = otlp::Collector::start();
     let mut rows = Vec::new();
+    if only == "single" {
+        rt.block_on(single_member(dir.path(), secs, &mut rows));
+        print_rows(rows);
+        return;
+    }
     rt.block_on(async {
         let (certs, tls) = tls_client(dir.path());
         let plain = Transport::Plain;
@@ -439,7 +447,7 @@ fn main() {
         if only_observability {
             return;
         }
-        match spawn_etcd(dir.path()) {
+        match spawn_etcd(dir.path(), 3) {
             None => println!(
                 "etcd is not on PATH: the etcd rows are skipped (apt-get install etcd-server)"
             ),
@@ -464,6 +472,62 @@ fn main() {
             }
         }
     });
+    print_rows(rows);
+}
+
+/// One `keel server` replica (the embedded default: no peers), then a
+/// one-member etcd, on the same cores and disk, one after the other:
+/// 1 and 64 clients each.
+async fn single_member(dir: &Path, secs: f64, rows: &mut Vec<Row>) {
+    let plain = Transport::Plain;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut keel = Command::new(common::server_binary())
+        .args(["server", "--no-local-node", "--http-listen", "off"])
+        .args(["--listen", &addr, "--data-dir"])
+        .arg(dir.join("keel1"))
+        .stdout(Stdio::null())
+        .stderr(common::server_log(1))
+        .spawn()
+        .expect("spawn keel");
+    let leader = keel_leader(&plain, std::slice::from_ref(&addr)).await;
+    for clients in [1, 64] {
+        rows.push(
+            load(
+                format!("keel, 1 replica, {clients} client(s)"),
+                (&plain, &leader),
+                clients,
+                secs,
+                keel_submit,
+            )
+            .await,
+        );
+    }
+    let _ = keel.kill();
+    let _ = keel.wait();
+    let Some((mut etcd, addrs)) = spawn_etcd(dir, 1) else {
+        println!("etcd is not on PATH: the etcd rows are skipped (apt-get install etcd-server)");
+        return;
+    };
+    let leader = etcd_leader(&addrs).await;
+    for clients in [1, 64] {
+        rows.push(
+            load(
+                format!("etcd, 1 member, {clients} client(s)"),
+                (&plain, &leader),
+                clients,
+                secs,
+                etcd_put,
+            )
+            .await,
+        );
+    }
+    for c in &mut etcd {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+fn print_rows(rows: Vec<Row>) {
     println!("| what | writes/s | p50 | p99 |");
     println!("|---|---:|---:|---:|");
     for r in rows {
