@@ -447,30 +447,7 @@ fn main() {
         if only_observability {
             return;
         }
-        match spawn_etcd(dir.path(), 3) {
-            None => println!(
-                "etcd is not on PATH: the etcd rows are skipped (apt-get install etcd-server)"
-            ),
-            Some((mut etcd, addrs)) => {
-                let leader = etcd_leader(&addrs).await;
-                for clients in [1, 64] {
-                    rows.push(
-                        load(
-                            format!("etcd, 3 members, {clients} client(s)"),
-                            (&plain, &leader),
-                            clients,
-                            secs,
-                            etcd_put,
-                        )
-                        .await,
-                    );
-                }
-                for c in &mut etcd {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-            }
-        }
+        etcd_rows(dir.path(), 3, secs, &mut rows).await;
     });
     print_rows(rows);
 }
@@ -504,16 +481,23 @@ async fn single_member(dir: &Path, secs: f64, rows: &mut Vec<Row>) {
     }
     let _ = keel.kill();
     let _ = keel.wait();
-    let Some((mut etcd, addrs)) = spawn_etcd(dir, 1) else {
+    etcd_rows(dir, 1, secs, rows).await;
+}
+
+/// `members` etcd members in `dir`, 1 and 64 clients `Put`ting to the
+/// leader; nothing (said so) when `etcd` is not on PATH.
+async fn etcd_rows(dir: &Path, members: usize, secs: f64, rows: &mut Vec<Row>) {
+    let Some((mut etcd, addrs)) = spawn_etcd(dir, members) else {
         println!("etcd is not on PATH: the etcd rows are skipped (apt-get install etcd-server)");
         return;
     };
     let leader = etcd_leader(&addrs).await;
+    let name = if members == 1 { "member" } else { "members" };
     for clients in [1, 64] {
         rows.push(
             load(
-                format!("etcd, 1 member, {clients} client(s)"),
-                (&plain, &leader),
+                format!("etcd, {members} {name}, {clients} client(s)"),
+                (&Transport::Plain, &leader),
                 clients,
                 secs,
                 etcd_put,
