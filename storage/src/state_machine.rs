@@ -115,6 +115,20 @@ impl RemovedMembers {
 }
 const KEY_SNAPSHOT_META: &[u8] = b"m/snapshot-meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"m/snapshot-data";
+/// The sled tree the snapshot and its meta live in (under the keys above).
+/// In the state tree they shared a leaf node with the keys every apply
+/// batch rewrites (`m/applied`, ...), and sled, rewriting that node whole,
+/// wrote the snapshot (megabytes) again each time: some 23 KB per client
+/// write at 5,000 writes/s (BENCHMARKS, "One replica beside a one-member
+/// etcd"). A data directory written before keeps its snapshot in the
+/// state tree until the next one is saved ([`snapshot_pair`]).
+const SNAPSHOT_TREE: &str = "snapshot";
+/// What the state tree holds at the snapshot's keys once the snapshot has
+/// moved to [`SNAPSHOT_TREE`]: a meta in a format no release reads (254),
+/// so a release before this one refuses the data directory ("format 254
+/// is not one this build reads; upgrade keel") instead of starting from
+/// an empty state.
+const SNAPSHOT_MOVED: &[u8] = b"\xfethe snapshot is in the sled tree `snapshot` (a newer keel)";
 /// Where the next journal compaction starts (8 bytes, big-endian): a hint
 /// (`journal::Compacted::settled_below`), so that a compaction after a
 /// restart does not read the whole journal again. Lost or behind, it costs
@@ -149,6 +163,26 @@ fn first_progress_trace(state: &ClusterState, entry: &LogEntry) -> Option<String
                 .flatten()
         }
         _ => None,
+    }
+}
+
+/// The snapshot's meta and bytes: from [`SNAPSHOT_TREE`], or in a data
+/// directory written before it, from the state tree (whose copy a saved
+/// snapshot replaces with [`SNAPSHOT_MOVED`]).
+fn snapshot_pair(
+    snapshots: &sled::Tree,
+    sm: &sled::Tree,
+) -> Result<(Option<sled::IVec>, Option<sled::IVec>), StoreError> {
+    let meta = snapshots.get(KEY_SNAPSHOT_META)?;
+    if meta.is_some() {
+        return Ok((meta, snapshots.get(KEY_SNAPSHOT_DATA)?));
+    }
+    match sm.get(KEY_SNAPSHOT_META)? {
+        Some(m) if m.as_ref() == SNAPSHOT_MOVED => Err(StoreError::corrupt(
+            "the state directory",
+            "its snapshot moved to the `snapshot` tree, which is empty",
+        )),
+        meta => Ok((meta, sm.get(KEY_SNAPSHOT_DATA)?)),
     }
 }
 
@@ -408,6 +442,8 @@ pub struct StateMachineStore {
     snapshot_format: Arc<std::sync::atomic::AtomicU32>,
     /// How long building a snapshot took, in all and by part (`/metrics`).
     snapshot_latency: Arc<crate::latency::SnapshotLatency>,
+    /// The snapshot and its meta ([`SNAPSHOT_TREE`]).
+    snapshots: sled::Tree,
     /// Where the next journal compaction starts ([`KEY_JOURNAL_SETTLED`]).
     journal_settled: Arc<AtomicU64>,
     /// Build snapshots on the task that asks for one, not on Tokio's
@@ -450,6 +486,7 @@ impl StateMachineStore {
     pub fn open(dir: &Path) -> Result<StateMachineStore, StoreError> {
         let db = open_sled(dir)?;
         let tree = db.open_tree("sm")?;
+        let snapshots = db.open_tree(SNAPSHOT_TREE)?;
         let last_applied: Option<LogId> = match tree.get(KEY_APPLIED)? {
             Some(v) => meta_codec::decode_last_applied(&v)
                 .map_err(|e| StoreError::corrupt("the last applied log id", e))?,
@@ -465,7 +502,7 @@ impl StateMachineStore {
                 .map_err(|e| StoreError::corrupt("the removed members", e))?,
             None => RemovedMembers::default(),
         };
-        let (mut state, from) = match (tree.get(KEY_SNAPSHOT_META)?, tree.get(KEY_SNAPSHOT_DATA)?) {
+        let (mut state, from) = match snapshot_pair(&snapshots, &tree)? {
             (Some(meta), Some(data)) => {
                 let meta = meta_codec::decode_snapshot_meta(&meta)
                     .map_err(|e| StoreError::corrupt("the snapshot's meta", e))?;
@@ -512,6 +549,7 @@ impl StateMachineStore {
             snapshot_seq: Arc::new(AtomicU64::new(0)),
             snapshot_format: Arc::new(std::sync::atomic::AtomicU32::new(SNAPSHOT_FORMAT_VERSION)),
             snapshot_latency: Arc::default(),
+            snapshots,
             journal_settled: Arc::new(AtomicU64::new(journal_settled)),
             build_inline: false,
         })
@@ -571,9 +609,8 @@ impl StateMachineStore {
 
     /// The bytes of the last snapshot saved (0: none yet).
     pub fn snapshot_bytes(&self) -> Result<u64, StoreError> {
-        Ok(self
-            .tree
-            .get(KEY_SNAPSHOT_DATA)?
+        Ok(snapshot_pair(&self.snapshots, &self.tree)?
+            .1
             .map_or(0, |v| u64::try_from(v.len()).unwrap_or(u64::MAX)))
     }
 
@@ -638,7 +675,8 @@ impl StateMachineStore {
         data: &[u8],
         state: ClusterState,
     ) -> Result<(), StoreError> {
-        if self.shared.read().last_applied.is_some() || self.tree.get(KEY_SNAPSHOT_META)?.is_some()
+        if self.shared.read().last_applied.is_some()
+            || snapshot_pair(&self.snapshots, &self.tree)?.0.is_some()
         {
             return Err(StoreError::corrupt(
                 "the state directory",
@@ -662,22 +700,47 @@ impl StateMachineStore {
         // The snapshot's index must not be ahead of the applied index on
         // disk: drain the journal writer first.
         self.writer.barrier()?;
-        let mut batch = sled::Batch::default();
-        batch.insert(KEY_SNAPSHOT_META, meta_codec::encode_snapshot_meta(meta));
-        batch.insert(KEY_SNAPSHOT_DATA, data);
+        let meta_bytes = meta_codec::encode_snapshot_meta(meta);
+        let moved_before = self.tree.get(KEY_SNAPSHOT_META)?.as_deref() == Some(SNAPSHOT_MOVED);
         if checkpoint {
+            // An installed snapshot is the state: it, the applied id and
+            // the membership it brings change together, across both trees.
+            use sled::transaction::{ConflictableTransactionResult, TransactionError};
+            use sled::Transactional;
             let index = meta.last_log_id.map_or(0, |l| l.index);
-            batch.insert(&key(PREFIX_CHECKPOINT, index)[..], data);
-            batch.insert(
-                KEY_APPLIED,
-                meta_codec::encode_last_applied(&meta.last_log_id),
-            );
-            batch.insert(
-                KEY_MEMBERSHIP,
-                meta_codec::encode_membership(&meta.last_membership),
-            );
+            let applied = meta_codec::encode_last_applied(&meta.last_log_id);
+            let membership = meta_codec::encode_membership(&meta.last_membership);
+            (&self.tree, &self.snapshots)
+                .transaction(
+                    |(sm, snapshots)| -> ConflictableTransactionResult<(), std::convert::Infallible> {
+                        snapshots.insert(KEY_SNAPSHOT_META, meta_bytes.as_slice())?;
+                        snapshots.insert(KEY_SNAPSHOT_DATA, data)?;
+                        sm.insert(&key(PREFIX_CHECKPOINT, index)[..], data)?;
+                        sm.insert(KEY_APPLIED, applied.as_slice())?;
+                        sm.insert(KEY_MEMBERSHIP, membership.as_slice())?;
+                        sm.insert(KEY_SNAPSHOT_META, SNAPSHOT_MOVED)?;
+                        sm.insert(KEY_SNAPSHOT_DATA, SNAPSHOT_MOVED)?;
+                        Ok(())
+                    },
+                )
+                .map_err(|e| match e {
+                    TransactionError::Storage(e) => StoreError::Sled(e),
+                    TransactionError::Abort(never) => match never {},
+                })?;
+        } else {
+            let mut batch = sled::Batch::default();
+            batch.insert(KEY_SNAPSHOT_META, meta_bytes);
+            batch.insert(KEY_SNAPSHOT_DATA, data);
+            self.snapshots.apply_batch(batch)?;
+            // Once: the state tree's copy (a data directory written before)
+            // gives way to the marker.
+            if !moved_before {
+                let mut batch = sled::Batch::default();
+                batch.insert(KEY_SNAPSHOT_META, SNAPSHOT_MOVED);
+                batch.insert(KEY_SNAPSHOT_DATA, SNAPSHOT_MOVED);
+                self.tree.apply_batch(batch)?;
+            }
         }
-        self.tree.apply_batch(batch)?;
         // Log compaction purges the Raft log up to this snapshot: it must be
         // on disk first.
         self.flush()
@@ -1008,9 +1071,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let meta = self.tree.get(KEY_SNAPSHOT_META).map_err(read_err)?;
-        let data = self.tree.get(KEY_SNAPSHOT_DATA).map_err(read_err)?;
-        match (meta, data) {
+        match snapshot_pair(&self.snapshots, &self.tree).map_err(read_err)? {
             (Some(meta), Some(data)) => Ok(Some(Snapshot {
                 meta: meta_codec::decode_snapshot_meta(&meta)
                     .map_err(|e| read_err(StoreError::corrupt("the snapshot's meta", e)))?,
@@ -1144,6 +1205,95 @@ mod tests {
     /// a peer's copy or by a replica pinned to the older wire format, which
     /// writes format 8 instead of a snapshot that would reload as another
     /// state.
+    /// Submissions `from..from + n` at indexes `from..`, one apply call.
+    async fn submit_jobs(store: &mut StateMachineStore, from: u64, n: u64) {
+        let entries: Vec<Entry> = (from..from + n)
+            .map(|i| Entry {
+                log_id: LogId::new(openraft::CommittedLeaderId::new(1, 1), i),
+                payload: EntryPayload::Normal(keel_state::Proposal::new(vec![LogEntry::new(
+                    i * 1_000,
+                    Command::submit_job(keel_state::fixtures::job_spec(&format!("j{i}"), 1, 1)),
+                )])),
+            })
+            .collect();
+        store.apply(entries).await.expect("apply");
+    }
+
+    /// The snapshot lives in a tree of its own, away from the keys every
+    /// apply rewrites; the state tree keeps a marker a release before
+    /// refuses. A data directory with the snapshot in the state tree (as
+    /// the releases before wrote it) opens on it, and its next snapshot
+    /// moves.
+    #[tokio::test]
+    async fn the_snapshot_lives_apart_from_the_keys_every_apply_rewrites() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = StateMachineStore::open(dir.path()).expect("open");
+        submit_jobs(&mut store, 1, 20).await;
+        let built = store.build_snapshot().await.expect("snapshot");
+        let bytes = built.snapshot.into_inner();
+        assert_eq!(
+            store
+                .snapshots
+                .get(KEY_SNAPSHOT_DATA)
+                .expect("read")
+                .as_deref(),
+            Some(&bytes[..])
+        );
+        assert_eq!(
+            store.tree.get(KEY_SNAPSHOT_DATA).expect("read").as_deref(),
+            Some(SNAPSHOT_MOVED)
+        );
+        let err =
+            meta_codec::decode_snapshot_meta(SNAPSHOT_MOVED).expect_err("no release reads it");
+        assert!(
+            err.contains("format 254") && err.contains("upgrade keel"),
+            "{err}"
+        );
+        assert_eq!(store.snapshot_bytes().expect("size"), bytes.len() as u64);
+        let hash = store.shared().read().state.state_hash();
+        store.flush().expect("flush");
+
+        // As a release before left it: the snapshot in the state tree only.
+        let meta = store
+            .snapshots
+            .get(KEY_SNAPSHOT_META)
+            .expect("read")
+            .expect("meta");
+        store.tree.insert(KEY_SNAPSHOT_META, meta).expect("write");
+        store
+            .tree
+            .insert(KEY_SNAPSHOT_DATA, &bytes[..])
+            .expect("write");
+        store.snapshots.clear().expect("clear");
+        store.flush().expect("flush");
+        drop(store);
+        let mut store = StateMachineStore::open(dir.path()).expect("reopen");
+        assert_eq!(store.shared().read().state.state_hash(), hash);
+        let current = store
+            .get_current_snapshot()
+            .await
+            .expect("read")
+            .expect("a snapshot");
+        assert_eq!(current.snapshot.into_inner(), bytes);
+        submit_jobs(&mut store, 21, 5).await;
+        store.build_snapshot().await.expect("snapshot");
+        assert!(store
+            .snapshots
+            .get(KEY_SNAPSHOT_DATA)
+            .expect("read")
+            .is_some());
+        assert_eq!(
+            store.tree.get(KEY_SNAPSHOT_DATA).expect("read").as_deref(),
+            Some(SNAPSHOT_MOVED)
+        );
+        let hash = store.shared().read().state.state_hash();
+        store.flush().expect("flush");
+        drop(store);
+        let store = StateMachineStore::open(dir.path()).expect("reopen");
+        assert_eq!(store.shared().read().state.state_hash(), hash);
+        assert_eq!(store.shared().read().state.jobs().len(), 25);
+    }
+
     #[tokio::test]
     async fn a_state_format_7_cannot_carry_is_never_written_in_it() {
         use keel_state::acl::SecretHash;
