@@ -701,7 +701,6 @@ impl StateMachineStore {
         // disk: drain the journal writer first.
         self.writer.barrier()?;
         let meta_bytes = meta_codec::encode_snapshot_meta(meta);
-        let moved_before = self.tree.get(KEY_SNAPSHOT_META)?.as_deref() == Some(SNAPSHOT_MOVED);
         if checkpoint {
             // An installed snapshot is the state: it, the applied id and
             // the membership it brings change together, across both trees.
@@ -734,7 +733,7 @@ impl StateMachineStore {
             self.snapshots.apply_batch(batch)?;
             // Once: the state tree's copy (a data directory written before)
             // gives way to the marker.
-            if !moved_before {
+            if self.tree.get(KEY_SNAPSHOT_META)?.as_deref() != Some(SNAPSHOT_MOVED) {
                 let mut batch = sled::Batch::default();
                 batch.insert(KEY_SNAPSHOT_META, SNAPSHOT_MOVED);
                 batch.insert(KEY_SNAPSHOT_DATA, SNAPSHOT_MOVED);
@@ -868,13 +867,11 @@ impl StateMachineStore {
             (data, meta)
         };
         let read = started.elapsed();
-        phases.read.observe(read);
         let data = match data {
             PendingSnapshot::Message(message) => message.encode_to_vec(),
             PendingSnapshot::Encoded(bytes) => bytes,
         };
         let encoded = started.elapsed();
-        phases.encode.observe(encoded.saturating_sub(read));
         self.save_snapshot(&meta, &data, false).map_err(|e| {
             e.into_raft(
                 ErrorSubject::Snapshot(Some(meta.signature())),
@@ -882,20 +879,23 @@ impl StateMachineStore {
             )
         })?;
         let saved = started.elapsed();
-        phases.save.observe(saved.saturating_sub(encoded));
         if let Some(upto) = meta.last_log_id.map(|l| l.index) {
             let merged = self.compact_journal(upto).map_err(sm_err)?;
             tracing::debug!(upto, merged, "journal compacted");
         }
         let total = started.elapsed();
-        phases.compact.observe(total.saturating_sub(saved));
+        let (encode, save, compact) = (encoded - read, saved - encoded, total - saved);
+        phases.read.observe(read);
+        phases.encode.observe(encode);
+        phases.save.observe(save);
+        phases.compact.observe(compact);
         phases.total.observe(total);
         tracing::debug!(
             bytes = data.len(),
             read_ms = read.as_millis(),
-            encode_ms = (encoded - read).as_millis(),
-            save_ms = (saved - encoded).as_millis(),
-            compact_ms = (total - saved).as_millis(),
+            encode_ms = encode.as_millis(),
+            save_ms = save.as_millis(),
+            compact_ms = compact.as_millis(),
             "snapshot built"
         );
         Ok(Snapshot {
@@ -1200,11 +1200,6 @@ mod tests {
         assert!(err.contains("GPU holder index"), "{err}");
     }
 
-    /// Format 7 (postcard, the release before's) leaves out what is encoded
-    /// apart: a state with tokens or a submitter is never written in it, by
-    /// a peer's copy or by a replica pinned to the older wire format, which
-    /// writes format 8 instead of a snapshot that would reload as another
-    /// state.
     /// Submissions `from..from + n` at indexes `from..`, one apply call.
     async fn submit_jobs(store: &mut StateMachineStore, from: u64, n: u64) {
         let entries: Vec<Entry> = (from..from + n)
@@ -1294,6 +1289,11 @@ mod tests {
         assert_eq!(store.shared().read().state.jobs().len(), 25);
     }
 
+    /// Format 7 (postcard, the release before's) leaves out what is encoded
+    /// apart: a state with tokens or a submitter is never written in it, by
+    /// a peer's copy or by a replica pinned to the older wire format, which
+    /// writes format 8 instead of a snapshot that would reload as another
+    /// state.
     #[tokio::test]
     async fn a_state_format_7_cannot_carry_is_never_written_in_it() {
         use keel_state::acl::SecretHash;
