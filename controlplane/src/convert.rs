@@ -1,6 +1,10 @@
-//! Domain objects to their API messages.
+//! Domain objects to their API messages, and the one way back a client
+//! needs (an older server's job as a record).
+
+use std::borrow::Cow;
 
 use keel_proto::api;
+use keel_proto::entry::{JobRecord, WorkerRecord};
 use keel_state::codec::{gpu_ref_to_proto, gpu_to_proto, sample_to_proto, spec_to_proto};
 use keel_state::{Job, Node};
 
@@ -43,7 +47,56 @@ pub fn job_to_proto(job: &Job) -> api::Job {
             .as_deref()
             .and_then(crate::traces::trace_id_of)
             .unwrap_or_default(),
+        record: Some(job.to_record()),
     }
+}
+
+/// The job's record (`api::Job.record`), what `keel job` shows. A server
+/// from before that field sends only the v1 summary; the record is then
+/// rebuilt from it, with what the summary does not carry left empty. This
+/// function knows only the summary's fields, which gain nothing new, so a
+/// field a job gains never touches it.
+pub fn record_of(job: &api::Job) -> Cow<'_, JobRecord> {
+    if let Some(record) = &job.record {
+        return Cow::Borrowed(record);
+    }
+    Cow::Owned(JobRecord {
+        id: job.id,
+        spec: job.spec.clone(),
+        state: job.state.clone(),
+        submitted_at_ms: job.submitted_at_ms,
+        started_at_ms: (job.started_at_ms != 0).then_some(job.started_at_ms),
+        finished_at_ms: (job.finished_at_ms != 0).then_some(job.finished_at_ms),
+        allocation: job
+            .allocation
+            .as_ref()
+            .map(|a| keel_proto::entry::Allocation {
+                epoch: a.epoch,
+                gpus: a.gpus.clone(),
+                based_on: a.based_on,
+                policy: a.policy.clone(),
+                round: 0,
+                decided_at_ms: a.decided_at_ms,
+                shared_with: a.shared_with,
+            }),
+        workers: job
+            .workers
+            .iter()
+            .map(|w| WorkerRecord {
+                rank: w.rank,
+                epoch: w.epoch,
+                node: w.node.clone(),
+                state: w.state.clone(),
+                exit_code: w.exit_code,
+            })
+            .collect(),
+        progress: job.progress.clone(),
+        retries: job.retries,
+        not_before_ms: (job.not_before_ms != 0).then_some(job.not_before_ms),
+        message: job.message.clone(),
+        submitted_by: Some(job.submitted_by.clone()).filter(|s| !s.is_empty()),
+        ..JobRecord::default()
+    })
 }
 
 /// The performance models' estimate for `job`, as `GetJob` returns it.

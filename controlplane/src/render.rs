@@ -155,10 +155,14 @@ struct WorkerView {
     exit_code: Option<i32>,
 }
 
+/// The job as `keel job` and `keel jobs` show it: what the state holds
+/// (`api::Job.record`), with what the API adds of its own (its words for
+/// why the job waits, the estimate, the trace id).
 fn job_view(job: &api::Job) -> JobView {
-    let spec = job.spec.clone().unwrap_or_default();
+    let record = keel::convert::record_of(job);
+    let spec = record.spec.clone().unwrap_or_default();
     JobView {
-        id: job.id,
+        id: record.id,
         name: spec.name,
         user: spec.user,
         queue: if spec.queue.is_empty() {
@@ -166,7 +170,7 @@ fn job_view(job: &api::Job) -> JobView {
         } else {
             spec.queue
         },
-        state: job.state.clone(),
+        state: record.state.clone(),
         gpus: spec.gpus_per_worker,
         min_workers: spec.min_workers,
         max_workers: spec.max_workers,
@@ -193,7 +197,7 @@ fn job_view(job: &api::Job) -> JobView {
             max_file_bytes: l.max_file_bytes,
             max_files: l.max_files,
         }),
-        allocation: job.allocation.as_ref().map(|a| AllocationView {
+        allocation: record.allocation.as_ref().map(|a| AllocationView {
             epoch: a.epoch,
             gpus: a.gpus.iter().map(gpu_ref).collect(),
             policy: a.policy.clone(),
@@ -201,21 +205,21 @@ fn job_view(job: &api::Job) -> JobView {
             decided_at_ms: a.decided_at_ms,
             shared_with: a.shared_with,
         }),
-        progress: job.progress.as_ref().map(|p| ProgressView {
+        progress: record.progress.as_ref().map(|p| ProgressView {
             step: p.step,
             total_steps: p.total_steps,
             loss: p.loss,
             samples_per_s: p.samples_per_s,
             at_ms: p.at_ms,
         }),
-        submitted_at_ms: job.submitted_at_ms,
-        started_at_ms: (job.started_at_ms != 0).then_some(job.started_at_ms),
-        finished_at_ms: (job.finished_at_ms != 0).then_some(job.finished_at_ms),
-        retries: job.retries,
-        max_retries: job.max_retries,
-        submitted_by: Some(job.submitted_by.clone()).filter(|s| !s.is_empty()),
+        submitted_at_ms: record.submitted_at_ms,
+        started_at_ms: record.started_at_ms,
+        finished_at_ms: record.finished_at_ms,
+        retries: record.retries,
+        max_retries: spec.max_retries,
+        submitted_by: record.submitted_by.clone().filter(|s| !s.is_empty()),
         trace_id: Some(job.trace_id.clone()).filter(|s| !s.is_empty()),
-        workers: job
+        workers: record
             .workers
             .iter()
             .map(|w| WorkerView {
@@ -226,6 +230,7 @@ fn job_view(job: &api::Job) -> JobView {
                 exit_code: w.exit_code,
             })
             .collect(),
+        // The API's words: the state's message, or why the job waits now.
         message: job.message.clone(),
         estimate: job.estimate.as_ref().map(|e| EstimateView {
             remaining_steps: e.remaining_steps,
@@ -402,7 +407,7 @@ pub fn job(
             if let Some(e) = &view.estimate {
                 outln!("{}", describe_estimate(e));
             }
-            for w in &job.workers {
+            for w in &view.workers {
                 outln!(
                     "worker rank {} epoch {} on {}: {}{}",
                     w.rank,
@@ -422,7 +427,7 @@ pub fn job(
                 let what = record
                     .events
                     .iter()
-                    .filter(|e| event_job_id(e) == Some(job.id))
+                    .filter(|e| event_job_id(e) == Some(view.id))
                     .map(describe_event)
                     .collect::<Vec<_>>()
                     .join("; ");
@@ -1365,6 +1370,46 @@ mod tests {
             "",
             "the leader's or a caller's"
         );
+    }
+
+    /// `keel job` shows the record the state keeps (`api::Job.record`);
+    /// a server from before that field sends only the v1 summary, and the
+    /// same job then shows the same.
+    #[test]
+    fn a_job_shows_its_record_and_the_same_from_an_older_servers_summary() {
+        use keel_state::fixtures::{job_spec, TestCluster};
+        use keel_state::{Command, GpuRef, ProgressSample};
+        let mut c = TestCluster::v100_nodes(&[2]);
+        let mut spec = job_spec("train", 1, 2);
+        spec.max_retries = 2;
+        let id = c.submit(spec);
+        let gpus = (0..2).map(|index| GpuRef {
+            node: "n0".into(),
+            index,
+        });
+        c.place(id, gpus.collect());
+        c.apply(Command::record_worker_started(id, 1, 0, "n0"));
+        c.apply(Command::report_progress(
+            id,
+            vec![ProgressSample {
+                step: 10,
+                total_steps: 10_000,
+                loss: Some(2.5),
+                samples_per_s: 40.0,
+                at_ms: 1,
+            }],
+        ));
+        let job = &c.state.jobs()[&id];
+        let answered = keel::convert::job_to_proto(job);
+        assert_eq!(answered.record, Some(job.to_record()));
+        let mut older = answered.clone();
+        older.record = None;
+        let shown = serde_json::to_value(job_view(&answered)).expect("json");
+        assert_eq!(shown, serde_json::to_value(job_view(&older)).expect("json"));
+        assert_eq!(shown["workers"][0]["node"], "n0");
+        assert_eq!(shown["progress"]["step"], 10);
+        assert_eq!(shown["max_retries"], 2);
+        assert_eq!(shown["allocation"]["gpus"][1], "n0/1");
     }
 
     fn estimate(source: &str) -> EstimateView {

@@ -42,7 +42,7 @@ impl ClusterState {
         pb::StateSnapshot {
             format_version: 0,
             next_job_id: self.next_job_id,
-            jobs: self.jobs.values().map(|j| job_to_proto(j)).collect(),
+            jobs: self.jobs.values().map(|j| j.to_record()).collect(),
             nodes: self.nodes.values().map(node_to_proto).collect(),
             gpu_holders: self
                 .gpu_holders
@@ -276,45 +276,51 @@ impl ClusterState {
     }
 }
 
-fn job_to_proto(j: &Job) -> pb::JobRecord {
-    pb::JobRecord {
-        id: j.id,
-        spec: Some(spec_to_proto(&j.spec)),
-        state: j.state.as_str().to_string(),
-        submitted_at_ms: j.submitted_at_ms,
-        started_at_ms: j.started_at_ms,
-        finished_at_ms: j.finished_at_ms,
-        allocation: j.allocation.as_ref().map(|a| pb::Allocation {
-            epoch: a.epoch,
-            gpus: a.gpus.iter().map(gpu_ref_to_proto).collect(),
-            based_on: a.based_on,
-            policy: a.policy.clone(),
-            round: a.round,
-            decided_at_ms: a.decided_at_ms,
-            shared_with: a.shared_with,
-        }),
-        last_epoch: j.last_epoch,
-        workers: j
-            .workers
-            .iter()
-            .map(|(rank, w)| pb::WorkerRecord {
-                rank: *rank,
-                epoch: w.epoch,
-                node: w.node.clone(),
-                state: w.state.as_str().to_string(),
-                exit_code: w.exit_code,
-            })
-            .collect(),
-        progress: j.progress.as_ref().map(sample_to_proto),
-        progress_samples: j.progress_samples,
-        retries: j.retries,
-        not_before_ms: j.not_before_ms,
-        message: j.message.clone(),
-        service_gpu_ms: j.service_gpu_ms,
-        queued_since_ms: j.queued_since_ms,
-        perf: Some(perf_to_proto(&j.perf)),
-        submitted_by: j.submitted_by.clone(),
-        trace_parent: j.trace_parent.clone(),
+impl Job {
+    /// The job as the state holds it, in protobuf: a snapshot's record of
+    /// it, and what the API answers about it (`keel.api.v1.Job.record`), so
+    /// that a field a job gains is encoded once for both.
+    pub fn to_record(&self) -> pb::JobRecord {
+        let j = self;
+        pb::JobRecord {
+            id: j.id,
+            spec: Some(spec_to_proto(&j.spec)),
+            state: j.state.as_str().to_string(),
+            submitted_at_ms: j.submitted_at_ms,
+            started_at_ms: j.started_at_ms,
+            finished_at_ms: j.finished_at_ms,
+            allocation: j.allocation.as_ref().map(|a| pb::Allocation {
+                epoch: a.epoch,
+                gpus: a.gpus.iter().map(gpu_ref_to_proto).collect(),
+                based_on: a.based_on,
+                policy: a.policy.clone(),
+                round: a.round,
+                decided_at_ms: a.decided_at_ms,
+                shared_with: a.shared_with,
+            }),
+            last_epoch: j.last_epoch,
+            workers: j
+                .workers
+                .iter()
+                .map(|(rank, w)| pb::WorkerRecord {
+                    rank: *rank,
+                    epoch: w.epoch,
+                    node: w.node.clone(),
+                    state: w.state.as_str().to_string(),
+                    exit_code: w.exit_code,
+                })
+                .collect(),
+            progress: j.progress.as_ref().map(sample_to_proto),
+            progress_samples: j.progress_samples,
+            retries: j.retries,
+            not_before_ms: j.not_before_ms,
+            message: j.message.clone(),
+            service_gpu_ms: j.service_gpu_ms,
+            queued_since_ms: j.queued_since_ms,
+            perf: Some(perf_to_proto(&j.perf)),
+            submitted_by: j.submitted_by.clone(),
+            trace_parent: j.trace_parent.clone(),
+        }
     }
 }
 
