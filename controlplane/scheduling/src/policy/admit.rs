@@ -14,7 +14,8 @@ use super::{Plan, SchedulingInput};
 /// first; read only until the cluster's GPUs are all handed out): each job
 /// gets its minimum workers while GPUs last (a running job keeps its
 /// current GPUs and size); a job that does not fit is passed over, not
-/// waited for; running jobs left out are preempted. Jobs in retry backoff
+/// waited for; a running job left out is preempted only when a job
+/// admitted before it is placed on one of its GPUs. Jobs in retry backoff
 /// at `now_ms` and jobs the whole cluster could not hold are skipped.
 pub(crate) fn admit_in_order<'a>(
     input: &SchedulingInput<'a>,
@@ -59,25 +60,74 @@ pub(crate) fn admit_in_order<'a>(
         admitted.push(job);
     }
     let mut plan = Plan::default();
-    // Admitted running jobs stay where they are; the others give their
-    // GPUs back.
+    // Admitted running jobs stay where they are.
     for job in admitted.iter().filter(|j| j.state == JobState::Running) {
         if let Some(a) = &job.allocation {
             plan.placements.insert(job.id, Cow::Borrowed(&a.gpus));
         }
     }
+    // The running jobs left out may lose their GPUs, but only to a more
+    // important job that is placed on one of them: admission counts GPUs,
+    // not where they are, and preempting a job whose GPUs no admitted job
+    // can use would stop its work for nothing (and start it again a round
+    // later, as the live day of issue 27 showed).
+    let mut outranked: Vec<(&Job, &[keel_state::GpuRef])> = state
+        .allocated_jobs()
+        .filter(|j| !plan.placements.contains_key(&j.id))
+        .filter_map(|j| Some((j, j.allocation.as_ref()?.gpus.as_slice())))
+        .collect();
+    // What is free, and what would be if every job left out let go.
     let mut free = state.free_gpus().clone();
-    for job in state.allocated_jobs() {
-        if let (Some(a), false) = (&job.allocation, plan.placements.contains_key(&job.id)) {
-            free.release(state, &a.gpus);
-        }
-    }
+    let mut free_if_preempted: Option<keel_state::free_gpus::FreeGpus> = None;
     // Then the waiting ones, most important first.
     for job in admitted.iter().filter(|j| j.allocation.is_none()) {
-        if let Some(gpus) = free.place(&job.spec, job.spec.workers.min) {
+        let (spec, workers) = (&job.spec, job.spec.workers.min);
+        if let Some(gpus) = free.place(spec, workers) {
             free.remove(&gpus);
+            if let Some(all) = &mut free_if_preempted {
+                all.remove(&gpus);
+            }
             plan.placements.insert(job.id, gpus.into());
+            continue;
         }
+        if outranked.is_empty() {
+            continue;
+        }
+        let all = free_if_preempted.get_or_insert_with(|| {
+            let mut all = free.clone();
+            for (_, gpus) in &outranked {
+                all.release(state, gpus);
+            }
+            all
+        });
+        let Some(gpus) = all.place(spec, workers) else {
+            continue;
+        };
+        all.remove(&gpus);
+        // The jobs left out that held one of them lose all of theirs (and
+        // a job sharing one of those with them, its own); the rest of what
+        // they held is free for the jobs after this one.
+        let mut lost: Vec<keel_state::GpuRef> = gpus.clone();
+        loop {
+            let before = outranked.len();
+            outranked.retain(|(_, held)| {
+                let taken = held.iter().any(|g| lost.contains(g));
+                if taken {
+                    free.release(state, held);
+                    lost.extend(held.iter().cloned());
+                }
+                !taken
+            });
+            if outranked.len() == before {
+                break;
+            }
+        }
+        free.remove(&gpus);
+        plan.placements.insert(job.id, gpus.into());
+    }
+    // The jobs left out whose GPUs no one took keep running.
+    for (job, gpus) in outranked {
+        plan.placements.insert(job.id, Cow::Borrowed(gpus));
     }
     plan
 }

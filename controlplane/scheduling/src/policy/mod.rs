@@ -507,6 +507,69 @@ mod tests {
         }
     }
 
+    /// Admission counts GPUs, not where they are: a running job left out
+    /// of it keeps its GPUs when no job admitted before it can be placed
+    /// on them (issue 27's live day preempted 24 jobs of 27 for nothing,
+    /// and started them again a round later).
+    #[test]
+    fn a_job_left_out_keeps_its_gpus_when_no_more_important_job_can_use_them() {
+        use keel_state::fixtures::TestCluster;
+        let gpu = |node: &str, index| GpuRef {
+            node: node.into(),
+            index,
+        };
+        for name in ["srjf", "tiresias"] {
+            let policy = by_name(name, QueueOptions::default()).expect("a policy");
+            // Two nodes of two GPUs: two jobs of priority 1 and one of
+            // priority 0 run on one GPU each.
+            let mut c = TestCluster::v100_nodes(&[2, 2]);
+            let mut placed = |c: &mut TestCluster, priority, at: GpuRef| {
+                let mut spec = job_spec("running", 1, 1);
+                spec.priority = priority;
+                let id = c.submit(spec);
+                c.place(id, vec![at]);
+                id
+            };
+            placed(&mut c, 1, gpu("n0", 0));
+            placed(&mut c, 1, gpu("n1", 1));
+            let low = placed(&mut c, 0, gpu("n1", 0));
+            // A job of priority 2 needs two GPUs on one node: admission
+            // counts four GPUs for it and the two of priority 1, none for
+            // the low one; but with the low one's GPU free no node has two.
+            let mut spec = job_spec("high", 2, 1);
+            spec.priority = 2;
+            let high = c.submit(spec);
+            let plan = policy.plan(&SchedulingInput::everyone(&c.state, 1));
+            assert_eq!(
+                plan.placements.get(&low).map(|g| g.to_vec()),
+                Some(vec![gpu("n1", 0)]),
+                "{name}: {:?}",
+                plan.placements
+            );
+            assert!(!plan.placements.contains_key(&high), "{name}");
+            // Where a node could hold it on the low job's GPU, the low job
+            // gives that GPU up.
+            let mut c2 = TestCluster::v100_nodes(&[2, 2]);
+            placed(&mut c2, 3, gpu("n0", 0));
+            placed(&mut c2, 3, gpu("n0", 1));
+            let low = placed(&mut c2, 0, gpu("n1", 0));
+            let mut spec = job_spec("high", 2, 1);
+            spec.priority = 2;
+            let high = c2.submit(spec);
+            let plan = policy.plan(&SchedulingInput::everyone(&c2.state, 1));
+            assert!(
+                !plan.placements.contains_key(&low),
+                "{name}: {:?}",
+                plan.placements
+            );
+            assert_eq!(
+                plan.placements.get(&high).map(|g| g.to_vec()),
+                Some(vec![gpu("n1", 0), gpu("n1", 1)]),
+                "{name}"
+            );
+        }
+    }
+
     #[test]
     fn a_round_proposes_only_changes_based_on_the_index_it_read() {
         let mut state = ClusterState::new();
