@@ -507,66 +507,77 @@ mod tests {
         }
     }
 
-    /// Admission counts GPUs, not where they are: a running job left out
-    /// of it keeps its GPUs when no job admitted before it can be placed
-    /// on them (issue 27's live day preempted 24 jobs of 27 for nothing,
-    /// and started them again a round later).
+    /// Admission is by placement, not by a count of GPUs: a running job
+    /// loses its GPUs only to a more important job placed on one of them
+    /// (issue 27's live day preempted 24 jobs of 27 for nothing, and
+    /// started them again a round later), and a job that fits idle GPUs
+    /// starts though a more important one cannot be placed.
     #[test]
-    fn a_job_left_out_keeps_its_gpus_when_no_more_important_job_can_use_them() {
+    fn a_job_loses_its_gpus_only_to_a_more_important_job_placed_on_them() {
         use keel_state::fixtures::TestCluster;
         let gpu = |node: &str, index| GpuRef {
             node: node.into(),
             index,
         };
+        let placed = |c: &mut TestCluster, priority, at: GpuRef| {
+            let mut spec = job_spec("running", 1, 1);
+            spec.priority = priority;
+            let id = c.submit(spec);
+            c.place(id, vec![at]);
+            id
+        };
+        let waiting = |c: &mut TestCluster, priority, gpus| {
+            let mut spec = job_spec("waiting", gpus, 1);
+            spec.priority = priority;
+            c.submit(spec)
+        };
+        let kept = |plan: &Plan<'_>, job| plan.placements.get(&job).map(|g| g.to_vec());
         for name in ["srjf", "tiresias"] {
             let policy = by_name(name, QueueOptions::default()).expect("a policy");
-            // Two nodes of two GPUs: two jobs of priority 1 and one of
-            // priority 0 run on one GPU each.
+            // Two nodes of two GPUs; on one GPU each, two jobs of priority
+            // 3 and one of priority 0. A job of priority 2 needs two GPUs
+            // on one node: with the low job's GPU and the free one, no
+            // node has two, so the low job keeps its GPU, and a waiting
+            // job of one GPU starts on the free one.
             let mut c = TestCluster::v100_nodes(&[2, 2]);
-            let mut placed = |c: &mut TestCluster, priority, at: GpuRef| {
-                let mut spec = job_spec("running", 1, 1);
-                spec.priority = priority;
-                let id = c.submit(spec);
-                c.place(id, vec![at]);
-                id
-            };
-            placed(&mut c, 1, gpu("n0", 0));
-            placed(&mut c, 1, gpu("n1", 1));
+            placed(&mut c, 3, gpu("n0", 0));
+            placed(&mut c, 3, gpu("n1", 1));
             let low = placed(&mut c, 0, gpu("n1", 0));
-            // A job of priority 2 needs two GPUs on one node: admission
-            // counts four GPUs for it and the two of priority 1, none for
-            // the low one; but with the low one's GPU free no node has two.
-            let mut spec = job_spec("high", 2, 1);
-            spec.priority = 2;
-            let high = c.submit(spec);
+            let high = waiting(&mut c, 2, 2);
+            let small = waiting(&mut c, 0, 1);
             let plan = policy.plan(&SchedulingInput::everyone(&c.state, 1));
-            assert_eq!(
-                plan.placements.get(&low).map(|g| g.to_vec()),
-                Some(vec![gpu("n1", 0)]),
-                "{name}: {:?}",
-                plan.placements
-            );
-            assert!(!plan.placements.contains_key(&high), "{name}");
+            let what = format!("{name}: {:?}", plan.placements);
+            assert_eq!(kept(&plan, low), Some(vec![gpu("n1", 0)]), "{what}");
+            assert_eq!(kept(&plan, high), None, "{what}");
+            assert_eq!(kept(&plan, small), Some(vec![gpu("n0", 1)]), "{what}");
             // Where a node could hold it on the low job's GPU, the low job
             // gives that GPU up.
-            let mut c2 = TestCluster::v100_nodes(&[2, 2]);
-            placed(&mut c2, 3, gpu("n0", 0));
-            placed(&mut c2, 3, gpu("n0", 1));
-            let low = placed(&mut c2, 0, gpu("n1", 0));
-            let mut spec = job_spec("high", 2, 1);
-            spec.priority = 2;
-            let high = c2.submit(spec);
-            let plan = policy.plan(&SchedulingInput::everyone(&c2.state, 1));
-            assert!(
-                !plan.placements.contains_key(&low),
-                "{name}: {:?}",
-                plan.placements
-            );
+            let mut c = TestCluster::v100_nodes(&[2, 2]);
+            placed(&mut c, 3, gpu("n0", 0));
+            placed(&mut c, 3, gpu("n0", 1));
+            let low = placed(&mut c, 0, gpu("n1", 0));
+            let high = waiting(&mut c, 2, 2);
+            let plan = policy.plan(&SchedulingInput::everyone(&c.state, 1));
+            let what = format!("{name}: {:?}", plan.placements);
+            assert_eq!(kept(&plan, low), None, "{what}");
+            assert_eq!(kept(&plan, high), Some(vec![gpu("n1", 0), gpu("n1", 1)]));
+            // A less important running job's GPU makes a node for it too,
+            // though jobs of its own importance fill the cluster's count.
+            let mut c = TestCluster::v100_nodes(&[2, 2]);
+            let mid = placed(&mut c, 1, gpu("n0", 0));
+            let other = placed(&mut c, 1, gpu("n1", 1));
+            let low = placed(&mut c, 0, gpu("n1", 0));
+            let high = waiting(&mut c, 2, 2);
+            let plan = policy.plan(&SchedulingInput::everyone(&c.state, 1));
+            let what = format!("{name}: {:?}", plan.placements);
             assert_eq!(
-                plan.placements.get(&high).map(|g| g.to_vec()),
-                Some(vec![gpu("n1", 0), gpu("n1", 1)]),
-                "{name}"
+                kept(&plan, high),
+                Some(vec![gpu("n0", 0), gpu("n0", 1)]),
+                "{what}"
             );
+            assert_eq!(kept(&plan, mid), None, "{what}");
+            assert_eq!(kept(&plan, other), Some(vec![gpu("n1", 1)]), "{what}");
+            assert_eq!(kept(&plan, low), Some(vec![gpu("n1", 0)]), "{what}");
         }
     }
 
