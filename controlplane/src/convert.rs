@@ -90,7 +90,7 @@ pub fn record_of(job: &api::Job) -> Cow<'_, JobRecord> {
                 exit_code: w.exit_code,
             })
             .collect(),
-        progress: job.progress.clone(),
+        progress: job.progress,
         retries: job.retries,
         not_before_ms: (job.not_before_ms != 0).then_some(job.not_before_ms),
         message: job.message.clone(),
