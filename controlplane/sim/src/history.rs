@@ -29,7 +29,7 @@ use keel_scheduling::topology::allocation_type;
 use keel_state::command::{Command, LogEntry};
 use keel_state::event::Event;
 use keel_state::model::{Gpu, JobId, JobState};
-use keel_state::queue::QueueSpec;
+use keel_state::queue::{QueueSpec, DEFAULT_QUEUE};
 use keel_state::state::ClusterState;
 
 use super::engine::{NodeChange, SimNode};
@@ -326,7 +326,12 @@ impl Recorder {
         for name in names {
             recorder.note_node(&name);
         }
-        recorder.queues = recorder.state.queues().all();
+        // Queues only where the state before had them: `all` names the
+        // default queue always, and a replay given it would run queue
+        // admission that the recorded cluster never ran.
+        if !recorder.state.queues().is_unset() {
+            recorder.queues = recorder.state.queues().all();
+        }
         recorder
     }
 
@@ -412,6 +417,13 @@ impl Recorder {
                 Event::QueueCreated { name } | Event::QueueUpdated { name } => {
                     if let Some(spec) = self.state.queues().spec(name) {
                         self.queues.insert(name.clone(), spec);
+                    }
+                    // Once there are queues, the default one's terms count
+                    // too.
+                    if !self.queues.contains_key(DEFAULT_QUEUE) {
+                        if let Some(spec) = self.state.queues().spec(DEFAULT_QUEUE) {
+                            self.queues.insert(DEFAULT_QUEUE.to_string(), spec);
+                        }
                     }
                 }
                 _ => {}
