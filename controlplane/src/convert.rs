@@ -5,49 +5,53 @@ use std::borrow::Cow;
 
 use keel_proto::api;
 use keel_proto::entry::{JobRecord, WorkerRecord};
-use keel_state::codec::{gpu_ref_to_proto, gpu_to_proto, sample_to_proto, spec_to_proto};
+use keel_state::codec::gpu_to_proto;
 use keel_state::{Job, Node};
 
+/// The job as the API answers it: its state record (`Job::to_record`,
+/// one encoding of a job), and the v1 summary read from that record, the
+/// inverse of [`record_of`].
 pub fn job_to_proto(job: &Job) -> api::Job {
+    let record = job.to_record();
     api::Job {
-        id: job.id,
-        spec: Some(spec_to_proto(&job.spec)),
-        state: job.state.as_str().to_string(),
-        submitted_at_ms: job.submitted_at_ms,
-        started_at_ms: job.started_at_ms.unwrap_or(0),
-        finished_at_ms: job.finished_at_ms.unwrap_or(0),
-        allocation: job.allocation.as_ref().map(|a| api::Allocation {
+        id: record.id,
+        spec: record.spec.clone(),
+        state: record.state.clone(),
+        submitted_at_ms: record.submitted_at_ms,
+        started_at_ms: record.started_at_ms.unwrap_or(0),
+        finished_at_ms: record.finished_at_ms.unwrap_or(0),
+        allocation: record.allocation.as_ref().map(|a| api::Allocation {
             epoch: a.epoch,
-            gpus: a.gpus.iter().map(gpu_ref_to_proto).collect(),
+            gpus: a.gpus.clone(),
             based_on: a.based_on,
             policy: a.policy.clone(),
             decided_at_ms: a.decided_at_ms,
             shared_with: a.shared_with,
         }),
-        progress: job.progress.as_ref().map(sample_to_proto),
-        workers: job
+        progress: record.progress,
+        workers: record
             .workers
             .iter()
-            .map(|(rank, w)| api::Worker {
-                rank: *rank,
+            .map(|w| api::Worker {
+                rank: w.rank,
                 epoch: w.epoch,
                 node: w.node.clone(),
-                state: w.state.as_str().to_string(),
+                state: w.state.clone(),
                 exit_code: w.exit_code,
             })
             .collect(),
-        message: job.message.clone(),
-        retries: job.retries,
+        message: record.message.clone(),
+        retries: record.retries,
         max_retries: job.spec.max_retries,
-        not_before_ms: job.not_before_ms.unwrap_or(0),
+        not_before_ms: record.not_before_ms.unwrap_or(0),
         estimate: None,
-        submitted_by: job.submitted_by.clone().unwrap_or_default(),
-        trace_id: job
+        submitted_by: record.submitted_by.clone().unwrap_or_default(),
+        trace_id: record
             .trace_parent
             .as_deref()
             .and_then(crate::traces::trace_id_of)
             .unwrap_or_default(),
-        record: Some(job.to_record()),
+        record: Some(record),
     }
 }
 
