@@ -575,6 +575,7 @@ impl Admission {
         if !self.active {
             return plan.changes(state);
         }
+        plan.list_the_rest(state);
         for id in self.reclaimed.keys() {
             plan.placements.remove(id);
             if let Some(partner) = plan.partners.remove(id) {

@@ -85,6 +85,12 @@ proptest! {
             let plan = policy.plan(&input);
             prop_assert_eq!(&plan, &policy.plan(&input), "{} is not deterministic", name);
 
+            // What every job holds after the round, the jobs a plan that
+            // only adds leaves unnamed included.
+            let mut whole = plan.clone();
+            whole.list_the_rest(&state);
+            prop_assert_eq!(&whole.changes(&state), &plan.changes(&state), "{} listed whole means the same", name);
+            let plan = whole;
             let mut seen = BTreeSet::new();
             for (job_id, gpus) in &plan.placements {
                 let job = state.job(*job_id).expect("planned job exists");

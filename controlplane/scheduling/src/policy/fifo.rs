@@ -1,6 +1,7 @@
 //! FIFO: jobs start in arrival order, each with all of its GPUs at once.
 //!
-//! Running jobs keep their GPUs (FIFO never preempts). Waiting jobs are taken
+//! Running jobs keep their GPUs (FIFO never preempts; its plan names only
+//! the jobs it starts, [`Plan::keeps_the_rest`]). Waiting jobs are taken
 //! by priority (higher first), then in submission order; each gets as many workers as fit, from
 //! `workers.max` down to `workers.min`, placed as a gang. When the head of
 //! the queue does not fit, the queue stops there unless backfill is on, in
@@ -38,11 +39,18 @@ impl Policy for Fifo {
         let mut plan = Plan::default();
         let mut free = input.free_gpus();
         let capacity = state.capacity();
-        // In id order: built in one pass rather than inserted one by one.
-        plan.placements = input
-            .allocated_jobs()
-            .filter_map(|job| Some((job.id, Cow::Borrowed(&job.allocation.as_ref()?.gpus[..]))))
-            .collect();
+        if input.admission.is_active() {
+            // Some running jobs may be reclaimed: name those that stay, in
+            // id order (built in one pass rather than inserted one by one).
+            plan.placements = input
+                .allocated_jobs()
+                .filter_map(|job| Some((job.id, Cow::Borrowed(&job.allocation.as_ref()?.gpus[..]))))
+                .collect();
+        } else {
+            // Running jobs keep their GPUs: the plan names only the jobs it
+            // starts, so a round costs what it starts, not what runs.
+            plan.keeps_the_rest = true;
+        }
         // Shapes (GPUs per worker, minimum workers, allowed types) that did
         // not fit this round. Free GPUs only shrink within a round, so a
         // later job of the same shape cannot fit either: backfill over

@@ -144,6 +144,13 @@ pub struct Plan<'a> {
     /// and changed it ([`keel_state::policy_memory`]): logged with the
     /// decision. `None`: nothing to record.
     pub memory: Option<PolicyMemory>,
+    /// Jobs not in `placements` keep what they hold (their GPUs and their
+    /// partner): a plan that only adds, as FIFO's, need not list the
+    /// thousands of jobs a large cluster runs, and a round costs what it
+    /// changes. `false` (the default): a job not in `placements` holds
+    /// nothing after the round. [`Plan::list_the_rest`] turns the one
+    /// into the other for what reads a plan whole.
+    pub keeps_the_rest: bool,
 }
 
 impl Plan<'_> {
@@ -152,6 +159,15 @@ impl Plan<'_> {
     /// cluster already runs (then nothing is proposed).
     pub fn changes(&self, state: &ClusterState) -> Vec<JobPlacement> {
         let mut out = Vec::new();
+        if self.keeps_the_rest {
+            // Only the jobs the plan names can change.
+            for (id, planned) in &self.placements {
+                if let Some(job) = state.job(*id) {
+                    self.change_of(job, Some(planned), &mut out);
+                }
+            }
+            return out;
+        }
         // Only jobs that hold GPUs now or are planned to can change: a merge
         // of the two id-ordered sequences.
         let mut allocated = state.allocated_jobs().peekable();
@@ -168,36 +184,70 @@ impl Plan<'_> {
                     None => break,
                 },
             };
-            let Some(job) = job else {
-                continue;
-            };
-            let job_id = job.id;
-            let current = job
-                .allocation
-                .as_ref()
-                .map(|a| (a.gpus.as_slice(), a.shared_with));
-            let partner = self.partners.get(&job_id).copied();
-            match (current, plan) {
-                // A plan that kept the job's GPUs borrows the state's own
-                // list: the same slice needs no comparing.
-                (Some((gpus, shared)), Some(planned))
-                    if std::ptr::eq(gpus, &planned[..]) && shared == partner => {}
-                (Some(now), Some(planned)) if now == (&planned[..], partner) => {}
-                (None, None) => {}
-                (Some(_), None) => out.push(JobPlacement::alone(job_id, Vec::new())),
-                (_, Some(planned)) => {
-                    if planned.is_empty() && current.is_none() {
-                        continue;
-                    }
-                    out.push(JobPlacement {
-                        job_id,
-                        gpus: planned.to_vec(),
-                        share_with: partner.filter(|_| !planned.is_empty()),
-                    })
-                }
+            if let Some(job) = job {
+                self.change_of(job, plan, &mut out);
             }
         }
         out
+    }
+
+    /// What changes for `job` if it is to hold `planned` (`None`: nothing),
+    /// pushed to `out` unless it is what the job holds now.
+    fn change_of(
+        &self,
+        job: &Job,
+        planned: Option<&Cow<'_, [GpuRef]>>,
+        out: &mut Vec<JobPlacement>,
+    ) {
+        let job_id = job.id;
+        let current = job
+            .allocation
+            .as_ref()
+            .map(|a| (a.gpus.as_slice(), a.shared_with));
+        let partner = self.partners.get(&job_id).copied();
+        match (current, planned) {
+            // A plan that kept the job's GPUs borrows the state's own
+            // list: the same slice needs no comparing.
+            (Some((gpus, shared)), Some(planned))
+                if std::ptr::eq(gpus, &planned[..]) && shared == partner => {}
+            (Some(now), Some(planned)) if now == (&planned[..], partner) => {}
+            (None, None) => {}
+            (Some(_), None) => out.push(JobPlacement::alone(job_id, Vec::new())),
+            (_, Some(planned)) => {
+                if planned.is_empty() && current.is_none() {
+                    return;
+                }
+                out.push(JobPlacement {
+                    job_id,
+                    gpus: planned.to_vec(),
+                    share_with: partner.filter(|_| !planned.is_empty()),
+                })
+            }
+        }
+    }
+}
+
+impl<'a> Plan<'a> {
+    /// Names every job the plan keeps: with [`Plan::keeps_the_rest`], the
+    /// jobs holding GPUs that the plan does not name are listed with what
+    /// they hold (their partner too), and the flag is cleared. The plan
+    /// means the same after as before.
+    pub fn list_the_rest(&mut self, state: &'a ClusterState) {
+        if !self.keeps_the_rest {
+            return;
+        }
+        self.keeps_the_rest = false;
+        let named: std::collections::BTreeSet<JobId> = self.placements.keys().copied().collect();
+        for job in state.allocated_jobs() {
+            let Some(a) = &job.allocation else { continue };
+            if named.contains(&job.id) {
+                continue;
+            }
+            self.placements.insert(job.id, Cow::Borrowed(&a.gpus));
+            if let Some(partner) = a.shared_with {
+                self.partners.insert(job.id, partner);
+            }
+        }
     }
 }
 
@@ -262,6 +312,7 @@ pub fn keep_unpreemptible<'a>(state: &'a ClusterState, plan: &mut Plan<'a>) {
     if fixed.is_empty() {
         return;
     }
+    plan.list_the_rest(state);
     let mut held: BTreeMap<&GpuRef, JobId> = BTreeMap::new();
     let mut kept: Vec<JobId> = Vec::new();
     for job in &fixed {
@@ -622,6 +673,55 @@ mod tests {
             .expect("applies");
         assert_eq!(decide(&fifo, &state, 6), None, "nothing changed");
         assert_eq!(state.last_round(), 1);
+    }
+
+    #[test]
+    fn a_plan_that_keeps_the_rest_changes_only_the_jobs_it_names() {
+        use keel_state::fixtures::TestCluster;
+        let mut c = TestCluster::v100_nodes(&[2, 2]);
+        let a = c.submit(job_spec("a", 2, 1));
+        let fifo = Fifo::default();
+        let started = decide(&fifo, &c.state, 1).expect("a starts");
+        c.apply(started);
+        let b = c.submit(job_spec("b", 2, 1));
+        let plan = fifo.plan(&SchedulingInput::everyone(&c.state, 1));
+        assert!(plan.keeps_the_rest);
+        assert_eq!(plan.placements.keys().copied().collect::<Vec<_>>(), vec![b]);
+        let changes = plan.changes(&c.state);
+        assert_eq!(
+            changes.iter().map(|p| p.job_id).collect::<Vec<_>>(),
+            vec![b]
+        );
+        // Listed whole, it names the running job with the state's own GPU
+        // list, and means the same.
+        let mut whole = plan.clone();
+        whole.list_the_rest(&c.state);
+        assert!(!whole.keeps_the_rest);
+        assert_eq!(
+            whole.placements.keys().copied().collect::<Vec<_>>(),
+            vec![a, b]
+        );
+        let held = c
+            .state
+            .job(a)
+            .and_then(|j| j.allocation.as_ref())
+            .expect("a runs");
+        assert!(std::ptr::eq(&whole.placements[&a][..], &held.gpus[..]));
+        assert_eq!(whole.changes(&c.state), changes);
+        // A job it names with no GPUs loses them; one it leaves out does
+        // not, unless the plan is read whole without the flag.
+        let mut preempting = plan.clone();
+        preempting.placements.insert(a, Cow::Owned(Vec::new()));
+        let lost: Vec<JobId> = preempting
+            .changes(&c.state)
+            .iter()
+            .filter(|p| p.gpus.is_empty())
+            .map(|p| p.job_id)
+            .collect();
+        assert_eq!(lost, vec![a]);
+        let mut complete = plan;
+        complete.keeps_the_rest = false;
+        assert_eq!(complete.changes(&c.state).len(), 2, "a goes, b comes");
     }
 }
 

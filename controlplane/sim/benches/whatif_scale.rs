@@ -11,7 +11,7 @@
 //! through the state machine store took more than 20 GB (see
 //! BENCHMARKS.md), so this bench keeps the history in memory.
 //!
-//! Run: `cargo bench -p keel --bench whatif_scale`
+//! Run: `cargo bench -p keel-sim --bench whatif_scale`
 
 #![allow(clippy::print_stdout)]
 
@@ -20,12 +20,16 @@ use std::time::Instant;
 use keel_scheduling::policy::Policy;
 use keel_sim::history::Recorder;
 
-mod common;
-
-use common::count;
+/// A count from the environment, or its default.
+fn count(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
 
 fn main() {
-    let jobs = count("KEEL_WHATIF_SCALE_JOBS", 100_000) as usize;
+    let jobs = count("KEEL_WHATIF_SCALE_JOBS", 100_000);
     let started = Instant::now();
     let workload = keel_sim::Generator {
         jobs,
