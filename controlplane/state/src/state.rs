@@ -254,8 +254,10 @@ struct JobIndexes {
     /// nothing, so a least-attained-service ranking takes them in this
     /// order without reading them (Tiresias's, issue 26).
     never_served: BTreeSet<(Reverse<i32>, u64, JobId)>,
-    /// The other unfinished jobs: holding GPUs, or waiting after service.
-    served: BTreeSet<JobId>,
+    /// The other unfinished jobs: holding GPUs, or waiting after service;
+    /// with what a least-attained-service ranking reads of each, so a
+    /// ranking pass reads none of the jobs it does not take.
+    served: BTreeMap<JobId, Service>,
     /// Unfinished jobs without an allocation, higher priority first, then
     /// by id (submission order): the order FIFO takes them in, read only
     /// as far as a round gets (a long queue costs a round nothing when
@@ -303,6 +305,49 @@ impl Membership {
             served: !terminal && (allocated || j.service_gpu_ms > 0),
             waiting: (!terminal && !allocated).then_some(j.spec.priority),
         }
+    }
+}
+
+/// What a least-attained-service ranking (Tiresias's) reads of a job:
+/// kept in the state's index of the unfinished jobs that hold GPUs or have
+/// had service ([`ClusterState::served_unfinished`]), so that a ranking
+/// pass over hundreds of them reads none from the job map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Service {
+    pub priority: i32,
+    /// GPUs of its minimum workers (at least 1).
+    pub min_gpus: u64,
+    /// [`Job::service_gpu_ms`]: GPU-time of the allocations that ended.
+    pub service_gpu_ms: u64,
+    pub queued_since_ms: u64,
+    pub submitted_at_ms: u64,
+    /// While it holds GPUs: how many, and when they were decided.
+    pub held: Option<(u64, u64)>,
+}
+
+impl Service {
+    pub fn of(job: &Job) -> Service {
+        Service {
+            priority: job.spec.priority,
+            min_gpus: u64::from(job.spec.gpus.saturating_mul(job.spec.workers.min).max(1)),
+            service_gpu_ms: job.service_gpu_ms,
+            queued_since_ms: job.queued_since_ms,
+            submitted_at_ms: job.submitted_at_ms,
+            held: job.allocation.as_ref().map(|a| {
+                (
+                    u64::try_from(a.gpus.len()).unwrap_or(u64::MAX),
+                    a.decided_at_ms,
+                )
+            }),
+        }
+    }
+
+    /// [`Job::attained_gpu_ms`], from this.
+    pub fn attained_gpu_ms(&self, now_ms: u64) -> u64 {
+        self.service_gpu_ms
+            + self.held.map_or(0, |(gpus, decided_at_ms)| {
+                gpus.saturating_mul(now_ms.saturating_sub(decided_at_ms))
+            })
     }
 }
 
@@ -377,6 +422,17 @@ impl JobIndexes {
     /// Puts `id` in exactly the sets that `job` (None: removed) belongs to.
     fn update(&mut self, id: JobId, job: Option<&Job>) {
         let now = Membership::of(job);
+        // What a served job has had changes without its sets changing.
+        if let (true, Some(job)) = (now.served, job) {
+            let service = Service::of(job);
+            match self.served.get_mut(&id) {
+                Some(kept) if *kept == service => {}
+                Some(kept) => *kept = service,
+                None => {
+                    self.served.insert(id, service);
+                }
+            }
+        }
         let before = if now == Membership::default() {
             self.member_of.remove(&id).unwrap_or_default()
         } else {
@@ -418,7 +474,9 @@ impl JobIndexes {
         };
         keyed(&mut self.backoffs, before.backoff, now.backoff);
         keyed(&mut self.removable, before.removable, now.removable);
-        set(&mut self.served, before.served, now.served);
+        if before.served && !now.served {
+            self.served.remove(&id);
+        }
         if before.waiting != now.waiting {
             if let Some(priority) = before.waiting {
                 self.waiting.remove(&(Reverse(priority), id));
@@ -617,7 +675,14 @@ impl ClusterState {
     /// The unfinished jobs that hold GPUs or have had service, in
     /// submission order: those [`Self::never_served_jobs`] leaves out.
     pub fn served_unfinished_jobs(&self) -> impl Iterator<Item = &Job> + '_ {
-        self.indexed(&self.indexes.served)
+        self.indexes.served.keys().filter_map(|id| self.job(*id))
+    }
+
+    /// The same jobs as [`Self::served_unfinished_jobs`], each as what a
+    /// least-attained-service ranking reads of it, without reading the
+    /// jobs (the state keeps it up to date with them).
+    pub fn served_unfinished(&self) -> impl Iterator<Item = (JobId, &Service)> + '_ {
+        self.indexes.served.iter().map(|(id, s)| (*id, s))
     }
 
     /// The jobs waiting for GPUs (unfinished, without an allocation),

@@ -11,6 +11,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use keel_state::model::{Job, JobId};
+use keel_state::state::Service;
 
 /// The shortest run time the starvation guard counts with.
 const MIN_RUN_MS: u64 = 60_000;
@@ -95,7 +96,9 @@ type RankKey = (Reverse<i32>, usize, u64, JobId);
 /// greatest: the top of a [`BinaryHeap`] of them is the most important.
 struct Ranked<'a> {
     key: RankKey,
-    job: &'a Job,
+    /// The job, when the ranking read it; else it is looked up by id
+    /// (the key's last part) when taken.
+    job: Option<&'a Job>,
 }
 
 impl PartialEq for Ranked<'_> {
@@ -124,7 +127,7 @@ impl Tiresias {
     pub(crate) fn rank(&self, input: &SchedulingInput<'_>) -> Vec<JobId> {
         let mut ranked = self.keys(input.now_ms, input.unfinished_jobs());
         ranked.sort_unstable_by_key(|r| r.key);
-        ranked.into_iter().map(|r| r.job.id).collect()
+        ranked.into_iter().map(|r| r.key.3).collect()
     }
 
     /// The same order as [`Self::rank`], sorted only as far as it is read:
@@ -141,8 +144,17 @@ impl Tiresias {
     /// cluster (BENCHMARKS, "The overloaded multi-GPU run").
     fn rank_lazily<'a>(&self, input: &SchedulingInput<'a>) -> impl Iterator<Item = &'a Job> {
         let merge_never_served = !input.admission.is_active();
+        let state = input.state;
         let mut heap = BinaryHeap::from(if merge_never_served {
-            self.keys(input.now_ms, input.state.served_unfinished_jobs())
+            // From the state's index of what ranking reads: the jobs are
+            // read only as they are taken.
+            state
+                .served_unfinished()
+                .map(|(id, service)| Ranked {
+                    key: self.key(input.now_ms, id, service),
+                    job: None,
+                })
+                .collect::<Vec<_>>()
         } else {
             self.keys(input.now_ms, input.unfinished_jobs())
         });
@@ -158,15 +170,20 @@ impl Tiresias {
                     job.submitted_at_ms,
                     job.id,
                 ),
-                job,
+                job: Some(job),
             })
             .peekable();
-        std::iter::from_fn(move || match (heap.peek(), never_served.peek()) {
-            (Some(served), Some(fresh)) if fresh.key < served.key => {
-                never_served.next().map(|r| r.job)
+        let taken = move |r: Ranked<'a>| r.job.or_else(|| state.job(r.key.3));
+        std::iter::from_fn(move || loop {
+            let next = match (heap.peek(), never_served.peek()) {
+                (Some(served), Some(fresh)) if fresh.key < served.key => never_served.next(),
+                (Some(_), _) => heap.pop(),
+                (None, _) => never_served.next(),
+            }?;
+            // Every id of the index is a job of the state.
+            if let Some(job) = taken(next) {
+                return Some(job);
             }
-            (Some(_), _) => heap.pop().map(|r| r.job),
-            (None, _) => never_served.next().map(|r| r.job),
         })
     }
 
@@ -181,47 +198,48 @@ impl Tiresias {
     }
 
     fn keys<'a>(&self, now: u64, jobs: impl Iterator<Item = &'a Job>) -> Vec<Ranked<'a>> {
-        jobs.map(|job| {
-            let mut queue = self.queue_of(job.attained_gpu_ms(now));
-            let factor = self.options.starvation_factor;
-            // How long it has run in all (service over its size), at
-            // least a minute: a job preempted moments after it started
-            // must not come back moments later.
-            let size = u64::from(job.spec.gpus.saturating_mul(job.spec.workers.min).max(1));
-            let executed_ms = (job.service_gpu_ms / size).max(MIN_RUN_MS);
-            let promoted = match &job.allocation {
-                // Waiting long enough: back to queue 0.
-                None => {
-                    factor > 0
-                        && job.service_gpu_ms > 0
-                        && now.saturating_sub(job.queued_since_ms)
-                            >= executed_ms.saturating_mul(factor)
-                }
-                // Promoted and now running: it keeps queue 0 for a
-                // slice of its wait, so it is not preempted again at
-                // the next pass.
-                Some(a) => {
-                    let waited = a.decided_at_ms.saturating_sub(job.queued_since_ms);
-                    factor > 0
-                        && job.service_gpu_ms > 0
-                        && waited >= executed_ms.saturating_mul(factor)
-                        && now.saturating_sub(a.decided_at_ms) < waited / factor
-                }
-            };
-            if promoted {
-                queue = 0;
-            }
-            Ranked {
-                key: (
-                    Reverse(job.spec.priority),
-                    queue,
-                    job.submitted_at_ms,
-                    job.id,
-                ),
-                job,
-            }
+        jobs.map(|job| Ranked {
+            key: self.key(now, job.id, &Service::of(job)),
+            job: Some(job),
         })
         .collect()
+    }
+
+    /// Job `id`'s place in the ranking at `now`, from what it has had.
+    fn key(&self, now: u64, id: JobId, service: &Service) -> RankKey {
+        let mut queue = self.queue_of(service.attained_gpu_ms(now));
+        let factor = self.options.starvation_factor;
+        // How long it has run in all (service over its size), at least a
+        // minute: a job preempted moments after it started must not come
+        // back moments later.
+        let executed_ms = (service.service_gpu_ms / service.min_gpus).max(MIN_RUN_MS);
+        let promoted = match service.held {
+            // Waiting long enough: back to queue 0.
+            None => {
+                factor > 0
+                    && service.service_gpu_ms > 0
+                    && now.saturating_sub(service.queued_since_ms)
+                        >= executed_ms.saturating_mul(factor)
+            }
+            // Promoted and now running: it keeps queue 0 for a slice of
+            // its wait, so it is not preempted again at the next pass.
+            Some((_, decided_at_ms)) => {
+                let waited = decided_at_ms.saturating_sub(service.queued_since_ms);
+                factor > 0
+                    && service.service_gpu_ms > 0
+                    && waited >= executed_ms.saturating_mul(factor)
+                    && now.saturating_sub(decided_at_ms) < waited / factor
+            }
+        };
+        if promoted {
+            queue = 0;
+        }
+        (
+            Reverse(service.priority),
+            queue,
+            service.submitted_at_ms,
+            id,
+        )
     }
 }
 
