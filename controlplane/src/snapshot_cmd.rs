@@ -186,7 +186,8 @@ fn decode(
     Ok((file, state))
 }
 
-fn read(path: &Path) -> anyhow::Result<(api::SnapshotFile, keel_state::ClusterState)> {
+/// A snapshot file, read and checked (its state hash), and its state.
+pub(crate) fn read(path: &Path) -> anyhow::Result<(api::SnapshotFile, keel_state::ClusterState)> {
     let len = file_len(path);
     if len > SNAPSHOT_FILE_MAX_BYTES as u64 {
         bail!(

@@ -21,8 +21,17 @@ const RECORDED: &str = "recorded";
 #[derive(clap::Args, Debug)]
 pub struct WhatifArgs {
     /// A stopped replica's data directory (or a copy of one).
-    #[arg(long)]
-    data_dir: PathBuf,
+    #[arg(long, required_unless_present = "from", conflicts_with = "from")]
+    data_dir: Option<PathBuf>,
+    /// A snapshot file (`keel snapshot save`) instead of a data directory:
+    /// its jobs as their records keep them (submission, end, the speeds
+    /// their performance history measured, the GPU time they held), its
+    /// nodes, and the policy that decided last. A snapshot keeps no
+    /// history of node losses or earlier policies, and a job that
+    /// reported no progress has no measured speed; the report says how
+    /// many were measured.
+    #[arg(long, value_name = "SNAPSHOT_FILE", conflicts_with = "until_time")]
+    from: Option<PathBuf>,
     /// Policies to run the history through, e.g. `fifo,tiresias`.
     /// `recorded` (the policies that decided, as the log names them, each
     /// from its first decision) always runs first: its error on the
@@ -150,7 +159,7 @@ pub fn run(args: WhatifArgs, out: Output) -> anyhow::Result<()> {
     if history.jobs.is_empty() {
         anyhow::bail!(
             "{} holds no job submitted in the range asked for (entries {}..={})",
-            args.data_dir.display(),
+            source_of(&args).display(),
             history.first_index,
             history.last_index
         );
@@ -201,14 +210,30 @@ pub fn run(args: WhatifArgs, out: Output) -> anyhow::Result<()> {
     }
 }
 
-/// The history a data directory holds, up to `--until-time`.
+/// The file or directory the history is read from.
+fn source_of(args: &WhatifArgs) -> &std::path::Path {
+    args.from
+        .as_deref()
+        .or(args.data_dir.as_deref())
+        .unwrap_or(std::path::Path::new(""))
+}
+
+/// The history a data directory holds, up to `--until-time`; or what a
+/// snapshot file's state keeps of it.
 fn read_history(args: &WhatifArgs) -> anyhow::Result<History> {
+    if let Some(path) = &args.from {
+        let (_, state) = crate::snapshot_cmd::read(path)?;
+        return Ok(Recorder::starting_from(state).finish());
+    }
+    let Some(data_dir) = &args.data_dir else {
+        anyhow::bail!("give --data-dir DIR or --from SNAPSHOT_FILE");
+    };
     let until = crate::cli::until(None, args.until_time.as_deref(), "--until-time")?;
     // Take the directory's lock: a directory a server is writing would be
     // read moving.
-    let dir = keel_storage::DataDir::open(&args.data_dir)
-        .with_context(|| format!("cannot read {}", args.data_dir.display()))?;
-    let context = || format!("cannot read the history in {}", args.data_dir.display());
+    let dir = keel_storage::DataDir::open(data_dir)
+        .with_context(|| format!("cannot read {}", data_dir.display()))?;
+    let context = || format!("cannot read the history in {}", data_dir.display());
     let mut recorder =
         Recorder::starting_from(keel_storage::state_before_journal(&dir).with_context(context)?);
     keel_storage::for_each_entry(&dir, 0, until, &mut |index, entry| {

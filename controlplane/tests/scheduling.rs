@@ -236,8 +236,77 @@ fn a_tour_sized_run_completes_without_double_booking_a_gpu() {
     let logs = server.cli_ok(&["logs", &ids[3].to_string()]);
     assert!(logs.contains("KEEL_PROGRESS"), "{logs}");
     assert!(logs.contains("rank 1"), "both ranks' logs: {logs}");
+    let snapshot = dir.path().join("state.snap");
+    server.cli_ok(&["snapshot", "save", snapshot.to_str().expect("utf-8 path")]);
     server.terminate();
     check_whatif(&dir.path().join("data"), ids.len());
+    check_whatif_from_a_snapshot(&snapshot, ids.len());
+}
+
+/// Issue 27, item 1's `--from` a snapshot file: the jobs as their records
+/// keep them, with the speeds their performance history measured, replayed
+/// like a data directory's; a snapshot with a data directory is refused.
+fn check_whatif_from_a_snapshot(file: &Path, jobs: usize) {
+    let out = std::process::Command::new(support::KEEL)
+        .args([
+            "whatif",
+            "-o",
+            "json",
+            "--policy",
+            "srjf",
+            "--progress-interval-s",
+            "0.2",
+            "--from",
+        ])
+        .arg(file)
+        .output()
+        .expect("run keel whatif");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let history = &report["history"];
+    assert_eq!(history["entries"], 0, "{history}");
+    assert_eq!(history["jobs"], jobs, "{history}");
+    assert_eq!(history["succeeded"], jobs, "{history}");
+    assert!(
+        history["jobs_measured"].as_u64().unwrap_or(0) >= jobs as u64 / 2,
+        "{history}"
+    );
+    assert!(
+        history["utilisation"].as_f64().unwrap_or(0.0) > 0.0,
+        "{history}"
+    );
+    let recorded = &report["runs"][0];
+    assert_eq!(recorded["finished"], jobs, "{recorded}");
+    assert_eq!(report["validation"]["jobs_compared"], jobs, "{report}");
+    for (args, expected) in [
+        (&["--data-dir", "/nonexistent"][..], "cannot be used with"),
+        (
+            &["--until-time", "2999-01-01T00:00:00Z"][..],
+            "cannot be used with",
+        ),
+    ] {
+        let out = std::process::Command::new(support::KEEL)
+            .arg("whatif")
+            .args(args)
+            .arg("--from")
+            .arg(file)
+            .output()
+            .expect("run keel whatif");
+        assert!(!out.status.success(), "{args:?} was taken");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    let out = std::process::Command::new(support::KEEL)
+        .args(["whatif", "--from", "/nonexistent.snap"])
+        .output()
+        .expect("run keel whatif");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/nonexistent.snap"), "{stderr}");
 }
 
 /// Issue 27, items 1–3, on a live run's data directory: `keel whatif`

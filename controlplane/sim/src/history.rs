@@ -103,6 +103,10 @@ pub struct RecordedJob {
     /// Its allocations in order, each from its decision to its end (or to
     /// the log's end for one it still holds).
     pub runs: Vec<Run>,
+    /// GPU-milliseconds it had held before the history's first entry (a
+    /// job of the state the entries follow: its record's service), which
+    /// `runs` does not hold.
+    pub earlier_gpu_ms: u64,
 }
 
 /// One allocation of a job: `ms` long on `gpus` GPUs of `gpu_type`.
@@ -116,7 +120,12 @@ pub struct Run {
 impl RecordedJob {
     /// GPU-milliseconds it held in all (every run).
     pub fn held_gpu_ms(&self) -> u64 {
-        self.runs.iter().map(|r| u64::from(r.gpus) * r.ms).sum()
+        self.earlier_gpu_ms
+            + self
+                .runs
+                .iter()
+                .map(|r| u64::from(r.gpus) * r.ms)
+                .sum::<u64>()
     }
 
     /// Its time without progress per start: its gaps' time beyond their
@@ -282,7 +291,13 @@ pub struct Recorder {
     last_index: u64,
     first_ms: Option<u64>,
     last_ms: u64,
+    /// The speeds the state the entries follow had measured, by job: taken
+    /// where the entries measure none for that GPU type and size.
+    earlier_speeds: BTreeMap<JobId, Vec<EarlierSpeed>>,
 }
+
+/// A speed a job's record kept: (GPU type, GPUs), steps per second.
+type EarlierSpeed = ((String, u32), f64);
 
 impl Default for Recorder {
     fn default() -> Self {
@@ -297,9 +312,18 @@ impl Recorder {
     }
 
     /// A recorder of a log whose entries follow `state` (a snapshot a
-    /// replica installed): its jobs and nodes are known from their records,
-    /// without the speeds their earlier samples measured.
+    /// replica installed, or a snapshot file with no entries after it): its
+    /// jobs and nodes are known from their records. What their records
+    /// keep of the time before is taken too: each job's speeds as its
+    /// performance history measured them (by GPU type and size, the mean
+    /// of its samples' speeds; a speed the entries measure again is
+    /// theirs), the GPU time it had held, the first submission as the
+    /// history's start, and the state's policy as the one deciding from
+    /// then. What a record does not keep is not known: its allocations
+    /// one by one (a job that reported no progress has no speed), the
+    /// nodes' losses before, and earlier policies.
     pub fn starting_from(state: ClusterState) -> Recorder {
+        let state_at_ms = state.last_entry_at_ms();
         let mut recorder = Recorder {
             state,
             jobs: BTreeMap::new(),
@@ -315,12 +339,33 @@ impl Recorder {
             first_index: 0,
             last_index: 0,
             first_ms: None,
-            last_ms: 0,
+            last_ms: state_at_ms,
+            earlier_speeds: BTreeMap::new(),
         };
         let ids: Vec<JobId> = recorder.state.jobs().keys().copied().collect();
         for id in ids {
             recorder.note_job(id);
-            recorder.note_holding(id, recorder.state.last_entry_at_ms());
+            recorder.note_holding(id, state_at_ms);
+            recorder.note_earlier(id, state_at_ms);
+        }
+        if let Some(first_ms) = recorder.jobs.values().map(|j| j.submitted_ms).min() {
+            recorder.first_ms = Some(first_ms);
+            // The policy set at run time, else the one that made the
+            // latest allocation still held.
+            let deciding = recorder.state.policy().map(str::to_string).or_else(|| {
+                recorder
+                    .state
+                    .allocated_jobs()
+                    .filter_map(|j| j.allocation.as_ref())
+                    .max_by_key(|a| a.decided_at_ms)
+                    .map(|a| a.policy.clone())
+            });
+            if let Some(name) = deciding {
+                recorder.policies.push(RecordedPolicy {
+                    from_ms: first_ms,
+                    name,
+                });
+            }
         }
         let names: Vec<String> = recorder.state.nodes().keys().cloned().collect();
         for name in names {
@@ -517,6 +562,7 @@ impl Recorder {
             gaps: Vec::new(),
             speeds: BTreeMap::new(),
             runs: Vec::new(),
+            earlier_gpu_ms: 0,
         });
     }
 
@@ -544,6 +590,42 @@ impl Recorder {
         }
         if let Some(holding) = now {
             self.holding.insert(job_id, holding);
+        }
+    }
+
+    /// What job `job_id`'s record keeps of the time before `at_ms`, the
+    /// state's own time: the GPU time it held and its measured speeds.
+    fn note_earlier(&mut self, job_id: JobId, at_ms: u64) {
+        let (Some(job), Some(recorded)) = (self.state.job(job_id), self.jobs.get_mut(&job_id))
+        else {
+            return;
+        };
+        recorded.earlier_gpu_ms = job.attained_gpu_ms(at_ms);
+        let perf = &job.perf;
+        let mut speeds: BTreeMap<(String, u32), keel_state::perf_history::SpeedStat> = perf
+            .speeds
+            .iter()
+            .flat_map(|(gpu_type, by_size)| {
+                by_size
+                    .iter()
+                    .map(move |(gpus, stat)| ((gpu_type.clone(), *gpus), *stat))
+            })
+            .collect();
+        // The current allocation's, not yet folded in.
+        if perf.epoch_speed.count > 0 {
+            let stat = speeds
+                .entry((perf.epoch_gpu_type.clone(), perf.epoch_gpus))
+                .or_default();
+            stat.sum_steps_per_s += perf.epoch_speed.sum_steps_per_s;
+            stat.count += perf.epoch_speed.count;
+        }
+        let measured: Vec<EarlierSpeed> = speeds
+            .into_iter()
+            .filter(|(_, stat)| stat.mean() > 0.0)
+            .map(|(key, stat)| (key, stat.mean()))
+            .collect();
+        if !measured.is_empty() {
+            self.earlier_speeds.insert(job_id, measured);
         }
     }
 
@@ -580,6 +662,17 @@ impl Recorder {
         let last_ms = self.last_ms;
         for (job_id, held) in std::mem::take(&mut self.holding) {
             self.settle(job_id, held, last_ms);
+        }
+        for (job_id, earlier) in std::mem::take(&mut self.earlier_speeds) {
+            let Some(job) = self.jobs.get_mut(&job_id) else {
+                continue;
+            };
+            for (key, steps_per_s) in earlier {
+                job.speeds.entry(key).or_insert(Measured {
+                    steps: steps_per_s,
+                    seconds: 1.0,
+                });
+            }
         }
         let held_gpu_ms = self.jobs.values().map(RecordedJob::held_gpu_ms).sum();
         History {
