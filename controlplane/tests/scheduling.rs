@@ -289,24 +289,24 @@ fn check_whatif_from_a_snapshot(file: &Path, jobs: usize) {
             "cannot be used with",
         ),
     ] {
-        let out = std::process::Command::new(support::KEEL)
-            .arg("whatif")
-            .args(args)
-            .arg("--from")
-            .arg(file)
-            .output()
-            .expect("run keel whatif");
-        assert!(!out.status.success(), "{args:?} was taken");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        whatif_refused(args, "--from", file, expected);
     }
+    let missing = Path::new("/nonexistent.snap");
+    whatif_refused(&[], "--from", missing, "/nonexistent.snap");
+}
+
+/// `keel whatif ARGS SOURCE PATH` is refused, and says `expected`.
+fn whatif_refused(args: &[&str], source: &str, path: &Path, expected: &str) {
     let out = std::process::Command::new(support::KEEL)
-        .args(["whatif", "--from", "/nonexistent.snap"])
+        .arg("whatif")
+        .args(args)
+        .arg(source)
+        .arg(path)
         .output()
         .expect("run keel whatif");
-    assert!(!out.status.success());
+    assert!(!out.status.success(), "{args:?} was taken");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("/nonexistent.snap"), "{stderr}");
+    assert!(stderr.contains(expected), "{args:?}: {stderr}");
 }
 
 /// Issue 27, items 1–3, on a live run's data directory: `keel whatif`
@@ -395,16 +395,7 @@ fn check_whatif(data: &Path, jobs: usize) {
             "--until-time \"noon\" is not an RFC 3339 time",
         ),
     ] {
-        let out = std::process::Command::new(support::KEEL)
-            .arg("whatif")
-            .args(args)
-            .arg("--data-dir")
-            .arg(data)
-            .output()
-            .expect("run keel whatif");
-        assert!(!out.status.success(), "{args:?} was taken");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        whatif_refused(args, "--data-dir", data, expected);
     }
 }
 
