@@ -42,29 +42,24 @@ pub const SPEED_SIZES_MIN: usize = 3;
 /// `model`.
 pub fn speeds_v100(history: &PerfHistory, model: &str) -> BTreeMap<u32, SpeedStat> {
     let mut out: BTreeMap<u32, SpeedStat> = BTreeMap::new();
-    let current = (history.epoch_speed.count > 0
-        && history.epoch_gpus > 0
-        && history.epoch_partner.is_none())
-    .then(|| {
-        (
-            history.epoch_gpu_type.clone(),
-            BTreeMap::from([(history.epoch_gpus, history.epoch_speed)]),
-        )
-    });
-    for (gpu_type, by_size) in history
-        .speeds
-        .iter()
-        .chain(current.iter().map(|(t, m)| (t, m)))
-    {
-        let factor = type_factor(model, gpu_type);
-        if factor <= 0.0 {
+    // One factor per type: the speeds come grouped by type.
+    let mut factor: Option<(&str, f64)> = None;
+    for (gpu_type, n, s) in history.alone_speeds() {
+        let f = match factor {
+            Some((t, f)) if t == gpu_type => f,
+            _ => {
+                let f = type_factor(model, gpu_type);
+                factor = Some((gpu_type, f));
+                f
+            }
+        };
+        if f <= 0.0 {
             continue;
         }
-        for (n, s) in by_size {
-            let o = out.entry(*n).or_default();
-            o.sum_steps_per_s += s.sum_steps_per_s / factor;
-            o.count = o.count.saturating_add(s.count);
-        }
+        out.entry(n).or_default().add(SpeedStat {
+            sum_steps_per_s: s.sum_steps_per_s / f,
+            count: s.count,
+        });
     }
     out
 }
@@ -807,6 +802,10 @@ mod tests {
         h.record(&on(2, Some("resnet18")), 140, None, 30_000);
         assert_eq!(h.shared_steps_per_s("resnet18", "v100", 1), Some(4.0));
         assert_eq!(h.shared_steps_per_s("vgg16", "v100", 1), None);
+        // The shared epoch under way is no speed alone.
+        let alone: Vec<(&str, u32, f64)> =
+            h.alone_speeds().map(|(t, n, s)| (t, n, s.mean())).collect();
+        assert_eq!(alone, [("v100", 1, 10.0)]);
         // The partner leaves mid-epoch: 8 steps/s alone from then on; the
         // gap across the change counts for neither.
         h.record(&on(2, None), 150, None, 40_000);

@@ -318,8 +318,8 @@ impl Recorder {
     /// performance history measured them (by GPU type and size, the mean
     /// of its samples' speeds; a speed the entries measure again is
     /// theirs), the GPU time it had held, the first submission as the
-    /// history's start, and the state's policy as the one deciding from
-    /// then. What a record does not keep is not known: its allocations
+    /// history's start, and as the policy deciding from then the one set
+    /// at run time, else the one that made the latest allocation held. What a record does not keep is not known: its allocations
     /// one by one (a job that reported no progress has no speed), the
     /// nodes' losses before, and earlier policies.
     pub fn starting_from(state: ClusterState) -> Recorder {
@@ -601,23 +601,13 @@ impl Recorder {
             return;
         };
         recorded.earlier_gpu_ms = job.attained_gpu_ms(at_ms);
-        let perf = &job.perf;
-        let mut speeds: BTreeMap<(String, u32), keel_state::perf_history::SpeedStat> = perf
-            .speeds
-            .iter()
-            .flat_map(|(gpu_type, by_size)| {
-                by_size
-                    .iter()
-                    .map(move |(gpus, stat)| ((gpu_type.clone(), *gpus), *stat))
-            })
-            .collect();
-        // The current allocation's, not yet folded in.
-        if perf.epoch_speed.count > 0 {
-            let stat = speeds
-                .entry((perf.epoch_gpu_type.clone(), perf.epoch_gpus))
-                .or_default();
-            stat.sum_steps_per_s += perf.epoch_speed.sum_steps_per_s;
-            stat.count += perf.epoch_speed.count;
+        let mut speeds: BTreeMap<(String, u32), keel_state::perf_history::SpeedStat> =
+            BTreeMap::new();
+        for (gpu_type, gpus, stat) in job.perf.alone_speeds() {
+            speeds
+                .entry((gpu_type.to_string(), gpus))
+                .or_default()
+                .add(stat);
         }
         let measured: Vec<EarlierSpeed> = speeds
             .into_iter()

@@ -20,6 +20,12 @@ pub struct SpeedStat {
 }
 
 impl SpeedStat {
+    /// Counts `other`'s measurements with these.
+    pub fn add(&mut self, other: SpeedStat) {
+        self.sum_steps_per_s += other.sum_steps_per_s;
+        self.count = self.count.saturating_add(other.count);
+    }
+
     pub fn mean(&self) -> f64 {
         if self.count == 0 {
             0.0
@@ -140,14 +146,34 @@ impl PerfHistory {
             Some(m) => m,
             None => by_type.entry(gpu_type.to_string()).or_default(),
         };
-        let o = by_size.entry(self.epoch_gpus).or_default();
-        o.sum_steps_per_s += stat.sum_steps_per_s;
-        o.count = o.count.saturating_add(stat.count);
+        by_size.entry(self.epoch_gpus).or_default().add(stat);
     }
 
     /// Whether the last sample recorded was of allocation `epoch`.
     pub fn knows_epoch(&self, epoch: u64) -> bool {
         self.last_sample.is_some_and(|(e, _, _)| e == epoch)
+    }
+
+    /// The speeds measured alone (not sharing GPUs): `(GPU type, GPUs,
+    /// measurements)` from `speeds` in order, then the current epoch's
+    /// when it runs alone and has any (not yet folded in, so a type and
+    /// size may come twice: callers add them up).
+    pub fn alone_speeds(&self) -> impl Iterator<Item = (&str, u32, SpeedStat)> + '_ {
+        let current =
+            (self.epoch_speed.count > 0 && self.epoch_gpus > 0 && self.epoch_partner.is_none())
+                .then_some((
+                    self.epoch_gpu_type.as_str(),
+                    self.epoch_gpus,
+                    self.epoch_speed,
+                ));
+        self.speeds
+            .iter()
+            .flat_map(|(gpu_type, by_size)| {
+                by_size
+                    .iter()
+                    .map(move |(gpus, stat)| (gpu_type.as_str(), *gpus, *stat))
+            })
+            .chain(current)
     }
 }
 
@@ -178,8 +204,7 @@ impl PerfHistory {
             && self.epoch_gpu_type == gpu_type
             && self.epoch_gpus == gpus
         {
-            stat.sum_steps_per_s += self.epoch_speed.sum_steps_per_s;
-            stat.count = stat.count.saturating_add(self.epoch_speed.count);
+            stat.add(self.epoch_speed);
         }
         (stat.count > 0).then(|| stat.mean())
     }

@@ -237,15 +237,15 @@ impl<'a> Plan<'a> {
             return;
         }
         self.keeps_the_rest = false;
-        let named: std::collections::BTreeSet<JobId> = self.placements.keys().copied().collect();
         for job in state.allocated_jobs() {
             let Some(a) = &job.allocation else { continue };
-            if named.contains(&job.id) {
-                continue;
-            }
-            self.placements.insert(job.id, Cow::Borrowed(&a.gpus));
-            if let Some(partner) = a.shared_with {
-                self.partners.insert(job.id, partner);
+            if let std::collections::btree_map::Entry::Vacant(unnamed) =
+                self.placements.entry(job.id)
+            {
+                unnamed.insert(Cow::Borrowed(&a.gpus));
+                if let Some(partner) = a.shared_with {
+                    self.partners.insert(job.id, partner);
+                }
             }
         }
     }
