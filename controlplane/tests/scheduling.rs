@@ -247,26 +247,7 @@ fn a_tour_sized_run_completes_without_double_booking_a_gpu() {
 /// keep them, with the speeds their performance history measured, replayed
 /// like a data directory's; a snapshot with a data directory is refused.
 fn check_whatif_from_a_snapshot(file: &Path, jobs: usize) {
-    let out = std::process::Command::new(support::KEEL)
-        .args([
-            "whatif",
-            "-o",
-            "json",
-            "--policy",
-            "srjf",
-            "--progress-interval-s",
-            "0.2",
-            "--from",
-        ])
-        .arg(file)
-        .output()
-        .expect("run keel whatif");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let report: Value = serde_json::from_slice(&whatif_json("srjf", "--from", file)).expect("JSON");
     let history = &report["history"];
     assert_eq!(history["entries"], 0, "{history}");
     assert_eq!(history["jobs"], jobs, "{history}");
@@ -295,6 +276,23 @@ fn check_whatif_from_a_snapshot(file: &Path, jobs: usize) {
     whatif_refused(&[], "--from", missing, "/nonexistent.snap");
 }
 
+/// `keel whatif -o json` of `policies` on SOURCE PATH (`--data-dir` or
+/// `--from`), with the tour's progress interval: its report's bytes.
+fn whatif_json(policies: &str, source: &str, path: &Path) -> Vec<u8> {
+    let out = std::process::Command::new(support::KEEL)
+        .args(["whatif", "-o", "json", "--policy", policies])
+        .args(["--progress-interval-s", "0.2", source])
+        .arg(path)
+        .output()
+        .expect("run keel whatif");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 /// `keel whatif ARGS SOURCE PATH` is refused, and says `expected`.
 fn whatif_refused(args: &[&str], source: &str, path: &Path, expected: &str) {
     let out = std::process::Command::new(support::KEEL)
@@ -314,28 +312,7 @@ fn whatif_refused(args: &[&str], source: &str, path: &Path, expected: &str) {
 /// ran (and two others), reports its error, and gives the same bytes
 /// twice.
 fn check_whatif(data: &Path, jobs: usize) {
-    let whatif = || {
-        let out = std::process::Command::new(support::KEEL)
-            .args([
-                "whatif",
-                "-o",
-                "json",
-                "--policy",
-                "srjf,tiresias",
-                "--progress-interval-s",
-                "0.2",
-                "--data-dir",
-            ])
-            .arg(data)
-            .output()
-            .expect("run keel whatif");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out.stdout
-    };
+    let whatif = || whatif_json("srjf,tiresias", "--data-dir", data);
     let bytes = whatif();
     assert_eq!(bytes, whatif(), "the same history gave two reports");
     let report: Value = serde_json::from_slice(&bytes).expect("JSON");
