@@ -11,6 +11,13 @@
 //! What must wait for it ([`JournalWriter::barrier`]): building a snapshot
 //! (the log is purged behind it), installing one, flushing, and readers that
 //! want the journal to be complete up to an index.
+//!
+//! A merged batch is bounded by what it holds ([`MAX_BATCH_INSERTS`],
+//! [`MAX_BATCH_BYTES`]), not by how many calls it merges: sled 0.34 keeps
+//! memory in proportion to the size of the batches it was given and does not
+//! give it back (BENCHMARKS.md, "Memory while applying a long backlog"), so a
+//! writer that fell behind a fast apply (a replica catching up, a tool
+//! writing a history) and merged everything queued grew past 20 GB.
 
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -31,10 +38,14 @@ enum Work {
     Barrier(SyncSender<Result<(), String>>),
 }
 
-/// Most queued apply calls merged into one sled batch.
-const MAX_MERGED: usize = 4096;
+/// Most inserts merged into one sled batch: calls are merged until the
+/// batch holds this many or [`MAX_BATCH_BYTES`] (one call's writes are
+/// never split, so a batch can hold more when a single call does).
+pub(crate) const MAX_BATCH_INSERTS: usize = 512;
+/// Most bytes of keys and values merged into one sled batch.
+pub(crate) const MAX_BATCH_BYTES: usize = 512 * 1024;
 /// Apply calls queued before `apply` waits for the writer.
-const QUEUE: usize = 8192;
+const QUEUE: usize = 1024;
 
 #[derive(Debug)]
 pub(crate) struct JournalWriter {
@@ -101,6 +112,53 @@ impl Drop for JournalWriter {
     }
 }
 
+/// What the writer takes off the queue for one sled batch.
+struct Merged {
+    batch: sled::Batch,
+    /// Apply calls merged.
+    writes: usize,
+    /// Inserts in `batch`, and their keys' and values' bytes.
+    inserts: usize,
+    bytes: usize,
+    /// The applied index the batch brings the journal to.
+    applied_index: Option<u64>,
+    barriers: Vec<SyncSender<Result<(), String>>>,
+}
+
+impl Merged {
+    /// `first` and whatever is queued behind it, until the batch holds
+    /// [`MAX_BATCH_INSERTS`] inserts or [`MAX_BATCH_BYTES`]; never waits.
+    fn take(first: Work, rx: &Receiver<Work>) -> Merged {
+        let mut merged = Merged {
+            batch: sled::Batch::default(),
+            writes: 0,
+            inserts: 0,
+            bytes: 0,
+            applied_index: None,
+            barriers: Vec::new(),
+        };
+        let mut next = Some(first);
+        while let Some(work) = next.take() {
+            match work {
+                Work::Write(w) => {
+                    merged.inserts += w.inserts.len();
+                    for (k, v) in w.inserts {
+                        merged.bytes += k.len() + v.len();
+                        merged.batch.insert(k, v);
+                    }
+                    merged.applied_index = Some(w.applied_index);
+                    merged.writes += 1;
+                }
+                Work::Barrier(done) => merged.barriers.push(done),
+            }
+            if merged.inserts < MAX_BATCH_INSERTS && merged.bytes < MAX_BATCH_BYTES {
+                next = rx.try_recv().ok();
+            }
+        }
+        merged
+    }
+}
+
 fn run(
     tree: &sled::Tree,
     shared: &SharedState,
@@ -108,34 +166,15 @@ fn run(
     failed: &Mutex<Option<String>>,
 ) {
     while let Ok(first) = rx.recv() {
-        let mut batch = sled::Batch::default();
-        let mut writes = 0;
-        let mut applied_index = None;
-        let mut barriers = Vec::new();
-        let mut next = Some(first);
-        while let Some(work) = next.take() {
-            match work {
-                Work::Write(w) => {
-                    for (k, v) in w.inserts {
-                        batch.insert(k, v);
-                    }
-                    applied_index = Some(w.applied_index);
-                    writes += 1;
-                }
-                Work::Barrier(done) => barriers.push(done),
-            }
-            if writes < MAX_MERGED {
-                next = rx.try_recv().ok();
-            }
-        }
-        let result = if writes > 0 {
-            tree.apply_batch(batch).map_err(|e| e.to_string())
+        let merged = Merged::take(first, rx);
+        let result = if merged.writes > 0 {
+            tree.apply_batch(merged.batch).map_err(|e| e.to_string())
         } else {
             Ok(())
         };
         match &result {
             Ok(()) => {
-                if let Some(i) = applied_index {
+                if let Some(i) = merged.applied_index {
                     shared.journaled(i);
                 }
             }
@@ -144,11 +183,80 @@ fn run(
                 *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
             }
         }
-        for done in barriers {
+        for done in merged.barriers {
             let _ = done.send(result.clone());
         }
         if result.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(index: u64, inserts: usize, value_bytes: usize) -> Work {
+        Work::Write(Writes {
+            inserts: (0..inserts)
+                .map(|i| {
+                    let key = [index.to_be_bytes(), (i as u64).to_be_bytes()].concat();
+                    (key, vec![7; value_bytes])
+                })
+                .collect(),
+            applied_index: index,
+        })
+    }
+
+    /// A writer that fell behind takes a bounded batch off a long queue, not
+    /// the whole queue (sled's memory grows with its batches' size).
+    #[test]
+    fn a_long_queue_is_written_in_batches_of_bounded_size() {
+        let (tx, rx) = sync_channel(QUEUE);
+        for index in 1..=1000 {
+            tx.send(write(index, 10, 16)).expect("queued");
+        }
+        let first = rx.recv().expect("queued");
+        let merged = Merged::take(first, &rx);
+        assert_eq!(merged.inserts, MAX_BATCH_INSERTS.div_ceil(10) * 10);
+        assert_eq!(merged.writes, MAX_BATCH_INSERTS.div_ceil(10));
+        assert_eq!(merged.applied_index, Some(merged.writes as u64));
+        // The rest waits for the next batches, in order.
+        let mut written = merged.writes;
+        let mut batches = 1;
+        while let Ok(first) = rx.try_recv() {
+            let merged = Merged::take(first, &rx);
+            assert!(merged.inserts <= MAX_BATCH_INSERTS + 9);
+            written += merged.writes;
+            assert_eq!(merged.applied_index, Some(written as u64));
+            batches += 1;
+        }
+        assert_eq!(written, 1000);
+        assert!(batches >= 10_000 / (MAX_BATCH_INSERTS + 9));
+    }
+
+    /// The bytes bound holds for few large values, and one call's writes
+    /// are never split: the journal's applied index stays atomic with them.
+    #[test]
+    fn a_batch_stops_at_its_bytes_and_keeps_each_call_whole() {
+        let (tx, rx) = sync_channel(QUEUE);
+        let value_bytes = MAX_BATCH_BYTES / 3;
+        for index in 1..=5 {
+            tx.send(write(index, 2, value_bytes)).expect("queued");
+        }
+        let merged = Merged::take(rx.recv().expect("queued"), &rx);
+        assert_eq!(merged.writes, 2, "two calls reach the bytes bound");
+        assert_eq!(merged.inserts, 4);
+        assert!(merged.bytes >= MAX_BATCH_BYTES);
+        assert_eq!(merged.applied_index, Some(2));
+        // A barrier behind writes is answered with the batch it ends.
+        let (done, answered) = sync_channel(1);
+        let (tx, rx) = sync_channel(QUEUE);
+        tx.send(write(1, 1, 1)).expect("queued");
+        tx.send(Work::Barrier(done)).expect("queued");
+        let merged = Merged::take(rx.recv().expect("queued"), &rx);
+        assert_eq!((merged.writes, merged.barriers.len()), (1, 1));
+        drop(merged);
+        assert!(answered.try_recv().is_err(), "answered only once written");
     }
 }
