@@ -2,9 +2,9 @@
 //! holding a history of 100,000 jobs and about 5 M entries.
 //!
 //! The history is the one `cargo bench -p keel-sim --bench whatif_scale`
-//! times in memory (a simulated cluster's own log: 100,000 generated jobs,
-//! `KEEL_WHATIF_SCALE_JOBS`, on 1,536 GPUs, FIFO, progress at most every
-//! 40 minutes). Here it is first written into a data directory through the
+//! times in memory (`keel_sim::fixtures::scale_history`: a simulated
+//! cluster's own log, 100,000 generated jobs, `KEEL_WHATIF_SCALE_JOBS`,
+//! FIFO on 1,536 GPUs). Here it is first written into a data directory through the
 //! state machine store, as a replica applying a long backlog would write it
 //! (calls of 64 entries, as fast as the store takes them; the time and the
 //! process's memory are printed, the figure that once passed 20 GB), and
@@ -41,24 +41,7 @@ fn status_mib(field: &str) -> u64 {
 fn main() {
     let jobs = count("KEEL_WHATIF_SCALE_JOBS", 100_000) as usize;
     let started = Instant::now();
-    let workload = keel_sim::Generator {
-        jobs,
-        rate_per_hour: 38.8,
-        seed: 27,
-        multi_gpu: true,
-        elastic: false,
-    }
-    .generate()
-    .expect("workload");
-    let nodes = keel_sim::cluster_from_counts("512:512:512", 8).expect("cluster");
-    let mut config = keel_sim::SimConfig::new(nodes, workload);
-    config.round_s = 360.0;
-    config.progress_interval_s = 2400.0;
-    config.keep_log = true;
-    let fifo = keel_scheduling::policy::Fifo::new(Default::default());
-    let mut report = keel_sim::simulate(&config, &fifo);
-    let log = std::mem::take(&mut report.log);
-    drop(report);
+    let log = keel_sim::fixtures::scale_history(jobs).expect("history");
     println!(
         "history: {jobs} jobs, {} entries, simulated in {:.1} s",
         log.len(),
@@ -120,9 +103,9 @@ fn main() {
             "--policy",
             "recorded",
             "--round-s",
-            "360",
+            &keel_sim::fixtures::SCALE_ROUND_S.to_string(),
             "--progress-interval-s",
-            "2400",
+            &keel_sim::fixtures::SCALE_PROGRESS_INTERVAL_S.to_string(),
             "-o",
             "json",
         ])

@@ -1,9 +1,9 @@
 //! Issue 27's speed figure: what `keel whatif` does with a history of
 //! 100,000 jobs and about 5 M entries, past reading it.
 //!
-//! The history is a simulated cluster's own log (`keel sim`'s engine with
-//! `keep_log`: 100,000 generated jobs, `KEEL_WHATIF_SCALE_JOBS`, on 1,536
-//! GPUs, progress reported at most every 40 minutes). Timed: the recorder
+//! The history is a simulated cluster's own log
+//! (`keel_sim::fixtures::scale_history`: 100,000 generated jobs,
+//! `KEEL_WHATIF_SCALE_JOBS`, FIFO on 1,536 GPUs). Timed: the recorder
 //! reading it (applying every entry to its own state), the workload it
 //! gives, and the `recorded` run (more policies on request), with the
 //! history in memory. The same history written into a data directory and
@@ -30,26 +30,7 @@ fn count(var: &str, default: usize) -> usize {
 fn main() {
     let jobs = count("KEEL_WHATIF_SCALE_JOBS", 100_000);
     let started = Instant::now();
-    let workload = keel_sim::Generator {
-        jobs,
-        // About 80 % of the cluster's GPU time asked for (a job asks for
-        // about 32 GPU-hours on average).
-        rate_per_hour: 38.8,
-        seed: 27,
-        multi_gpu: true,
-        elastic: false,
-    }
-    .generate()
-    .expect("workload");
-    let nodes = keel_sim::cluster_from_counts("512:512:512", 8).expect("cluster");
-    let mut config = keel_sim::SimConfig::new(nodes, workload);
-    config.round_s = 360.0;
-    config.progress_interval_s = 2400.0;
-    config.keep_log = true;
-    let fifo = keel_scheduling::policy::Fifo::new(Default::default());
-    let mut report = keel_sim::simulate(&config, &fifo);
-    let log = std::mem::take(&mut report.log);
-    drop(report);
+    let log = keel_sim::fixtures::scale_history(jobs).expect("history");
     println!(
         "history: {jobs} jobs, {} entries, simulated in {:.1} s",
         log.len(),
@@ -66,8 +47,8 @@ fn main() {
     drop(log);
     let workload = history.workload();
     let mut again = keel_sim::SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
-    again.round_s = 360.0;
-    again.progress_interval_s = 2400.0;
+    again.round_s = keel_sim::fixtures::SCALE_ROUND_S;
+    again.progress_interval_s = keel_sim::fixtures::SCALE_PROGRESS_INTERVAL_S;
     again.node_changes = workload.node_changes.clone();
     again.table_scale = workload.table_scale;
     let workload_s = started.elapsed().as_secs_f64() - read_s;

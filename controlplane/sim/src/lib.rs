@@ -11,6 +11,7 @@
 //! text), no clock, no threads, seeded randomness only.
 
 mod engine;
+pub mod fixtures;
 pub mod gavel_generator;
 pub mod gavel_throughputs;
 pub mod history;
