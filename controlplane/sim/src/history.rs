@@ -319,9 +319,10 @@ impl Recorder {
     /// of its samples' speeds; a speed the entries measure again is
     /// theirs), the GPU time it had held, the first submission as the
     /// history's start, and as the policy deciding from then the one set
-    /// at run time, else the one that made the latest allocation held. What a record does not keep is not known: its allocations
-    /// one by one (a job that reported no progress has no speed), the
-    /// nodes' losses before, and earlier policies.
+    /// at run time, else the one that made the latest allocation held.
+    /// What a record does not keep is not known: its allocations one by
+    /// one (a job that reported no progress has no speed), the nodes'
+    /// losses before, and earlier policies.
     pub fn starting_from(state: ClusterState) -> Recorder {
         let state_at_ms = state.last_entry_at_ms();
         let mut recorder = Recorder {
