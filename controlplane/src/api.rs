@@ -1107,7 +1107,10 @@ impl Keel for KeelApi {
                 .into());
             }
         }
-        let reports = reports_from_proto(req);
+        let reports = reports_from_proto(req).map_err(|e| ApiError::InvalidArgument {
+            field: "reports",
+            message: e.to_string(),
+        })?;
         for r in &reports {
             r.validate().map_err(ApiError::from)?;
             crate::authz::may_report_node(&caller, &r.name)?;

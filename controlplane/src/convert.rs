@@ -5,7 +5,7 @@ use std::borrow::Cow;
 
 use keel_proto::api;
 use keel_proto::entry::{JobRecord, WorkerRecord};
-use keel_state::codec::gpu_to_proto;
+use keel_state::proto_form::ProtoForm;
 use keel_state::{Job, Node};
 
 /// The job as the API answers it: its state record (`Job::to_record`,
@@ -132,10 +132,11 @@ pub fn node_to_proto<'a>(
             .gpus
             .iter()
             .map(|(index, gpu_type)| {
-                gpu_to_proto(&keel_state::Gpu {
+                keel_state::Gpu {
                     index: *index,
                     gpu_type: gpu_type.clone(),
-                })
+                }
+                .to_proto()
             })
             .collect(),
         gpu_holders: here.iter().map(|(i, h)| (*i, h.job)).collect(),

@@ -107,9 +107,12 @@ pub fn describe_event(e: &pb::Event) -> String {
         Some(K::TokenCreated(x)) => format!(
             "token {} created for role {}{}",
             x.name,
-            keel_state::codec::role_from_proto(x.role)
-                .map(|r| r.as_str())
-                .unwrap_or("unknown"),
+            <keel_state::acl::Role as keel_state::proto_form::ProtoForm<i32>>::from_proto(
+                x.role,
+                "token_created.role"
+            )
+            .map(|r| r.as_str())
+            .unwrap_or("unknown"),
             x.expires_at_ms
                 .map(|at| format!(", expiring at {}", time(at)))
                 .unwrap_or_default()

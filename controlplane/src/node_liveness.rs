@@ -23,7 +23,9 @@ use std::time::Duration;
 use keel_proto::api::keel_server::Keel;
 use keel_proto::api::NodeHeartbeatRequest;
 use keel_proto::entry as pb;
+use keel_state::codec::DecodeError;
 use keel_state::liveness::{NodeLiveness, NodeReport};
+use keel_state::proto_form::ProtoForm;
 use keel_state::Command;
 use tokio::sync::watch;
 
@@ -100,44 +102,46 @@ impl HeartbeatInbox {
 
 /// The reports in a heartbeat request: `reports` when it has any (a
 /// server of this release), `nodes` otherwise (the release before).
-pub fn reports_from_proto(request: NodeHeartbeatRequest) -> Vec<NodeReport> {
-    use keel_state::codec::{failed_gpu_from_proto, gpu_from_proto};
+pub fn reports_from_proto(request: NodeHeartbeatRequest) -> Result<Vec<NodeReport>, DecodeError> {
     if !request.reports.is_empty() {
         return request
             .reports
             .into_iter()
-            .map(|n| NodeReport {
-                name: n.name,
-                address: n.address,
-                gpus: n.gpus.into_iter().map(gpu_from_proto).collect(),
-                failed: n.failed.into_iter().map(failed_gpu_from_proto).collect(),
-                note: n.note,
+            .map(|n| {
+                Ok(NodeReport {
+                    name: n.name,
+                    address: n.address,
+                    gpus: ProtoForm::from_proto(n.gpus, "record_node_inventory.gpus")?,
+                    failed: ProtoForm::from_proto(n.failed, "record_node_inventory.failed")?,
+                    note: n.note,
+                })
             })
             .collect();
     }
     request
         .nodes
         .into_iter()
-        .map(|n| NodeReport {
-            name: n.name,
-            address: n.address,
-            gpus: n.gpus.into_iter().map(gpu_from_proto).collect(),
-            failed: Vec::new(),
-            note: n.note,
+        .map(|n| {
+            Ok(NodeReport {
+                name: n.name,
+                address: n.address,
+                gpus: ProtoForm::from_proto(n.gpus, "register_node.gpus")?,
+                failed: Vec::new(),
+                note: n.note,
+            })
         })
         .collect()
 }
 
 /// A heartbeat carrying `reports`, in both of its forms.
 fn heartbeat_request(reports: &[NodeReport]) -> NodeHeartbeatRequest {
-    use keel_state::codec::{failed_gpu_to_proto, gpu_to_proto};
     NodeHeartbeatRequest {
         nodes: reports
             .iter()
             .map(|r| pb::RegisterNode {
                 name: r.name.clone(),
                 address: r.address.clone(),
-                gpus: r.gpus.iter().map(gpu_to_proto).collect(),
+                gpus: r.gpus.to_proto(),
                 note: r.note.clone(),
             })
             .collect(),
@@ -146,8 +150,8 @@ fn heartbeat_request(reports: &[NodeReport]) -> NodeHeartbeatRequest {
             .map(|r| pb::RecordNodeInventory {
                 name: r.name.clone(),
                 address: r.address.clone(),
-                gpus: r.gpus.iter().map(gpu_to_proto).collect(),
-                failed: r.failed.iter().map(failed_gpu_to_proto).collect(),
+                gpus: r.gpus.to_proto(),
+                failed: r.failed.to_proto(),
                 note: r.note.clone(),
             })
             .collect(),

@@ -133,6 +133,77 @@ struct JobView {
     /// The trace of its submission, when it was sampled (issue 24).
     #[serde(skip_serializing_if = "Option::is_none")]
     trace_id: Option<String>,
+    /// The record's fields that hold a value and have no place above, by
+    /// their protobuf names ([`other_record_fields`]).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    other: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+/// The fields of the state's record of a job (`keel.entry.v1.JobRecord`)
+/// that [`JobView`] shows in words of its own.
+const RECORD_FIELDS_SHOWN: [&str; 12] = [
+    "id",
+    "spec",
+    "state",
+    "submitted_at_ms",
+    "started_at_ms",
+    "finished_at_ms",
+    "allocation",
+    "workers",
+    "progress",
+    "retries",
+    "message",
+    "submitted_by",
+];
+
+/// The fields kept for the scheduler and left out of `keel job`: the
+/// epoch counter, the counts and clocks the policies order jobs by, the
+/// performance history (shown as the estimate) and the trace (shown as its
+/// id).
+const RECORD_FIELDS_LEFT_OUT: [&str; 7] = [
+    "last_epoch",
+    "progress_samples",
+    "not_before_ms",
+    "service_gpu_ms",
+    "queued_since_ms",
+    "perf",
+    "trace_parent",
+];
+
+/// The record's other fields that hold a value (not absent, empty or
+/// zero), by their protobuf names: so a field the state's job gains shows
+/// in `keel job` (and its JSON, under `other`) without code of its own,
+/// until it is given words here (ARCHITECTURE.md, "What one new field
+/// costs").
+fn other_record_fields(
+    record: &pb::JobRecord,
+) -> std::collections::BTreeMap<String, serde_json::Value> {
+    record_fields_not_in(record, &[&RECORD_FIELDS_SHOWN, &RECORD_FIELDS_LEFT_OUT])
+}
+
+/// The fields of `record` that hold a value and no list names.
+fn record_fields_not_in(
+    record: &pb::JobRecord,
+    lists: &[&[&str]],
+) -> std::collections::BTreeMap<String, serde_json::Value> {
+    use serde_json::Value;
+    let Ok(Value::Object(fields)) = serde_json::to_value(record) else {
+        return Default::default();
+    };
+    let holds_a_value = |v: &Value| match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    };
+    fields
+        .into_iter()
+        .filter(|(name, value)| {
+            !lists.iter().any(|list| list.contains(&name.as_str())) && holds_a_value(value)
+        })
+        .collect()
 }
 
 #[derive(Serialize)]
@@ -219,6 +290,7 @@ fn job_view(job: &api::Job) -> JobView {
         max_retries: spec.max_retries,
         submitted_by: record.submitted_by.clone().filter(|s| !s.is_empty()),
         trace_id: Some(job.trace_id.clone()).filter(|s| !s.is_empty()),
+        other: other_record_fields(&record),
         workers: record
             .workers
             .iter()
@@ -406,6 +478,12 @@ pub fn job(
             }
             if let Some(e) = &view.estimate {
                 outln!("{}", describe_estimate(e));
+            }
+            for (name, value) in &view.other {
+                match value {
+                    serde_json::Value::String(text) => outln!("{name}: {text}"),
+                    other => outln!("{name}: {other}"),
+                }
             }
             for w in &view.workers {
                 outln!(
@@ -1410,6 +1488,42 @@ mod tests {
         assert_eq!(shown["progress"]["step"], 10);
         assert_eq!(shown["max_retries"], 2);
         assert_eq!(shown["allocation"]["gpus"][1], "n0/1");
+        assert!(shown.get("other").is_none(), "every field has its place");
+    }
+
+    /// A field the record gains shows in `keel job` by its protobuf name
+    /// once it holds a value, without a line here; the two lists name
+    /// fields the record has.
+    #[test]
+    fn a_record_field_with_no_words_of_its_own_is_shown_by_its_name() {
+        let record = pb::JobRecord {
+            id: 7,
+            message: "waiting for 2 GPUs".into(),
+            retries: 0,
+            ..Default::default()
+        };
+        let serde_json::Value::Object(all) = serde_json::to_value(&record).expect("json") else {
+            panic!("a record is a JSON object");
+        };
+        for name in RECORD_FIELDS_SHOWN.iter().chain(&RECORD_FIELDS_LEFT_OUT) {
+            assert!(all.contains_key(*name), "{name} is no field of JobRecord");
+        }
+        assert!(other_record_fields(&record).is_empty());
+        // As if `message` had just been added: shown, by name, with its
+        // value; `retries` (zero) and the rest hold nothing, so are not.
+        let shown: Vec<&str> = RECORD_FIELDS_SHOWN
+            .iter()
+            .copied()
+            .filter(|f| *f != "message" && *f != "retries")
+            .collect();
+        let other = record_fields_not_in(&record, &[&shown, &RECORD_FIELDS_LEFT_OUT]);
+        assert_eq!(
+            other.into_iter().collect::<Vec<_>>(),
+            vec![(
+                "message".to_string(),
+                serde_json::json!("waiting for 2 GPUs")
+            )]
+        );
     }
 
     fn estimate(source: &str) -> EstimateView {

@@ -36,7 +36,10 @@ pub mod raft {
     include!(concat!(env!("OUT_DIR"), "/raft/keel.raft.v1.rs"));
 }
 
-/// The highest log-entry format version this build reads and writes.
+/// The log-entry format versions, each named by what it added. The newest
+/// one a build reads and writes is `keel_state::codec::ENTRY_FORMAT_VERSION`,
+/// the newest `#[proto(since = N)]` on its commands and their fields; a
+/// version added after 10 is named there, on the field, not here.
 ///
 /// - 1: the first format.
 /// - 2: `JobPlacement.share_with` (space sharing). Only an entry that uses
@@ -61,7 +64,7 @@ pub mod raft {
 /// - 10: secrets (issue 35): `PutSecret`, `DeleteSecret` and
 ///   `JobSpec.secret_env`. A build that ignored a spec's references would
 ///   launch the job without its credentials.
-pub const ENTRY_FORMAT_VERSION: u32 = 10;
+pub const ENTRY_FORMAT_VERSION_SECRETS: u32 = 10;
 
 /// The version of an entry with a trace (and nothing of version 10).
 pub const ENTRY_FORMAT_VERSION_TRACE: u32 = 9;

@@ -399,7 +399,7 @@ fn a_snapshot_with_secrets_decodes_from_its_golden_bytes() {
     for (name, entry) in &entries[1..] {
         assert_eq!(
             keel_state::codec::entry_to_proto(entry).format_version,
-            keel_proto::ENTRY_FORMAT_VERSION,
+            keel_state::codec::ENTRY_FORMAT_VERSION,
             "{name} is the newest format"
         );
     }
@@ -791,13 +791,13 @@ fn an_entry_one_format_newer_is_refused_naming_both_versions() {
         .expect("an example");
     let bytes = golden("entry-set_policy.bin", &encode_entry(&entry));
     let mut msg = keel_proto::entry::LogEntry::decode(bytes.as_slice()).expect("protobuf");
-    let newer = keel_proto::ENTRY_FORMAT_VERSION + 1;
+    let newer = keel_state::codec::ENTRY_FORMAT_VERSION + 1;
     msg.format_version = newer;
     let err = decode_entry(&msg.encode_to_vec()).expect_err("a newer format is refused");
     let text = err.to_string();
     assert!(
         text.contains(&format!("version {newer}"))
-            && text.contains(&format!("({})", keel_proto::ENTRY_FORMAT_VERSION))
+            && text.contains(&format!("({})", keel_state::codec::ENTRY_FORMAT_VERSION))
             && text.contains("upgrade"),
         "{text}"
     );

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use keel_proto::api;
-use keel_state::codec::{queue_spec_from_proto, queue_spec_to_proto};
+use keel_state::proto_form::ProtoForm;
 use keel_state::queue::{self, QueueSpec, DEFAULT_QUEUE};
 use keel_state::{ClusterState, Command};
 use tonic::{Request, Response, Status};
@@ -21,10 +21,14 @@ fn checked_spec(
     state: &ClusterState,
 ) -> Result<QueueSpec, ApiError> {
     queue::validate_queue_name("name", name).map_err(|e| ApiError::Refused(e.into()))?;
-    let spec = queue_spec_from_proto(spec.ok_or(ApiError::InvalidArgument {
+    let spec = spec.ok_or(ApiError::InvalidArgument {
         field: "spec",
         message: "a queue's spec (quota, cohort, limits, weight) is required".into(),
-    })?);
+    })?;
+    let spec = QueueSpec::from_proto(spec, "spec").map_err(|e| ApiError::InvalidArgument {
+        field: "spec",
+        message: e.to_string(),
+    })?;
     spec.validate(|t| state.knows_gpu_type(t))
         .map_err(|e| ApiError::Refused(e.into()))?;
     Ok(spec)
@@ -107,7 +111,7 @@ fn status_of(state: &ClusterState, name: &str, spec: QueueSpec, usage: Usage) ->
     let stored = state.queues().stored().get(name);
     api::QueueStatus {
         name: name.to_string(),
-        spec: Some(queue_spec_to_proto(&spec)),
+        spec: Some(spec.to_proto()),
         changed_at_ms: stored.map_or(0, |q| q.changed_at_ms),
         changed_by: stored
             .and_then(|q| q.changed_by.clone())

@@ -34,7 +34,20 @@ pub mod limits {
 
 /// What a token's holder may do. Ordered from most to least trusted; the
 /// rights of each are the API's (`keel::authz`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    crate::proto_form::ProtoForm,
+)]
+#[proto(enumeration = "keel_proto::entry::Role")]
 pub enum Role {
     /// Everything: the policy, membership, nodes, tokens, any job.
     Admin,

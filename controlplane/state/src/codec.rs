@@ -1,5 +1,12 @@
-//! Conversions between the domain types and their protobuf form
-//! (`keel_proto::entry`), and the byte encoding of log entries.
+//! The byte encoding of log entries and proposals, and the protobuf forms
+//! that are not derived ([`crate::proto_form`]: the commands, events and
+//! job record derive theirs): the job spec's (its fields flattened), a
+//! queue's, a token's secret hash.
+//!
+//! An entry is written in the oldest format version that expresses it
+//! ([`entry_format_version`]: the newest `#[proto(since = N)]` among the
+//! fields it carries), so a build one version older refuses exactly the
+//! entries it would misread and reads every other.
 //!
 //! Decoding is strict: an entry with a newer `format_version`, or whose
 //! command this build does not know (an unset oneof, which is what prost
@@ -7,21 +14,27 @@
 
 use keel_proto::entry as pb;
 use keel_proto::{
-    ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_ACTOR, ENTRY_FORMAT_VERSION_FIRST,
-    ENTRY_FORMAT_VERSION_MEMORY, ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE, ENTRY_FORMAT_VERSION_QUEUE,
-    ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SHARES_GPUS,
-    ENTRY_FORMAT_VERSION_TOKEN_QUEUES, ENTRY_FORMAT_VERSION_TRACE,
+    ENTRY_FORMAT_VERSION_ACTOR, ENTRY_FORMAT_VERSION_FIRST, ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE,
+    ENTRY_FORMAT_VERSION_QUEUE, ENTRY_FORMAT_VERSION_REQUEST_ID, ENTRY_FORMAT_VERSION_SECRETS,
+    ENTRY_FORMAT_VERSION_TRACE,
 };
-use prost::Message;
+use prost::Message as _;
 
-use crate::acl::{Role, SecretHash};
-use crate::command::{Command, JobOutcome, JobPlacement, LogEntry, Proposal};
+use crate::acl::SecretHash;
+use crate::command::{Command, LogEntry, Proposal};
 use crate::event::Event;
-use crate::model::{FailedGpu, Gpu, GpuRef, ProgressSample};
-use crate::policy_memory::PolicyMemory;
+use crate::proto_form::{Message, ProtoForm, Versions};
 use crate::queue::QueueSpec;
-use crate::secret::{SealedValue, SecretRef};
+use crate::secret::SecretRef;
 use crate::spec::{GpuTypes, JobSpec, Workers};
+
+/// The newest log-entry format version this build reads and writes: the
+/// newest `#[proto(since = N)]` of its commands and what they hold
+/// ([`crate::proto_form`]), and of the entry's own fields (the request id,
+/// the actor, the trace). The versions up to 10 are listed in
+/// `keel_proto` (`ENTRY_FORMAT_VERSION_FIRST` and after).
+pub const ENTRY_FORMAT_VERSION: u32 =
+    crate::proto_form::max(<Command as Versions>::NEWEST, ENTRY_FORMAT_VERSION_TRACE);
 
 /// Largest encoded log entry accepted, in bytes.
 pub const ENTRY_MAX_BYTES: usize = 4 * 1024 * 1024;
@@ -104,373 +117,56 @@ pub fn decode_proposal_owned(bytes: Vec<u8>) -> Result<Proposal, DecodeError> {
     Ok(proposal)
 }
 
-pub fn failed_gpu_to_proto(f: &FailedGpu) -> pb::FailedGpu {
-    pb::FailedGpu {
-        index: f.index,
-        gpu_type: f.gpu_type.clone(),
-        reason: f.reason.clone(),
-    }
-}
-
-pub fn failed_gpu_from_proto(f: pb::FailedGpu) -> FailedGpu {
-    FailedGpu {
-        index: f.index,
-        gpu_type: f.gpu_type,
-        reason: f.reason,
-    }
-}
-
 pub fn entry_to_proto(entry: &LogEntry) -> pb::LogEntry {
-    use pb::log_entry::Command as C;
-    let command = match &entry.command {
-        Command::RegisterNode {
-            name,
-            address,
-            gpus,
-            note,
-        } => C::RegisterNode(pb::RegisterNode {
-            name: name.clone(),
-            address: address.clone(),
-            gpus: gpus.iter().map(gpu_to_proto).collect(),
-            note: note.clone(),
-        }),
-        Command::RecordNodeInventory {
-            name,
-            address,
-            gpus,
-            failed,
-            note,
-        } => C::RecordNodeInventory(pb::RecordNodeInventory {
-            name: name.clone(),
-            address: address.clone(),
-            gpus: gpus.iter().map(gpu_to_proto).collect(),
-            failed: failed.iter().map(failed_gpu_to_proto).collect(),
-            note: note.clone(),
-        }),
-        Command::MarkNodeLost { name, reason } => C::MarkNodeLost(pb::MarkNodeLost {
-            name: name.clone(),
-            reason: reason.clone(),
-        }),
-        Command::MarkNodeRecovered { name } => {
-            C::MarkNodeRecovered(pb::MarkNodeRecovered { name: name.clone() })
-        }
-        Command::SubmitJob { spec } => C::SubmitJob(pb::SubmitJob {
-            spec: Some(spec_to_proto(spec)),
-        }),
-        Command::CancelJob { job_id, reason } => C::CancelJob(pb::CancelJob {
-            job_id: *job_id,
-            reason: reason.clone(),
-        }),
-        Command::DecideAllocation {
-            based_on,
-            policy,
-            round,
-            placements,
-            memory,
-        } => C::DecideAllocation(pb::DecideAllocation {
-            based_on: *based_on,
-            policy: policy.clone(),
-            round: *round,
-            placements: placements
-                .iter()
-                .map(|p| pb::JobPlacement {
-                    job_id: p.job_id,
-                    gpus: p.gpus.iter().map(gpu_ref_to_proto).collect(),
-                    share_with: p.share_with,
-                })
-                .collect(),
-            memory: memory.as_ref().map(|m| pb::PolicyMemory {
-                policy: m.policy.clone(),
-                format: m.format,
-                bytes: m.bytes.clone(),
-            }),
-        }),
-        Command::RecordWorkerStarted {
-            job_id,
-            epoch,
-            rank,
-            node,
-        } => C::RecordWorkerStarted(pb::RecordWorkerStarted {
-            job_id: *job_id,
-            epoch: *epoch,
-            rank: *rank,
-            node: node.clone(),
-        }),
-        Command::RecordWorkerExited {
-            job_id,
-            epoch,
-            rank,
-            exit_code,
-            reason,
-            not_admitted,
-        } => C::RecordWorkerExited(pb::RecordWorkerExited {
-            job_id: *job_id,
-            epoch: *epoch,
-            rank: *rank,
-            exit_code: *exit_code,
-            reason: reason.clone(),
-            not_admitted: *not_admitted,
-        }),
-        Command::ReportProgress { job_id, samples } => C::ReportProgress(pb::ReportProgress {
-            job_id: *job_id,
-            samples: samples.iter().map(sample_to_proto).collect(),
-        }),
-        Command::FinishJob {
-            job_id,
-            outcome,
-            reason,
-        } => C::FinishJob(pb::FinishJob {
-            job_id: *job_id,
-            outcome: match outcome {
-                JobOutcome::Succeeded => pb::JobOutcome::Succeeded,
-                JobOutcome::Failed => pb::JobOutcome::Failed,
-            } as i32,
-            reason: reason.clone(),
-        }),
-        Command::RemoveJob { job_id } => C::RemoveJob(pb::RemoveJob { job_id: *job_id }),
-        Command::SetPolicy { name } => C::SetPolicy(pb::SetPolicy { name: name.clone() }),
-        Command::RemoveNode { name, force } => C::RemoveNode(pb::RemoveNode {
-            name: name.clone(),
-            force: *force,
-        }),
-        Command::BootstrapAcl { name, secret_hash } => C::BootstrapAcl(pb::BootstrapAcl {
-            name: name.clone(),
-            secret_hash: secret_hash.0.to_vec(),
-        }),
-        Command::CreateToken {
-            name,
-            role,
-            secret_hash,
-            ttl_ms,
-            queues,
-        } => C::CreateToken(pb::CreateToken {
-            name: name.clone(),
-            role: role_to_proto(*role) as i32,
-            secret_hash: secret_hash.0.to_vec(),
-            ttl_ms: *ttl_ms,
-            queues: queues.clone(),
-        }),
-        Command::RevokeToken { name } => C::RevokeToken(pb::RevokeToken { name: name.clone() }),
-        Command::RecordMembershipChange {
-            member,
-            change,
-            membership_index,
-        } => C::RecordMembershipChange(pb::RecordMembershipChange {
-            member: *member,
-            change: change.clone(),
-            membership_index: *membership_index,
-        }),
-        Command::CreateQueue { name, spec } => C::CreateQueue(pb::CreateQueue {
-            name: name.clone(),
-            spec: Some(queue_spec_to_proto(spec)),
-        }),
-        Command::UpdateQueue { name, spec } => C::UpdateQueue(pb::UpdateQueue {
-            name: name.clone(),
-            spec: Some(queue_spec_to_proto(spec)),
-        }),
-        Command::DeleteQueue { name } => C::DeleteQueue(pb::DeleteQueue { name: name.clone() }),
-        Command::PutSecret {
-            name,
-            values,
-            queue,
-            replaces_revision,
-        } => C::PutSecret(pb::PutSecret {
-            name: name.clone(),
-            values: values
-                .iter()
-                .map(|(k, v)| (k.clone(), sealed_to_proto(v)))
-                .collect(),
-            queue: queue.clone(),
-            replaces_revision: *replaces_revision,
-        }),
-        Command::DeleteSecret { name } => C::DeleteSecret(pb::DeleteSecret { name: name.clone() }),
-    };
-    let uses_secrets = match &entry.command {
-        Command::SubmitJob { spec } => !spec.secret_env.is_empty(),
-        Command::PutSecret { .. } | Command::DeleteSecret { .. } => true,
-        _ => false,
-    };
-    let names_a_queue =
-        matches!(&entry.command, Command::SubmitJob { spec } if !spec.queue.is_empty());
-    let not_preemptible =
-        matches!(&entry.command, Command::SubmitJob { spec } if !spec.preemptible);
-    let shares_gpus = matches!(&entry.command, Command::DecideAllocation { placements, .. }
-        if placements.iter().any(|p| p.share_with.is_some()));
-    let limits_queues =
-        matches!(&entry.command, Command::CreateToken { queues, .. } if !queues.is_empty());
-    let has_memory = matches!(
-        &entry.command,
-        Command::DecideAllocation {
-            memory: Some(_),
-            ..
-        }
-    );
-    // The oldest version that expresses the entry, so a build one version
-    // older refuses exactly the entries it would misread.
-    pb::LogEntry {
-        format_version: if uses_secrets {
-            ENTRY_FORMAT_VERSION
-        } else if entry.trace_parent.is_some() {
-            ENTRY_FORMAT_VERSION_TRACE
-        } else if limits_queues {
-            ENTRY_FORMAT_VERSION_TOKEN_QUEUES
-        } else if not_preemptible {
-            ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE
-        } else if names_a_queue {
-            ENTRY_FORMAT_VERSION_QUEUE
-        } else if entry.actor.is_some() {
-            ENTRY_FORMAT_VERSION_ACTOR
-        } else if has_memory {
-            ENTRY_FORMAT_VERSION_MEMORY
-        } else if entry.request_id.is_some() {
-            ENTRY_FORMAT_VERSION_REQUEST_ID
-        } else if shares_gpus {
-            ENTRY_FORMAT_VERSION_SHARES_GPUS
-        } else {
-            ENTRY_FORMAT_VERSION_FIRST
-        },
+    let command = entry.command.to_proto();
+    let mut proto = pb::LogEntry {
+        format_version: ENTRY_FORMAT_VERSION_FIRST,
         at_ms: entry.at_ms,
         command: Some(command),
         request_id: entry.request_id.clone().unwrap_or_default(),
         actor: entry.actor.clone().unwrap_or_default(),
         trace_parent: entry.trace_parent.clone().unwrap_or_default(),
-    }
+    };
+    proto.format_version = entry_format_version(&proto);
+    proto
+}
+
+/// The oldest entry format version that expresses `entry`, so a build one
+/// version older refuses exactly the entries it would misread: the newest
+/// `since` among the fields it carries (`#[proto(since = N)]` on the
+/// commands and what they hold), and the entry's own fields'.
+pub fn entry_format_version(entry: &pb::LogEntry) -> u32 {
+    let command = entry.command.as_ref().map_or(
+        ENTRY_FORMAT_VERSION_FIRST,
+        <Command as ProtoForm<_>>::version_of,
+    );
+    let own = [
+        (
+            !entry.request_id.is_empty(),
+            ENTRY_FORMAT_VERSION_REQUEST_ID,
+        ),
+        (!entry.actor.is_empty(), ENTRY_FORMAT_VERSION_ACTOR),
+        (!entry.trace_parent.is_empty(), ENTRY_FORMAT_VERSION_TRACE),
+    ];
+    own.iter()
+        .filter(|(carried, _)| *carried)
+        .map(|(_, version)| *version)
+        .fold(command, crate::proto_form::max)
 }
 
 pub fn entry_from_proto(msg: pb::LogEntry) -> Result<LogEntry, DecodeError> {
-    use pb::log_entry::Command as C;
     if msg.format_version > ENTRY_FORMAT_VERSION || msg.format_version == 0 {
         return Err(DecodeError::UnsupportedFormatVersion {
             found: msg.format_version,
             supported: ENTRY_FORMAT_VERSION,
         });
     }
-    let command = match msg.command {
-        None => {
-            return Err(DecodeError::UnknownCommand {
-                format_version: msg.format_version,
-            })
-        }
-        Some(C::RegisterNode(c)) => Command::RegisterNode {
-            name: c.name,
-            address: c.address,
-            gpus: c.gpus.into_iter().map(gpu_from_proto).collect(),
-            note: c.note,
-        },
-        Some(C::RecordNodeInventory(c)) => Command::RecordNodeInventory {
-            name: c.name,
-            address: c.address,
-            gpus: c.gpus.into_iter().map(gpu_from_proto).collect(),
-            failed: c.failed.into_iter().map(failed_gpu_from_proto).collect(),
-            note: c.note,
-        },
-        Some(C::MarkNodeLost(c)) => Command::MarkNodeLost {
-            name: c.name,
-            reason: c.reason,
-        },
-        Some(C::MarkNodeRecovered(c)) => Command::MarkNodeRecovered { name: c.name },
-        Some(C::SubmitJob(c)) => Command::SubmitJob {
-            spec: spec_from_proto(c.spec.ok_or(DecodeError::MissingField("submit_job.spec"))?),
-        },
-        Some(C::CancelJob(c)) => Command::CancelJob {
-            job_id: c.job_id,
-            reason: c.reason,
-        },
-        Some(C::DecideAllocation(c)) => Command::DecideAllocation {
-            based_on: c.based_on,
-            policy: c.policy,
-            round: c.round,
-            placements: c
-                .placements
-                .into_iter()
-                .map(|p| JobPlacement {
-                    job_id: p.job_id,
-                    gpus: p.gpus.into_iter().map(gpu_ref_from_proto).collect(),
-                    share_with: p.share_with,
-                })
-                .collect(),
-            memory: c.memory.map(|m| PolicyMemory {
-                policy: m.policy,
-                format: m.format,
-                bytes: m.bytes,
-            }),
-        },
-        Some(C::RecordWorkerStarted(c)) => Command::RecordWorkerStarted {
-            job_id: c.job_id,
-            epoch: c.epoch,
-            rank: c.rank,
-            node: c.node,
-        },
-        Some(C::RecordWorkerExited(c)) => Command::RecordWorkerExited {
-            job_id: c.job_id,
-            epoch: c.epoch,
-            rank: c.rank,
-            exit_code: c.exit_code,
-            reason: c.reason,
-            not_admitted: c.not_admitted,
-        },
-        Some(C::ReportProgress(c)) => Command::ReportProgress {
-            job_id: c.job_id,
-            samples: c.samples.into_iter().map(sample_from_proto).collect(),
-        },
-        Some(C::FinishJob(c)) => Command::FinishJob {
-            job_id: c.job_id,
-            outcome: match pb::JobOutcome::try_from(c.outcome) {
-                Ok(pb::JobOutcome::Succeeded) => JobOutcome::Succeeded,
-                Ok(pb::JobOutcome::Failed) => JobOutcome::Failed,
-                _ => {
-                    return Err(DecodeError::UnknownValue {
-                        field: "finish_job.outcome",
-                        value: c.outcome,
-                    })
-                }
-            },
-            reason: c.reason,
-        },
-        Some(C::RemoveJob(c)) => Command::RemoveJob { job_id: c.job_id },
-        Some(C::SetPolicy(c)) => Command::SetPolicy { name: c.name },
-        Some(C::RemoveNode(c)) => Command::RemoveNode {
-            name: c.name,
-            force: c.force,
-        },
-        Some(C::BootstrapAcl(c)) => Command::BootstrapAcl {
-            name: c.name,
-            secret_hash: secret_hash_from_proto(&c.secret_hash)?,
-        },
-        Some(C::CreateToken(c)) => Command::CreateToken {
-            name: c.name,
-            role: role_from_proto(c.role)?,
-            secret_hash: secret_hash_from_proto(&c.secret_hash)?,
-            ttl_ms: c.ttl_ms,
-            queues: c.queues,
-        },
-        Some(C::RevokeToken(c)) => Command::RevokeToken { name: c.name },
-        Some(C::RecordMembershipChange(c)) => Command::RecordMembershipChange {
-            member: c.member,
-            change: c.change,
-            membership_index: c.membership_index,
-        },
-        Some(C::CreateQueue(c)) => Command::CreateQueue {
-            name: c.name,
-            spec: queue_spec_from_proto(c.spec.ok_or(DecodeError::MissingField("spec"))?),
-        },
-        Some(C::UpdateQueue(c)) => Command::UpdateQueue {
-            name: c.name,
-            spec: queue_spec_from_proto(c.spec.ok_or(DecodeError::MissingField("spec"))?),
-        },
-        Some(C::DeleteQueue(c)) => Command::DeleteQueue { name: c.name },
-        Some(C::PutSecret(c)) => Command::PutSecret {
-            name: c.name,
-            values: c
-                .values
-                .into_iter()
-                .map(|(k, v)| (k, sealed_from_proto(v)))
-                .collect(),
-            queue: c.queue,
-            replaces_revision: c.replaces_revision,
-        },
-        Some(C::DeleteSecret(c)) => Command::DeleteSecret { name: c.name },
+    let Some(command) = msg.command else {
+        return Err(DecodeError::UnknownCommand {
+            format_version: msg.format_version,
+        });
     };
+    let command = Command::from_proto(command, "log_entry.command")?;
     if msg.actor.len() > crate::command::ACTOR_MAX_LEN {
         return Err(DecodeError::Inconsistent(format!(
             "the entry's actor is {} bytes, more than {}",
@@ -532,44 +228,84 @@ pub fn spec_to_proto(s: &JobSpec) -> pb::JobSpec {
     }
 }
 
-pub fn sealed_to_proto(v: &SealedValue) -> pb::SealedValue {
-    pb::SealedValue {
-        key_id: v.key_id.clone(),
-        nonce: v.nonce.clone(),
-        ciphertext: v.ciphertext.clone(),
+impl ProtoForm<pb::QueueSpec> for QueueSpec {
+    fn to_proto(&self) -> pb::QueueSpec {
+        pb::QueueSpec {
+            quota: self
+                .quota
+                .as_ref()
+                .map(|gpus| pb::GpuCounts { gpus: gpus.clone() }),
+            cohort: self.cohort.clone(),
+            borrow_limit: self.borrow_limit.clone(),
+            lend_limit: self.lend_limit.clone(),
+            weight: self.weight,
+        }
+    }
+
+    /// Validation happens in [`QueueSpec::validate`], not here.
+    fn from_proto(q: pb::QueueSpec, _field: &'static str) -> Result<Self, DecodeError> {
+        Ok(QueueSpec {
+            quota: q.quota.map(|c| c.gpus),
+            cohort: q.cohort,
+            borrow_limit: q.borrow_limit,
+            lend_limit: q.lend_limit,
+            weight: q.weight,
+        })
     }
 }
 
-/// Validation happens in [`SealedValue::validate`], not here.
-pub fn sealed_from_proto(v: pb::SealedValue) -> SealedValue {
-    SealedValue {
-        key_id: v.key_id,
-        nonce: v.nonce,
-        ciphertext: v.ciphertext,
+impl Message for QueueSpec {}
+
+impl Versions for QueueSpec {
+    const NEWEST: u32 = ENTRY_FORMAT_VERSION_FIRST;
+}
+
+impl ProtoForm<pb::JobSpec> for JobSpec {
+    fn to_proto(&self) -> pb::JobSpec {
+        spec_to_proto(self)
+    }
+
+    fn from_proto(s: pb::JobSpec, _field: &'static str) -> Result<Self, DecodeError> {
+        Ok(spec_from_proto(s))
+    }
+
+    /// Its flattened fields carry their versions here, not in a derive.
+    fn version_of(s: &pb::JobSpec) -> u32 {
+        if !s.secret_env.is_empty() {
+            ENTRY_FORMAT_VERSION_SECRETS
+        } else if s.not_preemptible {
+            ENTRY_FORMAT_VERSION_NOT_PREEMPTIBLE
+        } else if !s.queue.is_empty() {
+            ENTRY_FORMAT_VERSION_QUEUE
+        } else {
+            ENTRY_FORMAT_VERSION_FIRST
+        }
     }
 }
 
-pub fn queue_spec_to_proto(q: &QueueSpec) -> pb::QueueSpec {
-    pb::QueueSpec {
-        quota: q.quota.as_ref().map(|gpus| pb::GpuCounts {
-            gpus: gpus.clone().into_iter().collect(),
-        }),
-        cohort: q.cohort.clone(),
-        borrow_limit: q.borrow_limit.clone().into_iter().collect(),
-        lend_limit: q.lend_limit.clone().into_iter().collect(),
-        weight: q.weight,
+impl Message for JobSpec {}
+
+impl Versions for JobSpec {
+    const NEWEST: u32 = ENTRY_FORMAT_VERSION_SECRETS;
+}
+
+impl ProtoForm<Vec<u8>> for SecretHash {
+    fn to_proto(&self) -> Vec<u8> {
+        self.0.to_vec()
+    }
+
+    fn from_proto(bytes: Vec<u8>, field: &'static str) -> Result<Self, DecodeError> {
+        Ok(SecretHash(bytes.as_slice().try_into().map_err(|_| {
+            DecodeError::Inconsistent(format!(
+                "{field}: a secret hash of {} bytes, not 32",
+                bytes.len()
+            ))
+        })?))
     }
 }
 
-/// Validation happens in [`QueueSpec::validate`], not here.
-pub fn queue_spec_from_proto(q: pb::QueueSpec) -> QueueSpec {
-    QueueSpec {
-        quota: q.quota.map(|c| c.gpus.into_iter().collect()),
-        cohort: q.cohort,
-        borrow_limit: q.borrow_limit.into_iter().collect(),
-        lend_limit: q.lend_limit.into_iter().collect(),
-        weight: q.weight,
-    }
+impl Versions for SecretHash {
+    const NEWEST: u32 = ENTRY_FORMAT_VERSION_FIRST;
 }
 
 /// The proto form uses empty strings for "absent", and presence for the
@@ -636,362 +372,18 @@ pub fn spec_from_proto(s: pb::JobSpec) -> JobSpec {
     }
 }
 
-pub fn gpu_to_proto(g: &Gpu) -> pb::Gpu {
-    pb::Gpu {
-        index: g.index,
-        gpu_type: g.gpu_type.clone(),
-    }
-}
-
-pub fn gpu_from_proto(g: pb::Gpu) -> Gpu {
-    Gpu {
-        index: g.index,
-        gpu_type: g.gpu_type,
-    }
-}
-
-pub fn gpu_ref_to_proto(g: &GpuRef) -> pb::GpuRef {
-    pb::GpuRef {
-        node: g.node.clone(),
-        index: g.index,
-    }
-}
-
-pub fn gpu_ref_from_proto(g: pb::GpuRef) -> GpuRef {
-    GpuRef {
-        node: g.node,
-        index: g.index,
-    }
-}
-
-pub fn sample_to_proto(s: &ProgressSample) -> pb::ProgressSample {
-    pb::ProgressSample {
-        step: s.step,
-        total_steps: s.total_steps,
-        loss: s.loss,
-        samples_per_s: s.samples_per_s,
-        at_ms: s.at_ms,
-    }
-}
-
-pub fn sample_from_proto(s: pb::ProgressSample) -> ProgressSample {
-    ProgressSample {
-        step: s.step,
-        total_steps: s.total_steps,
-        loss: s.loss,
-        samples_per_s: s.samples_per_s,
-        at_ms: s.at_ms,
-    }
-}
-
-pub fn role_to_proto(role: Role) -> pb::Role {
-    match role {
-        Role::Admin => pb::Role::Admin,
-        Role::Operator => pb::Role::Operator,
-        Role::User => pb::Role::User,
-        Role::Viewer => pb::Role::Viewer,
-        Role::Node => pb::Role::Node,
-    }
-}
-
-pub fn role_from_proto(value: i32) -> Result<Role, DecodeError> {
-    match pb::Role::try_from(value) {
-        Ok(pb::Role::Admin) => Ok(Role::Admin),
-        Ok(pb::Role::Operator) => Ok(Role::Operator),
-        Ok(pb::Role::User) => Ok(Role::User),
-        Ok(pb::Role::Viewer) => Ok(Role::Viewer),
-        Ok(pb::Role::Node) => Ok(Role::Node),
-        Ok(pb::Role::Unspecified) | Err(_) => Err(DecodeError::UnknownValue {
-            field: "role",
-            value,
-        }),
-    }
-}
-
-pub fn secret_hash_from_proto(bytes: &[u8]) -> Result<SecretHash, DecodeError> {
-    Ok(SecretHash(bytes.try_into().map_err(|_| {
-        DecodeError::Inconsistent(format!("a secret hash of {} bytes, not 32", bytes.len()))
-    })?))
-}
-
 pub fn event_to_proto(e: &Event) -> pb::Event {
-    use pb::event::Kind as K;
-    let kind = match e {
-        Event::AclBootstrapped { name } => {
-            K::AclBootstrapped(pb::AclBootstrapped { name: name.clone() })
-        }
-        Event::TokenCreated {
-            name,
-            role,
-            expires_at_ms,
-        } => K::TokenCreated(pb::TokenCreated {
-            name: name.clone(),
-            role: role_to_proto(*role) as i32,
-            expires_at_ms: *expires_at_ms,
-        }),
-        Event::TokenRevoked { name } => K::TokenRevoked(pb::TokenRevoked { name: name.clone() }),
-        Event::MembershipChangeRecorded {
-            member,
-            change,
-            membership_index,
-        } => K::MembershipChangeRecorded(pb::MembershipChangeRecorded {
-            member: *member,
-            change: change.clone(),
-            membership_index: *membership_index,
-        }),
-        Event::QueueCreated { name } => K::QueueCreated(pb::QueueCreated { name: name.clone() }),
-        Event::QueueUpdated { name } => K::QueueUpdated(pb::QueueUpdated { name: name.clone() }),
-        Event::QueueDeleted { name } => K::QueueDeleted(pb::QueueDeleted { name: name.clone() }),
-        Event::SecretPut {
-            name,
-            keys,
-            revision,
-        } => K::SecretPut(pb::SecretPut {
-            name: name.clone(),
-            keys: keys.clone(),
-            revision: *revision,
-        }),
-        Event::SecretDeleted { name } => K::SecretDeleted(pb::SecretDeleted { name: name.clone() }),
-        Event::NodeRegistered { name, gpus } => K::NodeRegistered(pb::NodeRegistered {
-            name: name.clone(),
-            gpus: gpus.iter().map(gpu_to_proto).collect(),
-        }),
-        Event::NodeInventoryChanged { name, added, gone } => {
-            K::NodeInventoryChanged(pb::NodeInventoryChanged {
-                name: name.clone(),
-                added: added.iter().map(gpu_to_proto).collect(),
-                gone: gone.iter().map(failed_gpu_to_proto).collect(),
-            })
-        }
-        Event::NodeLost { name, reason } => K::NodeLost(pb::NodeLost {
-            name: name.clone(),
-            reason: reason.clone(),
-        }),
-        Event::NodeRecovered { name } => K::NodeRecovered(pb::NodeRecovered { name: name.clone() }),
-        Event::NodeRemoved { name } => K::NodeRemoved(pb::NodeRemoved { name: name.clone() }),
-        Event::JobSubmitted { job_id, name, user } => K::JobSubmitted(pb::JobSubmitted {
-            job_id: *job_id,
-            name: name.clone(),
-            user: user.clone(),
-        }),
-        Event::JobCancelled { job_id, reason } => K::JobCancelled(pb::JobCancelled {
-            job_id: *job_id,
-            reason: reason.clone(),
-        }),
-        Event::JobAllocated {
-            job_id,
-            epoch,
-            gpus,
-            based_on,
-            policy,
-            round,
-            shared_with,
-        } => K::JobAllocated(pb::JobAllocated {
-            job_id: *job_id,
-            epoch: *epoch,
-            gpus: gpus.iter().map(gpu_ref_to_proto).collect(),
-            based_on: *based_on,
-            policy: policy.clone(),
-            round: *round,
-            shared_with: *shared_with,
-        }),
-        Event::JobPreempted { job_id, reason } => K::JobPreempted(pb::JobPreempted {
-            job_id: *job_id,
-            reason: reason.clone(),
-        }),
-        Event::PlacementRefused { job_id, reason } => K::PlacementRefused(pb::PlacementRefused {
-            job_id: *job_id,
-            reason: reason.clone(),
-        }),
-        Event::WorkerStarted {
-            job_id,
-            epoch,
-            rank,
-            node,
-        } => K::WorkerStarted(pb::WorkerStarted {
-            job_id: *job_id,
-            epoch: *epoch,
-            rank: *rank,
-            node: node.clone(),
-        }),
-        Event::WorkerExited {
-            job_id,
-            epoch,
-            rank,
-            exit_code,
-            reason,
-        } => K::WorkerExited(pb::WorkerExited {
-            job_id: *job_id,
-            epoch: *epoch,
-            rank: *rank,
-            exit_code: *exit_code,
-            reason: reason.clone(),
-        }),
-        Event::JobProgressReported {
-            job_id,
-            latest,
-            samples,
-        } => K::JobProgressReported(pb::JobProgressReported {
-            job_id: *job_id,
-            latest: Some(sample_to_proto(latest)),
-            samples: *samples,
-        }),
-        Event::JobFinished {
-            job_id,
-            state,
-            reason,
-        } => K::JobFinished(pb::JobFinished {
-            job_id: *job_id,
-            state: state.as_str().to_string(),
-            reason: reason.clone(),
-        }),
-        Event::JobRemoved { job_id } => K::JobRemoved(pb::JobRemoved { job_id: *job_id }),
-        Event::RequestRepeated {
-            request_id,
-            first_index,
-        } => K::RequestRepeated(pb::RequestRepeated {
-            request_id: request_id.clone(),
-            first_index: *first_index,
-        }),
-        Event::PolicyMemoryRefused { policy, reason } => {
-            K::PolicyMemoryRefused(pb::PolicyMemoryRefused {
-                policy: policy.clone(),
-                reason: reason.clone(),
-            })
-        }
-        Event::PolicyChanged { from, to } => K::PolicyChanged(pb::PolicyChanged {
-            from: from.clone(),
-            to: to.clone(),
-        }),
-        Event::JobRequeued {
-            job_id,
-            retries,
-            reason,
-        } => K::JobRequeued(pb::JobRequeued {
-            job_id: *job_id,
-            retries: *retries,
-            reason: reason.clone(),
-        }),
-    };
-    pb::Event { kind: Some(kind) }
+    pb::Event {
+        kind: Some(e.to_proto()),
+    }
 }
 
 /// An event from its protobuf form (the snapshot keeps the events of the
 /// requests it remembers); the inverse of [`event_to_proto`].
 pub fn event_from_proto(e: pb::Event) -> Result<Event, DecodeError> {
-    use pb::event::Kind as K;
-    Ok(
-        match e.kind.ok_or(DecodeError::MissingField("event.kind"))? {
-            K::AclBootstrapped(e) => Event::AclBootstrapped { name: e.name },
-            K::TokenCreated(e) => Event::TokenCreated {
-                name: e.name,
-                role: role_from_proto(e.role)?,
-                expires_at_ms: e.expires_at_ms,
-            },
-            K::TokenRevoked(e) => Event::TokenRevoked { name: e.name },
-            K::MembershipChangeRecorded(e) => Event::MembershipChangeRecorded {
-                member: e.member,
-                change: e.change,
-                membership_index: e.membership_index,
-            },
-            K::QueueCreated(e) => Event::QueueCreated { name: e.name },
-            K::QueueUpdated(e) => Event::QueueUpdated { name: e.name },
-            K::QueueDeleted(e) => Event::QueueDeleted { name: e.name },
-            K::SecretPut(e) => Event::SecretPut {
-                name: e.name,
-                keys: e.keys,
-                revision: e.revision,
-            },
-            K::SecretDeleted(e) => Event::SecretDeleted { name: e.name },
-            K::NodeRegistered(e) => Event::NodeRegistered {
-                name: e.name,
-                gpus: e.gpus.into_iter().map(gpu_from_proto).collect(),
-            },
-            K::NodeInventoryChanged(e) => Event::NodeInventoryChanged {
-                name: e.name,
-                added: e.added.into_iter().map(gpu_from_proto).collect(),
-                gone: e.gone.into_iter().map(failed_gpu_from_proto).collect(),
-            },
-            K::NodeLost(e) => Event::NodeLost {
-                name: e.name,
-                reason: e.reason,
-            },
-            K::NodeRecovered(e) => Event::NodeRecovered { name: e.name },
-            K::NodeRemoved(e) => Event::NodeRemoved { name: e.name },
-            K::JobSubmitted(e) => Event::JobSubmitted {
-                job_id: e.job_id,
-                name: e.name,
-                user: e.user,
-            },
-            K::JobCancelled(e) => Event::JobCancelled {
-                job_id: e.job_id,
-                reason: e.reason,
-            },
-            K::JobAllocated(e) => Event::JobAllocated {
-                job_id: e.job_id,
-                epoch: e.epoch,
-                gpus: e.gpus.into_iter().map(gpu_ref_from_proto).collect(),
-                based_on: e.based_on,
-                policy: e.policy,
-                round: e.round,
-                shared_with: e.shared_with,
-            },
-            K::JobPreempted(e) => Event::JobPreempted {
-                job_id: e.job_id,
-                reason: e.reason,
-            },
-            K::PlacementRefused(e) => Event::PlacementRefused {
-                job_id: e.job_id,
-                reason: e.reason,
-            },
-            K::WorkerStarted(e) => Event::WorkerStarted {
-                job_id: e.job_id,
-                epoch: e.epoch,
-                rank: e.rank,
-                node: e.node,
-            },
-            K::WorkerExited(e) => Event::WorkerExited {
-                job_id: e.job_id,
-                epoch: e.epoch,
-                rank: e.rank,
-                exit_code: e.exit_code,
-                reason: e.reason,
-            },
-            K::JobProgressReported(e) => Event::JobProgressReported {
-                job_id: e.job_id,
-                latest: sample_from_proto(
-                    e.latest
-                        .ok_or(DecodeError::MissingField("job_progress_reported.latest"))?,
-                ),
-                samples: e.samples,
-            },
-            K::JobFinished(e) => Event::JobFinished {
-                job_id: e.job_id,
-                state: crate::model::JobState::parse(&e.state).ok_or(DecodeError::UnknownName {
-                    field: "job_finished.state",
-                    value: e.state,
-                })?,
-                reason: e.reason,
-            },
-            K::JobRemoved(e) => Event::JobRemoved { job_id: e.job_id },
-            K::RequestRepeated(e) => Event::RequestRepeated {
-                request_id: e.request_id,
-                first_index: e.first_index,
-            },
-            K::PolicyMemoryRefused(e) => Event::PolicyMemoryRefused {
-                policy: e.policy,
-                reason: e.reason,
-            },
-            K::PolicyChanged(e) => Event::PolicyChanged {
-                from: e.from,
-                to: e.to,
-            },
-            K::JobRequeued(e) => Event::JobRequeued {
-                job_id: e.job_id,
-                retries: e.retries,
-                reason: e.reason,
-            },
-        },
+    Event::from_proto(
+        e.kind.ok_or(DecodeError::MissingField("event.kind"))?,
+        "event.kind",
     )
 }
 
@@ -1022,6 +414,9 @@ pub fn applied_entry_to_proto(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::command::JobPlacement;
+    use crate::model::GpuRef;
+    use crate::policy_memory::PolicyMemory;
 
     /// A proposal is encoded once per replica: the bytes it was read from
     /// (WAL or wire) are what it is written and sent as, and clones share
@@ -1115,6 +510,123 @@ mod tests {
             decode_entry(&[0xff, 0xff, 0xff]),
             Err(DecodeError::Protobuf(_))
         ));
+    }
+
+    /// Each entry is written in the oldest version that expresses it: the
+    /// newest `since` among what it carries, whatever else it holds; the
+    /// newest this build reads is the newest `since` of all.
+    #[test]
+    fn an_entry_is_written_in_the_version_of_the_newest_field_it_carries() {
+        use crate::acl::Role;
+        use crate::fixtures::job_spec;
+        let version = |entry: LogEntry| {
+            let proto = entry_to_proto(&entry);
+            assert_eq!(decode_entry(&encode_entry(&entry)), Ok(entry), "round trip");
+            proto.format_version
+        };
+        let submit = |spec: JobSpec| LogEntry::new(1, Command::submit_job(spec));
+        let plain = job_spec("train", 1, 1);
+        assert_eq!(version(submit(plain.clone())), 1);
+        let queued = JobSpec {
+            queue: "team-a".into(),
+            ..plain.clone()
+        };
+        assert_eq!(version(submit(queued.clone())), 6);
+        let pinned = JobSpec {
+            preemptible: false,
+            ..queued
+        };
+        assert_eq!(version(submit(pinned.clone())), 7);
+        let with_secret = JobSpec {
+            secret_env: [(
+                "TOKEN".to_string(),
+                SecretRef {
+                    name: "hub".into(),
+                    key: "token".into(),
+                },
+            )]
+            .into(),
+            ..pinned
+        };
+        assert_eq!(version(submit(with_secret)), 10);
+        // The entry's own fields, and the newest wins.
+        let mut entry = submit(plain.clone());
+        entry.request_id = Some("cli-1".into());
+        assert_eq!(version(entry.clone()), 3);
+        entry.actor = Some("alice".into());
+        assert_eq!(version(entry.clone()), 5);
+        entry.trace_parent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
+        assert_eq!(version(entry), 9);
+        // A field of a command: a token's queues; empty is not carried.
+        let token = |queues: Vec<String>| {
+            LogEntry::new(
+                1,
+                Command::CreateToken {
+                    name: "ci".into(),
+                    role: Role::User,
+                    secret_hash: SecretHash([7; 32]),
+                    ttl_ms: None,
+                    queues,
+                },
+            )
+        };
+        assert_eq!(version(token(Vec::new())), 1);
+        assert_eq!(version(token(vec!["team-a".into()])), 8);
+        // A command added in a version needs it whatever it holds.
+        assert_eq!(version(LogEntry::new(1, Command::delete_secret("hub"))), 10);
+        assert_eq!(ENTRY_FORMAT_VERSION, ENTRY_FORMAT_VERSION_SECRETS);
+    }
+
+    /// What the protobuf form cannot hold in the domain is refused with the
+    /// field: an unknown enum value, a hash of the wrong length, a missing
+    /// required message.
+    #[test]
+    fn a_command_the_domain_cannot_hold_is_refused_naming_the_field() {
+        use pb::log_entry::Command as C;
+        let entry = |command: C| pb::LogEntry {
+            format_version: 1,
+            at_ms: 1,
+            command: Some(command),
+            ..Default::default()
+        };
+        let finish = entry(C::FinishJob(pb::FinishJob {
+            job_id: 1,
+            outcome: 9,
+            ..Default::default()
+        }));
+        assert_eq!(
+            entry_from_proto(finish),
+            Err(DecodeError::UnknownValue {
+                field: "finish_job.outcome",
+                value: 9
+            })
+        );
+        let unspecified = entry(C::CreateToken(pb::CreateToken {
+            name: "ci".into(),
+            role: pb::Role::Unspecified as i32,
+            secret_hash: vec![7; 32],
+            ..Default::default()
+        }));
+        assert_eq!(
+            entry_from_proto(unspecified),
+            Err(DecodeError::UnknownValue {
+                field: "create_token.role",
+                value: 0
+            })
+        );
+        let short = entry(C::BootstrapAcl(pb::BootstrapAcl {
+            name: "root".into(),
+            secret_hash: vec![7; 31],
+        }));
+        assert!(matches!(
+            entry_from_proto(short),
+            Err(DecodeError::Inconsistent(m)) if m.contains("bootstrap_acl.secret_hash") && m.contains("31 bytes")
+        ));
+        let no_spec = entry(C::SubmitJob(pb::SubmitJob { spec: None }));
+        assert_eq!(
+            entry_from_proto(no_spec),
+            Err(DecodeError::MissingField("submit_job.spec"))
+        );
     }
 
     #[test]

@@ -5,11 +5,13 @@
 
 use std::collections::BTreeMap;
 
+use keel_proto::entry as pb;
 use serde::{Deserialize, Serialize};
 
 use crate::acl::{Role, SecretHash};
 use crate::model::{FailedGpu, Gpu, GpuRef, JobId, ProgressSample};
 use crate::policy_memory::PolicyMemory;
+use crate::proto_form::ProtoForm;
 use crate::queue::QueueSpec;
 use crate::secret::SealedValue;
 use crate::spec::JobSpec;
@@ -139,14 +141,16 @@ impl std::fmt::Debug for EncodedOnce {
 }
 
 /// How a job ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ProtoForm)]
+#[proto(enumeration = "pb::JobOutcome")]
 pub enum JobOutcome {
     Succeeded,
     Failed,
 }
 
 /// A job's placement in an allocation plan: every GPU it should hold.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "pb::JobPlacement")]
 pub struct JobPlacement {
     pub job_id: JobId,
     /// Empty: release the job's GPUs (preempt it).
@@ -154,6 +158,7 @@ pub struct JobPlacement {
     /// Space sharing: the job that runs on the same GPUs at the same time.
     /// The partner must be placed in the same decision on the identical
     /// GPUs, naming this job; otherwise both placements are refused.
+    #[proto(since = 2)]
     pub share_with: Option<JobId>,
 }
 
@@ -168,7 +173,11 @@ impl JobPlacement {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Each variant's protobuf form is the `LogEntry.command` oneof's variant
+/// of the same name; `#[proto(since = N)]` marks what a build reading only
+/// entry formats before `N` would drop ([`crate::proto_form`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ProtoForm)]
+#[proto(oneof = "pb::log_entry::Command", messages = "pb")]
 // `SubmitJob` (a whole spec) is the largest and the most common command;
 // boxing it would add an allocation to every submission to save bytes on
 // the rare small ones.
@@ -211,6 +220,7 @@ pub enum Command {
         /// The policy's memory after this round, when it keeps one
         /// ([`crate::policy_memory`]): recorded with the decision, so
         /// the two are applied together or not at all.
+        #[proto(since = 4)]
         memory: Option<PolicyMemory>,
     },
     RecordWorkerStarted {
@@ -285,6 +295,7 @@ pub enum Command {
         ttl_ms: Option<u64>,
         /// The queues its holder may submit to (issue 23; a `user` token
         /// only; empty: any). Entry format 8 when set.
+        #[proto(since = 8)]
         queues: Vec<String>,
     },
     /// Drops a token: its secret is refused from the entry on.
@@ -320,6 +331,7 @@ pub enum Command {
     /// Added after the others (issue 35). Creates or replaces a secret:
     /// its keys' values sealed by the server that took the request (the
     /// state never holds a value in the clear).
+    #[proto(since = 10)]
     PutSecret {
         name: String,
         values: BTreeMap<String, SealedValue>,
@@ -329,6 +341,7 @@ pub enum Command {
         replaces_revision: Option<u64>,
     },
     /// Removes a secret; refused while an unfinished job uses it.
+    #[proto(since = 10)]
     DeleteSecret {
         name: String,
     },

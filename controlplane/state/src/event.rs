@@ -1,11 +1,16 @@
 //! Events: what applying an entry did. Past-tense names.
 
+use keel_proto::entry as pb;
 use serde::{Deserialize, Serialize};
 
 use crate::acl::Role;
 use crate::model::{FailedGpu, Gpu, GpuRef, JobId, JobState, ProgressSample};
+use crate::proto_form::ProtoForm;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Each variant's protobuf form is the `Event.kind` oneof's variant of the
+/// same name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ProtoForm)]
+#[proto(oneof = "pb::event::Kind", messages = "pb")]
 pub enum Event {
     NodeRegistered {
         name: String,

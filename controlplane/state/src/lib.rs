@@ -26,6 +26,7 @@ pub mod log_time;
 pub mod model;
 pub mod perf_history;
 pub mod policy_memory;
+pub mod proto_form;
 pub mod queue;
 pub mod quota;
 pub mod requests;

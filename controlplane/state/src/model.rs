@@ -3,8 +3,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use keel_proto::entry as pb;
 use serde::{Deserialize, Serialize};
 
+use crate::proto_form::ProtoForm;
 use crate::spec::JobSpec;
 
 /// The model name of a job that names none (the throughput table's
@@ -15,7 +17,8 @@ pub const GENERIC_MODEL: &str = "generic";
 pub type JobId = u64;
 
 /// One GPU in the cluster: a node's name and the GPU's index on it.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "pb::GpuRef")]
 pub struct GpuRef {
     pub node: String,
     pub index: u32,
@@ -28,7 +31,8 @@ impl fmt::Display for GpuRef {
 }
 
 /// A GPU as a node declares it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "pb::Gpu")]
 pub struct Gpu {
     pub index: u32,
     pub gpu_type: String,
@@ -36,7 +40,8 @@ pub struct Gpu {
 
 /// A GPU a node has but cannot offer, as its agent reports it: fallen off
 /// the bus, a critical Xid, lost to the driver (issue 33).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "pb::FailedGpu")]
 pub struct FailedGpu {
     pub index: u32,
     pub gpu_type: String,
@@ -112,7 +117,8 @@ impl fmt::Display for JobState {
 }
 
 /// The GPUs a job holds, and the decision that gave them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "pb::Allocation")]
 pub struct Allocation {
     /// Increases every time the job's GPU set changes. Workers are identified
     /// by (job, epoch, rank), so a relaunch after a change is a new identity.
@@ -232,7 +238,8 @@ pub struct Worker {
 }
 
 /// One progress report from a training job.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "pb::ProgressSample")]
 pub struct ProgressSample {
     pub step: u64,
     pub total_steps: u64,
@@ -241,7 +248,10 @@ pub struct ProgressSample {
     pub at_ms: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Its protobuf form is `keel.entry.v1.JobRecord`: a snapshot's record of
+/// the job, and what the API answers about it (`keel.api.v1.Job.record`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "pb::JobRecord")]
 pub struct Job {
     pub id: JobId,
     pub spec: JobSpec,
@@ -357,4 +367,69 @@ pub struct Node {
     /// hashed apart when a node has any, carried by protobuf snapshots.
     #[serde(skip)]
     pub gone_gpus: BTreeMap<u32, GoneGpu>,
+}
+
+/// A state kept by its name in protobuf (`"running"`); an unknown name is
+/// refused with the field.
+macro_rules! proto_form_by_name {
+    ($($t:ty),*) => {$(
+        impl crate::proto_form::ProtoForm<String> for $t {
+            fn to_proto(&self) -> String {
+                self.as_str().to_string()
+            }
+            fn from_proto(
+                p: String,
+                field: &'static str,
+            ) -> Result<Self, crate::codec::DecodeError> {
+                <$t>::parse(&p).ok_or(crate::codec::DecodeError::UnknownName { field, value: p })
+            }
+        }
+        impl crate::proto_form::Versions for $t {
+            const NEWEST: u32 = crate::proto_form::FIRST;
+        }
+    )*};
+}
+
+proto_form_by_name!(JobState, WorkerState, NodeState);
+
+/// A job's workers are its record's `WorkerRecord`s, each naming its rank;
+/// a rank listed twice is refused.
+impl crate::proto_form::ProtoForm<Vec<pb::WorkerRecord>> for BTreeMap<u32, Worker> {
+    fn to_proto(&self) -> Vec<pb::WorkerRecord> {
+        self.iter()
+            .map(|(rank, w)| pb::WorkerRecord {
+                rank: *rank,
+                epoch: w.epoch,
+                node: w.node.clone(),
+                state: w.state.to_proto(),
+                exit_code: w.exit_code,
+            })
+            .collect()
+    }
+
+    fn from_proto(
+        records: Vec<pb::WorkerRecord>,
+        field: &'static str,
+    ) -> Result<Self, crate::codec::DecodeError> {
+        let mut workers = BTreeMap::new();
+        for w in records {
+            let worker = Worker {
+                epoch: w.epoch,
+                node: w.node,
+                state: WorkerState::from_proto(w.state, "worker_record.state")?,
+                exit_code: w.exit_code,
+            };
+            if workers.insert(w.rank, worker).is_some() {
+                return Err(crate::codec::DecodeError::Inconsistent(format!(
+                    "{field}: rank {} is listed twice",
+                    w.rank
+                )));
+            }
+        }
+        Ok(workers)
+    }
+}
+
+impl crate::proto_form::Versions for BTreeMap<u32, Worker> {
+    const NEWEST: u32 = crate::proto_form::FIRST;
 }

@@ -5,7 +5,11 @@
 
 use std::collections::BTreeMap;
 
+use keel_proto::entry as pb;
 use serde::{Deserialize, Serialize};
+
+use crate::codec::DecodeError;
+use crate::proto_form::{ProtoForm, Versions};
 
 /// Loss points kept per job; when full, every other one is dropped, so the
 /// history spans the whole run at a coarser grain.
@@ -207,5 +211,118 @@ impl PerfHistory {
             stat.add(self.epoch_speed);
         }
         (stat.count > 0).then(|| stat.mean())
+    }
+}
+
+fn stat_to_proto(s: &SpeedStat) -> pb::SpeedStat {
+    pb::SpeedStat {
+        sum_steps_per_s: s.sum_steps_per_s,
+        count: s.count,
+    }
+}
+
+fn stat_from_proto(s: Option<pb::SpeedStat>) -> SpeedStat {
+    let s = s.unwrap_or_default();
+    SpeedStat {
+        sum_steps_per_s: s.sum_steps_per_s,
+        count: s.count,
+    }
+}
+
+fn speeds_to_proto(speeds: &BTreeMap<String, BTreeMap<u32, SpeedStat>>) -> Vec<pb::SpeedsOnType> {
+    speeds
+        .iter()
+        .map(|(gpu_type, by_gpus)| pb::SpeedsOnType {
+            gpu_type: gpu_type.clone(),
+            by_gpus: by_gpus
+                .iter()
+                .map(|(gpus, stat)| pb::SpeedOnGpus {
+                    gpus: *gpus,
+                    stat: Some(stat_to_proto(stat)),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn speeds_from_proto(speeds: Vec<pb::SpeedsOnType>) -> BTreeMap<String, BTreeMap<u32, SpeedStat>> {
+    speeds
+        .into_iter()
+        .map(|t| {
+            let by_gpus = t
+                .by_gpus
+                .into_iter()
+                .map(|g| (g.gpus, stat_from_proto(g.stat)))
+                .collect();
+            (t.gpu_type, by_gpus)
+        })
+        .collect()
+}
+
+/// A snapshot's record of a job's history; a record without one (never
+/// written from format 8 on) is an empty history.
+impl ProtoForm<Option<pb::PerfHistory>> for PerfHistory {
+    fn to_proto(&self) -> Option<pb::PerfHistory> {
+        Some(perf_to_proto(self))
+    }
+
+    fn from_proto(p: Option<pb::PerfHistory>, _field: &'static str) -> Result<Self, DecodeError> {
+        Ok(perf_from_proto(p.unwrap_or_default()))
+    }
+}
+
+impl Versions for PerfHistory {
+    const NEWEST: u32 = crate::proto_form::FIRST;
+}
+
+fn perf_to_proto(p: &PerfHistory) -> pb::PerfHistory {
+    pb::PerfHistory {
+        loss_points: p
+            .loss_points
+            .iter()
+            .map(|(step, loss)| pb::LossPoint {
+                step: *step,
+                loss: *loss,
+            })
+            .collect(),
+        speeds: speeds_to_proto(&p.speeds),
+        epoch_speed: Some(stat_to_proto(&p.epoch_speed)),
+        epoch_gpus: p.epoch_gpus,
+        last_sample: p.last_sample.map(|(epoch, step, at_ms)| pb::LastSample {
+            epoch,
+            step,
+            at_ms,
+        }),
+        epoch_gpu_type: p.epoch_gpu_type.clone(),
+        epoch_partner: p.epoch_partner.clone(),
+        shared_speeds: p
+            .shared_speeds
+            .iter()
+            .map(|(partner, by_type)| pb::SpeedsBesidePartner {
+                partner_model: partner.clone(),
+                by_type: speeds_to_proto(by_type),
+            })
+            .collect(),
+    }
+}
+
+fn perf_from_proto(p: pb::PerfHistory) -> PerfHistory {
+    PerfHistory {
+        loss_points: p
+            .loss_points
+            .into_iter()
+            .map(|l| (l.step, l.loss))
+            .collect(),
+        speeds: speeds_from_proto(p.speeds),
+        epoch_speed: stat_from_proto(p.epoch_speed),
+        epoch_gpus: p.epoch_gpus,
+        last_sample: p.last_sample.map(|s| (s.epoch, s.step, s.at_ms)),
+        epoch_gpu_type: p.epoch_gpu_type,
+        epoch_partner: p.epoch_partner,
+        shared_speeds: p
+            .shared_speeds
+            .into_iter()
+            .map(|s| (s.partner_model, speeds_from_proto(s.by_type)))
+            .collect(),
     }
 }

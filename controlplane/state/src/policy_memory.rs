@@ -12,13 +12,16 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::proto_form::ProtoForm;
+
 /// The largest memory one decision may carry, in bytes: half of an
 /// entry's limit ([`crate::codec::ENTRY_MAX_BYTES`]), leaving the rest to
 /// the decision's placements.
 pub const POLICY_MEMORY_MAX_BYTES: usize = crate::codec::ENTRY_MAX_BYTES / 2;
 
 /// A policy's memory as logged: its own encoding, versioned by the policy.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ProtoForm)]
+#[proto(message = "keel_proto::entry::PolicyMemory")]
 pub struct PolicyMemory {
     /// The policy that wrote it (the decision's policy).
     pub policy: String,

@@ -83,7 +83,8 @@ impl fmt::Display for SecretRef {
 
 /// A value sealed by an authenticated cipher. Its `Debug` shows sizes
 /// only.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, crate::proto_form::ProtoForm)]
+#[proto(message = "keel_proto::entry::SealedValue")]
 pub struct SealedValue {
     /// Which of the operators' keys sealed it (a digest of the key, never
     /// the key).

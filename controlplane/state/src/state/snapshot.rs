@@ -13,18 +13,11 @@ use keel_proto::entry as pb;
 
 use super::{ClusterState, FreeCache, JobIndexes};
 use crate::acl::{Acl, Token};
-use crate::codec::{
-    event_from_proto, event_to_proto, gpu_ref_from_proto, gpu_ref_to_proto, queue_spec_from_proto,
-    queue_spec_to_proto, role_from_proto, role_to_proto, sample_from_proto, sample_to_proto,
-    sealed_from_proto, sealed_to_proto, secret_hash_from_proto, spec_from_proto, spec_to_proto,
-    DecodeError,
-};
+use crate::codec::{event_from_proto, event_to_proto, DecodeError};
 use crate::free_gpus::FreeGpus;
-use crate::model::{
-    Allocation, GoneGpu, GpuHolders, Job, JobState, Node, NodeState, Worker, WorkerState,
-};
-use crate::perf_history::{PerfHistory, SpeedStat};
-use crate::policy_memory::{PolicyMemory, PolicyMemorySlot};
+use crate::model::{GoneGpu, GpuHolders, GpuRef, Job, Node, NodeState};
+use crate::policy_memory::PolicyMemorySlot;
+use crate::proto_form::ProtoForm;
 use crate::queue::{Queue, Queues};
 use crate::requests::{RecentRequests, Remembered};
 use crate::secret::{Secret, Secrets};
@@ -48,7 +41,7 @@ impl ClusterState {
                 .gpu_holders
                 .iter()
                 .map(|(gpu, h)| pb::GpuHolding {
-                    gpu: Some(gpu_ref_to_proto(gpu)),
+                    gpu: gpu.to_proto(),
                     job: h.job,
                     sharer: h.sharer,
                 })
@@ -68,11 +61,7 @@ impl ClusterState {
                     events: r.events.iter().map(event_to_proto).collect(),
                 })
                 .collect(),
-            policy_memory: memory.map(|m| pb::PolicyMemory {
-                policy: m.policy.clone(),
-                format: m.format,
-                bytes: m.bytes.clone(),
-            }),
+            policy_memory: memory.map(ProtoForm::to_proto),
             policy_memory_changed_at: self.policy_memory.changed_at,
             last_entry_at_ms: self.last_entry_at_ms(),
             acl: self.acl.is_bootstrapped().then(|| pb::AclState {
@@ -83,8 +72,8 @@ impl ClusterState {
                     .iter()
                     .map(|(name, t)| pb::AclToken {
                         name: name.clone(),
-                        role: role_to_proto(t.role) as i32,
-                        secret_hash: t.secret_hash.0.to_vec(),
+                        role: t.role.to_proto(),
+                        secret_hash: t.secret_hash.to_proto(),
                         created_at_ms: t.created_at_ms,
                         expires_at_ms: t.expires_at_ms,
                         created_by: t.created_by.clone(),
@@ -99,7 +88,7 @@ impl ClusterState {
                     .iter()
                     .map(|(name, q)| pb::QueueRecord {
                         name: name.clone(),
-                        spec: Some(queue_spec_to_proto(&q.spec)),
+                        spec: q.spec.to_proto(),
                         changed_at_ms: q.changed_at_ms,
                         changed_by: q.changed_by.clone(),
                     })
@@ -112,11 +101,7 @@ impl ClusterState {
                     .iter()
                     .map(|(name, secret)| pb::SecretRecord {
                         name: name.clone(),
-                        values: secret
-                            .values
-                            .iter()
-                            .map(|(k, v)| (k.clone(), sealed_to_proto(v)))
-                            .collect(),
+                        values: secret.values.to_proto(),
                         owner: secret.owner.clone(),
                         queue: secret.queue.clone(),
                         revision: secret.revision,
@@ -132,7 +117,7 @@ impl ClusterState {
         let inconsistent = DecodeError::Inconsistent;
         let mut jobs = super::JobMap::new();
         for j in m.jobs {
-            let job = job_from_proto(j)?;
+            let job: Job = ProtoForm::from_proto(j, "state_snapshot.jobs")?;
             let id = job.id;
             if jobs.insert(id, Box::new(job)).is_some() {
                 return Err(inconsistent(format!("job {id} is listed twice")));
@@ -148,8 +133,7 @@ impl ClusterState {
         }
         let mut gpu_holders = BTreeMap::new();
         for h in m.gpu_holders {
-            let gpu =
-                gpu_ref_from_proto(h.gpu.ok_or(DecodeError::MissingField("gpu_holders.gpu"))?);
+            let gpu: GpuRef = ProtoForm::from_proto(h.gpu, "gpu_holding.gpu")?;
             let holders = GpuHolders {
                 job: h.job,
                 sharer: h.sharer,
@@ -189,11 +173,7 @@ impl ClusterState {
         )
         .map_err(inconsistent)?;
         let policy_memory = PolicyMemorySlot {
-            memory: m.policy_memory.map(|p| PolicyMemory {
-                policy: p.policy,
-                format: p.format,
-                bytes: p.bytes,
-            }),
+            memory: ProtoForm::from_proto(m.policy_memory, "state_snapshot.policy_memory")?,
             changed_at: m.policy_memory_changed_at,
         };
         let acl = match m.acl {
@@ -202,8 +182,8 @@ impl ClusterState {
                 let mut tokens = BTreeMap::new();
                 for t in a.tokens {
                     let token = Token {
-                        role: role_from_proto(t.role)?,
-                        secret_hash: secret_hash_from_proto(&t.secret_hash)?,
+                        role: ProtoForm::from_proto(t.role, "acl_token.role")?,
+                        secret_hash: ProtoForm::from_proto(t.secret_hash, "acl_token.secret_hash")?,
                         created_at_ms: t.created_at_ms,
                         expires_at_ms: t.expires_at_ms,
                         created_by: t.created_by,
@@ -220,10 +200,7 @@ impl ClusterState {
         let mut queues = BTreeMap::new();
         for q in m.queues.map(|q| q.queues).unwrap_or_default() {
             let queue = Queue {
-                spec: queue_spec_from_proto(
-                    q.spec
-                        .ok_or_else(|| inconsistent(format!("queue {:?} has no spec", q.name)))?,
-                ),
+                spec: ProtoForm::from_proto(q.spec, "queue_record.spec")?,
                 changed_at_ms: q.changed_at_ms,
                 changed_by: q.changed_by,
             };
@@ -234,11 +211,7 @@ impl ClusterState {
         let mut secrets = BTreeMap::new();
         for r in m.secrets.map(|s| s.secrets).unwrap_or_default() {
             let secret = Secret {
-                values: r
-                    .values
-                    .into_iter()
-                    .map(|(k, v)| (k, sealed_from_proto(v)))
-                    .collect(),
+                values: ProtoForm::from_proto(r.values, "secret_record.values")?,
                 owner: r.owner,
                 queue: r.queue,
                 revision: r.revision,
@@ -281,101 +254,8 @@ impl Job {
     /// it, and what the API answers about it (`keel.api.v1.Job.record`), so
     /// that a field a job gains is encoded once for both.
     pub fn to_record(&self) -> pb::JobRecord {
-        let j = self;
-        pb::JobRecord {
-            id: j.id,
-            spec: Some(spec_to_proto(&j.spec)),
-            state: j.state.as_str().to_string(),
-            submitted_at_ms: j.submitted_at_ms,
-            started_at_ms: j.started_at_ms,
-            finished_at_ms: j.finished_at_ms,
-            allocation: j.allocation.as_ref().map(|a| pb::Allocation {
-                epoch: a.epoch,
-                gpus: a.gpus.iter().map(gpu_ref_to_proto).collect(),
-                based_on: a.based_on,
-                policy: a.policy.clone(),
-                round: a.round,
-                decided_at_ms: a.decided_at_ms,
-                shared_with: a.shared_with,
-            }),
-            last_epoch: j.last_epoch,
-            workers: j
-                .workers
-                .iter()
-                .map(|(rank, w)| pb::WorkerRecord {
-                    rank: *rank,
-                    epoch: w.epoch,
-                    node: w.node.clone(),
-                    state: w.state.as_str().to_string(),
-                    exit_code: w.exit_code,
-                })
-                .collect(),
-            progress: j.progress.as_ref().map(sample_to_proto),
-            progress_samples: j.progress_samples,
-            retries: j.retries,
-            not_before_ms: j.not_before_ms,
-            message: j.message.clone(),
-            service_gpu_ms: j.service_gpu_ms,
-            queued_since_ms: j.queued_since_ms,
-            perf: Some(perf_to_proto(&j.perf)),
-            submitted_by: j.submitted_by.clone(),
-            trace_parent: j.trace_parent.clone(),
-        }
+        self.to_proto()
     }
-}
-
-fn job_from_proto(j: pb::JobRecord) -> Result<Job, DecodeError> {
-    let mut workers = BTreeMap::new();
-    for w in j.workers {
-        let state = WorkerState::parse(&w.state).ok_or_else(|| DecodeError::UnknownName {
-            field: "worker.state",
-            value: w.state.clone(),
-        })?;
-        let worker = Worker {
-            epoch: w.epoch,
-            node: w.node,
-            state,
-            exit_code: w.exit_code,
-        };
-        if workers.insert(w.rank, worker).is_some() {
-            return Err(DecodeError::Inconsistent(format!(
-                "job {}: rank {} is listed twice",
-                j.id, w.rank
-            )));
-        }
-    }
-    Ok(Job {
-        id: j.id,
-        spec: spec_from_proto(j.spec.ok_or(DecodeError::MissingField("job.spec"))?),
-        state: JobState::parse(&j.state).ok_or(DecodeError::UnknownName {
-            field: "job.state",
-            value: j.state,
-        })?,
-        submitted_at_ms: j.submitted_at_ms,
-        started_at_ms: j.started_at_ms,
-        finished_at_ms: j.finished_at_ms,
-        allocation: j.allocation.map(|a| Allocation {
-            epoch: a.epoch,
-            gpus: a.gpus.into_iter().map(gpu_ref_from_proto).collect(),
-            based_on: a.based_on,
-            policy: a.policy,
-            round: a.round,
-            decided_at_ms: a.decided_at_ms,
-            shared_with: a.shared_with,
-        }),
-        last_epoch: j.last_epoch,
-        workers,
-        progress: j.progress.map(sample_from_proto),
-        progress_samples: j.progress_samples,
-        retries: j.retries,
-        not_before_ms: j.not_before_ms,
-        message: j.message,
-        service_gpu_ms: j.service_gpu_ms,
-        queued_since_ms: j.queued_since_ms,
-        perf: perf_from_proto(j.perf.unwrap_or_default()),
-        submitted_by: j.submitted_by,
-        trace_parent: j.trace_parent,
-    })
 }
 
 fn node_to_proto(n: &Node) -> pb::NodeRecord {
@@ -443,101 +323,4 @@ fn node_from_proto(n: pb::NodeRecord) -> Result<Node, DecodeError> {
         message: n.message,
         gone_gpus,
     })
-}
-
-fn stat_to_proto(s: &SpeedStat) -> pb::SpeedStat {
-    pb::SpeedStat {
-        sum_steps_per_s: s.sum_steps_per_s,
-        count: s.count,
-    }
-}
-
-fn stat_from_proto(s: Option<pb::SpeedStat>) -> SpeedStat {
-    let s = s.unwrap_or_default();
-    SpeedStat {
-        sum_steps_per_s: s.sum_steps_per_s,
-        count: s.count,
-    }
-}
-
-fn speeds_to_proto(speeds: &BTreeMap<String, BTreeMap<u32, SpeedStat>>) -> Vec<pb::SpeedsOnType> {
-    speeds
-        .iter()
-        .map(|(gpu_type, by_gpus)| pb::SpeedsOnType {
-            gpu_type: gpu_type.clone(),
-            by_gpus: by_gpus
-                .iter()
-                .map(|(gpus, stat)| pb::SpeedOnGpus {
-                    gpus: *gpus,
-                    stat: Some(stat_to_proto(stat)),
-                })
-                .collect(),
-        })
-        .collect()
-}
-
-fn speeds_from_proto(speeds: Vec<pb::SpeedsOnType>) -> BTreeMap<String, BTreeMap<u32, SpeedStat>> {
-    speeds
-        .into_iter()
-        .map(|t| {
-            let by_gpus = t
-                .by_gpus
-                .into_iter()
-                .map(|g| (g.gpus, stat_from_proto(g.stat)))
-                .collect();
-            (t.gpu_type, by_gpus)
-        })
-        .collect()
-}
-
-fn perf_to_proto(p: &PerfHistory) -> pb::PerfHistory {
-    pb::PerfHistory {
-        loss_points: p
-            .loss_points
-            .iter()
-            .map(|(step, loss)| pb::LossPoint {
-                step: *step,
-                loss: *loss,
-            })
-            .collect(),
-        speeds: speeds_to_proto(&p.speeds),
-        epoch_speed: Some(stat_to_proto(&p.epoch_speed)),
-        epoch_gpus: p.epoch_gpus,
-        last_sample: p.last_sample.map(|(epoch, step, at_ms)| pb::LastSample {
-            epoch,
-            step,
-            at_ms,
-        }),
-        epoch_gpu_type: p.epoch_gpu_type.clone(),
-        epoch_partner: p.epoch_partner.clone(),
-        shared_speeds: p
-            .shared_speeds
-            .iter()
-            .map(|(partner, by_type)| pb::SpeedsBesidePartner {
-                partner_model: partner.clone(),
-                by_type: speeds_to_proto(by_type),
-            })
-            .collect(),
-    }
-}
-
-fn perf_from_proto(p: pb::PerfHistory) -> PerfHistory {
-    PerfHistory {
-        loss_points: p
-            .loss_points
-            .into_iter()
-            .map(|l| (l.step, l.loss))
-            .collect(),
-        speeds: speeds_from_proto(p.speeds),
-        epoch_speed: stat_from_proto(p.epoch_speed),
-        epoch_gpus: p.epoch_gpus,
-        last_sample: p.last_sample.map(|s| (s.epoch, s.step, s.at_ms)),
-        epoch_gpu_type: p.epoch_gpu_type,
-        epoch_partner: p.epoch_partner,
-        shared_speeds: p
-            .shared_speeds
-            .into_iter()
-            .map(|s| (s.partner_model, speeds_from_proto(s.by_type)))
-            .collect(),
-    }
 }
