@@ -17,14 +17,14 @@
 //!   other value (the `UNSPECIFIED` zero included) is refused on decode.
 //!
 //! Field (and variant) attributes:
-//! - `rename = "name"`: the protobuf field (or variant) is called so;
-//! - `with = "path"`: converted by `path::to_proto(&T) -> P` and
-//!   `path::from_proto(P, field) -> Result<T, DecodeError>`;
 //! - `skip`: not in the protobuf form; `Default` when decoded;
 //! - `since = N`: added in entry format version `N`, so a value whose
 //!   protobuf field is not its default needs version `N` (a build that
 //!   reads an older version would drop it). On a variant: the variant was
 //!   added in version `N`.
+//!
+//! Names match exactly; a field whose protobuf form is shaped otherwise
+//! gets it from its type's own `ProtoForm` impl, written by hand.
 //!
 //! Errors name the field as `message.field` in protobuf's snake case
 //! (`finish_job.outcome`). The generated code names
@@ -37,10 +37,9 @@
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
-use quote::{format_ident, quote};
+use quote::quote;
 use syn::{
-    parse_macro_input, Attribute, Data, DeriveInput, Error, Fields, Ident, LitInt, LitStr, Path,
-    Result,
+    parse_macro_input, Attribute, Data, DeriveInput, Error, Fields, LitInt, LitStr, Path, Result,
 };
 
 #[proc_macro_derive(ProtoForm, attributes(proto))]
@@ -63,8 +62,6 @@ struct TypeAttrs {
 /// What `#[proto(...)]` on a field or a variant says.
 #[derive(Default)]
 struct ItemAttrs {
-    rename: Option<String>,
-    with: Option<Path>,
     skip: bool,
     since: Option<u32>,
 }
@@ -97,24 +94,20 @@ fn item_attrs(attrs: &[Attribute]) -> Result<ItemAttrs> {
     let mut out = ItemAttrs::default();
     for attr in attrs.iter().filter(|a| a.path().is_ident("proto")) {
         attr.parse_nested_meta(|meta| {
-            if meta.path.is_ident("rename") {
-                out.rename = Some(meta.value()?.parse::<LitStr>()?.value());
-            } else if meta.path.is_ident("with") {
-                out.with = Some(meta.value()?.parse::<LitStr>()?.parse()?);
-            } else if meta.path.is_ident("skip") {
+            if meta.path.is_ident("skip") {
                 out.skip = true;
             } else if meta.path.is_ident("since") {
                 out.since = Some(meta.value()?.parse::<LitInt>()?.base10_parse()?);
             } else {
-                return Err(meta.error("expected rename, with, skip or since"));
+                return Err(meta.error("expected skip or since"));
             }
             Ok(())
         })?;
     }
-    if out.skip && (out.with.is_some() || out.since.is_some() || out.rename.is_some()) {
+    if out.skip && out.since.is_some() {
         return Err(Error::new(
             Span::call_site(),
-            "a skipped field has no protobuf form to rename, convert or version",
+            "a skipped field has no protobuf form to version",
         ));
     }
     Ok(out)
@@ -194,11 +187,8 @@ fn expand(input: &DeriveInput) -> Result<Tokens> {
                     ));
                 }
                 let v = &variant.ident;
-                let p = item_attrs(&variant.attrs)?
-                    .rename
-                    .map_or_else(|| v.clone(), |r| Ident::new(&r, Span::call_site()));
-                to.push(quote! { #name::#v => #proto::#p as i32 });
-                from.push(quote! { ::std::result::Result::Ok(#proto::#p) => ::std::result::Result::Ok(#name::#v) });
+                to.push(quote! { #name::#v => #proto::#v as i32 });
+                from.push(quote! { ::std::result::Result::Ok(#proto::#v) => ::std::result::Result::Ok(#name::#v) });
             }
             Ok(quote! {
                 impl crate::proto_form::ProtoForm<i32> for #name {
@@ -240,9 +230,7 @@ fn expand(input: &DeriveInput) -> Result<Tokens> {
             for variant in &data.variants {
                 let v = &variant.ident;
                 let vattrs = item_attrs(&variant.attrs)?;
-                let p = vattrs
-                    .rename
-                    .map_or_else(|| v.clone(), |r| Ident::new(&r, Span::call_site()));
+                let p = v; // the oneof variant and its message share the name
                 let owner = snake(&p.to_string());
                 let named: Vec<&syn::Field> = match &variant.fields {
                     Fields::Named(f) => f.named.iter().collect(),
@@ -344,36 +332,26 @@ impl FieldsCode {
                 continue;
             }
             let ty = &field.ty;
-            let proto_name = attrs.rename.clone().unwrap_or_else(|| ident.to_string());
-            let proto = format_ident!("{}", proto_name);
-            let path = format!("{owner}.{proto_name}");
+            let proto = ident;
+            let path = format!("{owner}.{ident}");
             code.pattern.push(quote! { #ident });
-            match &attrs.with {
-                Some(with) => {
-                    code.build.push(quote! { #proto: #with::to_proto(#ident) });
-                    code.read
-                        .push(quote! { #ident: #with::from_proto(p.#proto, #path)? });
-                }
-                None => {
-                    code.build
-                        .push(quote! { #proto: crate::proto_form::ProtoForm::to_proto(#ident) });
-                    code.read.push(quote! {
-                        #ident: crate::proto_form::ProtoForm::from_proto(p.#proto, #path)?
-                    });
-                    code.version.push(quote! {
-                        let v = crate::proto_form::max(
-                            v,
-                            <#ty as crate::proto_form::ProtoForm<_>>::version_of(&p.#proto),
-                        );
-                    });
-                    code.newest.push(quote! {
-                        let v = crate::proto_form::max(
-                            v,
-                            <#ty as crate::proto_form::Versions>::NEWEST,
-                        );
-                    });
-                }
-            }
+            code.build
+                .push(quote! { #proto: crate::proto_form::ProtoForm::to_proto(#ident) });
+            code.read.push(quote! {
+                #ident: crate::proto_form::ProtoForm::from_proto(p.#proto, #path)?
+            });
+            code.version.push(quote! {
+                let v = crate::proto_form::max(
+                    v,
+                    <#ty as crate::proto_form::ProtoForm<_>>::version_of(&p.#proto),
+                );
+            });
+            code.newest.push(quote! {
+                let v = crate::proto_form::max(
+                    v,
+                    <#ty as crate::proto_form::Versions>::NEWEST,
+                );
+            });
             if let Some(since) = attrs.since {
                 code.version.push(quote! {
                     let v = if crate::proto_form::is_default(&p.#proto) {
