@@ -3,6 +3,7 @@
 //! job's command, image or environment is in these words.
 
 use keel_proto::entry as pb;
+use keel_state::proto_form::ProtoForm;
 
 /// Who asked for an entry: its actor; `leader` for the commands only the
 /// leader proposes; `None` for a client's command without an identity
@@ -107,12 +108,9 @@ pub fn describe_event(e: &pb::Event) -> String {
         Some(K::TokenCreated(x)) => format!(
             "token {} created for role {}{}",
             x.name,
-            <keel_state::acl::Role as keel_state::proto_form::ProtoForm<i32>>::from_proto(
-                x.role,
-                "token_created.role"
-            )
-            .map(|r| r.as_str())
-            .unwrap_or("unknown"),
+            keel_state::acl::Role::from_proto(x.role, "token_created.role")
+                .map(|r| r.as_str())
+                .unwrap_or("unknown"),
             x.expires_at_ms
                 .map(|at| format!(", expiring at {}", time(at)))
                 .unwrap_or_default()

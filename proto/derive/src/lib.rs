@@ -230,8 +230,7 @@ fn expand(input: &DeriveInput) -> Result<Tokens> {
             for variant in &data.variants {
                 let v = &variant.ident;
                 let vattrs = item_attrs(&variant.attrs)?;
-                let p = v; // the oneof variant and its message share the name
-                let owner = snake(&p.to_string());
+                let owner = snake(&v.to_string());
                 let named: Vec<&syn::Field> = match &variant.fields {
                     Fields::Named(f) => f.named.iter().collect(),
                     Fields::Unit => Vec::new(),
@@ -250,13 +249,13 @@ fn expand(input: &DeriveInput) -> Result<Tokens> {
                 let fnew = &body.newest;
                 let since = vattrs.since.unwrap_or(1);
                 to.push(quote! {
-                    #name::#v { #(#pattern,)* .. } => #oneof::#p(#messages::#p { #(#build,)* })
+                    #name::#v { #(#pattern,)* .. } => #oneof::#v(#messages::#v { #(#build,)* })
                 });
                 from.push(quote! {
-                    #oneof::#p(p) => #name::#v { #(#read,)* }
+                    #oneof::#v(p) => #name::#v { #(#read,)* }
                 });
                 version.push(quote! {
-                    #oneof::#p(p) => {
+                    #oneof::#v(p) => {
                         let v = #since;
                         #(#fv)*
                         v

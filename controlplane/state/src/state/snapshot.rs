@@ -270,7 +270,7 @@ fn node_to_proto(n: &Node) -> pb::NodeRecord {
                 gpu_type: gpu_type.clone(),
             })
             .collect(),
-        state: n.state.as_str().to_string(),
+        state: n.state.to_proto(),
         registered_at_ms: n.registered_at_ms,
         message: n.message.clone(),
         gone_gpus: n
@@ -287,10 +287,7 @@ fn node_to_proto(n: &Node) -> pb::NodeRecord {
 }
 
 fn node_from_proto(n: pb::NodeRecord) -> Result<Node, DecodeError> {
-    let state = NodeState::parse(&n.state).ok_or_else(|| DecodeError::UnknownName {
-        field: "node.state",
-        value: n.state.clone(),
-    })?;
+    let state: NodeState = ProtoForm::from_proto(n.state, "node.state")?;
     let mut gpus = BTreeMap::new();
     for g in n.gpus {
         if gpus.insert(g.index, g.gpu_type).is_some() {
