@@ -20,7 +20,10 @@
 //! Run: `cargo bench -p keel --bench replicated_writes`
 //! (`KEEL_BENCH_SECONDS` sets each phase's length; default 5;
 //! `KEEL_BENCH_ONLY=observability` runs the observability rows alone;
-//! `KEEL_BENCH_ONLY=single`, one replica beside a one-member etcd.)
+//! `KEEL_BENCH_ONLY=single`, one replica beside a one-member etcd;
+//! `KEEL_BENCH_ONLY=plain`, the plaintext three-replica rows beside etcd
+//! alone, the flags any earlier `keel` takes, to compare commits with
+//! `KEEL_BENCH_BIN`.)
 
 #![allow(clippy::print_stdout)]
 
@@ -367,6 +370,7 @@ fn main() {
         .expect("runtime");
     let only = std::env::var("KEEL_BENCH_ONLY").unwrap_or_default();
     let only_observability = only == "observability";
+    let only_plain = only == "plain";
     let collector = otlp::Collector::start();
     let mut rows = Vec::new();
     if only == "single" {
@@ -387,6 +391,8 @@ fn main() {
         let mut runs = Vec::new();
         if !only_observability {
             runs.push(("keel", &plain, None, Vec::new()));
+        }
+        if !only_observability && !only_plain {
             runs.push((
                 "keel over mutual TLS",
                 &tls,
@@ -395,7 +401,8 @@ fn main() {
             ));
         }
         let metrics_only = vec!["--http-listen".to_string(), "127.0.0.1:0".to_string()];
-        for _ in 0..2 {
+        let observability_rounds = if only_plain { 0 } else { 2 };
+        for _ in 0..observability_rounds {
             runs.push(("keel, metrics and traces off", &plain, None, off.clone()));
             runs.push(("keel, metrics scraped", &plain, None, metrics_only.clone()));
             runs.push((

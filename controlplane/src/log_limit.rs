@@ -13,8 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use keel_executors::book::{Clock, SystemClock};
+use tracing::level_filters::LevelFilter;
 use tracing::{Level, Metadata};
 use tracing_subscriber::layer::{Context, Filter};
+
+/// The server's log filter when `KEEL_LOG` is not set.
+pub const DEFAULT_FILTER: &str = "info,openraft=warn,sled=warn,chunked_wal=warn,raft_log=warn";
 
 /// The filter; see the module's documentation.
 pub struct RepeatLimit {
@@ -100,6 +104,16 @@ impl<S> Filter<S> for RepeatLimit {
         } else {
             tracing::subscriber::Interest::always()
         }
+    }
+
+    /// It turns nothing off by level. Without a hint, a filter `and`-ed
+    /// with it has none either, so the process's most verbose level was
+    /// TRACE whatever the other filter said: every `debug!` and `trace!`
+    /// call site of every library past its level check, and every `log`
+    /// record of sled's handed to the subscriber to refuse (about a tenth
+    /// of the replicas' extra CPU per write; BENCHMARKS.md).
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        Some(LevelFilter::TRACE)
     }
 }
 
@@ -205,6 +219,25 @@ mod tests {
         Level::WARN,
         tracing::metadata::Kind::EVENT
     );
+
+    /// The server's filter (the default, limited) keeps its most verbose
+    /// level: INFO, not "unknown" (which made it TRACE for the process).
+    #[test]
+    fn the_limited_default_filter_says_its_most_verbose_level() {
+        use tracing_subscriber::filter::FilterExt;
+        let filter = tracing_subscriber::EnvFilter::new(DEFAULT_FILTER)
+            .and(RepeatLimit::new(vec!["openraft"], Duration::from_secs(60)));
+        assert_eq!(
+            <_ as Filter<tracing_subscriber::Registry>>::max_level_hint(&filter),
+            Some(LevelFilter::INFO)
+        );
+        let verbose = tracing_subscriber::EnvFilter::new("debug")
+            .and(RepeatLimit::new(vec!["openraft"], Duration::from_secs(60)));
+        assert_eq!(
+            <_ as Filter<tracing_subscriber::Registry>>::max_level_hint(&verbose),
+            Some(LevelFilter::DEBUG)
+        );
+    }
 
     /// Only the limited call sites are asked at every event; the others keep
     /// the other filters' static interest (a `sometimes` for every call site

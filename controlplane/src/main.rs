@@ -778,30 +778,45 @@ impl WorkerLogArgs {
 
 fn init_tracing(traces: Option<keel::traces::TraceLayer>) {
     use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
     // The span export first: its filter names only the trace's target.
     // Never an `Option` layer that is `None`: it answers "always" for
     // every call site, so every debug span of openraft's would be built
     // (BENCHMARKS.md, "What watching costs").
-    match traces {
-        Some(traces) => tracing_subscriber::registry()
-            .with(traces)
-            .with(log_layer())
-            .init(),
-        None => tracing_subscriber::registry().with(log_layer()).init(),
-    }
+    let (set, log_level) = match traces {
+        Some(traces) => {
+            let (log, level) = log_layer();
+            let subscriber = tracing_subscriber::registry().with(traces).with(log);
+            (tracing::subscriber::set_global_default(subscriber), level)
+        }
+        None => {
+            let (log, level) = log_layer();
+            let subscriber = tracing_subscriber::registry().with(log);
+            (tracing::subscriber::set_global_default(subscriber), level)
+        }
+    };
+    set.expect("the process's subscriber is set once, at start");
+    // The `log` crate's records (sled's) are for the log alone: capped at
+    // its filter's most verbose level, not at the span export's (TRACE),
+    // so a `log::debug!` of sled's is dropped at its call site instead of
+    // being handed to the subscriber to refuse (BENCHMARKS.md, "Beside
+    // the commit before issue 21").
+    tracing_log::LogTracer::builder()
+        .with_max_level(log_level)
+        .init()
+        .expect("the process's `log` logger is set once, at start");
 }
 
-/// The server's log on stderr, filtered by `KEEL_LOG`.
-fn log_layer<S>() -> impl tracing_subscriber::Layer<S> + Send + Sync
+/// The server's log on stderr, filtered by `KEEL_LOG`, and the most
+/// verbose level that filter passes.
+fn log_layer<S>() -> (
+    impl tracing_subscriber::Layer<S> + Send + Sync,
+    tracing_log::log::LevelFilter,
+)
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
 {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new(
-            "info,openraft=warn,sled=warn,chunked_wal=warn,raft_log=warn",
-        )
-    });
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(keel::log_limit::DEFAULT_FILTER));
     // Colour only on a terminal: a log redirected to a file stays plain text.
     // openraft's repeated warnings and errors (one per failed heartbeat
     // while a member is down) at most once a minute per place in its code.
@@ -812,13 +827,19 @@ where
     // debug span of openraft's) is checked at run time at every hit, and
     // its spans built: about 8 % of the replicas' CPU in a profile of the
     // write benchmark (BENCHMARKS.md, "Beside the commit before issue 21").
+    use tracing_log::AsLog;
     use tracing_subscriber::filter::FilterExt;
+    use tracing_subscriber::layer::Filter;
     use tracing_subscriber::Layer;
     let repeats = keel::log_limit::RepeatLimit::new(vec!["openraft"], Duration::from_secs(60));
-    tracing_subscriber::fmt::layer()
+    let filter = filter.and(repeats);
+    let level = <_ as Filter<S>>::max_level_hint(&filter)
+        .map_or(tracing_log::log::LevelFilter::Trace, |l| l.as_log());
+    let layer = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
-        .with_filter(filter.and(repeats))
+        .with_filter(filter);
+    (layer, level)
 }
 
 /// The Kubernetes executor's flags.

@@ -886,6 +886,12 @@ impl keel_scheduling::policy::Policy for TimedPolicy {
     }
 }
 
+/// How long the journal's follower waits after reading before it reads
+/// again: a busy replica applies hundreds of entries a second, and a read
+/// at each one woke this task and scanned the journal at every write on
+/// every replica. A count is at most this late on `/metrics`.
+const FOLLOW_PAUSE: Duration = Duration::from_millis(100);
+
 /// Counts the applied events this replica journals, from its start on,
 /// and the leader changes it sees, until `stop` turns true.
 pub async fn follow(
@@ -898,8 +904,10 @@ pub async fn follow(
     let mut applied = shared.subscribe();
     let mut seen = *applied.borrow();
     let mut next = keel_storage::JournalCursor::at_index(seen + 1);
-    let mut raft_metrics = raft.metrics();
-    let mut leader = raft_metrics.borrow().current_leader;
+    // The server's metrics (leader, membership) change only with them;
+    // `raft.metrics()` changes several times at every write.
+    let mut server_metrics = raft.server_metrics();
+    let mut leader = server_metrics.borrow().current_leader;
     loop {
         tokio::select! {
             changed = applied.changed() => {
@@ -932,12 +940,16 @@ pub async fn follow(
                     }
                 }
                 seen = upto;
+                tokio::select! {
+                    _ = tokio::time::sleep(FOLLOW_PAUSE) => {}
+                    _ = stop.changed() => return,
+                }
             }
-            changed = raft_metrics.changed() => {
+            changed = server_metrics.changed() => {
                 if changed.is_err() {
                     return;
                 }
-                let now = raft_metrics.borrow_and_update().current_leader;
+                let now = server_metrics.borrow_and_update().current_leader;
                 if now != leader {
                     metrics.leader_changes.inc();
                     leader = now;

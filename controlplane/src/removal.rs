@@ -227,7 +227,12 @@ pub async fn watch(
     grace: Duration,
 ) -> Removal {
     let me = node.id;
-    let mut metrics = node.raft.metrics();
+    let metrics = node.raft.metrics();
+    // Woken by a membership change (the server's metrics change only with
+    // it, the leader or the vote), not at every write as `metrics` would
+    // be; the removing membership's apply follows its append by moments,
+    // and the tick below sees it.
+    let mut server_metrics = node.raft.server_metrics();
     let mut was_member = false;
     let removal = loop {
         {
@@ -255,7 +260,7 @@ pub async fn watch(
             break removal;
         }
         tokio::select! {
-            changed = metrics.changed() => {
+            changed = server_metrics.changed() => {
                 if changed.is_err() {
                     std::future::pending::<()>().await;
                 }

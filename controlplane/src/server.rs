@@ -495,14 +495,24 @@ impl Server {
         // failing disk), the process ends with the cause instead of serving
         // on as a replica that can no longer vote or apply. What it had
         // made durable is recovered by the next start.
-        let mut metrics = self.node.raft.metrics();
+        //
+        // Woken by the server's metrics (leader, vote, membership), which
+        // close when the core ends, after its last full metrics say why:
+        // the full ones change several times at every write, and this
+        // future runs on the main thread, a wake-up from another thread
+        // each time.
+        let metrics = self.node.raft.metrics();
+        let mut server_metrics = self.node.raft.server_metrics();
         let raft_failed = async move {
             loop {
                 if let Err(fatal) = &metrics.borrow().running_state {
                     return fatal.to_string();
                 }
-                if metrics.changed().await.is_err() {
-                    return "Raft's core stopped".to_string();
+                if server_metrics.changed().await.is_err() {
+                    return match &metrics.borrow().running_state {
+                        Err(fatal) => fatal.to_string(),
+                        Ok(()) => "Raft's core stopped".to_string(),
+                    };
                 }
             }
         };

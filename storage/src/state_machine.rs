@@ -945,6 +945,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut writes = Writes::default();
         let mut page = crate::journal::PageBuilder::default();
         let mut responses = Vec::new();
+        // Whether this batch applied a membership: only then are the
+        // membership and the removed members written again (they were
+        // rewritten at every batch, two of its sled inserts in five at one
+        // client).
+        let mut membership_applied = false;
         {
             let mut applied = self.shared.write();
             for entry in entries {
@@ -1007,6 +1012,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         let before = applied.membership.membership().clone();
                         applied.removed_members.apply(&before, &m, index);
                         applied.membership = StoredMembership::new(Some(entry.log_id), m);
+                        membership_applied = true;
                         Vec::new()
                     }
                 };
@@ -1019,13 +1025,15 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 KEY_APPLIED.to_vec(),
                 meta_codec::encode_last_applied(&applied.last_applied),
             ));
-            writes.inserts.push((
-                KEY_MEMBERSHIP.to_vec(),
-                meta_codec::encode_membership(&applied.membership),
-            ));
-            writes
-                .inserts
-                .push((KEY_REMOVED.to_vec(), applied.removed_members.encode()));
+            if membership_applied {
+                writes.inserts.push((
+                    KEY_MEMBERSHIP.to_vec(),
+                    meta_codec::encode_membership(&applied.membership),
+                ));
+                writes
+                    .inserts
+                    .push((KEY_REMOVED.to_vec(), applied.removed_members.encode()));
+            }
             writes.applied_index = applied.last_applied.map_or(0, |l| l.index);
         }
         self.writer.write(writes).map_err(sm_err)?;
