@@ -625,6 +625,70 @@ mod tests {
         list.iter().copied().collect()
     }
 
+    /// The names `text` binds to a receiver of the full Raft metrics
+    /// (`let [mut] NAME = ....metrics();`).
+    fn full_metrics_receivers(text: &str) -> Vec<String> {
+        text.lines()
+            .filter_map(|line| {
+                let rest = line.trim().strip_prefix("let ")?;
+                let rest = rest.strip_prefix("mut ").unwrap_or(rest);
+                let (name, value) = rest.split_once(" = ")?;
+                value
+                    .trim_end()
+                    .ends_with(".metrics();")
+                    .then(|| name.to_string())
+            })
+            .collect()
+    }
+
+    /// No loop in the server waits on every change of `raft.metrics()`,
+    /// which openraft sends several times per write on every replica
+    /// (ARCHITECTURE, Invariants): such a receiver is read, never awaited;
+    /// a loop watching leadership or membership waits on
+    /// `raft.server_metrics()`.
+    #[test]
+    fn no_loop_awaits_every_change_of_the_full_raft_metrics() {
+        assert_eq!(
+            full_metrics_receivers(
+                "let mut metrics = node.raft.metrics();\nlet m = raft.server_metrics();"
+            ),
+            vec!["metrics".to_string()]
+        );
+        let mut read = 0;
+        let mut dirs = vec![std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).expect("the sources").flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                if path.extension().is_none_or(|e| e != "rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).expect("a source");
+                read += 1;
+                for name in full_metrics_receivers(&text) {
+                    let awaited = format!("{name}.changed()");
+                    // `name` whole: `server_metrics.changed()` is not `metrics`'s.
+                    let whole = text.match_indices(&awaited).any(|(at, _)| {
+                        text[..at]
+                            .chars()
+                            .next_back()
+                            .is_none_or(|c| !(c.is_alphanumeric() || c == '_'))
+                    });
+                    assert!(
+                        !whole,
+                        "{}: `{name}` (raft.metrics()) is awaited with changed(): \
+                         wait on raft.server_metrics() instead",
+                        path.display()
+                    );
+                }
+            }
+        }
+        assert!(read > 20, "read only {read} sources");
+    }
+
     #[test]
     fn bootstrap_initialises_only_with_a_majority_that_holds_no_cluster() {
         use PeerAnswer::*;
