@@ -1222,6 +1222,59 @@ mod tests {
         store.apply(entries).await.expect("apply");
     }
 
+    /// The membership and the removed members are written only by the
+    /// batches that apply a membership; batches of commands after it leave
+    /// them as they were, and a reopened store reads them back.
+    #[tokio::test]
+    async fn a_membership_applied_before_later_batches_survives_a_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = StateMachineStore::open(dir.path()).expect("open");
+        let id = |i| LogId::new(openraft::CommittedLeaderId::new(1, 1), i);
+        store
+            .apply(vec![
+                Entry {
+                    log_id: id(1),
+                    payload: EntryPayload::Membership(membership(&[1, 2, 3])),
+                },
+                Entry {
+                    log_id: id(2),
+                    payload: EntryPayload::Membership(membership(&[2, 3])),
+                },
+            ])
+            .await
+            .expect("apply");
+        // The journal writer's thread writes the batches; flushed, they are in.
+        store.flush().expect("flush");
+        assert!(store.tree.get(KEY_MEMBERSHIP).expect("read").is_some());
+        store.tree.remove(KEY_REMOVED).expect("remove");
+        submit_jobs(&mut store, 3, 4).await;
+        store.flush().expect("flush");
+        assert!(
+            store.tree.get(KEY_REMOVED).expect("read").is_none(),
+            "a batch without a membership does not write the removed members"
+        );
+        store
+            .apply(vec![Entry {
+                log_id: id(7),
+                payload: EntryPayload::Membership(membership(&[2, 3])),
+            }])
+            .await
+            .expect("apply");
+        submit_jobs(&mut store, 8, 2).await;
+        store.flush().expect("flush");
+        drop(store);
+        let store = StateMachineStore::open(dir.path()).expect("reopen");
+        let applied = store.shared();
+        let applied = applied.read();
+        assert_eq!(applied.last_applied.map(|l| l.index), Some(9));
+        assert_eq!(applied.membership.log_id().map(|l| l.index), Some(7));
+        assert_eq!(applied.membership.membership(), &membership(&[2, 3]));
+        assert_eq!(
+            applied.removed_members.0,
+            std::collections::BTreeMap::from([(1, ("10.0.0.1:7070".to_string(), 2))])
+        );
+    }
+
     /// The snapshot lives in a tree of its own, away from the keys every
     /// apply rewrites; the state tree keeps a marker a release before
     /// refuses. A data directory with the snapshot in the state tree (as
