@@ -221,7 +221,7 @@ pub async fn scheduling_loop(
         settings,
     } = setup;
     let shared = node.state_machine.shared();
-    let mut applied = shared.subscribe();
+    let mut applied = shared.subscribe_state();
     let mut gate = LeaderGate::new("scheduling");
     // The engine's timers run on a monotonic clock: milliseconds since
     // this loop started.
@@ -370,7 +370,7 @@ pub async fn reconcile_loop<E: Executor>(
     mut stop: watch::Receiver<bool>,
 ) {
     let shared = node.state_machine.shared();
-    let mut applied = shared.subscribe();
+    let mut applied = shared.subscribe_state();
     let mut gate = LeaderGate::new("reconcile");
     // The engine's timers run on a monotonic clock: milliseconds since
     // this loop started.

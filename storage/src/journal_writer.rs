@@ -12,6 +12,15 @@
 //! (the log is purged behind it), installing one, flushing, and readers that
 //! want the journal to be complete up to an index.
 //!
+//! Each sled `apply_batch` seals sled's IO buffer and hands its write to
+//! sled's IO threads, waking all of them (0.34's pool notifies every
+//! waiting thread): at one client, one batch per write was a quarter of
+//! the three replicas' CPU (BENCHMARKS.md, "One client: the journal's
+//! batches"). So the writer lingers up to [`LINGER`] after a call for more
+//! to merge, unless a barrier is waiting. Only readers of the journal see
+//! the delay; the leader's loops follow the state in memory
+//! ([`SharedState::subscribe_state`]).
+//!
 //! A merged batch is bounded by what it holds ([`MAX_BATCH_INSERTS`],
 //! [`MAX_BATCH_BYTES`]), not by how many calls it merges: sled 0.34 keeps
 //! memory in proportion to the size of the batches it was given and does not
@@ -20,9 +29,10 @@
 //! writer behind and merging everything queued, grew past 20 GB. A replica
 //! catching up on a backlog applies the same way.
 
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crate::state_machine::SharedState;
 use crate::StoreError;
@@ -47,6 +57,9 @@ const MAX_BATCH_INSERTS: usize = 512;
 const MAX_BATCH_BYTES: usize = 512 * 1024;
 /// Apply calls queued before `apply` waits for the writer.
 const QUEUE: usize = 1024;
+/// How long the writer waits after a call for more calls to merge into
+/// its batch; a barrier, a full batch or a closed queue ends the wait.
+pub(crate) const LINGER: Duration = Duration::from_millis(10);
 
 #[derive(Debug)]
 pub(crate) struct JournalWriter {
@@ -56,13 +69,19 @@ pub(crate) struct JournalWriter {
 }
 
 impl JournalWriter {
-    pub(crate) fn spawn(tree: sled::Tree, shared: Arc<SharedState>) -> Result<Self, StoreError> {
+    /// Starts the writer's thread; it merges calls arriving within
+    /// `linger` of each batch's first.
+    pub(crate) fn spawn(
+        tree: sled::Tree,
+        shared: Arc<SharedState>,
+        linger: Duration,
+    ) -> Result<Self, StoreError> {
         let (tx, rx) = sync_channel(QUEUE);
         let failed = Arc::new(Mutex::new(None));
         let failed_in_thread = failed.clone();
         let handle = std::thread::Builder::new()
             .name("keel-journal".into())
-            .spawn(move || run(&tree, &shared, &rx, &failed_in_thread))?;
+            .spawn(move || run(&tree, &shared, &rx, linger, &failed_in_thread))?;
         Ok(JournalWriter {
             tx: Some(tx),
             handle: Some(handle),
@@ -126,9 +145,11 @@ struct Merged {
 }
 
 impl Merged {
-    /// `first` and whatever is queued behind it, until the batch holds
-    /// [`MAX_BATCH_INSERTS`] inserts or [`MAX_BATCH_BYTES`]; never waits.
-    fn take(first: Work, rx: &Receiver<Work>) -> Merged {
+    /// `first` and whatever is queued behind it or arrives within `linger`
+    /// of it, until the batch holds [`MAX_BATCH_INSERTS`] inserts or
+    /// [`MAX_BATCH_BYTES`], a barrier is taken, or the queue closes.
+    fn take(first: Work, rx: &Receiver<Work>, linger: Duration) -> Merged {
+        let deadline = Instant::now() + linger;
         let mut merged = Merged {
             batch: sled::Batch::default(),
             inserts: 0,
@@ -149,9 +170,22 @@ impl Merged {
                 }
                 Work::Barrier(done) => merged.barriers.push(done),
             }
-            if merged.inserts < MAX_BATCH_INSERTS && merged.bytes < MAX_BATCH_BYTES {
-                next = rx.try_recv().ok();
+            if merged.inserts >= MAX_BATCH_INSERTS || merged.bytes >= MAX_BATCH_BYTES {
+                break;
             }
+            next = match rx.try_recv() {
+                Ok(work) => Some(work),
+                Err(TryRecvError::Empty) if merged.barriers.is_empty() => {
+                    match deadline.checked_duration_since(Instant::now()) {
+                        Some(left) if !left.is_zero() => match rx.recv_timeout(left) {
+                            Ok(work) => Some(work),
+                            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
+                        },
+                        _ => None,
+                    }
+                }
+                Err(_) => None,
+            };
         }
         merged
     }
@@ -161,10 +195,11 @@ fn run(
     tree: &sled::Tree,
     shared: &SharedState,
     rx: &Receiver<Work>,
+    linger: Duration,
     failed: &Mutex<Option<String>>,
 ) {
     while let Ok(first) = rx.recv() {
-        let merged = Merged::take(first, rx);
+        let merged = Merged::take(first, rx, linger);
         let result = match merged.applied_index {
             Some(_) => tree.apply_batch(merged.batch).map_err(|e| e.to_string()),
             None => Ok(()),
@@ -214,7 +249,7 @@ mod tests {
             tx.send(write(index, 10, 16)).expect("queued");
         }
         let first = rx.recv().expect("queued");
-        let merged = Merged::take(first, &rx);
+        let merged = Merged::take(first, &rx, Duration::ZERO);
         // Calls of indexes 1, 2, ...: the index reached is the calls merged.
         let calls = MAX_BATCH_INSERTS.div_ceil(10) as u64;
         assert_eq!(merged.inserts as u64, calls * 10);
@@ -223,7 +258,7 @@ mod tests {
         let mut written = calls;
         let mut batches = 1;
         while let Ok(first) = rx.try_recv() {
-            let merged = Merged::take(first, &rx);
+            let merged = Merged::take(first, &rx, Duration::ZERO);
             assert!(merged.inserts <= MAX_BATCH_INSERTS + 9);
             let reached = merged.applied_index.expect("writes merged");
             assert_eq!(merged.inserts as u64, (reached - written) * 10);
@@ -243,7 +278,7 @@ mod tests {
         for index in 1..=5 {
             tx.send(write(index, 2, value_bytes)).expect("queued");
         }
-        let merged = Merged::take(rx.recv().expect("queued"), &rx);
+        let merged = Merged::take(rx.recv().expect("queued"), &rx, Duration::ZERO);
         assert_eq!(merged.inserts, 4);
         assert!(merged.bytes >= MAX_BATCH_BYTES);
         assert_eq!(
@@ -256,7 +291,7 @@ mod tests {
         let (tx, rx) = sync_channel(QUEUE);
         tx.send(write(1, 1, 1)).expect("queued");
         tx.send(Work::Barrier(done)).expect("queued");
-        let merged = Merged::take(rx.recv().expect("queued"), &rx);
+        let merged = Merged::take(rx.recv().expect("queued"), &rx, Duration::ZERO);
         assert_eq!((merged.applied_index, merged.barriers.len()), (Some(1), 1));
         assert!(
             matches!(
@@ -265,5 +300,35 @@ mod tests {
             ),
             "answered only once written"
         );
+    }
+    /// A call arriving while the writer lingers joins the batch; a barrier
+    /// ends the wait at once (the linger here is an hour), and so does a
+    /// closed queue.
+    #[test]
+    fn the_writer_lingers_for_more_calls_until_a_barrier_or_a_closed_queue() {
+        let hour = Duration::from_secs(3600);
+        let (tx, rx) = sync_channel(QUEUE);
+        tx.send(write(1, 1, 1)).expect("queued");
+        let (done, _answered) = sync_channel(1);
+        let sender = std::thread::spawn(move || {
+            // Most likely sent after `take` found the queue empty and
+            // waits; merged either way.
+            std::thread::sleep(Duration::from_millis(20));
+            tx.send(write(2, 3, 1)).expect("queued");
+            tx.send(Work::Barrier(done)).expect("queued");
+            tx
+        });
+        let merged = Merged::take(rx.recv().expect("queued"), &rx, hour);
+        assert_eq!(
+            (merged.inserts, merged.applied_index, merged.barriers.len()),
+            (4, Some(2), 1),
+            "the later call merged, the barrier ended the batch"
+        );
+        let tx = sender.join().expect("sender");
+        // A call, then the queue closes: written without waiting.
+        tx.send(write(3, 1, 1)).expect("queued");
+        drop(tx);
+        let merged = Merged::take(rx.recv().expect("queued"), &rx, hour);
+        assert_eq!((merged.inserts, merged.applied_index), (1, Some(3)));
     }
 }

@@ -287,7 +287,11 @@ pub struct Applied {
 #[derive(Debug)]
 pub struct SharedState {
     applied: RwLock<Applied>,
+    /// The index the journal's records are in sled up to (the journal
+    /// writer's, which merges batches and may linger).
     applied_index: watch::Sender<u64>,
+    /// The index the state in memory is applied up to.
+    state_index: watch::Sender<u64>,
 }
 
 impl SharedState {
@@ -303,6 +307,14 @@ impl SharedState {
     /// records in sled ([`StateMachineStore::applied_entries`]).
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.applied_index.subscribe()
+    }
+
+    /// Watch the state in memory move: every entry up to it is applied in
+    /// [`SharedState::read`]'s state; its journal records may still be
+    /// queued for sled. For loops that read the state, not the journal
+    /// (the leader's scheduling and reconciling).
+    pub fn subscribe_state(&self) -> watch::Receiver<u64> {
+        self.state_index.subscribe()
     }
 
     pub(crate) fn journaled(&self, index: u64) {
@@ -527,6 +539,7 @@ impl StateMachineStore {
                 .map_err(|e| StoreError::corrupt("the journal", e))?;
         }
         let (applied_index, _) = watch::channel(until);
+        let (state_index, _) = watch::channel(until);
         let shared = Arc::new(SharedState {
             applied: RwLock::new(Applied {
                 state,
@@ -535,12 +548,17 @@ impl StateMachineStore {
                 removed_members,
             }),
             applied_index,
+            state_index,
         });
         let journal_settled = match tree.get(KEY_JOURNAL_SETTLED)? {
             Some(v) => <[u8; 8]>::try_from(v.as_ref()).map_or(0, u64::from_be_bytes),
             None => 0,
         };
-        let writer = Arc::new(JournalWriter::spawn(tree.clone(), shared.clone())?);
+        let writer = Arc::new(JournalWriter::spawn(
+            tree.clone(),
+            shared.clone(),
+            crate::journal_writer::LINGER,
+        )?);
         Ok(StateMachineStore {
             shared,
             db,
@@ -1037,6 +1055,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             writes.applied_index = applied.last_applied.map_or(0, |l| l.index);
         }
         self.writer.write(writes).map_err(sm_err)?;
+        if let Some(last) = responses.last() {
+            self.shared.state_index.send_replace(last.index);
+        }
         Ok(responses)
     }
 
@@ -1075,6 +1096,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             meta.last_log_id.map_or(0, |l| l.index)
         };
         self.shared.applied_index.send_replace(index);
+        self.shared.state_index.send_replace(index);
         Ok(())
     }
 
