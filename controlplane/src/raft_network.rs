@@ -5,7 +5,12 @@
 //! mapped so openraft backs off from unreachable peers. [`RaftService`] is
 //! the receiving side, served on the same port as the client API. Snapshots
 //! travel as openraft's chunks (`snapshot_max_chunk_size`), one call per
-//! chunk.
+//! chunk. AppendEntries go on one stream per peer held open
+//! (`AppendEntriesStream`, a request and its reply per message): a unary
+//! call each cost both ends an HTTP/2 stream's setup and a task, a quarter
+//! of a follower's CPU at one client (BENCHMARKS.md, "One client: the
+//! journal's batches and a stream to each follower"). A peer without it (a
+//! release before) gets unary calls.
 //!
 //! Payloads are versioned (`keel_storage::raft_wire`): format 2 is protobuf
 //! (`keel.replication.v1`), format 1 openraft's types in postcard, as the
@@ -341,6 +346,20 @@ pub struct GrpcPeer {
     clock: Option<Arc<ServerClock>>,
     /// This replica's Raft id and where a peer's word of its removal goes.
     removal: Option<(u64, crate::removal::RemovalFlag)>,
+    /// The AppendEntries stream to the peer, once opened; dropped with the
+    /// channel, on any error and when a reply is late (a late reply would
+    /// answer the next request).
+    append_stream: Option<AppendStream>,
+    /// The peer answered `AppendEntriesStream` with UNIMPLEMENTED (a
+    /// release before it): unary calls until the channel is dropped.
+    no_append_stream: bool,
+}
+
+/// An open `AppendEntriesStream`: requests in, replies in the same order.
+#[derive(Debug)]
+struct AppendStream {
+    requests: tokio::sync::mpsc::Sender<RaftMessage>,
+    replies: tonic::Streaming<RaftMessage>,
 }
 
 impl GrpcPeer {
@@ -358,6 +377,8 @@ impl GrpcPeer {
             clock: None,
             gathered: None,
             removal: None,
+            append_stream: None,
+            no_append_stream: false,
         }
     }
 
@@ -403,7 +424,64 @@ impl GrpcPeer {
     /// replica restarted at the address may run another release).
     fn disconnect(&mut self) {
         self.client = None;
+        self.append_stream = None;
+        self.no_append_stream = false;
         self.formats.forget(self.target);
+    }
+
+    /// Sends one AppendEntries on the stream to the peer, opening it first
+    /// if none is open, and waits for its reply. A peer that has no such
+    /// stream gets a unary call, now and until the channel is dropped.
+    async fn append_on_stream(
+        &mut self,
+        client: &mut RaftClient<Channel>,
+        message: RaftMessage,
+        ttl: Duration,
+    ) -> Result<Response<RaftMessage>, Status> {
+        if self.append_stream.is_none() {
+            let (requests, queued) = tokio::sync::mpsc::channel(1);
+            let mut req = Request::new(tokio_stream::wrappers::ReceiverStream::new(queued));
+            address(&mut req, &self.identity, self.target);
+            match client.append_entries_stream(req).await {
+                Ok(replies) => {
+                    self.append_stream = Some(AppendStream {
+                        requests,
+                        replies: replies.into_inner(),
+                    });
+                }
+                Err(status) if status.code() == tonic::Code::Unimplemented => {
+                    tracing::info!(
+                        peer = %membership::show(self.target),
+                        "the peer has no AppendEntries stream (a release before it): one call each"
+                    );
+                    self.no_append_stream = true;
+                    let mut req = Request::new(message);
+                    req.set_timeout(ttl);
+                    address(&mut req, &self.identity, self.target);
+                    return client.append_entries(req).await;
+                }
+                Err(status) => return Err(status),
+            }
+        }
+        let Some(stream) = self.append_stream.as_mut() else {
+            return Err(Status::internal("no AppendEntries stream"));
+        };
+        let closed = || Status::unavailable("the AppendEntries stream to the peer closed");
+        if stream.requests.send(message).await.is_err() {
+            self.append_stream = None;
+            return Err(closed());
+        }
+        match stream.replies.message().await {
+            Ok(Some(reply)) => Ok(Response::new(reply)),
+            Ok(None) => {
+                self.append_stream = None;
+                Err(closed())
+            }
+            Err(status) => {
+                self.append_stream = None;
+                Err(status)
+            }
+        }
     }
 
     /// One call: encode, send with a deadline, decode the remote `Result`.
@@ -431,7 +509,7 @@ impl GrpcPeer {
         })?;
         let ttl = option.hard_ttl();
         let sent = self.clock.as_ref().map(|c| (c.wall_ms(), c.mono_ms()));
-        let mut req = Request::new(RaftMessage {
+        let message = RaftMessage {
             payload,
             format_version: format,
             reads_up_to: self.wire_format,
@@ -444,17 +522,29 @@ impl GrpcPeer {
                 (Some(c), RpcKind::AppendEntries) => c.offset_of_peer(self.target),
                 _ => None,
             },
-        });
-        req.set_timeout(ttl);
-        address(&mut req, &self.identity, self.target);
-        let call = async {
-            match kind {
-                RpcKind::AppendEntries => client.append_entries(req).await,
-                RpcKind::Vote => client.vote(req).await,
-                RpcKind::InstallSnapshot => client.install_snapshot(req).await,
-            }
         };
-        let reply = match tokio::time::timeout(ttl, call).await {
+        let answered = if matches!(kind, RpcKind::AppendEntries) && !self.no_append_stream {
+            let answered =
+                tokio::time::timeout(ttl, self.append_on_stream(&mut client, message, ttl)).await;
+            if answered.is_err() {
+                // The reply may still come: it must not answer the next.
+                self.append_stream = None;
+            }
+            answered
+        } else {
+            let mut req = Request::new(message);
+            req.set_timeout(ttl);
+            address(&mut req, &self.identity, self.target);
+            let call = async {
+                match kind {
+                    RpcKind::AppendEntries => client.append_entries(req).await,
+                    RpcKind::Vote => client.vote(req).await,
+                    RpcKind::InstallSnapshot => client.install_snapshot(req).await,
+                }
+            };
+            tokio::time::timeout(ttl, call).await
+        };
+        let reply = match answered {
             Err(_) => {
                 self.say_silent(&format!("no answer within {} ms", ttl.as_millis()));
                 return Err(RPCError::Timeout(Timeout {
@@ -968,14 +1058,54 @@ impl RaftService {
         from_leader: bool,
         sender: impl Fn(&T) -> Option<u64>,
     ) -> Result<(u32, T), Status> {
+        self.receive_message(request, request.get_ref(), from_leader, sender)
+    }
+
+    /// [`RaftService::receive`] for a `message` of a stream whose call is
+    /// `call` (its metadata and the caller's certificate).
+    fn receive_message<C, T: WireMessage>(
+        &self,
+        call: &Request<C>,
+        message: &RaftMessage,
+        from_leader: bool,
+        sender: impl Fn(&T) -> Option<u64>,
+    ) -> Result<(u32, T), Status> {
         if !self.members_by_certificate {
-            self.admit(request, from_leader)?;
-            return self.decode(request.get_ref());
+            self.admit(call, from_leader)?;
+            return self.decode(message);
         }
-        let (format, req) = self.decode(request.get_ref())?;
-        self.check_certificate(request, sender(&req))?;
-        self.admit(request, from_leader)?;
+        let (format, req) = self.decode(message)?;
+        self.check_certificate(call, sender(&req))?;
+        self.admit(call, from_leader)?;
         Ok((format, req))
+    }
+
+    /// One AppendEntries: admitted, handed to the local Raft, answered in
+    /// the format it came in.
+    async fn append<C>(
+        &self,
+        call: &Request<C>,
+        message: &RaftMessage,
+    ) -> Result<RaftMessage, Status> {
+        let (format, req) = self.receive_message(
+            call,
+            message,
+            true,
+            |r: &AppendEntriesRequest<TypeConfig>| r.vote.leader_id().voted_for(),
+        )?;
+        let result = self.raft.append_entries(req).await;
+        // A leader this replica follows: its log time is the log's, and
+        // what it measured of this replica's clock counts.
+        if matches!(
+            result,
+            Ok(AppendEntriesResponse::Success
+                | AppendEntriesResponse::PartialSuccess(_)
+                | AppendEntriesResponse::Conflict)
+        ) {
+            self.clock
+                .heard_leader(message.log_time_ms, message.clock_offset_ms);
+        }
+        self.reply(format, &result).map(Response::into_inner)
     }
 
     /// Decodes a received message: its format and its request. A format
@@ -1023,24 +1153,52 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let (format, req) =
-            self.receive(&request, true, |r: &AppendEntriesRequest<TypeConfig>| {
-                r.vote.leader_id().voted_for()
-            })?;
-        let result = self.raft.append_entries(req).await;
-        // A leader this replica follows: its log time is the log's, and
-        // what it measured of this replica's clock counts.
-        if matches!(
-            result,
-            Ok(AppendEntriesResponse::Success
-                | AppendEntriesResponse::PartialSuccess(_)
-                | AppendEntriesResponse::Conflict)
-        ) {
-            let message = request.get_ref();
-            self.clock
-                .heard_leader(message.log_time_ms, message.clock_offset_ms);
-        }
-        self.reply(format, &result)
+        self.append(&request, request.get_ref())
+            .await
+            .map(Response::new)
+    }
+
+    type AppendEntriesStreamStream =
+        tokio_stream::wrappers::ReceiverStream<Result<RaftMessage, Status>>;
+
+    async fn append_entries_stream(
+        &self,
+        request: Request<tonic::Streaming<RaftMessage>>,
+    ) -> Result<Response<Self::AppendEntriesStreamStream>, Status> {
+        let (metadata, extensions, mut inbound) = request.into_parts();
+        let call = Request::from_parts(metadata, extensions, ());
+        let (replies, answered) = tokio::sync::mpsc::channel(1);
+        let service = self.clone();
+        let mut closing = self.closing.clone();
+        tokio::spawn(async move {
+            // Ends with the server's closing (a graceful shutdown waits for
+            // open streams); a closing that can no longer come never ends it.
+            let closed = async {
+                while !*closing.borrow_and_update() {
+                    if closing.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            };
+            tokio::pin!(closed);
+            loop {
+                let message = tokio::select! {
+                    m = inbound.message() => m,
+                    () = &mut closed => break,
+                };
+                let Ok(Some(message)) = message else {
+                    break;
+                };
+                let reply = service.append(&call, &message).await;
+                let refused = reply.is_err();
+                if replies.send(reply).await.is_err() || refused {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            answered,
+        )))
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
@@ -1143,5 +1301,150 @@ mod tests {
         assert_eq!(reloaded.get().as_deref(), Some("a"), "kept across restarts");
         let made = reloaded.create(1).expect("create");
         assert_ne!(made, "a");
+    }
+
+    /// A peer that answers every AppendEntries with success, counting the
+    /// unary calls and the messages on streams; with `streams` false it
+    /// answers `AppendEntriesStream` UNIMPLEMENTED, as a release before it.
+    #[derive(Clone, Default)]
+    struct FakePeer {
+        streams: bool,
+        unary: Arc<std::sync::atomic::AtomicUsize>,
+        streamed: Arc<std::sync::atomic::AtomicUsize>,
+        opened: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    fn success(request: &RaftMessage) -> RaftMessage {
+        let format = raft_wire::received_format(request.format_version);
+        let result: Result<AppendEntriesResponse<u64>, RaftError<u64>> =
+            Ok(AppendEntriesResponse::Success);
+        RaftMessage {
+            payload: result.encode(format).expect("encode"),
+            format_version: format,
+            reads_up_to: raft_wire::RAFT_WIRE_FORMAT,
+            ..RaftMessage::default()
+        }
+    }
+
+    #[tonic::async_trait]
+    impl RaftRpc for FakePeer {
+        async fn append_entries(
+            &self,
+            request: Request<RaftMessage>,
+        ) -> Result<Response<RaftMessage>, Status> {
+            self.unary.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(Response::new(success(request.get_ref())))
+        }
+
+        type AppendEntriesStreamStream =
+            tokio_stream::wrappers::ReceiverStream<Result<RaftMessage, Status>>;
+
+        async fn append_entries_stream(
+            &self,
+            request: Request<tonic::Streaming<RaftMessage>>,
+        ) -> Result<Response<Self::AppendEntriesStreamStream>, Status> {
+            self.opened
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if !self.streams {
+                return Err(Status::unimplemented("no such method"));
+            }
+            let mut inbound = request.into_inner();
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let streamed = self.streamed.clone();
+            tokio::spawn(async move {
+                while let Ok(Some(m)) = inbound.message().await {
+                    streamed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if tx.send(Ok(success(&m))).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+                rx,
+            )))
+        }
+
+        async fn vote(&self, _: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn install_snapshot(
+            &self,
+            _: Request<RaftMessage>,
+        ) -> Result<Response<RaftMessage>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        type FollowLeaderStream = crate::leader_loss::LeaderStream;
+
+        async fn follow_leader(
+            &self,
+            _: Request<FollowLeaderRequest>,
+        ) -> Result<Response<Self::FollowLeaderStream>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    /// Sends three AppendEntries to a fake peer through a [`GrpcPeer`],
+    /// each answered with success.
+    async fn three_appends_to(fake: FakePeer) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(keel_proto::raft::raft_server::RaftServer::new(fake))
+                .serve_with_incoming(crate::transport::Transport::Plain.incoming(listener)),
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let identity = Arc::new(ClusterIdentity::load(dir.path().join("cluster-id")).expect("id"));
+        let mut peer = GrpcPeer::new(2, &addr.to_string(), identity);
+        let option = RPCOption::new(Duration::from_secs(10));
+        for _ in 0..3 {
+            let rpc = AppendEntriesRequest::<TypeConfig> {
+                vote: openraft::Vote::new_committed(1, 1),
+                prev_log_id: None,
+                entries: Vec::new(),
+                leader_commit: None,
+            };
+            let reply = peer.append_entries(rpc, option.clone()).await;
+            assert!(
+                matches!(reply, Ok(AppendEntriesResponse::Success)),
+                "{reply:?}"
+            );
+        }
+    }
+
+    /// A leader's entries go on one stream held open to each follower; a
+    /// follower of the release before, which has no such stream, gets one
+    /// call each, and is not asked for the stream again.
+    #[tokio::test]
+    async fn appends_go_on_one_stream_or_as_calls_to_a_peer_without_it() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let streaming = FakePeer {
+            streams: true,
+            ..FakePeer::default()
+        };
+        three_appends_to(streaming.clone()).await;
+        assert_eq!(
+            (
+                streaming.opened.load(SeqCst),
+                streaming.streamed.load(SeqCst),
+                streaming.unary.load(SeqCst)
+            ),
+            (1, 3, 0)
+        );
+        let older = FakePeer::default();
+        three_appends_to(older.clone()).await;
+        assert_eq!(
+            (
+                older.opened.load(SeqCst),
+                older.streamed.load(SeqCst),
+                older.unary.load(SeqCst)
+            ),
+            (1, 0, 3),
+            "asked for the stream once"
+        );
     }
 }

@@ -29,7 +29,7 @@
 //! writer behind and merging everything queued, grew past 20 GB. A replica
 //! catching up on a backlog applies the same way.
 
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -177,10 +177,8 @@ impl Merged {
                 Ok(work) => Some(work),
                 Err(TryRecvError::Empty) if merged.barriers.is_empty() => {
                     match deadline.checked_duration_since(Instant::now()) {
-                        Some(left) if !left.is_zero() => match rx.recv_timeout(left) {
-                            Ok(work) => Some(work),
-                            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-                        },
+                        // Timed out or closed: the batch is done.
+                        Some(left) if !left.is_zero() => rx.recv_timeout(left).ok(),
                         _ => None,
                     }
                 }

@@ -771,6 +771,59 @@ class RaftClockFields(OneServer):
         self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("after-forged")), timeout=20)
         self.assert_serving(["after-forged"])
 
+    def test_the_append_stream_checks_every_message_and_ends_at_a_refusal(self):
+        """Issue 26: `AppendEntriesStream`, the stream a leader holds to
+        each follower. Each message is answered in order as AppendEntries
+        answers it; the call's addressee is checked for every message; a
+        refusal ends the stream with AppendEntries' status, and nothing of
+        a refused or stale message moves the replica."""
+        stream = self.server.channel.stream_stream(
+            "/keel.raft.v1.Raft/AppendEntriesStream",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=raft.RaftMessage.FromString,
+        )
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.append(raft.RaftMessage(format_version=2), to=0)
+        me = dict(caught.exception.trailing_metadata())["keel-raft-id"]
+        before = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        stale = raft.RaftMessage(
+            payload=replication.AppendEntriesRequest(
+                vote=replication.Vote(term=0, node=9, committed=True)
+            ).SerializeToString(),
+            format_version=2,
+            reads_up_to=2,
+            sent_at_ms=2**63,
+            log_time_ms=2**63,
+        )
+        # Addressed to another incarnation: the first message is refused
+        # and the stream ends, naming this replica.
+        replies = stream(iter([stale, stale]), timeout=10, metadata=[("keel-to", "0")])
+        with self.assertRaises(grpc.RpcError) as caught:
+            list(replies)
+        self.assertEqual(caught.exception.code(), CODE.FAILED_PRECONDITION)
+        self.assertEqual(dict(caught.exception.trailing_metadata())["keel-raft-id"], me)
+        # To this replica: two stale leaders' messages answered in order,
+        # each with this replica's clock; then one that does not decode
+        # ends the stream as AppendEntries refuses it.
+        garbage = raft.RaftMessage(payload=b"\xff" * 16, format_version=2)
+        replies = stream(
+            iter([stale, stale, garbage, stale]), timeout=10, metadata=[("keel-to", me)]
+        )
+        answered = []
+        with self.assertRaises(grpc.RpcError) as caught:
+            for reply in replies:
+                answered.append(reply)
+        self.assertEqual(caught.exception.code(), CODE.INVALID_ARGUMENT)
+        self.assertEqual(len(answered), 2)
+        for reply in answered:
+            self.assertEqual(reply.format_version, 2)
+            self.assertGreater(reply.sent_at_ms, 0)
+            self.assertLess(reply.sent_at_ms, 2**62)
+        after = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
+        self.assertEqual((after.role, after.term), ("leader", before.term))
+        self.stub.SubmitJob(api.SubmitJobRequest(spec=spec("after-stream")), timeout=20)
+        self.assert_serving(["after-stream"])
+
 
 if __name__ == "__main__":
     unittest.main()
@@ -828,6 +881,23 @@ class MutualTls(unittest.TestCase):
         )
         with self.assertRaises(grpc.RpcError) as caught:
             next(follow(raft.FollowLeaderRequest(follower=2), timeout=10))
+        self.assertEqual(caught.exception.code(), CODE.PERMISSION_DENIED)
+        self.assertIn("2.members.keel", caught.exception.details())
+        # Nor send a leader's entries on the stream a leader holds to each
+        # follower: the message names leader 2, the certificate a client.
+        append = self.server.channel.stream_stream(
+            "/keel.raft.v1.Raft/AppendEntriesStream",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=raft.RaftMessage.FromString,
+        )
+        entries = replication.AppendEntriesRequest(
+            vote=replication.Vote(term=before.term + 5, node=2, committed=True)
+        )
+        message = raft.RaftMessage(
+            payload=entries.SerializeToString(), format_version=2, reads_up_to=2
+        )
+        with self.assertRaises(grpc.RpcError) as caught:
+            list(append(iter([message]), timeout=10))
         self.assertEqual(caught.exception.code(), CODE.PERMISSION_DENIED)
         self.assertIn("2.members.keel", caught.exception.details())
         after = self.stub.ClusterStatus(api.ClusterStatusRequest(), timeout=10)
