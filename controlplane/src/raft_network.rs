@@ -894,6 +894,16 @@ fn check_addressed_to<T>(me: u64, request: &Request<T>) -> Result<(), Status> {
     Err(status)
 }
 
+/// Returns once the server begins to close (a graceful shutdown waits for
+/// open streams); never, if a closing can no longer come.
+async fn closed(closing: &mut tokio::sync::watch::Receiver<bool>) {
+    while !*closing.borrow_and_update() {
+        if closing.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 /// The receiving side: hands each message to the local Raft.
 #[derive(Clone)]
 pub struct RaftService {
@@ -1158,47 +1168,34 @@ impl RaftRpc for RaftService {
             .map(Response::new)
     }
 
-    type AppendEntriesStreamStream =
-        tokio_stream::wrappers::ReceiverStream<Result<RaftMessage, Status>>;
+    type AppendEntriesStreamStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<RaftMessage, Status>> + Send + 'static>,
+    >;
 
+    /// Each message is read, handed to Raft and answered by the task
+    /// that serves the stream's replies: no task or queue of its own.
     async fn append_entries_stream(
         &self,
         request: Request<tonic::Streaming<RaftMessage>>,
     ) -> Result<Response<Self::AppendEntriesStreamStream>, Status> {
-        let (metadata, extensions, mut inbound) = request.into_parts();
+        let (metadata, extensions, inbound) = request.into_parts();
         let call = Request::from_parts(metadata, extensions, ());
-        let (replies, answered) = tokio::sync::mpsc::channel(1);
-        let service = self.clone();
-        let mut closing = self.closing.clone();
-        tokio::spawn(async move {
-            // Ends with the server's closing (a graceful shutdown waits for
-            // open streams); a closing that can no longer come never ends it.
-            let closed = async {
-                while !*closing.borrow_and_update() {
-                    if closing.changed().await.is_err() {
-                        std::future::pending::<()>().await;
-                    }
-                }
+        let open = (self.clone(), call, inbound, self.closing.clone());
+        let replies = futures::stream::unfold(Some(open), |open| async move {
+            let (service, call, mut inbound, mut closing) = open?;
+            let message = tokio::select! {
+                m = inbound.message() => m,
+                () = closed(&mut closing) => return None,
             };
-            tokio::pin!(closed);
-            loop {
-                let message = tokio::select! {
-                    m = inbound.message() => m,
-                    () = &mut closed => break,
-                };
-                let Ok(Some(message)) = message else {
-                    break;
-                };
-                let reply = service.append(&call, &message).await;
-                let refused = reply.is_err();
-                if replies.send(reply).await.is_err() || refused {
-                    break;
-                }
-            }
+            let Ok(Some(message)) = message else {
+                return None;
+            };
+            let reply = service.append(&call, &message).await;
+            // A refusal is the stream's last reply.
+            let next = reply.is_ok().then_some((service, call, inbound, closing));
+            Some((reply, next))
         });
-        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
-            answered,
-        )))
+        Ok(Response::new(Box::pin(replies)))
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
