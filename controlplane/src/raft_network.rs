@@ -1178,6 +1178,21 @@ impl RaftRpc for RaftService {
         &self,
         request: Request<tonic::Streaming<RaftMessage>>,
     ) -> Result<Response<Self::AppendEntriesStreamStream>, Status> {
+        // With certificates, only a member opens one (each message is
+        // then checked against the leader it names): a client's
+        // certificate holds no stream open.
+        if self.members_by_certificate
+            && request
+                .extensions()
+                .get::<crate::transport::PeerInfo>()
+                .and_then(|p| p.identity.as_ref())
+                .and_then(|i| i.member)
+                .is_none()
+        {
+            return Err(Status::permission_denied(
+                "an AppendEntries stream is a member's: the caller's certificate names no member",
+            ));
+        }
         let (metadata, extensions, inbound) = request.into_parts();
         let call = Request::from_parts(metadata, extensions, ());
         let open = (self.clone(), call, inbound, self.closing.clone());
