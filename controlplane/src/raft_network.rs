@@ -6,11 +6,11 @@
 //! the receiving side, served on the same port as the client API. Snapshots
 //! travel as openraft's chunks (`snapshot_max_chunk_size`), one call per
 //! chunk. AppendEntries go on one stream per peer held open
-//! (`AppendEntriesStream`, a request and its reply per message): a unary
-//! call each cost both ends an HTTP/2 stream's setup and a task, a quarter
-//! of a follower's CPU at one client (BENCHMARKS.md, "One client: the
-//! journal's batches and a stream to each follower"). A peer without it (a
-//! release before) gets unary calls.
+//! (`AppendEntriesStream`, a request and its reply per message): gRPC was
+//! a quarter of a follower's CPU at one client, most of it AppendEntries
+//! as unary calls, each a new HTTP/2 stream and a task (BENCHMARKS.md,
+//! "One client: the journal's batches and a stream to each follower"). A
+//! peer without it (a release before) gets unary calls.
 //!
 //! Payloads are versioned (`keel_storage::raft_wire`): format 2 is protobuf
 //! (`keel.replication.v1`), format 1 openraft's types in postcard, as the

@@ -16,7 +16,7 @@
 //! sled's IO threads, waking all of them (0.34's pool notifies every
 //! waiting thread): at one client, one batch per write was a quarter of
 //! the three replicas' CPU (BENCHMARKS.md, "One client: the journal's
-//! batches"). So the writer lingers up to [`LINGER`] after a call for more
+//! batches and a stream to each follower"). So the writer lingers up to [`LINGER`] after a call for more
 //! to merge, unless a barrier is waiting. Only readers of the journal see
 //! the delay; the leader's loops follow the state in memory
 //! ([`SharedState::subscribe_state`]).
