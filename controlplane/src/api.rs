@@ -450,7 +450,7 @@ pub(crate) async fn follow_journal(
     follow: bool,
     tx: tokio::sync::mpsc::Sender<Result<AppliedEntry, keel_storage::StoreError>>,
 ) {
-    let mut journaled = store.shared().subscribe();
+    let mut journaled = store.shared().subscribe_journal();
     let applied = store.shared().read().last_applied.map_or(0, |l| l.index);
     tokio::select! {
         caught_up = journaled.wait_for(|i| *i >= applied) => {
@@ -934,7 +934,7 @@ impl Keel for KeelApi {
             };
             (applied.last_applied.map_or(0, |l| l.index), removed)
         };
-        let mut journaled = self.node.state_machine.shared().subscribe();
+        let mut journaled = self.node.state_machine.shared().subscribe_journal();
         while *journaled.borrow_and_update() < target {
             if journaled.changed().await.is_err() {
                 break;

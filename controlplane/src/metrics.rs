@@ -901,7 +901,7 @@ pub async fn follow(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let shared = state_machine.shared();
-    let mut applied = shared.subscribe();
+    let mut applied = shared.subscribe_journal();
     let mut seen = *applied.borrow();
     let mut next = keel_storage::JournalCursor::at_index(seen + 1);
     // The server's metrics (leader, membership) change only with them;

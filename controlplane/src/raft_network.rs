@@ -346,9 +346,9 @@ pub struct GrpcPeer {
     clock: Option<Arc<ServerClock>>,
     /// This replica's Raft id and where a peer's word of its removal goes.
     removal: Option<(u64, crate::removal::RemovalFlag)>,
-    /// The AppendEntries stream to the peer, once opened; dropped with the
-    /// channel, on any error and when a reply is late (a late reply would
-    /// answer the next request).
+    /// The AppendEntries stream to the peer, once opened and while no
+    /// request is awaiting its reply on it (`append_on_stream`); dropped
+    /// with the channel.
     append_stream: Option<AppendStream>,
     /// The peer answered `AppendEntriesStream` with UNIMPLEMENTED (a
     /// release before it): unary calls until the channel is dropped.
@@ -429,59 +429,57 @@ impl GrpcPeer {
         self.formats.forget(self.target);
     }
 
+    /// A unary request to the peer: addressed, with its deadline.
+    fn unary(&self, message: RaftMessage, ttl: Duration) -> Request<RaftMessage> {
+        let mut req = Request::new(message);
+        req.set_timeout(ttl);
+        address(&mut req, &self.identity, self.target);
+        req
+    }
+
     /// Sends one AppendEntries on the stream to the peer, opening it first
     /// if none is open, and waits for its reply. A peer that has no such
     /// stream gets a unary call, now and until the channel is dropped.
+    ///
+    /// The stream is held here while its reply is awaited and put back
+    /// only after the reply: an error, a closed stream or a caller that
+    /// stops waiting (a late reply would answer the next request) drops it.
     async fn append_on_stream(
         &mut self,
         client: &mut RaftClient<Channel>,
         message: RaftMessage,
         ttl: Duration,
     ) -> Result<Response<RaftMessage>, Status> {
-        if self.append_stream.is_none() {
-            let (requests, queued) = tokio::sync::mpsc::channel(1);
-            let mut req = Request::new(tokio_stream::wrappers::ReceiverStream::new(queued));
-            address(&mut req, &self.identity, self.target);
-            match client.append_entries_stream(req).await {
-                Ok(replies) => {
-                    self.append_stream = Some(AppendStream {
+        let mut stream = match self.append_stream.take() {
+            Some(stream) => stream,
+            None => {
+                let (requests, queued) = tokio::sync::mpsc::channel(1);
+                let mut req = Request::new(tokio_stream::wrappers::ReceiverStream::new(queued));
+                address(&mut req, &self.identity, self.target);
+                match client.append_entries_stream(req).await {
+                    Ok(replies) => AppendStream {
                         requests,
                         replies: replies.into_inner(),
-                    });
+                    },
+                    Err(status) if status.code() == tonic::Code::Unimplemented => {
+                        tracing::info!(
+                            peer = %membership::show(self.target),
+                            "the peer has no AppendEntries stream (a release before it): one call each"
+                        );
+                        self.no_append_stream = true;
+                        return client.append_entries(self.unary(message, ttl)).await;
+                    }
+                    Err(status) => return Err(status),
                 }
-                Err(status) if status.code() == tonic::Code::Unimplemented => {
-                    tracing::info!(
-                        peer = %membership::show(self.target),
-                        "the peer has no AppendEntries stream (a release before it): one call each"
-                    );
-                    self.no_append_stream = true;
-                    let mut req = Request::new(message);
-                    req.set_timeout(ttl);
-                    address(&mut req, &self.identity, self.target);
-                    return client.append_entries(req).await;
-                }
-                Err(status) => return Err(status),
             }
-        }
-        let Some(stream) = self.append_stream.as_mut() else {
-            return Err(Status::internal("no AppendEntries stream"));
         };
         let closed = || Status::unavailable("the AppendEntries stream to the peer closed");
         if stream.requests.send(message).await.is_err() {
-            self.append_stream = None;
             return Err(closed());
         }
-        match stream.replies.message().await {
-            Ok(Some(reply)) => Ok(Response::new(reply)),
-            Ok(None) => {
-                self.append_stream = None;
-                Err(closed())
-            }
-            Err(status) => {
-                self.append_stream = None;
-                Err(status)
-            }
-        }
+        let reply = stream.replies.message().await?.ok_or_else(closed)?;
+        self.append_stream = Some(stream);
+        Ok(Response::new(reply))
     }
 
     /// One call: encode, send with a deadline, decode the remote `Result`.
@@ -524,17 +522,10 @@ impl GrpcPeer {
             },
         };
         let answered = if matches!(kind, RpcKind::AppendEntries) && !self.no_append_stream {
-            let answered =
-                tokio::time::timeout(ttl, self.append_on_stream(&mut client, message, ttl)).await;
-            if answered.is_err() {
-                // The reply may still come: it must not answer the next.
-                self.append_stream = None;
-            }
-            answered
+            // A timeout drops the stream with the future that holds it.
+            tokio::time::timeout(ttl, self.append_on_stream(&mut client, message, ttl)).await
         } else {
-            let mut req = Request::new(message);
-            req.set_timeout(ttl);
-            address(&mut req, &self.identity, self.target);
+            let req = self.unary(message, ttl);
             let call = async {
                 match kind {
                     RpcKind::AppendEntries => client.append_entries(req).await,
@@ -1321,15 +1312,26 @@ mod tests {
     #[derive(Clone, Default)]
     struct FakePeer {
         streams: bool,
+        /// Answer the first message on a stream only once `release` is
+        /// notified, and then with `Conflict` (the others get `Success`).
+        hold_first: bool,
+        release: Arc<tokio::sync::Notify>,
         unary: Arc<std::sync::atomic::AtomicUsize>,
         streamed: Arc<std::sync::atomic::AtomicUsize>,
         opened: Arc<std::sync::atomic::AtomicUsize>,
     }
 
     fn success(request: &RaftMessage) -> RaftMessage {
+        answer(request, AppendEntriesResponse::Success)
+    }
+
+    fn conflict(request: &RaftMessage) -> RaftMessage {
+        answer(request, AppendEntriesResponse::Conflict)
+    }
+
+    fn answer(request: &RaftMessage, response: AppendEntriesResponse<u64>) -> RaftMessage {
         let format = raft_wire::received_format(request.format_version);
-        let result: Result<AppendEntriesResponse<u64>, RaftError<u64>> =
-            Ok(AppendEntriesResponse::Success);
+        let result: Result<AppendEntriesResponse<u64>, RaftError<u64>> = Ok(response);
         RaftMessage {
             payload: result.encode(format).expect("encode"),
             format_version: format,
@@ -1363,10 +1365,17 @@ mod tests {
             let mut inbound = request.into_inner();
             let (tx, rx) = tokio::sync::mpsc::channel(1);
             let streamed = self.streamed.clone();
+            let (hold_first, release) = (self.hold_first, self.release.clone());
             tokio::spawn(async move {
                 while let Ok(Some(m)) = inbound.message().await {
-                    streamed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    if tx.send(Ok(success(&m))).await.is_err() {
+                    let before = streamed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let reply = if hold_first && before == 0 {
+                        release.notified().await;
+                        conflict(&m)
+                    } else {
+                        success(&m)
+                    };
+                    if tx.send(Ok(reply)).await.is_err() {
                         break;
                     }
                 }
@@ -1397,9 +1406,9 @@ mod tests {
         }
     }
 
-    /// Sends three AppendEntries to a fake peer through a [`GrpcPeer`],
-    /// each answered with success.
-    async fn three_appends_to(fake: FakePeer) {
+    /// A [`GrpcPeer`] to a fake peer served by a real tonic server (and
+    /// the directory its cluster identity lives in).
+    async fn peer_of(fake: FakePeer) -> (GrpcPeer, tempfile::TempDir) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -1411,21 +1420,60 @@ mod tests {
         );
         let dir = tempfile::tempdir().expect("tempdir");
         let identity = Arc::new(ClusterIdentity::load(dir.path().join("cluster-id")).expect("id"));
-        let mut peer = GrpcPeer::new(2, &addr.to_string(), identity);
+        (GrpcPeer::new(2, &addr.to_string(), identity), dir)
+    }
+
+    fn heartbeat() -> AppendEntriesRequest<TypeConfig> {
+        AppendEntriesRequest {
+            vote: openraft::Vote::new_committed(1, 1),
+            prev_log_id: None,
+            entries: Vec::new(),
+            leader_commit: None,
+        }
+    }
+
+    /// Sends three AppendEntries to a fake peer through a [`GrpcPeer`],
+    /// each answered with success.
+    async fn three_appends_to(fake: FakePeer) {
+        let (mut peer, _dir) = peer_of(fake).await;
         let option = RPCOption::new(Duration::from_secs(10));
         for _ in 0..3 {
-            let rpc = AppendEntriesRequest::<TypeConfig> {
-                vote: openraft::Vote::new_committed(1, 1),
-                prev_log_id: None,
-                entries: Vec::new(),
-                leader_commit: None,
-            };
-            let reply = peer.append_entries(rpc, option.clone()).await;
+            let reply = peer.append_entries(heartbeat(), option.clone()).await;
             assert!(
                 matches!(reply, Ok(AppendEntriesResponse::Success)),
                 "{reply:?}"
             );
         }
+    }
+
+    /// A reply that comes after its request timed out answers nothing: the
+    /// stream it comes on was dropped, and the next request opens another.
+    #[tokio::test]
+    async fn a_late_reply_on_the_stream_does_not_answer_the_next_request() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let fake = FakePeer {
+            streams: true,
+            hold_first: true,
+            ..FakePeer::default()
+        };
+        let (mut peer, _dir) = peer_of(fake.clone()).await;
+        let first = peer
+            .append_entries(heartbeat(), RPCOption::new(Duration::from_millis(200)))
+            .await;
+        assert!(matches!(first, Err(RPCError::Timeout(_))), "{first:?}");
+        // The first reply (a Conflict) is sent now, on the first stream.
+        fake.release.notify_one();
+        let next = peer
+            .append_entries(heartbeat(), RPCOption::new(Duration::from_secs(10)))
+            .await;
+        assert!(
+            matches!(next, Ok(AppendEntriesResponse::Success)),
+            "the next request got its own reply, not the late one: {next:?}"
+        );
+        assert_eq!(
+            (fake.opened.load(SeqCst), fake.streamed.load(SeqCst)),
+            (2, 2)
+        );
     }
 
     /// A leader's entries go on one stream held open to each follower; a

@@ -70,18 +70,14 @@ pub(crate) struct JournalWriter {
 
 impl JournalWriter {
     /// Starts the writer's thread; it merges calls arriving within
-    /// `linger` of each batch's first.
-    pub(crate) fn spawn(
-        tree: sled::Tree,
-        shared: Arc<SharedState>,
-        linger: Duration,
-    ) -> Result<Self, StoreError> {
+    /// [`LINGER`] of each batch's first.
+    pub(crate) fn spawn(tree: sled::Tree, shared: Arc<SharedState>) -> Result<Self, StoreError> {
         let (tx, rx) = sync_channel(QUEUE);
         let failed = Arc::new(Mutex::new(None));
         let failed_in_thread = failed.clone();
         let handle = std::thread::Builder::new()
             .name("keel-journal".into())
-            .spawn(move || run(&tree, &shared, &rx, linger, &failed_in_thread))?;
+            .spawn(move || run(&tree, &shared, &rx, &failed_in_thread))?;
         Ok(JournalWriter {
             tx: Some(tx),
             handle: Some(handle),
@@ -193,11 +189,10 @@ fn run(
     tree: &sled::Tree,
     shared: &SharedState,
     rx: &Receiver<Work>,
-    linger: Duration,
     failed: &Mutex<Option<String>>,
 ) {
     while let Ok(first) = rx.recv() {
-        let merged = Merged::take(first, rx, linger);
+        let merged = Merged::take(first, rx, LINGER);
         let result = match merged.applied_index {
             Some(_) => tree.apply_batch(merged.batch).map_err(|e| e.to_string()),
             None => Ok(()),

@@ -289,7 +289,7 @@ pub struct SharedState {
     applied: RwLock<Applied>,
     /// The index the journal's records are in sled up to (the journal
     /// writer's, which merges batches and may linger).
-    applied_index: watch::Sender<u64>,
+    journaled_index: watch::Sender<u64>,
     /// The index the state in memory is applied up to.
     state_index: watch::Sender<u64>,
 }
@@ -303,10 +303,10 @@ impl SharedState {
         self.applied.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Watch the journal's applied index move: every entry up to it has its
+    /// Watch the journal's index move: every entry up to it has its
     /// records in sled ([`StateMachineStore::applied_entries`]).
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.applied_index.subscribe()
+    pub fn subscribe_journal(&self) -> watch::Receiver<u64> {
+        self.journaled_index.subscribe()
     }
 
     /// Watch the state in memory move: every entry up to it is applied in
@@ -318,7 +318,7 @@ impl SharedState {
     }
 
     pub(crate) fn journaled(&self, index: u64) {
-        self.applied_index.send_replace(index);
+        self.journaled_index.send_replace(index);
     }
 }
 
@@ -538,7 +538,7 @@ impl StateMachineStore {
             crate::journal::apply_journal(&tree, &mut state, from, until, false, None)
                 .map_err(|e| StoreError::corrupt("the journal", e))?;
         }
-        let (applied_index, _) = watch::channel(until);
+        let (journaled_index, _) = watch::channel(until);
         let (state_index, _) = watch::channel(until);
         let shared = Arc::new(SharedState {
             applied: RwLock::new(Applied {
@@ -547,18 +547,14 @@ impl StateMachineStore {
                 membership,
                 removed_members,
             }),
-            applied_index,
+            journaled_index,
             state_index,
         });
         let journal_settled = match tree.get(KEY_JOURNAL_SETTLED)? {
             Some(v) => <[u8; 8]>::try_from(v.as_ref()).map_or(0, u64::from_be_bytes),
             None => 0,
         };
-        let writer = Arc::new(JournalWriter::spawn(
-            tree.clone(),
-            shared.clone(),
-            crate::journal_writer::LINGER,
-        )?);
+        let writer = Arc::new(JournalWriter::spawn(tree.clone(), shared.clone())?);
         Ok(StateMachineStore {
             shared,
             db,
@@ -1095,7 +1091,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             applied.membership = meta.last_membership.clone();
             meta.last_log_id.map_or(0, |l| l.index)
         };
-        self.shared.applied_index.send_replace(index);
+        self.shared.journaled_index.send_replace(index);
         self.shared.state_index.send_replace(index);
         Ok(())
     }
