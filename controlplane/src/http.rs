@@ -6,6 +6,11 @@
 //!   cluster as it was then (time travel: rebuilt from this replica's
 //!   journal, one request at a time, at most
 //!   [`TIME_TRAVEL_MAX_ENTRIES`] entries replayed for one);
+//! - `/api/v1/whatif?policy=fifo,srjf`: this replica's own history run
+//!   through the simulator under the policies that decided (validated
+//!   against what happened) and the ones asked for ([`crate::whatif`],
+//!   what `keel whatif` reports), with its figures; one at a time, at most
+//!   [`WHATIF_MAX_ENTRIES`] journal indexes read;
 //! - `/api/v1/jobs/ID`: a job's page ([`crate::console::job_page`]): its
 //!   history in `keel why`'s words and its allocations over log time;
 //! - `/api/v1/events`: the applied entries as they come, server-sent
@@ -141,6 +146,40 @@ pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.
 /// seconds of one core (BENCHMARKS, replay).
 pub const TIME_TRAVEL_MAX_ENTRIES: u64 = 1_000_000;
 
+/// The most journal indexes one `/api/v1/whatif` request reads: about
+/// 2 s of one core and 350 MiB at its peak, a tenth of the 4.94 M-entry
+/// history measured with `keel whatif` (BENCHMARKS, "Speed end to end").
+/// A longer history is for `keel whatif --data-dir` on a copy.
+pub const WHATIF_MAX_ENTRIES: u64 = 500_000;
+
+/// How the console's what-if runs a history: as this server's loops run
+/// (their policies' options, round and progress interval).
+#[derive(Debug, Clone)]
+pub struct WhatifDefaults {
+    pub options: keel_scheduling::policy::PolicyOptions,
+    pub round_s: f64,
+    pub progress_interval_s: f64,
+}
+
+impl Default for WhatifDefaults {
+    fn default() -> Self {
+        WhatifDefaults::of(&Default::default(), &crate::leader::LoopSettings::default())
+    }
+}
+
+impl WhatifDefaults {
+    pub fn of(
+        options: &keel_scheduling::policy::PolicyOptions,
+        loops: &crate::leader::LoopSettings,
+    ) -> WhatifDefaults {
+        WhatifDefaults {
+            options: options.clone(),
+            round_s: loops.round.as_secs_f64(),
+            progress_interval_s: loops.progress_every.as_secs_f64(),
+        }
+    }
+}
+
 /// What the routes read: the replica, and the policy it runs when the log
 /// names none (admission's order, for why a job waits).
 #[derive(Clone)]
@@ -152,6 +191,10 @@ pub struct Http {
     pub rewinds: Arc<tokio::sync::Semaphore>,
     /// The event streams served now, at most [`EVENT_STREAMS_MAX`].
     pub streams: Arc<tokio::sync::Semaphore>,
+    /// One what-if at a time (a second is answered 429), run as
+    /// `whatif_defaults` say.
+    pub whatifs: Arc<tokio::sync::Semaphore>,
+    pub whatif_defaults: WhatifDefaults,
     /// Whether callers need a token (`--acl`), and the clock its expiry
     /// is read against ([`crate::http_access`]).
     pub acl: bool,
@@ -181,6 +224,8 @@ impl Http {
             default_policy,
             rewinds: Arc::new(tokio::sync::Semaphore::new(1)),
             streams: Arc::new(tokio::sync::Semaphore::new(EVENT_STREAMS_MAX)),
+            whatifs: Arc::new(tokio::sync::Semaphore::new(1)),
+            whatif_defaults: WhatifDefaults::default(),
             acl: false,
             clock: crate::api::system_clock(),
             tls: false,
@@ -192,6 +237,12 @@ impl Http {
     pub fn with_acl(mut self, acl: bool, clock: crate::api::Clock) -> Http {
         self.acl = acl;
         self.clock = clock;
+        self
+    }
+
+    /// What-ifs run as this server's loops do.
+    pub fn with_whatif_defaults(mut self, defaults: WhatifDefaults) -> Http {
+        self.whatif_defaults = defaults;
         self
     }
 
@@ -215,6 +266,7 @@ pub fn router(http: Http) -> Router {
         .route("/", get(console))
         .route("/api/v1/cluster", get(cluster))
         .route("/api/v1/jobs/{id}", get(job_page))
+        .route("/api/v1/whatif", get(whatif))
         .route("/api/v1/events", get(events))
         .route("/metrics", get(metrics))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -327,10 +379,13 @@ struct ConsoleQuery {
     at: Option<String>,
     at_time: Option<String>,
     job: Option<String>,
+    /// The policies of a what-if to show ([`whatif`]).
+    whatif: Option<String>,
 }
 
 /// The console's page, with what it first shows inlined (the cluster now
-/// or at the moment its address asks for, and the open job's page): the
+/// or at the moment its address asks for, the open job's page, and the
+/// what-if it asks for): the
 /// page draws before any request of its own, and a browser that runs its
 /// scripts once shows the cluster.
 async fn console(
@@ -352,9 +407,23 @@ async fn console(
                 Some(id) => Some(job_view(&http, id).await),
                 None => None,
             };
+            let whatif = match q.whatif {
+                Some(policy) => {
+                    let asked = WhatifQuery {
+                        policy: Some(policy),
+                        ..WhatifQuery::default()
+                    };
+                    Some(match asked.read() {
+                        Ok(asked) => whatif_view(&http, asked).await,
+                        Err(why) => Err((StatusCode::BAD_REQUEST, why)),
+                    })
+                }
+                None => None,
+            };
             let error = [
                 cluster.as_ref().err(),
                 job.as_ref().and_then(|j| j.as_ref().err()),
+                whatif.as_ref().and_then(|w| w.as_ref().err()),
             ]
             .into_iter()
             .flatten()
@@ -364,6 +433,7 @@ async fn console(
             serde_json::json!({
                 "cluster": cluster.ok(),
                 "job": job.and_then(Result::ok),
+                "whatif": whatif.and_then(Result::ok),
                 "error": (!error.is_empty()).then_some(error),
             })
         }
@@ -504,6 +574,168 @@ async fn cluster_view(
         "state_hash": summary.state_hash.to_string(),
         "replayed_from": summary.started_after,
     });
+    Ok(view)
+}
+
+/// What `/api/v1/whatif` is asked.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WhatifQuery {
+    /// Policies besides `recorded`, comma-separated.
+    policy: Option<String>,
+    /// Only the jobs submitted at or after this time (RFC 3339).
+    from_time: Option<String>,
+    /// The history up to this log index.
+    until: Option<String>,
+    /// The history up to the last entry stamped at or before this time
+    /// (RFC 3339).
+    until_time: Option<String>,
+}
+
+/// An RFC 3339 time given to `field`, in Unix milliseconds.
+fn rfc3339_ms(field: &str, time: &str) -> Result<u64, String> {
+    let at = humantime::parse_rfc3339_weak(time).map_err(|_| {
+        format!("{field} must be an RFC 3339 time such as 2026-11-26T10:00:00Z, not {time:?}")
+    })?;
+    Ok(at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+}
+
+/// What a what-if asks, read from its query.
+#[derive(Debug)]
+struct WhatifAsked {
+    policies: Vec<String>,
+    /// Where the history ends.
+    until: keel_storage::Until,
+    /// The first submission kept (Unix ms).
+    from_ms: Option<u64>,
+}
+
+impl WhatifQuery {
+    /// What the query asks, or what is wrong with it.
+    fn read(&self) -> Result<WhatifAsked, String> {
+        let policies = self
+            .policy
+            .as_deref()
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::to_string)
+            .collect();
+        let until = match (&self.until, &self.until_time) {
+            (Some(_), Some(_)) => {
+                return Err("give until (a log index) or until_time (a time), not both".into())
+            }
+            (Some(i), None) => keel_storage::Until::Index(i.parse::<u64>().map_err(|_| {
+                format!("until must be a log index (0 to {}), not {i:?}", u64::MAX)
+            })?),
+            (None, Some(t)) => keel_storage::Until::Time(rfc3339_ms("until_time", t)?),
+            (None, None) => keel_storage::Until::End,
+        };
+        let from = self
+            .from_time
+            .as_deref()
+            .map(|t| rfc3339_ms("from_time", t))
+            .transpose()?;
+        Ok(WhatifAsked {
+            policies,
+            until,
+            from_ms: from,
+        })
+    }
+}
+
+/// This replica's history run through `recorded` and the policies asked
+/// for ([`crate::whatif::compare`]): the report `keel whatif -o json`
+/// gives on the same history, and `"figures"`, its SVG figures as `keel
+/// whatif --plot` draws them. Read from the replica's journal on a
+/// blocking thread, one request at a time.
+async fn whatif(
+    State(http): State<Http>,
+    query: Result<Query<WhatifQuery>, axum::extract::rejection::QueryRejection>,
+) -> axum::response::Response {
+    let asked = match query.map_err(|e| e.body_text()).and_then(|q| q.read()) {
+        Ok(asked) => asked,
+        Err(why) => return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response(),
+    };
+    answer(whatif_view(&http, asked).await)
+}
+
+async fn whatif_view(
+    http: &Http,
+    WhatifAsked {
+        policies,
+        until,
+        from_ms,
+    }: WhatifAsked,
+) -> Result<serde_json::Value, (StatusCode, String)> {
+    let defaults = &http.whatif_defaults;
+    crate::whatif::run_names(&policies, &defaults.options)
+        .map_err(|e| (StatusCode::BAD_REQUEST, e.to_string()))?;
+    let Ok(_permit) = http.whatifs.clone().try_acquire_owned() else {
+        return Err((
+            StatusCode::TOO_MANY_REQUESTS,
+            "another what-if is running on this replica; try again".into(),
+        ));
+    };
+    let settings = crate::whatif::Settings {
+        policies,
+        options: defaults.options.clone(),
+        round_s: defaults.round_s,
+        progress_interval_s: defaults.progress_interval_s,
+        restart_s: 0.0,
+        submitted_from_ms: from_ms,
+        cluster: None,
+    };
+    let store = http.node.state_machine.clone();
+    let ran = tokio::task::spawn_blocking(move || run_whatif(&store, until, &settings)).await;
+    match ran {
+        Ok(answer) => answer,
+        Err(e) => Err((
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the what-if stopped: {e}"),
+        )),
+    }
+}
+
+/// [`whatif_view`]'s work, on a blocking thread.
+fn run_whatif(
+    store: &keel_storage::StateMachineStore,
+    until: keel_storage::Until,
+    settings: &crate::whatif::Settings,
+) -> Result<serde_json::Value, (StatusCode, String)> {
+    let mut history = store
+        .history(until, WHATIF_MAX_ENTRIES)
+        .map_err(|e| match e {
+            keel_storage::ReplayError::HistoryTooLong { .. } => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!(
+                    "{e}; ask for less (until, until_time) or run `keel whatif --data-dir` on a \
+                     copy of a data directory"
+                ),
+            ),
+            e => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        })?;
+    let start = std::mem::replace(&mut history.state_before, keel_state::ClusterState::new());
+    let mut recorder = keel_sim::history::Recorder::starting_from(start);
+    history
+        .for_each(&mut |index, entry| recorder.record(index, entry))
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let compared = crate::whatif::compare(recorder.finish(), settings).map_err(|e| match e {
+        crate::whatif::WhatifError::UnknownPolicy(_) => (StatusCode::BAD_REQUEST, e.to_string()),
+        e => (StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
+    })?;
+    let runs: Vec<&keel_sim::SimReport> = compared.runs.iter().collect();
+    let figures = crate::sim_plot::figures(&runs, None)
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let mut view = serde_json::to_value(&compared.report)
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    view["figures"] = figures
+        .into_iter()
+        .map(|f| serde_json::json!({"name": f.name, "svg": f.svg}))
+        .collect();
     Ok(view)
 }
 

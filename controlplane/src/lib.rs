@@ -52,9 +52,11 @@ pub mod removal;
 pub mod retention;
 pub mod secret_keys;
 pub mod server;
+pub mod sim_plot;
 pub mod tls;
 pub mod traces;
 pub mod transport;
+pub mod whatif;
 
 /// Largest gRPC request the server accepts, in bytes.
 pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;

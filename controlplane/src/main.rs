@@ -8,7 +8,6 @@ mod queue_cmd;
 mod render;
 mod secret_cmd;
 mod sim_cmd;
-mod sim_plot;
 mod snapshot_cmd;
 mod tls_cmd;
 mod whatif_cmd;

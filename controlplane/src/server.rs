@@ -401,7 +401,11 @@ impl Server {
             tokio::spawn(crate::http::serve(
                 listener,
                 crate::http::Http::new(self.node.clone(), self.config.policy.name())
-                    .with_acl(self.config.acl, crate::api::system_clock()),
+                    .with_acl(self.config.acl, crate::api::system_clock())
+                    .with_whatif_defaults(crate::http::WhatifDefaults::of(
+                        &self.config.policy_options,
+                        &self.config.loops,
+                    )),
                 tls,
                 stop_rx.clone(),
             ))

@@ -456,7 +456,7 @@ pub fn run(args: SimArgs, out: Output) -> anyhow::Result<()> {
     }
     if let Some(dir) = &args.plot {
         let runs: Vec<&SimReport> = reports.iter().map(|(r, _)| r).collect();
-        crate::sim_plot::write_all(dir, &runs, args.window)?;
+        keel::sim_plot::write_all(dir, &runs, args.window)?;
     }
     let summaries: Vec<Summary> = reports
         .iter()

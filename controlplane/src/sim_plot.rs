@@ -1,30 +1,65 @@
-//! `keel sim --plot DIR`: SVG figures of simulation runs, drawn with
-//! plotters. One line per policy in each figure:
+//! SVG figures of simulation runs, drawn with plotters: `keel sim --plot
+//! DIR`, `keel whatif --plot DIR` and the console's what-if. One line per
+//! policy in each figure:
 //! - `jct_cdf.svg`: the CDF of job completion times (measured jobs);
 //! - `utilisation.svg`: busy GPUs over all GPUs, over simulated time;
 //! - `queue.svg`: jobs waiting for GPUs, over simulated time.
 
 use std::path::Path;
 
-use anyhow::Context;
 use keel_sim::SimReport;
 use plotters::prelude::*;
 
 const SIZE: (u32, u32) = (900, 540);
+
+/// Why a figure was not made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("drawing {figure}: {message}")]
+    Draw {
+        figure: &'static str,
+        message: String,
+    },
+}
+
+/// One figure: its file name and its SVG.
+#[derive(Debug, Clone)]
+pub struct Figure {
+    pub name: &'static str,
+    pub svg: String,
+}
 
 /// Writes the three figures for `runs` into `dir` (created if missing).
 pub fn write_all(
     dir: &Path,
     runs: &[&SimReport],
     window: Option<(u64, u64)>,
-) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+) -> Result<(), PlotError> {
+    let failed = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| PlotError::Write { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(failed(dir))?;
+    for figure in figures(runs, window)? {
+        let path = dir.join(figure.name);
+        std::fs::write(&path, figure.svg).map_err(failed(&path))?;
+    }
+    Ok(())
+}
+
+/// The three figures for `runs`, in memory.
+pub fn figures(runs: &[&SimReport], window: Option<(u64, u64)>) -> Result<Vec<Figure>, PlotError> {
     let cdfs: Vec<(String, Vec<(f64, f64)>)> = runs
         .iter()
         .map(|r| (r.policy.clone(), jct_cdf(r, window)))
         .collect();
-    line_chart(
-        &dir.join("jct_cdf.svg"),
+    let jct_cdf = line_chart(
+        "jct_cdf.svg",
         "Job completion time CDF",
         "JCT (hours, log10)",
         "fraction of jobs",
@@ -43,8 +78,8 @@ pub fn write_all(
             (r.policy.clone(), points)
         })
         .collect();
-    line_chart(
-        &dir.join("utilisation.svg"),
+    let utilisation = line_chart(
+        "utilisation.svg",
         "GPU utilisation",
         "simulated time (hours)",
         "busy GPUs / GPUs",
@@ -62,13 +97,14 @@ pub fn write_all(
             (r.policy.clone(), points)
         })
         .collect();
-    line_chart(
-        &dir.join("queue.svg"),
+    let queue = line_chart(
+        "queue.svg",
         "Jobs waiting for GPUs",
         "simulated time (hours)",
         "jobs queued",
         &queue,
-    )
+    )?;
+    Ok(vec![jct_cdf, utilisation, queue])
 }
 
 /// `(log10 JCT in hours, fraction of jobs finished by then)`.
@@ -89,12 +125,12 @@ fn jct_cdf(report: &SimReport, window: Option<(u64, u64)>) -> Vec<(f64, f64)> {
 }
 
 fn line_chart(
-    path: &Path,
+    name: &'static str,
     title: &str,
     x_label: &str,
     y_label: &str,
     series: &[(String, Vec<(f64, f64)>)],
-) -> anyhow::Result<()> {
+) -> Result<Figure, PlotError> {
     let points = series.iter().flat_map(|(_, p)| p.iter());
     let (mut x0, mut x1, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, 0.0f64);
     for (x, y) in points {
@@ -109,8 +145,12 @@ fn line_chart(
         x1 = x0 + 1.0;
     }
     let y1 = if y1 > 0.0 { y1 * 1.05 } else { 1.0 };
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    let draw = |e: String| anyhow::anyhow!("drawing {}: {e}", path.display());
+    let mut svg = String::new();
+    let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+    let draw = |message: String| PlotError::Draw {
+        figure: name,
+        message,
+    };
     root.fill(&WHITE).map_err(|e| draw(e.to_string()))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
@@ -140,5 +180,7 @@ fn line_chart(
         .draw()
         .map_err(|e| draw(e.to_string()))?;
     root.present().map_err(|e| draw(e.to_string()))?;
-    Ok(())
+    drop(chart);
+    drop(root);
+    Ok(Figure { name, svg })
 }

@@ -7,16 +7,12 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use keel_scheduling::policy::{Policy, PolicyOptions, QueueOptions};
-use keel_sim::history::{History, RecordedEnd, RecordedWorkload, Recorder};
-use keel_sim::whatif::{summarise, validate, RunSummary, Validation};
-use keel_sim::{self as sim, SimConfig, SimReport};
-use serde::Serialize;
+use keel::whatif::{compare, run_names, Report, Settings, RECORDED};
+use keel_scheduling::policy::{PolicyOptions, QueueOptions};
+use keel_sim::history::{History, Recorder};
+use keel_sim::SimReport;
 
 use crate::render::{print_json, print_table, Output};
-
-/// The name of the run that replays the policies the log says decided.
-const RECORDED: &str = "recorded";
 
 #[derive(clap::Args, Debug)]
 pub struct WhatifArgs {
@@ -50,8 +46,11 @@ pub struct WhatifArgs {
     from_time: Option<String>,
     /// The history up to the last entry stamped at or before this time
     /// (RFC 3339).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "until")]
     until_time: Option<String>,
+    /// The history up to this log index (as `keel replay --until`).
+    #[arg(long, value_name = "INDEX", conflicts_with = "from")]
+    until: Option<u64>,
     /// Seconds between scheduling rounds, as the server's `--round-s`.
     #[arg(long, default_value_t = 10.0)]
     round_s: f64,
@@ -77,51 +76,6 @@ pub struct WhatifArgs {
     plot: Option<PathBuf>,
 }
 
-/// What the log holds, as the report shows it.
-#[derive(Debug, Serialize)]
-struct HistorySummary {
-    first_index: u64,
-    last_index: u64,
-    entries: u64,
-    state_hash: String,
-    jobs: usize,
-    succeeded: usize,
-    failed: usize,
-    cancelled: usize,
-    unfinished: usize,
-    nodes: usize,
-    gpus: u32,
-    node_changes: usize,
-    span_s: f64,
-    /// The policies that decided, each from its first decision (seconds
-    /// after the first submission).
-    policies: Vec<PolicyFrom>,
-    /// Jobs with at least one speed measured, and the figures (job × GPU
-    /// type × allocation size) measured in all.
-    jobs_measured: usize,
-    speeds_measured: usize,
-    /// Measured speeds over the table's (median): what unmeasured jobs
-    /// run at, times the table.
-    table_scale: f64,
-    mean_jct_s: f64,
-    utilisation: f64,
-}
-
-#[derive(Debug, Serialize)]
-struct PolicyFrom {
-    from_s: f64,
-    name: String,
-}
-
-/// `keel whatif -o json`.
-#[derive(Debug, Serialize)]
-struct Report {
-    history: HistorySummary,
-    /// The `recorded` run against what happened.
-    validation: Validation,
-    runs: Vec<RunSummary>,
-}
-
 pub fn run(args: WhatifArgs, out: Output) -> anyhow::Result<()> {
     for (flag, value, least) in [
         ("--round-s", args.round_s, f64::MIN_POSITIVE),
@@ -139,74 +93,38 @@ pub fn run(args: WhatifArgs, out: Output) -> anyhow::Result<()> {
         tiresias: args.tiresias.options()?,
         gavel: Default::default(),
     };
-    let by_name = |name: &str| -> anyhow::Result<Box<dyn Policy>> {
-        Ok(keel_scheduling::policy::by_name_with(name, &options)?)
+    // Unknown policies are refused before the history is read.
+    run_names(&args.policy, &options).context("--policy")?;
+    let settings = Settings {
+        policies: args.policy.clone(),
+        options,
+        round_s: args.round_s,
+        progress_interval_s: args.progress_interval_s,
+        restart_s: args.restart_s,
+        submitted_from_ms: args
+            .from_time
+            .as_deref()
+            .map(|t| crate::cli::unix_ms(t, "--from-time"))
+            .transpose()?,
+        cluster: args
+            .cluster_file
+            .as_deref()
+            .map(crate::sim_cmd::read_cluster_file)
+            .transpose()?,
     };
-    // `recorded` first, once; then the others as named.
-    let mut names = vec![RECORDED.to_string()];
-    for name in &args.policy {
-        if !names.contains(name) {
-            if name != RECORDED {
-                by_name(name).with_context(|| "--policy")?;
-            }
-            names.push(name.clone());
-        }
-    }
-    let mut history = read_history(&args)?;
-    if let Some(from) = &args.from_time {
-        history.keep_submitted_from(crate::cli::unix_ms(from, "--from-time")?);
-    }
-    if history.jobs.is_empty() {
-        anyhow::bail!(
-            "{} holds no job submitted in the range asked for (entries {}..={})",
-            source_of(&args).display(),
-            history.first_index,
-            history.last_index
-        );
-    }
-    let workload = history.workload();
-    let mut config = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
-    config.node_changes = workload.node_changes.clone();
-    config.queues = workload.queues.clone();
-    config.table_scale = workload.table_scale;
-    if let Some(path) = &args.cluster_file {
-        let (nodes, queues) = crate::sim_cmd::read_cluster_file(path)?;
-        config.nodes = nodes;
-        // Its queues, if it names any; else the recorded ones.
-        if !queues.is_empty() {
-            config.queues = queues;
-        }
-        config.node_changes.clear();
-    }
-    config.round_s = args.round_s;
-    config.progress_interval_s = args.progress_interval_s;
-    config.restart_s = args.restart_s;
-    let mut reports: Vec<SimReport> = Vec::new();
-    for name in &names {
-        let mut report = if name == RECORDED {
-            run_recorded(&config, &workload, &by_name)?
-        } else {
-            sim::simulate(&config, by_name(name)?.as_ref())
-        };
-        report.policy = name.clone();
-        reports.push(report);
-    }
-    let validation = validate(&history, &reports[0]);
+    let history = read_history(&args)?;
+    let compared = compare(history, &settings)
+        .with_context(|| format!("in {}", source_of(&args).display()))?;
     if let Some(path) = &args.jobs_csv {
-        write_csv(path, &history, &reports)?;
+        write_csv(path, &compared.history, &compared.runs)?;
     }
     if let Some(dir) = &args.plot {
-        let runs: Vec<&SimReport> = reports.iter().collect();
-        crate::sim_plot::write_all(dir, &runs, None)?;
+        let runs: Vec<&SimReport> = compared.runs.iter().collect();
+        keel::sim_plot::write_all(dir, &runs, None)?;
     }
-    let report = Report {
-        history: summarise_history(&history, &workload),
-        validation,
-        runs: reports.iter().map(|r| summarise(&r.policy, r)).collect(),
-    };
     match out {
-        Output::Json => print_json(&report),
-        Output::Table => print_report(&report),
+        Output::Json => print_json(&compared.report),
+        Output::Table => print_report(&compared.report),
     }
 }
 
@@ -218,7 +136,8 @@ fn source_of(args: &WhatifArgs) -> &std::path::Path {
         .unwrap_or(std::path::Path::new(""))
 }
 
-/// The history a data directory holds, up to `--until-time`; or what a
+/// The history a data directory holds, up to `--until` or
+/// `--until-time`; or what a
 /// snapshot file's state keeps of it.
 fn read_history(args: &WhatifArgs) -> anyhow::Result<History> {
     if let Some(path) = &args.from {
@@ -228,7 +147,7 @@ fn read_history(args: &WhatifArgs) -> anyhow::Result<History> {
     let Some(data_dir) = &args.data_dir else {
         anyhow::bail!("give --data-dir DIR or --from SNAPSHOT_FILE");
     };
-    let until = crate::cli::until(None, args.until_time.as_deref(), "--until-time")?;
+    let until = crate::cli::until(args.until, args.until_time.as_deref(), "--until-time")?;
     // Take the directory's lock: a directory a server is writing would be
     // read moving.
     let dir = keel_storage::DataDir::open(data_dir)
@@ -241,68 +160,6 @@ fn read_history(args: &WhatifArgs) -> anyhow::Result<History> {
     })
     .with_context(context)?;
     Ok(recorder.finish())
-}
-
-/// Runs the policies that decided, each from its first decision on (FIFO
-/// throughout when none decided: the log does not name the server's
-/// configured policy until one decides).
-fn run_recorded(
-    config: &SimConfig,
-    workload: &RecordedWorkload,
-    by_name: &dyn Fn(&str) -> anyhow::Result<Box<dyn Policy>>,
-) -> anyhow::Result<SimReport> {
-    let mut boxed: Vec<(f64, Box<dyn Policy>)> = Vec::new();
-    for (at, name) in &workload.policies {
-        let policy = by_name(name).with_context(|| {
-            format!("the log names policy {name:?}, which this build does not know")
-        })?;
-        boxed.push((*at, policy));
-    }
-    let schedule: Vec<(f64, &dyn Policy)> = boxed.iter().map(|(at, p)| (*at, p.as_ref())).collect();
-    Ok(sim::simulate_policies(config, &schedule))
-}
-
-fn summarise_history(history: &History, workload: &RecordedWorkload) -> HistorySummary {
-    let ended = |end: RecordedEnd| {
-        history
-            .jobs
-            .iter()
-            .filter(|j| j.end.map(|(_, e)| e) == Some(end))
-            .count()
-    };
-    let jcts: Vec<f64> = history.jobs.iter().filter_map(|j| j.jct_s()).collect();
-    HistorySummary {
-        first_index: history.first_index,
-        last_index: history.last_index,
-        entries: history.entries,
-        state_hash: history.state_hash.clone(),
-        jobs: history.jobs.len(),
-        succeeded: ended(RecordedEnd::Succeeded),
-        failed: ended(RecordedEnd::Failed),
-        cancelled: ended(RecordedEnd::Cancelled),
-        unfinished: history.jobs.iter().filter(|j| j.end.is_none()).count(),
-        nodes: history.nodes.len(),
-        gpus: history.total_gpus(),
-        node_changes: history.node_changes.len(),
-        span_s: history.end_ms().saturating_sub(history.first_ms) as f64 / 1000.0,
-        policies: workload
-            .policies
-            .iter()
-            .map(|(from_s, name)| PolicyFrom {
-                from_s: *from_s,
-                name: name.clone(),
-            })
-            .collect(),
-        jobs_measured: workload.jobs_measured,
-        speeds_measured: workload.speeds_measured,
-        table_scale: workload.table_scale,
-        mean_jct_s: if jcts.is_empty() {
-            0.0
-        } else {
-            jcts.iter().sum::<f64>() / jcts.len() as f64
-        },
-        utilisation: history.utilisation(),
-    }
 }
 
 fn print_report(report: &Report) -> anyhow::Result<()> {

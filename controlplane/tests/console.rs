@@ -334,3 +334,121 @@ fn the_console_rewinds_to_an_index_as_keel_replay_does() {
     assert_eq!(replayed["state_hash"], hash_then, "{replayed}");
     assert_eq!(replayed["last_index"], running_at, "{replayed}");
 }
+
+/// The console's what-if (issue 27, item 3): the replica's own history,
+/// read from its journal while it serves, run through the policies that
+/// decided and the ones asked for. It is the report `keel whatif` gives
+/// on the data directory once the server stopped, up to the same index,
+/// with the figures `keel whatif --plot` draws; the page shows it; bad
+/// queries are refused, naming the parameter.
+#[test]
+fn the_console_runs_a_whatif_on_the_replicas_history_as_keel_whatif_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (server, http) = start_with_http(&data);
+    // Three jobs on two GPUs: one of them waits.
+    let ids: Vec<String> = (0..3)
+        .map(|i| submit_script(&server, dir.path(), &format!("short-{i}"), "sleep 1"))
+        .collect();
+    for id in &ids {
+        wait_for("the job succeeded", || {
+            (server.json(&["job", id])["state"] == "succeeded").then_some(())
+        });
+    }
+    let whatif = wait_for("the journal caught up", || {
+        let (status, body) = get(&http, "/api/v1/whatif?policy=fifo,srjf").ok()?;
+        assert_eq!(status, 200, "{body}");
+        let w: serde_json::Value = serde_json::from_str(&body).ok()?;
+        (w["history"]["succeeded"] == 3).then_some(w)
+    });
+    let runs: Vec<&str> = whatif["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .filter_map(|r| r["policy"].as_str())
+        .collect();
+    assert_eq!(runs, ["recorded", "fifo", "srjf"], "{whatif}");
+    assert_eq!(whatif["history"]["jobs"], 3, "{whatif}");
+    assert_eq!(whatif["validation"]["jobs_compared"], 3, "{whatif}");
+    let figures: Vec<(&str, &str)> = whatif["figures"]
+        .as_array()
+        .expect("figures")
+        .iter()
+        .map(|f| {
+            (
+                f["name"].as_str().expect("a name"),
+                f["svg"].as_str().expect("an SVG"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        figures.iter().map(|f| f.0).collect::<Vec<_>>(),
+        ["jct_cdf.svg", "utilisation.svg", "queue.svg"]
+    );
+    assert!(
+        figures.iter().all(|(_, svg)| svg.starts_with("<svg")
+            && svg.contains("recorded")
+            && svg.contains("srjf")),
+        "{figures:?}"
+    );
+    let last_index = whatif["history"]["last_index"].as_u64().expect("an index");
+
+    for (query, code, names) in [
+        ("policy=fifo,nosuch", 400, "unknown policy \"nosuch\""),
+        ("until=soon", 400, "until must be a log index"),
+        (
+            "until_time=yesterday",
+            400,
+            "until_time must be an RFC 3339 time",
+        ),
+        (
+            "from_time=yesterday",
+            400,
+            "from_time must be an RFC 3339 time",
+        ),
+        ("until=3&until_time=2026-11-26T10:00:00Z", 400, "not both"),
+        ("policies=fifo", 400, "unknown field `policies`"),
+        ("until=0", 422, "holds no job submitted in the range"),
+    ] {
+        let (status, body) = get(&http, &format!("/api/v1/whatif?{query}")).expect("answers");
+        assert_eq!(status, code, "{query}: {body}");
+        assert!(body.contains(names), "{query}: {body}");
+    }
+
+    if available_or_skip(
+        "chromium",
+        "the_console_runs_a_whatif_on_the_replicas_history_as_keel_whatif_does (headless Chromium)",
+        "KEEL_REQUIRE_CHROMIUM",
+    ) {
+        let (dom, said) = rendered(&format!("http://{http}/?whatif=fifo"));
+        assert_eq!(console_lines(&said), Vec::<String>::new(), "{said}");
+        for drawn in [
+            "<tr data-run=\"recorded\">",
+            "<tr data-run=\"fifo\">",
+            "<tr data-figure=\"mean JCT\">",
+            "data-figure=\"jct_cdf.svg\"",
+            "data-figure=\"queue.svg\"",
+        ] {
+            assert!(dom.contains(drawn), "{drawn} in {dom}");
+        }
+    }
+
+    server.terminate();
+    let offline = support::json_of(Command::new(support::KEEL).args([
+        "whatif",
+        "--data-dir",
+        data.to_str().expect("a path"),
+        "--until",
+        &last_index.to_string(),
+        "--policy",
+        "fifo,srjf",
+        // The server's own round (`start_with_http`).
+        "--round-s",
+        "0.3",
+        "-o",
+        "json",
+    ]));
+    let mut live = whatif.clone();
+    live.as_object_mut().expect("an object").remove("figures");
+    assert_eq!(live, offline);
+}

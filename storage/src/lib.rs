@@ -83,8 +83,8 @@ pub mod wal_codec {
 pub use recovery::{force_single_voter, found_from_snapshot, ForcedMembership, RecoveryError};
 pub use replay::{
     for_each_entry, replay, replay_data_dir, replay_data_dir_checked, replay_until,
-    replay_until_checked, replay_until_visiting, state_before_journal, ReplayError, ReplaySummary,
-    Until,
+    replay_until_checked, replay_until_visiting, state_before_journal, JournalHistory, ReplayError,
+    ReplaySummary, Until,
 };
 pub use runtime::{seed_thread_rng, KeelRuntime, RaftRng};
 pub use state_machine::{Applied, JournalCursor, RemovedMembers, SharedState, StateMachineStore};

@@ -31,6 +31,10 @@ pub enum ReplayError {
         if *from == 0 { "the start".to_string() } else { format!("the checkpoint at index {from}") }
     )]
     TooFar { from: u64, to: u64, limit: u64 },
+    #[error(
+        "the journal holds indexes {first} to {last}, more than the limit of {limit} for one request"
+    )]
+    HistoryTooLong { first: u64, last: u64, limit: u64 },
 }
 
 /// What a replay rebuilt.
@@ -271,6 +275,80 @@ pub(crate) fn rewind_tree(
         });
     }
     replay_tree(tree, index, false, None)
+}
+
+/// A running replica's history up to an index, as `keel whatif` reads a
+/// data directory ([`state_before_journal`], [`for_each_entry`]), but from
+/// the replica's own open journal ([`crate::StateMachineStore::history`]).
+#[derive(Debug)]
+pub struct JournalHistory<'a> {
+    tree: &'a sled::Tree,
+    /// The state the journal starts from: the empty state, or the
+    /// snapshot the replica installed before its first journaled entry.
+    pub state_before: ClusterState,
+    /// The journal's first index and the last one the history reaches.
+    pub first_index: u64,
+    pub last_index: u64,
+}
+
+impl JournalHistory<'_> {
+    /// Calls `each` with every journaled entry of the history, in log
+    /// order, without applying them; returns the last index read.
+    pub fn for_each(
+        &self,
+        each: &mut dyn FnMut(u64, &keel_state::LogEntry),
+    ) -> Result<u64, ReplayError> {
+        crate::journal::for_each_entry(
+            self.tree,
+            self.first_index,
+            self.last_index,
+            &mut |index, entry| {
+                each(index, &entry);
+                Ok::<(), ReplayError>(())
+            },
+        )
+    }
+}
+
+/// [`JournalHistory`] of `tree` up to `until`, refused when it would read
+/// more than `max_entries` indexes ([`ReplayError::HistoryTooLong`]).
+pub(crate) fn history_of_tree(
+    tree: &sled::Tree,
+    until: Until,
+    max_entries: u64,
+) -> Result<JournalHistory<'_>, ReplayError> {
+    let read = |e: sled::Error| ReplayError::Read(e.to_string());
+    let first = crate::journal::first_index(tree).map_err(read)?;
+    let last = tree
+        .range(applied_key(0, 0)..=applied_key(u64::MAX, u32::MAX))
+        .next_back()
+        .transpose()
+        .map_err(read)?
+        .and_then(|(k, _)| index_of(&k))
+        .unwrap_or(0);
+    let last_index = match until {
+        Until::End => last,
+        Until::Index(i) => i.min(last),
+        Until::Time(at_ms) => index_at_time(tree, at_ms)?,
+    };
+    if last_index.saturating_sub(first) >= max_entries {
+        return Err(ReplayError::HistoryTooLong {
+            first,
+            last: last_index,
+            limit: max_entries,
+        });
+    }
+    let state_before = if first <= 1 {
+        ClusterState::new()
+    } else {
+        replay_tree(tree, first - 1, false, None)?.state
+    };
+    Ok(JournalHistory {
+        tree,
+        state_before,
+        first_index: first,
+        last_index,
+    })
 }
 
 /// The last installed checkpoint at or before `until`: its index and bytes.

@@ -621,6 +621,21 @@ impl StateMachineStore {
         crate::replay::rewind_tree(&self.tree, until, max_entries)
     }
 
+    /// This replica's history up to `until` (an index, or the last entry
+    /// stamped at or before a time) from its own journal while it runs: the
+    /// state the journal starts from, then its entries
+    /// ([`crate::JournalHistory::for_each`]). Refused when the journal
+    /// holds more than `max_entries` indexes up to `until`
+    /// ([`crate::ReplayError::HistoryTooLong`]). What the journal has not recorded
+    /// yet (it is written behind the state) is not in it.
+    pub fn history(
+        &self,
+        until: crate::replay::Until,
+        max_entries: u64,
+    ) -> Result<crate::JournalHistory<'_>, crate::ReplayError> {
+        crate::replay::history_of_tree(&self.tree, until, max_entries)
+    }
+
     /// The bytes of the last snapshot saved (0: none yet).
     pub fn snapshot_bytes(&self) -> Result<u64, StoreError> {
         Ok(snapshot_pair(&self.snapshots, &self.tree)?

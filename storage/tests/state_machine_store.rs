@@ -322,6 +322,83 @@ async fn a_live_store_rebuilds_the_state_at_an_index_within_a_bound() {
     );
 }
 
+/// A running replica's history (what the console's what-if reads): the
+/// state its journal starts from, then its entries up to the index asked
+/// for, in order; refused past its bound, naming it. After an installed
+/// snapshot, it starts from the snapshot's state.
+#[tokio::test]
+async fn a_live_store_gives_its_history_from_the_journals_start_within_a_bound() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let entries = keel_state::fixtures::mixed_entries(500, 4, 7);
+    let mut sm = StateMachineStore::open(dir.path()).expect("open");
+    let batch: Vec<Entry> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), i as u64 + 1),
+            payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
+        })
+        .collect();
+    sm.apply(batch).await.expect("apply");
+    sm.flush().expect("flush");
+    let walked = |until, limit| -> Result<(u64, Vec<(u64, keel_state::LogEntry)>), String> {
+        let history = sm.history(until, limit).map_err(|e| e.to_string())?;
+        let mut seen = Vec::new();
+        history
+            .for_each(&mut |index, entry| seen.push((index, entry.clone())))
+            .map_err(|e| e.to_string())?;
+        assert_eq!(
+            history.state_before.state_hash(),
+            keel_state::ClusterState::new().state_hash()
+        );
+        Ok((history.first_index, seen))
+    };
+    let (first, all) = walked(keel_storage::Until::End, 500).expect("the whole history");
+    assert_eq!(first, 1);
+    let expected: Vec<(u64, keel_state::LogEntry)> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (i as u64 + 1, e.clone()))
+        .collect();
+    assert_eq!(all, expected);
+    let (_, some) = walked(keel_storage::Until::Index(123), 500).expect("up to 123");
+    assert_eq!(some, expected[..123].to_vec());
+    let refused = walked(keel_storage::Until::End, 499).expect_err("over the bound");
+    assert!(
+        refused.contains("indexes 1 to 500") && refused.contains("limit of 499"),
+        "{refused}"
+    );
+
+    // A replica that installed a snapshot: its journal starts after it.
+    let (leader_dir, follower_dir) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    let mut leader = StateMachineStore::open(leader_dir.path()).expect("open");
+    leader.apply(history(1, 3)).await.expect("apply");
+    let snap = leader.build_snapshot().await.expect("snapshot");
+    let at_snapshot = leader.shared().read().state.state_hash();
+    let mut follower = StateMachineStore::open(follower_dir.path()).expect("open");
+    follower
+        .install_snapshot(&snap.meta, snap.snapshot)
+        .await
+        .expect("install");
+    follower.apply(history(7, 2)).await.expect("apply after");
+    follower.flush().expect("flush");
+    let history = follower
+        .history(keel_storage::Until::End, 100)
+        .expect("the follower's history");
+    // Index 7 is a blank entry, which the journal does not keep.
+    assert_eq!(history.first_index, 8);
+    assert_eq!(history.state_before.state_hash(), at_snapshot);
+    let mut indexes = Vec::new();
+    history
+        .for_each(&mut |index, _| indexes.push(index))
+        .expect("walk");
+    assert_eq!(indexes.first(), Some(&8));
+    assert_eq!(indexes.last(), Some(&history.last_index));
+}
+
 /// A data directory at `root` whose Raft log holds `all` entries,
 /// committed, and whose journal only the first `journaled` (a replica
 /// killed before its journal writer caught up).
