@@ -966,6 +966,13 @@ fn the_http_endpoint_shows_the_cluster_only_to_a_token_that_may_read_it() {
     let (status, _, body) = get("/api/v1/cluster", "Authorization: Bearer not-a-token\r\n");
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("not one of this cluster's"), "{body}");
+    // The what-if reads the whole history: for readers of the cluster only.
+    let whatif = "/api/v1/whatif?policy=fifo";
+    assert_eq!(get(whatif, "").0, 401);
+    let (status, _, body) = get(whatif, &as_bearer("alice"));
+    assert_eq!(status, 403, "{body}");
+    let (status, _, body) = get(whatif, &as_bearer("viewer"));
+    assert!(![401, 403].contains(&status), "{status}: {body}");
     // A browser: the login form, then the console with the cookie.
     let (status, _, body) = get("/", "");
     assert_eq!(status, 401);
