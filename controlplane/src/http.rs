@@ -468,17 +468,7 @@ impl ClusterQuery {
                 .parse::<u64>()
                 .map(|i| Some(keel_storage::Until::Index(i)))
                 .map_err(|_| format!("at must be a log index (0 to {}), not {at:?}", u64::MAX)),
-            (None, Some(t)) => {
-                let time = humantime::parse_rfc3339_weak(t).map_err(|_| {
-                    format!(
-                        "at_time must be an RFC 3339 time such as 2026-11-26T10:00:00Z, not {t:?}"
-                    )
-                })?;
-                let ms = time
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-                Ok(Some(keel_storage::Until::Time(ms)))
-            }
+            (None, Some(t)) => Ok(Some(keel_storage::Until::Time(rfc3339_ms("at_time", t)?))),
             (None, None) => Ok(None),
         }
     }
