@@ -271,17 +271,7 @@ async fn a_journal_read_in_batches_resumes_inside_a_proposal() {
 async fn a_live_store_rebuilds_the_state_at_an_index_within_a_bound() {
     let dir = tempfile::tempdir().expect("tempdir");
     let entries = keel_state::fixtures::mixed_entries(3_000, 4, 7);
-    let mut sm = StateMachineStore::open(dir.path()).expect("open");
-    let batch: Vec<Entry> = entries
-        .iter()
-        .enumerate()
-        .map(|(i, e)| Entry {
-            log_id: LogId::new(CommittedLeaderId::new(1, 1), i as u64 + 1),
-            payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
-        })
-        .collect();
-    sm.apply(batch).await.expect("apply");
-    sm.flush().expect("flush");
+    let sm = store_of(dir.path(), &entries).await;
     let state_after = |n: usize| {
         let mut state = keel_state::ClusterState::new();
         for (i, e) in entries.iter().take(n).enumerate() {
@@ -330,17 +320,7 @@ async fn a_live_store_rebuilds_the_state_at_an_index_within_a_bound() {
 async fn a_live_store_gives_its_history_from_the_journals_start_within_a_bound() {
     let dir = tempfile::tempdir().expect("tempdir");
     let entries = keel_state::fixtures::mixed_entries(500, 4, 7);
-    let mut sm = StateMachineStore::open(dir.path()).expect("open");
-    let batch: Vec<Entry> = entries
-        .iter()
-        .enumerate()
-        .map(|(i, e)| Entry {
-            log_id: LogId::new(CommittedLeaderId::new(1, 1), i as u64 + 1),
-            payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
-        })
-        .collect();
-    sm.apply(batch).await.expect("apply");
-    sm.flush().expect("flush");
+    let sm = store_of(dir.path(), &entries).await;
     let walked = |until, limit| -> Result<(u64, Vec<(u64, keel_state::LogEntry)>), String> {
         let history = sm.history(until, limit).map_err(|e| e.to_string())?;
         let mut seen = Vec::new();
@@ -397,6 +377,23 @@ async fn a_live_store_gives_its_history_from_the_journals_start_within_a_bound()
         .expect("walk");
     assert_eq!(indexes.first(), Some(&8));
     assert_eq!(indexes.last(), Some(&history.last_index));
+}
+
+/// A store at `dir` that applied `entries`, one Raft entry each from
+/// index 1, flushed.
+async fn store_of(dir: &std::path::Path, entries: &[LogEntry]) -> StateMachineStore {
+    let mut sm = StateMachineStore::open(dir).expect("open");
+    let batch: Vec<Entry> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), i as u64 + 1),
+            payload: EntryPayload::Normal(Proposal::new(vec![e.clone()])),
+        })
+        .collect();
+    sm.apply(batch).await.expect("apply");
+    sm.flush().expect("flush");
+    sm
 }
 
 /// A data directory at `root` whose Raft log holds `all` entries,
