@@ -8,7 +8,8 @@
 //!   [`TIME_TRAVEL_MAX_ENTRIES`] entries replayed for one);
 //! - `/api/v1/whatif?policy=fifo,srjf`: this replica's own history run
 //!   through the simulator under the policies that decided (validated
-//!   against what happened) and the ones asked for ([`crate::whatif`],
+//!   against what happened) and the ones asked for, on the recorded nodes
+//!   or with more (`&add_nodes=2x8xa100`) ([`crate::whatif`],
 //!   what `keel whatif` reports), with its figures; one at a time, at most
 //!   [`WHATIF_MAX_ENTRIES`] journal indexes read;
 //! - `/api/v1/jobs/ID`: a job's page ([`crate::console::job_page`]): its
@@ -379,8 +380,9 @@ struct ConsoleQuery {
     at: Option<String>,
     at_time: Option<String>,
     job: Option<String>,
-    /// The policies of a what-if to show ([`whatif`]).
+    /// The policies of a what-if to show ([`whatif`]), and nodes added.
     whatif: Option<String>,
+    add_nodes: Option<String>,
 }
 
 /// The console's page, with what it first shows inlined (the cluster now
@@ -411,6 +413,7 @@ async fn console(
                 Some(policy) => {
                     let asked = WhatifQuery {
                         policy: Some(policy),
+                        add_nodes: q.add_nodes,
                         ..WhatifQuery::default()
                     };
                     Some(match asked.read() {
@@ -580,6 +583,8 @@ struct WhatifQuery {
     /// The history up to the last entry stamped at or before this time
     /// (RFC 3339).
     until_time: Option<String>,
+    /// Nodes added to the recorded ones, `COUNTxGPUSxTYPE[,...]`.
+    add_nodes: Option<String>,
 }
 
 /// An RFC 3339 time given to `field`, in Unix milliseconds.
@@ -600,6 +605,7 @@ struct WhatifAsked {
     until: keel_storage::Until,
     /// The first submission kept (Unix ms).
     from_ms: Option<u64>,
+    added_nodes: Vec<keel_sim::SimNode>,
 }
 
 impl WhatifQuery {
@@ -629,10 +635,17 @@ impl WhatifQuery {
             .as_deref()
             .map(|t| rfc3339_ms("from_time", t))
             .transpose()?;
+        let added_nodes = match &self.add_nodes {
+            Some(spec) => {
+                crate::whatif::added_nodes("add_nodes", spec).map_err(|e| e.to_string())?
+            }
+            None => Vec::new(),
+        };
         Ok(WhatifAsked {
             policies,
             until,
             from_ms: from,
+            added_nodes,
         })
     }
 }
@@ -659,6 +672,7 @@ async fn whatif_view(
         policies,
         until,
         from_ms,
+        added_nodes,
     }: WhatifAsked,
 ) -> Result<serde_json::Value, (StatusCode, String)> {
     let defaults = &http.whatif_defaults;
@@ -678,6 +692,7 @@ async fn whatif_view(
         restart_s: 0.0,
         submitted_from_ms: from_ms,
         cluster: None,
+        added_nodes,
     };
     let store = http.node.state_machine.clone();
     let ran = tokio::task::spawn_blocking(move || run_whatif(&store, until, &settings)).await;

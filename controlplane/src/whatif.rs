@@ -33,6 +33,59 @@ pub struct Settings {
     /// Other nodes (and their queues, if any) instead of the recorded
     /// ones; the recorded node losses are not replayed then.
     pub cluster: Option<(Vec<SimNode>, SimQueues)>,
+    /// Nodes added to the recorded ones (or to `cluster`'s): "what with
+    /// 16 more A100s?" ([`added_nodes`]).
+    pub added_nodes: Vec<SimNode>,
+}
+
+/// The most nodes `added_nodes` makes.
+pub const ADDED_NODES_MAX: u32 = 10_000;
+
+/// Nodes to add, from `COUNTxGPUSxTYPE[,...]` (e.g. `2x8xa100`: two nodes
+/// of eight A100s), named `added-TYPE-N`; refused naming `field`.
+pub fn added_nodes(field: &str, spec: &str) -> Result<Vec<SimNode>, WhatifError> {
+    let invalid = |item: &str, reason: String| WhatifError::AddedNodes {
+        field: field.to_string(),
+        item: item.to_string(),
+        reason,
+    };
+    let mut specs = Vec::new();
+    let mut nodes: u64 = 0;
+    for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let parts: Vec<&str> = item.splitn(3, 'x').collect();
+        let [count, gpus, gpu_type] = parts[..] else {
+            return Err(invalid(
+                item,
+                "expected COUNTxGPUSxTYPE, e.g. 2x8xa100".into(),
+            ));
+        };
+        let number = |what: &str, v: &str| {
+            v.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                invalid(
+                    item,
+                    format!("{what} must be a whole number ≥ 1, not {v:?}"),
+                )
+            })
+        };
+        let count = number("COUNT", count)?;
+        nodes += u64::from(count);
+        if nodes > u64::from(ADDED_NODES_MAX) {
+            return Err(invalid(
+                item,
+                format!("more than {ADDED_NODES_MAX} nodes in all"),
+            ));
+        }
+        specs.push(keel_sim::NodeSpec {
+            name: Some(format!("added-{}", gpu_type.to_ascii_lowercase())),
+            gpu_type: gpu_type.to_string(),
+            gpus: number("GPUS", gpus)?,
+            count,
+        });
+    }
+    if specs.is_empty() {
+        return Ok(Vec::new());
+    }
+    keel_sim::cluster_from_specs(&specs).map_err(|e| invalid(spec, e.to_string()))
 }
 
 /// Why a comparison could not run.
@@ -46,6 +99,12 @@ pub enum WhatifError {
         "the history holds no job submitted in the range asked for (entries {first}..={last})"
     )]
     NoJobs { first: u64, last: u64 },
+    #[error("{field}: {item:?}: {reason}")]
+    AddedNodes {
+        field: String,
+        item: String,
+        reason: String,
+    },
 }
 
 /// What the log holds, as the report shows it.
@@ -88,8 +147,12 @@ pub struct PolicyFrom {
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub history: HistorySummary,
-    /// The `recorded` run against what happened.
+    /// The `recorded` run on the recorded nodes against what happened.
     pub validation: Validation,
+    /// The GPUs of each type the runs had, when not the recorded ones
+    /// (another cluster, or nodes added).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changed_cluster: Option<std::collections::BTreeMap<String, u32>>,
     pub runs: Vec<RunSummary>,
 }
 
@@ -135,10 +198,14 @@ pub fn compare(mut history: History, settings: &Settings) -> Result<Compared, Wh
         });
     }
     let workload = history.workload();
-    let mut config = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
-    config.node_changes = workload.node_changes.clone();
-    config.queues = workload.queues.clone();
-    config.table_scale = workload.table_scale;
+    let mut recorded = SimConfig::new(workload.nodes.clone(), workload.jobs.clone());
+    recorded.node_changes = workload.node_changes.clone();
+    recorded.queues = workload.queues.clone();
+    recorded.table_scale = workload.table_scale;
+    recorded.round_s = settings.round_s;
+    recorded.progress_interval_s = settings.progress_interval_s;
+    recorded.restart_s = settings.restart_s;
+    let mut config = recorded.clone();
     if let Some((nodes, queues)) = &settings.cluster {
         config.nodes = nodes.clone();
         // Its queues, if it names any; else the recorded ones.
@@ -147,9 +214,8 @@ pub fn compare(mut history: History, settings: &Settings) -> Result<Compared, Wh
         }
         config.node_changes.clear();
     }
-    config.round_s = settings.round_s;
-    config.progress_interval_s = settings.progress_interval_s;
-    config.restart_s = settings.restart_s;
+    config.nodes.extend(settings.added_nodes.iter().cloned());
+    let changed = settings.cluster.is_some() || !settings.added_nodes.is_empty();
     let mut runs: Vec<SimReport> = Vec::new();
     for name in &names {
         let mut report = if name == RECORDED {
@@ -160,10 +226,20 @@ pub fn compare(mut history: History, settings: &Settings) -> Result<Compared, Wh
         report.policy = name.clone();
         runs.push(report);
     }
-    let validation = validate(&history, &runs[0]);
+    // The simulator's error is measured on the history's own nodes, so it
+    // says how far to trust the runs on others.
+    let validation = if changed {
+        validate(
+            &history,
+            &run_recorded(&recorded, &workload, &settings.options)?,
+        )
+    } else {
+        validate(&history, &runs[0])
+    };
     let report = Report {
         history: summarise_history(&history, &workload),
         validation,
+        changed_cluster: changed.then(|| gpus_by_type(&config.nodes)),
         runs: runs.iter().map(|r| summarise(&r.policy, r)).collect(),
     };
     Ok(Compared {
@@ -171,6 +247,14 @@ pub fn compare(mut history: History, settings: &Settings) -> Result<Compared, Wh
         runs,
         history,
     })
+}
+
+fn gpus_by_type(nodes: &[SimNode]) -> std::collections::BTreeMap<String, u32> {
+    let mut by_type = std::collections::BTreeMap::new();
+    for gpu in nodes.iter().flat_map(|n| &n.gpus) {
+        *by_type.entry(gpu.gpu_type.clone()).or_default() += 1;
+    }
+    by_type
 }
 
 /// Runs the policies that decided, each from its first decision on (FIFO
@@ -231,5 +315,44 @@ fn summarise_history(history: &History, workload: &RecordedWorkload) -> HistoryS
             jcts.iter().sum::<f64>() / jcts.len() as f64
         },
         utilisation: history.utilisation(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `COUNTxGPUSxTYPE` items become nodes named after their type; a bad
+    /// item is refused naming the field, the item and what is wrong.
+    #[test]
+    fn added_nodes_are_read_from_count_gpus_and_type() {
+        let nodes = added_nodes("add", "2x8xA100, 1x4xv100").expect("read");
+        let shown: Vec<(String, usize, String)> = nodes
+            .iter()
+            .map(|n| (n.name.clone(), n.gpus.len(), n.gpus[0].gpu_type.clone()))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                ("added-a100-0".to_string(), 8, "a100".to_string()),
+                ("added-a100-1".to_string(), 8, "a100".to_string()),
+                ("added-v100-0".to_string(), 4, "v100".to_string()),
+            ]
+        );
+        assert!(added_nodes("add", " , ").expect("none").is_empty());
+        for (spec, says) in [
+            ("2x8", "expected COUNTxGPUSxTYPE"),
+            ("0x8xa100", "COUNT must be a whole number ≥ 1, not \"0\""),
+            (
+                "2xeightxa100",
+                "GPUS must be a whole number ≥ 1, not \"eight\"",
+            ),
+            ("2x2000xa100", "gpus must be between 1 and 1024"),
+            ("6000x1xa100,5000x1xv100", "more than 10000 nodes in all"),
+        ] {
+            let refused = added_nodes("add", spec).expect_err(spec).to_string();
+            assert!(refused.starts_with("add: "), "{refused}");
+            assert!(refused.contains(says), "{spec}: {refused}");
+        }
     }
 }

@@ -40,6 +40,12 @@ pub struct WhatifArgs {
     /// losses are not replayed then.
     #[arg(long)]
     cluster_file: Option<PathBuf>,
+    /// Add nodes to the recorded ones (or to `--cluster-file`'s):
+    /// `COUNTxGPUSxTYPE[,...]`, e.g. `2x8xa100` for two nodes of eight
+    /// A100s. The `recorded` run's error is still measured on the
+    /// recorded nodes.
+    #[arg(long, value_name = "COUNTxGPUSxTYPE")]
+    add_nodes: Option<String>,
     /// Only the jobs submitted at or after this time (RFC 3339); jobs
     /// submitted before are left out, even those still running then.
     #[arg(long)]
@@ -111,6 +117,10 @@ pub fn run(args: WhatifArgs, out: Output) -> anyhow::Result<()> {
             .as_deref()
             .map(crate::sim_cmd::read_cluster_file)
             .transpose()?,
+        added_nodes: match &args.add_nodes {
+            Some(spec) => keel::whatif::added_nodes("--add-nodes", spec)?,
+            None => Vec::new(),
+        },
     };
     let history = read_history(&args)?;
     let compared = compare(history, &settings)
@@ -171,7 +181,7 @@ fn print_report(report: &Report) -> anyhow::Result<()> {
         .map(|p| format!("{} from {:.0} s", p.name, p.from_s))
         .collect::<Vec<_>>()
         .join(", ");
-    let rows = vec![
+    let mut rows = vec![
         vec![
             "entries".into(),
             format!("{} ({}..={})", h.entries, h.first_index, h.last_index),
@@ -207,6 +217,17 @@ fn print_report(report: &Report) -> anyhow::Result<()> {
             ),
         ],
     ];
+    if let Some(gpus) = &report.changed_cluster {
+        let listed: Vec<String> = gpus.iter().map(|(t, n)| format!("{n} {t}")).collect();
+        rows.push(vec![
+            "runs on".into(),
+            format!(
+                "{} GPUs ({}); the error below is on the recorded nodes",
+                gpus.values().sum::<u32>(),
+                listed.join(", ")
+            ),
+        ]);
+    }
     print_table(&["history", ""], &rows)?;
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout)?;

@@ -392,6 +392,33 @@ fn the_console_runs_a_whatif_on_the_replicas_history_as_keel_whatif_does() {
         "{figures:?}"
     );
     let last_index = whatif["history"]["last_index"].as_u64().expect("an index");
+    assert!(whatif.get("changed_cluster").is_none(), "{whatif}");
+
+    // With two more GPUs: the runs have four, and jobs wait less; the
+    // simulator's error is still the one on the recorded nodes.
+    let (status, body) = get(
+        &http,
+        &format!("/api/v1/whatif?policy=fifo&until={last_index}&add_nodes=1x2xv100"),
+    )
+    .expect("answers");
+    assert_eq!(status, 200, "{body}");
+    let bigger: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(bigger["changed_cluster"], serde_json::json!({"v100": 4}));
+    assert_eq!(bigger["validation"], whatif["validation"]);
+    let (runs, runs_bigger) = (&whatif["runs"], &bigger["runs"]);
+    let queueing = |w: &serde_json::Value, policy: &str| {
+        w["runs"]
+            .as_array()
+            .expect("runs")
+            .iter()
+            .find(|r| r["policy"] == policy)
+            .and_then(|r| r["mean_queueing_s"].as_f64())
+            .expect("a run")
+    };
+    assert!(
+        queueing(&bigger, "fifo") < queueing(&whatif, "fifo"),
+        "{runs_bigger} against {runs}"
+    );
 
     for (query, code, names) in [
         ("policy=fifo,nosuch", 400, "unknown policy \"nosuch\""),
@@ -409,6 +436,11 @@ fn the_console_runs_a_whatif_on_the_replicas_history_as_keel_whatif_does() {
         ("until=3&until_time=2026-11-26T10:00:00Z", 400, "not both"),
         ("policies=fifo", 400, "unknown field `policies`"),
         ("until=0", 422, "holds no job submitted in the range"),
+        (
+            "add_nodes=2x8",
+            400,
+            "add_nodes: \"2x8\": expected COUNTxGPUSxTYPE",
+        ),
     ] {
         let (status, body) = get(&http, &format!("/api/v1/whatif?{query}")).expect("answers");
         assert_eq!(status, code, "{query}: {body}");
@@ -451,4 +483,22 @@ fn the_console_runs_a_whatif_on_the_replicas_history_as_keel_whatif_does() {
     let mut live = whatif.clone();
     live.as_object_mut().expect("an object").remove("figures");
     assert_eq!(live, offline);
+    let offline_bigger = support::json_of(Command::new(support::KEEL).args([
+        "whatif",
+        "--data-dir",
+        data.to_str().expect("a path"),
+        "--until",
+        &last_index.to_string(),
+        "--policy",
+        "fifo",
+        "--add-nodes",
+        "1x2xv100",
+        "--round-s",
+        "0.3",
+        "-o",
+        "json",
+    ]));
+    let mut live = bigger.clone();
+    live.as_object_mut().expect("an object").remove("figures");
+    assert_eq!(live, offline_bigger);
 }
