@@ -466,39 +466,35 @@ fn the_console_runs_a_whatif_on_the_replicas_history_as_keel_whatif_does() {
     }
 
     server.terminate();
-    let offline = support::json_of(Command::new(support::KEEL).args([
-        "whatif",
-        "--data-dir",
-        data.to_str().expect("a path"),
-        "--until",
-        &last_index.to_string(),
-        "--policy",
-        "fifo,srjf",
-        // The server's own round (`start_with_http`).
-        "--round-s",
-        "0.3",
-        "-o",
-        "json",
-    ]));
-    let mut live = whatif.clone();
-    live.as_object_mut().expect("an object").remove("figures");
-    assert_eq!(live, offline);
-    let offline_bigger = support::json_of(Command::new(support::KEEL).args([
-        "whatif",
-        "--data-dir",
-        data.to_str().expect("a path"),
-        "--until",
-        &last_index.to_string(),
-        "--policy",
-        "fifo",
-        "--add-nodes",
-        "1x2xv100",
-        "--round-s",
-        "0.3",
-        "-o",
-        "json",
-    ]));
-    let mut live = bigger.clone();
-    live.as_object_mut().expect("an object").remove("figures");
-    assert_eq!(live, offline_bigger);
+    // `keel whatif` on the stopped replica's data directory, up to the same
+    // index, with the server's own round (`start_with_http`): the same
+    // report, figures aside.
+    let offline = |policy: &str, more: &[&str]| {
+        let until = last_index.to_string();
+        let mut args = vec![
+            "whatif",
+            "--data-dir",
+            data.to_str().expect("a path"),
+            "--until",
+            &until,
+            "--policy",
+            policy,
+            "--round-s",
+            "0.3",
+            "-o",
+            "json",
+        ];
+        args.extend(more);
+        support::json_of(Command::new(support::KEEL).args(args))
+    };
+    let without_figures = |live: &serde_json::Value| {
+        let mut live = live.clone();
+        live.as_object_mut().expect("an object").remove("figures");
+        live
+    };
+    assert_eq!(without_figures(&whatif), offline("fifo,srjf", &[]));
+    assert_eq!(
+        without_figures(&bigger),
+        offline("fifo", &["--add-nodes", "1x2xv100"])
+    );
 }

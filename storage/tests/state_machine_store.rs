@@ -119,20 +119,31 @@ async fn snapshot_then_more_entries_recovers_the_same_state() {
     assert_eq!(sm.shared().read().state.jobs().len(), 7);
 }
 
-#[tokio::test]
-async fn an_installed_snapshot_is_a_replay_checkpoint() {
-    let leader_dir = tempfile::tempdir().expect("tempdir");
-    let follower_dir = tempfile::tempdir().expect("tempdir");
-    let mut leader = StateMachineStore::open(leader_dir.path()).expect("open");
+/// A leader's store that applied `history(1, 3)` and built a snapshot of
+/// it, and a follower's that installed that snapshot and then applied
+/// `history(7, 2)`.
+async fn follower_from_a_snapshot(
+    leader_dir: &std::path::Path,
+    follower_dir: &std::path::Path,
+) -> (StateMachineStore, StateMachineStore) {
+    let mut leader = StateMachineStore::open(leader_dir).expect("open");
     leader.apply(history(1, 3)).await.expect("apply");
     let snap = leader.build_snapshot().await.expect("snapshot");
-
-    let mut follower = StateMachineStore::open(follower_dir.path()).expect("open");
+    let mut follower = StateMachineStore::open(follower_dir).expect("open");
     follower
         .install_snapshot(&snap.meta, snap.snapshot)
         .await
         .expect("install");
     follower.apply(history(7, 2)).await.expect("apply after");
+    (leader, follower)
+}
+
+#[tokio::test]
+async fn an_installed_snapshot_is_a_replay_checkpoint() {
+    let leader_dir = tempfile::tempdir().expect("tempdir");
+    let follower_dir = tempfile::tempdir().expect("tempdir");
+    let (mut leader, follower) =
+        follower_from_a_snapshot(leader_dir.path(), follower_dir.path()).await;
     leader.apply(history(7, 2)).await.expect("apply after");
     let hash = leader.shared().read().state.state_hash();
     assert_eq!(follower.shared().read().state.state_hash(), hash);
@@ -354,16 +365,8 @@ async fn a_live_store_gives_its_history_from_the_journals_start_within_a_bound()
         tempfile::tempdir().expect("tempdir"),
         tempfile::tempdir().expect("tempdir"),
     );
-    let mut leader = StateMachineStore::open(leader_dir.path()).expect("open");
-    leader.apply(history(1, 3)).await.expect("apply");
-    let snap = leader.build_snapshot().await.expect("snapshot");
+    let (leader, follower) = follower_from_a_snapshot(leader_dir.path(), follower_dir.path()).await;
     let at_snapshot = leader.shared().read().state.state_hash();
-    let mut follower = StateMachineStore::open(follower_dir.path()).expect("open");
-    follower
-        .install_snapshot(&snap.meta, snap.snapshot)
-        .await
-        .expect("install");
-    follower.apply(history(7, 2)).await.expect("apply after");
     follower.flush().expect("flush");
     let history = follower
         .history(keel_storage::Until::End, 100)
