@@ -677,7 +677,7 @@ async fn whatif_view(
 ) -> Result<serde_json::Value, (StatusCode, String)> {
     let defaults = &http.whatif_defaults;
     crate::whatif::run_names(&policies, &defaults.options)
-        .map_err(|e| (StatusCode::BAD_REQUEST, e.to_string()))?;
+        .map_err(|e| (StatusCode::BAD_REQUEST, format!("policy: {e}")))?;
     let Ok(_permit) = http.whatifs.clone().try_acquire_owned() else {
         return Err((
             StatusCode::TOO_MANY_REQUESTS,
@@ -723,13 +723,15 @@ fn run_whatif(
             ),
             e => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         })?;
-    let start = std::mem::replace(&mut history.state_before, keel_state::ClusterState::new());
-    let mut recorder = keel_sim::history::Recorder::starting_from(start);
+    let mut recorder =
+        keel_sim::history::Recorder::starting_from(std::mem::take(&mut history.state_before));
     history
         .for_each(&mut |index, entry| recorder.record(index, entry))
         .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     let compared = crate::whatif::compare(recorder.finish(), settings).map_err(|e| match e {
-        crate::whatif::WhatifError::UnknownPolicy(_) => (StatusCode::BAD_REQUEST, e.to_string()),
+        crate::whatif::WhatifError::UnknownPolicy(_) => {
+            (StatusCode::BAD_REQUEST, format!("policy: {e}"))
+        }
         e => (StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
     })?;
     let runs: Vec<&keel_sim::SimReport> = compared.runs.iter().collect();

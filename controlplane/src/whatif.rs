@@ -91,7 +91,8 @@ pub fn added_nodes(field: &str, spec: &str) -> Result<Vec<SimNode>, WhatifError>
 /// Why a comparison could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum WhatifError {
-    #[error("policy: {0}")]
+    /// Named by the caller (`--policy`, `policy`).
+    #[error(transparent)]
     UnknownPolicy(#[from] UnknownPolicy),
     #[error("the log names policy {name:?}, which this build does not know")]
     RecordedPolicyUnknown { name: String },

@@ -371,6 +371,22 @@ fn check_whatif(data: &Path, jobs: usize) {
             &["--until-time", "noon"][..],
             "--until-time \"noon\" is not an RFC 3339 time",
         ),
+        (
+            &["--until", "soon"][..],
+            "invalid value 'soon' for '--until <INDEX>'",
+        ),
+        (
+            &["--until", "3", "--until-time", "2999-01-01T00:00:00Z"][..],
+            "cannot be used with",
+        ),
+        (
+            &["--add-nodes", "2x8"][..],
+            "--add-nodes: \"2x8\": expected COUNTxGPUSxTYPE",
+        ),
+        (
+            &["--add-nodes", "2x0xa100"][..],
+            "GPUS must be a whole number ≥ 1, not \"0\"",
+        ),
     ] {
         whatif_refused(args, "--data-dir", data, expected);
     }

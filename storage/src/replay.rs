@@ -243,6 +243,24 @@ fn index_at_time(tree: &sled::Tree, at_ms: u64) -> Result<u64, ReplayError> {
     Ok(best)
 }
 
+/// The index `until` names in a live replica's journal `tree`: `End`, or
+/// an index past the journal's last, is the last journaled one; a time,
+/// the last entry stamped at or before it.
+fn journaled_until(tree: &sled::Tree, until: Until) -> Result<u64, ReplayError> {
+    let last = tree
+        .range(applied_key(0, 0)..=applied_key(u64::MAX, u32::MAX))
+        .next_back()
+        .transpose()
+        .map_err(|e| ReplayError::Read(e.to_string()))?
+        .and_then(|(k, _)| index_of(&k))
+        .unwrap_or(0);
+    Ok(match until {
+        Until::End => last,
+        Until::Index(i) => i.min(last),
+        Until::Time(at_ms) => index_at_time(tree, at_ms)?,
+    })
+}
+
 /// The state at `until` rebuilt from a live replica's journal `tree` (the
 /// console's time travel), refused when more than `max_entries` indexes
 /// lie between it and where the replay would start (the nearest
@@ -253,19 +271,7 @@ pub(crate) fn rewind_tree(
     until: Until,
     max_entries: u64,
 ) -> Result<ReplaySummary, ReplayError> {
-    // The last journaled index: a later one asked for is the journal's end.
-    let last = tree
-        .range(applied_key(0, 0)..=applied_key(u64::MAX, u32::MAX))
-        .next_back()
-        .transpose()
-        .map_err(|e| ReplayError::Read(e.to_string()))?
-        .and_then(|(k, _)| index_of(&k))
-        .unwrap_or(0);
-    let index = match until {
-        Until::End => last,
-        Until::Index(i) => i.min(last),
-        Until::Time(at_ms) => index_at_time(tree, at_ms)?,
-    };
+    let index = journaled_until(tree, until)?;
     let from = checkpoint_at_or_before(tree, index)?.map_or(0, |(i, _)| i);
     if index - from > max_entries {
         return Err(ReplayError::TooFar {
@@ -317,20 +323,8 @@ pub(crate) fn history_of_tree(
     until: Until,
     max_entries: u64,
 ) -> Result<JournalHistory<'_>, ReplayError> {
-    let read = |e: sled::Error| ReplayError::Read(e.to_string());
-    let first = crate::journal::first_index(tree).map_err(read)?;
-    let last = tree
-        .range(applied_key(0, 0)..=applied_key(u64::MAX, u32::MAX))
-        .next_back()
-        .transpose()
-        .map_err(read)?
-        .and_then(|(k, _)| index_of(&k))
-        .unwrap_or(0);
-    let last_index = match until {
-        Until::End => last,
-        Until::Index(i) => i.min(last),
-        Until::Time(at_ms) => index_at_time(tree, at_ms)?,
-    };
+    let first = crate::journal::first_index(tree).map_err(|e| ReplayError::Read(e.to_string()))?;
+    let last_index = journaled_until(tree, until)?;
     if last_index.saturating_sub(first) >= max_entries {
         return Err(ReplayError::HistoryTooLong {
             first,
